@@ -1,0 +1,167 @@
+//! Typed errors for the whole engine.
+//!
+//! Corruption is reported with a [`Location`] naming what was being read (tree, block, slot,
+//! key) so that a damaged image gives a message a person can act on. Errors become errno only at
+//! the FUSE edge ([`Error::errno`]) and text only in the CLI.
+
+use crate::format::Key;
+use std::fmt;
+
+/// Where a problem was found. Every field is optional; display prints what is known.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Location {
+    /// Tree (root objectid) being read, if known.
+    pub tree: Option<u64>,
+    /// Logical address of the tree block, if any.
+    pub bytenr: Option<u64>,
+    /// Physical byte offset on the device, if known.
+    pub physical: Option<u64>,
+    /// Item or pointer slot within the block.
+    pub slot: Option<usize>,
+    /// Key of the item being decoded.
+    pub key: Option<Key>,
+    /// Free text: "superblock", "sys_chunk_array", "inode 257 offset 4096", ...
+    pub what: Option<String>,
+}
+
+impl Location {
+    pub fn what(s: impl Into<String>) -> Self {
+        Location { what: Some(s.into()), ..Default::default() }
+    }
+    pub fn block(tree: Option<u64>, bytenr: u64) -> Self {
+        Location { tree, bytenr: Some(bytenr), ..Default::default() }
+    }
+    pub fn with_slot(mut self, slot: usize) -> Self {
+        self.slot = Some(slot);
+        self
+    }
+    pub fn with_key(mut self, key: Key) -> Self {
+        self.key = Some(key);
+        self
+    }
+    pub fn with_tree(mut self, tree: u64) -> Self {
+        self.tree = Some(tree);
+        self
+    }
+}
+
+impl fmt::Display for Location {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut parts: Vec<String> = Vec::new();
+        if let Some(w) = &self.what {
+            parts.push(w.clone());
+        }
+        if let Some(t) = self.tree {
+            parts.push(format!("tree {}", crate::format::tree_name(t)));
+        }
+        if let Some(b) = self.bytenr {
+            parts.push(format!("block {b}"));
+        }
+        if let Some(p) = self.physical {
+            parts.push(format!("physical {p}"));
+        }
+        if let Some(s) = self.slot {
+            parts.push(format!("slot {s}"));
+        }
+        if let Some(k) = &self.key {
+            parts.push(format!("key {k}"));
+        }
+        if parts.is_empty() {
+            write!(f, "unknown location")
+        } else {
+            write!(f, "{}", parts.join(" "))
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The device failed an operation.
+    #[error("I/O error {what} at byte {offset}: {source}")]
+    Io { what: String, offset: u64, #[source] source: std::io::Error },
+    /// Something read from disk or a stream is inconsistent.
+    #[error("corrupt {loc}: {reason}")]
+    Corrupt { loc: Box<Location>, reason: String },
+    /// A tree block's or superblock's checksum does not match (every copy tried).
+    #[error("checksum mismatch {loc}: {reason}")]
+    BadChecksum { loc: Box<Location>, reason: String },
+    /// File data failed its checksum.
+    #[error("data checksum mismatch: inode {ino} in tree {root}, file offset {file_offset}, logical {logical}")]
+    DataChecksum { root: u64, ino: u64, file_offset: u64, logical: u64 },
+    /// A feature of the image that butter does not handle.
+    #[error("unsupported: {0}")]
+    Unsupported(String),
+    #[error("not found: {0}")]
+    NotFound(String),
+    #[error("not a directory: {0}")]
+    NotDir(String),
+    #[error("is a directory: {0}")]
+    IsDir(String),
+    #[error("invalid argument: {0}")]
+    Invalid(String),
+    #[error("no data available (xattr): {0}")]
+    NoXattr(String),
+    #[error("result does not fit in the buffer: {0}")]
+    Range(String),
+    #[error("read-only filesystem")]
+    ReadOnly,
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+impl Error {
+    pub fn corrupt(loc: Location, reason: impl Into<String>) -> Self {
+        Error::Corrupt { loc: Box::new(loc), reason: reason.into() }
+    }
+    pub fn bad_csum(loc: Location, reason: impl Into<String>) -> Self {
+        Error::BadChecksum { loc: Box::new(loc), reason: reason.into() }
+    }
+    pub fn io(what: impl Into<String>, offset: u64, source: std::io::Error) -> Self {
+        Error::Io { what: what.into(), offset, source }
+    }
+    /// Adds tree/block context to a corruption error raised by a lower layer.
+    pub fn in_block(self, tree: Option<u64>, bytenr: u64) -> Self {
+        match self {
+            Error::Corrupt { mut loc, reason } => {
+                if loc.tree.is_none() {
+                    loc.tree = tree;
+                }
+                if loc.bytenr.is_none() {
+                    loc.bytenr = Some(bytenr);
+                }
+                Error::Corrupt { loc, reason }
+            }
+            e => e,
+        }
+    }
+    /// Maps to the errno the FUSE front end reports.
+    pub fn errno(&self) -> i32 {
+        match self {
+            Error::Io { .. } => libc_consts::EIO,
+            Error::Corrupt { .. } => libc_consts::EUCLEAN,
+            Error::BadChecksum { .. } | Error::DataChecksum { .. } => libc_consts::EIO,
+            Error::Unsupported(_) => libc_consts::EOPNOTSUPP,
+            Error::NotFound(_) => libc_consts::ENOENT,
+            Error::NotDir(_) => libc_consts::ENOTDIR,
+            Error::IsDir(_) => libc_consts::EISDIR,
+            Error::Invalid(_) => libc_consts::EINVAL,
+            Error::NoXattr(_) => libc_consts::ENODATA,
+            Error::Range(_) => libc_consts::ERANGE,
+            Error::ReadOnly => libc_consts::EROFS,
+        }
+    }
+}
+
+/// Linux errno values (the engine does not depend on libc).
+pub mod libc_consts {
+    pub const ENOENT: i32 = 2;
+    pub const EIO: i32 = 5;
+    pub const ENOTDIR: i32 = 20;
+    pub const EISDIR: i32 = 21;
+    pub const EINVAL: i32 = 22;
+    pub const EROFS: i32 = 30;
+    pub const ERANGE: i32 = 34;
+    pub const ENODATA: i32 = 61;
+    pub const EOPNOTSUPP: i32 = 95;
+    pub const EUCLEAN: i32 = 117;
+}

@@ -1,0 +1,72 @@
+//! The btrfs on-disk format: keys, superblock, tree block header, items, checksums, name
+//! hashes and compression codecs. Pure: no I/O.
+//!
+//! Decoders here take byte slices read from disk and never trust them: every length is checked
+//! before a field is read, and a short or inconsistent record is a [`crate::Error::Corrupt`].
+
+pub mod consts;
+pub mod key;
+
+pub use consts::*;
+pub use key::{key_type_name, objectid_name, Key};
+
+/// Little-endian u16 at `off`. The caller has checked `off + 2 <= b.len()`.
+#[inline]
+pub fn le_u16(b: &[u8], off: usize) -> u16 {
+    let mut a = [0u8; 2];
+    a.copy_from_slice(&b[off..off + 2]);
+    u16::from_le_bytes(a)
+}
+/// Little-endian u32 at `off`. The caller has checked the length.
+#[inline]
+pub fn le_u32(b: &[u8], off: usize) -> u32 {
+    let mut a = [0u8; 4];
+    a.copy_from_slice(&b[off..off + 4]);
+    u32::from_le_bytes(a)
+}
+/// Little-endian u64 at `off`. The caller has checked the length.
+#[inline]
+pub fn le_u64(b: &[u8], off: usize) -> u64 {
+    let mut a = [0u8; 8];
+    a.copy_from_slice(&b[off..off + 8]);
+    u64::from_le_bytes(a)
+}
+/// 16 bytes at `off` (uuids). The caller has checked the length.
+#[inline]
+pub fn uuid_at(b: &[u8], off: usize) -> [u8; 16] {
+    let mut a = [0u8; 16];
+    a.copy_from_slice(&b[off..off + 16]);
+    a
+}
+
+/// Formats a uuid the usual 8-4-4-4-12 way.
+pub fn fmt_uuid(u: &[u8; 16]) -> String {
+    let h: Vec<String> = u.iter().map(|b| format!("{b:02x}")).collect();
+    format!(
+        "{}-{}-{}-{}-{}",
+        h[0..4].concat(),
+        h[4..6].concat(),
+        h[6..8].concat(),
+        h[8..10].concat(),
+        h[10..16].concat()
+    )
+}
+
+/// Human name of a tree by its root objectid.
+pub fn tree_name(id: u64) -> String {
+    match id {
+        ROOT_TREE_OBJECTID => "root".into(),
+        EXTENT_TREE_OBJECTID => "extent".into(),
+        CHUNK_TREE_OBJECTID => "chunk".into(),
+        DEV_TREE_OBJECTID => "dev".into(),
+        FS_TREE_OBJECTID => "fs".into(),
+        CSUM_TREE_OBJECTID => "csum".into(),
+        QUOTA_TREE_OBJECTID => "quota".into(),
+        UUID_TREE_OBJECTID => "uuid".into(),
+        FREE_SPACE_TREE_OBJECTID => "free-space".into(),
+        BLOCK_GROUP_TREE_OBJECTID => "block-group".into(),
+        DATA_RELOC_TREE_OBJECTID => "data-reloc".into(),
+        TREE_LOG_OBJECTID => "log".into(),
+        id => format!("subvol {id}"),
+    }
+}

@@ -1,0 +1,11 @@
+//! butter: a userspace read-write implementation of btrfs.
+//!
+//! Layers, each using only the ones listed before it:
+//! `format` (pure on-disk structures) -> `device` -> `volumes` (chunk mapping) ->
+//! `disk_io` (validated tree-block reads, cache, readahead) -> `ctree` (B-tree search and
+//! iteration) -> `fs` (the filesystem facade used by the CLI and the FUSE front end).
+
+pub mod error;
+pub mod format;
+
+pub use error::{Error, Location, Result};
