@@ -4,8 +4,15 @@
 //! Decoders here take byte slices read from disk and never trust them: every length is checked
 //! before a field is read, and a short or inconsistent record is a [`crate::Error::Corrupt`].
 
+pub mod compress;
 pub mod consts;
+pub mod csum;
+pub mod hash;
+pub mod header;
+pub mod items;
 pub mod key;
+pub mod print;
+pub mod superblock;
 
 pub use consts::*;
 pub use key::{key_type_name, objectid_name, Key};
