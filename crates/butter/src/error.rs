@@ -26,10 +26,17 @@ pub struct Location {
 
 impl Location {
     pub fn what(s: impl Into<String>) -> Self {
-        Location { what: Some(s.into()), ..Default::default() }
+        Location {
+            what: Some(s.into()),
+            ..Default::default()
+        }
     }
     pub fn block(tree: Option<u64>, bytenr: u64) -> Self {
-        Location { tree, bytenr: Some(bytenr), ..Default::default() }
+        Location {
+            tree,
+            bytenr: Some(bytenr),
+            ..Default::default()
+        }
     }
     pub fn with_slot(mut self, slot: usize) -> Self {
         self.slot = Some(slot);
@@ -78,7 +85,12 @@ impl fmt::Display for Location {
 pub enum Error {
     /// The device failed an operation.
     #[error("I/O error {what} at byte {offset}: {source}")]
-    Io { what: String, offset: u64, #[source] source: std::io::Error },
+    Io {
+        what: String,
+        offset: u64,
+        #[source]
+        source: std::io::Error,
+    },
     /// Something read from disk or a stream is inconsistent.
     #[error("corrupt {loc}: {reason}")]
     Corrupt { loc: Box<Location>, reason: String },
@@ -87,7 +99,12 @@ pub enum Error {
     BadChecksum { loc: Box<Location>, reason: String },
     /// File data failed its checksum.
     #[error("data checksum mismatch: inode {ino} in tree {root}, file offset {file_offset}, logical {logical}")]
-    DataChecksum { root: u64, ino: u64, file_offset: u64, logical: u64 },
+    DataChecksum {
+        root: u64,
+        ino: u64,
+        file_offset: u64,
+        logical: u64,
+    },
     /// A feature of the image that butter does not handle.
     #[error("unsupported: {0}")]
     Unsupported(String),
@@ -111,13 +128,23 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 impl Error {
     pub fn corrupt(loc: Location, reason: impl Into<String>) -> Self {
-        Error::Corrupt { loc: Box::new(loc), reason: reason.into() }
+        Error::Corrupt {
+            loc: Box::new(loc),
+            reason: reason.into(),
+        }
     }
     pub fn bad_csum(loc: Location, reason: impl Into<String>) -> Self {
-        Error::BadChecksum { loc: Box::new(loc), reason: reason.into() }
+        Error::BadChecksum {
+            loc: Box::new(loc),
+            reason: reason.into(),
+        }
     }
     pub fn io(what: impl Into<String>, offset: u64, source: std::io::Error) -> Self {
-        Error::Io { what: what.into(), offset, source }
+        Error::Io {
+            what: what.into(),
+            offset,
+            source,
+        }
     }
     /// Adds tree/block context to a corruption error raised by a lower layer.
     pub fn in_block(self, tree: Option<u64>, bytenr: u64) -> Self {

@@ -11,16 +11,32 @@ pub struct Key {
 }
 
 impl Key {
-    pub const MIN: Key = Key { objectid: 0, ty: 0, offset: 0 };
-    pub const MAX: Key = Key { objectid: u64::MAX, ty: u8::MAX, offset: u64::MAX };
+    pub const MIN: Key = Key {
+        objectid: 0,
+        ty: 0,
+        offset: 0,
+    };
+    pub const MAX: Key = Key {
+        objectid: u64::MAX,
+        ty: u8::MAX,
+        offset: u64::MAX,
+    };
 
     pub const fn new(objectid: u64, ty: u8, offset: u64) -> Key {
-        Key { objectid, ty, offset }
+        Key {
+            objectid,
+            ty,
+            offset,
+        }
     }
 
     /// Decodes a disk key from exactly 17 bytes (caller checked the length).
     pub fn from_bytes(b: &[u8]) -> Key {
-        Key { objectid: super::le_u64(b, 0), ty: b[8], offset: super::le_u64(b, 9) }
+        Key {
+            objectid: super::le_u64(b, 0),
+            ty: b[8],
+            offset: super::le_u64(b, 9),
+        }
     }
 
     pub fn to_bytes(&self) -> [u8; DISK_KEY_SIZE] {
@@ -34,11 +50,22 @@ impl Key {
     /// The smallest key strictly greater than this one.
     pub fn successor(&self) -> Option<Key> {
         if self.offset < u64::MAX {
-            Some(Key { offset: self.offset + 1, ..*self })
+            Some(Key {
+                offset: self.offset + 1,
+                ..*self
+            })
         } else if self.ty < u8::MAX {
-            Some(Key { ty: self.ty + 1, offset: 0, ..*self })
+            Some(Key {
+                ty: self.ty + 1,
+                offset: 0,
+                ..*self
+            })
         } else if self.objectid < u64::MAX {
-            Some(Key { objectid: self.objectid + 1, ty: 0, offset: 0 })
+            Some(Key {
+                objectid: self.objectid + 1,
+                ty: 0,
+                offset: 0,
+            })
         } else {
             None
         }
@@ -126,6 +153,12 @@ pub fn objectid_name(id: u64) -> String {
 
 impl fmt::Display for Key {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "({} {} {})", objectid_name(self.objectid), key_type_name(self.ty), self.offset)
+        write!(
+            f,
+            "({} {} {})",
+            objectid_name(self.objectid),
+            key_type_name(self.ty),
+            self.offset
+        )
     }
 }
