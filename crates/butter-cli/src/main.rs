@@ -1,1 +1,60 @@
-fn main() {}
+//! `butter`: offline tools and the FUSE front end for btrfs images.
+//!
+//! One module per subcommand under `cmd/`; errors become messages only here.
+
+mod cmd;
+
+use clap::{Parser, Subcommand};
+use std::process::ExitCode;
+
+#[derive(Parser)]
+#[command(
+    name = "butter",
+    version,
+    about = "btrfs in userspace: read, restore and mount btrfs images"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Print the superblock.
+    DumpSuper(cmd::dump::DumpSuperArgs),
+    /// Print tree blocks, like `btrfs inspect-internal dump-tree`.
+    DumpTree(cmd::dump::DumpTreeArgs),
+    /// List a directory inside an image.
+    Ls(cmd::ls::LsArgs),
+    /// Write a file's content from an image to standard output.
+    Cat(cmd::ls::CatArgs),
+    /// List subvolumes and snapshots.
+    Subvolumes(cmd::ls::SubvolArgs),
+    /// Extract a subvolume (with subvolumes below it) into a directory.
+    Restore(cmd::restore::RestoreArgs),
+    /// Mount an image through FUSE.
+    Mount(cmd::mount::MountArgs),
+}
+
+fn main() -> ExitCode {
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn"))
+        .format_timestamp(None)
+        .init();
+    let cli = Cli::parse();
+    let r = match cli.command {
+        Command::DumpSuper(a) => cmd::dump::dump_super(a),
+        Command::DumpTree(a) => cmd::dump::dump_tree(a),
+        Command::Ls(a) => cmd::ls::ls(a),
+        Command::Cat(a) => cmd::ls::cat(a),
+        Command::Subvolumes(a) => cmd::ls::subvolumes(a),
+        Command::Restore(a) => cmd::restore::restore(a),
+        Command::Mount(a) => cmd::mount::mount(a),
+    };
+    match r {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("butter: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

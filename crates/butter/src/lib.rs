@@ -9,3 +9,8 @@ pub mod error;
 pub mod format;
 
 pub use error::{Error, Location, Result};
+pub mod ctree;
+pub mod device;
+pub mod disk_io;
+pub mod fs;
+pub mod volumes;

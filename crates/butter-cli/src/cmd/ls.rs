@@ -1,0 +1,150 @@
+//! `butter ls`, `butter cat`, `butter subvolumes`: look inside an image without mounting it.
+
+use super::{open_fs, CliError, CliResult};
+use butter::format::items::Timespec;
+use std::io::Write;
+use std::path::PathBuf;
+
+#[derive(clap::Args)]
+pub struct LsArgs {
+    /// Image file or block device.
+    pub image: PathBuf,
+    /// Directory inside the image (default: the root of the default subvolume).
+    #[arg(default_value = "/")]
+    pub path: String,
+    /// Long listing: mode, links, owner, size, mtime.
+    #[arg(short = 'l')]
+    pub long: bool,
+}
+
+#[derive(clap::Args)]
+pub struct CatArgs {
+    pub image: PathBuf,
+    /// File inside the image.
+    pub path: String,
+}
+
+#[derive(clap::Args)]
+pub struct SubvolArgs {
+    pub image: PathBuf,
+}
+
+pub fn mode_string(mode: u32) -> String {
+    let t = match mode & 0o170000 {
+        0o040000 => 'd',
+        0o120000 => 'l',
+        0o020000 => 'c',
+        0o060000 => 'b',
+        0o010000 => 'p',
+        0o140000 => 's',
+        _ => '-',
+    };
+    let mut s = String::from(t);
+    let bits = [
+        (0o400, 'r'),
+        (0o200, 'w'),
+        (0o100, 'x'),
+        (0o40, 'r'),
+        (0o20, 'w'),
+        (0o10, 'x'),
+        (0o4, 'r'),
+        (0o2, 'w'),
+        (0o1, 'x'),
+    ];
+    for (i, (b, c)) in bits.iter().enumerate() {
+        let mut ch = if mode & b != 0 { *c } else { '-' };
+        if i == 2 && mode & 0o4000 != 0 {
+            ch = if ch == 'x' { 's' } else { 'S' };
+        }
+        if i == 5 && mode & 0o2000 != 0 {
+            ch = if ch == 'x' { 's' } else { 'S' };
+        }
+        if i == 8 && mode & 0o1000 != 0 {
+            ch = if ch == 'x' { 't' } else { 'T' };
+        }
+        s.push(ch);
+    }
+    s
+}
+
+fn fmt_time(t: Timespec) -> String {
+    format!("{}.{:09}", t.sec, t.nsec)
+}
+
+pub fn ls(a: LsArgs) -> CliResult {
+    let fs = open_fs(&a.image)?;
+    let dir = fs.resolve(&a.path)?;
+    let st = fs.stat(dir)?;
+    let out = std::io::stdout();
+    let mut out = out.lock();
+    let entries = if st.is_dir() {
+        fs.readdir(dir, 0, 0)?
+    } else {
+        Vec::new()
+    };
+    if !st.is_dir() {
+        return Err(CliError(format!("{} is not a directory", a.path)));
+    }
+    for e in entries {
+        let name = String::from_utf8_lossy(&e.name);
+        if a.long {
+            let s = fs.stat(e.target)?;
+            let mut line = format!(
+                "{} {:>3} {:>5} {:>5} {:>12} {} {}",
+                mode_string(s.mode),
+                s.nlink,
+                s.uid,
+                s.gid,
+                s.size,
+                fmt_time(s.mtime),
+                name
+            );
+            if s.is_symlink() {
+                line.push_str(" -> ");
+                line.push_str(&String::from_utf8_lossy(&fs.readlink(e.target)?));
+            }
+            writeln!(out, "{line}")?;
+        } else {
+            writeln!(out, "{name}")?;
+        }
+    }
+    Ok(())
+}
+
+pub fn cat(a: CatArgs) -> CliResult {
+    let fs = open_fs(&a.image)?;
+    let ino = fs.resolve(&a.path)?;
+    let st = fs.stat(ino)?;
+    if !st.is_reg() {
+        return Err(CliError(format!("{} is not a regular file", a.path)));
+    }
+    let out = std::io::stdout();
+    let mut out = out.lock();
+    let chunk = 1 << 20;
+    let mut off = 0u64;
+    while off < st.size {
+        let buf = fs.read(ino, off, chunk)?;
+        if buf.is_empty() {
+            break;
+        }
+        out.write_all(&buf)?;
+        off += buf.len() as u64;
+    }
+    Ok(())
+}
+
+pub fn subvolumes(a: SubvolArgs) -> CliResult {
+    let fs = open_fs(&a.image)?;
+    for s in fs.list_subvolumes()? {
+        let ro = if s.item.flags & butter::format::ROOT_SUBVOL_RDONLY != 0 {
+            " ro"
+        } else {
+            ""
+        };
+        println!(
+            "ID {} gen {} parent {} path {}{}",
+            s.id, s.item.generation, s.parent, s.path, ro
+        );
+    }
+    Ok(())
+}

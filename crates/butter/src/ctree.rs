@@ -1,0 +1,417 @@
+//! B-tree search and iteration (read side).
+//!
+//! A [`Path`] records, for each level from the leaf (0) up to the root, the block and the slot
+//! the search went through. [`search_slot`] keeps the classic contract: `Ok(true)` when the key
+//! was found (leaf slot points at it), `Ok(false)` when it was not (leaf slot is where it would be
+//! inserted, possibly `nritems`), `Err` on I/O or corruption.
+//!
+//! Bounds against damaged trees: every child must be exactly one level below its parent, so a
+//! descent is at most 8 blocks deep and pointer cycles cannot recurse; iteration checks that keys
+//! keep increasing across leaves, so a subtree linked twice ends the walk with an error.
+
+use crate::disk_io::{Disk, Expect, Readahead, TreeBlock};
+use crate::error::{Error, Location, Result};
+use crate::format::*;
+use std::sync::Arc;
+
+/// Where a tree starts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Root {
+    /// Tree id (root objectid), used as the expected owner and in error messages.
+    pub id: u64,
+    pub bytenr: u64,
+    pub level: u8,
+    pub generation: u64,
+}
+
+/// The blocks and slots from the root down to a leaf.
+#[derive(Debug, Clone)]
+pub struct Path {
+    /// `nodes[level] = (block, slot)`; `nodes[0]` is the leaf.
+    pub nodes: Vec<(Arc<TreeBlock>, usize)>,
+    pub root: Root,
+    pub readahead: Readahead,
+    last_ra_parent: u64,
+}
+
+impl Path {
+    pub fn leaf(&self) -> &Arc<TreeBlock> {
+        &self.nodes[0].0
+    }
+    pub fn slot(&self) -> usize {
+        self.nodes[0].1
+    }
+    /// The item the path points at, if the slot is inside the leaf.
+    pub fn item(&self) -> Option<ItemRef> {
+        let (b, s) = &self.nodes[0];
+        (*s < b.nritems()).then(|| ItemRef {
+            key: b.key(*s),
+            block: b.clone(),
+            slot: *s,
+        })
+    }
+}
+
+/// A leaf item: the block that holds it and its slot.
+#[derive(Debug, Clone)]
+pub struct ItemRef {
+    pub key: Key,
+    pub block: Arc<TreeBlock>,
+    pub slot: usize,
+}
+
+impl ItemRef {
+    pub fn data(&self) -> &[u8] {
+        self.block.item_data(self.slot)
+    }
+    pub fn loc(&self) -> Location {
+        self.block.loc(Some(self.slot))
+    }
+    /// Adds this item's location to a corruption error from an item decoder.
+    pub fn annotate(&self, e: Error) -> Error {
+        match e {
+            Error::Corrupt { loc, reason } => {
+                let what = loc.what.clone();
+                let mut l = self.loc();
+                l.what = what;
+                Error::Corrupt {
+                    loc: Box::new(l),
+                    reason,
+                }
+            }
+            e => e,
+        }
+    }
+}
+
+/// Index of the last key `<= key` in a node (0 if `key` is smaller than every key).
+fn node_slot(b: &TreeBlock, key: &Key) -> usize {
+    let (mut lo, mut hi) = (0usize, b.nritems());
+    while lo < hi {
+        let mid = (lo + hi) / 2;
+        if b.key(mid) <= *key {
+            lo = mid + 1;
+        } else {
+            hi = mid;
+        }
+    }
+    lo.saturating_sub(1)
+}
+
+/// Leaf binary search: (found, slot).
+fn leaf_slot(b: &TreeBlock, key: &Key) -> (bool, usize) {
+    let (mut lo, mut hi) = (0usize, b.nritems());
+    while lo < hi {
+        let mid = (lo + hi) / 2;
+        match b.key(mid).cmp(key) {
+            std::cmp::Ordering::Less => lo = mid + 1,
+            std::cmp::Ordering::Greater => hi = mid,
+            std::cmp::Ordering::Equal => return (true, mid),
+        }
+    }
+    (false, lo)
+}
+
+fn child_expect(root: &Root, parent: &TreeBlock, slot: usize) -> (u64, Expect) {
+    let p = parent.ptr(slot);
+    (
+        p.blockptr,
+        Expect {
+            owner: Some(root.id),
+            level: Some(parent.level() - 1),
+            generation: Some(p.generation),
+            first_key: Some(p.key),
+        },
+    )
+}
+
+fn read_root(disk: &Disk, root: &Root) -> Result<Arc<TreeBlock>> {
+    if root.level >= MAX_LEVEL {
+        return Err(Error::corrupt(
+            Location::block(Some(root.id), root.bytenr),
+            format!("root level {}", root.level),
+        ));
+    }
+    disk.read_tree_block(
+        root.bytenr,
+        &Expect {
+            owner: Some(root.id),
+            level: Some(root.level),
+            generation: Some(root.generation),
+            first_key: None,
+        },
+    )
+}
+
+/// Searches `root` for `key`. See the module docs for the return contract.
+pub fn search_slot(
+    disk: &Arc<Disk>,
+    root: &Root,
+    key: &Key,
+    ra: Readahead,
+) -> Result<(Path, bool)> {
+    let mut block = read_root(disk, root)?;
+    let mut nodes: Vec<Option<(Arc<TreeBlock>, usize)>> = vec![None; root.level as usize + 1];
+    loop {
+        let level = block.level() as usize;
+        if block.is_leaf() {
+            let (found, slot) = leaf_slot(&block, key);
+            nodes[0] = Some((block, slot));
+            let nodes = nodes
+                .into_iter()
+                .collect::<Option<Vec<_>>>()
+                .ok_or_else(|| {
+                    Error::corrupt(
+                        Location::block(Some(root.id), root.bytenr),
+                        "tree levels are not contiguous",
+                    )
+                })?;
+            return Ok((
+                Path {
+                    nodes,
+                    root: *root,
+                    readahead: ra,
+                    last_ra_parent: 0,
+                },
+                found,
+            ));
+        }
+        let slot = node_slot(&block, key);
+        let (child, expect) = child_expect(root, &block, slot);
+        nodes[level] = Some((block.clone(), slot));
+        block = disk.read_tree_block(child, &expect)?;
+    }
+}
+
+/// Issues readahead for the path's level-1 parent according to the mode.
+fn do_readahead(disk: &Arc<Disk>, path: &mut Path, leaf_was_cached: bool) {
+    if path.nodes.len() < 2 {
+        return;
+    }
+    let mode = path.readahead;
+    let (parent, slot) = &path.nodes[1];
+    match mode {
+        Readahead::None | Readahead::Back => {}
+        Readahead::Forward => {
+            // Only when we had to go to disk, and only for nearby leaves.
+            if leaf_was_cached || path.last_ra_parent == parent.bytenr {
+                return;
+            }
+            let cur = parent.ptr(*slot).blockptr;
+            let mut list = Vec::new();
+            for s in slot + 1..parent.nritems() {
+                let (b, e) = child_expect(&path.root, parent, s);
+                if b.abs_diff(cur) > 1 << 20 || list.len() >= 16 {
+                    break;
+                }
+                list.push((b, e));
+            }
+            path.last_ra_parent = parent.bytenr;
+            disk.readahead(&list);
+        }
+        Readahead::ForwardAlways => {
+            // Every remaining sibling leaf regardless of distance or cache state, plus the next
+            // node one level up (one at a time), so a whole-tree walk never waits on a read.
+            if path.last_ra_parent == parent.bytenr {
+                return;
+            }
+            let mut list: Vec<_> = (slot + 1..parent.nritems())
+                .map(|s| child_expect(&path.root, parent, s))
+                .collect();
+            for lvl in 2..path.nodes.len() {
+                let (n, s) = &path.nodes[lvl];
+                if s + 1 < n.nritems() {
+                    list.push(child_expect(&path.root, n, s + 1));
+                    break;
+                }
+            }
+            path.last_ra_parent = parent.bytenr;
+            disk.readahead(&list);
+        }
+    }
+}
+
+/// Moves the path to the first slot of the next leaf. Returns false at the end of the tree.
+pub fn next_leaf(disk: &Arc<Disk>, path: &mut Path) -> Result<bool> {
+    let mut level = 1;
+    while level < path.nodes.len() {
+        let (b, s) = &path.nodes[level];
+        if s + 1 < b.nritems() {
+            break;
+        }
+        level += 1;
+    }
+    if level >= path.nodes.len() {
+        return Ok(false);
+    }
+    path.nodes[level].1 += 1;
+    let mut cached = true;
+    while level > 0 {
+        let (parent, slot) = path.nodes[level].clone();
+        let (child, expect) = child_expect(&path.root, &parent, slot);
+        cached &= disk.is_cached(child);
+        let b = disk.read_tree_block(child, &expect)?;
+        level -= 1;
+        path.nodes[level] = (b, 0);
+    }
+    do_readahead(disk, path, cached);
+    Ok(true)
+}
+
+/// Moves the path to the last slot of the previous leaf. Returns false at the start.
+pub fn prev_leaf(disk: &Arc<Disk>, path: &mut Path) -> Result<bool> {
+    let mut level = 1;
+    while level < path.nodes.len() && path.nodes[level].1 == 0 {
+        level += 1;
+    }
+    if level >= path.nodes.len() {
+        return Ok(false);
+    }
+    path.nodes[level].1 -= 1;
+    while level > 0 {
+        let (parent, slot) = path.nodes[level].clone();
+        let (child, expect) = child_expect(&path.root, &parent, slot);
+        let b = disk.read_tree_block(child, &expect)?;
+        level -= 1;
+        let last = b.nritems().saturating_sub(1);
+        path.nodes[level] = (b, last);
+    }
+    Ok(true)
+}
+
+/// Advances to the next item (across leaves). Returns false at the end of the tree.
+pub fn next_item(disk: &Arc<Disk>, path: &mut Path) -> Result<bool> {
+    path.nodes[0].1 += 1;
+    while path.nodes[0].1 >= path.nodes[0].0.nritems() {
+        if !next_leaf(disk, path)? {
+            return Ok(false);
+        }
+    }
+    Ok(true)
+}
+
+/// Steps to the previous item (across leaves). Returns false at the start of the tree.
+pub fn prev_item(disk: &Arc<Disk>, path: &mut Path) -> Result<bool> {
+    loop {
+        if path.nodes[0].1 > 0 {
+            path.nodes[0].1 -= 1;
+            if path.nodes[0].1 < path.nodes[0].0.nritems() {
+                return Ok(true);
+            }
+            continue;
+        }
+        if !prev_leaf(disk, path)? {
+            return Ok(false);
+        }
+        if path.nodes[0].0.nritems() > 0 {
+            return Ok(true);
+        }
+    }
+}
+
+/// Exact lookup of one item.
+pub fn lookup(disk: &Arc<Disk>, root: &Root, key: &Key) -> Result<Option<ItemRef>> {
+    let (path, found) = search_slot(disk, root, key, Readahead::None)?;
+    Ok(if found { path.item() } else { None })
+}
+
+/// The item with the greatest key `<= key`, if any.
+pub fn lookup_le(disk: &Arc<Disk>, root: &Root, key: &Key) -> Result<Option<ItemRef>> {
+    let (mut path, found) = search_slot(disk, root, key, Readahead::None)?;
+    if found {
+        return Ok(path.item());
+    }
+    if prev_item(disk, &mut path)? {
+        Ok(path.item())
+    } else {
+        Ok(None)
+    }
+}
+
+/// Iterates items in key order from a start key, checking keys strictly increase.
+pub struct TreeIter {
+    disk: Arc<Disk>,
+    path: Option<Path>,
+    started: bool,
+    last: Option<Key>,
+    end: Key,
+}
+
+impl TreeIter {
+    /// Iterates every item with key >= `start`.
+    pub fn new(disk: Arc<Disk>, root: Root, start: Key, ra: Readahead) -> Result<TreeIter> {
+        Self::range(disk, root, start, Key::MAX, ra)
+    }
+
+    /// Iterates items with `start <= key <= end` (both inclusive).
+    pub fn range(
+        disk: Arc<Disk>,
+        root: Root,
+        start: Key,
+        end: Key,
+        ra: Readahead,
+    ) -> Result<TreeIter> {
+        let (mut path, _) = search_slot(&disk, &root, &start, ra)?;
+        do_readahead(&disk, &mut path, false);
+        Ok(TreeIter {
+            disk,
+            path: Some(path),
+            started: false,
+            last: None,
+            end,
+        })
+    }
+
+    pub fn next_item(&mut self) -> Result<Option<ItemRef>> {
+        let Some(path) = self.path.as_mut() else {
+            return Ok(None);
+        };
+        let more = if !self.started {
+            self.started = true;
+            if path.slot() < path.leaf().nritems() {
+                true
+            } else {
+                path.nodes[0].1 = path.leaf().nritems().saturating_sub(1);
+                if path.leaf().nritems() == 0 {
+                    next_leaf(&self.disk, path)? && {
+                        while path.leaf().nritems() == 0 {
+                            if !next_leaf(&self.disk, path)? {
+                                self.path = None;
+                                return Ok(None);
+                            }
+                        }
+                        true
+                    }
+                } else {
+                    next_item(&self.disk, path)?
+                }
+            }
+        } else {
+            next_item(&self.disk, path)?
+        };
+        if !more {
+            self.path = None;
+            return Ok(None);
+        }
+        let Some(item) = path.item() else {
+            self.path = None;
+            return Ok(None);
+        };
+        if item.key > self.end {
+            self.path = None;
+            return Ok(None);
+        }
+        if let Some(last) = self.last {
+            if item.key <= last {
+                let e = Error::corrupt(
+                    item.loc(),
+                    format!("key does not follow previous key {last} (tree blocks linked out of order or twice)"),
+                );
+                self.path = None;
+                return Err(e);
+            }
+        }
+        self.last = Some(item.key);
+        Ok(Some(item))
+    }
+}

@@ -1,0 +1,195 @@
+//! Block devices: the only place bytes enter or leave the engine.
+//!
+//! [`FileDevice`] serves an image file or a block device. [`RamDevice`] keeps an image in memory
+//! for tests and can inject faults: fail chosen reads or writes, and simulate a power cut by
+//! dropping writes that were not followed by a flush ("live" bytes vs "durable" bytes).
+
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::ops::Range;
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+use std::sync::Mutex;
+
+/// Byte-addressed storage. Reads and writes are exact: a short read is an error.
+pub trait BlockDevice: Send + Sync {
+    /// Reads exactly `buf.len()` bytes at `offset`.
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()>;
+    /// Writes all of `buf` at `offset`.
+    fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<()>;
+    /// Makes every completed write durable.
+    fn flush(&self) -> io::Result<()>;
+    /// Size in bytes.
+    fn len(&self) -> u64;
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Hint that `range` will be read soon (no-op by default).
+    fn will_need(&self, _offset: u64, _len: u64) {}
+}
+
+/// An image file or block device.
+pub struct FileDevice {
+    file: File,
+    len: u64,
+}
+
+impl FileDevice {
+    pub fn open(path: &Path, writable: bool) -> io::Result<FileDevice> {
+        let file = OpenOptions::new().read(true).write(writable).open(path)?;
+        let meta = file.metadata()?;
+        let len = if meta.file_type().is_file() {
+            meta.len()
+        } else {
+            // Block device: seek to the end to learn its size.
+            use std::io::Seek;
+            let mut f = &file;
+            f.seek(io::SeekFrom::End(0))?
+        };
+        Ok(FileDevice { file, len })
+    }
+}
+
+impl BlockDevice for FileDevice {
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        if offset
+            .checked_add(buf.len() as u64)
+            .is_none_or(|end| end > self.len)
+        {
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                format!(
+                    "read of {} bytes at {offset} beyond device end {}",
+                    buf.len(),
+                    self.len
+                ),
+            ));
+        }
+        self.file.read_exact_at(buf, offset)
+    }
+    fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
+        self.file.write_all_at(buf, offset)
+    }
+    fn flush(&self) -> io::Result<()> {
+        self.file.sync_data()
+    }
+    fn len(&self) -> u64 {
+        self.len
+    }
+}
+
+/// What a [`RamDevice`] should fail.
+#[derive(Debug, Clone, Default)]
+pub struct Faults {
+    /// Reads touching any of these byte ranges fail with EIO.
+    pub bad_read_ranges: Vec<Range<u64>>,
+    /// Fail the write with this sequence number (0-based count of writes), and every later one
+    /// if `sticky`.
+    pub fail_write_at: Option<u64>,
+    pub sticky: bool,
+    /// Fail every flush.
+    pub fail_flush: bool,
+}
+
+struct RamState {
+    live: Vec<u8>,
+    durable: Vec<u8>,
+    /// Writes since the last flush, applied to `durable` at flush.
+    pending: Vec<(u64, Vec<u8>)>,
+    writes: u64,
+    faults: Faults,
+}
+
+/// An in-memory device with fault injection and power-cut simulation.
+pub struct RamDevice {
+    st: Mutex<RamState>,
+}
+
+impl RamDevice {
+    pub fn new(bytes: Vec<u8>) -> RamDevice {
+        RamDevice {
+            st: Mutex::new(RamState {
+                durable: bytes.clone(),
+                live: bytes,
+                pending: Vec::new(),
+                writes: 0,
+                faults: Faults::default(),
+            }),
+        }
+    }
+    fn lock(&self) -> std::sync::MutexGuard<'_, RamState> {
+        self.st.lock().unwrap_or_else(|e| e.into_inner())
+    }
+    pub fn set_faults(&self, f: Faults) {
+        self.lock().faults = f;
+    }
+    /// The bytes as they would be after a power cut now: only flushed writes survive.
+    pub fn durable_bytes(&self) -> Vec<u8> {
+        self.lock().durable.clone()
+    }
+    /// The bytes every reader currently sees.
+    pub fn live_bytes(&self) -> Vec<u8> {
+        self.lock().live.clone()
+    }
+    /// Number of writes issued so far.
+    pub fn write_count(&self) -> u64 {
+        self.lock().writes
+    }
+}
+
+impl BlockDevice for RamDevice {
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        let st = self.lock();
+        let end = offset.checked_add(buf.len() as u64);
+        let Some(end) = end.filter(|&e| e <= st.live.len() as u64) else {
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                "read beyond end of RAM device",
+            ));
+        };
+        if st
+            .faults
+            .bad_read_ranges
+            .iter()
+            .any(|r| r.start < end && offset < r.end)
+        {
+            return Err(io::Error::other("injected read error"));
+        }
+        buf.copy_from_slice(&st.live[offset as usize..end as usize]);
+        Ok(())
+    }
+    fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
+        let mut st = self.lock();
+        let n = st.writes;
+        st.writes += 1;
+        if let Some(at) = st.faults.fail_write_at {
+            if n == at || (st.faults.sticky && n > at) {
+                return Err(io::Error::other("injected write error"));
+            }
+        }
+        let end = offset as usize + buf.len();
+        if end > st.live.len() {
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                "write beyond end of RAM device",
+            ));
+        }
+        st.live[offset as usize..end].copy_from_slice(buf);
+        st.pending.push((offset, buf.to_vec()));
+        Ok(())
+    }
+    fn flush(&self) -> io::Result<()> {
+        let mut st = self.lock();
+        if st.faults.fail_flush {
+            return Err(io::Error::other("injected flush error"));
+        }
+        let pending = std::mem::take(&mut st.pending);
+        for (off, data) in pending {
+            st.durable[off as usize..off as usize + data.len()].copy_from_slice(&data);
+        }
+        Ok(())
+    }
+    fn len(&self) -> u64 {
+        self.lock().live.len() as u64
+    }
+}

@@ -1,0 +1,679 @@
+//! Validated tree block reads, a block cache, data reads through the chunk map, and readahead.
+//!
+//! Every tree block is checked once when it is read (the "tree checker"): checksum, bytenr,
+//! fsid, level, generation and first key against the parent pointer, item and pointer counts,
+//! item offsets and sizes inside the block and packed without overlap, keys strictly
+//! increasing. A block that fails on one copy is read from the next copy (DUP, RAID1). Code
+//! above this layer may therefore index items of a [`TreeBlock`] without re-checking bounds.
+//!
+//! Readahead (seed 004): [`Readahead`] modes say how a tree walk asks for blocks ahead of it.
+//! `Forward` reads ahead leaves physically close to the current one, only when the current leaf
+//! had to be read from disk; `ForwardAlways` reads ahead every remaining sibling, nodes too, even
+//! when the current block was cached — for operations that visit a whole tree in key order.
+
+use crate::device::BlockDevice;
+use crate::error::{Error, Location, Result};
+use crate::format::header::{Header, ItemHeader, KeyPtr};
+use crate::format::superblock::Superblock;
+use crate::format::*;
+use crate::volumes::ChunkMap;
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+
+/// How a tree walk reads ahead.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Readahead {
+    #[default]
+    None,
+    Back,
+    Forward,
+    /// Whole-tree walks in key order (full send, restore): always read ahead, nodes too.
+    ForwardAlways,
+}
+
+/// What the parent pointer (or superblock/root item) says about a block we are about to read.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Expect {
+    pub owner: Option<u64>,
+    pub level: Option<u8>,
+    pub generation: Option<u64>,
+    pub first_key: Option<Key>,
+}
+
+/// A tree block that passed validation.
+#[derive(Debug)]
+pub struct TreeBlock {
+    pub bytenr: u64,
+    pub header: Header,
+    pub data: Box<[u8]>,
+}
+
+impl TreeBlock {
+    pub fn nritems(&self) -> usize {
+        self.header.nritems as usize
+    }
+    pub fn level(&self) -> u8 {
+        self.header.level
+    }
+    pub fn is_leaf(&self) -> bool {
+        self.header.level == 0
+    }
+    pub fn owner(&self) -> u64 {
+        self.header.owner
+    }
+    /// Leaf item record `slot` (slot < nritems, leaf only).
+    pub fn item(&self, slot: usize) -> ItemHeader {
+        let off = HEADER_SIZE + slot * ITEM_SIZE;
+        ItemHeader::parse(&self.data[off..off + ITEM_SIZE])
+    }
+    /// Body of leaf item `slot` (validated to lie in the block).
+    pub fn item_data(&self, slot: usize) -> &[u8] {
+        let it = self.item(slot);
+        let start = HEADER_SIZE + it.offset as usize;
+        &self.data[start..start + it.size as usize]
+    }
+    /// Node pointer `slot` (node only).
+    pub fn ptr(&self, slot: usize) -> KeyPtr {
+        let off = HEADER_SIZE + slot * KEY_PTR_SIZE;
+        KeyPtr::parse(&self.data[off..off + KEY_PTR_SIZE])
+    }
+    /// Key at `slot`, leaf or node.
+    pub fn key(&self, slot: usize) -> Key {
+        let off = HEADER_SIZE
+            + slot
+                * if self.is_leaf() {
+                    ITEM_SIZE
+                } else {
+                    KEY_PTR_SIZE
+                };
+        Key::from_bytes(&self.data[off..off + DISK_KEY_SIZE])
+    }
+    /// Location of this block (and optionally a slot) for error messages.
+    pub fn loc(&self, slot: Option<usize>) -> Location {
+        let mut l = Location::block(Some(self.header.owner), self.bytenr);
+        if let Some(s) = slot {
+            l.slot = Some(s);
+            if s < self.nritems() {
+                l.key = Some(self.key(s));
+            }
+        }
+        l
+    }
+    /// Free bytes in a leaf (between the item array and the item data).
+    pub fn leaf_free_space(&self) -> usize {
+        let n = self.nritems();
+        let data_start = if n == 0 {
+            self.data.len() - HEADER_SIZE
+        } else {
+            self.item(n - 1).offset as usize
+        };
+        data_start.saturating_sub(n * ITEM_SIZE)
+    }
+}
+
+/// Validates a raw block. Pure, so the fuzz target can drive it directly.
+pub fn check_tree_block(
+    data: &[u8],
+    bytenr: u64,
+    nodesize: u32,
+    csum_type: crate::format::csum::CsumType,
+    fsid: &[u8; 16],
+    expect: &Expect,
+) -> Result<Header> {
+    let loc = |slot: Option<usize>| {
+        let mut l = Location::block(expect.owner, bytenr);
+        l.slot = slot;
+        l
+    };
+    if data.len() != nodesize as usize {
+        return Err(Error::corrupt(
+            loc(None),
+            format!("block is {} bytes, nodesize {nodesize}", data.len()),
+        ));
+    }
+    let computed = csum_type.compute(&data[CSUM_SIZE..]);
+    let n = csum_type.size();
+    if computed[..n] != data[..n] {
+        return Err(Error::bad_csum(
+            loc(None),
+            format!(
+                "{} stored {} computed {}",
+                csum_type.name(),
+                superblock::hex(&data[..n]),
+                superblock::hex(&computed[..n])
+            ),
+        ));
+    }
+    let h = Header::parse(data);
+    if h.bytenr != bytenr {
+        return Err(Error::corrupt(
+            loc(None),
+            format!("header bytenr {} does not match its address", h.bytenr),
+        ));
+    }
+    if &h.fsid != fsid {
+        return Err(Error::corrupt(
+            loc(None),
+            format!("fsid {} is not this filesystem's", fmt_uuid(&h.fsid)),
+        ));
+    }
+    if h.level >= MAX_LEVEL {
+        return Err(Error::corrupt(
+            loc(None),
+            format!("level {} >= {MAX_LEVEL}", h.level),
+        ));
+    }
+    if let Some(l) = expect.level {
+        if h.level != l {
+            return Err(Error::corrupt(
+                loc(None),
+                format!("level {} but parent expects {l}", h.level),
+            ));
+        }
+    }
+    if let Some(g) = expect.generation {
+        if h.generation != g {
+            return Err(Error::corrupt(
+                loc(None),
+                format!(
+                    "generation {} but parent pointer says {g} (stale or misdirected write)",
+                    h.generation
+                ),
+            ));
+        }
+    }
+    let n = h.nritems as usize;
+    let space = nodesize as usize - HEADER_SIZE;
+    let mut first_key = None;
+    if h.level == 0 {
+        if n.checked_mul(ITEM_SIZE).is_none_or(|s| s > space) {
+            return Err(Error::corrupt(
+                loc(None),
+                format!("leaf claims {n} items, more than fit"),
+            ));
+        }
+        let mut prev_key: Option<Key> = None;
+        // Items are packed: item 0's data ends at the end of the block, each next item's data
+        // ends where the previous one's starts.
+        let mut expected_end = space;
+        for slot in 0..n {
+            let off = HEADER_SIZE + slot * ITEM_SIZE;
+            let it = ItemHeader::parse(&data[off..off + ITEM_SIZE]);
+            let l = || loc(Some(slot)).with_key(it.key);
+            let start = it.offset as usize;
+            let end = start.checked_add(it.size as usize);
+            if end != Some(expected_end) {
+                return Err(Error::corrupt(
+                    l(),
+                    format!(
+                        "item data [{start}, +{}) should end at {expected_end} (items must be packed)",
+                        it.size
+                    ),
+                ));
+            }
+            if start < n * ITEM_SIZE {
+                return Err(Error::corrupt(
+                    l(),
+                    format!("item data offset {start} overlaps the item array"),
+                ));
+            }
+            expected_end = start;
+            if let Some(p) = prev_key {
+                if it.key <= p {
+                    return Err(Error::corrupt(
+                        l(),
+                        format!("key not greater than previous key {p}"),
+                    ));
+                }
+            }
+            prev_key = Some(it.key);
+            if slot == 0 {
+                first_key = Some(it.key);
+            }
+        }
+    } else {
+        if n == 0 {
+            return Err(Error::corrupt(loc(None), "node with no pointers"));
+        }
+        if n.checked_mul(KEY_PTR_SIZE).is_none_or(|s| s > space) {
+            return Err(Error::corrupt(
+                loc(None),
+                format!("node claims {n} pointers, more than fit"),
+            ));
+        }
+        let mut prev_key: Option<Key> = None;
+        for slot in 0..n {
+            let off = HEADER_SIZE + slot * KEY_PTR_SIZE;
+            let p = KeyPtr::parse(&data[off..off + KEY_PTR_SIZE]);
+            let l = || loc(Some(slot)).with_key(p.key);
+            if p.blockptr == 0 || p.blockptr % 4096 != 0 {
+                return Err(Error::corrupt(
+                    l(),
+                    format!("child pointer {} is not block aligned", p.blockptr),
+                ));
+            }
+            if p.blockptr == bytenr {
+                return Err(Error::corrupt(l(), "node points to itself"));
+            }
+            if p.generation > h.generation {
+                return Err(Error::corrupt(
+                    l(),
+                    format!(
+                        "child generation {} newer than the node's {}",
+                        p.generation, h.generation
+                    ),
+                ));
+            }
+            if let Some(pk) = prev_key {
+                if p.key <= pk {
+                    return Err(Error::corrupt(
+                        l(),
+                        format!("key not greater than previous key {pk}"),
+                    ));
+                }
+            }
+            prev_key = Some(p.key);
+            if slot == 0 {
+                first_key = Some(p.key);
+            }
+        }
+    }
+    if let (Some(want), Some(got)) = (expect.first_key, first_key) {
+        if want != got {
+            return Err(Error::corrupt(
+                loc(Some(0)),
+                format!("first key {got} but parent pointer says {want}"),
+            ));
+        }
+    }
+    if let (Some(want), Some(got)) = (expect.owner, Some(h.owner)) {
+        // Log trees and relocation trees legitimately carry other owners; check fs trees loosely.
+        let strict = want < FIRST_FREE_OBJECTID && want != TREE_LOG_OBJECTID;
+        if strict && want != got && h.flags & HEADER_FLAG_RELOC == 0 {
+            return Err(Error::corrupt(
+                loc(None),
+                format!(
+                    "owner {} but expected {}",
+                    objectid_name(got),
+                    objectid_name(want)
+                ),
+            ));
+        }
+    }
+    Ok(h)
+}
+
+/// A small bounded block cache (FIFO with second chance).
+struct BlockCache {
+    map: HashMap<u64, (Arc<TreeBlock>, bool)>,
+    order: VecDeque<u64>,
+    capacity: usize,
+}
+
+impl BlockCache {
+    fn get(&mut self, bytenr: u64) -> Option<Arc<TreeBlock>> {
+        let e = self.map.get_mut(&bytenr)?;
+        e.1 = true;
+        Some(e.0.clone())
+    }
+    fn insert(&mut self, b: Arc<TreeBlock>) {
+        if self.map.contains_key(&b.bytenr) {
+            return;
+        }
+        while self.map.len() >= self.capacity {
+            let Some(victim) = self.order.pop_front() else {
+                break;
+            };
+            match self.map.get_mut(&victim) {
+                Some(e) if e.1 => {
+                    e.1 = false;
+                    self.order.push_back(victim);
+                }
+                Some(_) => {
+                    self.map.remove(&victim);
+                }
+                None => {}
+            }
+        }
+        self.order.push_back(b.bytenr);
+        self.map.insert(b.bytenr, (b, false));
+    }
+}
+
+/// Counters for tests and benchmarks.
+#[derive(Debug, Default)]
+pub struct IoStats {
+    pub block_reads: AtomicU64,
+    pub cache_hits: AtomicU64,
+    pub readahead_blocks: AtomicU64,
+    pub data_bytes_read: AtomicU64,
+}
+
+/// The metadata/data reader of one opened filesystem.
+pub struct Disk {
+    pub dev: Arc<dyn BlockDevice>,
+    pub sb: Superblock,
+    pub devid: u64,
+    chunks: RwLock<ChunkMap>,
+    cache: Mutex<BlockCache>,
+    pub stats: IoStats,
+    ra_tx: Mutex<Option<std::sync::mpsc::Sender<(u64, Expect)>>>,
+}
+
+/// Reads every superblock copy that fits on the device and returns the valid one with the
+/// newest generation, or the primary's error if none is valid.
+pub fn read_superblock(dev: &dyn BlockDevice) -> Result<Superblock> {
+    let mut best: Option<Superblock> = None;
+    let mut first_err = None;
+    for m in 0..SUPER_MIRROR_MAX {
+        let off = super_offset(m);
+        if off + SUPER_INFO_SIZE as u64 > dev.len() {
+            if m == 0 {
+                return Err(Error::corrupt(
+                    Location::what("superblock"),
+                    format!(
+                        "device is only {} bytes, too small for a btrfs superblock",
+                        dev.len()
+                    ),
+                ));
+            }
+            break;
+        }
+        let mut buf = vec![0u8; SUPER_INFO_SIZE];
+        let r = dev
+            .read_at(&mut buf, off)
+            .map_err(|e| Error::io("reading superblock", off, e))
+            .and_then(|_| Superblock::parse(&buf, off));
+        match r {
+            Ok(sb) => {
+                if best.as_ref().is_none_or(|b| sb.generation > b.generation) {
+                    best = Some(sb);
+                }
+            }
+            Err(e) => {
+                if m == 0 {
+                    log::warn!("primary superblock unusable ({e}); trying mirrors");
+                }
+                first_err.get_or_insert(e);
+            }
+        }
+    }
+    best.ok_or_else(|| {
+        first_err.unwrap_or_else(|| Error::corrupt(Location::what("superblock"), "no copy found"))
+    })
+}
+
+impl Disk {
+    /// Opens the metadata layer: superblock, sys_chunk_array. The chunk tree is loaded by
+    /// [`Disk::load_chunk_tree`].
+    pub fn open(dev: Arc<dyn BlockDevice>) -> Result<Arc<Disk>> {
+        let sb = read_superblock(dev.as_ref())?;
+        let unsupported = sb.incompat_flags & !INCOMPAT_SUPPORTED;
+        if unsupported != 0 {
+            return Err(Error::Unsupported(format!(
+                "incompat feature bits {unsupported:#x}"
+            )));
+        }
+        if sb.num_devices != 1 {
+            return Err(Error::Unsupported(format!(
+                "filesystem has {} devices; butter opens single-device filesystems",
+                sb.num_devices
+            )));
+        }
+        let chunks = ChunkMap::from_sys_chunk_array(&sb.sys_chunk_array)?;
+        let devid = sb.dev_item.devid;
+        let cache_blocks = ((256u64 << 20) / sb.nodesize as u64) as usize;
+        let disk = Arc::new(Disk {
+            dev,
+            sb,
+            devid,
+            chunks: RwLock::new(chunks),
+            cache: Mutex::new(BlockCache {
+                map: HashMap::new(),
+                order: VecDeque::new(),
+                capacity: cache_blocks,
+            }),
+            stats: IoStats::default(),
+            ra_tx: Mutex::new(None),
+        });
+        disk.load_chunk_tree()?;
+        Ok(disk)
+    }
+
+    pub fn nodesize(&self) -> u32 {
+        self.sb.nodesize
+    }
+    pub fn sectorsize(&self) -> u32 {
+        self.sb.sectorsize
+    }
+
+    pub fn chunk_map(&self) -> std::sync::RwLockReadGuard<'_, ChunkMap> {
+        self.chunks.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn load_chunk_tree(self: &Arc<Self>) -> Result<()> {
+        let root = crate::ctree::Root {
+            id: CHUNK_TREE_OBJECTID,
+            bytenr: self.sb.chunk_root,
+            level: self.sb.chunk_root_level,
+            generation: self.sb.chunk_root_generation,
+        };
+        let mut found = Vec::new();
+        let mut it = crate::ctree::TreeIter::new(
+            self.clone(),
+            root,
+            Key::new(FIRST_CHUNK_TREE_OBJECTID, CHUNK_ITEM_KEY, 0),
+            Readahead::Forward,
+        )?;
+        while let Some(item) = it.next_item()? {
+            if item.key.ty != CHUNK_ITEM_KEY {
+                continue;
+            }
+            let (chunk, _) = crate::format::items::ChunkItem::parse(item.data())
+                .map_err(|e| item.annotate(e))?;
+            found.push((item.key, chunk, item.loc()));
+        }
+        let mut map = self.chunks.write().unwrap_or_else(|e| e.into_inner());
+        for (key, chunk, loc) in found {
+            map.insert(key.offset, chunk)
+                .map_err(|r| Error::corrupt(loc, r))?;
+        }
+        Ok(())
+    }
+
+    /// Physical offsets of every copy of a logical range on this device.
+    fn copies(&self, logical: u64, len: u64) -> Result<Vec<u64>> {
+        let copies = self.chunk_map().map(logical, len)?;
+        let mine: Vec<u64> = copies
+            .iter()
+            .filter(|c| c.devid == self.devid)
+            .map(|c| c.physical)
+            .collect();
+        if mine.is_empty() {
+            return Err(Error::Unsupported(format!(
+                "logical {logical} lives only on a missing device"
+            )));
+        }
+        Ok(mine)
+    }
+
+    /// Reads a tree block, validating it; tries every copy before giving up.
+    pub fn read_tree_block(&self, bytenr: u64, expect: &Expect) -> Result<Arc<TreeBlock>> {
+        if let Some(b) = self.cache_get(bytenr) {
+            self.stats.cache_hits.fetch_add(1, Ordering::Relaxed);
+            // A cached block was validated already; re-check what the new parent claims.
+            self.recheck(&b, expect)?;
+            return Ok(b);
+        }
+        let b = self.read_tree_block_uncached(bytenr, expect)?;
+        self.cache
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(b.clone());
+        Ok(b)
+    }
+
+    fn cache_get(&self, bytenr: u64) -> Option<Arc<TreeBlock>> {
+        self.cache
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(bytenr)
+    }
+
+    /// Whether a block is in the cache (readahead uses this).
+    pub fn is_cached(&self, bytenr: u64) -> bool {
+        self.cache
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .map
+            .contains_key(&bytenr)
+    }
+
+    fn recheck(&self, b: &TreeBlock, expect: &Expect) -> Result<()> {
+        let loc = || Location::block(expect.owner, b.bytenr);
+        if let Some(l) = expect.level {
+            if b.level() != l {
+                return Err(Error::corrupt(
+                    loc(),
+                    format!("level {} but parent expects {l}", b.level()),
+                ));
+            }
+        }
+        if let Some(g) = expect.generation {
+            if b.header.generation != g {
+                return Err(Error::corrupt(
+                    loc(),
+                    format!(
+                        "generation {} but parent pointer says {g}",
+                        b.header.generation
+                    ),
+                ));
+            }
+        }
+        if let Some(k) = expect.first_key {
+            if b.nritems() > 0 && b.key(0) != k {
+                return Err(Error::corrupt(
+                    loc(),
+                    format!("first key {} but parent pointer says {k}", b.key(0)),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn read_tree_block_uncached(&self, bytenr: u64, expect: &Expect) -> Result<Arc<TreeBlock>> {
+        let ns = self.sb.nodesize;
+        if bytenr % self.sb.sectorsize as u64 != 0 {
+            return Err(Error::corrupt(
+                Location::block(expect.owner, bytenr),
+                "tree block address not sector aligned",
+            ));
+        }
+        let copies = self
+            .copies(bytenr, ns as u64)
+            .map_err(|e| e.in_block(expect.owner, bytenr))?;
+        let mut first_err = None;
+        for (i, phys) in copies.iter().enumerate() {
+            let mut data = vec![0u8; ns as usize].into_boxed_slice();
+            self.stats.block_reads.fetch_add(1, Ordering::Relaxed);
+            let r = self
+                .dev
+                .read_at(&mut data, *phys)
+                .map_err(|e| Error::io(format!("reading tree block {bytenr} (copy {i})"), *phys, e))
+                .and_then(|_| {
+                    check_tree_block(
+                        &data,
+                        bytenr,
+                        ns,
+                        self.sb.csum_type,
+                        &self.sb.metadata_fsid(),
+                        expect,
+                    )
+                });
+            match r {
+                Ok(header) => {
+                    if i > 0 {
+                        log::warn!("tree block {bytenr}: copy 0 was bad, read copy {i} instead");
+                    }
+                    return Ok(Arc::new(TreeBlock {
+                        bytenr,
+                        header,
+                        data,
+                    }));
+                }
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        Err(first_err
+            .unwrap_or_else(|| Error::corrupt(Location::block(expect.owner, bytenr), "no copy")))
+    }
+
+    /// Reads `len` bytes of data at a logical address, trying each copy until `verify` accepts
+    /// it (`verify` returns false on a checksum mismatch).
+    pub fn read_data(
+        &self,
+        logical: u64,
+        len: usize,
+        verify: &dyn Fn(&[u8]) -> bool,
+    ) -> Result<Option<Vec<u8>>> {
+        let copies = self.copies(logical, len as u64)?;
+        let mut last_io = None;
+        for phys in copies {
+            let mut buf = vec![0u8; len];
+            match self.dev.read_at(&mut buf, phys) {
+                Ok(()) => {
+                    self.stats
+                        .data_bytes_read
+                        .fetch_add(len as u64, Ordering::Relaxed);
+                    if verify(&buf) {
+                        return Ok(Some(buf));
+                    }
+                }
+                Err(e) => {
+                    last_io = Some(Error::io(
+                        format!("reading data at logical {logical}"),
+                        phys,
+                        e,
+                    ))
+                }
+            }
+        }
+        match last_io {
+            Some(e) => Err(e),
+            None => Ok(None),
+        }
+    }
+
+    /// Queues blocks to be read into the cache by the readahead thread.
+    pub fn readahead(self: &Arc<Self>, blocks: &[(u64, Expect)]) {
+        let mut tx = self.ra_tx.lock().unwrap_or_else(|e| e.into_inner());
+        if tx.is_none() {
+            let (s, r) = std::sync::mpsc::channel::<(u64, Expect)>();
+            let weak = Arc::downgrade(self);
+            let spawned = std::thread::Builder::new()
+                .name("butter-readahead".into())
+                .spawn(move || {
+                    while let Ok((bytenr, expect)) = r.recv() {
+                        let Some(disk) = weak.upgrade() else { break };
+                        if !disk.is_cached(bytenr) {
+                            disk.stats.readahead_blocks.fetch_add(1, Ordering::Relaxed);
+                            // Errors are reported when the walker reads the block itself.
+                            let _ = disk.read_tree_block(bytenr, &expect);
+                        }
+                    }
+                });
+            if spawned.is_err() {
+                return;
+            }
+            *tx = Some(s);
+        }
+        if let Some(s) = tx.as_ref() {
+            for b in blocks {
+                let _ = s.send(*b);
+            }
+        }
+    }
+}
