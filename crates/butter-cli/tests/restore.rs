@@ -391,6 +391,12 @@ fn populate(m: &Path) {
     // A btrfs property (an xattr in the btrfs. namespace), set after the data.
     setxattr(&p("medium"), "btrfs.compression", b"zstd");
 
+    // More entries than restore reads per readdir call.
+    fs::create_dir(p("many")).unwrap();
+    for i in 0..4500 {
+        fs::write(p(&format!("many/f{i:05}")), format!("{i}")).unwrap();
+    }
+
     // Subvolumes: one at the top, one nested in it, one in a directory; a snapshot of the
     // first (the nested one shows as an empty directory in the snapshot), and a change after.
     let ms = m.to_str().unwrap();
@@ -810,6 +816,32 @@ fn subvolume_selection_and_options() {
         imgs,
         out.to_str().unwrap(),
     ]));
+
+    // Another default subvolume: restored by default, as a plain mount shows it; the top level
+    // is still reachable by path.
+    s.umount(&mnt);
+    s.mount(&img, &mnt, "rw");
+    let sub_id = run(
+        "btrfs",
+        &["inspect-internal", "rootid", &format!("{ms}/dir/sub")],
+    );
+    run("btrfs", &["subvolume", "set-default", sub_id.trim(), &ms]);
+    s.umount(&mnt);
+    s.mount(&img, &mnt, "ro");
+    let out = s.path("out-default");
+    ok(&butter(&["restore", imgs, out.to_str().unwrap()]));
+    assert_same_tree(&mnt, &out, false);
+    assert!(out.join("inner/b").exists());
+    let out = s.path("out-top");
+    ok(&butter(&[
+        "restore",
+        "--subvol",
+        "/",
+        "--no-subvols",
+        imgs,
+        out.to_str().unwrap(),
+    ]));
+    assert_eq!(fs::read(out.join("top")).unwrap(), b"top\n");
 
     // A path that is not there is an error, not a panic.
     let o = butter(&[

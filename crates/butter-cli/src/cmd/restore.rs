@@ -69,6 +69,19 @@ pub struct RestoreArgs {
     pub progress: bool,
 }
 
+/// Like `eprint!`, but a closed or full stderr is ignored instead of panicking: the restore
+/// goes on and its exit status still tells.
+macro_rules! ewrite {
+    ($($t:tt)*) => {{
+        let _ = std::io::stderr().write_fmt(format_args!($($t)*));
+    }};
+}
+macro_rules! ewriteln {
+    ($($t:tt)*) => {{
+        let _ = writeln!(std::io::stderr(), $($t)*);
+    }};
+}
+
 /// Bytes read from the image per call.
 const CHUNK: u64 = 1 << 20;
 /// Directory entries fetched per readdir call.
@@ -104,19 +117,24 @@ pub fn restore(a: RestoreArgs) -> CliResult {
     prepare_target(&a)?;
     let mut r = Restorer::new(&fs, &a);
     if !a.dry_run && !r.root_user {
-        eprintln!(
+        ewriteln!(
             "butter: not running as root: owners, device nodes and trusted.*/security.* xattrs are not restored"
         );
     }
     r.run(start, st)?;
     r.progress.clear();
     let c = &r.c;
-    let mut summary = format!("restored {} files, {} errors", c.files, c.errors);
+    let verb = if a.dry_run {
+        "would restore"
+    } else {
+        "restored"
+    };
+    let mut summary = format!("{verb} {} files, {} errors", c.files, c.errors);
     if c.warnings > 0 {
         summary.push_str(&format!(", {} warnings", c.warnings));
     }
     let detail = format!(
-        "{} directories, {} regular, {} symlinks, {} hardlinks, {} special, {} of data written{}",
+        "{} directories, {} regular, {} symlinks, {} hardlinks, {} special, {} of data{}",
         c.dirs,
         c.regular,
         c.symlinks,
@@ -133,7 +151,7 @@ pub fn restore(a: RestoreArgs) -> CliResult {
         return Err(CliError(format!("{summary} ({detail})")));
     }
     if a.verbose || r.progress.on {
-        eprintln!("butter: {summary} ({detail})");
+        ewriteln!("butter: {summary} ({detail})");
     }
     Ok(())
 }
@@ -217,17 +235,17 @@ impl Progress {
             c.errors
         );
         if self.tty {
-            eprint!("\r\x1b[K{line}");
+            ewrite!("\r\x1b[K{line}");
             self.shown = true;
         } else {
-            eprintln!("{line}");
+            ewriteln!("{line}");
         }
     }
 
     /// Erases the progress line (before another message, and at the end).
     fn clear(&mut self) {
         if self.shown {
-            eprint!("\r\x1b[K");
+            ewrite!("\r\x1b[K");
             self.shown = false;
         }
     }
@@ -287,12 +305,15 @@ enum Kind {
 struct Restorer<'a> {
     fs: &'a Fs,
     a: &'a RestoreArgs,
+    /// DIR, symlinks resolved.
+    target: PathBuf,
     root_user: bool,
     /// DIR has a default ACL, so created entries inherit ACLs the image may not have.
     strip_acls: bool,
     sectorsize: u64,
-    /// First restored path of each inode with nlink > 1: (target path, relative path).
-    links: HashMap<Inode, (PathBuf, PathBuf)>,
+    /// First restored path of each inode with nlink > 1: (target path, relative path, links
+    /// still to come).
+    links: HashMap<Inode, (PathBuf, PathBuf, u64)>,
     dirs_seen: HashSet<Inode>,
     c: Counts,
     progress: Progress,
@@ -346,11 +367,14 @@ impl<'a> Restorer<'a> {
     fn new(fs: &'a Fs, a: &'a RestoreArgs) -> Self {
         // SAFETY: geteuid has no preconditions and cannot fail.
         let root_user = unsafe { libc::geteuid() } == 0;
-        let strip_acls = !a.dry_run && has_xattr(&a.dir, ACL_DEFAULT);
+        // DIR itself may be a symlink to a directory: its metadata goes to the directory.
+        let target = std::fs::canonicalize(&a.dir).unwrap_or_else(|_| a.dir.clone());
+        let strip_acls = !a.dry_run && has_xattr(&target, ACL_DEFAULT);
         let stderr_tty = std::io::stderr().is_terminal();
         Restorer {
             fs,
             a,
+            target,
             root_user,
             strip_acls,
             sectorsize: u64::from(fs.disk.sectorsize()).max(512),
@@ -368,13 +392,13 @@ impl<'a> Restorer<'a> {
 
     fn error(&mut self, rel: &Path, msg: impl Display) {
         self.progress.clear();
-        eprintln!("butter: {}: {msg}", show(rel));
+        ewriteln!("butter: {}: {msg}", show(rel));
         self.c.errors += 1;
     }
 
     fn warn(&mut self, rel: &Path, msg: impl Display) {
         self.progress.clear();
-        eprintln!("butter: warning: {}: {msg}", show(rel));
+        ewriteln!("butter: warning: {}: {msg}", show(rel));
         self.c.warnings += 1;
     }
 
@@ -403,7 +427,7 @@ impl<'a> Restorer<'a> {
 
     fn run(&mut self, start: Inode, st: Stat) -> CliResult {
         self.dirs_seen.insert(start);
-        let mut stack = vec![Frame::new(start, st, self.a.dir.clone(), PathBuf::new())];
+        let mut stack = vec![Frame::new(start, st, self.target.clone(), PathBuf::new())];
         while let Some(top) = stack.last_mut() {
             if let Some(e) = top.batch.next() {
                 if !valid_name(&e.name) {
@@ -524,7 +548,17 @@ impl<'a> Restorer<'a> {
         }
 
         if st.nlink > 1 {
-            if let Some((first, first_rel)) = self.links.get(&ino).cloned() {
+            if let Some((first, first_rel, left)) = self.links.get_mut(&ino) {
+                // Forget the inode once all its links are restored.
+                *left = left.saturating_sub(1);
+                let (first, first_rel) = if *left == 0 {
+                    self.links
+                        .remove(&ino)
+                        .map(|(f, r, _)| (f, r))
+                        .unwrap_or_default()
+                } else {
+                    (first.clone(), first_rel.clone())
+                };
                 if dry {
                     self.say(format_args!(
                         "link     {} => {}",
@@ -580,7 +614,8 @@ impl<'a> Restorer<'a> {
             self.set_meta(&path, &rel, ino, &st, kind)?;
         }
         if st.nlink > 1 {
-            self.links.insert(ino, (path, rel));
+            let left = u64::from(st.nlink) - 1;
+            self.links.insert(ino, (path, rel, left));
         }
         Ok(None)
     }
@@ -601,6 +636,8 @@ impl<'a> Restorer<'a> {
     /// contain: mode 0755, owned by root, atime of its parent, mtime the time of lookup.
     fn stub_dir(&mut self, path: &Path, rel: &Path, parent_atime: Timespec) -> CliResult {
         if self.a.dry_run {
+            self.c.dirs += 1;
+            self.c.files += 1;
             return self.say(format_args!(
                 "mkdir    {} (empty: a subvolume the snapshot does not contain)",
                 rel.display()
