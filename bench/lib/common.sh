@@ -48,8 +48,6 @@ drop_caches() {
 # device it attaches is backed by a file under $WORK/img, so cleanup can find leftovers by
 # looking (also those of an earlier run that was killed with SIGKILL).
 
-BUTTER_PIDS=()
-
 cleanup_all() {
 	local pid m img dev
 	if [[ -n $TIMED_PID ]] && kill -0 "$TIMED_PID" 2>/dev/null; then
@@ -58,8 +56,9 @@ cleanup_all() {
 		kill -KILL -- "-$TIMED_PID" 2>/dev/null
 		wait "$TIMED_PID" 2>/dev/null
 	fi
-	for pid in "${BUTTER_PIDS[@]}"; do
-		kill -0 "$pid" 2>/dev/null || continue
+	# BUTTER_PID is cleared once reaped, so it cannot name a recycled pid.
+	pid=${BUTTER_PID:-}
+	if [[ -n $pid ]]; then
 		for m in $(findmnt -rn -o TARGET | grep -F "$WORK/mnt/" | sort -r); do
 			[[ $(findmnt -rn -o FSTYPE --mountpoint "$m") == fuse* ]] && fusermount3 -u "$m" 2>/dev/null
 		done
@@ -68,8 +67,8 @@ cleanup_all() {
 		sleep 0.2
 		kill -KILL "$pid" 2>/dev/null
 		wait "$pid" 2>/dev/null
-	done
-	BUTTER_PIDS=()
+		BUTTER_PID=
+	fi
 	[[ -d $WORK ]] || return 0
 	for m in $(findmnt -rn -o TARGET | grep -E "^$WORK/(mnt|tmpfs)(/|$)" | sort -r); do
 		if [[ $(findmnt -rn -o FSTYPE --mountpoint "$m") == fuse* ]]; then
@@ -130,8 +129,9 @@ kumount() {
 
 # ---------------------------------------------------------------------------------------
 # butter FUSE mounts. `butter mount --ro IMAGE MNT` stays in the foreground until unmounted.
-
+# BUTTER_PID: the running butter mount process (one at a time), empty once reaped.
 BUTTER_PID=
+
 
 # butter_mount IMAGE MNT LOG: start butter in the background and wait until MNT is a
 # mountpoint. ERR on failure (butter exited, or not mounted within BENCH_MOUNT_TIMEOUT s).
@@ -149,7 +149,6 @@ butter_mount() {
 	fi
 	"$BUTTER_BIN" mount --ro "$img" "$mnt" >"$blog" 2>&1 </dev/null &
 	BUTTER_PID=$!
-	BUTTER_PIDS+=("$BUTTER_PID")
 	deadline=$((SECONDS + ${BENCH_MOUNT_TIMEOUT:-30}))
 	while ! mountpoint -q "$mnt"; do
 		if ! kill -0 "$BUTTER_PID" 2>/dev/null; then
