@@ -12,7 +12,11 @@ use std::process::Command;
 use std::sync::Arc;
 
 fn require_mkfs() -> bool {
-    let ok = Command::new("mkfs.btrfs").arg("--version").output().map(|o| o.status.success()).unwrap_or(false);
+    let ok = Command::new("mkfs.btrfs")
+        .arg("--version")
+        .output()
+        .map(|o| o.status.success())
+        .unwrap_or(false);
     if !ok && std::env::var_os("CI").is_some() {
         panic!("mkfs.btrfs is required in CI (install btrfs-progs)");
     }
@@ -70,8 +74,19 @@ fn make_tree(src: &Path, files: usize) -> BTreeMap<String, Vec<u8>> {
 fn mkfs(img: &Path, src: &Path, args: &[&str]) {
     let f = std::fs::File::create(img).unwrap();
     f.set_len(512 << 20).unwrap();
-    let out = Command::new("mkfs.btrfs").args(["-q", "-f"]).args(args).arg("--rootdir").arg(src).arg(img).output().unwrap();
-    assert!(out.status.success(), "mkfs.btrfs failed: {}", String::from_utf8_lossy(&out.stderr));
+    let out = Command::new("mkfs.btrfs")
+        .args(["-q", "-f"])
+        .args(args)
+        .arg("--rootdir")
+        .arg(src)
+        .arg(img)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "mkfs.btrfs failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 fn read_all(fs: &Fs, ino: Inode, size: u64) -> Vec<u8> {
@@ -91,7 +106,10 @@ fn check_image(img: &Path, expect: &BTreeMap<String, Vec<u8>>) -> Fs {
         let st = fs.stat(ino).unwrap();
         assert!(st.is_reg(), "{rel}");
         assert_eq!(st.size, data.len() as u64, "{rel}");
-        assert!(read_all(&fs, ino, st.size) == *data, "content of {rel} differs");
+        assert!(
+            read_all(&fs, ino, st.size) == *data,
+            "content of {rel} differs"
+        );
         // Unaligned reads inside the file.
         if data.len() > 10_000 {
             let b = fs.read(ino, 4097, 9000).unwrap();
@@ -163,33 +181,54 @@ fn deep_trees_and_forward_always_readahead() {
     // Many small non-inline files at nodesize 4 KiB: fs tree and extent tree grow to level 2.
     std::fs::create_dir_all(src.join("many")).unwrap();
     for i in 0..12000 {
-        std::fs::write(src.join(format!("many/f{i}")), content(i, 4096 + (i as usize % 3))).unwrap();
+        std::fs::write(
+            src.join(format!("many/f{i}")),
+            content(i, 4096 + (i as usize % 3)),
+        )
+        .unwrap();
     }
     let img = t.join("deep.img");
     mkfs(&img, &src, &["--nodesize", "4096"]);
     let fs = Fs::open(&img).unwrap();
     let levels = root_levels(&fs);
     assert!(levels[&FS_TREE_OBJECTID] >= 2, "fs tree level {:?}", levels);
-    assert!(levels[&EXTENT_TREE_OBJECTID] >= 2, "extent tree level {:?}", levels);
+    assert!(
+        levels[&EXTENT_TREE_OBJECTID] >= 2,
+        "extent tree level {:?}",
+        levels
+    );
 
     // A whole-tree walk with FORWARD_ALWAYS issues readahead; every item comes in key order.
     let ri = fs.find_root_item(FS_TREE_OBJECTID).unwrap().unwrap();
-    let root = Root { id: FS_TREE_OBJECTID, bytenr: ri.bytenr, level: ri.level, generation: ri.generation };
+    let root = Root {
+        id: FS_TREE_OBJECTID,
+        bytenr: ri.bytenr,
+        level: ri.level,
+        generation: ri.generation,
+    };
     let fresh = Fs::open(&img).unwrap();
-    let mut it = TreeIter::new(fresh.disk.clone(), root, Key::MIN, Readahead::ForwardAlways).unwrap();
+    let mut it =
+        TreeIter::new(fresh.disk.clone(), root, Key::MIN, Readahead::ForwardAlways).unwrap();
     let mut n = 0;
     while it.next_item().unwrap().is_some() {
         n += 1;
     }
     assert!(n > 12000 * 4);
-    let ra = fresh.disk.stats.readahead_blocks.load(std::sync::atomic::Ordering::Relaxed);
+    let ra = fresh
+        .disk
+        .stats
+        .readahead_blocks
+        .load(std::sync::atomic::Ordering::Relaxed);
     assert!(ra > 0, "FORWARD_ALWAYS issued no readahead");
 
     let dir = fs.resolve("many").unwrap();
     let ents = fs.readdir(dir, 0, 0).unwrap();
     assert_eq!(ents.len(), 12000);
     let e = fs.lookup(dir, b"f11999").unwrap().unwrap();
-    assert_eq!(fs.read(e.target, 0, 8192).unwrap(), content(11999, 4096 + 11999 % 3));
+    assert_eq!(
+        fs.read(e.target, 0, 8192).unwrap(),
+        content(11999, 4096 + 11999 % 3)
+    );
     std::fs::remove_dir_all(&t).unwrap();
 }
 
