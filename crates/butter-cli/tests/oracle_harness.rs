@@ -317,7 +317,8 @@ fn same_seed_same_tree() {
     assert!(d.len() > 40, "another seed should differ widely: {d:?}");
 }
 
-/// A LoopMount is unmounted and its loop device detached when the test panics.
+/// A LoopMount is unmounted and its loop device detached when the test panics, and when
+/// the mount itself fails.
 #[test]
 fn loop_mount_cleans_up_on_panic() {
     if !require_privileges() {
@@ -341,6 +342,14 @@ fn loop_mount_cleans_up_on_panic() {
     assert!(r.is_err());
     assert!(!kernel::is_mountpoint(&mnt), "still mounted");
     let attached = kernel::run(Command::new("losetup").arg("-j").arg(&img));
+    assert!(attached.trim().is_empty(), "still attached: {attached}");
+
+    // A mount that fails still detaches the loop device it attached.
+    let junk = scratch.join("junk.img");
+    fs::write(&junk, vec![0u8; 1 << 20]).unwrap();
+    let r = std::panic::catch_unwind(|| LoopMount::btrfs(&junk, &mnt, ""));
+    assert!(r.is_err(), "mounting zeroes as btrfs must fail");
+    let attached = kernel::run(Command::new("losetup").arg("-j").arg(&junk));
     assert!(attached.trim().is_empty(), "still attached: {attached}");
 }
 

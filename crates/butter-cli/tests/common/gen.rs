@@ -330,6 +330,7 @@ fn open_rw(p: &Path) -> File {
             .read(true)
             .write(true)
             .create(true)
+            .truncate(false)
             .open(p),
         "open",
         p,

@@ -236,7 +236,7 @@ fn unescape_mountinfo(s: &str) -> String {
 /// True when `path` is a mount point of this process's mount namespace.
 pub fn is_mountpoint(path: &Path) -> bool {
     let p = fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
-    mounts_under(&p).iter().any(|m| *m == p)
+    mounts_under(&p).contains(&p)
 }
 
 // ---------------------------------------------------------------------------------------------

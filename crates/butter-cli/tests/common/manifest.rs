@@ -214,14 +214,14 @@ pub fn take(root: &Path, opts: &TakeOpts) -> Manifest {
         let mut subdirs = Vec::new();
         for name in &names {
             let crel = rel.join(OsStr::from_bytes(name));
-            if opts.exclude.iter().any(|x| *x == crel) {
+            if opts.exclude.contains(&crel) {
                 continue;
             }
             let cabs = root.join(&crel);
             let mut e = match statx_path(&cabs) {
                 Ok(st) => {
                     if st.stx_mode as u32 & libc::S_IFMT == libc::S_IFDIR
-                        && u64::from(libc::makedev(st.stx_dev_major, st.stx_dev_minor)) != dir_dev
+                        && libc::makedev(st.stx_dev_major, st.stx_dev_minor) != dir_dev
                     {
                         let mount_root =
                             st.stx_attributes_mask & libc::STATX_ATTR_MOUNT_ROOT as u64 != 0
