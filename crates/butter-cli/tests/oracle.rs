@@ -33,14 +33,20 @@ impl<'a> ButterMount<'a> {
             .stdin(Stdio::null())
             .spawn()
             .expect("spawn butter mount");
-        let mut m = ButterMount { child: Some(child), dir };
+        let mut m = ButterMount {
+            child: Some(child),
+            dir,
+        };
         let t0 = Instant::now();
         while !is_mountpoint(dir) {
             if let Some(st) = m.child.as_mut().unwrap().try_wait().unwrap() {
                 m.child = None;
                 panic!("butter mount exited before mounting: {st}");
             }
-            assert!(t0.elapsed() < Duration::from_secs(30), "butter mount did not mount within 30 s");
+            assert!(
+                t0.elapsed() < Duration::from_secs(30),
+                "butter mount did not mount within 30 s"
+            );
             std::thread::sleep(Duration::from_millis(50));
         }
         m
@@ -48,7 +54,11 @@ impl<'a> ButterMount<'a> {
 
     /// Unmounts with fusermount3 and checks the process exits cleanly.
     fn stop(mut self) {
-        let st = Command::new("fusermount3").arg("-u").arg(self.dir).status().unwrap();
+        let st = Command::new("fusermount3")
+            .arg("-u")
+            .arg(self.dir)
+            .status()
+            .unwrap();
         assert!(st.success(), "fusermount3 -u failed");
         let mut child = self.child.take().unwrap();
         let t0 = Instant::now();
@@ -57,7 +67,10 @@ impl<'a> ButterMount<'a> {
                 assert!(st.success(), "butter mount exited with {st}");
                 break;
             }
-            assert!(t0.elapsed() < Duration::from_secs(20), "butter mount did not exit after unmount");
+            assert!(
+                t0.elapsed() < Duration::from_secs(20),
+                "butter mount did not exit after unmount"
+            );
             std::thread::sleep(Duration::from_millis(50));
         }
     }
@@ -66,7 +79,11 @@ impl<'a> ButterMount<'a> {
 impl Drop for ButterMount<'_> {
     fn drop(&mut self) {
         if let Some(mut c) = self.child.take() {
-            let _ = Command::new("fusermount3").arg("-u").arg("-z").arg(self.dir).status();
+            let _ = Command::new("fusermount3")
+                .arg("-u")
+                .arg("-z")
+                .arg(self.dir)
+                .status();
             let _ = c.kill();
             let _ = c.wait();
         }
@@ -82,15 +99,33 @@ fn oracle(name: &str) {
     let img = build_variant_image(v, scratch.path(), 0xB077E5);
     let opts = TakeOpts::default();
     let want = kernel_manifest(&img, &scratch.join("kmnt"), &opts);
-    assert!(want.len() > 1000, "the generator made only {} entries", want.len());
+    assert!(
+        want.len() > 1000,
+        "the generator made only {} entries",
+        want.len()
+    );
 
     // butter restore into a tmpfs (it holds every inode kind and large xattrs).
     let tmp = TmpfsMount::new(&scratch.join("restore"), 4 << 30);
     let out = tmp.path().join("out");
-    let o = Command::new(BUTTER).arg("restore").arg(&img).arg(&out).output().unwrap();
-    assert!(o.status.success(), "butter restore failed: {}", String::from_utf8_lossy(&o.stderr));
+    let o = Command::new(BUTTER)
+        .arg("restore")
+        .arg(&img)
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success(),
+        "butter restore failed: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
     let got = take(&out, &opts);
-    assert_same(&want, &got, &CompareOpts::restore(), &format!("{name}: kernel mount vs butter restore"));
+    assert_same(
+        &want,
+        &got,
+        &CompareOpts::restore(),
+        &format!("{name}: kernel mount vs butter restore"),
+    );
     drop(tmp);
 
     // butter mount --ro.
@@ -98,7 +133,12 @@ fn oracle(name: &str) {
     let m = ButterMount::start(&img, &mdir);
     let got = take(&mdir, &opts);
     m.stop();
-    assert_same(&want, &got, &CompareOpts::fuse(), &format!("{name}: kernel mount vs butter mount --ro"));
+    assert_same(
+        &want,
+        &got,
+        &CompareOpts::fuse(),
+        &format!("{name}: kernel mount vs butter mount --ro"),
+    );
 }
 
 macro_rules! variants {
