@@ -3,6 +3,7 @@
 //! One module per subcommand under `cmd/`; errors become messages only here.
 
 mod cmd;
+mod fuse;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;

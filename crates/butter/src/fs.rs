@@ -79,6 +79,10 @@ pub struct SubvolInfo {
     pub item: RootItem,
 }
 
+/// Inode number of the empty directory shown for a nested subvolume that a snapshot's
+/// directory names but that is not linked there.
+pub const EMPTY_SUBVOL_DIR_OBJECTID: u64 = 2;
+
 /// Maximum bytes of a compressed extent, before and after decompression (btrfs limit).
 pub const MAX_COMPRESSED: u64 = 128 * 1024;
 
@@ -213,6 +217,9 @@ impl Fs {
     }
 
     pub fn inode_item(&self, ino: Inode) -> Result<InodeItem> {
+        if ino.ino == EMPTY_SUBVOL_DIR_OBJECTID {
+            return self.placeholder_dir(ino);
+        }
         let root = self.subvol_root(ino.root)?;
         let it = ctree::lookup(&self.disk, &root, &Key::new(ino.ino, INODE_ITEM_KEY, 0))?
             .ok_or_else(|| {
@@ -231,7 +238,9 @@ impl Fs {
             gid: i.gid,
             rdev: i.rdev,
             size: i.size,
-            blocks: i.nbytes / 512,
+            // Like the kernel: bytes rounded up to whole sectors, in 512-byte units.
+            blocks: i.nbytes.div_ceil(self.disk.sectorsize() as u64)
+                * (self.disk.sectorsize() as u64 / 512),
             blksize: self.disk.sectorsize(),
             atime: i.atime,
             mtime: i.mtime,
@@ -242,11 +251,18 @@ impl Fs {
         })
     }
 
-    fn entry_from(&self, dir: Inode, d: DirItem, index: u64) -> DirEntry {
+    fn entry_from(&self, dir: Inode, d: DirItem, index: u64) -> Result<DirEntry> {
         let target = if d.location.ty == ROOT_ITEM_KEY {
-            Inode {
-                root: d.location.objectid,
-                ino: FIRST_FREE_OBJECTID,
+            let id = d.location.objectid;
+            if self.subvol_linked_here(dir, id, &d.name)? {
+                self.subvol_root_inode(id)?
+            } else {
+                // A snapshot keeps the entry of a subvolume nested in its source, but the
+                // subvolume is not linked there: it shows as an empty directory.
+                Inode {
+                    root: dir.root,
+                    ino: EMPTY_SUBVOL_DIR_OBJECTID,
+                }
             }
         } else {
             Inode {
@@ -254,12 +270,42 @@ impl Fs {
                 ino: d.location.objectid,
             }
         };
-        DirEntry {
+        Ok(DirEntry {
             name: d.name,
             index,
             file_type: d.file_type,
             target,
-        }
+        })
+    }
+
+    /// Whether subvolume `id` is linked into directory `dir` under `name` (a ROOT_REF from
+    /// `dir.root` naming it).
+    fn subvol_linked_here(&self, dir: Inode, id: u64, name: &[u8]) -> Result<bool> {
+        let key = Key::new(dir.root, ROOT_REF_KEY, id);
+        let Some(it) = ctree::lookup(&self.disk, &self.tree_root, &key)? else {
+            return Ok(false);
+        };
+        let r = RootRef::parse(it.data()).map_err(|e| it.annotate(e))?;
+        Ok(r.dirid == dir.ino && r.name == name)
+    }
+
+    /// The inode of the empty directory standing in for an unlinked nested subvolume.
+    fn placeholder_dir(&self, ino: Inode) -> Result<InodeItem> {
+        let parent = self.inode_item(Inode {
+            root: ino.root,
+            ino: FIRST_FREE_OBJECTID,
+        })?;
+        Ok(InodeItem {
+            mode: 0o040755,
+            nlink: 1,
+            size: 0,
+            nbytes: 0,
+            uid: 0,
+            gid: 0,
+            rdev: 0,
+            flags: 0,
+            ..parent
+        })
     }
 
     /// Looks up `name` in directory `dir` through its DIR_ITEM hash.
@@ -271,13 +317,7 @@ impl Fs {
         };
         for d in DirItem::parse_all(it.data()).map_err(|e| it.annotate(e))? {
             if d.name == name {
-                let e = self.entry_from(dir, d, 0);
-                if e.target.root != dir.root {
-                    // Resolve the subvolume's real root dir id.
-                    let t = self.subvol_root_inode(e.target.root)?;
-                    return Ok(Some(DirEntry { target: t, ..e }));
-                }
-                return Ok(Some(e));
+                return self.entry_from(dir, d, 0).map(Some);
             }
         }
         Ok(None)
@@ -286,6 +326,9 @@ impl Fs {
     /// Directory entries with DIR_INDEX sequence number > `after`, in index order, at most
     /// `max` of them (0 = no limit).
     pub fn readdir(&self, dir: Inode, after: u64, max: usize) -> Result<Vec<DirEntry>> {
+        if dir.ino == EMPTY_SUBVOL_DIR_OBJECTID {
+            return Ok(Vec::new());
+        }
         let root = self.subvol_root(dir.root)?;
         let start = Key::new(dir.ino, DIR_INDEX_KEY, after.saturating_add(1));
         let end = Key::new(dir.ino, DIR_INDEX_KEY, u64::MAX);
@@ -303,11 +346,7 @@ impl Fs {
                 ));
             }
             for d in ds {
-                let mut e = self.entry_from(dir, d, item.key.offset);
-                if e.target.root != dir.root {
-                    e.target = self.subvol_root_inode(e.target.root).unwrap_or(e.target);
-                }
-                out.push(e);
+                out.push(self.entry_from(dir, d, item.key.offset)?);
             }
             if max != 0 && out.len() >= max {
                 break;
@@ -323,6 +362,9 @@ impl Fs {
 
     /// Every xattr (name, value) of an inode, in key order.
     pub fn xattrs(&self, ino: Inode) -> Result<Vec<(Vec<u8>, Vec<u8>)>> {
+        if ino.ino == EMPTY_SUBVOL_DIR_OBJECTID {
+            return Ok(Vec::new());
+        }
         let root = self.subvol_root(ino.root)?;
         let mut it = TreeIter::range(
             self.disk.clone(),
@@ -341,6 +383,9 @@ impl Fs {
     }
 
     pub fn getxattr(&self, ino: Inode, name: &[u8]) -> Result<Option<Vec<u8>>> {
+        if ino.ino == EMPTY_SUBVOL_DIR_OBJECTID {
+            return Ok(None);
+        }
         let root = self.subvol_root(ino.root)?;
         let key = Key::new(ino.ino, XATTR_ITEM_KEY, hash::name_hash(name));
         let Some(it) = ctree::lookup(&self.disk, &root, &key)? else {

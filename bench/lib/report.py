@@ -1,0 +1,259 @@
+#!/usr/bin/env python3
+"""Turn the measurements of one bench/run into results files.
+
+usage: report.py WORK RESULTS
+
+Reads WORK/rows.tsv (workload, row, unit, note), WORK/raw.tsv (workload, row, system, run,
+nanoseconds, amount, unit, status, message) and WORK/meta.tsv (key, value). Writes
+RESULTS/latest.md, RESULTS/latest.csv (one line per row), RESULTS/latest-runs.csv (one line per
+measurement) and, when matplotlib is installed, RESULTS/latest.png.
+"""
+import csv
+import os
+import statistics
+import sys
+
+SYSTEMS = [("butter", "butter"), ("kernel", "kernel btrfs"), ("ext4", "ext4")]
+
+
+def read_tsv(path, ncols):
+    rows = []
+    if not os.path.exists(path):
+        return rows
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            parts = line.rstrip("\n").split("\t")
+            if len(parts) < ncols:
+                parts += [""] * (ncols - len(parts))
+            rows.append(parts[:ncols])
+    return rows
+
+
+class Cell:
+    """The result of one system in one row."""
+
+    def __init__(self):
+        self.times = []  # seconds of the successful runs
+        self.amount = None
+        self.error = None
+        self.skip = None
+
+    def median(self):
+        return statistics.median(self.times) if self.times else None
+
+    def rate(self):
+        m = self.median()
+        return self.amount / m if m and self.error is None else None
+
+
+def fmt_rate(v, unit):
+    if v is None:
+        return ""
+    if unit == "MiB/s":
+        return "%.1f %s" % (v, unit)
+    return "{:,.0f} {}".format(v, unit)
+
+
+def main():
+    work, results = sys.argv[1], sys.argv[2]
+    rows = read_tsv(os.path.join(work, "rows.tsv"), 4)
+    raw = read_tsv(os.path.join(work, "raw.tsv"), 9)
+    meta = read_tsv(os.path.join(work, "meta.tsv"), 2)
+
+    cells = {}
+    for wl, row, sysname, run, ns, amount, unit, status, msg in raw:
+        c = cells.setdefault((row, sysname), Cell())
+        try:
+            c.amount = float(amount)
+        except ValueError:
+            pass
+        if status == "ok":
+            c.times.append(int(ns) / 1e9)
+        elif status == "fail":
+            c.error = c.error or "run %s: %s" % (run, msg)
+        elif status == "skip":
+            c.skip = msg
+
+    # Error footnotes, numbered in order of appearance; equal messages share a number.
+    notes = []
+
+    def note(msg):
+        if msg not in notes:
+            notes.append(msg)
+        return notes.index(msg) + 1
+
+    def cell_text(c, unit):
+        if c is None:
+            return "not run"
+        if c.skip:
+            return "—"
+        if c.error:
+            return "n/a [%d]" % note(c.error)
+        if not c.times:
+            return "not run"
+        return "%s (%.3f s)" % (fmt_rate(c.rate(), unit), c.median())
+
+    table = []
+    summary = []
+    for wl, row, unit, rnote in rows:
+        got = {s: cells.get((row, s)) for s, _ in SYSTEMS}
+        b, k = got["butter"], got["kernel"]
+        ratio = None
+        if b and k and b.rate() and k.rate():
+            ratio = b.rate() / k.rate()
+        table.append(
+            [row]
+            + [cell_text(got[s], unit) for s, _ in SYSTEMS]
+            + ["%.2fx" % ratio if ratio is not None else "n/a"]
+        )
+        line = {"workload": wl, "row": row, "unit": unit}
+        for s, _ in SYSTEMS:
+            c = got[s]
+            line[s + "_rate"] = "%.3f" % c.rate() if c and c.rate() else ""
+            line[s + "_median_s"] = "%.4f" % c.median() if c and c.median() and not c.error else ""
+            line[s + "_runs"] = len(c.times) if c else 0
+            line[s + "_status"] = (
+                "" if c is None else "skip" if c.skip else "fail" if c.error else "ok" if c.times else ""
+            )
+            line[s + "_error"] = (c.error or "") if c else ""
+        line["ratio_butter_kernel"] = "%.4f" % ratio if ratio is not None else ""
+        summary.append(line)
+
+    os.makedirs(results, exist_ok=True)
+    with open(os.path.join(results, "latest.csv"), "w", newline="") as f:
+        fields = ["workload", "row", "unit"]
+        for s, _ in SYSTEMS:
+            fields += [s + "_rate", s + "_median_s", s + "_runs", s + "_status", s + "_error"]
+        fields += ["ratio_butter_kernel"]
+        w = csv.DictWriter(f, fieldnames=fields)
+        w.writeheader()
+        w.writerows(summary)
+    with open(os.path.join(results, "latest-runs.csv"), "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["workload", "row", "system", "run", "seconds", "amount", "unit", "status", "message"])
+        for wl, row, sysname, run, ns, amount, unit, status, msg in raw:
+            secs = "%.6f" % (int(ns) / 1e9) if status == "ok" else ""
+            w.writerow([wl, row, sysname, run, secs, amount, unit, status, msg])
+
+    chart = os.path.join(results, "latest.png")
+    chart_note, chart_console = make_chart(chart, rows, cells)
+
+    md = []
+    md.append("# butter benchmark results\n")
+    md.append(
+        "Median of the runs; throughput with the median time in parentheses (higher throughput is "
+        "better). **butter/kernel** is butter's throughput over the kernel's: above 1.00x butter "
+        "is faster. Cold cache before every timed run (`sync; echo 3 > /proc/sys/vm/drop_caches`; "
+        "butter and the kernel mounts are also remounted for every run). For *restore*, the "
+        "kernel btrfs column is btrfs-progs `btrfs restore` (userspace), and ext4 has no "
+        "counterpart.\n"
+    )
+    header = ["workload"] + [label for _, label in SYSTEMS] + ["butter/kernel"]
+    md.append("| " + " | ".join(header) + " |")
+    md.append("|" + "---|" + "---:|" * (len(header) - 1))
+    for t in table:
+        md.append("| " + " | ".join(x.replace("|", "\\|") for x in t) + " |")
+    md.append("")
+    if notes:
+        md.append("Errors:\n")
+        for i, n in enumerate(notes, 1):
+            md.append("%d. `%s`" % (i, n.replace("`", "'")))
+        md.append("")
+    md.append(chart_note + "\n")
+
+    md.append("## Commands\n")
+    for wl, row, unit, rnote in rows:
+        md.append("- %s: `%s`" % (row, rnote))
+    md.append("")
+
+    md.append("## All runs (seconds)\n")
+    md.append("| workload | system | runs | min | median | max |")
+    md.append("|---|---|---|---:|---:|---:|")
+    for wl, row, unit, rnote in rows:
+        for s, label in SYSTEMS:
+            c = cells.get((row, s))
+            if not c or not c.times:
+                continue
+            md.append(
+                "| %s | %s | %s | %.3f | %.3f | %.3f |"
+                % (
+                    row,
+                    label,
+                    " ".join("%.3f" % t for t in c.times),
+                    min(c.times),
+                    c.median(),
+                    max(c.times),
+                )
+            )
+    md.append("")
+
+    md.append("## Machine and run\n")
+    md.append("| | |")
+    md.append("|---|---|")
+    for k, v in meta:
+        md.append("| %s | %s |" % (k, v.replace("|", "\\|")))
+    md.append("")
+    with open(os.path.join(results, "latest.md"), "w") as f:
+        f.write("\n".join(md))
+
+    # The table on stdout too.
+    widths = [max(len(header[i]), *(len(t[i]) for t in table)) if table else len(header[i]) for i in range(len(header))]
+    print("  ".join(h.ljust(w) for h, w in zip(header, widths)))
+    for t in table:
+        print("  ".join(x.ljust(w) for x, w in zip(t, widths)))
+    for i, n in enumerate(notes, 1):
+        print("[%d] %s" % (i, n))
+    print(chart_console)
+    print("wrote %s, latest.csv, latest-runs.csv" % os.path.join(results, "latest.md"))
+    return 0
+
+
+def make_chart(path, rows, cells):
+    if os.path.exists(path):
+        os.remove(path)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        msg = (
+            "Charts: skipped (matplotlib is not installed for %s; install it there, or set "
+            "BENCH_PYTHON to a python that has it)." % sys.executable
+        )
+        return msg, msg
+    if not rows:
+        return "Charts: skipped (no results).", "charts skipped: no results"
+    n = len(rows)
+    cols = min(n, 3)
+    nrows = (n + cols - 1) // cols
+    fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.4 * nrows), squeeze=False)
+    colors = {"butter": "#e0a800", "kernel": "#3870b0", "ext4": "#6a9a50"}
+    for i, (wl, row, unit, _) in enumerate(rows):
+        ax = axes[i // cols][i % cols]
+        labels, values, texts = [], [], []
+        for s, label in SYSTEMS:
+            c = cells.get((row, s))
+            labels.append(label)
+            r = c.rate() if c else None
+            values.append(r or 0)
+            texts.append("—" if c and c.skip else "n/a" if r is None else fmt_rate(r, "").strip())
+        bars = ax.bar(labels, values, color=[colors[s] for s, _ in SYSTEMS])
+        top = max(values) or 1
+        for bar, t in zip(bars, texts):
+            ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height() + top * 0.02, t, ha="center", fontsize=8)
+        ax.set_ylim(0, top * 1.18)
+        ax.set_title(row, fontsize=9)
+        ax.set_ylabel(unit)
+        ax.tick_params(axis="x", labelsize=8)
+    for j in range(n, nrows * cols):
+        axes[j // cols][j % cols].axis("off")
+    fig.suptitle("butter vs kernel btrfs vs ext4 (median throughput, higher is better)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return "![throughput chart](latest.png)", "chart: %s" % path
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,898 @@
+//! FUSE adapter: serves a [`butter::fs::Fs`] to the kernel through `fuser`, read-only.
+//!
+//! Design limits and invariants:
+//!
+//! - **Read-only.** The mount carries `ro`; opens for writing and `access(W_OK)` get EROFS.
+//!   Every other write operation keeps fuser's default (ENOSYS), which the kernel never sends
+//!   on an `ro` mount anyway.
+//! - **errno only here.** Engine errors are typed; this module turns them into errno with
+//!   [`butter::Error::errno`] and logs each one (`log::error!`). Expected outcomes (a name not
+//!   found, an absent xattr, a too-small xattr buffer) are not logged. A panic inside an
+//!   operation is caught, logged and answered with EIO: one bad inode never ends the mount.
+//! - **Inode numbers** (FUSE node ids, which are also the reported `st_ino`) are stable for
+//!   the life of the mount. The mounted subvolume's root directory is node 1 (reported with
+//!   its btrfs number, 256, as `st_ino`, like the kernel). Every other inode of the mounted
+//!   subvolume keeps its btrfs number. Inodes of other subvolumes (and, on a damaged image,
+//!   numbers of the mounted one outside `[2, TABLE_BASE)`) get `TABLE_BASE + n` from a table
+//!   keyed by (subvolume, inode) that only grows, so hardlinks share one `st_ino` and
+//!   `forget` has nothing to free.
+//! - **readdir cookies.** "." has offset 1, ".." offset 2, an entry with DIR_INDEX sequence
+//!   number `i` (always >= 2 on btrfs) offset `i + 1`: a request at offset `o >= 2` resumes at
+//!   index `o`. These are the positions the kernel's btrfs uses, so telldir/seekdir values
+//!   mean the same on both.
+//! - **Threads.** fuser runs `threads` event loops, each on its own cloned /dev/fuse
+//!   descriptor, calling into the shared `Fs` (which is Sync); replies go out from the thread
+//!   that read the request.
+//! - **Ending.** [`serve`] returns when the mount goes away: an external unmount, or a signal
+//!   (SIGINT/SIGTERM/SIGHUP) on which it unmounts itself, lazily if the mount is busy.
+//! - **Caching.** Nothing changes under a read-only mount, so entries and attributes are
+//!   valid for [`TTL`], file pages are kept across opens and directory listings are cached.
+
+use butter::format::items::{InodeItem, Timespec};
+use butter::format::{FT_BLKDEV, FT_CHRDEV, FT_DIR, FT_FIFO, FT_REG_FILE, FT_SOCK, FT_SYMLINK};
+use butter::fs::{Fs, Inode};
+use butter::{Error, Location};
+use fuser::{
+    AccessFlags, Config, Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation,
+    INodeNo, InitFlags, KernelConfig, MountOption, OpenAccMode, OpenFlags, ReplyAttr, ReplyData,
+    ReplyDirectory, ReplyDirectoryPlus, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs, ReplyXattr,
+    Request, Session, SessionACL,
+};
+use std::collections::HashMap;
+use std::ffi::OsStr;
+use std::os::unix::ffi::OsStrExt;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+/// How long the kernel may cache entries and attributes (nothing changes: read-only).
+pub const TTL: Duration = Duration::from_secs(60);
+
+/// First node id handed out from the (subvolume, inode) table. Inode numbers of the mounted
+/// subvolume below it are used as they are; btrfs allocates inode numbers upwards from 256, so
+/// a real filesystem never gets near 2^48.
+pub const TABLE_BASE: u64 = 1 << 48;
+
+/// Entries fetched from the engine per step while filling a readdir reply.
+const READDIR_BATCH: usize = 128;
+
+/// Longest name btrfs stores.
+const NAME_MAX: usize = 255;
+
+/// The mapping between FUSE node ids and engine inodes. See the module doc.
+pub struct InodeMap {
+    root: Inode,
+    table: RwLock<Table>,
+}
+
+#[derive(Default)]
+struct Table {
+    ids: HashMap<Inode, u64>,
+    inodes: Vec<Inode>,
+}
+
+impl InodeMap {
+    pub fn new(root: Inode) -> Self {
+        InodeMap {
+            root,
+            table: RwLock::new(Table::default()),
+        }
+    }
+
+    fn direct(&self, ino: Inode) -> bool {
+        ino.root == self.root.root && (2..TABLE_BASE).contains(&ino.ino)
+    }
+
+    /// The node id of an inode, allocating a table entry the first time one is needed.
+    pub fn node_id(&self, ino: Inode) -> u64 {
+        if ino == self.root {
+            return INodeNo::ROOT.0;
+        }
+        if self.direct(ino) {
+            return ino.ino;
+        }
+        if let Some(id) = self
+            .table
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .ids
+            .get(&ino)
+        {
+            return *id;
+        }
+        let mut t = self.table.write().unwrap_or_else(|e| e.into_inner());
+        if let Some(id) = t.ids.get(&ino) {
+            return *id;
+        }
+        let id = TABLE_BASE + t.inodes.len() as u64;
+        t.inodes.push(ino);
+        t.ids.insert(ino, id);
+        id
+    }
+
+    /// The inode behind a node id, `None` for an id never handed out.
+    pub fn inode(&self, id: u64) -> Option<Inode> {
+        if id == INodeNo::ROOT.0 {
+            return Some(self.root);
+        }
+        if (2..TABLE_BASE).contains(&id) {
+            // Includes the root's own btrfs number, an alias of node 1.
+            return Some(Inode {
+                root: self.root.root,
+                ino: id,
+            });
+        }
+        let t = self.table.read().unwrap_or_else(|e| e.into_inner());
+        usize::try_from(id - TABLE_BASE)
+            .ok()
+            .and_then(|i| t.inodes.get(i).copied())
+    }
+
+    /// The `st_ino` reported for a node: the node id, except for the root, which shows its
+    /// btrfs number as the kernel does. Node ids in readdirplus and lookup replies are taken
+    /// from this too; for the root that gives its alias, which [`InodeMap::inode`] accepts.
+    pub fn st_ino(&self, id: u64) -> u64 {
+        if id == INodeNo::ROOT.0 && (2..TABLE_BASE).contains(&self.root.ino) {
+            self.root.ino
+        } else {
+            id
+        }
+    }
+}
+
+/// Why an operation failed.
+enum OpError {
+    /// An engine error: mapped with [`Error::errno`] and logged.
+    Fs(Error),
+    /// A failure found at this edge worth a log line (bad node id, odd name on disk).
+    Edge(i32, String),
+    /// An ordinary answer (ENOENT, ENODATA, ERANGE, EROFS): not logged.
+    Quiet(i32),
+}
+
+impl From<Error> for OpError {
+    fn from(e: Error) -> Self {
+        OpError::Fs(e)
+    }
+}
+
+type OpResult<T> = Result<T, OpError>;
+
+/// The filesystem as fuser sees it.
+pub struct ButterFuse {
+    fs: Arc<Fs>,
+    map: InodeMap,
+    /// Parent node of each directory node seen through lookup/readdirplus (for "..").
+    parents: Mutex<HashMap<u64, u64>>,
+}
+
+impl ButterFuse {
+    /// Serves `fs` with `root` (a subvolume's root directory) as the mount's root.
+    pub fn new(fs: Arc<Fs>, root: Inode) -> Self {
+        let mut parents = HashMap::new();
+        parents.insert(INodeNo::ROOT.0, INodeNo::ROOT.0);
+        ButterFuse {
+            fs,
+            map: InodeMap::new(root),
+            parents: Mutex::new(parents),
+        }
+    }
+
+    /// Runs `f`, turning its failure or panic into an errno and a log line naming `op`.
+    fn guard<T>(&self, op: &str, node: u64, f: impl FnOnce() -> OpResult<T>) -> Result<T, Errno> {
+        match catch_unwind(AssertUnwindSafe(f)) {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(OpError::Quiet(n))) => Err(Errno::from_i32(n)),
+            Ok(Err(OpError::Fs(e))) => {
+                log::error!("{op} (node {node}): {e}");
+                Err(Errno::from_i32(e.errno()))
+            }
+            Ok(Err(OpError::Edge(n, why))) => {
+                log::error!("{op} (node {node}): {why}");
+                Err(Errno::from_i32(n))
+            }
+            Err(p) => {
+                let msg = p
+                    .downcast_ref::<&str>()
+                    .map(|s| s.to_string())
+                    .or_else(|| p.downcast_ref::<String>().cloned())
+                    .unwrap_or_default();
+                log::error!("{op} (node {node}): internal error (panic) {msg}");
+                Err(Errno::EIO)
+            }
+        }
+    }
+
+    fn inode(&self, node: u64) -> OpResult<Inode> {
+        self.map.inode(node).ok_or_else(|| {
+            OpError::Edge(libc::ESTALE, format!("node id {node} was never handed out"))
+        })
+    }
+
+    fn parent_of(&self, node: u64) -> u64 {
+        self.parents
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&node)
+            .copied()
+            .unwrap_or(node)
+    }
+
+    fn remember_parent(&self, child: u64, parent: u64) {
+        self.parents
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(child, parent);
+    }
+
+    /// Attributes of node `node` (engine inode `ino`).
+    fn attr(&self, node: u64, ino: Inode) -> OpResult<FileAttr> {
+        let item = self.fs.inode_item(ino)?;
+        let ss = u64::from(self.fs.disk.sectorsize().max(1));
+        file_attr(self.map.st_ino(node), ino, &item, ss).map_err(OpError::Fs)
+    }
+
+    /// Node id and attributes of an inode found by lookup or readdirplus under `parent`.
+    fn entry(&self, parent: u64, ino: Inode) -> OpResult<FileAttr> {
+        let node = self.map.node_id(ino);
+        let attr = self.attr(node, ino)?;
+        if attr.kind == FileType::Directory && node != INodeNo::ROOT.0 {
+            self.remember_parent(node, parent);
+        }
+        Ok(attr)
+    }
+
+    /// "." and ".." (offsets 1 and 2), then entries with index >= `offset`. `add` gets the
+    /// name, the entry's next offset, and the entry (`None` for the dots); it returns true
+    /// when the reply is full.
+    fn fill_dir(
+        &self,
+        node: u64,
+        offset: u64,
+        mut add: impl FnMut(&[u8], u64, Option<&butter::fs::DirEntry>) -> OpResult<bool>,
+    ) -> OpResult<()> {
+        let dir = self.inode(node)?;
+        if offset == 0 && add(b".", 1, None)? {
+            return Ok(());
+        }
+        if offset <= 1 && add(b"..", 2, None)? {
+            return Ok(());
+        }
+        let mut after = offset.max(2) - 1;
+        loop {
+            let batch = self.fs.readdir(dir, after, READDIR_BATCH)?;
+            if batch.is_empty() {
+                return Ok(());
+            }
+            for e in &batch {
+                after = e.index;
+                if e.index == u64::MAX {
+                    log::error!(
+                        "readdir (node {node}): entry {:?} has index {}, beyond what a cookie can resume",
+                        String::from_utf8_lossy(&e.name),
+                        e.index
+                    );
+                    return Ok(());
+                }
+                if let Err(why) = check_name(&e.name) {
+                    log::error!(
+                        "readdir (node {node}): skipping entry {:?} (index {}): {why}",
+                        String::from_utf8_lossy(&e.name),
+                        e.index
+                    );
+                    continue;
+                }
+                if add(&e.name, e.index + 1, Some(e))? {
+                    return Ok(());
+                }
+            }
+        }
+    }
+
+    /// File type of a directory entry, from its FT_* code or else from the inode itself.
+    fn entry_kind(&self, e: &butter::fs::DirEntry) -> OpResult<FileType> {
+        if let Some(k) = kind_from_ft(e.file_type) {
+            return Ok(k);
+        }
+        let item = self.fs.inode_item(e.target)?;
+        kind_from_mode(item.mode, e.target).map_err(OpError::Fs)
+    }
+}
+
+impl Filesystem for ButterFuse {
+    fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> std::io::Result<()> {
+        // Each is optional: ask for those the kernel offers.
+        for cap in [
+            InitFlags::FUSE_DO_READDIRPLUS | InitFlags::FUSE_READDIRPLUS_AUTO,
+            InitFlags::FUSE_CACHE_SYMLINKS,
+            InitFlags::FUSE_PARALLEL_DIROPS,
+        ] {
+            if let Err(missing) = config.add_capabilities(cap) {
+                log::debug!("kernel lacks FUSE capability {missing:?}");
+            }
+        }
+        Ok(())
+    }
+
+    fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
+        let r = self.guard("lookup", parent.0, || {
+            let dir = self.inode(parent.0)?;
+            let name = name.as_bytes();
+            if name.len() > NAME_MAX {
+                return Err(OpError::Quiet(libc::ENAMETOOLONG));
+            }
+            let target = match name {
+                b"." => dir,
+                b".." => self
+                    .inode(self.parent_of(parent.0))
+                    .unwrap_or(self.map.root),
+                _ => {
+                    self.fs
+                        .lookup(dir, name)?
+                        .ok_or(OpError::Quiet(libc::ENOENT))?
+                        .target
+                }
+            };
+            self.entry(parent.0, target)
+        });
+        match r {
+            Ok(attr) => reply.entry(&TTL, &attr, Generation(0)),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    // forget / batch_forget: the default (nothing) is right; node ids live as long as the mount.
+
+    fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
+        match self.guard("getattr", ino.0, || self.attr(ino.0, self.inode(ino.0)?)) {
+            Ok(attr) => reply.attr(&TTL, &attr),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn readlink(&self, _req: &Request, ino: INodeNo, reply: ReplyData) {
+        match self.guard("readlink", ino.0, || {
+            Ok(self.fs.readlink(self.inode(ino.0)?)?)
+        }) {
+            Ok(target) => reply.data(&target),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
+        match self.guard("open", ino.0, || {
+            if flags.acc_mode() != OpenAccMode::O_RDONLY {
+                return Err(OpError::Quiet(libc::EROFS));
+            }
+            self.inode(ino.0).map(|_| ())
+        }) {
+            Ok(()) => reply.opened(FileHandle(0), FopenFlags::FOPEN_KEEP_CACHE),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn read(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        size: u32,
+        _flags: OpenFlags,
+        _lock_owner: Option<fuser::LockOwner>,
+        reply: ReplyData,
+    ) {
+        match self.guard("read", ino.0, || {
+            Ok(self.fs.read(self.inode(ino.0)?, offset, size as usize)?)
+        }) {
+            Ok(data) => reply.data(&data),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
+        match self.guard("opendir", ino.0, || self.inode(ino.0).map(|_| ())) {
+            Ok(()) => reply.opened(
+                FileHandle(0),
+                FopenFlags::FOPEN_KEEP_CACHE | FopenFlags::FOPEN_CACHE_DIR,
+            ),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn readdir(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        mut reply: ReplyDirectory,
+    ) {
+        let r = self.guard("readdir", ino.0, || {
+            let parent = self.parent_of(ino.0);
+            self.fill_dir(ino.0, offset, |name, next, e| {
+                let (st_ino, kind) = match e {
+                    None if name == b"." => (self.map.st_ino(ino.0), FileType::Directory),
+                    None => (self.map.st_ino(parent), FileType::Directory),
+                    Some(e) => (
+                        self.map.st_ino(self.map.node_id(e.target)),
+                        self.entry_kind(e)?,
+                    ),
+                };
+                Ok(reply.add(INodeNo(st_ino), next, kind, OsStr::from_bytes(name)))
+            })
+        });
+        match r {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn readdirplus(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        mut reply: ReplyDirectoryPlus,
+    ) {
+        let r = self.guard("readdirplus", ino.0, || {
+            let dir = self.inode(ino.0)?;
+            let parent = self.parent_of(ino.0);
+            // The kernel ignores the attributes sent with "." and "..": reuse the directory's.
+            let mut dir_attr: Option<FileAttr> = None;
+            self.fill_dir(ino.0, offset, |name, next, e| {
+                let attr = match e {
+                    None => {
+                        let a = match dir_attr {
+                            Some(a) => a,
+                            None => *dir_attr.insert(self.attr(ino.0, dir)?),
+                        };
+                        let node = if name == b"." { ino.0 } else { parent };
+                        FileAttr {
+                            ino: INodeNo(self.map.st_ino(node)),
+                            ..a
+                        }
+                    }
+                    Some(e) => self.entry(ino.0, e.target)?,
+                };
+                Ok(reply.add(
+                    INodeNo(attr.ino.0),
+                    next,
+                    OsStr::from_bytes(name),
+                    &TTL,
+                    &attr,
+                    Generation(0),
+                ))
+            })
+        });
+        match r {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
+        let sb = &self.fs.disk.sb;
+        let ss = sb.sectorsize.max(1);
+        let blocks = sb.total_bytes / u64::from(ss);
+        let free = sb.total_bytes.saturating_sub(sb.bytes_used) / u64::from(ss);
+        reply.statfs(blocks, free, free, 0, 0, ss, NAME_MAX as u32, ss);
+    }
+
+    fn getxattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, size: u32, reply: ReplyXattr) {
+        match self.guard("getxattr", ino.0, || {
+            self.fs
+                .getxattr(self.inode(ino.0)?, name.as_bytes())?
+                .ok_or(OpError::Quiet(libc::ENODATA))
+        }) {
+            Ok(value) => reply_xattr(reply, size, &value),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn listxattr(&self, _req: &Request, ino: INodeNo, size: u32, reply: ReplyXattr) {
+        match self.guard("listxattr", ino.0, || {
+            let mut out = Vec::new();
+            for name in self.fs.listxattr(self.inode(ino.0)?)? {
+                out.extend_from_slice(&name);
+                out.push(0);
+            }
+            Ok(out)
+        }) {
+            Ok(list) => reply_xattr(reply, size, &list),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    // Nothing is ever dirty: flush and fsync succeed. The rest answer what fuser's defaults
+    // answer, without their "not implemented" warning on every first use.
+
+    fn flush(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _fh: FileHandle,
+        _lock_owner: fuser::LockOwner,
+        reply: ReplyEmpty,
+    ) {
+        reply.ok();
+    }
+
+    fn fsync(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _fh: FileHandle,
+        _datasync: bool,
+        reply: ReplyEmpty,
+    ) {
+        reply.ok();
+    }
+
+    fn fsyncdir(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _fh: FileHandle,
+        _datasync: bool,
+        reply: ReplyEmpty,
+    ) {
+        reply.ok();
+    }
+
+    fn ioctl(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _fh: FileHandle,
+        _flags: fuser::IoctlFlags,
+        _cmd: u32,
+        _in_data: &[u8],
+        _out_size: u32,
+        reply: fuser::ReplyIoctl,
+    ) {
+        reply.error(Errno::from_i32(libc::ENOTTY));
+    }
+
+    fn poll(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _fh: FileHandle,
+        _ph: fuser::PollNotifier,
+        _events: fuser::PollEvents,
+        _flags: fuser::PollFlags,
+        reply: fuser::ReplyPoll,
+    ) {
+        // ENOSYS: the kernel stops asking and treats files as always ready.
+        reply.error(Errno::ENOSYS);
+    }
+
+    fn lseek(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _fh: FileHandle,
+        _offset: i64,
+        _whence: i32,
+        reply: fuser::ReplyLseek,
+    ) {
+        // ENOSYS: the kernel stops asking and does SEEK_DATA/SEEK_HOLE itself (all data).
+        reply.error(Errno::ENOSYS);
+    }
+
+    fn access(&self, _req: &Request, _ino: INodeNo, mask: AccessFlags, reply: ReplyEmpty) {
+        // With default_permissions the kernel checks modes itself and does not ask; this only
+        // refuses writing.
+        if mask.contains(AccessFlags::W_OK) {
+            reply.error(Errno::from_i32(libc::EROFS));
+        } else {
+            reply.ok();
+        }
+    }
+}
+
+/// Answers a getxattr/listxattr: the size for a size-0 probe, ERANGE when the caller's
+/// buffer is too small, else the bytes.
+fn reply_xattr(reply: ReplyXattr, size: u32, value: &[u8]) {
+    let Ok(len) = u32::try_from(value.len()) else {
+        reply.error(Errno::from_i32(libc::E2BIG));
+        return;
+    };
+    if size == 0 {
+        reply.size(len);
+    } else if len > size {
+        reply.error(Errno::from_i32(libc::ERANGE));
+    } else {
+        reply.data(value);
+    }
+}
+
+/// Names the kernel would refuse in a FUSE directory reply (the whole reply fails with EIO).
+fn check_name(name: &[u8]) -> Result<(), &'static str> {
+    if name.is_empty() {
+        Err("empty name")
+    } else if name.len() > NAME_MAX {
+        Err("name longer than 255 bytes")
+    } else if name.contains(&b'/') || name.contains(&0) {
+        Err("name contains '/' or NUL")
+    } else if name == b"." || name == b".." {
+        Err("name is a dot entry")
+    } else {
+        Ok(())
+    }
+}
+
+fn kind_from_ft(ft: u8) -> Option<FileType> {
+    Some(match ft {
+        FT_REG_FILE => FileType::RegularFile,
+        FT_DIR => FileType::Directory,
+        FT_CHRDEV => FileType::CharDevice,
+        FT_BLKDEV => FileType::BlockDevice,
+        FT_FIFO => FileType::NamedPipe,
+        FT_SOCK => FileType::Socket,
+        FT_SYMLINK => FileType::Symlink,
+        _ => return None,
+    })
+}
+
+fn kind_from_mode(mode: u32, ino: Inode) -> butter::Result<FileType> {
+    Ok(match mode & libc::S_IFMT {
+        libc::S_IFREG => FileType::RegularFile,
+        libc::S_IFDIR => FileType::Directory,
+        libc::S_IFLNK => FileType::Symlink,
+        libc::S_IFCHR => FileType::CharDevice,
+        libc::S_IFBLK => FileType::BlockDevice,
+        libc::S_IFIFO => FileType::NamedPipe,
+        libc::S_IFSOCK => FileType::Socket,
+        _ => {
+            return Err(Error::corrupt(
+                Location::what(format!("inode {} in subvolume {}", ino.ino, ino.root)),
+                format!("mode {mode:o} has no file type"),
+            ))
+        }
+    })
+}
+
+/// btrfs stores `rdev` as the kernel's internal dev_t (major << 20 | minor); FUSE wants the
+/// 32-bit userspace encoding, which it decodes with `new_decode_dev`.
+pub fn fuse_rdev(rdev: u64) -> u32 {
+    let major = (rdev >> 20) & 0xfff;
+    let minor = rdev & 0xf_ffff;
+    ((minor & 0xff) | (major << 8) | ((minor & !0xff) << 12)) as u32
+}
+
+fn system_time(t: Timespec) -> SystemTime {
+    let nsec = Duration::from_nanos(u64::from(t.nsec.min(999_999_999)));
+    let base = if t.sec >= 0 {
+        UNIX_EPOCH.checked_add(Duration::from_secs(t.sec as u64))
+    } else {
+        UNIX_EPOCH.checked_sub(Duration::from_secs(t.sec.unsigned_abs()))
+    };
+    base.and_then(|b| b.checked_add(nsec)).unwrap_or(UNIX_EPOCH)
+}
+
+/// The FUSE attributes of an inode item. `st_blocks` follows the kernel: the byte count
+/// rounded up to whole sectors (an inline extent of 10 bytes still occupies a sector).
+pub fn file_attr(
+    st_ino: u64,
+    ino: Inode,
+    i: &InodeItem,
+    sectorsize: u64,
+) -> butter::Result<FileAttr> {
+    let kind = kind_from_mode(i.mode, ino)?;
+    let bytes = i.nbytes.div_ceil(sectorsize).saturating_mul(sectorsize);
+    Ok(FileAttr {
+        ino: INodeNo(st_ino),
+        size: i.size,
+        blocks: bytes / 512,
+        atime: system_time(i.atime),
+        mtime: system_time(i.mtime),
+        ctime: system_time(i.ctime),
+        crtime: system_time(i.otime),
+        kind,
+        perm: (i.mode & 0o7777) as u16,
+        nlink: i.nlink,
+        uid: i.uid,
+        gid: i.gid,
+        rdev: fuse_rdev(i.rdev),
+        blksize: sectorsize as u32,
+        flags: 0,
+    })
+}
+
+/// How to mount.
+#[derive(Debug, Clone)]
+pub struct MountConfig {
+    /// Source name shown in /proc/mounts.
+    pub fsname: String,
+    /// Shown as the type `fuse.<subtype>`.
+    pub subtype: String,
+    pub allow_other: bool,
+    pub allow_root: bool,
+    /// Extra kernel flags (dev, nosuid, noexec, noatime, ...).
+    pub flags: Vec<MountOption>,
+    /// Worker threads reading requests (each with its own cloned /dev/fuse descriptor).
+    pub threads: usize,
+}
+
+/// Mounts `fs` (root directory `root`) read-only on `dir` and serves it until the mount goes
+/// away: `fusermount3 -u`/`umount`, or SIGINT/SIGTERM/SIGHUP, on which it unmounts (lazily
+/// if the mount is busy). A second signal exits at once.
+pub fn serve(fs: Arc<Fs>, root: Inode, dir: &Path, cfg: &MountConfig) -> std::io::Result<()> {
+    use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
+    // Registered before mounting, so that a signal arriving during the mount waits for us.
+    let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM, SIGHUP])?;
+    let mut options = vec![
+        MountOption::RO,
+        MountOption::DefaultPermissions,
+        MountOption::FSName(cfg.fsname.clone()),
+        // As a kernel option rather than MountOption::Subtype, which fuser passes only to
+        // fusermount3; the kernel takes it either way and shows the type as fuse.<subtype>.
+        MountOption::CUSTOM(format!("subtype={}", cfg.subtype)),
+    ];
+    options.extend(cfg.flags.iter().cloned());
+    let mut config = Config::default();
+    config.mount_options = options;
+    config.acl = if cfg.allow_other {
+        SessionACL::All
+    } else if cfg.allow_root {
+        SessionACL::RootAndOwner
+    } else {
+        SessionACL::Owner
+    };
+    config.n_threads = Some(cfg.threads.max(1));
+    config.clone_fd = true;
+
+    let session = Session::new(ButterFuse::new(fs, root), dir, &config)?;
+    let mountpoint: PathBuf = dir.canonicalize().unwrap_or_else(|_| dir.to_path_buf());
+    log::info!("mounted on {}", mountpoint.display());
+    // fuser 0.18 unmounts the mount point again when its session ends, even after someone
+    // else unmounted it (its is-still-mounted probe takes POLLERR for "mounted"): a spurious
+    // warning, and with stacked mounts it would unmount the one below ours. So the session
+    // runs in the background and its handle, which owns that unmount-on-drop, is leaked:
+    // we unmount ourselves, on a signal.
+    let bg: &'static mut fuser::BackgroundSession = Box::leak(Box::new(session.spawn()?));
+    let worker = std::mem::replace(&mut bg.guard, std::thread::spawn(|| Ok(())));
+    let handle = signals.handle();
+    let watcher = std::thread::Builder::new()
+        .name("butter-signals".into())
+        .spawn(move || {
+            let mut asked = false;
+            for sig in signals.forever() {
+                if asked {
+                    eprintln!(
+                        "butter: second signal {sig}: exiting without waiting for the unmount"
+                    );
+                    std::process::exit(1);
+                }
+                asked = true;
+                log::info!("signal {sig}: unmounting {}", mountpoint.display());
+                if let Err(e) = unmount(&mountpoint, false) {
+                    eprintln!(
+                        "butter: unmounting {} failed ({e}); detaching it now, serving until its last user lets go",
+                        mountpoint.display()
+                    );
+                    if let Err(e) = unmount(&mountpoint, true) {
+                        eprintln!("butter: detaching {} failed: {e}", mountpoint.display());
+                    }
+                }
+            }
+        })?;
+    let r = worker
+        .join()
+        .unwrap_or_else(|_| Err(std::io::Error::other("the FUSE session thread panicked")));
+    handle.close();
+    let _ = watcher.join();
+    r
+}
+
+/// Unmounts `dir` (detaches it if `lazy`): umount2 as root, else the setuid fusermount3.
+fn unmount(dir: &Path, lazy: bool) -> Result<(), String> {
+    let c = std::ffi::CString::new(dir.as_os_str().as_bytes()).map_err(|e| e.to_string())?;
+    let flags = if lazy { libc::MNT_DETACH } else { 0 };
+    // SAFETY: a valid NUL-terminated path; umount2 does not keep the pointer.
+    if unsafe { libc::umount2(c.as_ptr(), flags) } == 0 {
+        return Ok(());
+    }
+    let err = std::io::Error::last_os_error();
+    if err.raw_os_error() != Some(libc::EPERM) {
+        return Err(err.to_string());
+    }
+    let mut cmd = std::process::Command::new("fusermount3");
+    cmd.arg("-u").arg("-q");
+    if lazy {
+        cmd.arg("-z");
+    }
+    match cmd.arg("--").arg(dir).status() {
+        Ok(s) if s.success() => Ok(()),
+        Ok(s) => Err(format!("fusermount3 -u: {s}")),
+        Err(e) => Err(format!("running fusermount3: {e}")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn node_ids_round_trip_and_are_stable() {
+        let root = Inode { root: 5, ino: 256 };
+        let m = InodeMap::new(root);
+        assert_eq!(m.node_id(root), 1);
+        assert_eq!(m.inode(1), Some(root));
+        assert_eq!(m.st_ino(1), 256);
+        let f = Inode { root: 5, ino: 257 };
+        assert_eq!(m.node_id(f), 257);
+        assert_eq!(m.inode(257), Some(f));
+        let a = Inode {
+            root: 256,
+            ino: 256,
+        };
+        let b = Inode {
+            root: 256,
+            ino: 300,
+        };
+        let na = m.node_id(a);
+        let nb = m.node_id(b);
+        assert_eq!(na, TABLE_BASE);
+        assert_eq!(nb, TABLE_BASE + 1);
+        assert_eq!(m.node_id(a), na);
+        assert_eq!(m.inode(nb), Some(b));
+        assert_eq!(m.inode(TABLE_BASE + 2), None);
+        // A number of the mounted subvolume that would collide goes through the table.
+        let odd = Inode {
+            root: 5,
+            ino: TABLE_BASE + 7,
+        };
+        assert_eq!(m.node_id(odd), TABLE_BASE + 2);
+        assert_eq!(m.inode(TABLE_BASE + 2), Some(odd));
+        let one = Inode { root: 5, ino: 1 };
+        assert_eq!(m.node_id(one), TABLE_BASE + 3);
+    }
+
+    #[test]
+    fn rdev_encoding() {
+        // /dev/null is 1:3, kernel-internal (1 << 20) | 3.
+        assert_eq!(fuse_rdev((1 << 20) | 3), 0x103);
+        // major 259, minor 0x12345
+        let internal = (259u64 << 20) | 0x12345;
+        let enc = fuse_rdev(internal);
+        let major = (enc & 0xfff00) >> 8;
+        let minor = (enc & 0xff) | ((enc >> 12) & 0xfff00);
+        assert_eq!((major, minor), (259, 0x12345));
+    }
+
+    #[test]
+    fn times_before_and_after_the_epoch() {
+        let t = system_time(Timespec { sec: 5, nsec: 7 });
+        assert_eq!(t.duration_since(UNIX_EPOCH).unwrap(), Duration::new(5, 7));
+        let t = system_time(Timespec {
+            sec: -2,
+            nsec: 500_000_000,
+        });
+        assert_eq!(
+            UNIX_EPOCH.duration_since(t).unwrap(),
+            Duration::from_millis(1500)
+        );
+        let _ = system_time(Timespec {
+            sec: i64::MIN,
+            nsec: u32::MAX,
+        });
+        let _ = system_time(Timespec {
+            sec: i64::MAX,
+            nsec: u32::MAX,
+        });
+    }
+
+    #[test]
+    fn names_the_kernel_refuses() {
+        assert!(check_name(b"a").is_ok());
+        assert!(check_name(b"").is_err());
+        assert!(check_name(b"a/b").is_err());
+        assert!(check_name(b"..").is_err());
+        assert!(check_name(&[b'x'; 256]).is_err());
+    }
+}
