@@ -7,8 +7,8 @@
 //! hardlinks (an inode with nlink > 1 seen again is linked to its first path, keyed by
 //! [`Inode`], so snapshots of the same file are separate copies), fifos, sockets and device
 //! nodes. Subvolumes and snapshots below the restored one become directories with their
-//! contents unless `--no-subvols`; a nested subvolume that a snapshot does not contain (its
-//! entry was copied without a ROOT_REF) becomes the empty directory the kernel shows there.
+//! contents unless `--no-subvols`; where a snapshot names a subvolume nested in its source (the
+//! engine's placeholder inode), restore makes the empty directory the kernel shows there.
 //!
 //! Metadata is applied per inode in an order that keeps every bit: content first (a write
 //! clears setuid and file capabilities), then owner (lchown clears setuid/setgid and
@@ -24,11 +24,11 @@
 //! damaged image) is not entered again, so nothing is written outside DIR.
 
 use super::{open_fs, CliError, CliResult};
-use butter::ctree::{self, TreeIter};
+use butter::ctree::TreeIter;
 use butter::disk_io::Readahead;
-use butter::format::items::{FileExtentBody, FileExtentItem, RootRef, Timespec};
-use butter::format::{Key, EXTENT_DATA_KEY, FILE_EXTENT_PREALLOC, FS_TREE_OBJECTID, ROOT_REF_KEY};
-use butter::fs::{DirEntry, Fs, Inode, Stat};
+use butter::format::items::{FileExtentBody, FileExtentItem, Timespec};
+use butter::format::{Key, EXTENT_DATA_KEY, FILE_EXTENT_PREALLOC, FS_TREE_OBJECTID};
+use butter::fs::{DirEntry, Fs, Inode, Stat, EMPTY_SUBVOL_DIR_OBJECTID};
 use std::collections::{HashMap, HashSet};
 use std::ffi::{CString, OsStr};
 use std::fmt::Display;
@@ -488,29 +488,19 @@ impl<'a> Restorer<'a> {
         self.progress.tick(&self.c);
         let dry = self.a.dry_run;
         let ino = e.target;
-        if ino.root != parent.0.root {
-            if self.a.no_subvols {
-                self.c.skipped_subvols += 1;
-                if dry || self.a.verbose {
-                    self.say(format_args!(
-                        "skip     {} (subvolume {})",
-                        rel.display(),
-                        ino.root
-                    ))?;
-                }
-                return Ok(None);
+        // A subvolume below, or the empty directory the kernel shows where a snapshot names a
+        // subvolume nested in its source.
+        let placeholder = ino.ino == EMPTY_SUBVOL_DIR_OBJECTID;
+        if (ino.root != parent.0.root || placeholder) && self.a.no_subvols {
+            self.c.skipped_subvols += 1;
+            if dry || self.a.verbose {
+                self.say(format_args!("skip     {} (subvolume)", rel.display()))?;
             }
-            match self.subvol_linked_here(parent.0, &e.name, ino.root) {
-                Ok(true) => {}
-                Ok(false) => {
-                    self.stub_dir(&path, &rel, parent.1)?;
-                    return Ok(None);
-                }
-                Err(err) => {
-                    self.error(&rel, err);
-                    return Ok(None);
-                }
-            }
+            return Ok(None);
+        }
+        if placeholder {
+            self.stub_dir(&path, &rel, parent.1)?;
+            return Ok(None);
         }
         let st = match self.fs.stat(ino) {
             Ok(s) => s,
@@ -618,18 +608,6 @@ impl<'a> Restorer<'a> {
             self.links.insert(ino, (path, rel, left));
         }
         Ok(None)
-    }
-
-    /// Whether subvolume `child` hangs from directory `dir` under `name` (its ROOT_REF says
-    /// so). A snapshot copies its source's entries for nested subvolumes without their
-    /// ROOT_REF; the kernel shows those as empty directories, and so does restore.
-    fn subvol_linked_here(&self, dir: Inode, name: &[u8], child: u64) -> butter::Result<bool> {
-        let key = Key::new(dir.root, ROOT_REF_KEY, child);
-        let Some(it) = ctree::lookup(&self.fs.disk, &self.fs.tree_root, &key)? else {
-            return Ok(false);
-        };
-        let r = RootRef::parse(it.data()).map_err(|e| it.annotate(e))?;
-        Ok(r.dirid == dir.ino && r.name == name)
     }
 
     /// The empty directory the kernel shows in place of a nested subvolume a snapshot does not
