@@ -54,7 +54,9 @@ fn main() -> ExitCode {
     match r {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("butter: {e:#}");
+            // A closed stderr must not turn an error into a panic.
+            use std::io::Write;
+            let _ = writeln!(std::io::stderr(), "butter: {e:#}");
             ExitCode::FAILURE
         }
     }
