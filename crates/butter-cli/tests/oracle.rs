@@ -7,9 +7,10 @@
 
 mod common;
 
-use common::kernel::{is_mountpoint, require_privileges, ScratchDir, TmpfsMount};
+use common::gen::{Scale, BIG_DIR};
+use common::kernel::{is_mountpoint, require_privileges, LoopMount, ScratchDir, TmpfsMount};
 use common::manifest::{assert_same, take, CompareOpts, TakeOpts};
-use common::variant::{build_variant_image, kernel_manifest, variant};
+use common::variant::{build_variant_image_with, kernel_manifest, variant};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -90,13 +91,38 @@ impl Drop for ButterMount<'_> {
     }
 }
 
-fn oracle(name: &str) {
+/// Levels of the fs tree and the extent tree root, read with butter's engine.
+fn tree_levels(img: &Path) -> (u8, u8) {
+    let fs = butter::fs::Fs::open(img).unwrap();
+    let lvl = |id| fs.find_root_item(id).unwrap().unwrap().level;
+    (
+        lvl(butter::format::FS_TREE_OBJECTID),
+        lvl(butter::format::EXTENT_TREE_OBJECTID),
+    )
+}
+
+fn oracle(name: &str, scale: Scale) {
     if !require_privileges() {
         return;
     }
     let scratch = ScratchDir::new(&format!("oracle-{name}"));
     let v = variant(name);
-    let img = build_variant_image(v, scratch.path(), 0xB077E5);
+    let full = matches!(scale, Scale::Full);
+    let img = build_variant_image_with(v, scratch.path(), 0xB077E5, scale);
+    if name == "nodesize-4k" && full {
+        // Ten thousand small non-inline files: one data extent each, so the extent tree grows
+        // past one level of nodes at 4 KiB.
+        let m = LoopMount::btrfs(&img, &scratch.join("grow"), "noatime");
+        let d = m.path().join("extents");
+        std::fs::create_dir(&d).unwrap();
+        for i in 0..10_000u32 {
+            let body: Vec<u8> = (0..4100u32)
+                .map(|j| (i.wrapping_mul(31) ^ j) as u8)
+                .collect();
+            std::fs::write(d.join(format!("e{i}")), body).unwrap();
+        }
+        m.unmount();
+    }
     let opts = TakeOpts::default();
     let want = kernel_manifest(&img, &scratch.join("kmnt"), &opts);
     assert!(
@@ -104,6 +130,21 @@ fn oracle(name: &str) {
         "the generator made only {} entries",
         want.len()
     );
+    if full {
+        let big = want
+            .entries
+            .keys()
+            .filter(|p| p.starts_with(BIG_DIR))
+            .count();
+        assert!(big > 19_000, "the big directory has only {big} entries");
+    }
+    if name == "nodesize-4k" && full {
+        let (fs_level, extent_level) = tree_levels(&img);
+        assert!(
+            fs_level >= 2 && extent_level >= 2,
+            "fs tree level {fs_level}, extent tree level {extent_level}"
+        );
+    }
 
     // butter restore into a tmpfs (it holds every inode kind and large xattrs).
     let tmp = TmpfsMount::new(&scratch.join("restore"), 4 << 30);
@@ -143,13 +184,23 @@ fn oracle(name: &str) {
 
 macro_rules! variants {
     ($($f:ident => $n:literal),* $(,)?) => {
-        $( #[test] fn $f() { oracle($n); } )*
+        $( #[test] fn $f() { oracle($n, Scale::from_env()); } )*
     };
 }
 
+// Two variants always run at full scale: a directory of 20000 entries, and (at 4 KiB nodes)
+// fs and extent trees of level two or more.
+#[test]
+fn defaults_full() {
+    oracle("defaults", Scale::Full);
+}
+
+#[test]
+fn nodesize_4k_full() {
+    oracle("nodesize-4k", Scale::Full);
+}
+
 variants! {
-    defaults => "defaults",
-    nodesize_4k => "nodesize-4k",
     nodesize_16k => "nodesize-16k",
     nodesize_64k => "nodesize-64k",
     csum_xxhash => "csum-xxhash",
