@@ -352,7 +352,11 @@ impl TreeIter {
         ra: Readahead,
     ) -> Result<TreeIter> {
         let (mut path, _) = search_slot(&disk, &root, &start, ra)?;
-        do_readahead(&disk, &mut path, false);
+        // A whole-tree walk starts reading ahead at once; short range reads (one inode's items)
+        // only read ahead when they cross into a leaf that had to come from disk.
+        if ra == Readahead::ForwardAlways {
+            do_readahead(&disk, &mut path, false);
+        }
         Ok(TreeIter {
             disk,
             path: Some(path),

@@ -649,6 +649,14 @@ impl Disk {
 
     /// Queues blocks to be read into the cache by the readahead thread.
     pub fn readahead(self: &Arc<Self>, blocks: &[(u64, Expect)]) {
+        let wanted: Vec<(u64, Expect)> = {
+            let cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
+            blocks.iter().filter(|(b, _)| !cache.map.contains_key(b)).copied().collect()
+        };
+        if wanted.is_empty() {
+            return;
+        }
+        let blocks = &wanted[..];
         let mut tx = self.ra_tx.lock().unwrap_or_else(|e| e.into_inner());
         if tx.is_none() {
             let (s, r) = std::sync::mpsc::channel::<(u64, Expect)>();
