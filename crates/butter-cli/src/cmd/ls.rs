@@ -68,7 +68,7 @@ pub fn mode_string(mode: u32) -> String {
 }
 
 fn fmt_time(t: Timespec) -> String {
-    format!("{}.{:09}", t.sec, t.nsec)
+    butter::format::print::utc_datetime(t.sec)
 }
 
 pub fn ls(a: LsArgs) -> CliResult {
