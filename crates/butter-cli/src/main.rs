@@ -56,7 +56,9 @@ fn main() -> ExitCode {
         Err(e) => {
             // A closed stderr must not turn an error into a panic.
             use std::io::Write;
-            let _ = writeln!(std::io::stderr(), "butter: {e:#}");
+            if !e.0.is_empty() {
+                let _ = writeln!(std::io::stderr(), "butter: {e:#}");
+            }
             ExitCode::FAILURE
         }
     }

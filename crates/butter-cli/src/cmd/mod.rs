@@ -31,6 +31,10 @@ impl From<butter::Error> for CliError {
 
 impl From<std::io::Error> for CliError {
     fn from(e: std::io::Error) -> Self {
+        // The reader of our output went away (`butter ls IMG | head`): stop quietly.
+        if e.kind() == std::io::ErrorKind::BrokenPipe {
+            return CliError(String::new());
+        }
         CliError(e.to_string())
     }
 }
