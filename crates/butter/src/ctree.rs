@@ -191,6 +191,7 @@ fn do_readahead(disk: &Arc<Disk>, path: &mut Path, leaf_was_cached: bool) {
     let mode = path.readahead;
     let (parent, slot) = &path.nodes[1];
     match mode {
+        // Back reads ahead in prev_leaf.
         Readahead::None | Readahead::Back => {}
         Readahead::Forward => {
             // Only when we had to go to disk, and only for nearby leaves.
@@ -275,6 +276,21 @@ pub fn prev_leaf(disk: &Arc<Disk>, path: &mut Path) -> Result<bool> {
         level -= 1;
         let last = b.nritems().saturating_sub(1);
         path.nodes[level] = (b, last);
+    }
+    if path.readahead == Readahead::Back && path.nodes.len() > 1 {
+        // Walking backwards: queue the preceding nearby siblings of the new leaf.
+        let (parent, slot) = &path.nodes[1];
+        if path.last_ra_parent != parent.bytenr {
+            let cur = parent.ptr(*slot).blockptr;
+            let list: Vec<_> = (0..*slot)
+                .rev()
+                .map(|s| child_expect(&path.root, parent, s))
+                .take_while(|(b, _)| b.abs_diff(cur) <= 1 << 20)
+                .take(16)
+                .collect();
+            path.last_ra_parent = parent.bytenr;
+            disk.readahead(&list);
+        }
     }
     Ok(true)
 }

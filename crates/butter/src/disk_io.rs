@@ -651,7 +651,11 @@ impl Disk {
     pub fn readahead(self: &Arc<Self>, blocks: &[(u64, Expect)]) {
         let wanted: Vec<(u64, Expect)> = {
             let cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
-            blocks.iter().filter(|(b, _)| !cache.map.contains_key(b)).copied().collect()
+            blocks
+                .iter()
+                .filter(|(b, _)| !cache.map.contains_key(b))
+                .copied()
+                .collect()
         };
         if wanted.is_empty() {
             return;

@@ -221,6 +221,29 @@ fn deep_trees_and_forward_always_readahead() {
         .load(std::sync::atomic::Ordering::Relaxed);
     assert!(ra > 0, "FORWARD_ALWAYS issued no readahead");
 
+    // Walking backwards with BACK readahead visits the same items in reverse order.
+    let back = Fs::open(&img).unwrap();
+    let (mut path, _) =
+        butter::ctree::search_slot(&back.disk, &root, &Key::MAX, Readahead::Back).unwrap();
+    let mut m = 0;
+    let mut last: Option<Key> = None;
+    while butter::ctree::prev_item(&back.disk, &mut path).unwrap() {
+        let k = path.item().unwrap().key;
+        assert!(
+            last.is_none_or(|l| k < l),
+            "keys must decrease walking backwards"
+        );
+        last = Some(k);
+        m += 1;
+    }
+    assert_eq!(m, n, "backward walk saw a different number of items");
+    let ra = back
+        .disk
+        .stats
+        .readahead_blocks
+        .load(std::sync::atomic::Ordering::Relaxed);
+    assert!(ra > 0, "BACK issued no readahead");
+
     let dir = fs.resolve("many").unwrap();
     let ents = fs.readdir(dir, 0, 0).unwrap();
     assert_eq!(ents.len(), 12000);
