@@ -485,8 +485,16 @@ impl Fs {
                     let a_lo = rel_lo / ss * ss;
                     let a_hi = rel_hi.div_ceil(ss) * ss;
                     let logical = disk_bytenr + a_lo;
-                    let buf =
-                        self.read_verified(ino, lo, logical, (a_hi - a_lo) as usize, nodatasum)?;
+                    // File offset of the first sector read (for a checksum error message).
+                    let sector_foff = lo.saturating_sub(rel_lo - a_lo);
+                    let buf = self.read_verified(
+                        ino,
+                        sector_foff,
+                        ss,
+                        logical,
+                        (a_hi - a_lo) as usize,
+                        nodatasum,
+                    )?;
                     let from = (rel_lo - a_lo) as usize;
                     let dst = (lo - offset) as usize;
                     let n = (hi - lo) as usize;
@@ -504,6 +512,7 @@ impl Fs {
                     let raw = self.read_verified(
                         ino,
                         foff,
+                        0,
                         *disk_bytenr,
                         *disk_num_bytes as usize,
                         nodatasum,
@@ -537,11 +546,13 @@ impl Fs {
     }
 
     /// Reads `len` bytes at `logical` (sector aligned), verifying each sector's checksum when
-    /// the csum tree has one; tries every copy. `file_off` is for the error message.
+    /// the csum tree has one; tries every copy. For the error message, sector `i` is at file
+    /// offset `file_off + i * file_step` (step 0 for compressed extents: the extent's offset).
     fn read_verified(
         &self,
         ino: Inode,
         file_off: u64,
+        file_step: u64,
         logical: u64,
         len: usize,
         nodatasum: bool,
@@ -574,7 +585,7 @@ impl Fs {
                 let e = Error::DataChecksum {
                     root: ino.root,
                     ino: ino.ino,
-                    file_offset: file_off,
+                    file_offset: file_off.saturating_add(i * file_step),
                     logical: logical + i * ss as u64,
                 };
                 log::error!("{e}");
