@@ -420,12 +420,12 @@ impl Disk {
         let unsupported = sb.incompat_flags & !INCOMPAT_SUPPORTED;
         if unsupported != 0 {
             return Err(Error::Unsupported(format!(
-                "incompat feature bits {unsupported:#x}"
+                "superblock incompat feature bits {unsupported:#x}"
             )));
         }
         if sb.num_devices != 1 {
             return Err(Error::Unsupported(format!(
-                "filesystem has {} devices; butter opens single-device filesystems",
+                "superblock says the filesystem has {} devices; butter opens single-device filesystems",
                 sb.num_devices
             )));
         }
