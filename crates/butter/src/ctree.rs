@@ -81,6 +81,8 @@ impl ItemRef {
                     reason,
                 }
             }
+            // "unsupported: compression 7" alone does not say which file extent it is.
+            Error::Unsupported(m) => Error::Unsupported(format!("{m} ({})", self.loc())),
             e => e,
         }
     }
