@@ -67,10 +67,12 @@ impl ItemRef {
     pub fn loc(&self) -> Location {
         self.block.loc(Some(self.slot))
     }
-    /// Adds this item's location to a corruption error from an item decoder.
+    /// Adds this item's location to a corruption error from an item decoder. An error that
+    /// already names a tree block (raised while reading another block on behalf of this item,
+    /// e.g. a csum tree leaf during a file read) keeps its own location.
     pub fn annotate(&self, e: Error) -> Error {
         match e {
-            Error::Corrupt { loc, reason } => {
+            Error::Corrupt { loc, reason } if loc.bytenr.is_none() => {
                 let what = loc.what.clone();
                 let mut l = self.loc();
                 l.what = what;
@@ -79,6 +81,8 @@ impl ItemRef {
                     reason,
                 }
             }
+            // "unsupported: compression 7" alone does not say which file extent it is.
+            Error::Unsupported(m) => Error::Unsupported(format!("{m} ({})", self.loc())),
             e => e,
         }
     }

@@ -279,13 +279,21 @@ pub fn check_tree_block(
             }
         }
     }
-    if let (Some(want), Some(got)) = (expect.first_key, first_key) {
-        if want != got {
+    match (expect.first_key, first_key) {
+        (Some(want), Some(got)) if want != got => {
             return Err(Error::corrupt(
                 loc(Some(0)),
                 format!("first key {got} but parent pointer says {want}"),
             ));
         }
+        // Only a root may be an empty leaf: a parent pointer always names a first key.
+        (Some(want), None) => {
+            return Err(Error::corrupt(
+                loc(None),
+                format!("empty leaf but parent pointer says its first key is {want}"),
+            ));
+        }
+        _ => {}
     }
     if let (Some(want), Some(got)) = (expect.owner, Some(h.owner)) {
         // Log trees and relocation trees legitimately carry other owners; check fs trees loosely.
@@ -412,12 +420,12 @@ impl Disk {
         let unsupported = sb.incompat_flags & !INCOMPAT_SUPPORTED;
         if unsupported != 0 {
             return Err(Error::Unsupported(format!(
-                "incompat feature bits {unsupported:#x}"
+                "superblock incompat feature bits {unsupported:#x}"
             )));
         }
         if sb.num_devices != 1 {
             return Err(Error::Unsupported(format!(
-                "filesystem has {} devices; butter opens single-device filesystems",
+                "superblock says the filesystem has {} devices; butter opens single-device filesystems",
                 sb.num_devices
             )));
         }
@@ -552,7 +560,13 @@ impl Disk {
             }
         }
         if let Some(k) = expect.first_key {
-            if b.nritems() > 0 && b.key(0) != k {
+            if b.nritems() == 0 {
+                return Err(Error::corrupt(
+                    loc(),
+                    format!("empty leaf but parent pointer says its first key is {k}"),
+                ));
+            }
+            if b.key(0) != k {
                 return Err(Error::corrupt(
                     loc(),
                     format!("first key {} but parent pointer says {k}", b.key(0)),

@@ -503,23 +503,43 @@ impl Fs {
                 }
                 let lo = offset.max(foff);
                 let hi = end.min(ext_end);
+                // Data extents are whole sectors; this also keeps every sum below in range.
+                if disk_bytenr % ss != 0
+                    || disk_num_bytes % ss != 0
+                    || disk_bytenr.checked_add(*disk_num_bytes).is_none()
+                {
+                    return Err(Error::corrupt(
+                        Location::what("file extent"),
+                        format!("data extent [{disk_bytenr}, +{disk_num_bytes}) is not sector aligned or overflows"),
+                    ));
+                }
                 if fe.compression == COMPRESS_NONE {
                     // Read the sectors covering [lo, hi) of the extent, verify, copy.
                     let rel_lo = eoff.checked_add(lo - foff).ok_or_else(|| {
                         Error::corrupt(Location::what("file extent"), "extent offset overflows")
                     })?;
-                    let rel_hi = rel_lo + (hi - lo);
-                    if rel_hi > *disk_num_bytes {
-                        return Err(Error::corrupt(
-                            Location::what("file extent"),
-                            format!("offset {eoff} + length {num_bytes} beyond disk_num_bytes {disk_num_bytes}"),
-                        ));
-                    }
+                    let rel_hi = rel_lo
+                        .checked_add(hi - lo)
+                        .filter(|&h| h <= *disk_num_bytes)
+                        .ok_or_else(|| {
+                            Error::corrupt(
+                                Location::what("file extent"),
+                                format!("offset {eoff} + length {num_bytes} beyond disk_num_bytes {disk_num_bytes}"),
+                            )
+                        })?;
                     let a_lo = rel_lo / ss * ss;
                     let a_hi = rel_hi.div_ceil(ss) * ss;
                     let logical = disk_bytenr + a_lo;
-                    let buf =
-                        self.read_verified(ino, lo, logical, (a_hi - a_lo) as usize, nodatasum)?;
+                    // File offset of the first sector read (for a checksum error message).
+                    let sector_foff = lo.saturating_sub(rel_lo - a_lo);
+                    let buf = self.read_verified(
+                        ino,
+                        sector_foff,
+                        ss,
+                        logical,
+                        (a_hi - a_lo) as usize,
+                        nodatasum,
+                    )?;
                     let from = (rel_lo - a_lo) as usize;
                     let dst = (lo - offset) as usize;
                     let n = (hi - lo) as usize;
@@ -537,6 +557,7 @@ impl Fs {
                     let raw = self.read_verified(
                         ino,
                         foff,
+                        0,
                         *disk_bytenr,
                         *disk_num_bytes as usize,
                         nodatasum,
@@ -549,9 +570,9 @@ impl Fs {
                     )?;
                     // The file range maps to [eoff, eoff + num_bytes) of the decompressed data.
                     let base = foff as i128 - *eoff as i128;
-                    let lo_d = (lo as i128 - base) as usize;
-                    let hi_d = (hi as i128 - base) as usize;
-                    if hi_d > data.len() {
+                    let lo_d = lo as i128 - base;
+                    let hi_d = hi as i128 - base;
+                    if lo_d < 0 || hi_d > data.len() as i128 {
                         return Err(Error::corrupt(
                             Location::what("compressed extent"),
                             format!(
@@ -560,6 +581,7 @@ impl Fs {
                             ),
                         ));
                     }
+                    let (lo_d, hi_d) = (lo_d as usize, hi_d as usize);
                     let dst = (lo - offset) as usize;
                     out[dst..dst + (hi_d - lo_d)].copy_from_slice(&data[lo_d..hi_d]);
                 }
@@ -569,11 +591,13 @@ impl Fs {
     }
 
     /// Reads `len` bytes at `logical` (sector aligned), verifying each sector's checksum when
-    /// the csum tree has one; tries every copy. `file_off` is for the error message.
+    /// the csum tree has one; tries every copy. For the error message, sector `i` is at file
+    /// offset `file_off + i * file_step` (step 0 for compressed extents: the extent's offset).
     fn read_verified(
         &self,
         ino: Inode,
         file_off: u64,
+        file_step: u64,
         logical: u64,
         len: usize,
         nodatasum: bool,
@@ -606,7 +630,7 @@ impl Fs {
                 let e = Error::DataChecksum {
                     root: ino.root,
                     ino: ino.ino,
-                    file_offset: file_off,
+                    file_offset: file_off.saturating_add(i * file_step),
                     logical: logical + i * ss as u64,
                 };
                 log::error!("{e}");
@@ -640,7 +664,11 @@ impl Fs {
             self.disk.clone(),
             root,
             start_key,
-            Key::new(EXTENT_CSUM_OBJECTID, EXTENT_CSUM_KEY, logical + len - 1),
+            Key::new(
+                EXTENT_CSUM_OBJECTID,
+                EXTENT_CSUM_KEY,
+                logical.saturating_add(len.saturating_sub(1)),
+            ),
             Readahead::None,
         )?;
         while let Some(item) = it.next_item()? {
@@ -648,8 +676,11 @@ impl Fs {
             let cstart = item.key.offset;
             let count = d.len() as u64 / csize;
             for k in 0..count {
-                let sec = cstart + k * ss;
-                if sec < logical || sec >= logical + len {
+                // Both from disk: a csum item's key near u64::MAX must not overflow.
+                let Some(sec) = cstart.checked_add(k * ss) else {
+                    break;
+                };
+                if sec < logical || sec - logical >= len {
                     continue;
                 }
                 let idx = ((sec - logical) / ss) as usize;

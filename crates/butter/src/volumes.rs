@@ -80,6 +80,14 @@ impl ChunkMap {
                 item.num_stripes
             ));
         }
+        for (i, s) in item.stripes.iter().enumerate() {
+            if s.offset.checked_add(item.length).is_none() {
+                return Err(format!(
+                    "stripe {i} physical offset {} + length {} overflows",
+                    s.offset, item.length
+                ));
+            }
+        }
         if let Some((&s, c)) = self.chunks.range(..end).next_back() {
             if s == logical && c.item == item {
                 return Ok(()); // the same chunk from sys_chunk_array and the chunk tree
@@ -109,7 +117,7 @@ impl ChunkMap {
             .lookup(logical)
             .ok_or_else(|| Error::corrupt(loc(), "no chunk maps this address"))?;
         let off = logical - c.logical;
-        if off + len > c.item.length {
+        if len > c.item.length - off {
             return Err(Error::corrupt(
                 loc(),
                 format!("range crosses the end of chunk {}", c.logical),
