@@ -12,5 +12,6 @@ pub use error::{Error, Location, Result};
 pub mod ctree;
 pub mod device;
 pub mod disk_io;
+pub mod extent_io;
 pub mod fs;
 pub mod volumes;
