@@ -1233,8 +1233,16 @@ fn rebuilt_mkfs_blocks_are_identical() {
     if !require_mkfs() {
         return;
     }
+    /// Removes the scratch directory (and its images) even when an assertion fails.
+    struct Scratch(std::path::PathBuf);
+    impl Drop for Scratch {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
     let t = std::env::temp_dir().join(format!("butter-ctree-ops-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&t);
+    let scratch = Scratch(t.clone());
     let src = t.join("src");
     for i in 0..600 {
         let d = src.join(format!("dir{}", i % 9));
@@ -1325,7 +1333,7 @@ fn rebuilt_mkfs_blocks_are_identical() {
         compared.0, compared.1
     );
     assert!(compared.0 + compared.1 > 20);
-    std::fs::remove_dir_all(&t).unwrap();
+    drop(scratch);
 }
 
 /// Extending the middle one of three big items moves it into a leaf of its own.
