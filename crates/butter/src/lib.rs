@@ -10,6 +10,7 @@ pub mod format;
 
 pub use error::{Error, Location, Result};
 pub mod ctree;
+pub mod ctree_ops;
 pub mod device;
 pub mod disk_io;
 pub mod extent_io;
