@@ -220,6 +220,23 @@ fn finish(what: &str, n: usize, failures: Vec<String>) {
     );
 }
 
+/// Blocks of every length up to a header and a bit, passed with their own length as the node
+/// size (check_tree_block is public: it must not assume the caller validated the node size).
+#[test]
+fn tree_block_short_lengths() {
+    let jobs: Vec<(String, Job)> = (0..=HEADER_LEN + 40)
+        .map(|n| {
+            let mut d = vec![0x80u8];
+            d.extend(std::iter::repeat_n(0x11u8, n));
+            (format!("tree_block of {n} bytes"), tree_block_job(d))
+        })
+        .collect();
+    let n = jobs.len();
+    finish("short tree blocks", n, run_jobs(jobs));
+}
+
+const HEADER_LEN: usize = butter::format::HEADER_SIZE;
+
 #[test]
 fn replay_tree_block_corpus() {
     let jobs: Vec<(String, Job)> = corpus("tree_block")
