@@ -126,7 +126,7 @@ pub fn check_tree_block(
         l.slot = slot;
         l
     };
-    if data.len() != nodesize as usize {
+    if data.len() != nodesize as usize || data.len() < HEADER_SIZE {
         return Err(Error::corrupt(
             loc(None),
             format!("block is {} bytes, nodesize {nodesize}", data.len()),

@@ -6,7 +6,7 @@
 //! engine read from the image. Other threads (and the test thread building images) are not
 //! measured.
 //!
-//! Buffers of [`HUGE`] bytes or more (the 128 MiB test images, copied twice per case) are
+//! Buffers of [`HUGE`] bytes or more (the test images, copied for every case) are
 //! mapped directly, 2 MiB aligned, with transparent huge pages requested: faulting in 4 KiB
 //! pages was most of the suite's run time.
 
@@ -47,7 +47,7 @@ fn note_free(size: usize) {
 }
 
 /// Allocations at least this large get their own huge-page mapping.
-pub const HUGE: usize = 16 << 20;
+pub const HUGE: usize = 4 << 20;
 const TWO_MB: usize = 2 << 20;
 
 fn map_len(size: usize) -> usize {

@@ -5,7 +5,8 @@
 //! `tree_block` input: byte 0 holds control bits, the rest is one tree block (zero-padded to
 //! 4 KiB, 16 KiB or 64 KiB by length). Unless bit 0 is set the checksum is recomputed, so the
 //! fuzzer reaches the structural checks instead of stopping at the checksum; bits 1..5 choose
-//! which parent expectations (level, generation, first key, owner) are passed. A block that
+//! which parent expectations (level, generation, first key, owner) are passed; bit 7 also
+//! passes the unpadded bytes with their own length as the node size. A block that
 //! validates is then read through every accessor of `TreeBlock` and every item body is fed to
 //! every item decoder. The same bytes also go to `Superblock::parse` and the sys_chunk_array
 //! decoder with the chunk map lookups.
@@ -79,6 +80,11 @@ pub fn tree_block_one(data: &[u8]) {
     } else {
         h.bytenr
     };
+    if ctl & 128 != 0 {
+        // Any length, including ones shorter than a header.
+        let n = body.len().min(65536) as u32;
+        let _ = check_tree_block(&body[..n as usize], bytenr, n, csum_type, &h.fsid, &expect);
+    }
     let r = check_tree_block(&blk, bytenr, nodesize as u32, csum_type, &h.fsid, &expect);
     match r {
         Ok(header) => {
