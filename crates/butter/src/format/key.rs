@@ -123,32 +123,7 @@ pub fn key_type_name(ty: u8) -> String {
 
 /// Objectid as dump-tree prints it (special ids by name, others as numbers).
 pub fn objectid_name(id: u64) -> String {
-    let s = match id {
-        ROOT_TREE_OBJECTID => "ROOT_TREE",
-        EXTENT_TREE_OBJECTID => "EXTENT_TREE",
-        CHUNK_TREE_OBJECTID => "CHUNK_TREE",
-        DEV_TREE_OBJECTID => "DEV_TREE",
-        FS_TREE_OBJECTID => "FS_TREE",
-        ROOT_TREE_DIR_OBJECTID => "ROOT_TREE_DIR",
-        CSUM_TREE_OBJECTID => "CSUM_TREE",
-        QUOTA_TREE_OBJECTID => "QUOTA_TREE",
-        UUID_TREE_OBJECTID => "UUID_TREE",
-        FREE_SPACE_TREE_OBJECTID => "FREE_SPACE_TREE",
-        BLOCK_GROUP_TREE_OBJECTID => "BLOCK_GROUP_TREE",
-        RAID_STRIPE_TREE_OBJECTID => "RAID_STRIPE_TREE",
-        BALANCE_OBJECTID => "BALANCE",
-        ORPHAN_OBJECTID => "ORPHAN",
-        TREE_LOG_OBJECTID => "TREE_LOG",
-        TREE_LOG_FIXUP_OBJECTID => "TREE_LOG_FIXUP",
-        TREE_RELOC_OBJECTID => "TREE_RELOC",
-        DATA_RELOC_TREE_OBJECTID => "DATA_RELOC_TREE",
-        EXTENT_CSUM_OBJECTID => "EXTENT_CSUM",
-        FREE_SPACE_OBJECTID => "FREE_SPACE",
-        FREE_INO_OBJECTID => "FREE_INO",
-        MULTIPLE_OBJECTIDS => "MULTIPLE",
-        _ => return id.to_string(),
-    };
-    s.to_string()
+    super::print::objectid_str(id, 0)
 }
 
 impl fmt::Display for Key {
