@@ -311,47 +311,14 @@ fn validate_leaf(buf: &[u8]) -> Result<()> {
             format!("level {} is not a leaf", buf[OFF_LEVEL]),
         ));
     }
-    let space = buf.len() - HEADER_SIZE;
     let n = le_u32(buf, OFF_NRITEMS) as usize;
-    if n.checked_mul(ITEM_SIZE).is_none_or(|s| s > space) {
-        return Err(Error::corrupt(
-            loc(),
-            format!("leaf claims {n} items, more than fit"),
-        ));
-    }
-    let mut expected_end = space;
-    let mut prev: Option<Key> = None;
-    for slot in 0..n {
-        let rec = HEADER_SIZE + slot * ITEM_SIZE;
-        let it = ItemHeader::parse(&buf[rec..rec + ITEM_SIZE]);
-        let l = || loc().with_slot(slot).with_key(it.key);
-        let start = it.offset as usize;
-        if start.checked_add(it.size as usize) != Some(expected_end) {
-            return Err(Error::corrupt(
-                l(),
-                format!(
-                    "item data [{start}, +{}) should end at {expected_end} (items must be packed)",
-                    it.size
-                ),
-            ));
+    crate::disk_io::check_leaf_items(buf, n, &|slot| {
+        let l = loc();
+        match slot {
+            Some(s) => l.with_slot(s),
+            None => l,
         }
-        if start < n * ITEM_SIZE {
-            return Err(Error::corrupt(
-                l(),
-                format!("item data offset {start} overlaps the item array"),
-            ));
-        }
-        if let Some(p) = prev {
-            if it.key <= p {
-                return Err(Error::corrupt(
-                    l(),
-                    format!("key not greater than previous key {p}"),
-                ));
-            }
-        }
-        prev = Some(it.key);
-        expected_end = start;
-    }
+    })?;
     Ok(())
 }
 

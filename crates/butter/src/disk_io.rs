@@ -112,6 +112,63 @@ impl TreeBlock {
     }
 }
 
+/// Checks a leaf's item array: `n` records fit, item data is packed from the end of the block
+/// with no gap or overlap (item 0 ends at the block end, each next item ends where the previous
+/// one starts) and clear of the item array, and keys strictly increase. Returns the first key.
+/// `data` is the whole block; `loc(slot)` names the block for errors. Shared by the reader's
+/// tree checker and the write-side primitives ([`crate::ctree_ops`]).
+pub fn check_leaf_items(
+    data: &[u8],
+    n: usize,
+    loc: &dyn Fn(Option<usize>) -> Location,
+) -> Result<Option<Key>> {
+    let space = data.len().saturating_sub(HEADER_SIZE);
+    if n.checked_mul(ITEM_SIZE).is_none_or(|s| s > space) {
+        return Err(Error::corrupt(
+            loc(None),
+            format!("leaf claims {n} items, more than fit"),
+        ));
+    }
+    let mut prev_key: Option<Key> = None;
+    let mut first_key = None;
+    let mut expected_end = space;
+    for slot in 0..n {
+        let off = HEADER_SIZE + slot * ITEM_SIZE;
+        let it = ItemHeader::parse(&data[off..off + ITEM_SIZE]);
+        let l = || loc(Some(slot)).with_key(it.key);
+        let start = it.offset as usize;
+        if start.checked_add(it.size as usize) != Some(expected_end) {
+            return Err(Error::corrupt(
+                l(),
+                format!(
+                    "item data [{start}, +{}) should end at {expected_end} (items must be packed)",
+                    it.size
+                ),
+            ));
+        }
+        if start < n * ITEM_SIZE {
+            return Err(Error::corrupt(
+                l(),
+                format!("item data offset {start} overlaps the item array"),
+            ));
+        }
+        expected_end = start;
+        if let Some(p) = prev_key {
+            if it.key <= p {
+                return Err(Error::corrupt(
+                    l(),
+                    format!("key not greater than previous key {p}"),
+                ));
+            }
+        }
+        prev_key = Some(it.key);
+        if slot == 0 {
+            first_key = Some(it.key);
+        }
+    }
+    Ok(first_key)
+}
+
 /// Validates a raw block. Pure, so the fuzz target can drive it directly.
 pub fn check_tree_block(
     data: &[u8],
@@ -187,51 +244,7 @@ pub fn check_tree_block(
     let space = nodesize as usize - HEADER_SIZE;
     let mut first_key = None;
     if h.level == 0 {
-        if n.checked_mul(ITEM_SIZE).is_none_or(|s| s > space) {
-            return Err(Error::corrupt(
-                loc(None),
-                format!("leaf claims {n} items, more than fit"),
-            ));
-        }
-        let mut prev_key: Option<Key> = None;
-        // Items are packed: item 0's data ends at the end of the block, each next item's data
-        // ends where the previous one's starts.
-        let mut expected_end = space;
-        for slot in 0..n {
-            let off = HEADER_SIZE + slot * ITEM_SIZE;
-            let it = ItemHeader::parse(&data[off..off + ITEM_SIZE]);
-            let l = || loc(Some(slot)).with_key(it.key);
-            let start = it.offset as usize;
-            let end = start.checked_add(it.size as usize);
-            if end != Some(expected_end) {
-                return Err(Error::corrupt(
-                    l(),
-                    format!(
-                        "item data [{start}, +{}) should end at {expected_end} (items must be packed)",
-                        it.size
-                    ),
-                ));
-            }
-            if start < n * ITEM_SIZE {
-                return Err(Error::corrupt(
-                    l(),
-                    format!("item data offset {start} overlaps the item array"),
-                ));
-            }
-            expected_end = start;
-            if let Some(p) = prev_key {
-                if it.key <= p {
-                    return Err(Error::corrupt(
-                        l(),
-                        format!("key not greater than previous key {p}"),
-                    ));
-                }
-            }
-            prev_key = Some(it.key);
-            if slot == 0 {
-                first_key = Some(it.key);
-            }
-        }
+        first_key = check_leaf_items(data, n, &loc)?;
     } else {
         if n == 0 {
             return Err(Error::corrupt(loc(None), "node with no pointers"));
@@ -354,7 +367,10 @@ impl BlockCache {
 pub struct IoStats {
     pub block_reads: AtomicU64,
     pub cache_hits: AtomicU64,
+    /// Blocks the readahead thread read into the cache (it skips blocks a reader got first).
     pub readahead_blocks: AtomicU64,
+    /// Blocks queued for readahead (not yet cached when asked for).
+    pub readahead_queued: AtomicU64,
     pub data_bytes_read: AtomicU64,
 }
 
@@ -675,6 +691,9 @@ impl Disk {
             return;
         }
         let blocks = &wanted[..];
+        self.stats
+            .readahead_queued
+            .fetch_add(blocks.len() as u64, Ordering::Relaxed);
         let mut tx = self.ra_tx.lock().unwrap_or_else(|e| e.into_inner());
         if tx.is_none() {
             let (s, r) = std::sync::mpsc::channel::<(u64, Expect)>();

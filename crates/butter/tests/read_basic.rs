@@ -217,7 +217,7 @@ fn deep_trees_and_forward_always_readahead() {
     let ra = fresh
         .disk
         .stats
-        .readahead_blocks
+        .readahead_queued
         .load(std::sync::atomic::Ordering::Relaxed);
     assert!(ra > 0, "FORWARD_ALWAYS issued no readahead");
 
@@ -240,7 +240,7 @@ fn deep_trees_and_forward_always_readahead() {
     let ra = back
         .disk
         .stats
-        .readahead_blocks
+        .readahead_queued
         .load(std::sync::atomic::Ordering::Relaxed);
     assert!(ra > 0, "BACK issued no readahead");
 
