@@ -260,7 +260,7 @@ pub fn check_tree_block(
             let off = HEADER_SIZE + slot * KEY_PTR_SIZE;
             let p = KeyPtr::parse(&data[off..off + KEY_PTR_SIZE]);
             let l = || loc(Some(slot)).with_key(p.key);
-            if p.blockptr == 0 || p.blockptr % 4096 != 0 {
+            if p.blockptr == 0 || !p.blockptr.is_multiple_of(4096) {
                 return Err(Error::corrupt(
                     l(),
                     format!("child pointer {} is not block aligned", p.blockptr),
@@ -594,7 +594,7 @@ impl Disk {
 
     fn read_tree_block_uncached(&self, bytenr: u64, expect: &Expect) -> Result<Arc<TreeBlock>> {
         let ns = self.sb.nodesize;
-        if bytenr % self.sb.sectorsize as u64 != 0 {
+        if !bytenr.is_multiple_of(self.sb.sectorsize as u64) {
             return Err(Error::corrupt(
                 Location::block(expect.owner, bytenr),
                 "tree block address not sector aligned",

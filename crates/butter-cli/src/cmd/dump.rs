@@ -273,17 +273,15 @@ pub fn dump_tree(a: DumpTreeArgs) -> CliResult {
         d.emit("chunk tree\n")?;
         d.tree(chunk_root, true)?;
     }
-    if only == Some(TREE_LOG_OBJECTID) || (only.is_none() && sb.log_root != 0) {
-        if sb.log_root != 0 {
-            d.emit("log root tree\n")?;
-            let lr = Root {
-                id: TREE_LOG_OBJECTID,
-                bytenr: sb.log_root,
-                level: sb.log_root_level,
-                generation: sb.generation + 1,
-            };
-            d.tree(lr, true)?;
-        }
+    if sb.log_root != 0 && only.is_none_or(|t| t == TREE_LOG_OBJECTID) {
+        d.emit("log root tree\n")?;
+        let lr = Root {
+            id: TREE_LOG_OBJECTID,
+            bytenr: sb.log_root,
+            level: sb.log_root_level,
+            generation: sb.generation.wrapping_add(1),
+        };
+        d.tree(lr, true)?;
     }
     // Every other tree, in root tree order.
     let roots = {
