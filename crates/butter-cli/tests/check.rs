@@ -1,0 +1,292 @@
+//! `butter check`: clean images (mkfs.btrfs --rootdir, and one written by the kernel with
+//! hardlinks, subvolumes, snapshots, compression, reflinks and preallocation) must check clean,
+//! agreeing with `btrfs check --readonly`; images damaged in one item must give the finding
+//! that names that item.
+//!
+//! mkfs.btrfs --rootdir needs no privileges. The kernel-populated image needs root and loop
+//! devices: without them the test prints a notice and passes, unless CI is set (then it fails).
+
+mod common;
+
+use butter::check::{check, FindingKind, Report};
+use butter::ctree::{Root, TreeIter};
+use butter::disk_io::Readahead;
+use butter::format::csum::CSUM_SLOT;
+use butter::format::*;
+use butter::fs::Fs;
+use common::kernel::{self, LoopMount, ScratchDir};
+use std::fs;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+const BUTTER: &str = env!("CARGO_BIN_EXE_butter");
+const IMAGE_SIZE: u64 = 256 << 20;
+
+/// True when mkfs.btrfs and btrfs are on PATH (CI: must be).
+fn have_progs() -> bool {
+    let ok = Command::new("mkfs.btrfs").arg("--version").output().is_ok()
+        && Command::new("btrfs").arg("--version").output().is_ok();
+    if !ok {
+        if std::env::var_os("CI").is_some() {
+            panic!("mkfs.btrfs/btrfs missing (CI is set, so this is an error rather than a skip)");
+        }
+        eprintln!("SKIPPED: mkfs.btrfs/btrfs not installed");
+    }
+    ok
+}
+
+/// A small tree: files, a hardlink, a symlink, nested directories, one larger file.
+fn make_rootdir(dir: &Path) {
+    fs::create_dir_all(dir.join("d1/d2")).unwrap();
+    fs::write(dir.join("a"), b"hello\n").unwrap();
+    let big: Vec<u8> = (0..300_000u32).map(|i| (i * 7 + i / 251) as u8).collect();
+    fs::write(dir.join("big"), &big).unwrap();
+    fs::hard_link(dir.join("a"), dir.join("d1/hard")).unwrap();
+    std::os::unix::fs::symlink("a", dir.join("link")).unwrap();
+    for i in 0..60 {
+        fs::write(dir.join(format!("d1/d2/file_{i}")), format!("{i}\n")).unwrap();
+    }
+}
+
+fn rootdir_image(scratch: &ScratchDir, extra: &[&str]) -> PathBuf {
+    let src = scratch.join("src");
+    if !src.exists() {
+        make_rootdir(&src);
+    }
+    let img = scratch.join(format!("img{}.img", extra.join("")));
+    let mut args = vec!["--rootdir", src.to_str().unwrap()];
+    args.extend_from_slice(extra);
+    kernel::mkfs_btrfs(&img, IMAGE_SIZE, &args);
+    img
+}
+
+fn run_butter_check(img: &Path) -> (i32, String) {
+    let out = Command::new(BUTTER).arg("check").arg(img).output().unwrap();
+    let mut s = String::from_utf8_lossy(&out.stdout).into_owned();
+    s.push_str(&String::from_utf8_lossy(&out.stderr));
+    (out.status.code().unwrap_or(-1), s)
+}
+
+fn assert_clean(img: &Path) {
+    let (rc, out) = run_butter_check(img);
+    assert_eq!(rc, 0, "butter check {} not clean:\n{out}", img.display());
+    assert!(out.contains("[6/6]"), "no phase summaries:\n{out}");
+    kernel::assert_btrfs_check(img);
+}
+
+fn check_lib(img: &Path) -> Report {
+    let fs = Fs::open(img).unwrap();
+    check(&fs, &mut |_| {}).unwrap()
+}
+
+fn tree_root(fs: &Fs, id: u64) -> Root {
+    let ri = fs.find_root_item(id).unwrap().unwrap();
+    Root {
+        id,
+        bytenr: ri.bytenr,
+        level: ri.level,
+        generation: ri.generation,
+    }
+}
+
+/// Finds the first item of tree `id` matching `pred` (the last one if `last`), lets `edit`
+/// change the block (`edit(block, item_header_offset, item_data_offset)`), recomputes the
+/// block checksum and writes every copy. Returns the item's (key after edit, block, slot).
+fn patch_item(
+    img: &Path,
+    id: u64,
+    last: bool,
+    pred: impl Fn(&Key, &[u8]) -> bool,
+    edit: impl FnOnce(&mut [u8], usize, usize),
+) -> (Key, u64, usize) {
+    let fs = Fs::open(img).unwrap();
+    let root = tree_root(&fs, id);
+    let mut it = TreeIter::new(fs.disk.clone(), root, Key::MIN, Readahead::None).unwrap();
+    let mut found = None;
+    while let Some(item) = it.next_item().unwrap() {
+        if pred(&item.key, item.data()) {
+            found = Some(item);
+            if !last {
+                break;
+            }
+        }
+    }
+    let item = found.expect("item to damage not found");
+    let mut block = item.block.data.to_vec();
+    let hdr = HEADER_SIZE + item.slot * ITEM_SIZE;
+    let data = HEADER_SIZE + item.block.item(item.slot).offset as usize;
+    edit(&mut block, hdr, data);
+    let c = fs.disk.sb.csum_type.compute(&block[CSUM_SLOT..]);
+    let n = fs.disk.sb.csum_type.size();
+    block[..n].copy_from_slice(&c[..n]);
+    let copies = fs
+        .disk
+        .chunk_map()
+        .map(item.block.bytenr, fs.disk.nodesize() as u64)
+        .unwrap();
+    let f = fs::OpenOptions::new().write(true).open(img).unwrap();
+    for c in copies {
+        f.write_all_at(&block, c.physical).unwrap();
+    }
+    f.sync_all().unwrap();
+    let key = Key::from_bytes(&block[hdr..hdr + DISK_KEY_SIZE]);
+    (key, item.block.bytenr, item.slot)
+}
+
+fn add_u64(b: &mut [u8], off: usize, delta: u64) {
+    let v = le_u64(b, off).wrapping_add(delta);
+    b[off..off + 8].copy_from_slice(&v.to_le_bytes());
+}
+
+/// Asserts a finding of `kind` located at exactly (block, slot, key).
+fn assert_finding(r: &Report, kind: FindingKind, key: Key, block: u64, slot: usize) {
+    let ok = r.findings.iter().any(|f| {
+        f.kind == kind
+            && f.location.key == Some(key)
+            && f.location.bytenr == Some(block)
+            && f.location.slot == Some(slot)
+    });
+    assert!(
+        ok,
+        "expected {kind:?} at block {block} slot {slot} key {key}, got:\n{}",
+        r.findings
+            .iter()
+            .map(|f| f.to_string())
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+}
+
+#[test]
+fn rootdir_images_check_clean() {
+    if !have_progs() {
+        return;
+    }
+    let scratch = ScratchDir::new("check-rootdir");
+    assert_clean(&rootdir_image(&scratch, &[]));
+    assert_clean(&rootdir_image(&scratch, &["--nodesize", "4096"]));
+}
+
+#[test]
+fn damaged_block_group_used() {
+    if !have_progs() {
+        return;
+    }
+    let scratch = ScratchDir::new("check-bg");
+    let img = rootdir_image(&scratch, &[]);
+    let (key, b, s) = patch_item(
+        &img,
+        EXTENT_TREE_OBJECTID,
+        false,
+        |k, _| k.ty == BLOCK_GROUP_ITEM_KEY,
+        |blk, _, d| add_u64(blk, d, 4096),
+    );
+    let r = check_lib(&img);
+    assert_finding(&r, FindingKind::BlockGroupUsedMismatch, key, b, s);
+    let (rc, out) = run_butter_check(&img);
+    assert_eq!(rc, 1, "{out}");
+    assert!(out.contains("BlockGroupUsedMismatch"), "{out}");
+}
+
+#[test]
+fn damaged_nlink_and_nbytes() {
+    if !have_progs() {
+        return;
+    }
+    let scratch = ScratchDir::new("check-nlink");
+    let img = rootdir_image(&scratch, &["--nodesize", "4096"]);
+    // The inode of "a", the one regular file with two links.
+    let (key, b, s) = patch_item(
+        &img,
+        FS_TREE_OBJECTID,
+        false,
+        |k, d| k.ty == INODE_ITEM_KEY && le_u32(d, 40) == 2 && le_u32(d, 52) & 0o170000 == 0o100000,
+        |blk, _, d| {
+            let off = d + 40;
+            let v = le_u32(blk, off) + 1;
+            blk[off..off + 4].copy_from_slice(&v.to_le_bytes());
+            add_u64(blk, d + 24, 4096);
+        },
+    );
+    let r = check_lib(&img);
+    assert_finding(&r, FindingKind::NlinkMismatch, key, b, s);
+    assert_finding(&r, FindingKind::NbytesMismatch, key, b, s);
+}
+
+#[test]
+fn damaged_dir_index() {
+    if !have_progs() {
+        return;
+    }
+    let scratch = ScratchDir::new("check-dirindex");
+    let img = rootdir_image(&scratch, &[]);
+    // Move the last DIR_INDEX of the root directory to another index (key order is kept: the
+    // next key belongs to inode 257). Its inode's ref then names an index that does not exist.
+    let (key, b, s) = patch_item(
+        &img,
+        FS_TREE_OBJECTID,
+        true,
+        |k, _| k.ty == DIR_INDEX_KEY && k.objectid == 256,
+        |blk, h, _| add_u64(blk, h + 9, 1000),
+    );
+    let r = check_lib(&img);
+    assert_finding(&r, FindingKind::DirEntryWithoutInodeRef, key, b, s);
+    assert!(
+        r.has(FindingKind::InodeRefWithoutDirIndex),
+        "{:?}",
+        r.findings
+    );
+}
+
+#[test]
+fn damaged_data_extent_refs() {
+    if !have_progs() {
+        return;
+    }
+    let scratch = ScratchDir::new("check-refs");
+    let img = rootdir_image(&scratch, &[]);
+    let (key, b, s) = patch_item(
+        &img,
+        EXTENT_TREE_OBJECTID,
+        false,
+        |k, _| k.ty == EXTENT_ITEM_KEY && k.offset > 16384,
+        |blk, _, d| add_u64(blk, d, 1),
+    );
+    let r = check_lib(&img);
+    assert_finding(&r, FindingKind::ExtentRefsMismatch, key, b, s);
+}
+
+#[test]
+fn kernel_image_checks_clean() {
+    if !kernel::require_privileges() {
+        return;
+    }
+    let scratch = ScratchDir::new("check-kernel");
+    let img = scratch.join("k.img");
+    kernel::mkfs_btrfs(&img, IMAGE_SIZE, &[] as &[&str]);
+    {
+        let m = LoopMount::btrfs(&img, &scratch.join("mnt"), "compress=zstd,max_inline=2048");
+        let p = m.path().to_path_buf();
+        let sh = |cmd: &str| kernel::sh("sh", &["-c", &format!("cd {} && {cmd}", p.display())]);
+        sh("mkdir -p d/e && echo hi > d/a && ln d/a d/b && ln -s d/a sym");
+        sh("head -c 1000000 /dev/urandom > r && yes hello | head -c 2000000 > comp");
+        sh("yes abc | head -c 1500 > inl");
+        sh("cp --reflink=always r d/r2 && cp --reflink=always comp comp2");
+        sh("dd if=/dev/urandom of=r bs=4096 seek=10 count=3 conv=notrunc 2>/dev/null");
+        sh("fallocate -l 100000 pre && chattr +C d/e && echo n > d/e/nocow");
+        sh("btrfs -q subvolume create sv && for i in $(seq 1 400); do echo $i > sv/file_with_a_long_name_$i; done");
+        sh("cp --reflink=always r sv/r3 && sync");
+        sh("btrfs -q subvolume snapshot sv snap && sync && echo more >> snap/file_with_a_long_name_7");
+        sh("rm sv/file_with_a_long_name_300 && btrfs -q subvolume snapshot snap snap2 && sync");
+        sh("echo z >> snap2/file_with_a_long_name_399 && ln snap2/r3 snap2/r3_hard");
+        m.unmount();
+    }
+    assert_clean(&img);
+    let r = check_lib(&img);
+    assert!(
+        r.counts.data_extents > 5 && r.counts.trees >= 10,
+        "{:?}",
+        r.counts
+    );
+}
