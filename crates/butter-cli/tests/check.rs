@@ -290,3 +290,79 @@ fn kernel_image_checks_clean() {
         r.counts
     );
 }
+
+#[test]
+fn damaged_metadata_backref() {
+    if !have_progs() {
+        return;
+    }
+    let scratch = ScratchDir::new("check-mdref");
+    let img = rootdir_image(&scratch, &[]);
+    // The inline TREE_BLOCK_REF of the fs tree's root block names another root.
+    let fs_root = {
+        let fs = Fs::open(&img).unwrap();
+        fs.find_root_item(FS_TREE_OBJECTID).unwrap().unwrap().bytenr
+    };
+    let (key, b, s) = patch_item(
+        &img,
+        EXTENT_TREE_OBJECTID,
+        false,
+        |k, d| {
+            k.objectid == fs_root
+                && k.ty == METADATA_ITEM_KEY
+                && d.len() == 33
+                && d[24] == TREE_BLOCK_REF_KEY
+        },
+        |blk, _, d| add_u64(blk, d + 25, 1000),
+    );
+    let r = check_lib(&img);
+    assert_finding(&r, FindingKind::MetadataBackrefExtra, key, b, s);
+    assert!(
+        r.has(FindingKind::MetadataBackrefMissing),
+        "{:?}",
+        r.findings
+    );
+}
+
+#[test]
+fn damaged_data_backref() {
+    if !have_progs() {
+        return;
+    }
+    let scratch = ScratchDir::new("check-dataref");
+    let img = rootdir_image(&scratch, &[]);
+    // The inline EXTENT_DATA_REF of "big"'s extent names another file offset.
+    let (key, b, s) = patch_item(
+        &img,
+        EXTENT_TREE_OBJECTID,
+        false,
+        |k, d| k.ty == EXTENT_ITEM_KEY && d.len() >= 53 && d[24] == EXTENT_DATA_REF_KEY,
+        |blk, _, d| add_u64(blk, d + 25 + 16, 4096),
+    );
+    let r = check_lib(&img);
+    assert_finding(&r, FindingKind::DataBackrefMismatch, key, b, s);
+}
+
+#[test]
+fn damaged_csum_coverage() {
+    if !have_progs() {
+        return;
+    }
+    let scratch = ScratchDir::new("check-csum");
+    let img = rootdir_image(&scratch, &[]);
+    // Move the (only, last) csum item far away: the data extent loses its csums.
+    let (_, _, _) = patch_item(
+        &img,
+        CSUM_TREE_OBJECTID,
+        true,
+        |k, _| k.ty == EXTENT_CSUM_KEY,
+        |blk, h, _| add_u64(blk, h + 9, 1 << 40),
+    );
+    let r = check_lib(&img);
+    let f = r
+        .findings
+        .iter()
+        .find(|f| f.kind == FindingKind::CsumMissing)
+        .unwrap_or_else(|| panic!("no CsumMissing in {:?}", r.findings));
+    assert_eq!(f.location.key.map(|k| k.ty), Some(INODE_ITEM_KEY), "{f}");
+}

@@ -280,6 +280,18 @@ impl Checker<'_> {
             generation: sb.chunk_root_generation,
         };
         let tree_root = self.fs.tree_root;
+        if sb.log_root != 0 {
+            // Log tree blocks have no extent items; they are not walked.
+            self.report.add(
+                Severity::Warning,
+                FindingKind::RootItemBad,
+                Location::what("superblock log_root"),
+                format!(
+                    "the image has an unreplayed fsync log at {}; it is not checked",
+                    sb.log_root
+                ),
+            );
+        }
         self.walk(chunk);
         self.walk(tree_root);
         // Every ROOT_ITEM in the root tree.
@@ -310,10 +322,19 @@ impl Checker<'_> {
             Err(e) => self.unreadable(e, Some(ROOT_TREE_OBJECTID)),
         }
         for (id, ri) in roots {
-            if id == TREE_LOG_OBJECTID || id == TREE_RELOC_OBJECTID {
+            if id == TREE_LOG_OBJECTID || ri.bytenr == 0 {
                 continue;
             }
-            if ri.bytenr == 0 {
+            if ri.drop_progress.objectid != 0 || ri.drop_level != 0 {
+                self.report.add(
+                    Severity::Warning,
+                    FindingKind::RootItemBad,
+                    Location::what(format!("root item of tree {id}")),
+                    format!(
+                        "tree {id} is being deleted (drop progress {}); its blocks are not checked",
+                        ri.drop_progress
+                    ),
+                );
                 continue;
             }
             let root = Root {
