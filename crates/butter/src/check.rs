@@ -186,6 +186,9 @@ enum DataRefKey {
     Shared { parent: u64 },
 }
 
+/// Largest data extent btrfs creates (128 MiB).
+const MAX_DATA_EXTENT: u64 = 128 << 20;
+
 fn is_fs_tree(id: u64) -> bool {
     id == FS_TREE_OBJECTID
         || (FIRST_FREE_OBJECTID..=LAST_FREE_OBJECTID).contains(&id)
@@ -800,7 +803,7 @@ impl Checker<'_> {
                     _ => {}
                 }
             }
-            let total: u64 = have.values().sum();
+            let total = have.values().fold(0u64, |a, v| a.saturating_add(*v));
             if total != ext.refs {
                 self.report.err(
                     FindingKind::ExtentRefsMismatch,
@@ -885,7 +888,10 @@ impl Checker<'_> {
         let mut covered = 0u64;
         for (start, len, bg, loc) in &groups {
             let end = start.saturating_add(*len);
-            let sum: u64 = self.extents.range(*start..end).map(|(_, e)| e.len).sum();
+            let sum = self
+                .extents
+                .range(*start..end)
+                .fold(0u64, |a, (_, e)| a.saturating_add(e.len));
             covered += self.extents.range(*start..end).count() as u64;
             if sum != bg.used {
                 self.report.err(
@@ -1011,7 +1017,9 @@ impl Checker<'_> {
                     EXTENT_DATA_KEY => {
                         let fe = FileExtentItem::parse(item.data()).map_err(bad)?;
                         match fe.body {
-                            FileExtentBody::Inline(_) => ino.nbytes += fe.ram_bytes,
+                            FileExtentBody::Inline(_) => {
+                                ino.nbytes = ino.nbytes.saturating_add(fe.ram_bytes)
+                            }
                             FileExtentBody::Extent {
                                 disk_bytenr,
                                 disk_num_bytes,
@@ -1019,7 +1027,7 @@ impl Checker<'_> {
                                 ..
                             } => {
                                 if disk_bytenr != 0 {
-                                    ino.nbytes += num_bytes;
+                                    ino.nbytes = ino.nbytes.saturating_add(num_bytes);
                                     ino.extents.push((
                                         disk_bytenr,
                                         disk_num_bytes,
@@ -1184,6 +1192,17 @@ impl Checker<'_> {
     fn phase_csums(&mut self, extents: &[(u64, u64, Location)]) -> Result<()> {
         let ss = self.fs.disk.sectorsize() as u64;
         for (b, l, loc) in extents {
+            // Phase 3 matched the length with the extent item; still, a data extent is at most
+            // 128 MiB, and a damaged length must not make us allocate for billions of sectors.
+            if *l > MAX_DATA_EXTENT {
+                self.report.add(
+                    Severity::Warning,
+                    FindingKind::CsumMissing,
+                    loc.clone(),
+                    format!("data extent {b}: length {l} is too large; csums not checked"),
+                );
+                continue;
+            }
             match self.fs.data_csums(*b, *l) {
                 Ok(v) => {
                     self.report.counts.csum_sectors += v.len() as u64;
@@ -1201,7 +1220,7 @@ impl Checker<'_> {
                                 "data extent {b} ({l} bytes): {} of {} sectors have no csum, first at {}",
                                 missing.len(),
                                 v.len(),
-                                b + *first as u64 * ss
+                                b.saturating_add((*first as u64).saturating_mul(ss))
                             ),
                         );
                     }
