@@ -39,6 +39,8 @@ pub enum FindingKind {
     TreeBlockUnreadable,
     /// A node names the same child twice.
     TreeBlockDuplicatePointer,
+    /// One tree reaches a block by two paths (two parents, or its root and a parent).
+    TreeBlockReferencedTwice,
     /// A root item cannot be decoded or a tree is missing.
     RootItemBad,
     /// A tree block has no EXTENT_ITEM/METADATA_ITEM.
@@ -372,6 +374,40 @@ impl Checker<'_> {
                 r.reach = reach;
             }
         }
+        // A tree reaches each of its blocks by one path only.
+        let mut bytenrs: Vec<u64> = self.blocks.keys().copied().collect();
+        bytenrs.sort_unstable();
+        for b in bytenrs {
+            let Some(rec) = self.blocks.get(&b) else {
+                continue;
+            };
+            let mut per_tree: BTreeMap<u64, Vec<Edge>> = BTreeMap::new();
+            for e in &rec.edges {
+                match e {
+                    Edge::Root(t) => per_tree.entry(*t).or_default().push(*e),
+                    Edge::Node { parent, .. } => {
+                        if let Some(p) = self.blocks.get(parent) {
+                            for t in &p.reach {
+                                per_tree.entry(*t).or_default().push(*e);
+                            }
+                        }
+                    }
+                }
+            }
+            let dups: Vec<String> = per_tree
+                .iter()
+                .filter(|(_, v)| v.len() > 1)
+                .map(|(t, v)| format!("tree {t} via {v:?}"))
+                .collect();
+            if !dups.is_empty() {
+                let loc = Location::block(Some(rec.owner), b);
+                self.report.err(
+                    FindingKind::TreeBlockReferencedTwice,
+                    loc,
+                    format!("block {b} is reached more than once: {}", dups.join("; ")),
+                );
+            }
+        }
         self.report.counts.tree_blocks = self.blocks.len() as u64;
         Ok(())
     }
@@ -408,7 +444,7 @@ impl Checker<'_> {
             root.bytenr,
             Edge::Root(root.id),
             Expect {
-                owner: Some(root.id),
+                owner: None,
                 level: Some(root.level),
                 generation: Some(root.generation),
                 first_key: None,
@@ -463,7 +499,9 @@ impl Checker<'_> {
                         slot,
                     },
                     Expect {
-                        owner: Some(root.id),
+                        // Owners are not checked here: shared blocks keep their first owner;
+                        // the back references say which trees may hold a block (phase 2).
+                        owner: None,
                         level: Some(b.level().saturating_sub(1)),
                         generation: Some(p.generation),
                         first_key: Some(p.key),
