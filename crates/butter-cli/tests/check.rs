@@ -268,7 +268,8 @@ fn kernel_image_checks_clean() {
     }
     let scratch = ScratchDir::new("check-kernel");
     let img = scratch.join("k.img");
-    kernel::mkfs_btrfs(&img, IMAGE_SIZE, &[] as &[&str]);
+    // 4 KiB nodes so that snapshots share multi-level trees and COW makes full back refs.
+    kernel::mkfs_btrfs(&img, IMAGE_SIZE, &["--nodesize", "4096"]);
     {
         let m = LoopMount::btrfs(&img, &scratch.join("mnt"), "compress=zstd,max_inline=2048");
         let p = m.path().to_path_buf();
@@ -279,17 +280,30 @@ fn kernel_image_checks_clean() {
         sh("cp --reflink=always r d/r2 && cp --reflink=always comp comp2");
         sh("dd if=/dev/urandom of=r bs=4096 seek=10 count=3 conv=notrunc 2>/dev/null");
         sh("fallocate -l 100000 pre && chattr +C d/e && echo n > d/e/nocow");
-        sh("btrfs -q subvolume create sv && for i in $(seq 1 400); do echo $i > sv/file_with_a_long_name_$i; done");
+        sh("btrfs -q subvolume create sv && mkdir sv/d && for i in $(seq 1 1500); do echo $i > sv/d/file_with_a_long_name_$i; done");
+        sh("for i in $(seq 1 12); do head -c $((i*10000)) /dev/urandom > sv/data$i; done");
         sh("cp --reflink=always r sv/r3 && sync");
-        sh("btrfs -q subvolume snapshot sv snap && sync && echo more >> snap/file_with_a_long_name_7");
-        sh("rm sv/file_with_a_long_name_300 && btrfs -q subvolume snapshot snap snap2 && sync");
-        sh("echo z >> snap2/file_with_a_long_name_399 && ln snap2/r3 snap2/r3_hard");
+        sh("btrfs -q subvolume snapshot sv snap && btrfs -q subvolume snapshot sv snap2 && sync");
+        sh("for i in $(seq 1 1500 7); do echo x >> snap/d/file_with_a_long_name_$i; rm sv/d/file_with_a_long_name_$((i+1)); done");
+        sh("for i in $(seq 1 12 3); do cp --reflink=always snap/data$i sv/ref$i; dd if=/dev/zero of=snap2/data$i bs=4096 count=1 seek=1 conv=notrunc 2>/dev/null; done");
+        sh("sync && btrfs -q subvolume snapshot snap snap3 && echo q >> snap3/d/file_with_a_long_name_2");
+        sh("ln snap3/r3 snap3/r3_hard && mv snap3/data2 snap3/d/moved");
         m.unmount();
     }
+    // The image exercises shared (full) back references of both kinds.
+    let extents = kernel::dump_tree(&img, &["-t", "extent"]);
+    assert!(
+        extents.contains("shared block backref"),
+        "no shared block refs"
+    );
+    assert!(
+        extents.contains("shared data backref"),
+        "no shared data refs"
+    );
     assert_clean(&img);
     let r = check_lib(&img);
     assert!(
-        r.counts.data_extents > 5 && r.counts.trees >= 10,
+        r.counts.data_extents > 10 && r.counts.trees >= 10,
         "{:?}",
         r.counts
     );
