@@ -482,3 +482,22 @@ fn damaged_block_in_two_places() {
     // The root item named: the finding above is about the pointer the damaged item holds.
     let _ = (key, b, s);
 }
+
+/// The oracle harness's variant images (populated by the kernel: big directories, many links,
+/// xattrs, holes, compression per variant) check clean. `BUTTER_CHECK_VARIANTS` picks variants
+/// (comma-separated or `all`; default `defaults,nodesize-4k,csum-xxhash`).
+#[test]
+fn variant_images_check_clean() {
+    if !kernel::require_privileges() {
+        return;
+    }
+    let scratch = ScratchDir::new("check-variants");
+    for v in common::variant::variants_from_env(
+        "BUTTER_CHECK_VARIANTS",
+        "defaults,nodesize-4k,csum-xxhash",
+    ) {
+        let img = common::variant::build_variant_image(v, scratch.path(), 7);
+        assert_clean(&img);
+        let _ = fs::remove_file(&img);
+    }
+}

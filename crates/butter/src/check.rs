@@ -962,7 +962,7 @@ impl Checker<'_> {
     // ---------------------------------------------------------------------------------------
     // Phase 5
 
-    /// Returns the (bytenr, length) of regular extents that must have csums.
+    /// Returns the (logical, length) ranges of regular extents that must have csums.
     fn phase_fs_trees(&mut self) -> Result<Vec<(u64, u64, Location)>> {
         let mut csum = BTreeMap::new();
         let trees: Vec<Root> = self
@@ -974,10 +974,10 @@ impl Checker<'_> {
         for root in trees {
             self.check_fs_tree(root, &mut csum);
         }
-        Ok(csum.into_iter().map(|(b, (l, loc))| (b, l, loc)).collect())
+        Ok(csum.into_iter().map(|((b, l), loc)| (b, l, loc)).collect())
     }
 
-    fn check_fs_tree(&mut self, root: Root, csum: &mut BTreeMap<u64, (u64, Location)>) {
+    fn check_fs_tree(&mut self, root: Root, csum: &mut BTreeMap<(u64, u64), Location>) {
         #[derive(Default)]
         struct Ino {
             item: Option<(InodeItem, Location)>,
@@ -1061,16 +1061,21 @@ impl Checker<'_> {
                             FileExtentBody::Extent {
                                 disk_bytenr,
                                 disk_num_bytes,
+                                offset,
                                 num_bytes,
-                                ..
                             } => {
                                 if disk_bytenr != 0 {
                                     ino.nbytes = ino.nbytes.saturating_add(num_bytes);
-                                    ino.extents.push((
-                                        disk_bytenr,
-                                        disk_num_bytes,
-                                        fe.ty == FILE_EXTENT_REG,
-                                    ));
+                                    // Csums cover what the item uses: the whole extent when
+                                    // compressed, else [offset, offset + num_bytes) of it (the
+                                    // rest may be preallocated space never written).
+                                    let range = if fe.compression != COMPRESS_NONE {
+                                        (disk_bytenr, disk_num_bytes)
+                                    } else {
+                                        (disk_bytenr.saturating_add(offset), num_bytes)
+                                    };
+                                    ino.extents
+                                        .push((range.0, range.1, fe.ty == FILE_EXTENT_REG));
                                 }
                             }
                         }
@@ -1134,7 +1139,7 @@ impl Checker<'_> {
             if is_reg && ii.flags & INODE_NODATASUM == 0 {
                 for &(b, l, reg) in &ino.extents {
                     if reg {
-                        csum.entry(b).or_insert((l, iloc.clone()));
+                        csum.entry((b, l)).or_insert_with(|| iloc.clone());
                     }
                 }
             }
@@ -1169,8 +1174,27 @@ impl Checker<'_> {
                         ),
                     );
                 }
+                if loc_key.ty == ROOT_ITEM_KEY {
+                    // A subvolume entry: the subvolume's tree must exist.
+                    if !self.trees.iter().any(|r| r.id == loc_key.objectid) {
+                        self.report.err(
+                            FindingKind::DanglingInode,
+                            dloc.clone(),
+                            format!(
+                                "directory {n}: DIR_INDEX {idx} {nm:?} -> subvolume {}, which has no tree",
+                                loc_key.objectid
+                            ),
+                        );
+                    }
+                    continue;
+                }
                 if loc_key.ty != INODE_ITEM_KEY {
-                    continue; // subvolume entry: checked against ROOT_REF elsewhere (not yet)
+                    self.report.err(
+                        FindingKind::FsItemBad,
+                        dloc.clone(),
+                        format!("directory {n}: DIR_INDEX {idx} {nm:?} -> {loc_key}, neither an inode nor a subvolume"),
+                    );
+                    continue;
                 }
                 match inodes.get(&loc_key.objectid) {
                     Some(t) if t.item.is_some() => {
@@ -1255,7 +1279,7 @@ impl Checker<'_> {
                             FindingKind::CsumMissing,
                             loc.clone(),
                             format!(
-                                "data extent {b} ({l} bytes): {} of {} sectors have no csum, first at {}",
+                                "data at {b} ({l} bytes, used by a file extent): {} of {} sectors have no csum, first at {}",
                                 missing.len(),
                                 v.len(),
                                 b.saturating_add((*first as u64).saturating_mul(ss))
