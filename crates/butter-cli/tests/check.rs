@@ -485,7 +485,7 @@ fn damaged_block_in_two_places() {
 
 /// The oracle harness's variant images (populated by the kernel: big directories, many links,
 /// xattrs, holes, compression per variant) check clean. `BUTTER_CHECK_VARIANTS` picks variants
-/// (comma-separated or `all`; default `defaults,nodesize-4k,csum-xxhash`).
+/// (comma-separated or `all`; default `defaults,nodesize-4k,csum-xxhash,no-fst`).
 #[test]
 fn variant_images_check_clean() {
     if !kernel::require_privileges() {
@@ -494,7 +494,7 @@ fn variant_images_check_clean() {
     let scratch = ScratchDir::new("check-variants");
     for v in common::variant::variants_from_env(
         "BUTTER_CHECK_VARIANTS",
-        "defaults,nodesize-4k,csum-xxhash",
+        "defaults,nodesize-4k,csum-xxhash,no-fst",
     ) {
         let img = common::variant::build_variant_image(v, scratch.path(), 7);
         assert_clean(&img);

@@ -476,7 +476,8 @@ impl Checker<'_> {
                 },
             );
             if b.is_leaf() {
-                if is_fs_tree(root.id) || is_fs_tree(b.owner()) {
+                // The root tree holds the v1 free space cache inodes and their extents.
+                if is_fs_tree(root.id) || is_fs_tree(b.owner()) || root.id == ROOT_TREE_OBJECTID {
                     self.collect_file_extents(&b);
                 }
                 continue;
