@@ -65,6 +65,10 @@ pub enum FindingKind {
     BlockGroupUsedMismatch,
     /// An extent lies in no block group.
     ExtentOutsideBlockGroup,
+    /// A block group has no chunk of the same range and type, or a chunk no block group.
+    BlockGroupChunkMismatch,
+    /// The superblock's bytes_used differs from the block groups' used total.
+    SuperBytesUsedMismatch,
     /// Inode nlink differs from the number of INODE_REF/EXTREF names.
     NlinkMismatch,
     /// A DIR_ITEM has no DIR_INDEX with the same name and target.
@@ -942,6 +946,52 @@ impl Checker<'_> {
                     ),
                 );
             }
+        }
+        // Block groups and chunks describe the same ranges with the same type.
+        const TYPE_MASK: u64 =
+            BLOCK_GROUP_DATA | BLOCK_GROUP_METADATA | BLOCK_GROUP_SYSTEM | BLOCK_GROUP_PROFILE_MASK;
+        let chunks: Vec<(u64, u64, u64)> = self
+            .fs
+            .disk
+            .chunk_map()
+            .chunks()
+            .map(|c| (c.logical, c.item.length, c.item.ty))
+            .collect();
+        for (start, len, bg, loc) in &groups {
+            match chunks.iter().find(|c| c.0 == *start) {
+                Some(c) if c.1 == *len && c.2 & TYPE_MASK == bg.flags & TYPE_MASK => {}
+                Some(c) => self.report.err(
+                    FindingKind::BlockGroupChunkMismatch,
+                    loc.clone(),
+                    format!(
+                        "block group {start} length {len} flags {:#x}, but its chunk has length {} type {:#x}",
+                        bg.flags, c.1, c.2
+                    ),
+                ),
+                None => self.report.err(
+                    FindingKind::BlockGroupChunkMismatch,
+                    loc.clone(),
+                    format!("block group {start} length {len} has no chunk"),
+                ),
+            }
+        }
+        for (start, len, _) in &chunks {
+            if !groups.iter().any(|g| g.0 == *start) {
+                self.report.err(
+                    FindingKind::BlockGroupChunkMismatch,
+                    Location::what(format!("chunk {start}")),
+                    format!("chunk {start} length {len} has no block group item"),
+                );
+            }
+        }
+        let used = groups.iter().fold(0u64, |a, g| a.saturating_add(g.2.used));
+        let sb_used = self.fs.disk.sb.bytes_used;
+        if used != sb_used {
+            self.report.err(
+                FindingKind::SuperBytesUsedMismatch,
+                Location::what("superblock"),
+                format!("superblock bytes_used {sb_used}, block groups use {used}"),
+            );
         }
         if covered != self.extents.len() as u64 {
             for (b, e) in &self.extents {
