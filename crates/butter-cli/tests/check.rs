@@ -581,3 +581,76 @@ fn random_block_damage_never_panics() {
     eprintln!("{found} of 1500 damaged images gave findings");
     assert!(found > 100, "only {found} damaged images gave findings");
 }
+
+/// Removes leaf item `slot` from `blk` (item data packed again, later headers moved down).
+fn delete_leaf_item(blk: &mut [u8], slot: usize) {
+    let n = le_u32(blk, 96) as usize;
+    let hdr = |i: usize| HEADER_SIZE + i * ITEM_SIZE;
+    let off = |b: &[u8], i: usize| le_u32(b, hdr(i) + 17) as usize;
+    let size_i = le_u32(blk, hdr(slot) + 21) as usize;
+    let off_i = off(blk, slot);
+    if slot + 1 < n {
+        let off_last = off(blk, n - 1);
+        blk.copy_within(
+            HEADER_SIZE + off_last..HEADER_SIZE + off_i,
+            HEADER_SIZE + off_last + size_i,
+        );
+        for j in slot + 1..n {
+            let v = (off(blk, j) + size_i) as u32;
+            blk[hdr(j) + 17..hdr(j) + 21].copy_from_slice(&v.to_le_bytes());
+        }
+        blk.copy_within(hdr(slot + 1)..hdr(n), hdr(slot));
+    }
+    blk[96..100].copy_from_slice(&((n - 1) as u32).to_le_bytes());
+}
+
+#[test]
+fn dropped_dir_index() {
+    if !have_progs() {
+        return;
+    }
+    let scratch = ScratchDir::new("check-dropindex");
+    let img = rootdir_image(&scratch, &[]);
+    let child = std::cell::Cell::new(0u64);
+    let (_, b, _) = patch_item(
+        &img,
+        FS_TREE_OBJECTID,
+        true,
+        |k, _| k.ty == DIR_INDEX_KEY && k.objectid == 256,
+        |blk, h, d| {
+            child.set(le_u64(blk, d));
+            let slot = (h - HEADER_SIZE) / ITEM_SIZE;
+            assert!(slot > 0);
+            delete_leaf_item(blk, slot);
+        },
+    );
+    let child = child.get();
+    let r = check_lib(&img);
+    let at = |kind: FindingKind, objectid: u64, ty: u8| {
+        r.findings.iter().any(|f| {
+            f.kind == kind
+                && f.location.bytenr.is_some()
+                && f.location
+                    .key
+                    .is_some_and(|k| k.objectid == objectid && k.ty == ty)
+        })
+    };
+    assert!(
+        at(FindingKind::DirItemWithoutIndex, 256, DIR_ITEM_KEY),
+        "{:?}",
+        r.findings
+    );
+    assert!(
+        at(FindingKind::InodeRefWithoutDirIndex, child, INODE_REF_KEY),
+        "{:?}",
+        r.findings
+    );
+    assert!(
+        at(FindingKind::DirSizeMismatch, 256, INODE_ITEM_KEY),
+        "{:?}",
+        r.findings
+    );
+    let _ = b;
+    let (ok, _) = kernel::btrfs_check(&img);
+    assert!(!ok, "btrfs check should also see the dropped index");
+}
