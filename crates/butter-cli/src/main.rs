@@ -35,6 +35,8 @@ enum Command {
     Restore(cmd::restore::RestoreArgs),
     /// Mount an image through FUSE.
     Mount(cmd::mount::MountArgs),
+    /// Check an image read-only; exit 1 when errors are found.
+    Check(cmd::check::CheckArgs),
 }
 
 fn main() -> ExitCode {
@@ -50,6 +52,7 @@ fn main() -> ExitCode {
         Command::Subvolumes(a) => cmd::ls::subvolumes(a),
         Command::Restore(a) => cmd::restore::restore(a),
         Command::Mount(a) => cmd::mount::mount(a),
+        Command::Check(a) => cmd::check::check(a),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,

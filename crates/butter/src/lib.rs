@@ -9,6 +9,7 @@ pub mod error;
 pub mod format;
 
 pub use error::{Error, Location, Result};
+pub mod check;
 pub mod ctree;
 pub mod ctree_ops;
 pub mod device;
