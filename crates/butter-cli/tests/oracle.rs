@@ -146,6 +146,19 @@ fn oracle(name: &str, scale: Scale) {
         );
     }
 
+    // butter's checker finds the kernel-written image clean.
+    let o = Command::new(BUTTER)
+        .arg("check")
+        .arg(&img)
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success(),
+        "butter check on the kernel image: {}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+
     // butter restore into a tmpfs (it holds every inode kind and large xattrs).
     let tmp = TmpfsMount::new(&scratch.join("restore"), 4 << 30);
     let out = tmp.path().join("out");
