@@ -340,6 +340,19 @@ fn check_ret(r: libc::c_int) -> std::io::Result<()> {
     }
 }
 
+/// Sets atime and mtime of `path` itself (not a symlink's target).
+fn set_times_nofollow(path: &std::ffi::CStr, times: &[libc::timespec; 2]) -> std::io::Result<()> {
+    // SAFETY: path is NUL-terminated and `times` holds two timespecs.
+    check_ret(unsafe {
+        libc::utimensat(
+            libc::AT_FDCWD,
+            path.as_ptr(),
+            times.as_ptr(),
+            libc::AT_SYMLINK_NOFOLLOW,
+        )
+    })
+}
+
 /// A directory entry name that is safe to create under its parent.
 fn valid_name(name: &[u8]) -> bool {
     !name.is_empty() && name != b"." && name != b".." && !name.contains(&b'/') && !name.contains(&0)
@@ -639,15 +652,7 @@ impl<'a> Restorer<'a> {
             let mut mtime = timespec(Timespec { sec: 0, nsec: 0 });
             mtime.tv_nsec = libc::UTIME_OMIT;
             let times = [timespec(parent_atime), mtime];
-            // SAFETY: c is valid and `times` holds two timespecs.
-            check_ret(unsafe {
-                libc::utimensat(
-                    libc::AT_FDCWD,
-                    c.as_ptr(),
-                    times.as_ptr(),
-                    libc::AT_SYMLINK_NOFOLLOW,
-                )
-            })
+            set_times_nofollow(&c, &times)
         });
         if let Err(e) = r {
             self.target_error(rel, "set metadata", e)?;
@@ -1060,15 +1065,7 @@ impl<'a> Restorer<'a> {
                 t.tv_nsec = 0;
             }
         }
-        // SAFETY: c is a valid path and `times` holds two timespecs.
-        let r = check_ret(unsafe {
-            libc::utimensat(
-                libc::AT_FDCWD,
-                c.as_ptr(),
-                times.as_ptr(),
-                libc::AT_SYMLINK_NOFOLLOW,
-            )
-        });
+        let r = set_times_nofollow(&c, &times);
         if let Err(e) = r {
             self.target_error(rel, "set times", e)?;
         }
