@@ -288,7 +288,7 @@ impl Checker<'_> {
             level: sb.chunk_root_level,
             generation: sb.chunk_root_generation,
         };
-        let tree_root = self.fs.tree_root;
+        let tree_root = self.fs.tree_root();
         if sb.log_root != 0 {
             // Log tree blocks have no extent items; they are not walked.
             self.report.add(

@@ -41,8 +41,8 @@ pub struct Expect {
     pub first_key: Option<Key>,
 }
 
-/// A tree block that passed validation.
-#[derive(Debug)]
+/// A tree block that passed validation (or that the write engine built).
+#[derive(Debug, Clone)]
 pub struct TreeBlock {
     pub bytenr: u64,
     pub header: Header,
@@ -50,6 +50,15 @@ pub struct TreeBlock {
 }
 
 impl TreeBlock {
+    /// Wraps a block the write engine built or changed (its header is re-read from `data`).
+    pub fn from_parts(bytenr: u64, data: Box<[u8]>) -> TreeBlock {
+        let header = Header::parse(&data);
+        TreeBlock {
+            bytenr,
+            header,
+            data,
+        }
+    }
     pub fn nritems(&self) -> usize {
         self.header.nritems as usize
     }
@@ -383,6 +392,8 @@ pub struct Disk {
     cache: Mutex<BlockCache>,
     pub stats: IoStats,
     ra_tx: Mutex<Option<std::sync::mpsc::Sender<(u64, Expect)>>>,
+    /// Blocks changed by the running transaction, not yet written. Reads see them first.
+    overlay: RwLock<HashMap<u64, Arc<TreeBlock>>>,
 }
 
 /// Reads every superblock copy that fits on the device and returns the valid one with the
@@ -460,6 +471,7 @@ impl Disk {
             }),
             stats: IoStats::default(),
             ra_tx: Mutex::new(None),
+            overlay: RwLock::new(HashMap::new()),
         });
         disk.load_chunk_tree()?;
         Ok(disk)
@@ -524,6 +536,10 @@ impl Disk {
 
     /// Reads a tree block, validating it; tries every copy before giving up.
     pub fn read_tree_block(&self, bytenr: u64, expect: &Expect) -> Result<Arc<TreeBlock>> {
+        if let Some(b) = self.overlay_get(bytenr) {
+            self.recheck(&b, expect)?;
+            return Ok(b);
+        }
         if let Some(b) = self.cache_get(bytenr) {
             self.stats.cache_hits.fetch_add(1, Ordering::Relaxed);
             // A cached block was validated already; re-check what the new parent claims.
@@ -536,6 +552,96 @@ impl Disk {
             .unwrap_or_else(|e| e.into_inner())
             .insert(b.clone());
         Ok(b)
+    }
+
+    /// A block of the running transaction, if `bytenr` is one.
+    pub fn overlay_get(&self, bytenr: u64) -> Option<Arc<TreeBlock>> {
+        self.overlay
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&bytenr)
+            .cloned()
+    }
+
+    /// Adds or replaces a block of the running transaction.
+    pub fn overlay_put(&self, b: Arc<TreeBlock>) {
+        self.overlay
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(b.bytenr, b);
+    }
+
+    /// Changes a block of the running transaction in place (copying it first if a reader
+    /// still holds it). `None` if `bytenr` is not in the overlay.
+    pub fn overlay_modify<R>(&self, bytenr: u64, f: impl FnOnce(&mut [u8]) -> R) -> Option<R> {
+        let mut ov = self.overlay.write().unwrap_or_else(|e| e.into_inner());
+        let arc = ov.get_mut(&bytenr)?;
+        let blk = Arc::make_mut(arc);
+        let r = f(&mut blk.data);
+        blk.header = Header::parse(&blk.data);
+        Some(r)
+    }
+
+    /// Drops a block from the running transaction (it was freed before being written).
+    pub fn overlay_remove(&self, bytenr: u64) -> Option<Arc<TreeBlock>> {
+        self.overlay
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&bytenr)
+    }
+
+    /// Addresses of all blocks of the running transaction.
+    pub fn overlay_addresses(&self) -> Vec<u64> {
+        let mut v: Vec<u64> = self
+            .overlay
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .keys()
+            .copied()
+            .collect();
+        v.sort_unstable();
+        v
+    }
+
+    /// After a commit wrote them: the overlay's blocks become ordinary cached blocks.
+    pub fn overlay_retire(&self) {
+        let blocks: Vec<Arc<TreeBlock>> = {
+            let mut ov = self.overlay.write().unwrap_or_else(|e| e.into_inner());
+            ov.drain().map(|(_, b)| b).collect()
+        };
+        let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
+        for b in blocks {
+            cache.map.remove(&b.bytenr);
+            cache.insert(b);
+        }
+    }
+
+    /// Forgets a cached block whose space was freed (it may be reused for another block).
+    pub fn cache_forget(&self, bytenr: u64) {
+        self.cache
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .map
+            .remove(&bytenr);
+    }
+
+    /// Writes `data` at a logical address to every copy.
+    pub fn write_logical(&self, logical: u64, data: &[u8]) -> Result<()> {
+        for phys in self.copies(logical, data.len() as u64)? {
+            self.dev
+                .write_at(data, phys)
+                .map_err(|e| Error::io(format!("writing logical {logical}"), phys, e))?;
+        }
+        Ok(())
+    }
+
+    /// Adds a chunk created by the write engine to the logical-to-physical map.
+    pub fn add_chunk(&self, logical: u64, chunk: crate::format::items::ChunkItem) -> Result<()> {
+        self.chunks
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(logical, chunk)
+            .map_err(|r| Error::Invalid(format!("new chunk at {logical}: {r}")))
     }
 
     fn cache_get(&self, bytenr: u64) -> Option<Arc<TreeBlock>> {
@@ -681,9 +787,10 @@ impl Disk {
     pub fn readahead(self: &Arc<Self>, blocks: &[(u64, Expect)]) {
         let wanted: Vec<(u64, Expect)> = {
             let cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
+            let ov = self.overlay.read().unwrap_or_else(|e| e.into_inner());
             blocks
                 .iter()
-                .filter(|(b, _)| !cache.map.contains_key(b))
+                .filter(|(b, _)| !cache.map.contains_key(b) && !ov.contains_key(b))
                 .copied()
                 .collect()
         };

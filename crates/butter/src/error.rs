@@ -122,6 +122,22 @@ pub enum Error {
     Range(String),
     #[error("read-only filesystem")]
     ReadOnly,
+    #[error("already exists: {0}")]
+    Exists(String),
+    #[error("no space left on device: {0}")]
+    NoSpace(String),
+    #[error("directory not empty: {0}")]
+    NotEmpty(String),
+    #[error("name too long: {0}")]
+    NameTooLong(String),
+    #[error("too many links: {0}")]
+    TooManyLinks(String),
+    #[error("operation not permitted: {0}")]
+    NotPermitted(String),
+    /// The filesystem hit an error while writing and turned read-only; the image keeps its
+    /// last committed state.
+    #[error("transaction aborted, filesystem is read-only until reopened: {0}")]
+    Aborted(String),
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -174,14 +190,26 @@ impl Error {
             Error::Invalid(_) => libc_consts::EINVAL,
             Error::NoXattr(_) => libc_consts::ENODATA,
             Error::Range(_) => libc_consts::ERANGE,
-            Error::ReadOnly => libc_consts::EROFS,
+            Error::ReadOnly | Error::Aborted(_) => libc_consts::EROFS,
+            Error::Exists(_) => libc_consts::EEXIST,
+            Error::NoSpace(_) => libc_consts::ENOSPC,
+            Error::NotEmpty(_) => libc_consts::ENOTEMPTY,
+            Error::NameTooLong(_) => libc_consts::ENAMETOOLONG,
+            Error::TooManyLinks(_) => libc_consts::EMLINK,
+            Error::NotPermitted(_) => libc_consts::EPERM,
         }
     }
 }
 
 /// Linux errno values (the engine does not depend on libc).
 pub mod libc_consts {
+    pub const EPERM: i32 = 1;
     pub const ENOENT: i32 = 2;
+    pub const EEXIST: i32 = 17;
+    pub const ENOSPC: i32 = 28;
+    pub const EMLINK: i32 = 31;
+    pub const ENAMETOOLONG: i32 = 36;
+    pub const ENOTEMPTY: i32 = 39;
     pub const EIO: i32 = 5;
     pub const ENOTDIR: i32 = 20;
     pub const EISDIR: i32 = 21;

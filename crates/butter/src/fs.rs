@@ -88,8 +88,15 @@ pub const MAX_COMPRESSED: u64 = 128 * 1024;
 
 pub struct Fs {
     pub disk: Arc<Disk>,
-    pub tree_root: Root,
+    /// Root tree as opened; [`Fs::tree_root`] gives the current one.
+    opened_tree_root: Root,
     csum_root: Option<Root>,
+    /// Roots the write engine moved in the running transaction (shared with it).
+    pub(crate) live: crate::transaction::LiveRoots,
+    /// The write engine, when opened read-write.
+    pub(crate) writer: Option<Mutex<crate::transaction::Writer>>,
+    /// Open handles per inode (an unlinked open file is kept as an orphan).
+    pub(crate) open_files: Mutex<HashMap<Inode, u32>>,
     roots: Mutex<HashMap<u64, (Root, RootItem)>>,
     /// The subvolume mounted by default (DEFAULT_SUBVOL dir item, else 5).
     pub default_subvol: u64,
@@ -122,8 +129,11 @@ impl Fs {
         }
         let mut fs = Fs {
             disk,
-            tree_root,
+            opened_tree_root: tree_root,
             csum_root: None,
+            live: Default::default(),
+            writer: None,
+            open_files: Mutex::new(HashMap::new()),
             roots: Mutex::new(HashMap::new()),
             default_subvol: FS_TREE_OBJECTID,
             walk_readahead: Readahead::ForwardAlways,
@@ -141,7 +151,7 @@ impl Fs {
         let hash = hash::name_hash(b"default");
         if let Some(it) = ctree::lookup(
             &fs.disk,
-            &fs.tree_root,
+            &fs.tree_root(),
             &Key::new(ROOT_TREE_DIR_OBJECTID, DIR_ITEM_KEY, hash),
         )? {
             for d in DirItem::parse_all(it.data()).map_err(|e| it.annotate(e))? {
@@ -154,11 +164,31 @@ impl Fs {
         Ok(fs)
     }
 
+    /// The root tree's current root.
+    pub fn tree_root(&self) -> Root {
+        self.live_root(ROOT_TREE_OBJECTID)
+            .unwrap_or(self.opened_tree_root)
+    }
+
+    /// A root the running transaction moved.
+    fn live_root(&self, id: u64) -> Option<Root> {
+        self.live
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&id)
+            .copied()
+    }
+
+    /// The checksum tree's current root.
+    fn csum_root(&self) -> Option<Root> {
+        self.live_root(CSUM_TREE_OBJECTID).or(self.csum_root)
+    }
+
     /// Finds the ROOT_ITEM of a tree in the root tree.
     pub fn find_root_item(&self, id: u64) -> Result<Option<RootItem>> {
         let it = ctree::lookup_le(
             &self.disk,
-            &self.tree_root,
+            &self.tree_root(),
             &Key::new(id, ROOT_ITEM_KEY, u64::MAX),
         )?;
         match it {
@@ -175,6 +205,16 @@ impl Fs {
     }
 
     fn subvol(&self, id: u64) -> Result<(Root, RootItem)> {
+        if let Some(live) = self.live_root(id) {
+            if let Some(r) = self
+                .roots
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .get(&id)
+            {
+                return Ok((live, r.1.clone()));
+            }
+        }
         if let Some(r) = self
             .roots
             .lock()
@@ -282,7 +322,7 @@ impl Fs {
     /// `dir.root` naming it).
     fn subvol_linked_here(&self, dir: Inode, id: u64, name: &[u8]) -> Result<bool> {
         let key = Key::new(dir.root, ROOT_REF_KEY, id);
-        let Some(it) = ctree::lookup(&self.disk, &self.tree_root, &key)? else {
+        let Some(it) = ctree::lookup(&self.disk, &self.tree_root(), &key)? else {
             return Ok(false);
         };
         let r = RootRef::parse(it.data()).map_err(|e| it.annotate(e))?;
@@ -645,7 +685,7 @@ impl Fs {
         let ss = self.disk.sectorsize() as u64;
         let n = len.div_ceil(ss) as usize;
         let mut out = vec![None; n];
-        let Some(root) = self.csum_root else {
+        let Some(root) = self.csum_root() else {
             return Ok(out);
         };
         let csize = self.disk.sb.csum_type.size() as u64;
@@ -697,7 +737,7 @@ impl Fs {
     pub fn list_subvolumes(&self) -> Result<Vec<SubvolInfo>> {
         let mut it = TreeIter::new(
             self.disk.clone(),
-            self.tree_root,
+            self.tree_root(),
             Key::new(FIRST_FREE_OBJECTID, 0, 0),
             Readahead::None,
         )?;

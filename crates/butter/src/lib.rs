@@ -9,11 +9,18 @@ pub mod error;
 pub mod format;
 
 pub use error::{Error, Location, Result};
+pub mod alloc;
 pub mod check;
+pub mod cow;
 pub mod ctree;
 pub mod ctree_ops;
 pub mod device;
 pub mod disk_io;
 pub mod extent_io;
+pub mod extent_tree;
+pub mod file_write;
+pub mod free_space_tree;
 pub mod fs;
+pub mod fs_write;
+pub mod transaction;
 pub mod volumes;

@@ -27,6 +27,16 @@ pub fn extref_hash(parent_ino: u64, name: &[u8]) -> u64 {
     u64::from(crc32c_raw(parent_ino as u32, name))
 }
 
+/// Key offset of a keyed EXTENT_DATA_REF (and the order of inline ones): two raw CRC-32C
+/// registers preset to all ones, one over the root id, one over the inode number and the
+/// file offset (little endian), combined as `high << 31 ^ low`.
+pub fn extent_data_ref_hash(root: u64, objectid: u64, offset: u64) -> u64 {
+    let high = crc32c_raw(!0, &root.to_le_bytes());
+    let mut low = crc32c_raw(!0, &objectid.to_le_bytes());
+    low = crc32c_raw(low, &offset.to_le_bytes());
+    (u64::from(high) << 31) ^ u64::from(low)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

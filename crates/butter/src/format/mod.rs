@@ -7,6 +7,7 @@
 pub mod compress;
 pub mod consts;
 pub mod csum;
+pub mod encode;
 pub mod hash;
 pub mod header;
 pub mod items;

@@ -1,0 +1,562 @@
+//! Extent items and their back references, changed through delayed references.
+//!
+//! Tree changes do not touch the extent tree directly: they queue reference deltas per extent
+//! ([`DelayedRefs`]), and the commit applies them ([`Writer::run_delayed_refs`]), which changes
+//! the extent tree and so queues more (for the extent tree's own COWed blocks) until nothing is
+//! left. An extent whose references drop to zero is deleted, its checksums too (data), and its
+//! space is pinned until the commit is on disk.
+//!
+//! References are kept inline in the extent item while it stays under the kernel's size limit
+//! for extent items; the rest become keyed items (TREE_BLOCK_REF, SHARED_BLOCK_REF,
+//! EXTENT_DATA_REF keyed by hash, SHARED_DATA_REF). Inline references are ordered by type and
+//! then by the keyed offset, as the kernel orders them.
+
+use crate::ctree::{Root, TreeIter};
+use crate::disk_io::Readahead;
+use crate::error::{Error, Location, Result};
+use crate::format::items::*;
+use crate::format::*;
+use crate::transaction::Writer;
+use std::collections::BTreeMap;
+
+/// One back reference, without its count.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum RefKey {
+    /// TREE_BLOCK_REF: tree `root` points at the block from one of its own blocks.
+    TreeBlock(u64),
+    /// SHARED_BLOCK_REF: the block at `parent` points at it (full back reference).
+    SharedBlock(u64),
+    /// EXTENT_DATA_REF: file extent items of `ino` in `root` at file offset - extent offset.
+    Data { root: u64, ino: u64, offset: u64 },
+    /// SHARED_DATA_REF: file extent items in the leaf at `parent`.
+    SharedData(u64),
+}
+
+impl RefKey {
+    fn to_backref(self, count: u64) -> BackRef {
+        match self {
+            RefKey::TreeBlock(root) => BackRef::TreeBlock { root },
+            RefKey::SharedBlock(parent) => BackRef::SharedBlock { parent },
+            RefKey::Data { root, ino, offset } => BackRef::ExtentData {
+                root,
+                objectid: ino,
+                offset,
+                count: count as u32,
+            },
+            RefKey::SharedData(parent) => BackRef::SharedData {
+                parent,
+                count: count as u32,
+            },
+        }
+    }
+    fn from_backref(b: &BackRef) -> Option<(RefKey, u64)> {
+        Some(match b {
+            BackRef::TreeBlock { root } => (RefKey::TreeBlock(*root), 1),
+            BackRef::SharedBlock { parent } => (RefKey::SharedBlock(*parent), 1),
+            BackRef::ExtentData {
+                root,
+                objectid,
+                offset,
+                count,
+            } => (
+                RefKey::Data {
+                    root: *root,
+                    ino: *objectid,
+                    offset: *offset,
+                },
+                *count as u64,
+            ),
+            BackRef::SharedData { parent, count } => (RefKey::SharedData(*parent), *count as u64),
+            BackRef::Owner { .. } => return None,
+        })
+    }
+}
+
+/// Queued changes to one extent.
+#[derive(Debug, Clone)]
+pub struct PendingExtent {
+    pub num_bytes: u64,
+    /// Tree blocks: level and first key (for non-skinny extent items).
+    pub meta: Option<(u8, Key)>,
+    /// Allocated in this transaction: the extent item does not exist yet.
+    pub is_new: bool,
+    /// Extent flags to set (FULL_BACKREF).
+    pub flags_set: u64,
+    pub deltas: BTreeMap<RefKey, i64>,
+}
+
+/// Reference deltas waiting for the commit, by extent address.
+#[derive(Debug, Default)]
+pub struct DelayedRefs {
+    pub map: BTreeMap<u64, PendingExtent>,
+}
+
+impl DelayedRefs {
+    fn entry(
+        &mut self,
+        bytenr: u64,
+        num_bytes: u64,
+        meta: Option<(u8, Key)>,
+    ) -> &mut PendingExtent {
+        self.map.entry(bytenr).or_insert_with(|| PendingExtent {
+            num_bytes,
+            meta,
+            is_new: false,
+            flags_set: 0,
+            deltas: BTreeMap::new(),
+        })
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub fn add_tree_ref(
+        &mut self,
+        bytenr: u64,
+        num_bytes: u64,
+        level: u8,
+        key: Key,
+        is_new: bool,
+        r: RefKey,
+        delta: i64,
+    ) {
+        let e = self.entry(bytenr, num_bytes, Some((level, key)));
+        e.is_new |= is_new;
+        *e.deltas.entry(r).or_insert(0) += delta;
+    }
+
+    pub fn add_data_ref(
+        &mut self,
+        bytenr: u64,
+        num_bytes: u64,
+        is_new: bool,
+        r: RefKey,
+        delta: i64,
+    ) {
+        let e = self.entry(bytenr, num_bytes, None);
+        e.is_new |= is_new;
+        *e.deltas.entry(r).or_insert(0) += delta;
+    }
+
+    pub fn set_flags(&mut self, bytenr: u64, num_bytes: u64, level: u8, flags: u64) {
+        let e = self.entry(bytenr, num_bytes, Some((level, Key::MIN)));
+        e.flags_set |= flags;
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+
+    /// Net queued change of an extent's reference count, and flags queued to be set.
+    pub fn pending(&self, bytenr: u64) -> (i64, u64) {
+        match self.map.get(&bytenr) {
+            Some(e) => (e.deltas.values().sum(), e.flags_set),
+            None => (0, 0),
+        }
+    }
+}
+
+/// An extent item with all its references (inline and keyed), as read from the extent tree.
+#[derive(Debug, Clone)]
+struct ExtentRecord {
+    key: Key,
+    generation: u64,
+    flags: u64,
+    tree_block_info: Option<(Key, u8)>,
+    refs: BTreeMap<RefKey, u64>,
+    /// Keyed reference items present now (their keys).
+    keyed: Vec<Key>,
+}
+
+impl Writer {
+    fn extent_root(&mut self) -> Result<Root> {
+        self.current_root(EXTENT_TREE_OBJECTID)
+    }
+
+    /// Finds an extent item (skinny or not) at `bytenr`.
+    fn find_extent_item(&mut self, bytenr: u64) -> Result<Option<(Key, Vec<u8>)>> {
+        let root = self.extent_root()?;
+        let mut it = TreeIter::new(
+            self.disk.clone(),
+            root,
+            Key::new(bytenr, EXTENT_ITEM_KEY, 0),
+            Readahead::None,
+        )?;
+        while let Some(item) = it.next_item()? {
+            if item.key.objectid != bytenr {
+                break;
+            }
+            if item.key.ty == EXTENT_ITEM_KEY || item.key.ty == METADATA_ITEM_KEY {
+                return Ok(Some((item.key, item.data().to_vec())));
+            }
+            if item.key.ty > METADATA_ITEM_KEY {
+                break;
+            }
+        }
+        Ok(None)
+    }
+
+    fn read_extent_record(&mut self, bytenr: u64) -> Result<Option<ExtentRecord>> {
+        let Some((key, body)) = self.find_extent_item(bytenr)? else {
+            return Ok(None);
+        };
+        let loc = || {
+            Location::what("extent item")
+                .with_tree(EXTENT_TREE_OBJECTID)
+                .with_key(key)
+        };
+        let ei = ExtentItem::parse(&body, key.ty).map_err(|e| match e {
+            Error::Corrupt { reason, .. } => Error::corrupt(loc(), reason),
+            e => e,
+        })?;
+        let mut refs = BTreeMap::new();
+        for r in &ei.inline_refs {
+            if let Some((k, c)) = RefKey::from_backref(r) {
+                *refs.entry(k).or_insert(0) += c;
+            }
+        }
+        let mut keyed = Vec::new();
+        let root = self.extent_root()?;
+        let mut it = TreeIter::new(
+            self.disk.clone(),
+            root,
+            Key::new(bytenr, TREE_BLOCK_REF_KEY, 0),
+            Readahead::None,
+        )?;
+        while let Some(item) = it.next_item()? {
+            if item.key.objectid != bytenr || item.key.ty > SHARED_DATA_REF_KEY {
+                break;
+            }
+            let r = match item.key.ty {
+                TREE_BLOCK_REF_KEY => Some((RefKey::TreeBlock(item.key.offset), 1)),
+                SHARED_BLOCK_REF_KEY => Some((RefKey::SharedBlock(item.key.offset), 1)),
+                EXTENT_DATA_REF_KEY => {
+                    let b = parse_extent_data_ref(item.data()).map_err(|e| item.annotate(e))?;
+                    RefKey::from_backref(&b)
+                }
+                SHARED_DATA_REF_KEY => {
+                    let d = item.data();
+                    if d.len() < 4 {
+                        return Err(Error::corrupt(
+                            item.loc(),
+                            "shared data ref shorter than 4 bytes",
+                        ));
+                    }
+                    Some((RefKey::SharedData(item.key.offset), le_u32(d, 0) as u64))
+                }
+                _ => None,
+            };
+            if let Some((k, c)) = r {
+                *refs.entry(k).or_insert(0) += c;
+                keyed.push(item.key);
+            }
+        }
+        let total: u64 = refs.values().sum();
+        if total != ei.refs {
+            return Err(Error::corrupt(
+                loc(),
+                format!(
+                    "extent item says {} references but {} were found",
+                    ei.refs, total
+                ),
+            ));
+        }
+        Ok(Some(ExtentRecord {
+            key,
+            generation: ei.generation,
+            flags: ei.flags,
+            tree_block_info: ei.tree_block_info,
+            refs,
+            keyed,
+        }))
+    }
+
+    /// Reference count and flags of a tree block, counting what is queued.
+    pub(crate) fn extent_refs_and_flags(&mut self, bytenr: u64, _level: u8) -> Result<(u64, u64)> {
+        let (delta, flags_set) = self.refs.pending(bytenr);
+        let (refs, flags) = match self.read_extent_record(bytenr)? {
+            Some(r) => (r.refs.values().sum::<u64>(), r.flags),
+            None if delta > 0 => (0, 0),
+            None => {
+                return Err(Error::corrupt(
+                    Location::what(format!("tree block {bytenr}")).with_tree(EXTENT_TREE_OBJECTID),
+                    "shared tree block has no extent item",
+                ))
+            }
+        };
+        let n = refs as i64 + delta;
+        if n < 0 {
+            return Err(Error::corrupt(
+                Location::what(format!("tree block {bytenr}")).with_tree(EXTENT_TREE_OBJECTID),
+                "reference count would drop below zero",
+            ));
+        }
+        Ok((n as u64, flags | flags_set))
+    }
+
+    /// Applies every queued reference change; repeats while applying queues more. Returns
+    /// whether anything was applied.
+    pub(crate) fn run_delayed_refs(&mut self) -> Result<bool> {
+        let mut any = false;
+        for _ in 0..1000 {
+            if self.refs.is_empty() {
+                return Ok(any);
+            }
+            any = true;
+            let batch = std::mem::take(&mut self.refs.map);
+            for (bytenr, pe) in batch {
+                self.apply_extent(bytenr, pe)?;
+            }
+        }
+        Err(Error::Invalid(
+            "engine bug: delayed references do not converge".into(),
+        ))
+    }
+
+    fn apply_extent(&mut self, bytenr: u64, mut pe: PendingExtent) -> Result<()> {
+        pe.deltas.retain(|_, d| *d != 0);
+        let skinny = self.disk.sb.has_incompat(INCOMPAT_SKINNY_METADATA);
+        let loc = || Location::what(format!("extent {bytenr}")).with_tree(EXTENT_TREE_OBJECTID);
+        let existing = if pe.is_new {
+            // A new extent may still meet an item when its address was reused after a free in
+            // an earlier pass of this commit; read to be sure.
+            self.read_extent_record(bytenr)?
+        } else {
+            self.read_extent_record(bytenr)?
+        };
+        if pe.deltas.is_empty() && pe.flags_set == 0 {
+            if pe.is_new && existing.is_none() {
+                // Allocated and freed in this transaction: nothing on disk, space pinned.
+                self.allocator.pin(bytenr, pe.num_bytes)?;
+            }
+            return Ok(());
+        }
+        let created = existing.is_none();
+        let mut rec = match existing {
+            Some(r) => r,
+            None => {
+                if !pe.is_new {
+                    return Err(Error::corrupt(
+                        loc(),
+                        "references change for an extent that has no extent item",
+                    ));
+                }
+                let (key, flags, tbi) = match pe.meta {
+                    Some((level, _)) if skinny => (
+                        Key::new(bytenr, METADATA_ITEM_KEY, level as u64),
+                        EXTENT_FLAG_TREE_BLOCK,
+                        None,
+                    ),
+                    Some((level, k)) => (
+                        Key::new(bytenr, EXTENT_ITEM_KEY, pe.num_bytes),
+                        EXTENT_FLAG_TREE_BLOCK,
+                        Some((k, level)),
+                    ),
+                    None => (
+                        Key::new(bytenr, EXTENT_ITEM_KEY, pe.num_bytes),
+                        EXTENT_FLAG_DATA,
+                        None,
+                    ),
+                };
+                ExtentRecord {
+                    key,
+                    generation: self.transid,
+                    flags,
+                    tree_block_info: tbi,
+                    refs: BTreeMap::new(),
+                    keyed: Vec::new(),
+                }
+            }
+        };
+        rec.flags |= pe.flags_set;
+        for (k, d) in &pe.deltas {
+            let cur = rec.refs.get(k).copied().unwrap_or(0) as i64;
+            let n = cur + d;
+            if n < 0 {
+                return Err(Error::corrupt(
+                    loc(),
+                    format!("dropping back reference {k:?} that the extent does not have"),
+                ));
+            }
+            if n == 0 {
+                rec.refs.remove(k);
+            } else {
+                rec.refs.insert(*k, n as u64);
+            }
+        }
+        let len = if rec.key.ty == METADATA_ITEM_KEY {
+            self.disk.nodesize() as u64
+        } else {
+            rec.key.offset
+        };
+        if rec.refs.is_empty() {
+            // Last reference gone: delete the extent.
+            if !created {
+                self.delete_item(EXTENT_TREE_OBJECTID, &rec.key)?;
+                for k in rec.keyed.clone() {
+                    self.delete_item(EXTENT_TREE_OBJECTID, &k)?;
+                }
+                self.allocator.account_used(bytenr, len, false)?;
+                self.sb_bytes_used = self.sb_bytes_used.saturating_sub(len);
+            }
+            if rec.flags & EXTENT_FLAG_DATA != 0 {
+                self.delete_csums(bytenr, len)?;
+            } else {
+                self.disk.cache_forget(bytenr);
+            }
+            self.allocator.pin(bytenr, len)?;
+            return Ok(());
+        }
+        if created {
+            self.allocator.account_used(bytenr, len, true)?;
+            self.sb_bytes_used += len;
+        }
+        self.write_extent_record(&rec)
+    }
+
+    /// Writes an extent item and its keyed references: inline while the item stays under the
+    /// size limit, keyed after that.
+    fn write_extent_record(&mut self, rec: &ExtentRecord) -> Result<()> {
+        let ns = self.disk.nodesize() as usize;
+        let max_item = ((ns - HEADER_SIZE) >> 4).saturating_sub(ITEM_SIZE);
+        let mut all: Vec<BackRef> = rec.refs.iter().map(|(k, c)| k.to_backref(*c)).collect();
+        all.sort_by_key(|b| (b.type_key(), b.key_offset()));
+        let mut ei = ExtentItem {
+            refs: rec.refs.values().sum(),
+            generation: rec.generation,
+            flags: rec.flags,
+            tree_block_info: rec.tree_block_info,
+            inline_refs: Vec::new(),
+        };
+        let mut size = ei.to_bytes().len();
+        let mut keyed: Vec<(Key, Vec<u8>)> = Vec::new();
+        for b in all {
+            if keyed.is_empty() && size + b.inline_len() <= max_item {
+                size += b.inline_len();
+                ei.inline_refs.push(b);
+            } else {
+                let mut k = Key::new(rec.key.objectid, b.type_key(), b.key_offset());
+                while keyed.iter().any(|(x, _)| *x == k) {
+                    k.offset = k.offset.wrapping_add(1);
+                }
+                keyed.push((k, b.keyed_body()));
+            }
+        }
+        self.replace_item(EXTENT_TREE_OBJECTID, rec.key, &ei.to_bytes())?;
+        for k in &rec.keyed {
+            if !keyed.iter().any(|(x, _)| x == k) {
+                self.delete_item(EXTENT_TREE_OBJECTID, k)?;
+            }
+        }
+        for (k, body) in keyed {
+            self.replace_item(EXTENT_TREE_OBJECTID, k, &body)?;
+        }
+        Ok(())
+    }
+
+    /// Checksum items covering `[logical, logical + len)`: cut out (data extent freed or
+    /// rewritten).
+    pub(crate) fn delete_csums(&mut self, logical: u64, len: u64) -> Result<()> {
+        let ss = self.disk.sectorsize() as u64;
+        let cs = self.disk.sb.csum_type.size() as u64;
+        let end = logical + len;
+        let root = self.current_root(CSUM_TREE_OBJECTID)?;
+        // Items overlapping the range: one that starts before it, and those inside.
+        let mut hits: Vec<(Key, Vec<u8>)> = Vec::new();
+        if let Some(it) = crate::ctree::lookup_le(
+            &self.disk,
+            &root,
+            &Key::new(EXTENT_CSUM_OBJECTID, EXTENT_CSUM_KEY, logical),
+        )? {
+            if it.key.objectid == EXTENT_CSUM_OBJECTID && it.key.ty == EXTENT_CSUM_KEY {
+                let iend = it.key.offset + it.data().len() as u64 / cs * ss;
+                if iend > logical {
+                    hits.push((it.key, it.data().to_vec()));
+                }
+            }
+        }
+        let mut iter = TreeIter::new(
+            self.disk.clone(),
+            root,
+            Key::new(EXTENT_CSUM_OBJECTID, EXTENT_CSUM_KEY, logical),
+            Readahead::None,
+        )?;
+        while let Some(it) = iter.next_item()? {
+            if it.key.objectid != EXTENT_CSUM_OBJECTID
+                || it.key.ty != EXTENT_CSUM_KEY
+                || it.key.offset >= end
+            {
+                break;
+            }
+            if !hits.iter().any(|(k, _)| *k == it.key) {
+                hits.push((it.key, it.data().to_vec()));
+            }
+        }
+        for (k, data) in hits {
+            self.delete_item(CSUM_TREE_OBJECTID, &k)?;
+            let start = k.offset;
+            let n = data.len() as u64 / cs;
+            let iend = start + n * ss;
+            if start < logical {
+                let keep = ((logical - start) / ss * cs) as usize;
+                self.insert_item(CSUM_TREE_OBJECTID, k, &data[..keep])?;
+            }
+            if iend > end {
+                let skip = ((end - start) / ss * cs) as usize;
+                self.insert_item(
+                    CSUM_TREE_OBJECTID,
+                    Key::new(EXTENT_CSUM_OBJECTID, EXTENT_CSUM_KEY, end),
+                    &data[skip..],
+                )?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Stores checksums (`sums`, one per sector) for data at `logical`, extending the item that
+    /// ends right before it when there is room.
+    pub(crate) fn insert_csums(&mut self, logical: u64, sums: &[u8]) -> Result<()> {
+        let ss = self.disk.sectorsize() as u64;
+        let cs = self.disk.sb.csum_type.size();
+        let ns = self.disk.nodesize() as usize;
+        let max_bytes = ((ns - HEADER_SIZE - 2 * ITEM_SIZE) / cs - 1) * cs;
+        let mut logical = logical;
+        let mut sums = sums;
+        // Extend the previous item when it ends exactly here.
+        let root = self.current_root(CSUM_TREE_OBJECTID)?;
+        if let Some(it) = crate::ctree::lookup_le(
+            &self.disk,
+            &root,
+            &Key::new(EXTENT_CSUM_OBJECTID, EXTENT_CSUM_KEY, logical),
+        )? {
+            let cur = it.data().len();
+            if it.key.objectid == EXTENT_CSUM_OBJECTID
+                && it.key.ty == EXTENT_CSUM_KEY
+                && it.key.offset + (cur / cs) as u64 * ss == logical
+                && cur < max_bytes
+            {
+                let take = (max_bytes - cur).min(sums.len());
+                let key = it.key;
+                drop(it);
+                let p = self.resize_item(CSUM_TREE_OBJECTID, &key, cur + take)?;
+                let slot = p.slot();
+                self.modify(p.leaf(), |buf| {
+                    let mut l = crate::ctree_ops::LeafMut::new(buf)?;
+                    l.item_data_mut(slot)?[cur..].copy_from_slice(&sums[..take]);
+                    Ok(())
+                })?;
+                logical += (take / cs) as u64 * ss;
+                sums = &sums[take..];
+            }
+        }
+        while !sums.is_empty() {
+            let take = max_bytes.min(sums.len());
+            self.insert_item(
+                CSUM_TREE_OBJECTID,
+                Key::new(EXTENT_CSUM_OBJECTID, EXTENT_CSUM_KEY, logical),
+                &sums[..take],
+            )?;
+            logical += (take / cs) as u64 * ss;
+            sums = &sums[take..];
+        }
+        Ok(())
+    }
+}

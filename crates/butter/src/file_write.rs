@@ -1,0 +1,899 @@
+//! File data writes: write, truncate, fallocate, and the file extent replace of seed 002.
+//!
+//! Data goes to newly allocated extents (copy on write) and is written to the device at once;
+//! the file extent items, data references and checksums that make it reachable are tree
+//! changes of the running transaction. Small files whose whole content fits under the inline
+//! limit live inline in their EXTENT_DATA item, as the kernel keeps them.
+//!
+//! Replacing a range ([`Fs::replace_extents`]) drops or trims the file extent items that
+//! overlap it and inserts the new item. When every item concerned sits in the leaf where the
+//! new item goes, all of it happens in that leaf after one descent (seed 002's combined path);
+//! otherwise it falls back to one search per changed item. `Writer::descents` counts.
+
+use crate::cow::Intent;
+use crate::ctree_ops::LeafMut;
+use crate::disk_io::Disk;
+use crate::error::{Error, Result};
+use crate::extent_tree::RefKey;
+use crate::format::items::*;
+use crate::format::*;
+use crate::fs::{Fs, Inode};
+use crate::transaction::Writer;
+
+/// Largest data extent butter writes (the kernel's limit for one extent).
+pub const MAX_EXTENT: u64 = 128 << 20;
+
+/// Largest inline file: the kernel's default max_inline (2048), bounded by what fits in a leaf
+/// and below one sector.
+pub fn max_inline(disk: &Disk) -> usize {
+    let ns = disk.nodesize() as usize;
+    let leaf_max = crate::ctree_ops::max_item_size(ns) - FileExtentItem::INLINE_HEADER;
+    2048.min(leaf_max).min(disk.sectorsize() as usize - 1)
+}
+
+/// fallocate(2) modes.
+pub const FALLOC_FL_KEEP_SIZE: u32 = 0x01;
+pub const FALLOC_FL_PUNCH_HOLE: u32 = 0x02;
+pub const FALLOC_FL_ZERO_RANGE: u32 = 0x10;
+
+/// One file extent item of an inode: its key offset, length in the file, and body.
+#[derive(Debug, Clone)]
+struct FileExtent {
+    start: u64,
+    item: FileExtentItem,
+}
+
+impl FileExtent {
+    fn len(&self, ss: u64) -> u64 {
+        match &self.item.body {
+            FileExtentBody::Inline(_) => self.item.ram_bytes.div_ceil(ss) * ss,
+            FileExtentBody::Extent { num_bytes, .. } => *num_bytes,
+        }
+    }
+    fn end(&self, ss: u64) -> u64 {
+        self.start + self.len(ss)
+    }
+}
+
+/// What one file extent item contributes to the inode's nbytes.
+fn nbytes_of(fe: &FileExtentItem) -> u64 {
+    match &fe.body {
+        FileExtentBody::Inline(_) => fe.ram_bytes,
+        FileExtentBody::Extent {
+            disk_bytenr,
+            num_bytes,
+            ..
+        } => {
+            if *disk_bytenr == 0 {
+                0
+            } else {
+                *num_bytes
+            }
+        }
+    }
+}
+
+/// How a dropped range changes one overlapping item.
+enum Cut {
+    /// The item is entirely inside: delete it.
+    Delete,
+    /// Keep the head: new length.
+    KeepHead(FileExtentItem),
+    /// Keep the tail: new key offset and body.
+    KeepTail(u64, FileExtentItem),
+    /// Keep both ends: head body, and a new tail item (key offset, body).
+    Split(FileExtentItem, u64, FileExtentItem),
+}
+
+fn with_extent(fe: &FileExtentItem, off_add: u64, num: u64) -> FileExtentItem {
+    let mut n = fe.clone();
+    if let FileExtentBody::Extent {
+        disk_bytenr,
+        disk_num_bytes,
+        offset,
+        ..
+    } = fe.body
+    {
+        n.body = FileExtentBody::Extent {
+            disk_bytenr,
+            disk_num_bytes,
+            offset: if disk_bytenr == 0 {
+                0
+            } else {
+                offset + off_add
+            },
+            num_bytes: num,
+        };
+    }
+    n
+}
+
+/// How dropping `[start, end)` affects an item at `ks` (non-inline).
+fn cut(ks: u64, fe: &FileExtentItem, ke: u64, start: u64, end: u64) -> Cut {
+    if ks >= start && ke <= end {
+        Cut::Delete
+    } else if ks < start && ke > end {
+        Cut::Split(
+            with_extent(fe, 0, start - ks),
+            end,
+            with_extent(fe, end - ks, ke - end),
+        )
+    } else if ks < start {
+        Cut::KeepHead(with_extent(fe, 0, start - ks))
+    } else {
+        Cut::KeepTail(end, with_extent(fe, end - ks, ke - end))
+    }
+}
+
+impl Fs {
+    fn file_extents(&self, ino: Inode, from: u64, to: u64) -> Result<Vec<FileExtent>> {
+        let root = self.subvol_root(ino.root)?;
+        let ss = self.disk.sectorsize() as u64;
+        let mut out = Vec::new();
+        let start_key = match crate::ctree::lookup_le(
+            &self.disk,
+            &root,
+            &Key::new(ino.ino, EXTENT_DATA_KEY, from),
+        )? {
+            Some(i) if i.key.objectid == ino.ino && i.key.ty == EXTENT_DATA_KEY => i.key,
+            _ => Key::new(ino.ino, EXTENT_DATA_KEY, 0),
+        };
+        let mut it = crate::ctree::TreeIter::new(
+            self.disk.clone(),
+            root,
+            start_key,
+            crate::disk_io::Readahead::None,
+        )?;
+        while let Some(i) = it.next_item()? {
+            if i.key.objectid != ino.ino || i.key.ty != EXTENT_DATA_KEY || i.key.offset >= to {
+                break;
+            }
+            let fe = FileExtentItem::parse(i.data()).map_err(|e| i.annotate(e))?;
+            let x = FileExtent {
+                start: i.key.offset,
+                item: fe,
+            };
+            if x.end(ss) > from {
+                out.push(x);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Drops `[start, end)` from the file's extent items (sector aligned, non-inline items),
+    /// then inserts `new` (key offset, body) if given. Returns the change of nbytes (removed,
+    /// added). Seed 002: one descent when everything is in one leaf.
+    pub(crate) fn replace_extents(
+        &self,
+        w: &mut Writer,
+        ino: Inode,
+        start: u64,
+        end: u64,
+        new: Option<(u64, FileExtentItem)>,
+    ) -> Result<(u64, u64)> {
+        let ss = self.disk.sectorsize() as u64;
+        let added = new.as_ref().map(|(_, f)| nbytes_of(f)).unwrap_or(0);
+        if w.combined_replace {
+            if let Some(removed) = self.replace_in_one_leaf(w, ino, start, end, new.as_ref())? {
+                return Ok((removed, added));
+            }
+        }
+        let mut removed = 0;
+        for x in self.file_extents(ino, start, end)? {
+            let ke = x.end(ss);
+            let key = Key::new(ino.ino, EXTENT_DATA_KEY, x.start);
+            if let FileExtentBody::Inline(_) = x.item.body {
+                // Inline data is only ever at offset 0; a range write over it replaces it.
+                w.delete_item(ino.root, &key)?;
+                removed += nbytes_of(&x.item);
+                continue;
+            }
+            let c = cut(x.start, &x.item, ke, start, end);
+            removed += self.apply_cut(w, ino, key, &x.item, c)?;
+        }
+        if let Some((off, fe)) = new {
+            w.insert_item(
+                ino.root,
+                Key::new(ino.ino, EXTENT_DATA_KEY, off),
+                &fe.to_bytes(),
+            )?;
+        }
+        Ok((removed, added))
+    }
+
+    /// Applies one cut with its own searches. Returns nbytes removed.
+    fn apply_cut(
+        &self,
+        w: &mut Writer,
+        ino: Inode,
+        key: Key,
+        fe: &FileExtentItem,
+        c: Cut,
+    ) -> Result<u64> {
+        let before = nbytes_of(fe);
+        match c {
+            Cut::Delete => {
+                w.delete_item(ino.root, &key)?;
+                self.drop_data_ref(w, ino, key.offset, fe);
+                Ok(before)
+            }
+            Cut::KeepHead(h) => {
+                let b = h.to_bytes();
+                w.update_item(ino.root, &key, |x| {
+                    x.copy_from_slice(&b);
+                    Ok(())
+                })?;
+                Ok(before - nbytes_of(&h))
+            }
+            Cut::KeepTail(nk, t) => {
+                w.delete_item(ino.root, &key)?;
+                w.insert_item(
+                    ino.root,
+                    Key::new(ino.ino, EXTENT_DATA_KEY, nk),
+                    &t.to_bytes(),
+                )?;
+                Ok(before - nbytes_of(&t))
+            }
+            Cut::Split(h, nk, t) => {
+                let b = h.to_bytes();
+                w.update_item(ino.root, &key, |x| {
+                    x.copy_from_slice(&b);
+                    Ok(())
+                })?;
+                w.insert_item(
+                    ino.root,
+                    Key::new(ino.ino, EXTENT_DATA_KEY, nk),
+                    &t.to_bytes(),
+                )?;
+                self.add_data_ref(w, ino, nk, &t, false);
+                Ok(before - nbytes_of(&h) - nbytes_of(&t))
+            }
+        }
+    }
+
+    fn data_ref_of(ino: Inode, key_off: u64, fe: &FileExtentItem) -> Option<(u64, u64, RefKey)> {
+        match fe.body {
+            FileExtentBody::Extent {
+                disk_bytenr,
+                disk_num_bytes,
+                offset,
+                ..
+            } if disk_bytenr != 0 => Some((
+                disk_bytenr,
+                disk_num_bytes,
+                RefKey::Data {
+                    root: ino.root,
+                    ino: ino.ino,
+                    offset: key_off.wrapping_sub(offset),
+                },
+            )),
+            _ => None,
+        }
+    }
+
+    fn drop_data_ref(&self, w: &mut Writer, ino: Inode, key_off: u64, fe: &FileExtentItem) {
+        if let Some((b, l, r)) = Self::data_ref_of(ino, key_off, fe) {
+            w.refs.add_data_ref(b, l, false, r, -1);
+        }
+    }
+
+    fn add_data_ref(
+        &self,
+        w: &mut Writer,
+        ino: Inode,
+        key_off: u64,
+        fe: &FileExtentItem,
+        new: bool,
+    ) {
+        if let Some((b, l, r)) = Self::data_ref_of(ino, key_off, fe) {
+            w.refs.add_data_ref(b, l, new, r, 1);
+        }
+    }
+
+    /// Seed 002's path: one descent to the leaf where the new item goes; if every overlapping
+    /// item is in that leaf and the results fit, change them there. `None` when it does not
+    /// apply (the caller falls back).
+    fn replace_in_one_leaf(
+        &self,
+        w: &mut Writer,
+        ino: Inode,
+        start: u64,
+        end: u64,
+        new: Option<&(u64, FileExtentItem)>,
+    ) -> Result<Option<u64>> {
+        let ss = self.disk.sectorsize() as u64;
+        let new_bytes = new.map(|(_, f)| f.to_bytes());
+        let extra = new_bytes.as_ref().map(|b| b.len() + ITEM_SIZE).unwrap_or(0)
+            + FileExtentItem::SIZE
+            + ITEM_SIZE;
+        let key = Key::new(ino.ino, EXTENT_DATA_KEY, start);
+        let path = w.search_mut(
+            ino.root,
+            &key,
+            Intent::Insert {
+                items: 2,
+                data_len: extra - 2 * ITEM_SIZE,
+            },
+        )?;
+        let leaf = path.leaf();
+        let blk = w.dirty_block(leaf)?;
+        let n = blk.nritems();
+        // First candidate: the item before the slot may overlap the start.
+        let mut first = path.slot();
+        if first > 0 {
+            let k = blk.key(first - 1);
+            if k.objectid == ino.ino && k.ty == EXTENT_DATA_KEY {
+                first -= 1;
+            }
+        }
+        let mut cuts: Vec<(usize, Key, FileExtentItem, Cut)> = Vec::new();
+        let mut slot = first;
+        while slot < n {
+            let k = blk.key(slot);
+            if k.objectid != ino.ino || k.ty != EXTENT_DATA_KEY || k.offset >= end {
+                break;
+            }
+            let fe = FileExtentItem::parse(blk.item_data(slot))
+                .map_err(|e| e.in_block(Some(ino.root), leaf))?;
+            if matches!(fe.body, FileExtentBody::Inline(_)) {
+                return Ok(None);
+            }
+            let x = FileExtent {
+                start: k.offset,
+                item: fe,
+            };
+            let ke = x.end(ss);
+            if ke > start {
+                let c = cut(k.offset, &x.item, ke, start, end);
+                cuts.push((slot, k, x.item, c));
+            }
+            slot += 1;
+        }
+        // If the scan reached the end of the leaf, the next leaf may hold more: fall back.
+        if slot == n {
+            let root = w.current_root(ino.root)?;
+            if let Some(nk) = crate::cow::next_key_after(
+                &self.disk,
+                &root,
+                &Key::new(
+                    ino.ino,
+                    EXTENT_DATA_KEY,
+                    blk.key(n.saturating_sub(1)).offset.saturating_add(1),
+                ),
+            )? {
+                if nk.objectid == ino.ino
+                    && nk.ty == EXTENT_DATA_KEY
+                    && nk.offset < end
+                    && n > 0
+                    && blk.key(n - 1) < nk
+                {
+                    return Ok(None);
+                }
+            }
+        }
+        // Apply in the leaf, from the last slot backwards so earlier slots stay valid.
+        let mut removed = 0;
+        let mut inserts: Vec<(Key, Vec<u8>)> = Vec::new();
+        for (slot, k, fe, c) in cuts.into_iter().rev() {
+            let before = nbytes_of(&fe);
+            match c {
+                Cut::Delete => {
+                    w.modify(leaf, |buf| LeafMut::new(buf)?.delete_items(slot, 1))?;
+                    self.drop_data_ref(w, ino, k.offset, &fe);
+                    removed += before;
+                }
+                Cut::KeepHead(h) => {
+                    let b = h.to_bytes();
+                    w.modify(leaf, |buf| {
+                        LeafMut::new(buf)?.item_data_mut(slot)?.copy_from_slice(&b);
+                        Ok(())
+                    })?;
+                    removed += before - nbytes_of(&h);
+                }
+                Cut::KeepTail(nk, t) => {
+                    let b = t.to_bytes();
+                    let nkey = Key::new(ino.ino, EXTENT_DATA_KEY, nk);
+                    w.modify(leaf, |buf| {
+                        let mut l = LeafMut::new(buf)?;
+                        l.set_key(slot, nkey)?;
+                        l.item_data_mut(slot)?.copy_from_slice(&b);
+                        Ok(())
+                    })?;
+                    removed += before - nbytes_of(&t);
+                }
+                Cut::Split(h, nk, t) => {
+                    let b = h.to_bytes();
+                    w.modify(leaf, |buf| {
+                        LeafMut::new(buf)?.item_data_mut(slot)?.copy_from_slice(&b);
+                        Ok(())
+                    })?;
+                    self.add_data_ref(w, ino, nk, &t, false);
+                    removed += before - nbytes_of(&h) - nbytes_of(&t);
+                    inserts.push((Key::new(ino.ino, EXTENT_DATA_KEY, nk), t.to_bytes()));
+                }
+            }
+        }
+        if let (Some((off, _)), Some(b)) = (new, new_bytes) {
+            inserts.push((Key::new(ino.ino, EXTENT_DATA_KEY, *off), b));
+        }
+        inserts.sort_by_key(|(k, _)| *k);
+        for (k, b) in inserts {
+            w.modify(leaf, |buf| {
+                let mut l = LeafMut::new(buf)?;
+                // Slot for k in the leaf as it is now.
+                let n = l.nritems();
+                let mut s = 0;
+                while s < n && l.key(s)? < k {
+                    s += 1;
+                }
+                l.insert_item(s, k, b.len())?.copy_from_slice(&b);
+                Ok(())
+            })?;
+        }
+        // The leaf's first key may have changed; carry it up.
+        w.fix_first_key(&path)?;
+        Ok(Some(removed))
+    }
+
+    /// Reads the file's current content in `[from, to)` (zeros past EOF or in holes).
+    fn read_range(&self, ino: Inode, from: u64, to: u64) -> Result<Vec<u8>> {
+        let mut v = self.read(ino, from, (to - from) as usize)?;
+        v.resize((to - from) as usize, 0);
+        Ok(v)
+    }
+
+    /// Writes data at `offset`. Returns the bytes written.
+    pub fn write(&self, ino: Inode, offset: u64, data: &[u8]) -> Result<usize> {
+        if data.is_empty() {
+            return Ok(0);
+        }
+        let item = self.inode_item(ino)?;
+        if item.mode & 0o170000 != 0o100000 {
+            return Err(Error::Invalid(format!(
+                "write to inode {} that is not a regular file",
+                ino.ino
+            )));
+        }
+        let end = offset
+            .checked_add(data.len() as u64)
+            .filter(|e| *e <= i64::MAX as u64)
+            .ok_or_else(|| Error::Invalid("write past the largest file size".into()))?;
+        let ss = self.disk.sectorsize() as u64;
+        let new_size = item.size.max(end);
+        let mi = max_inline(&self.disk) as u64;
+        let has_inline = self
+            .file_extents(ino, 0, 1)?
+            .first()
+            .is_some_and(|x| matches!(x.item.body, FileExtentBody::Inline(_)));
+        let has_other = self.file_extents(ino, 0, u64::MAX)?.iter().any(|x| {
+            !matches!(x.item.body, FileExtentBody::Inline(_)) && {
+                // Holes do not count.
+                !matches!(x.item.body, FileExtentBody::Extent { disk_bytenr: 0, .. })
+            }
+        });
+        if new_size <= mi && !has_other && (item.size == 0 || has_inline) {
+            // The whole file stays inline.
+            let mut content = self.read_range(ino, 0, item.size)?;
+            content.resize(new_size as usize, 0);
+            content[offset as usize..end as usize].copy_from_slice(data);
+            self.op(true, |w| self.write_inline(w, ino, &content))?;
+            return Ok(data.len());
+        }
+        // Regular extents over the sector-aligned range; an inline extent is folded in.
+        let a = if has_inline { 0 } else { offset / ss * ss };
+        let b = end.div_ceil(ss) * ss;
+        let mut buf = vec![0u8; (b - a) as usize];
+        if a < offset || has_inline {
+            let head_end = offset.min(item.size);
+            if head_end > a {
+                let h = self.read_range(ino, a, head_end)?;
+                buf[..h.len()].copy_from_slice(&h);
+            }
+        }
+        if b > end && end < item.size {
+            let t = self.read_range(ino, end, b.min(item.size))?;
+            let o = (end - a) as usize;
+            buf[o..o + t.len()].copy_from_slice(&t);
+        }
+        let o = (offset - a) as usize;
+        buf[o..o + data.len()].copy_from_slice(data);
+        self.write_extents(ino, a, &buf, new_size, has_inline)?;
+        Ok(data.len())
+    }
+
+    /// Replaces the whole (small) content with one inline extent.
+    fn write_inline(&self, w: &mut Writer, ino: Inode, content: &[u8]) -> Result<()> {
+        let mut item = self.inode_item(ino)?;
+        let key = Key::new(ino.ino, EXTENT_DATA_KEY, 0);
+        let old = w.read_item(ino.root, &key)?;
+        let fe = FileExtentItem {
+            generation: w.transid,
+            ram_bytes: content.len() as u64,
+            compression: 0,
+            encryption: 0,
+            other_encoding: 0,
+            ty: FILE_EXTENT_INLINE,
+            body: FileExtentBody::Inline(content.to_vec()),
+        };
+        if let Some(old) = old {
+            let ofe = FileExtentItem::parse(&old)?;
+            item.nbytes -= nbytes_of(&ofe).min(item.nbytes);
+            self.drop_data_ref(w, ino, 0, &ofe);
+        }
+        w.replace_item(ino.root, key, &fe.to_bytes())?;
+        item.nbytes += content.len() as u64;
+        item.size = content.len() as u64;
+        Self::touch(w, &mut item, true);
+        self.write_inode(w, ino, &item)
+    }
+
+    /// Writes sector-aligned `buf` at file offset `a` into new extents.
+    fn write_extents(
+        &self,
+        ino: Inode,
+        a: u64,
+        buf: &[u8],
+        new_size: u64,
+        had_inline: bool,
+    ) -> Result<()> {
+        let ss = self.disk.sectorsize() as u64;
+        let ct = self.disk.sb.csum_type;
+        let mut done = 0u64;
+        let total = buf.len() as u64;
+        while done < total {
+            let len = (total - done).min(MAX_EXTENT);
+            let chunk = &buf[done as usize..(done + len) as usize];
+            let file_off = a + done;
+            self.op(true, |w| {
+                let bytenr = match w.alloc_data(len) {
+                    Ok(b) => b,
+                    Err(Error::NoSpace(_))
+                        if w.allocator.pinned_bytes(crate::alloc::SpaceKind::Data) >= len =>
+                    {
+                        // Space freed earlier in this transaction comes back after a commit.
+                        w.commit()?;
+                        w.alloc_data(len)?
+                    }
+                    Err(e) => return Err(e),
+                };
+                self.disk.write_logical(bytenr, chunk)?;
+                let mut sums = Vec::with_capacity((len / ss) as usize * ct.size());
+                for s in chunk.chunks(ss as usize) {
+                    sums.extend_from_slice(&ct.compute(s)[..ct.size()]);
+                }
+                w.delete_csums(bytenr, len)?;
+                w.insert_csums(bytenr, &sums)?;
+                let fe = FileExtentItem {
+                    generation: w.transid,
+                    ram_bytes: len,
+                    compression: 0,
+                    encryption: 0,
+                    other_encoding: 0,
+                    ty: FILE_EXTENT_REG,
+                    body: FileExtentBody::Extent {
+                        disk_bytenr: bytenr,
+                        disk_num_bytes: len,
+                        offset: 0,
+                        num_bytes: len,
+                    },
+                };
+                let mut item = self.inode_item(ino)?;
+                if had_inline && done == 0 {
+                    let key = Key::new(ino.ino, EXTENT_DATA_KEY, 0);
+                    if let Some(old) = w.read_item(ino.root, &key)? {
+                        let ofe = FileExtentItem::parse(&old)?;
+                        if matches!(ofe.body, FileExtentBody::Inline(_)) {
+                            w.delete_item(ino.root, &key)?;
+                            item.nbytes -= nbytes_of(&ofe).min(item.nbytes);
+                        }
+                    }
+                }
+                self.fill_holes(w, ino, &mut item, file_off)?;
+                let (removed, added) = self.replace_extents(
+                    w,
+                    ino,
+                    file_off,
+                    file_off + len,
+                    Some((file_off, fe.clone())),
+                )?;
+                w.refs.add_data_ref(
+                    bytenr,
+                    len,
+                    true,
+                    RefKey::Data {
+                        root: ino.root,
+                        ino: ino.ino,
+                        offset: file_off,
+                    },
+                    1,
+                );
+                item.nbytes = item.nbytes - removed.min(item.nbytes) + added;
+                item.size = item.size.max((file_off + len).min(new_size));
+                if done + len == total {
+                    item.size = item.size.max(new_size);
+                }
+                Self::touch(w, &mut item, true);
+                self.write_inode(w, ino, &item)
+            })?;
+            done += len;
+        }
+        Ok(())
+    }
+
+    /// Without NO_HOLES: explicit hole items from the current end of the file's extents up to
+    /// `to` (a write or truncate past EOF).
+    fn fill_holes(&self, w: &mut Writer, ino: Inode, item: &mut InodeItem, to: u64) -> Result<()> {
+        if self.disk.sb.has_incompat(INCOMPAT_NO_HOLES) {
+            return Ok(());
+        }
+        let ss = self.disk.sectorsize() as u64;
+        let from = item.size.div_ceil(ss) * ss;
+        if to <= from {
+            return Ok(());
+        }
+        // Only where no item covers it.
+        let covered_to = self
+            .file_extents(ino, 0, u64::MAX)?
+            .iter()
+            .map(|x| x.end(ss))
+            .max()
+            .unwrap_or(0);
+        let from = from.max(covered_to);
+        if to <= from {
+            return Ok(());
+        }
+        let hole = FileExtentItem {
+            generation: w.transid,
+            ram_bytes: to - from,
+            compression: 0,
+            encryption: 0,
+            other_encoding: 0,
+            ty: FILE_EXTENT_REG,
+            body: FileExtentBody::Extent {
+                disk_bytenr: 0,
+                disk_num_bytes: 0,
+                offset: 0,
+                num_bytes: to - from,
+            },
+        };
+        w.insert_item(
+            ino.root,
+            Key::new(ino.ino, EXTENT_DATA_KEY, from),
+            &hole.to_bytes(),
+        )
+    }
+
+    /// Drops every extent at or past `size` (sector rounded up), trimming the one across it.
+    pub(crate) fn truncate_extents(&self, w: &mut Writer, ino: Inode, size: u64) -> Result<u64> {
+        let ss = self.disk.sectorsize() as u64;
+        let cut_at = size.div_ceil(ss) * ss;
+        let mut removed = 0;
+        for x in self.file_extents(ino, cut_at, u64::MAX)? {
+            let key = Key::new(ino.ino, EXTENT_DATA_KEY, x.start);
+            if let FileExtentBody::Inline(d) = &x.item.body {
+                if x.start >= cut_at || size == 0 {
+                    w.delete_item(ino.root, &key)?;
+                    removed += nbytes_of(&x.item);
+                } else if x.item.compression == 0 && (size as usize) < d.len() {
+                    let mut fe = x.item.clone();
+                    fe.ram_bytes = size;
+                    fe.body = FileExtentBody::Inline(d[..size as usize].to_vec());
+                    w.replace_item(ino.root, key, &fe.to_bytes())?;
+                    removed += d.len() as u64 - size;
+                }
+                continue;
+            }
+            let ke = x.end(ss);
+            let c = cut(x.start, &x.item, ke, cut_at, u64::MAX.max(ke));
+            let c = match c {
+                Cut::Split(h, _, _) => Cut::KeepHead(h),
+                Cut::KeepTail(..) => Cut::Delete,
+                c => c,
+            };
+            removed += self.apply_cut(w, ino, key, &x.item, c)?;
+        }
+        Ok(removed)
+    }
+
+    /// truncate(2).
+    pub fn truncate(&self, ino: Inode, size: u64) -> Result<()> {
+        let item = self.inode_item(ino)?;
+        if item.mode & 0o170000 != 0o100000 {
+            return Err(Error::Invalid(format!(
+                "truncate of inode {} that is not a regular file",
+                ino.ino
+            )));
+        }
+        let ss = self.disk.sectorsize() as u64;
+        if size < item.size && size % ss != 0 {
+            // Zero the tail of the last sector so a later extension reads zeros there.
+            let sector_end = (size.div_ceil(ss) * ss).min(item.size);
+            if sector_end > size {
+                let zeros = vec![0u8; (sector_end - size) as usize];
+                let inline = self
+                    .file_extents(ino, 0, 1)?
+                    .first()
+                    .is_some_and(|x| matches!(x.item.body, FileExtentBody::Inline(_)));
+                if !inline {
+                    self.write(ino, size, &zeros)?;
+                }
+            }
+        }
+        self.op(size > item.size, |w| {
+            let mut item = self.inode_item(ino)?;
+            if size < item.size {
+                let removed = self.truncate_extents(w, ino, size)?;
+                item.nbytes -= removed.min(item.nbytes);
+            } else if size > item.size {
+                self.fill_holes(w, ino, &mut item, size.div_ceil(ss) * ss)?;
+            }
+            item.size = size;
+            Self::touch(w, &mut item, true);
+            self.write_inode(w, ino, &item)
+        })
+    }
+
+    /// fallocate(2): default (preallocate, grows the size unless KEEP_SIZE), PUNCH_HOLE
+    /// (with KEEP_SIZE) and ZERO_RANGE.
+    pub fn fallocate(&self, ino: Inode, mode: u32, offset: u64, len: u64) -> Result<()> {
+        let item = self.inode_item(ino)?;
+        if item.mode & 0o170000 != 0o100000 {
+            return Err(Error::Invalid("fallocate of a non-regular file".into()));
+        }
+        if len == 0 {
+            return Err(Error::Invalid("fallocate of zero bytes".into()));
+        }
+        let end = offset
+            .checked_add(len)
+            .ok_or_else(|| Error::Invalid("range overflows".into()))?;
+        let ss = self.disk.sectorsize() as u64;
+        if mode & FALLOC_FL_PUNCH_HOLE != 0 {
+            if mode & FALLOC_FL_KEEP_SIZE == 0 {
+                return Err(Error::Invalid("PUNCH_HOLE needs KEEP_SIZE".into()));
+            }
+            return self.zero_range(ino, offset, end.min(item.size), false);
+        }
+        if mode & FALLOC_FL_ZERO_RANGE != 0 {
+            self.zero_range(ino, offset, end.min(item.size.max(offset)), true)?;
+        } else if mode & !FALLOC_FL_KEEP_SIZE != 0 {
+            return Err(Error::Unsupported(format!("fallocate mode {mode:#x}")));
+        }
+        // Preallocate the holes of the aligned range.
+        let a = offset / ss * ss;
+        let b = end.div_ceil(ss) * ss;
+        let inline = self
+            .file_extents(ino, 0, 1)?
+            .first()
+            .is_some_and(|x| matches!(x.item.body, FileExtentBody::Inline(_)));
+        if inline {
+            // Move inline content to a regular extent first.
+            let content = self.read_range(ino, 0, item.size)?;
+            let mut buf = content;
+            buf.resize((item.size.div_ceil(ss) * ss) as usize, 0);
+            self.write_extents(ino, 0, &buf, item.size, true)?;
+        }
+        let mut holes: Vec<(u64, u64)> = Vec::new();
+        let mut pos = a;
+        for x in self.file_extents(ino, a, b)? {
+            let real = !matches!(x.item.body, FileExtentBody::Extent { disk_bytenr: 0, .. });
+            if !real {
+                continue;
+            }
+            if x.start > pos {
+                holes.push((pos, x.start.min(b)));
+            }
+            pos = pos.max(x.end(ss));
+        }
+        if pos < b {
+            holes.push((pos, b));
+        }
+        for (hs, he) in holes {
+            let mut s = hs;
+            while s < he {
+                let l = (he - s).min(MAX_EXTENT);
+                self.op(true, |w| {
+                    let bytenr = w.alloc_data(l)?;
+                    let fe = FileExtentItem {
+                        generation: w.transid,
+                        ram_bytes: l,
+                        compression: 0,
+                        encryption: 0,
+                        other_encoding: 0,
+                        ty: FILE_EXTENT_PREALLOC,
+                        body: FileExtentBody::Extent {
+                            disk_bytenr: bytenr,
+                            disk_num_bytes: l,
+                            offset: 0,
+                            num_bytes: l,
+                        },
+                    };
+                    let mut item = self.inode_item(ino)?;
+                    self.fill_holes(w, ino, &mut item, s)?;
+                    let (removed, added) = self.replace_extents(w, ino, s, s + l, Some((s, fe)))?;
+                    w.refs.add_data_ref(
+                        bytenr,
+                        l,
+                        true,
+                        RefKey::Data {
+                            root: ino.root,
+                            ino: ino.ino,
+                            offset: s,
+                        },
+                        1,
+                    );
+                    item.nbytes = item.nbytes - removed.min(item.nbytes) + added;
+                    Self::touch(w, &mut item, false);
+                    self.write_inode(w, ino, &item)
+                })?;
+                s += l;
+            }
+        }
+        if mode & FALLOC_FL_KEEP_SIZE == 0 && end > item.size {
+            self.op(false, |w| {
+                let mut item = self.inode_item(ino)?;
+                item.size = item.size.max(end);
+                Self::touch(w, &mut item, false);
+                self.write_inode(w, ino, &item)
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Makes `[from, to)` read as zeros: partial sectors are rewritten, whole sectors lose
+    /// their extents (a hole item without NO_HOLES).
+    fn zero_range(&self, ino: Inode, from: u64, to: u64, _keep_alloc: bool) -> Result<()> {
+        if to <= from {
+            return Ok(());
+        }
+        let ss = self.disk.sectorsize() as u64;
+        let item = self.inode_item(ino)?;
+        let inline = self
+            .file_extents(ino, 0, 1)?
+            .first()
+            .is_some_and(|x| matches!(x.item.body, FileExtentBody::Inline(_)));
+        if inline {
+            let zeros = vec![0u8; (to - from) as usize];
+            self.write(ino, from, &zeros)?;
+            return Ok(());
+        }
+        let a = from.div_ceil(ss) * ss;
+        let b = to / ss * ss;
+        if a >= b {
+            let zeros = vec![0u8; (to - from) as usize];
+            self.write(ino, from, &zeros)?;
+            return Ok(());
+        }
+        if from < a {
+            self.write(ino, from, &vec![0u8; (a - from) as usize])?;
+        }
+        if to > b && b < item.size {
+            self.write(ino, b, &vec![0u8; (to - b) as usize])?;
+        }
+        self.op(false, |w| {
+            let mut item = self.inode_item(ino)?;
+            let hole = (!self.disk.sb.has_incompat(INCOMPAT_NO_HOLES)).then(|| {
+                (
+                    a,
+                    FileExtentItem {
+                        generation: w.transid,
+                        ram_bytes: b - a,
+                        compression: 0,
+                        encryption: 0,
+                        other_encoding: 0,
+                        ty: FILE_EXTENT_REG,
+                        body: FileExtentBody::Extent {
+                            disk_bytenr: 0,
+                            disk_num_bytes: 0,
+                            offset: 0,
+                            num_bytes: b - a,
+                        },
+                    },
+                )
+            });
+            let (removed, _) = self.replace_extents(w, ino, a, b, hole)?;
+            item.nbytes -= removed.min(item.nbytes);
+            Self::touch(w, &mut item, true);
+            self.write_inode(w, ino, &item)
+        })
+    }
+}

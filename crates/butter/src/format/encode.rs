@@ -1,0 +1,397 @@
+//! Encoders: the items the write engine stores, the inverse of the decoders in
+//! [`super::items`] (round trips are tested below).
+
+use super::items::*;
+use super::superblock::DevItem;
+use super::*;
+
+fn put_u16(b: &mut Vec<u8>, v: u16) {
+    b.extend_from_slice(&v.to_le_bytes());
+}
+fn put_u32(b: &mut Vec<u8>, v: u32) {
+    b.extend_from_slice(&v.to_le_bytes());
+}
+fn put_u64(b: &mut Vec<u8>, v: u64) {
+    b.extend_from_slice(&v.to_le_bytes());
+}
+
+impl Timespec {
+    pub fn write(&self, b: &mut Vec<u8>) {
+        put_u64(b, self.sec as u64);
+        put_u32(b, self.nsec);
+    }
+}
+
+impl InodeItem {
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut b = Vec::with_capacity(Self::SIZE);
+        put_u64(&mut b, self.generation);
+        put_u64(&mut b, self.transid);
+        put_u64(&mut b, self.size);
+        put_u64(&mut b, self.nbytes);
+        put_u64(&mut b, self.block_group);
+        put_u32(&mut b, self.nlink);
+        put_u32(&mut b, self.uid);
+        put_u32(&mut b, self.gid);
+        put_u32(&mut b, self.mode);
+        put_u64(&mut b, self.rdev);
+        put_u64(&mut b, self.flags);
+        put_u64(&mut b, self.sequence);
+        b.resize(112, 0); // reserved[4]
+        self.atime.write(&mut b);
+        self.ctime.write(&mut b);
+        self.mtime.write(&mut b);
+        self.otime.write(&mut b);
+        b
+    }
+}
+
+impl DirItem {
+    /// Appends one entry (dir item, dir index or xattr) to `b`.
+    pub fn write(&self, b: &mut Vec<u8>) {
+        b.extend_from_slice(&self.location.to_bytes());
+        put_u64(b, self.transid);
+        put_u16(b, self.data.len() as u16);
+        put_u16(b, self.name.len() as u16);
+        b.push(self.file_type);
+        b.extend_from_slice(&self.name);
+        b.extend_from_slice(&self.data);
+    }
+    pub fn encoded_len(&self) -> usize {
+        Self::HEADER + self.name.len() + self.data.len()
+    }
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut b = Vec::with_capacity(self.encoded_len());
+        self.write(&mut b);
+        b
+    }
+}
+
+impl InodeRef {
+    pub fn write(&self, b: &mut Vec<u8>) {
+        put_u64(b, self.index);
+        put_u16(b, self.name.len() as u16);
+        b.extend_from_slice(&self.name);
+    }
+    pub fn encoded_len(&self) -> usize {
+        10 + self.name.len()
+    }
+}
+
+impl InodeExtref {
+    pub fn write(&self, b: &mut Vec<u8>) {
+        put_u64(b, self.parent);
+        put_u64(b, self.index);
+        put_u16(b, self.name.len() as u16);
+        b.extend_from_slice(&self.name);
+    }
+    pub fn encoded_len(&self) -> usize {
+        18 + self.name.len()
+    }
+}
+
+impl FileExtentItem {
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut b = Vec::with_capacity(Self::SIZE);
+        put_u64(&mut b, self.generation);
+        put_u64(&mut b, self.ram_bytes);
+        b.push(self.compression);
+        b.push(self.encryption);
+        put_u16(&mut b, self.other_encoding);
+        b.push(self.ty);
+        match &self.body {
+            FileExtentBody::Inline(d) => b.extend_from_slice(d),
+            FileExtentBody::Extent {
+                disk_bytenr,
+                disk_num_bytes,
+                offset,
+                num_bytes,
+            } => {
+                put_u64(&mut b, *disk_bytenr);
+                put_u64(&mut b, *disk_num_bytes);
+                put_u64(&mut b, *offset);
+                put_u64(&mut b, *num_bytes);
+            }
+        }
+        b
+    }
+}
+
+impl BackRef {
+    /// The inline type byte.
+    pub fn type_key(&self) -> u8 {
+        match self {
+            BackRef::TreeBlock { .. } => TREE_BLOCK_REF_KEY,
+            BackRef::SharedBlock { .. } => SHARED_BLOCK_REF_KEY,
+            BackRef::ExtentData { .. } => EXTENT_DATA_REF_KEY,
+            BackRef::SharedData { .. } => SHARED_DATA_REF_KEY,
+            BackRef::Owner { .. } => EXTENT_OWNER_REF_KEY,
+        }
+    }
+    /// The offset this reference has as a keyed item (and its order among inline refs).
+    pub fn key_offset(&self) -> u64 {
+        match self {
+            BackRef::TreeBlock { root } => *root,
+            BackRef::SharedBlock { parent } => *parent,
+            BackRef::ExtentData {
+                root,
+                objectid,
+                offset,
+                ..
+            } => hash::extent_data_ref_hash(*root, *objectid, *offset),
+            BackRef::SharedData { parent, .. } => *parent,
+            BackRef::Owner { root } => *root,
+        }
+    }
+    /// How many references it stands for.
+    pub fn count(&self) -> u64 {
+        match self {
+            BackRef::ExtentData { count, .. } | BackRef::SharedData { count, .. } => *count as u64,
+            _ => 1,
+        }
+    }
+    /// Size inline (type byte included).
+    pub fn inline_len(&self) -> usize {
+        1 + match self {
+            BackRef::ExtentData { .. } => 28,
+            BackRef::SharedData { .. } => 12,
+            _ => 8,
+        }
+    }
+    /// Body without the type byte (inline), or the keyed item's body.
+    pub fn write_body(&self, b: &mut Vec<u8>) {
+        match self {
+            BackRef::TreeBlock { root } | BackRef::Owner { root } => put_u64(b, *root),
+            BackRef::SharedBlock { parent } => put_u64(b, *parent),
+            BackRef::ExtentData {
+                root,
+                objectid,
+                offset,
+                count,
+            } => {
+                put_u64(b, *root);
+                put_u64(b, *objectid);
+                put_u64(b, *offset);
+                put_u32(b, *count);
+            }
+            BackRef::SharedData { parent, count } => {
+                put_u64(b, *parent);
+                put_u32(b, *count);
+            }
+        }
+    }
+    /// Body of the keyed item form (TREE_BLOCK_REF and SHARED_BLOCK_REF items are empty;
+    /// SHARED_DATA_REF holds only the count).
+    pub fn keyed_body(&self) -> Vec<u8> {
+        let mut b = Vec::new();
+        match self {
+            BackRef::TreeBlock { .. } | BackRef::SharedBlock { .. } | BackRef::Owner { .. } => {}
+            BackRef::ExtentData { .. } => self.write_body(&mut b),
+            BackRef::SharedData { count, .. } => put_u32(&mut b, *count),
+        }
+        b
+    }
+}
+
+impl ExtentItem {
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut b = Vec::with_capacity(64);
+        put_u64(&mut b, self.refs);
+        put_u64(&mut b, self.generation);
+        put_u64(&mut b, self.flags);
+        if let Some((k, level)) = &self.tree_block_info {
+            b.extend_from_slice(&k.to_bytes());
+            b.push(*level);
+        }
+        for r in &self.inline_refs {
+            b.push(r.type_key());
+            r.write_body(&mut b);
+        }
+        b
+    }
+}
+
+impl BlockGroupItem {
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut b = Vec::with_capacity(Self::SIZE);
+        put_u64(&mut b, self.used);
+        put_u64(&mut b, self.chunk_objectid);
+        put_u64(&mut b, self.flags);
+        b
+    }
+}
+
+impl DevExtent {
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut b = Vec::with_capacity(Self::SIZE);
+        put_u64(&mut b, self.chunk_tree);
+        put_u64(&mut b, self.chunk_objectid);
+        put_u64(&mut b, self.chunk_offset);
+        put_u64(&mut b, self.length);
+        b.extend_from_slice(&self.chunk_tree_uuid);
+        b
+    }
+}
+
+impl ChunkItem {
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut b = Vec::with_capacity(Self::BASE + Self::STRIPE * self.stripes.len());
+        put_u64(&mut b, self.length);
+        put_u64(&mut b, self.owner);
+        put_u64(&mut b, self.stripe_len);
+        put_u64(&mut b, self.ty);
+        put_u32(&mut b, self.io_align);
+        put_u32(&mut b, self.io_width);
+        put_u32(&mut b, self.sector_size);
+        put_u16(&mut b, self.stripes.len() as u16);
+        put_u16(&mut b, self.sub_stripes);
+        for s in &self.stripes {
+            put_u64(&mut b, s.devid);
+            put_u64(&mut b, s.offset);
+            b.extend_from_slice(&s.dev_uuid);
+        }
+        b
+    }
+}
+
+impl FreeSpaceInfo {
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut b = Vec::with_capacity(8);
+        put_u32(&mut b, self.extent_count);
+        put_u32(&mut b, self.flags);
+        b
+    }
+}
+
+impl DevItem {
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut b = Vec::with_capacity(Self::SIZE);
+        put_u64(&mut b, self.devid);
+        put_u64(&mut b, self.total_bytes);
+        put_u64(&mut b, self.bytes_used);
+        put_u32(&mut b, self.io_align);
+        put_u32(&mut b, self.io_width);
+        put_u32(&mut b, self.sector_size);
+        put_u64(&mut b, self.dev_type);
+        put_u64(&mut b, self.generation);
+        put_u64(&mut b, self.start_offset);
+        put_u32(&mut b, self.dev_group);
+        b.push(self.seek_speed);
+        b.push(self.bandwidth);
+        b.extend_from_slice(&self.uuid);
+        b.extend_from_slice(&self.fsid);
+        b
+    }
+}
+
+/// Patches the fields of a ROOT_ITEM body the write engine changes.
+pub fn patch_root_item(b: &mut [u8], bytenr: u64, level: u8, generation: u64) {
+    b[160..168].copy_from_slice(&generation.to_le_bytes());
+    b[176..184].copy_from_slice(&bytenr.to_le_bytes());
+    b[238] = level;
+    if b.len() >= RootItem::SIZE {
+        b[239..247].copy_from_slice(&generation.to_le_bytes());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trips() {
+        let i = InodeItem {
+            generation: 1,
+            transid: 2,
+            size: 3,
+            nbytes: 4,
+            block_group: 0,
+            nlink: 5,
+            uid: 6,
+            gid: 7,
+            mode: 0o100644,
+            rdev: 8,
+            flags: 9,
+            sequence: 10,
+            atime: Timespec { sec: -1, nsec: 5 },
+            ctime: Timespec { sec: 11, nsec: 12 },
+            mtime: Timespec { sec: 13, nsec: 14 },
+            otime: Timespec { sec: 15, nsec: 16 },
+        };
+        let b = i.to_bytes();
+        assert_eq!(b.len(), InodeItem::SIZE);
+        assert_eq!(InodeItem::parse(&b).unwrap(), i);
+
+        let d = DirItem {
+            location: Key::new(257, INODE_ITEM_KEY, 0),
+            transid: 7,
+            file_type: FT_REG_FILE,
+            name: b"hello".to_vec(),
+            data: vec![],
+        };
+        let mut b = d.to_bytes();
+        let x = DirItem {
+            name: b"user.x".to_vec(),
+            data: b"value".to_vec(),
+            ..d.clone()
+        };
+        x.write(&mut b);
+        assert_eq!(DirItem::parse_all(&b).unwrap(), vec![d, x]);
+
+        let fe = FileExtentItem {
+            generation: 3,
+            ram_bytes: 8192,
+            compression: 0,
+            encryption: 0,
+            other_encoding: 0,
+            ty: FILE_EXTENT_REG,
+            body: FileExtentBody::Extent {
+                disk_bytenr: 1 << 20,
+                disk_num_bytes: 8192,
+                offset: 0,
+                num_bytes: 8192,
+            },
+        };
+        assert_eq!(FileExtentItem::parse(&fe.to_bytes()).unwrap(), fe);
+
+        let e = ExtentItem {
+            refs: 3,
+            generation: 9,
+            flags: EXTENT_FLAG_DATA,
+            tree_block_info: None,
+            inline_refs: vec![
+                BackRef::ExtentData {
+                    root: 5,
+                    objectid: 257,
+                    offset: 0,
+                    count: 2,
+                },
+                BackRef::SharedData {
+                    parent: 1 << 20,
+                    count: 1,
+                },
+            ],
+        };
+        assert_eq!(
+            ExtentItem::parse(&e.to_bytes(), EXTENT_ITEM_KEY).unwrap(),
+            e
+        );
+        let c = ChunkItem {
+            length: 1 << 30,
+            owner: 2,
+            stripe_len: 65536,
+            ty: BLOCK_GROUP_DATA,
+            io_align: 65536,
+            io_width: 65536,
+            sector_size: 4096,
+            num_stripes: 1,
+            sub_stripes: 1,
+            stripes: vec![Stripe {
+                devid: 1,
+                offset: 1 << 20,
+                dev_uuid: [7; 16],
+            }],
+        };
+        assert_eq!(ChunkItem::parse(&c.to_bytes()).unwrap().0, c);
+    }
+}

@@ -1,0 +1,878 @@
+//! Write operations of the filesystem facade: namespace changes (create, mkdir, mknod,
+//! symlink, link, unlink, rmdir, rename), attributes and xattrs. File data lives in
+//! [`crate::file_write`].
+//!
+//! Every operation runs inside the running transaction of the [`Writer`]; nothing is durable
+//! until [`Fs::commit`]. Items are kept the way the kernel keeps them: DIR_ITEM (by name hash)
+//! and DIR_INDEX (by sequence, from 2) per entry, INODE_REF per (inode, parent) with extended
+//! refs when a ref item would be too large, directory i_size = 2 x the sum of name lengths,
+//! directories with nlink 1, and inode transid / sequence / ctime updated on each change.
+
+use crate::device::FileDevice;
+use crate::disk_io::Disk;
+use crate::error::{Error, Result};
+use crate::format::items::*;
+use crate::format::*;
+use crate::fs::{Fs, Inode};
+use crate::transaction::Writer;
+use std::path::Path;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+/// Longest name btrfs accepts.
+pub const NAME_MAX: usize = 255;
+/// Most hard links to one inode (btrfs limit).
+pub const LINK_MAX: u32 = 65535;
+/// XATTR item type.
+pub const FT_XATTR: u8 = 8;
+
+/// Who creates a file: owner and group of the new inode.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Owner {
+    pub uid: u32,
+    pub gid: u32,
+}
+
+/// Attribute changes for [`Fs::setattr`].
+#[derive(Debug, Clone, Default)]
+pub struct SetAttr {
+    pub mode: Option<u32>,
+    pub uid: Option<u32>,
+    pub gid: Option<u32>,
+    pub size: Option<u64>,
+    pub atime: Option<Timespec>,
+    pub mtime: Option<Timespec>,
+    pub ctime: Option<Timespec>,
+}
+
+/// rename(2) flags.
+pub const RENAME_NOREPLACE: u32 = 1;
+pub const RENAME_EXCHANGE: u32 = 2;
+
+pub(crate) fn now() -> Timespec {
+    if let Some(t) = std::env::var("BUTTER_FIXED_TIME")
+        .ok()
+        .and_then(|v| v.parse::<i64>().ok())
+    {
+        return Timespec { sec: t, nsec: 0 };
+    }
+    let d = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    Timespec {
+        sec: d.as_secs() as i64,
+        nsec: d.subsec_nanos(),
+    }
+}
+
+fn mode_to_ft(mode: u32) -> u8 {
+    match mode & 0o170000 {
+        0o100000 => FT_REG_FILE,
+        0o040000 => FT_DIR,
+        0o020000 => FT_CHRDEV,
+        0o060000 => FT_BLKDEV,
+        0o010000 => FT_FIFO,
+        0o140000 => FT_SOCK,
+        0o120000 => FT_SYMLINK,
+        _ => FT_UNKNOWN,
+    }
+}
+
+fn check_name(name: &[u8]) -> Result<()> {
+    if name.is_empty() || name == b"." || name == b".." || name.contains(&b'/') || name.contains(&0)
+    {
+        return Err(Error::Invalid(format!(
+            "bad file name {:?}",
+            String::from_utf8_lossy(name)
+        )));
+    }
+    if name.len() > NAME_MAX {
+        return Err(Error::NameTooLong(format!("{} bytes", name.len())));
+    }
+    Ok(())
+}
+
+impl Fs {
+    /// Opens an image file or block device read-write.
+    pub fn open_rw(path: &Path) -> Result<Fs> {
+        let dev = FileDevice::open(path, true)
+            .map_err(|e| Error::io(format!("opening {} read-write", path.display()), 0, e))?;
+        Self::open_device_rw(Arc::new(dev))
+    }
+
+    /// Opens a device read-write: starts the write engine.
+    pub fn open_device_rw(dev: Arc<dyn crate::device::BlockDevice>) -> Result<Fs> {
+        let mut fs = Fs::open_device(dev)?;
+        let w = Writer::open(fs.disk.clone(), fs.live.clone())?;
+        fs.writer = Some(Mutex::new(w));
+        Ok(fs)
+    }
+
+    pub fn is_writable(&self) -> bool {
+        self.writer.is_some()
+    }
+
+    /// The write engine (locked).
+    pub fn writer(&self) -> Result<MutexGuard<'_, Writer>> {
+        let w = self.writer.as_ref().ok_or(Error::ReadOnly)?;
+        let g = w.lock().unwrap_or_else(|e| e.into_inner());
+        g.check_writable()?;
+        Ok(g)
+    }
+
+    /// Runs one filesystem operation in the running transaction. `grows` says it adds data
+    /// or items (refused when space is nearly gone); deletions may use the reserve.
+    pub(crate) fn op<R>(&self, grows: bool, f: impl FnOnce(&mut Writer) -> Result<R>) -> Result<R> {
+        let mut w = self.writer()?;
+        w.reserve_metadata(grows)?;
+        f(&mut w)
+    }
+
+    /// Makes every change so far durable.
+    pub fn commit(&self) -> Result<()> {
+        self.writer()?.commit()
+    }
+
+    /// The disk the filesystem lives on.
+    pub fn disk(&self) -> &Arc<Disk> {
+        &self.disk
+    }
+
+    // ---------------------------------------------------------------------------------------
+    // Helpers on inodes and directory entries
+    // ---------------------------------------------------------------------------------------
+
+    pub(crate) fn write_inode(&self, w: &mut Writer, ino: Inode, item: &InodeItem) -> Result<()> {
+        let key = Key::new(ino.ino, INODE_ITEM_KEY, 0);
+        let body = item.to_bytes();
+        if !w.update_item(ino.root, &key, |b| {
+            b.copy_from_slice(&body);
+            Ok(())
+        })? {
+            return Err(Error::NotFound(format!(
+                "inode {} in subvolume {}",
+                ino.ino, ino.root
+            )));
+        }
+        Ok(())
+    }
+
+    /// Bumps the change fields (transid, sequence, ctime) of an inode item.
+    pub(crate) fn touch(w: &Writer, item: &mut InodeItem, mtime: bool) {
+        let t = now();
+        item.transid = w.transid;
+        item.sequence += 1;
+        item.ctime = t;
+        if mtime {
+            item.mtime = t;
+        }
+    }
+
+    fn next_objectid(&self, w: &mut Writer, root: u64) -> Result<u64> {
+        if let Some(n) = w.next_ino.get(&root) {
+            let n = *n;
+            w.next_ino.insert(root, n + 1);
+            return Ok(n);
+        }
+        let r = w.current_root(root)?;
+        let last = crate::ctree::lookup_le(
+            &self.disk,
+            &r,
+            &Key::new(LAST_FREE_OBJECTID, u8::MAX, u64::MAX),
+        )?;
+        let mut n = last
+            .map(|i| i.key.objectid + 1)
+            .unwrap_or(FIRST_FREE_OBJECTID);
+        if n < FIRST_FREE_OBJECTID {
+            n = FIRST_FREE_OBJECTID;
+        }
+        if n > LAST_FREE_OBJECTID {
+            return Err(Error::NoSpace(
+                "inode numbers exhausted in this subvolume".into(),
+            ));
+        }
+        w.next_ino.insert(root, n + 1);
+        Ok(n)
+    }
+
+    fn next_dir_index(&self, w: &mut Writer, dir: Inode) -> Result<u64> {
+        let k = (dir.root, dir.ino);
+        if let Some(n) = w.next_index.get(&k) {
+            let n = *n;
+            w.next_index.insert(k, n + 1);
+            return Ok(n);
+        }
+        let r = w.current_root(dir.root)?;
+        let last =
+            crate::ctree::lookup_le(&self.disk, &r, &Key::new(dir.ino, DIR_INDEX_KEY, u64::MAX))?;
+        let n = match last {
+            Some(i) if i.key.objectid == dir.ino && i.key.ty == DIR_INDEX_KEY => {
+                (i.key.offset + 1).max(2)
+            }
+            _ => 2,
+        };
+        w.next_index.insert(k, n + 1);
+        Ok(n)
+    }
+
+    /// Adds `name` -> `target` to directory `dir` (DIR_ITEM, DIR_INDEX, and the target's
+    /// INODE_REF unless it is a subvolume), and grows the directory. Returns the index.
+    fn add_entry(
+        &self,
+        w: &mut Writer,
+        dir: Inode,
+        name: &[u8],
+        target: Inode,
+        ft: u8,
+    ) -> Result<u64> {
+        let index = self.next_dir_index(w, dir)?;
+        let di = DirItem {
+            location: Key::new(target.ino, INODE_ITEM_KEY, 0),
+            transid: w.transid,
+            file_type: ft,
+            name: name.to_vec(),
+            data: Vec::new(),
+        };
+        // DIR_ITEM: append on hash collision.
+        let dkey = Key::new(dir.ino, DIR_ITEM_KEY, hash::name_hash(name));
+        match w.read_item(dir.root, &dkey)? {
+            Some(existing) => {
+                let mut body = existing.clone();
+                di.write(&mut body);
+                let p = w.resize_item(dir.root, &dkey, body.len())?;
+                let slot = p.slot();
+                w.modify(p.leaf(), |buf| {
+                    crate::ctree_ops::LeafMut::new(buf)?
+                        .item_data_mut(slot)?
+                        .copy_from_slice(&body);
+                    Ok(())
+                })?;
+            }
+            None => w.insert_item(dir.root, dkey, &di.to_bytes())?,
+        }
+        w.insert_item(
+            dir.root,
+            Key::new(dir.ino, DIR_INDEX_KEY, index),
+            &di.to_bytes(),
+        )?;
+        self.add_inode_ref(w, target, dir.ino, index, name)?;
+        let mut d = self.inode_item(dir)?;
+        d.size += 2 * name.len() as u64;
+        Self::touch(w, &mut d, true);
+        self.write_inode(w, dir, &d)?;
+        Ok(index)
+    }
+
+    fn add_inode_ref(
+        &self,
+        w: &mut Writer,
+        ino: Inode,
+        parent: u64,
+        index: u64,
+        name: &[u8],
+    ) -> Result<()> {
+        let r = InodeRef {
+            index,
+            name: name.to_vec(),
+        };
+        let key = Key::new(ino.ino, INODE_REF_KEY, parent);
+        let max = crate::ctree_ops::max_item_size(self.disk.nodesize() as usize);
+        match w.read_item(ino.root, &key)? {
+            Some(existing) if existing.len() + r.encoded_len() <= max => {
+                let mut body = existing;
+                r.write(&mut body);
+                let p = w.resize_item(ino.root, &key, body.len())?;
+                let slot = p.slot();
+                w.modify(p.leaf(), |buf| {
+                    crate::ctree_ops::LeafMut::new(buf)?
+                        .item_data_mut(slot)?
+                        .copy_from_slice(&body);
+                    Ok(())
+                })
+            }
+            Some(_) => {
+                if !self.disk.sb.has_incompat(INCOMPAT_EXTENDED_IREF) {
+                    return Err(Error::TooManyLinks(format!("inode {}", ino.ino)));
+                }
+                let x = InodeExtref {
+                    parent,
+                    index,
+                    name: name.to_vec(),
+                };
+                let xk = Key::new(ino.ino, INODE_EXTREF_KEY, hash::extref_hash(parent, name));
+                let mut body = w.read_item(ino.root, &xk)?.unwrap_or_default();
+                x.write(&mut body);
+                w.replace_item(ino.root, xk, &body)
+            }
+            None => {
+                let mut body = Vec::new();
+                r.write(&mut body);
+                w.insert_item(ino.root, key, &body)
+            }
+        }
+    }
+
+    /// Removes `ino`'s reference named `name` from `parent`. Returns its dir index.
+    fn remove_inode_ref(
+        &self,
+        w: &mut Writer,
+        ino: Inode,
+        parent: u64,
+        name: &[u8],
+    ) -> Result<u64> {
+        let key = Key::new(ino.ino, INODE_REF_KEY, parent);
+        if let Some(body) = w.read_item(ino.root, &key)? {
+            let refs = InodeRef::parse_all(&body)?;
+            if let Some(pos) = refs.iter().position(|r| r.name == name) {
+                let index = refs[pos].index;
+                if refs.len() == 1 {
+                    w.delete_item(ino.root, &key)?;
+                } else {
+                    let mut nb = Vec::new();
+                    for (i, r) in refs.iter().enumerate() {
+                        if i != pos {
+                            r.write(&mut nb);
+                        }
+                    }
+                    w.replace_item(ino.root, key, &nb)?;
+                }
+                return Ok(index);
+            }
+        }
+        let xk = Key::new(ino.ino, INODE_EXTREF_KEY, hash::extref_hash(parent, name));
+        if let Some(body) = w.read_item(ino.root, &xk)? {
+            let refs = InodeExtref::parse_all(&body)?;
+            if let Some(pos) = refs
+                .iter()
+                .position(|r| r.name == name && r.parent == parent)
+            {
+                let index = refs[pos].index;
+                if refs.len() == 1 {
+                    w.delete_item(ino.root, &xk)?;
+                } else {
+                    let mut nb = Vec::new();
+                    for (i, r) in refs.iter().enumerate() {
+                        if i != pos {
+                            r.write(&mut nb);
+                        }
+                    }
+                    w.replace_item(ino.root, xk, &nb)?;
+                }
+                return Ok(index);
+            }
+        }
+        Err(Error::corrupt(
+            crate::Location::what(format!(
+                "inode {} ref {:?}",
+                ino.ino,
+                String::from_utf8_lossy(name)
+            ))
+            .with_tree(ino.root),
+            "directory entry has no matching inode ref",
+        ))
+    }
+
+    /// Removes the entry `name` from `dir` (DIR_ITEM entry, DIR_INDEX, INODE_REF) and shrinks
+    /// the directory.
+    fn remove_entry(&self, w: &mut Writer, dir: Inode, name: &[u8], target: Inode) -> Result<()> {
+        let dkey = Key::new(dir.ino, DIR_ITEM_KEY, hash::name_hash(name));
+        let body = w
+            .read_item(dir.root, &dkey)?
+            .ok_or_else(|| Error::NotFound(format!("{:?}", String::from_utf8_lossy(name))))?;
+        let entries = DirItem::parse_all(&body)?;
+        if entries.len() <= 1 {
+            w.delete_item(dir.root, &dkey)?;
+        } else {
+            let mut nb = Vec::new();
+            for e in entries.iter().filter(|e| e.name != name) {
+                e.write(&mut nb);
+            }
+            w.replace_item(dir.root, dkey, &nb)?;
+        }
+        let index = self.remove_inode_ref(w, target, dir.ino, name)?;
+        w.delete_item(dir.root, &Key::new(dir.ino, DIR_INDEX_KEY, index))?;
+        let mut d = self.inode_item(dir)?;
+        d.size = d.size.saturating_sub(2 * name.len() as u64);
+        Self::touch(w, &mut d, true);
+        self.write_inode(w, dir, &d)
+    }
+
+    fn new_inode(
+        &self,
+        w: &mut Writer,
+        root: u64,
+        mode: u32,
+        rdev: u64,
+        owner: Owner,
+    ) -> Result<(Inode, InodeItem)> {
+        let ino = self.next_objectid(w, root)?;
+        let t = now();
+        let item = InodeItem {
+            generation: w.transid,
+            transid: w.transid,
+            size: 0,
+            nbytes: 0,
+            block_group: 0,
+            nlink: 1,
+            uid: owner.uid,
+            gid: owner.gid,
+            mode,
+            rdev,
+            flags: 0,
+            sequence: 1,
+            atime: t,
+            ctime: t,
+            mtime: t,
+            otime: t,
+        };
+        w.insert_item(root, Key::new(ino, INODE_ITEM_KEY, 0), &item.to_bytes())?;
+        Ok((Inode { root, ino }, item))
+    }
+
+    fn require_dir(&self, dir: Inode) -> Result<InodeItem> {
+        let d = self.inode_item(dir)?;
+        if d.mode & 0o170000 != 0o040000 {
+            return Err(Error::NotDir(format!("inode {}", dir.ino)));
+        }
+        Ok(d)
+    }
+
+    // ---------------------------------------------------------------------------------------
+    // Namespace operations
+    // ---------------------------------------------------------------------------------------
+
+    /// Creates a node of any type (regular file, directory, device, fifo, socket) in `dir`.
+    pub fn mknod(
+        &self,
+        dir: Inode,
+        name: &[u8],
+        mode: u32,
+        rdev: u64,
+        owner: Owner,
+    ) -> Result<Inode> {
+        check_name(name)?;
+        self.require_dir(dir)?;
+        if self.lookup(dir, name)?.is_some() {
+            return Err(Error::Exists(String::from_utf8_lossy(name).into_owned()));
+        }
+        let ft = mode_to_ft(mode);
+        if ft == FT_UNKNOWN || ft == FT_SYMLINK {
+            return Err(Error::Invalid(format!("mknod with mode {mode:o}")));
+        }
+        let rdev = if ft == FT_CHRDEV || ft == FT_BLKDEV {
+            rdev
+        } else {
+            0
+        };
+        self.op(true, |w| {
+            let (ino, _) = self.new_inode(w, dir.root, mode, rdev, owner)?;
+            self.add_entry(w, dir, name, ino, ft)?;
+            Ok(ino)
+        })
+    }
+
+    pub fn create(&self, dir: Inode, name: &[u8], perm: u32, owner: Owner) -> Result<Inode> {
+        self.mknod(dir, name, 0o100000 | (perm & 0o7777), 0, owner)
+    }
+
+    pub fn mkdir(&self, dir: Inode, name: &[u8], perm: u32, owner: Owner) -> Result<Inode> {
+        self.mknod(dir, name, 0o040000 | (perm & 0o7777), 0, owner)
+    }
+
+    pub fn symlink(&self, dir: Inode, name: &[u8], target: &[u8], owner: Owner) -> Result<Inode> {
+        check_name(name)?;
+        self.require_dir(dir)?;
+        if target.is_empty()
+            || target.len() >= self.disk.sectorsize() as usize
+            || target.len() > crate::file_write::max_inline(&self.disk)
+        {
+            return Err(Error::NameTooLong(format!(
+                "symlink target of {} bytes",
+                target.len()
+            )));
+        }
+        if self.lookup(dir, name)?.is_some() {
+            return Err(Error::Exists(String::from_utf8_lossy(name).into_owned()));
+        }
+        self.op(true, |w| {
+            let (ino, mut item) = self.new_inode(w, dir.root, 0o120777, 0, owner)?;
+            let fe = FileExtentItem {
+                generation: w.transid,
+                ram_bytes: target.len() as u64,
+                compression: 0,
+                encryption: 0,
+                other_encoding: 0,
+                ty: FILE_EXTENT_INLINE,
+                body: FileExtentBody::Inline(target.to_vec()),
+            };
+            w.insert_item(
+                dir.root,
+                Key::new(ino.ino, EXTENT_DATA_KEY, 0),
+                &fe.to_bytes(),
+            )?;
+            item.size = target.len() as u64;
+            item.nbytes = target.len() as u64;
+            self.write_inode(w, ino, &item)?;
+            self.add_entry(w, dir, name, ino, FT_SYMLINK)?;
+            Ok(ino)
+        })
+    }
+
+    /// A new hard link `dir/name` to `ino`.
+    pub fn link(&self, ino: Inode, dir: Inode, name: &[u8]) -> Result<()> {
+        check_name(name)?;
+        self.require_dir(dir)?;
+        if ino.root != dir.root {
+            return Err(Error::Invalid("hard link across subvolumes (EXDEV)".into()));
+        }
+        let mut item = self.inode_item(ino)?;
+        if item.mode & 0o170000 == 0o040000 {
+            return Err(Error::NotPermitted("hard link to a directory".into()));
+        }
+        if item.nlink >= LINK_MAX {
+            return Err(Error::TooManyLinks(format!("inode {}", ino.ino)));
+        }
+        if self.lookup(dir, name)?.is_some() {
+            return Err(Error::Exists(String::from_utf8_lossy(name).into_owned()));
+        }
+        self.op(true, |w| {
+            self.add_entry(w, dir, name, ino, mode_to_ft(item.mode))?;
+            item.nlink += 1;
+            Self::touch(w, &mut item, false);
+            self.write_inode(w, ino, &item)
+        })
+    }
+
+    /// Removes a non-directory entry; the inode goes when its last link does (or, if it is
+    /// open, when [`Fs::release_orphan`] is called: it is kept as an orphan until then).
+    pub fn unlink(&self, dir: Inode, name: &[u8]) -> Result<()> {
+        let e = self
+            .lookup(dir, name)?
+            .ok_or_else(|| Error::NotFound(String::from_utf8_lossy(name).into_owned()))?;
+        if e.file_type == FT_DIR {
+            return Err(Error::IsDir(String::from_utf8_lossy(name).into_owned()));
+        }
+        self.op(false, |w| {
+            self.remove_entry(w, dir, name, e.target)?;
+            self.drop_link(w, e.target)
+        })
+    }
+
+    /// One link of `ino` is gone: decrement nlink, delete the inode at zero (or orphan it).
+    fn drop_link(&self, w: &mut Writer, ino: Inode) -> Result<()> {
+        let mut item = self.inode_item(ino)?;
+        item.nlink = item.nlink.saturating_sub(1);
+        Self::touch(w, &mut item, false);
+        if item.nlink > 0 {
+            return self.write_inode(w, ino, &item);
+        }
+        if self.open_count(ino) > 0 {
+            self.write_inode(w, ino, &item)?;
+            return w.insert_item(
+                ino.root,
+                Key::new(ORPHAN_OBJECTID, ORPHAN_ITEM_KEY, ino.ino),
+                &[],
+            );
+        }
+        self.delete_inode(w, ino)
+    }
+
+    /// Deletes every item of an inode, dropping its data references.
+    pub(crate) fn delete_inode(&self, w: &mut Writer, ino: Inode) -> Result<()> {
+        self.truncate_extents(w, ino, 0)?;
+        w.delete_range(
+            ino.root,
+            Key::new(ino.ino, 0, 0),
+            Key::new(ino.ino, u8::MAX, u64::MAX),
+        )?;
+        w.delete_item(
+            ino.root,
+            &Key::new(ORPHAN_OBJECTID, ORPHAN_ITEM_KEY, ino.ino),
+        )?;
+        Ok(())
+    }
+
+    /// Open handles on an inode (files unlinked while open become orphans).
+    fn open_count(&self, ino: Inode) -> u32 {
+        self.open_files
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&ino)
+            .copied()
+            .unwrap_or(0)
+    }
+
+    /// Notes that `ino` is open (FUSE open/create).
+    pub fn note_open(&self, ino: Inode) {
+        *self
+            .open_files
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(ino)
+            .or_insert(0) += 1;
+    }
+
+    /// The last handle on `ino` closed: delete it if it was unlinked.
+    pub fn release_orphan(&self, ino: Inode) -> Result<()> {
+        {
+            let mut m = self.open_files.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(c) = m.get_mut(&ino) {
+                *c = c.saturating_sub(1);
+                if *c > 0 {
+                    return Ok(());
+                }
+                m.remove(&ino);
+            }
+        }
+        if !self.is_writable() {
+            return Ok(());
+        }
+        match self.inode_item(ino) {
+            Ok(item) if item.nlink == 0 => self.op(false, |w| self.delete_inode(w, ino)),
+            _ => Ok(()),
+        }
+    }
+
+    pub fn rmdir(&self, dir: Inode, name: &[u8]) -> Result<()> {
+        let e = self
+            .lookup(dir, name)?
+            .ok_or_else(|| Error::NotFound(String::from_utf8_lossy(name).into_owned()))?;
+        if e.file_type != FT_DIR {
+            return Err(Error::NotDir(String::from_utf8_lossy(name).into_owned()));
+        }
+        if e.target.root != dir.root {
+            return Err(Error::NotPermitted("rmdir of a subvolume".into()));
+        }
+        let item = self.inode_item(e.target)?;
+        if item.size != 0 {
+            return Err(Error::NotEmpty(String::from_utf8_lossy(name).into_owned()));
+        }
+        self.op(false, |w| {
+            self.remove_entry(w, dir, name, e.target)?;
+            self.delete_inode(w, e.target)
+        })
+    }
+
+    /// Whether `anc` is `ino` or one of its ancestors (directories only).
+    fn is_ancestor(&self, anc: Inode, mut ino: Inode) -> Result<bool> {
+        for _ in 0..4096 {
+            if ino == anc {
+                return Ok(true);
+            }
+            let root = self.subvol_root(ino.root)?;
+            let it = crate::ctree::lookup_le(
+                &self.disk,
+                &root,
+                &Key::new(ino.ino, INODE_REF_KEY, u64::MAX),
+            )?;
+            match it {
+                Some(i) if i.key.objectid == ino.ino && i.key.ty == INODE_REF_KEY => {
+                    if i.key.offset == ino.ino {
+                        return Ok(false); // subvolume root
+                    }
+                    ino = Inode {
+                        root: ino.root,
+                        ino: i.key.offset,
+                    };
+                }
+                _ => return Ok(false),
+            }
+        }
+        Ok(false)
+    }
+
+    /// rename(2) with RENAME_NOREPLACE / RENAME_EXCHANGE.
+    pub fn rename(
+        &self,
+        from_dir: Inode,
+        from: &[u8],
+        to_dir: Inode,
+        to: &[u8],
+        flags: u32,
+    ) -> Result<()> {
+        check_name(to)?;
+        if flags & !(RENAME_NOREPLACE | RENAME_EXCHANGE) != 0
+            || flags == RENAME_NOREPLACE | RENAME_EXCHANGE
+        {
+            return Err(Error::Invalid(format!("rename flags {flags:#x}")));
+        }
+        self.require_dir(from_dir)?;
+        self.require_dir(to_dir)?;
+        if from_dir.root != to_dir.root {
+            return Err(Error::Invalid("rename across subvolumes (EXDEV)".into()));
+        }
+        let src = self
+            .lookup(from_dir, from)?
+            .ok_or_else(|| Error::NotFound(String::from_utf8_lossy(from).into_owned()))?;
+        let dst = self.lookup(to_dir, to)?;
+        if src.target.root != from_dir.root {
+            return Err(Error::Unsupported("renaming a subvolume".into()));
+        }
+        if src.file_type == FT_DIR && self.is_ancestor(src.target, to_dir)? {
+            return Err(Error::Invalid("rename of a directory into itself".into()));
+        }
+        if flags & RENAME_EXCHANGE != 0 {
+            let dst =
+                dst.ok_or_else(|| Error::NotFound(String::from_utf8_lossy(to).into_owned()))?;
+            if dst.file_type == FT_DIR && self.is_ancestor(dst.target, from_dir)? {
+                return Err(Error::Invalid(
+                    "exchange would put a directory inside itself".into(),
+                ));
+            }
+            if dst.target.root != to_dir.root {
+                return Err(Error::Unsupported("exchanging a subvolume".into()));
+            }
+            return self.op(true, |w| {
+                self.remove_entry(w, from_dir, from, src.target)?;
+                self.remove_entry(w, to_dir, to, dst.target)?;
+                self.add_entry(w, to_dir, to, src.target, src.file_type)?;
+                self.add_entry(w, from_dir, from, dst.target, dst.file_type)?;
+                for t in [src.target, dst.target] {
+                    let mut it = self.inode_item(t)?;
+                    Self::touch(w, &mut it, false);
+                    self.write_inode(w, t, &it)?;
+                }
+                Ok(())
+            });
+        }
+        if let Some(d) = &dst {
+            if flags & RENAME_NOREPLACE != 0 {
+                return Err(Error::Exists(String::from_utf8_lossy(to).into_owned()));
+            }
+            if d.target == src.target {
+                return Ok(()); // same inode: nothing to do
+            }
+            let dst_is_dir = d.file_type == FT_DIR;
+            if (src.file_type == FT_DIR) != dst_is_dir {
+                return Err(if dst_is_dir {
+                    Error::IsDir(String::from_utf8_lossy(to).into_owned())
+                } else {
+                    Error::NotDir(String::from_utf8_lossy(to).into_owned())
+                });
+            }
+            if d.target.root != to_dir.root {
+                return Err(Error::Unsupported("replacing a subvolume".into()));
+            }
+            if dst_is_dir && self.inode_item(d.target)?.size != 0 {
+                return Err(Error::NotEmpty(String::from_utf8_lossy(to).into_owned()));
+            }
+        }
+        self.op(true, |w| {
+            if let Some(d) = &dst {
+                self.remove_entry(w, to_dir, to, d.target)?;
+                if d.file_type == FT_DIR {
+                    self.delete_inode(w, d.target)?;
+                } else {
+                    self.drop_link(w, d.target)?;
+                }
+            }
+            self.remove_entry(w, from_dir, from, src.target)?;
+            self.add_entry(w, to_dir, to, src.target, src.file_type)?;
+            let mut it = self.inode_item(src.target)?;
+            Self::touch(w, &mut it, false);
+            self.write_inode(w, src.target, &it)
+        })
+    }
+
+    /// chmod / chown / utimes / truncate.
+    pub fn setattr(&self, ino: Inode, a: &SetAttr) -> Result<crate::fs::Stat> {
+        if let Some(size) = a.size {
+            self.truncate(ino, size)?;
+        }
+        self.op(false, |w| {
+            let mut it = self.inode_item(ino)?;
+            if let Some(m) = a.mode {
+                it.mode = (it.mode & 0o170000) | (m & 0o7777);
+            }
+            if let Some(u) = a.uid {
+                it.uid = u;
+            }
+            if let Some(g) = a.gid {
+                it.gid = g;
+            }
+            Self::touch(w, &mut it, false);
+            if let Some(t) = a.atime {
+                it.atime = t;
+            }
+            if let Some(t) = a.mtime {
+                it.mtime = t;
+            }
+            if let Some(t) = a.ctime {
+                it.ctime = t;
+            }
+            self.write_inode(w, ino, &it)
+        })?;
+        self.stat(ino)
+    }
+
+    /// setxattr(2); `flags`: 1 = XATTR_CREATE, 2 = XATTR_REPLACE.
+    pub fn setxattr(&self, ino: Inode, name: &[u8], value: &[u8], flags: u32) -> Result<()> {
+        if name.is_empty() || name.len() > NAME_MAX {
+            return Err(Error::Range(format!("xattr name of {} bytes", name.len())));
+        }
+        let max = crate::ctree_ops::max_item_size(self.disk.nodesize() as usize);
+        if DirItem::HEADER + name.len() + value.len() > max {
+            return Err(Error::NoSpace(format!(
+                "xattr value of {} bytes is too large for one item",
+                value.len()
+            )));
+        }
+        let exists = self.getxattr(ino, name)?.is_some();
+        if flags & 1 != 0 && exists {
+            return Err(Error::Exists(String::from_utf8_lossy(name).into_owned()));
+        }
+        if flags & 2 != 0 && !exists {
+            return Err(Error::NoXattr(String::from_utf8_lossy(name).into_owned()));
+        }
+        self.op(true, |w| {
+            let key = Key::new(ino.ino, XATTR_ITEM_KEY, hash::name_hash(name));
+            let mut body = Vec::new();
+            if let Some(old) = w.read_item(ino.root, &key)? {
+                for e in DirItem::parse_all(&old)? {
+                    if e.name != name {
+                        e.write(&mut body);
+                    }
+                }
+            }
+            DirItem {
+                location: Key::new(0, 0, 0),
+                transid: w.transid,
+                file_type: FT_XATTR,
+                name: name.to_vec(),
+                data: value.to_vec(),
+            }
+            .write(&mut body);
+            if body.len() > max {
+                return Err(Error::NoSpace("xattr hash bucket is full".into()));
+            }
+            w.replace_item(ino.root, key, &body)?;
+            let mut it = self.inode_item(ino)?;
+            Self::touch(w, &mut it, false);
+            self.write_inode(w, ino, &it)
+        })
+    }
+
+    pub fn removexattr(&self, ino: Inode, name: &[u8]) -> Result<()> {
+        if self.getxattr(ino, name)?.is_none() {
+            return Err(Error::NoXattr(String::from_utf8_lossy(name).into_owned()));
+        }
+        self.op(false, |w| {
+            let key = Key::new(ino.ino, XATTR_ITEM_KEY, hash::name_hash(name));
+            let mut body = Vec::new();
+            if let Some(old) = w.read_item(ino.root, &key)? {
+                for e in DirItem::parse_all(&old)? {
+                    if e.name != name {
+                        e.write(&mut body);
+                    }
+                }
+            }
+            if body.is_empty() {
+                w.delete_item(ino.root, &key)?;
+            } else {
+                w.replace_item(ino.root, key, &body)?;
+            }
+            let mut it = self.inode_item(ino)?;
+            Self::touch(w, &mut it, false);
+            self.write_inode(w, ino, &it)
+        })
+    }
+}

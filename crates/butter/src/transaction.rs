@@ -1,0 +1,857 @@
+//! Transactions: the write engine's state and the commit.
+//!
+//! One [`Writer`] per read-write filesystem. It holds the running transaction: the blocks it
+//! changed (in the [`Disk`] overlay), queued reference changes, the allocator and the roots of
+//! the trees it touched. Operations change trees in memory; [`Writer::commit`] makes them
+//! durable:
+//!
+//! 1. RUNNING -> COMMIT_START: no new work joins.
+//! 2. COMMIT_DOING: apply delayed references, rewrite dirty block group items and their free
+//!    space tree entries, update the root items; repeat until a pass changes nothing (each pass
+//!    can COW more extent / free space / root tree blocks).
+//! 3. Write every changed block (checksummed) to every copy, flush the device, then write the
+//!    superblock (with the next backup root slot) to every mirror that fits, and flush again.
+//! 4. UNBLOCKED -> COMPLETED: space freed in the transaction becomes allocatable; the next
+//!    transaction id starts.
+//!
+//! A failed write or flush aborts: the writer refuses further changes ([`Error::Aborted`]) and
+//! the image keeps its last committed state, which nothing in the transaction overwrote
+//! (allocation never hands out space the committed trees use, nor space freed since).
+
+use crate::alloc::{self, Allocator, BlockGroup, RangeSet, SpaceKind};
+use crate::ctree::{Root, TreeIter};
+use crate::disk_io::{Disk, Readahead};
+use crate::error::{Error, Location, Result};
+use crate::extent_tree::DelayedRefs;
+use crate::format::items::*;
+use crate::format::superblock::DevItem;
+use crate::format::*;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, RwLock};
+
+/// Transaction states, as the kernel names them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TransState {
+    Running,
+    CommitStart,
+    CommitDoing,
+    Unblocked,
+    Completed,
+}
+
+/// What the write engine knows about one tree.
+#[derive(Debug, Clone)]
+pub struct TreeState {
+    pub id: u64,
+    pub bytenr: u64,
+    pub level: u8,
+    pub generation: u64,
+    /// Subvolume trees: blocks can be shared with snapshots.
+    pub shareable: bool,
+    pub last_snapshot: u64,
+    /// Key of its ROOT_ITEM in the root tree (None for the root and chunk trees).
+    pub item_key: Option<Key>,
+    /// Root moved or contents changed in the running transaction.
+    pub dirty: bool,
+}
+
+/// Roots as the running transaction sees them, shared with readers.
+pub type LiveRoots = Arc<RwLock<HashMap<u64, Root>>>;
+
+/// Counters for tests and benchmarks.
+#[derive(Debug, Default, Clone)]
+pub struct WriteStats {
+    pub commits: u64,
+    pub blocks_written: u64,
+}
+
+pub struct Writer {
+    pub disk: Arc<Disk>,
+    /// Id of the running transaction (last committed generation + 1).
+    pub transid: u64,
+    pub state: TransState,
+    pub(crate) trees: BTreeMap<u64, TreeState>,
+    pub(crate) refs: DelayedRefs,
+    pub allocator: Allocator,
+    pub(crate) chunk_tree_uuid: [u8; 16],
+    /// The superblock as last written (raw), patched at each commit.
+    sb_raw: Vec<u8>,
+    pub(crate) sb_bytes_used: u64,
+    dev_item: DevItem,
+    sys_chunk_array: Vec<u8>,
+    sys_array_dirty: bool,
+    pub live: LiveRoots,
+    /// B-tree descents made (search_mut calls and their restarts).
+    pub descents: u64,
+    pub stats: WriteStats,
+    aborted: Option<String>,
+    /// Next free inode number per subvolume.
+    pub(crate) next_ino: HashMap<u64, u64>,
+    /// Next DIR_INDEX sequence per (subvolume, directory).
+    pub(crate) next_index: HashMap<(u64, u64), u64>,
+    /// Seed 002: replace file extents in the leaf of one descent when possible.
+    pub combined_replace: bool,
+}
+
+fn is_fs_tree(id: u64) -> bool {
+    id == FS_TREE_OBJECTID
+        || id == DATA_RELOC_TREE_OBJECTID
+        || (FIRST_FREE_OBJECTID..=LAST_FREE_OBJECTID).contains(&id)
+}
+
+impl Writer {
+    /// Starts the write engine on an opened filesystem: loads block groups and their free
+    /// space from the extent tree.
+    pub fn open(disk: Arc<Disk>, live: LiveRoots) -> Result<Writer> {
+        let sb = disk.sb.clone();
+        if sb.log_root != 0 {
+            return Err(Error::Unsupported(
+                "the image has an unreplayed fsync log; replay is not implemented yet, so it \
+                 can only be opened read-only"
+                    .into(),
+            ));
+        }
+        let mut raw = vec![0u8; SUPER_INFO_SIZE];
+        disk.dev
+            .read_at(&mut raw, sb.bytenr)
+            .map_err(|e| Error::io("reading superblock", sb.bytenr, e))?;
+        let root_block = disk.read_tree_block(
+            sb.root,
+            &crate::disk_io::Expect {
+                level: Some(sb.root_level),
+                generation: Some(sb.generation),
+                ..Default::default()
+            },
+        )?;
+        let mut w = Writer {
+            transid: sb.generation + 1,
+            state: TransState::Running,
+            trees: BTreeMap::new(),
+            refs: DelayedRefs::default(),
+            allocator: Allocator::new(),
+            chunk_tree_uuid: root_block.header.chunk_tree_uuid,
+            sb_raw: raw,
+            sb_bytes_used: sb.bytes_used,
+            dev_item: sb.dev_item.clone(),
+            sys_chunk_array: sb.sys_chunk_array.clone(),
+            sys_array_dirty: false,
+            live,
+            descents: 0,
+            stats: WriteStats::default(),
+            aborted: None,
+            next_ino: HashMap::new(),
+            next_index: HashMap::new(),
+            combined_replace: true,
+            disk,
+        };
+        w.trees.insert(
+            ROOT_TREE_OBJECTID,
+            TreeState {
+                id: ROOT_TREE_OBJECTID,
+                bytenr: sb.root,
+                level: sb.root_level,
+                generation: sb.generation,
+                shareable: false,
+                last_snapshot: 0,
+                item_key: None,
+                dirty: false,
+            },
+        );
+        w.trees.insert(
+            CHUNK_TREE_OBJECTID,
+            TreeState {
+                id: CHUNK_TREE_OBJECTID,
+                bytenr: sb.chunk_root,
+                level: sb.chunk_root_level,
+                generation: sb.chunk_root_generation,
+                shareable: false,
+                last_snapshot: 0,
+                item_key: None,
+                dirty: false,
+            },
+        );
+        w.load_block_groups()?;
+        Ok(w)
+    }
+
+    pub fn check_writable(&self) -> Result<()> {
+        match &self.aborted {
+            Some(r) => Err(Error::Aborted(r.clone())),
+            None => Ok(()),
+        }
+    }
+
+    /// The state of a tree, loading its root item on first use.
+    pub(crate) fn tree_state(&mut self, id: u64) -> Result<&TreeState> {
+        if !self.trees.contains_key(&id) {
+            let root = self.current_root(ROOT_TREE_OBJECTID)?;
+            let it =
+                crate::ctree::lookup_le(&self.disk, &root, &Key::new(id, ROOT_ITEM_KEY, u64::MAX))?;
+            let it = match it {
+                Some(it) if it.key.objectid == id && it.key.ty == ROOT_ITEM_KEY => it,
+                _ => {
+                    return Err(Error::NotFound(format!(
+                        "root item of tree {}",
+                        tree_name(id)
+                    )))
+                }
+            };
+            let ri = RootItem::parse(it.data()).map_err(|e| it.annotate(e))?;
+            self.trees.insert(
+                id,
+                TreeState {
+                    id,
+                    bytenr: ri.bytenr,
+                    level: ri.level,
+                    generation: ri.generation,
+                    shareable: is_fs_tree(id),
+                    last_snapshot: ri.last_snapshot,
+                    item_key: Some(it.key),
+                    dirty: false,
+                },
+            );
+        }
+        Ok(&self.trees[&id])
+    }
+
+    /// Root of a tree as the running transaction sees it.
+    pub fn current_root(&mut self, id: u64) -> Result<Root> {
+        let t = self.tree_state(id)?;
+        Ok(Root {
+            id,
+            bytenr: t.bytenr,
+            level: t.level,
+            generation: t.generation,
+        })
+    }
+
+    /// Points a tree at a new root block (after COW, growth or shrink).
+    pub(crate) fn set_root(&mut self, id: u64, bytenr: u64, level: u8) -> Result<()> {
+        let transid = self.transid;
+        self.tree_state(id)?;
+        let t = self
+            .trees
+            .get_mut(&id)
+            .ok_or_else(|| Error::Invalid("tree vanished".into()))?;
+        t.bytenr = bytenr;
+        t.level = level;
+        t.generation = transid;
+        t.dirty = true;
+        self.live.write().unwrap_or_else(|e| e.into_inner()).insert(
+            id,
+            Root {
+                id,
+                bytenr,
+                level,
+                generation: transid,
+            },
+        );
+        Ok(())
+    }
+
+    /// Whether the running transaction changed anything.
+    pub fn has_changes(&self) -> bool {
+        !self.refs.is_empty() || !self.disk.overlay_addresses().is_empty()
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // Block groups and allocation
+    // -----------------------------------------------------------------------------------------
+
+    fn load_block_groups(&mut self) -> Result<()> {
+        let ns = self.disk.nodesize() as u64;
+        let extent_root = self.current_root(EXTENT_TREE_OBJECTID)?;
+        let mut groups: Vec<BlockGroup> = Vec::new();
+        let mut it = TreeIter::new(self.disk.clone(), extent_root, Key::MIN, Readahead::Forward)?;
+        let mut used_ranges: Vec<(u64, u64)> = Vec::new();
+        while let Some(item) = it.next_item()? {
+            match item.key.ty {
+                BLOCK_GROUP_ITEM_KEY => {
+                    let bgi = BlockGroupItem::parse(item.data()).map_err(|e| item.annotate(e))?;
+                    let mut bg = BlockGroup::new(item.key.objectid, item.key.offset, bgi.flags);
+                    bg.used = bgi.used;
+                    groups.push(bg);
+                }
+                EXTENT_ITEM_KEY => used_ranges.push((item.key.objectid, item.key.offset)),
+                METADATA_ITEM_KEY => used_ranges.push((item.key.objectid, ns)),
+                _ => {}
+            }
+        }
+        if self.disk.sb.has_compat_ro(COMPAT_RO_BLOCK_GROUP_TREE) {
+            return Err(Error::Unsupported(
+                "block-group-tree feature: writing is not supported yet".into(),
+            ));
+        }
+        let chunks: Vec<(u64, ChunkItem)> = self
+            .disk
+            .chunk_map()
+            .chunks()
+            .map(|c| (c.logical, c.item.clone()))
+            .collect();
+        for mut bg in groups {
+            for (s, l) in &used_ranges {
+                if *s + *l > bg.start && *s < bg.end() {
+                    bg.free.remove(*s, *l);
+                }
+            }
+            if let Some((_, ci)) = chunks.iter().find(|(l, _)| *l == bg.start) {
+                exclude_supers(&mut bg, ci);
+            }
+            self.allocator.add_group(bg)?;
+        }
+        // Which groups the free space tree describes with bitmaps.
+        if self.disk.sb.has_compat_ro(COMPAT_RO_FREE_SPACE_TREE) {
+            let root = self.current_root(FREE_SPACE_TREE_OBJECTID)?;
+            let mut it = TreeIter::new(self.disk.clone(), root, Key::MIN, Readahead::Forward)?;
+            while let Some(item) = it.next_item()? {
+                if item.key.ty == FREE_SPACE_INFO_KEY {
+                    let fsi = FreeSpaceInfo::parse(item.data()).map_err(|e| item.annotate(e))?;
+                    let start = item.key.objectid;
+                    self.allocator.with_group(start, |g| {
+                        g.fst_bitmaps = fsi.flags & 1 != 0;
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Allocates a tree block for `tree`.
+    pub(crate) fn alloc_tree_block(&mut self, tree: u64) -> Result<u64> {
+        self.check_writable()?;
+        let ns = self.disk.nodesize() as u64;
+        let kind = if tree == CHUNK_TREE_OBJECTID {
+            SpaceKind::System
+        } else {
+            SpaceKind::Metadata
+        };
+        match self.allocator.alloc(kind, ns, ns) {
+            Some(b) => Ok(b),
+            None => Err(Error::NoSpace(format!(
+                "no free {kind:?} space for a tree block of {}",
+                tree_name(tree)
+            ))),
+        }
+    }
+
+    /// Allocates `len` bytes of data space (sector aligned), adding a data chunk if needed.
+    pub fn alloc_data(&mut self, len: u64) -> Result<u64> {
+        self.check_writable()?;
+        let ss = self.disk.sectorsize() as u64;
+        if let Some(b) = self.allocator.alloc(SpaceKind::Data, len, ss) {
+            return Ok(b);
+        }
+        if self.alloc_chunk(SpaceKind::Data, len).is_ok() {
+            if let Some(b) = self.allocator.alloc(SpaceKind::Data, len, ss) {
+                return Ok(b);
+            }
+        }
+        Err(Error::NoSpace(format!(
+            "no free data space for {len} bytes"
+        )))
+    }
+
+    /// Before an operation: make sure metadata and system space will not run out in the middle
+    /// of it (adding chunks here, where no tree is being changed). Errors with ENOSPC when the
+    /// device is full and `for_growth`.
+    pub fn reserve_metadata(&mut self, for_growth: bool) -> Result<()> {
+        self.check_writable()?;
+        let ns = self.disk.nodesize() as u64;
+        let want = (ns * 256).max(4 << 20);
+        for (kind, want) in [(SpaceKind::System, ns * 16), (SpaceKind::Metadata, want)] {
+            if self.allocator.free_bytes(kind) >= want {
+                continue;
+            }
+            if self.alloc_chunk(kind, 0).is_ok() {
+                continue;
+            }
+            let floor = if for_growth { want / 2 } else { ns * 32 };
+            if self.allocator.free_bytes(kind) < floor {
+                return Err(Error::NoSpace(format!(
+                    "{:?} space is nearly full ({} bytes free) and the device has no room for \
+                     another chunk",
+                    kind,
+                    self.allocator.free_bytes(kind)
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Free bytes the device has outside any chunk, largest hole first: (physical, len).
+    fn device_holes(&mut self) -> Result<Vec<(u64, u64)>> {
+        let devid = self.disk.devid;
+        let total = self.dev_item.total_bytes.min(self.disk.dev.len());
+        let mut used = RangeSet::new();
+        let _ = used.add(0, 1 << 20); // the first MiB is never allocated
+        let root = self.current_root(DEV_TREE_OBJECTID)?;
+        let mut it = TreeIter::new(
+            self.disk.clone(),
+            root,
+            Key::new(devid, DEV_EXTENT_KEY, 0),
+            Readahead::None,
+        )?;
+        while let Some(item) = it.next_item()? {
+            if item.key.objectid != devid || item.key.ty != DEV_EXTENT_KEY {
+                break;
+            }
+            let de = DevExtent::parse(item.data()).map_err(|e| item.annotate(e))?;
+            used.remove(item.key.offset, de.length);
+            let _ = used.add(item.key.offset, de.length);
+        }
+        let mut holes = Vec::new();
+        let mut pos = 0u64;
+        for (s, l) in used.iter() {
+            if s > pos {
+                holes.push((pos, s - pos));
+            }
+            pos = pos.max(s + l);
+        }
+        if total > pos {
+            holes.push((pos, total - pos));
+        }
+        holes.sort_by_key(|(s, l)| (std::cmp::Reverse(*l), *s));
+        Ok(holes)
+    }
+
+    /// Adds a chunk (and its block group) of `kind`, at least `min_len` bytes when possible.
+    pub fn alloc_chunk(&mut self, kind: SpaceKind, min_len: u64) -> Result<u64> {
+        self.check_writable()?;
+        // The profile of the existing groups of this kind.
+        let mut profile = None;
+        self.allocator.for_each(|g| {
+            if SpaceKind::of_flags(g.flags) == Some(kind) && profile.is_none() {
+                profile = Some(g.flags & BLOCK_GROUP_PROFILE_MASK);
+            }
+        });
+        let profile = profile.unwrap_or(match kind {
+            SpaceKind::Data => 0,
+            _ => BLOCK_GROUP_DUP,
+        });
+        let copies = if profile & BLOCK_GROUP_DUP != 0 { 2 } else { 1 };
+        if profile & !BLOCK_GROUP_DUP != 0 {
+            return Err(Error::Unsupported(format!(
+                "adding a chunk with profile {profile:#x}"
+            )));
+        }
+        let total = self.dev_item.total_bytes;
+        let max = match kind {
+            SpaceKind::Data => 1 << 30,
+            SpaceKind::Metadata => 256 << 20,
+            SpaceKind::System => 32 << 20,
+        };
+        let tenth = (total / 10) / STRIPE * STRIPE;
+        let mut want = (max as u64)
+            .min(tenth.max(16 << 20))
+            .max(min_len.div_ceil(STRIPE) * STRIPE);
+        let holes = self.device_holes()?;
+        let Some(&(hole, hole_len)) = holes.first() else {
+            return Err(Error::NoSpace("the device has no unallocated space".into()));
+        };
+        let per_stripe_max = (hole_len / copies) / STRIPE * STRIPE;
+        want = want.min(per_stripe_max);
+        if want < (1 << 20) || want < min_len {
+            return Err(Error::NoSpace(format!(
+                "the device has no unallocated hole big enough for a {kind:?} chunk"
+            )));
+        }
+        let logical = self
+            .allocator
+            .logical_end()
+            .max(
+                self.disk
+                    .chunk_map()
+                    .chunks()
+                    .map(|c| c.logical + c.item.length)
+                    .max()
+                    .unwrap_or(0),
+            )
+            .div_ceil(1 << 20)
+            * (1 << 20);
+        let flags = kind.flag() | profile;
+        let devid = self.disk.devid;
+        let stripes: Vec<Stripe> = (0..copies)
+            .map(|i| Stripe {
+                devid,
+                offset: hole + i * want,
+                dev_uuid: self.dev_item.uuid,
+            })
+            .collect();
+        let chunk = ChunkItem {
+            length: want,
+            owner: EXTENT_TREE_OBJECTID,
+            stripe_len: STRIPE,
+            ty: flags,
+            io_align: STRIPE as u32,
+            io_width: STRIPE as u32,
+            sector_size: self.disk.sectorsize(),
+            num_stripes: copies as u16,
+            sub_stripes: 1,
+            stripes: stripes.clone(),
+        };
+        // Register first, so the tree changes below can allocate from the new space.
+        self.disk.add_chunk(logical, chunk.clone())?;
+        let mut bg = BlockGroup::new(logical, want, flags);
+        exclude_supers(&mut bg, &chunk);
+        bg.new = true;
+        bg.dirty = true;
+        self.allocator.add_group(bg)?;
+        let key = Key::new(FIRST_CHUNK_TREE_OBJECTID, CHUNK_ITEM_KEY, logical);
+        self.insert_item(CHUNK_TREE_OBJECTID, key, &chunk.to_bytes())?;
+        for s in &stripes {
+            let de = DevExtent {
+                chunk_tree: CHUNK_TREE_OBJECTID,
+                chunk_objectid: FIRST_CHUNK_TREE_OBJECTID,
+                chunk_offset: logical,
+                length: want,
+                chunk_tree_uuid: self.chunk_tree_uuid,
+            };
+            self.insert_item(
+                DEV_TREE_OBJECTID,
+                Key::new(devid, DEV_EXTENT_KEY, s.offset),
+                &de.to_bytes(),
+            )?;
+        }
+        self.dev_item.bytes_used += want * copies;
+        let di = self.dev_item.to_bytes();
+        self.replace_item(
+            CHUNK_TREE_OBJECTID,
+            Key::new(DEV_ITEMS_OBJECTID, DEV_ITEM_KEY, devid),
+            &di,
+        )?;
+        if kind == SpaceKind::System {
+            let mut entry = key.to_bytes().to_vec();
+            entry.extend_from_slice(&chunk.to_bytes());
+            if self.sys_chunk_array.len() + entry.len() > SYSTEM_CHUNK_ARRAY_SIZE {
+                return Err(Error::NoSpace(
+                    "the superblock's system chunk array is full".into(),
+                ));
+            }
+            self.sys_chunk_array.extend_from_slice(&entry);
+            self.sys_array_dirty = true;
+        }
+        log::info!(
+            "added a {kind:?} chunk of {} MiB at logical {logical}",
+            want >> 20
+        );
+        Ok(logical)
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // Commit
+    // -----------------------------------------------------------------------------------------
+
+    /// Commits the running transaction. A no-op when nothing changed.
+    pub fn commit(&mut self) -> Result<()> {
+        self.check_writable()?;
+        if !self.has_changes() {
+            return Ok(());
+        }
+        self.state = TransState::CommitStart;
+        match self.commit_inner() {
+            Ok(()) => {
+                self.state = TransState::Running;
+                Ok(())
+            }
+            Err(e) => {
+                let reason = e.to_string();
+                log::error!("transaction {} aborted: {reason}", self.transid);
+                self.aborted = Some(reason);
+                Err(e)
+            }
+        }
+    }
+
+    fn commit_inner(&mut self) -> Result<()> {
+        self.state = TransState::CommitDoing;
+        let mut passes = 0;
+        loop {
+            passes += 1;
+            if passes > 200 {
+                return Err(Error::Invalid(
+                    "engine bug: commit does not converge".into(),
+                ));
+            }
+            let mut changed = self.run_delayed_refs()?;
+            changed |= self.update_block_groups()?;
+            changed |= self.update_root_items()?;
+            if !changed && self.refs.is_empty() {
+                break;
+            }
+        }
+        self.write_dirty_blocks()?;
+        self.disk
+            .dev
+            .flush()
+            .map_err(|e| Error::io("flushing tree blocks", 0, e))?;
+        self.write_superblocks()?;
+        self.state = TransState::Unblocked;
+        // The transaction is on disk.
+        self.allocator.unpin_all();
+        self.allocator.for_each(|g| {
+            g.dirty = false;
+            g.new = false;
+        });
+        self.disk.overlay_retire();
+        for t in self.trees.values_mut() {
+            t.dirty = false;
+        }
+        self.sys_array_dirty = false;
+        self.stats.commits += 1;
+        self.state = TransState::Completed;
+        self.transid += 1;
+        Ok(())
+    }
+
+    /// Rewrites block group items and free space tree entries of dirty groups. Returns whether
+    /// any tree changed.
+    fn update_block_groups(&mut self) -> Result<bool> {
+        let mut changed = false;
+        let fst = self.disk.sb.has_compat_ro(COMPAT_RO_FREE_SPACE_TREE);
+        for start in self.allocator.starts() {
+            let snap = self.allocator.with_group(start, |g| {
+                let r = g.dirty.then(|| {
+                    (
+                        g.len,
+                        g.flags,
+                        g.used,
+                        g.new,
+                        g.on_disk_free(),
+                        g.fst_bitmaps,
+                    )
+                });
+                g.dirty = false;
+                r
+            });
+            let Some(Some((len, flags, used, _new, free, bitmaps))) = snap else {
+                continue;
+            };
+            let key = Key::new(start, BLOCK_GROUP_ITEM_KEY, len);
+            let body = BlockGroupItem {
+                used,
+                chunk_objectid: FIRST_CHUNK_TREE_OBJECTID,
+                flags,
+            }
+            .to_bytes();
+            if self.read_item(EXTENT_TREE_OBJECTID, &key)?.as_deref() != Some(&body[..]) {
+                self.replace_item(EXTENT_TREE_OBJECTID, key, &body)?;
+                changed = true;
+            }
+            if fst {
+                let ss = self.disk.sectorsize();
+                let fsp = crate::free_space_tree::BgFreeSpace {
+                    start,
+                    len,
+                    extents: free.iter().collect(),
+                };
+                let (use_bitmaps, want) = crate::free_space_tree::encode(&fsp, ss, bitmaps);
+                self.allocator
+                    .with_group(start, |g| g.fst_bitmaps = use_bitmaps);
+                changed |= self.sync_fst_items(start, len, want)?;
+            }
+        }
+        Ok(changed)
+    }
+
+    /// Makes the free space tree items of one block group exactly `want`.
+    fn sync_fst_items(&mut self, start: u64, len: u64, want: Vec<(Key, Vec<u8>)>) -> Result<bool> {
+        let root = self.current_root(FREE_SPACE_TREE_OBJECTID)?;
+        let mut have: Vec<(Key, Vec<u8>)> = Vec::new();
+        let mut it = TreeIter::new(
+            self.disk.clone(),
+            root,
+            Key::new(start, 0, 0),
+            Readahead::None,
+        )?;
+        while let Some(item) = it.next_item()? {
+            if item.key.objectid >= start + len {
+                break;
+            }
+            if matches!(
+                item.key.ty,
+                FREE_SPACE_INFO_KEY | FREE_SPACE_EXTENT_KEY | FREE_SPACE_BITMAP_KEY
+            ) {
+                have.push((item.key, item.data().to_vec()));
+            }
+        }
+        if have == want {
+            return Ok(false);
+        }
+        let want_map: BTreeMap<Key, Vec<u8>> = want.into_iter().collect();
+        for (k, v) in &have {
+            if want_map.get(k) != Some(v) {
+                self.delete_item(FREE_SPACE_TREE_OBJECTID, k)?;
+            }
+        }
+        let have_map: BTreeMap<Key, Vec<u8>> = have.into_iter().collect();
+        for (k, v) in &want_map {
+            if have_map.get(k) != Some(v) {
+                self.insert_item(FREE_SPACE_TREE_OBJECTID, *k, v)?;
+            }
+        }
+        Ok(true)
+    }
+
+    /// Stores the new root of every changed tree in its ROOT_ITEM.
+    fn update_root_items(&mut self) -> Result<bool> {
+        let mut changed = false;
+        let dirty: Vec<TreeState> = self
+            .trees
+            .values()
+            .filter(|t| t.dirty && t.item_key.is_some())
+            .cloned()
+            .collect();
+        for t in dirty {
+            let Some(key) = t.item_key else { continue };
+            let Some(mut body) = self.read_item(ROOT_TREE_OBJECTID, &key)? else {
+                return Err(Error::corrupt(
+                    Location::what("root item")
+                        .with_tree(ROOT_TREE_OBJECTID)
+                        .with_key(key),
+                    "root item vanished",
+                ));
+            };
+            let before = body.clone();
+            crate::format::encode::patch_root_item(&mut body, t.bytenr, t.level, self.transid);
+            if is_fs_tree(t.id) && body.len() >= RootItem::SIZE {
+                body[295..303].copy_from_slice(&self.transid.to_le_bytes());
+            }
+            if body != before {
+                self.update_item(ROOT_TREE_OBJECTID, &key, |b| {
+                    b.copy_from_slice(&body);
+                    Ok(())
+                })?;
+                changed = true;
+            }
+            if let Some(ts) = self.trees.get_mut(&t.id) {
+                // Stays dirty only if its root moves again in a later pass.
+                if ts.bytenr == t.bytenr && ts.level == t.level {
+                    ts.dirty = false;
+                }
+            }
+        }
+        Ok(changed)
+    }
+
+    fn write_dirty_blocks(&mut self) -> Result<()> {
+        let ct = self.disk.sb.csum_type;
+        for bytenr in self.disk.overlay_addresses() {
+            let data = self.modify(bytenr, |buf| {
+                let flags = crate::ctree_ops::read_header(buf)?.flags | HEADER_FLAG_WRITTEN;
+                crate::ctree_ops::set_flags(buf, flags)?;
+                crate::ctree_ops::finalize(buf, ct)?;
+                Ok(buf.to_vec())
+            })?;
+            self.disk.write_logical(bytenr, &data)?;
+            self.stats.blocks_written += 1;
+        }
+        Ok(())
+    }
+
+    fn write_superblocks(&mut self) -> Result<()> {
+        let transid = self.transid;
+        let root = self.trees[&ROOT_TREE_OBJECTID].clone();
+        let chunk = self.trees[&CHUNK_TREE_OBJECTID].clone();
+        let mut roots = HashMap::new();
+        for id in [
+            EXTENT_TREE_OBJECTID,
+            FS_TREE_OBJECTID,
+            DEV_TREE_OBJECTID,
+            CSUM_TREE_OBJECTID,
+        ] {
+            let r = self.current_root(id)?;
+            roots.insert(id, r);
+        }
+        self.dev_item.bytes_used = self.dev_item.bytes_used.max(0);
+        let b = &mut self.sb_raw;
+        let put =
+            |b: &mut Vec<u8>, off: usize, v: u64| b[off..off + 8].copy_from_slice(&v.to_le_bytes());
+        put(b, 72, transid);
+        put(b, 80, root.bytenr);
+        put(b, 88, chunk.bytenr);
+        put(b, 120, self.sb_bytes_used);
+        put(b, 164, chunk.generation);
+        b[198] = root.level;
+        b[199] = chunk.level;
+        b[201..201 + DevItem::SIZE].copy_from_slice(&self.dev_item.to_bytes());
+        b[160..164].copy_from_slice(&(self.sys_chunk_array.len() as u32).to_le_bytes());
+        b[811..811 + SYSTEM_CHUNK_ARRAY_SIZE].fill(0);
+        b[811..811 + self.sys_chunk_array.len()].copy_from_slice(&self.sys_chunk_array);
+        // Backup roots: the slot after the newest one.
+        let slot_off = |i: usize| 2859 + i * 168;
+        let mut newest = 0usize;
+        let mut newest_gen = 0u64;
+        for i in 0..4 {
+            let g = le_u64(b, slot_off(i) + 8);
+            if g > newest_gen {
+                newest_gen = g;
+                newest = i;
+            }
+        }
+        let slot = if newest_gen == 0 { 0 } else { (newest + 1) % 4 };
+        let o = slot_off(slot);
+        let mut br = vec![0u8; 168];
+        let w = |br: &mut Vec<u8>, off: usize, v: u64| {
+            br[off..off + 8].copy_from_slice(&v.to_le_bytes())
+        };
+        w(&mut br, 0, root.bytenr);
+        w(&mut br, 8, transid);
+        w(&mut br, 16, chunk.bytenr);
+        w(&mut br, 24, chunk.generation);
+        w(&mut br, 32, roots[&EXTENT_TREE_OBJECTID].bytenr);
+        w(&mut br, 40, roots[&EXTENT_TREE_OBJECTID].generation);
+        w(&mut br, 48, roots[&FS_TREE_OBJECTID].bytenr);
+        w(&mut br, 56, roots[&FS_TREE_OBJECTID].generation);
+        w(&mut br, 64, roots[&DEV_TREE_OBJECTID].bytenr);
+        w(&mut br, 72, roots[&DEV_TREE_OBJECTID].generation);
+        w(&mut br, 80, roots[&CSUM_TREE_OBJECTID].bytenr);
+        w(&mut br, 88, roots[&CSUM_TREE_OBJECTID].generation);
+        w(&mut br, 96, le_u64(b, 112));
+        w(&mut br, 104, self.sb_bytes_used);
+        w(&mut br, 112, le_u64(b, 136));
+        br[152] = root.level;
+        br[153] = chunk.level;
+        br[154] = roots[&EXTENT_TREE_OBJECTID].level;
+        br[155] = roots[&FS_TREE_OBJECTID].level;
+        br[156] = roots[&DEV_TREE_OBJECTID].level;
+        br[157] = roots[&CSUM_TREE_OBJECTID].level;
+        b[o..o + 168].copy_from_slice(&br);
+        let ct = self.disk.sb.csum_type;
+        let dev_len = self.disk.dev.len();
+        for (i, off) in alloc::super_mirror_offsets().into_iter().enumerate() {
+            if off + SUPER_INFO_SIZE as u64 > dev_len
+                || off + SUPER_INFO_SIZE as u64 > self.dev_item.total_bytes
+            {
+                break;
+            }
+            let mut copy = self.sb_raw.clone();
+            copy[48..56].copy_from_slice(&off.to_le_bytes());
+            let c = ct.compute(&copy[32..SUPER_INFO_SIZE]);
+            copy[0..32].fill(0);
+            copy[..ct.size()].copy_from_slice(&c[..ct.size()]);
+            self.disk
+                .dev
+                .write_at(&copy, off)
+                .map_err(|e| Error::io(format!("writing superblock copy {i}"), off, e))?;
+        }
+        self.disk
+            .dev
+            .flush()
+            .map_err(|e| Error::io("flushing superblocks", 0, e))?;
+        Ok(())
+    }
+}
+
+const STRIPE: u64 = alloc::STRIPE_LEN;
+
+/// Carves the superblock copies out of a group's free space.
+fn exclude_supers(bg: &mut BlockGroup, chunk: &ChunkItem) {
+    for m in alloc::super_mirror_offsets() {
+        for s in &chunk.stripes {
+            if m >= s.offset && m < s.offset + chunk.length {
+                let off = (m - s.offset) / STRIPE * STRIPE;
+                bg.exclude(bg.start + off, STRIPE);
+            }
+        }
+    }
+}
