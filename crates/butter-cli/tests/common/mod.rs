@@ -28,4 +28,5 @@
 pub mod gen;
 pub mod kernel;
 pub mod manifest;
+pub mod model;
 pub mod variant;
