@@ -102,7 +102,7 @@ fn patch_item(
 ) -> (Key, u64, usize) {
     let fs = Fs::open(img).unwrap();
     let root = if id == ROOT_TREE_OBJECTID {
-        fs.tree_root
+        fs.tree_root()
     } else {
         tree_root(&fs, id)
     };

@@ -85,6 +85,11 @@ fn leaf_used(b: &TreeBlock) -> usize {
 impl Writer {
     /// A block by address: the overlay's copy, or read and validated from disk.
     pub(crate) fn block(&self, bytenr: u64, expect: &Expect) -> Result<Arc<TreeBlock>> {
+        // A block of this transaction may be briefly empty (the middle leaf of a double split
+        // before its item goes in); it is ours, so no parent expectations apply.
+        if let Some(b) = self.disk.overlay_get(bytenr) {
+            return Ok(b);
+        }
         self.disk.read_tree_block(bytenr, expect)
     }
 

@@ -324,7 +324,11 @@ impl Writer {
         };
         if pe.deltas.is_empty() && pe.flags_set == 0 {
             if pe.is_new && existing.is_none() {
-                // Allocated and freed in this transaction: nothing on disk, space pinned.
+                // Allocated and freed in this transaction: nothing on disk, space pinned, and
+                // the checksums written for it go too.
+                if pe.meta.is_none() {
+                    self.delete_csums(bytenr, pe.num_bytes)?;
+                }
                 self.allocator.pin(bytenr, pe.num_bytes)?;
             }
             return Ok(());

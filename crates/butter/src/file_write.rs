@@ -350,26 +350,29 @@ impl Fs {
             slot += 1;
         }
         // If the scan reached the end of the leaf, the next leaf may hold more: fall back.
-        if slot == n {
+        if slot == n && n > 0 {
+            let last = blk.key(n - 1);
+            let succ = if last.offset < u64::MAX {
+                Key::new(last.objectid, last.ty, last.offset + 1)
+            } else {
+                Key::new(last.objectid, last.ty.saturating_add(1), 0)
+            };
             let root = w.current_root(ino.root)?;
-            if let Some(nk) = crate::cow::next_key_after(
-                &self.disk,
-                &root,
-                &Key::new(
-                    ino.ino,
-                    EXTENT_DATA_KEY,
-                    blk.key(n.saturating_sub(1)).offset.saturating_add(1),
-                ),
-            )? {
-                if nk.objectid == ino.ino
-                    && nk.ty == EXTENT_DATA_KEY
-                    && nk.offset < end
-                    && n > 0
-                    && blk.key(n - 1) < nk
-                {
+            if let Some(nk) = crate::cow::next_key_after(&self.disk, &root, &succ)? {
+                if nk.objectid == ino.ino && nk.ty == EXTENT_DATA_KEY && nk.offset < end {
                     return Ok(None);
                 }
             }
+        }
+        // A leaf emptied with nothing to insert must leave its parent: the general path does it.
+        let deletes = cuts.iter().filter(|c| matches!(c.3, Cut::Delete)).count();
+        let adds = cuts
+            .iter()
+            .filter(|c| matches!(c.3, Cut::Split(..)))
+            .count()
+            + usize::from(new.is_some());
+        if deletes == n && adds == 0 {
+            return Ok(None);
         }
         // Apply in the leaf, from the last slot backwards so earlier slots stay valid.
         let mut removed = 0;

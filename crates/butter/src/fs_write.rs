@@ -707,8 +707,24 @@ impl Fs {
         if src.target.root != from_dir.root {
             return Err(Error::Unsupported("renaming a subvolume".into()));
         }
+        if flags & RENAME_EXCHANGE != 0 && dst.is_none() {
+            return Err(Error::NotFound(String::from_utf8_lossy(to).into_owned()));
+        }
+        if flags & RENAME_NOREPLACE != 0 && dst.is_some() {
+            return Err(Error::Exists(String::from_utf8_lossy(to).into_owned()));
+        }
+        if dst.as_ref().is_some_and(|d| d.target == src.target) {
+            return Ok(()); // two names of one inode (or the same name): nothing to do
+        }
         if src.file_type == FT_DIR && self.is_ancestor(src.target, to_dir)? {
             return Err(Error::Invalid("rename of a directory into itself".into()));
+        }
+        if flags & RENAME_EXCHANGE == 0 {
+            if let Some(d) = &dst {
+                if d.file_type == FT_DIR && self.is_ancestor(d.target, from_dir)? {
+                    return Err(Error::NotEmpty(String::from_utf8_lossy(to).into_owned()));
+                }
+            }
         }
         if flags & RENAME_EXCHANGE != 0 {
             let dst =

@@ -1269,10 +1269,14 @@ fn rebuilt_mkfs_blocks_are_identical() {
         let fs = butter::fs::Fs::open(&img).unwrap();
         let csum = fs.disk.sb.csum_type;
         // Every tree in the root tree, plus the root tree itself.
-        let mut roots = vec![fs.tree_root];
-        let mut it =
-            butter::ctree::TreeIter::new(fs.disk.clone(), fs.tree_root, Key::MIN, Readahead::None)
-                .unwrap();
+        let mut roots = vec![fs.tree_root()];
+        let mut it = butter::ctree::TreeIter::new(
+            fs.disk.clone(),
+            fs.tree_root(),
+            Key::MIN,
+            Readahead::None,
+        )
+        .unwrap();
         while let Some(item) = it.next_item().unwrap() {
             if item.key.ty == ROOT_ITEM_KEY {
                 let ri = butter::format::items::RootItem::parse(item.data()).unwrap();

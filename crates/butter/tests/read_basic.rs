@@ -160,7 +160,7 @@ fn reads_mkfs_rootdir_images_in_several_variants() {
 
 /// Collects (level of root) for every tree in the root tree.
 fn root_levels(fs: &Fs) -> BTreeMap<u64, u8> {
-    let mut it = TreeIter::new(fs.disk.clone(), fs.tree_root, Key::MIN, Readahead::None).unwrap();
+    let mut it = TreeIter::new(fs.disk.clone(), fs.tree_root(), Key::MIN, Readahead::None).unwrap();
     let mut m = BTreeMap::new();
     while let Some(item) = it.next_item().unwrap() {
         if item.key.ty == ROOT_ITEM_KEY {

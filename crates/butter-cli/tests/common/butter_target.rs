@@ -27,7 +27,8 @@ pub struct ButterTarget {
 
 impl ButterTarget {
     pub fn open(image: &Path) -> ButterTarget {
-        let fs = Fs::open_rw(image).unwrap_or_else(|e| panic!("open {} read-write: {e}", image.display()));
+        let fs = Fs::open_rw(image)
+            .unwrap_or_else(|e| panic!("open {} read-write: {e}", image.display()));
         ButterTarget {
             image: image.to_path_buf(),
             fs: Some(fs),
@@ -52,6 +53,13 @@ impl ButterTarget {
     }
 
     fn err(e: butter::Error) -> i32 {
+        if matches!(
+            e,
+            butter::Error::Corrupt { .. } | butter::Error::Aborted(_) | butter::Error::Io { .. }
+        ) || (matches!(e, butter::Error::Invalid(_)) && e.to_string().contains("engine bug"))
+        {
+            eprintln!("butter error: {e}");
+        }
         e.errno()
     }
 
@@ -68,7 +76,11 @@ impl ButterTarget {
             if name.len() > NAME_MAX {
                 return Err(ENAMETOOLONG);
             }
-            cur = fs.lookup(cur, name).map_err(Self::err)?.ok_or(ENOENT)?.target;
+            cur = fs
+                .lookup(cur, name)
+                .map_err(Self::err)?
+                .ok_or(ENOENT)?
+                .target;
         }
         Ok(cur)
     }
@@ -114,7 +126,13 @@ impl ButterTarget {
 
     fn chmod_exact(&self, ino: Inode, mode: u32) -> Result<(), i32> {
         self.fs()
-            .setattr(ino, &SetAttr { mode: Some(mode), ..Default::default() })
+            .setattr(
+                ino,
+                &SetAttr {
+                    mode: Some(mode),
+                    ..Default::default()
+                },
+            )
             .map(|_| ())
             .map_err(Self::err)
     }
@@ -136,7 +154,12 @@ impl ButterTarget {
                 .map_err(Self::err)?;
                 self.chmod_exact(ino, *mode)
             }
-            Op::Mknod { path, kind, mode, rdev } => {
+            Op::Mknod {
+                path,
+                kind,
+                mode,
+                rdev,
+            } => {
                 let (dir, name) = self.parent(path)?;
                 if self.exists(dir, &name)? {
                     return Err(EEXIST);
@@ -161,7 +184,9 @@ impl ButterTarget {
                     return Err(EEXIST);
                 }
                 let o = self.owner_in(dir)?;
-                fs.symlink(dir, &name, target, o).map(|_| ()).map_err(Self::err)
+                fs.symlink(dir, &name, target, o)
+                    .map(|_| ())
+                    .map_err(Self::err)
             }
             Op::Link { from, to } => {
                 let src = self.resolve(from)?;
@@ -192,7 +217,12 @@ impl ButterTarget {
                 };
                 fs.rename(fd, &fname, td, &tname, flags).map_err(Self::err)
             }
-            Op::Write { path, offset, len, seed } => {
+            Op::Write {
+                path,
+                offset,
+                len,
+                seed,
+            } => {
                 let ino = self.open_w(path)?;
                 let data = write_data(*seed, *len as usize);
                 fs.write(ino, *offset, &data).map(|_| ()).map_err(Self::err)
@@ -201,7 +231,12 @@ impl ButterTarget {
                 let ino = self.open_w(path)?;
                 fs.truncate(ino, *size).map_err(Self::err)
             }
-            Op::Fallocate { path, mode, offset, len } => {
+            Op::Fallocate {
+                path,
+                mode,
+                offset,
+                len,
+            } => {
                 let ino = self.open_w(path)?;
                 if *len == 0 {
                     return Err(EINVAL);
@@ -222,8 +257,12 @@ impl ButterTarget {
             Op::Chown { path, uid, gid } => {
                 let ino = self.resolve(path)?;
                 let st = fs.stat(ino).map_err(Self::err)?;
-                let mut a = SetAttr { uid: *uid, gid: *gid, ..Default::default() };
-                if !st.is_dir() && !st.is_symlink() && (uid.is_some() || gid.is_some()) {
+                let mut a = SetAttr {
+                    uid: *uid,
+                    gid: *gid,
+                    ..Default::default()
+                };
+                if !st.is_dir() && !st.is_symlink() {
                     let mut m = st.mode & 0o7777 & !0o4000;
                     if st.mode & 0o010 != 0 {
                         m &= !0o2000;
@@ -234,11 +273,25 @@ impl ButterTarget {
             }
             Op::Utimens { path, atime, mtime } => {
                 let ino = self.resolve(path)?;
-                let ts = |t: &Option<Ts>| t.map(|t| Timespec { sec: t.sec, nsec: t.nsec });
-                let a = SetAttr { atime: ts(atime), mtime: ts(mtime), ..Default::default() };
+                let ts = |t: &Option<Ts>| {
+                    t.map(|t| Timespec {
+                        sec: t.sec,
+                        nsec: t.nsec,
+                    })
+                };
+                let a = SetAttr {
+                    atime: ts(atime),
+                    mtime: ts(mtime),
+                    ..Default::default()
+                };
                 fs.setattr(ino, &a).map(|_| ()).map_err(Self::err)
             }
-            Op::SetXattr { path, name, value, how } => {
+            Op::SetXattr {
+                path,
+                name,
+                value,
+                how,
+            } => {
                 let ino = self.resolve(path)?;
                 let st = fs.stat(ino).map_err(Self::err)?;
                 if name.starts_with(b"user.") && !st.is_dir() && !st.is_reg() {
@@ -271,7 +324,9 @@ impl Target for ButterTarget {
     fn apply(&mut self, op: &Op) -> Result<(), i32> {
         let r = self.do_apply(op);
         if self.commit_each {
-            self.fs().commit().unwrap_or_else(|e| panic!("commit after {op}: {e}"));
+            self.fs()
+                .commit()
+                .unwrap_or_else(|e| panic!("commit after {op}: {e}"));
         }
         r
     }
@@ -284,7 +339,10 @@ impl Target for ButterTarget {
 }
 
 fn ts(t: Timespec) -> Ts {
-    Ts { sec: t.sec, nsec: t.nsec }
+    Ts {
+        sec: t.sec,
+        nsec: t.nsec,
+    }
 }
 
 /// Everything the model compares, read through butter's `Fs`.
@@ -376,7 +434,10 @@ pub fn manifest_of(fs: &Fs) -> Manifest {
                             Ok(v) => {
                                 for d in v {
                                     after = d.index;
-                                    stack.push((path.join(std::ffi::OsStr::from_bytes(&d.name)), d.target));
+                                    stack.push((
+                                        path.join(std::ffi::OsStr::from_bytes(&d.name)),
+                                        d.target,
+                                    ));
                                     names.push(d.name);
                                 }
                             }

@@ -25,6 +25,7 @@
 // Each test binary uses a different part of the harness.
 #![allow(dead_code)]
 
+pub mod butter_target;
 pub mod gen;
 pub mod kernel;
 pub mod manifest;

@@ -2320,6 +2320,12 @@ impl Runner {
         self.seed
     }
 
+    /// Replaces the targets (dropping the old ones), e.g. to hand an image from butter to a
+    /// kernel mount between rounds; the model carries on.
+    pub fn set_targets(&mut self, targets: Vec<Box<dyn Target>>) {
+        self.targets = targets;
+    }
+
     /// Ops applied so far.
     pub fn ops(&self) -> u64 {
         self.ops
