@@ -513,7 +513,8 @@ mod tests {
         assert_eq!(r.iter().collect::<Vec<_>>(), vec![(0, 10), (30, 270)]);
         assert_eq!(r.total(), 280);
         assert_eq!(r.find(16, 16, 0), Some(32));
-        assert_eq!(r.find(8, 1, 5), Some(5));
+        assert_eq!(r.find(4, 1, 5), Some(5));
+        assert_eq!(r.find(8, 1, 5), Some(30));
         assert_eq!(r.find(1000, 1, 0), None);
         assert!(r.contains(40, 10));
         assert!(!r.contains(5, 10));
