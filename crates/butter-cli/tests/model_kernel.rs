@@ -123,7 +123,14 @@ fn kernel_btrfs_matches_model() {
     })
     .expect("mkdir big");
     let grow = Profile::big_dir(big);
+    let start = r.ops();
     while r.model.dir_len(big).unwrap_or(0) < 3000 {
+        assert!(
+            r.ops() - start < 20_000,
+            "seed {:#x}: `big` does not grow: {:?} entries",
+            r.seed(),
+            r.model.dir_len(big)
+        );
         r.step(&grow).ok();
     }
     r.checkpoint("big directory");

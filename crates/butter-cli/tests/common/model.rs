@@ -45,7 +45,8 @@
 //!   it ([`Flavor::zero_range`], tmpfs) EOPNOTSUPP.
 //! - chmod (`fchmodat(AT_SYMLINK_NOFOLLOW)`): EOPNOTSUPP on a symlink. chown (`lchown`, `None` =
 //!   -1, unchanged): on a non-directory it clears setuid, and setgid when group-execute is set
-//!   (even for root). utimens (`utimensat(AT_SYMLINK_NOFOLLOW)`, `None` = UTIME_OMIT).
+//!   (even for root). utimens (`utimensat(AT_SYMLINK_NOFOLLOW)`, `None` = UTIME_OMIT): with both
+//!   times omitted it succeeds without looking the path up, even a missing one.
 //! - setxattr / removexattr (`lsetxattr`, `lremovexattr`): `user.*` names on anything but a
 //!   regular file or directory: EPERM; XATTR_CREATE on an existing name: EEXIST; XATTR_REPLACE
 //!   or remove of a missing name: ENODATA.
@@ -1356,6 +1357,10 @@ impl Model {
                 }
             }
             Op::Utimens { path, atime, mtime } => {
+                if atime.is_none() && mtime.is_none() {
+                    // utimensat returns before it even looks the path up.
+                    return Ok(());
+                }
                 let ino = self.resolve(path)?;
                 let n = self.node_mut(ino);
                 if atime.is_some() {
@@ -1788,15 +1793,17 @@ impl Gen<'_> {
         r.name_between(lo, hi).into_bytes()
     }
 
+    /// The focus directory's inode, if it exists. Renames leave it alone, so it stays put.
+    fn focus(&self) -> Option<u64> {
+        let i = self.m.resolve(self.p.focus_dir.as_deref()?).ok()?;
+        self.m.node(i).is_dir().then_some(i)
+    }
+
     /// A directory to put a new name in.
     fn dir(&mut self) -> u64 {
-        if let Some(f) = &self.p.focus_dir {
+        if let Some(f) = self.focus() {
             if self.rng.chance(self.p.focus_percent, 100) {
-                if let Ok(i) = self.m.resolve(f) {
-                    if self.m.node(i).is_dir() {
-                        return i;
-                    }
-                }
+                return f;
             }
         }
         let d = self.m.dirs.pick(self.rng).unwrap_or(ROOT);
@@ -2167,8 +2174,17 @@ impl Gen<'_> {
                 Op::Utimens { path, atime, mtime }
             }
             OpKind::SetXattr => {
-                let path = self.meta_path()?;
-                let name = self.rng.pick(XATTR_NAMES).to_vec();
+                // A third of the time a name the inode has (replace, or EEXIST with CREATE).
+                let dirs = self.rng.chance(1, 4);
+                let with = self.pick(dirs, |_, n| !n.xattrs.is_empty());
+                let (path, name) = match with {
+                    Some(i) if self.rng.chance(1, 3) => {
+                        let names: Vec<&Vec<u8>> = self.m.node(i).xattrs.keys().collect();
+                        let name = (*self.rng.pick(&names)).clone();
+                        (self.path(i), name)
+                    }
+                    _ => (self.meta_path()?, self.rng.pick(XATTR_NAMES).to_vec()),
+                };
                 let r = &mut *self.rng;
                 let value = match r.below(20) {
                     0 => Vec::new(),
@@ -2230,15 +2246,20 @@ impl Gen<'_> {
             });
         }
         let from_dir = self.rng.chance(1, 4);
+        let focus = self.focus();
+        let movable = |i: u64, _: &Inode| i != ROOT && Some(i) != focus;
         let src = self
-            .pick(from_dir, |i, _| i != ROOT)
-            .or_else(|| self.pick(!from_dir, |i, _| i != ROOT))?;
+            .pick(from_dir, movable)
+            .or_else(|| self.pick(!from_dir, movable))?;
         let from = self.path(src);
         let src_is_dir = self.m.node(src).is_dir();
         // Where it goes: (directory, name).
         let (dir, name) = match self.rng.below(10) {
             0..=3 => (self.dir(), self.new_name()),
-            4..=6 => match self.existing_any() {
+            4..=6 => match self
+                .existing_any()
+                .filter(|p| focus.is_none() || self.m.resolve(p).ok() != focus)
+            {
                 Some(p) => {
                     let i = self.m.resolve(&p).ok()?;
                     let l = &self.m.node(i).links;
