@@ -1537,7 +1537,6 @@ impl Model {
             root: PathBuf::from("<model>"),
             ..Manifest::default()
         };
-        let mut groups: HashMap<u64, Vec<PathBuf>> = HashMap::new();
         let mut stack = vec![(ROOT, PathBuf::new())];
         while let Some((ino, path)) = stack.pop() {
             let n = self.node(ino);
@@ -1547,22 +1546,12 @@ impl Model {
                 if c.is_dir() {
                     stack.push((child, cp));
                 } else {
-                    if c.links.len() > 1 {
-                        groups.entry(child).or_default().push(cp.clone());
-                    }
                     m.entries.insert(cp, self.entry(child, c));
                 }
             }
             m.entries.insert(path, self.entry(ino, n));
         }
-        for paths in groups.into_values() {
-            let leader = paths.iter().min().cloned();
-            for p in paths {
-                if let Some(e) = m.entries.get_mut(&p) {
-                    e.link_group = leader.clone();
-                }
-            }
-        }
+        link_groups(&mut m);
         m
     }
 
@@ -1584,6 +1573,28 @@ impl Model {
 
 // ---------------------------------------------------------------------------------------------
 // Comparison
+
+/// Sets `link_group` of every non-directory entry whose (`dev`, `ino`) appears under more than
+/// one path to the smallest of those paths, and clears it elsewhere, as
+/// [`take`] does. For a target that builds its [`Manifest`] itself (e.g. through a library's
+/// readdir and stat): fill in `dev` and `ino`, then call this.
+pub fn link_groups(m: &mut Manifest) {
+    let mut groups: HashMap<(u64, u64), Vec<PathBuf>> = HashMap::new();
+    for (p, e) in m.entries.iter_mut() {
+        e.link_group = None;
+        if e.kind != Kind::Dir {
+            groups.entry((e.dev, e.ino)).or_default().push(p.clone());
+        }
+    }
+    for paths in groups.into_values().filter(|g| g.len() > 1) {
+        let leader = paths.iter().min().cloned();
+        for p in paths {
+            if let Some(e) = m.entries.get_mut(&p) {
+                e.link_group = leader.clone();
+            }
+        }
+    }
+}
 
 /// What [`compare`] hands to [`diff`] for a target of `flavor` (times are compared separately).
 pub fn compare_opts(flavor: Flavor) -> CompareOpts {
@@ -1665,6 +1676,9 @@ pub struct Profile {
     pub focus_percent: u64,
     /// Deepest directory level ops create or move things to (keeps paths below PATH_MAX).
     pub max_depth: usize,
+    /// Percent of links made to the non-directory that already has the most names (so one
+    /// inode collects hundreds of names, and btrfs needs INODE_EXTREF items).
+    pub link_hub_percent: u64,
 }
 
 impl Profile {
@@ -1698,6 +1712,7 @@ impl Profile {
             focus_dir: None,
             focus_percent: 0,
             max_depth: 8,
+            link_hub_percent: 0,
         }
     }
 
@@ -1723,6 +1738,31 @@ impl Profile {
             focus_dir: Some(dir.to_path_buf()),
             focus_percent: 95,
             invalid_percent: 3,
+            ..Profile::mixed()
+        }
+    }
+
+    /// Hard links with long names (150–255 bytes), 90% of them in `dir` and most of them to one
+    /// hub inode, with unlinks and renames among them.
+    pub fn hardlinks(dir: &Path) -> Profile {
+        use OpKind::*;
+        Profile {
+            weights: vec![
+                (Create, 5),
+                (Link, 60),
+                (Unlink, 10),
+                (Rename, 10),
+                (Write, 4),
+                (Chown, 2),
+                (Utimens, 3),
+                (SetXattr, 3),
+            ],
+            name_pool: 0,
+            fresh_name_len: (150, NAME_MAX),
+            focus_dir: Some(dir.to_path_buf()),
+            focus_percent: 90,
+            invalid_percent: 3,
+            link_hub_percent: 80,
             ..Profile::mixed()
         }
     }
@@ -2011,20 +2051,27 @@ impl Gen<'_> {
                 }
             }
             OpKind::Link => {
-                let from = if self.bad() {
-                    if self.rng.chance(1, 2) {
-                        let i = self.pick(true, |_, _| true).unwrap_or(ROOT);
-                        if i == ROOT {
-                            self.missing()
+                let from =
+                    if self.bad() {
+                        if self.rng.chance(1, 2) {
+                            let i = self.pick(true, |_, _| true).unwrap_or(ROOT);
+                            if i == ROOT {
+                                self.missing()
+                            } else {
+                                self.path(i)
+                            }
                         } else {
-                            self.path(i)
+                            self.missing()
                         }
+                    } else if self.rng.chance(self.p.link_hub_percent, 100) {
+                        let hub =
+                            self.m.others.v.iter().copied().max_by_key(|i| {
+                                (self.m.node(*i).links.len(), std::cmp::Reverse(*i))
+                            })?;
+                        self.path(hub)
                     } else {
-                        self.missing()
-                    }
-                } else {
-                    self.existing_nondir(None)?
-                };
+                        self.existing_nondir(None)?
+                    };
                 Op::Link {
                     from,
                     to: self.new_path(true),
