@@ -280,6 +280,27 @@ pub enum OpKind {
 }
 
 impl Op {
+    /// The paths the op names (one, or two for link and rename).
+    pub fn paths(&self) -> Vec<&Path> {
+        match self {
+            Op::Link { from, to } | Op::Rename { from, to, .. } => vec![from, to],
+            Op::Create { path, .. }
+            | Op::Mkdir { path, .. }
+            | Op::Mknod { path, .. }
+            | Op::Symlink { path, .. }
+            | Op::Unlink { path }
+            | Op::Rmdir { path }
+            | Op::Write { path, .. }
+            | Op::Truncate { path, .. }
+            | Op::Fallocate { path, .. }
+            | Op::Chmod { path, .. }
+            | Op::Chown { path, .. }
+            | Op::Utimens { path, .. }
+            | Op::SetXattr { path, .. }
+            | Op::RemoveXattr { path, .. } => vec![path],
+        }
+    }
+
     pub fn kind(&self) -> OpKind {
         match self {
             Op::Create { .. } => OpKind::Create,
@@ -1679,6 +1700,9 @@ pub struct Profile {
     /// Percent of links made to the non-directory that already has the most names (so one
     /// inode collects hundreds of names, and btrfs needs INODE_EXTREF items).
     pub link_hub_percent: u64,
+    /// While the model has more inodes than this, ops that add a name remove one instead
+    /// (create, mknod, symlink and link become unlink; mkdir becomes rmdir).
+    pub max_inodes: usize,
 }
 
 impl Profile {
@@ -1713,6 +1737,7 @@ impl Profile {
             focus_percent: 0,
             max_depth: 8,
             link_hub_percent: 0,
+            max_inodes: 5000,
         }
     }
 
@@ -1783,6 +1808,9 @@ const MODES: &[u32] = &[
 
 const IDS: &[u32] = &[0, 1, 100, 1000, 65534, 65536, 2_147_483_653, 3_000_000_000];
 
+/// Longest relative path [`generate`] produces, in bytes.
+pub const MAX_PATH: usize = 3000;
+
 /// One op for the current state of `model`.
 pub fn generate(rng: &mut Rng, model: &Model, p: &Profile) -> Op {
     let total: u64 = p.weights.iter().map(|w| w.1 as u64).sum();
@@ -1797,8 +1825,18 @@ pub fn generate(rng: &mut Rng, model: &Model, p: &Profile) -> Op {
             }
             x -= *w as u64;
         }
+        if model.inode_count() > p.max_inodes {
+            kind = match kind {
+                OpKind::Create | OpKind::Mknod | OpKind::Symlink | OpKind::Link => OpKind::Unlink,
+                OpKind::Mkdir => OpKind::Rmdir,
+                k => k,
+            };
+        }
         if let Some(op) = (Gen { rng, m: model, p }).op(kind) {
-            return op;
+            // Far below PATH_MAX, whatever directory the target prefixes.
+            if op.paths().iter().all(|x| x.as_os_str().len() < MAX_PATH) {
+                return op;
+            }
         }
     }
 }
@@ -2008,7 +2046,7 @@ impl Gen<'_> {
             },
             OpKind::Mkdir => Op::Mkdir {
                 path: self.new_path(true),
-                mode: self.mode() | 0o700,
+                mode: self.mode(),
             },
             OpKind::Mknod => {
                 let kind = *self.rng.pick(&[
