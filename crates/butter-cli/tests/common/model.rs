@@ -52,8 +52,9 @@
 //!   or remove of a missing name: ENODATA.
 //!
 //! Not predicted, so never generated: ENOSPC (the data kept is bounded by
-//! [`Profile::max_data_bytes`]), EMLINK, paths longer than PATH_MAX (directory depth is bounded
-//! by [`Profile::max_depth`]), permission errors (we are root), data ops on special files.
+//! [`Profile::max_data_bytes`], the inodes by [`Profile::max_inodes`]), EMLINK, paths near
+//! PATH_MAX (relative paths stay below [`MAX_PATH`] bytes, directory depth below
+//! [`Profile::max_depth`]), permission errors (we are root), data ops on special files.
 //!
 //! # What [`compare`] compares
 //!
@@ -66,6 +67,17 @@
 //! fallocate of a file; an entry added, removed or renamed in a directory; a directory moved).
 //! The target must not change atime by itself: mount with `noatime`. Not compared: ctime,
 //! birth time, inode numbers, st_blocks.
+//!
+//! # Writing a target (e.g. butter through its library API)
+//!
+//! - `apply`: map each [`Op`] to the library call on the path (the empty path is the root; a
+//!   [`Op::Write`] writes [`write_data`]`(seed, len)`), and return the errno of a failure. A
+//!   failed op must change nothing; the runner stops at the first result that differs.
+//! - `checkpoint`: commit, then show the tree as a [`Manifest`]: either release the image and
+//!   [`take`] a read-only kernel mount of it (`kernel::LoopMount::btrfs_ro`), or build the
+//!   entries through the library (kind, mode, uid, gid, size, nlink, rdev, xattrs, symlink
+//!   target, SHA-256 of the content, sorted entry names, atime, mtime; `dev`/`ino` to identify
+//!   inodes) and call [`link_groups`]. Fields [`compare`] ignores may stay zero.
 
 use super::gen::Rng;
 use super::manifest::{diff, show, take, CompareOpts, Entry, Kind, Manifest, TakeOpts, Ts};
@@ -951,11 +963,16 @@ impl Model {
         n.is_dir().then(|| n.entries.len())
     }
 
-    /// "N inodes (F files, D dirs, ...), B bytes of data".
+    /// "N inodes (F files, D dirs, ...), B bytes of data, T with known times".
     pub fn summary(&self) -> String {
         let count = |k: Kind| self.inodes.values().filter(|i| i.kind == k).count();
+        let timed = self
+            .inodes
+            .values()
+            .filter(|i| i.atime.is_some() || i.mtime.is_some())
+            .count();
         format!(
-            "{} inodes ({} files, {} dirs, {} symlinks, {} special), {} bytes of data",
+            "{} inodes ({} files, {} dirs, {} symlinks, {} special), {} bytes of data, {timed} with known times",
             self.inodes.len(),
             count(Kind::File),
             count(Kind::Dir),
