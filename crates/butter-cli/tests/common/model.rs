@@ -960,7 +960,7 @@ impl Model {
     pub fn dir_len(&self, path: &Path) -> Option<usize> {
         let i = self.resolve(path).ok()?;
         let n = &self.inodes[&i];
-        n.is_dir().then(|| n.entries.len())
+        n.is_dir().then_some(n.entries.len())
     }
 
     /// "N inodes (F files, D dirs, ...), B bytes of data, T with known times".
