@@ -55,9 +55,8 @@ fn rounds() -> u64 {
 }
 
 /// The level of the fs tree's root node, from `btrfs inspect-internal dump-tree -t fs`.
-fn fs_tree_level(img: &Path) -> u32 {
-    let out = dump_tree(img, &["-t", "fs"]);
-    out.lines()
+fn fs_tree_level(dump: &str) -> u32 {
+    dump.lines()
         .find_map(|l| {
             let w: Vec<&str> = l.split_whitespace().collect();
             match w.as_slice() {
@@ -65,7 +64,7 @@ fn fs_tree_level(img: &Path) -> u32 {
                 _ => None,
             }
         })
-        .unwrap_or_else(|| panic!("no root node in dump-tree -t fs:\n{out}"))
+        .unwrap_or_else(|| panic!("no root node in dump-tree -t fs:\n{dump}"))
 }
 
 /// Panics unless every (op kind, result) in `want` was seen: the generator must keep covering
@@ -101,8 +100,8 @@ fn kernel_btrfs_matches_model() {
 
     let mixed = Profile::mixed();
     for round in 1..=rounds() {
-        for _ in 0..2 {
-            r.run(&mixed, 1000);
+        for _ in 0..4 {
+            r.run(&mixed, 500);
             let label = format!("round {round}, {} ops", r.ops());
             r.checkpoint(&label);
         }
@@ -123,7 +122,14 @@ fn kernel_btrfs_matches_model() {
     })
     .expect("mkdir big");
     let grow = Profile::big_dir(big);
+    let start = r.ops();
     while r.model.dir_len(big).unwrap_or(0) < 3000 {
+        assert!(
+            r.ops() - start < 20_000,
+            "seed {:#x}: `big` does not grow: {:?} entries",
+            r.seed(),
+            r.model.dir_len(big)
+        );
         r.step(&grow).ok();
     }
     r.checkpoint("big directory");
@@ -136,16 +142,37 @@ fn kernel_btrfs_matches_model() {
     r.run(&mixed, 1000);
     r.checkpoint("mixed ops after the big directory");
 
+    // One inode with hundreds of long names in one directory: more than an INODE_REF item
+    // holds, so btrfs adds INODE_EXTREF items.
+    let links = Path::new("links");
+    r.apply(&Op::Mkdir {
+        path: links.into(),
+        mode: 0o755,
+    })
+    .expect("mkdir links");
+    r.apply(&Op::Create {
+        path: links.join("hub"),
+        mode: 0o644,
+    })
+    .expect("create links/hub");
+    r.run(&Profile::hardlinks(links), 1000);
+    r.checkpoint("hard links");
+    r.run(&mixed, 500);
+    r.checkpoint("mixed ops after the hard links");
+
     mount.unmount();
     assert_btrfs_check(&img);
-    let level = fs_tree_level(&img);
+    let dump = dump_tree(&img, &["-t", "fs"]);
+    let level = fs_tree_level(&dump);
     assert!(level >= 2, "fs tree root is level {level}, expected >= 2");
+    let extrefs = dump.matches("INODE_EXTREF").count();
+    assert!(extrefs > 0, "no INODE_EXTREF items in the fs tree");
     let mount = LoopMount::btrfs(&img, &mnt, "noatime");
     r.checkpoint("after unmount, btrfs check and mount");
     mount.unmount();
 
     eprintln!(
-        "kernel btrfs: {} ops, fs tree level {level}, {:.1} s in all\n{}",
+        "kernel btrfs: {} ops, fs tree level {level}, {extrefs} INODE_EXTREF items, {:.1} s in all\n{}",
         r.ops(),
         t0.elapsed().as_secs_f64(),
         r.stats()

@@ -45,14 +45,16 @@
 //!   it ([`Flavor::zero_range`], tmpfs) EOPNOTSUPP.
 //! - chmod (`fchmodat(AT_SYMLINK_NOFOLLOW)`): EOPNOTSUPP on a symlink. chown (`lchown`, `None` =
 //!   -1, unchanged): on a non-directory it clears setuid, and setgid when group-execute is set
-//!   (even for root). utimens (`utimensat(AT_SYMLINK_NOFOLLOW)`, `None` = UTIME_OMIT).
+//!   (even for root). utimens (`utimensat(AT_SYMLINK_NOFOLLOW)`, `None` = UTIME_OMIT): with both
+//!   times omitted it succeeds without looking the path up, even a missing one.
 //! - setxattr / removexattr (`lsetxattr`, `lremovexattr`): `user.*` names on anything but a
 //!   regular file or directory: EPERM; XATTR_CREATE on an existing name: EEXIST; XATTR_REPLACE
 //!   or remove of a missing name: ENODATA.
 //!
 //! Not predicted, so never generated: ENOSPC (the data kept is bounded by
-//! [`Profile::max_data_bytes`]), EMLINK, paths longer than PATH_MAX (directory depth is bounded
-//! by [`Profile::max_depth`]), permission errors (we are root), data ops on special files.
+//! [`Profile::max_data_bytes`], the inodes by [`Profile::max_inodes`]), EMLINK, paths near
+//! PATH_MAX (relative paths stay below [`MAX_PATH`] bytes, directory depth below
+//! [`Profile::max_depth`]), permission errors (we are root), data ops on special files.
 //!
 //! # What [`compare`] compares
 //!
@@ -65,6 +67,17 @@
 //! fallocate of a file; an entry added, removed or renamed in a directory; a directory moved).
 //! The target must not change atime by itself: mount with `noatime`. Not compared: ctime,
 //! birth time, inode numbers, st_blocks.
+//!
+//! # Writing a target (e.g. butter through its library API)
+//!
+//! - `apply`: map each [`Op`] to the library call on the path (the empty path is the root; a
+//!   [`Op::Write`] writes [`write_data`]`(seed, len)`), and return the errno of a failure. A
+//!   failed op must change nothing; the runner stops at the first result that differs.
+//! - `checkpoint`: commit, then show the tree as a [`Manifest`]: either release the image and
+//!   [`take`] a read-only kernel mount of it (`kernel::LoopMount::btrfs_ro`), or build the
+//!   entries through the library (kind, mode, uid, gid, size, nlink, rdev, xattrs, symlink
+//!   target, SHA-256 of the content, sorted entry names, atime, mtime; `dev`/`ino` to identify
+//!   inodes) and call [`link_groups`]. Fields [`compare`] ignores may stay zero.
 
 use super::gen::Rng;
 use super::manifest::{diff, show, take, CompareOpts, Entry, Kind, Manifest, TakeOpts, Ts};
@@ -279,6 +292,27 @@ pub enum OpKind {
 }
 
 impl Op {
+    /// The paths the op names (one, or two for link and rename).
+    pub fn paths(&self) -> Vec<&Path> {
+        match self {
+            Op::Link { from, to } | Op::Rename { from, to, .. } => vec![from, to],
+            Op::Create { path, .. }
+            | Op::Mkdir { path, .. }
+            | Op::Mknod { path, .. }
+            | Op::Symlink { path, .. }
+            | Op::Unlink { path }
+            | Op::Rmdir { path }
+            | Op::Write { path, .. }
+            | Op::Truncate { path, .. }
+            | Op::Fallocate { path, .. }
+            | Op::Chmod { path, .. }
+            | Op::Chown { path, .. }
+            | Op::Utimens { path, .. }
+            | Op::SetXattr { path, .. }
+            | Op::RemoveXattr { path, .. } => vec![path],
+        }
+    }
+
     pub fn kind(&self) -> OpKind {
         match self {
             Op::Create { .. } => OpKind::Create,
@@ -926,14 +960,19 @@ impl Model {
     pub fn dir_len(&self, path: &Path) -> Option<usize> {
         let i = self.resolve(path).ok()?;
         let n = &self.inodes[&i];
-        n.is_dir().then(|| n.entries.len())
+        n.is_dir().then_some(n.entries.len())
     }
 
-    /// "N inodes (F files, D dirs, ...), B bytes of data".
+    /// "N inodes (F files, D dirs, ...), B bytes of data, T with known times".
     pub fn summary(&self) -> String {
         let count = |k: Kind| self.inodes.values().filter(|i| i.kind == k).count();
+        let timed = self
+            .inodes
+            .values()
+            .filter(|i| i.atime.is_some() || i.mtime.is_some())
+            .count();
         format!(
-            "{} inodes ({} files, {} dirs, {} symlinks, {} special), {} bytes of data",
+            "{} inodes ({} files, {} dirs, {} symlinks, {} special), {} bytes of data, {timed} with known times",
             self.inodes.len(),
             count(Kind::File),
             count(Kind::Dir),
@@ -1356,6 +1395,10 @@ impl Model {
                 }
             }
             Op::Utimens { path, atime, mtime } => {
+                if atime.is_none() && mtime.is_none() {
+                    // utimensat returns before it even looks the path up.
+                    return Ok(());
+                }
                 let ino = self.resolve(path)?;
                 let n = self.node_mut(ino);
                 if atime.is_some() {
@@ -1532,7 +1575,6 @@ impl Model {
             root: PathBuf::from("<model>"),
             ..Manifest::default()
         };
-        let mut groups: HashMap<u64, Vec<PathBuf>> = HashMap::new();
         let mut stack = vec![(ROOT, PathBuf::new())];
         while let Some((ino, path)) = stack.pop() {
             let n = self.node(ino);
@@ -1542,22 +1584,12 @@ impl Model {
                 if c.is_dir() {
                     stack.push((child, cp));
                 } else {
-                    if c.links.len() > 1 {
-                        groups.entry(child).or_default().push(cp.clone());
-                    }
                     m.entries.insert(cp, self.entry(child, c));
                 }
             }
             m.entries.insert(path, self.entry(ino, n));
         }
-        for paths in groups.into_values() {
-            let leader = paths.iter().min().cloned();
-            for p in paths {
-                if let Some(e) = m.entries.get_mut(&p) {
-                    e.link_group = leader.clone();
-                }
-            }
-        }
+        link_groups(&mut m);
         m
     }
 
@@ -1579,6 +1611,28 @@ impl Model {
 
 // ---------------------------------------------------------------------------------------------
 // Comparison
+
+/// Sets `link_group` of every non-directory entry whose (`dev`, `ino`) appears under more than
+/// one path to the smallest of those paths, and clears it elsewhere, as
+/// [`take`] does. For a target that builds its [`Manifest`] itself (e.g. through a library's
+/// readdir and stat): fill in `dev` and `ino`, then call this.
+pub fn link_groups(m: &mut Manifest) {
+    let mut groups: HashMap<(u64, u64), Vec<PathBuf>> = HashMap::new();
+    for (p, e) in m.entries.iter_mut() {
+        e.link_group = None;
+        if e.kind != Kind::Dir {
+            groups.entry((e.dev, e.ino)).or_default().push(p.clone());
+        }
+    }
+    for paths in groups.into_values().filter(|g| g.len() > 1) {
+        let leader = paths.iter().min().cloned();
+        for p in paths {
+            if let Some(e) = m.entries.get_mut(&p) {
+                e.link_group = leader.clone();
+            }
+        }
+    }
+}
 
 /// What [`compare`] hands to [`diff`] for a target of `flavor` (times are compared separately).
 pub fn compare_opts(flavor: Flavor) -> CompareOpts {
@@ -1660,6 +1714,12 @@ pub struct Profile {
     pub focus_percent: u64,
     /// Deepest directory level ops create or move things to (keeps paths below PATH_MAX).
     pub max_depth: usize,
+    /// Percent of links made to the non-directory that already has the most names (so one
+    /// inode collects hundreds of names, and btrfs needs INODE_EXTREF items).
+    pub link_hub_percent: u64,
+    /// While the model has more inodes than this, ops that add a name remove one instead
+    /// (create, mknod, symlink and link become unlink; mkdir becomes rmdir).
+    pub max_inodes: usize,
 }
 
 impl Profile {
@@ -1693,6 +1753,8 @@ impl Profile {
             focus_dir: None,
             focus_percent: 0,
             max_depth: 8,
+            link_hub_percent: 0,
+            max_inodes: 5000,
         }
     }
 
@@ -1721,6 +1783,31 @@ impl Profile {
             ..Profile::mixed()
         }
     }
+
+    /// Hard links with long names (150–255 bytes), 90% of them in `dir` and most of them to one
+    /// hub inode, with unlinks and renames among them.
+    pub fn hardlinks(dir: &Path) -> Profile {
+        use OpKind::*;
+        Profile {
+            weights: vec![
+                (Create, 5),
+                (Link, 60),
+                (Unlink, 10),
+                (Rename, 10),
+                (Write, 4),
+                (Chown, 2),
+                (Utimens, 3),
+                (SetXattr, 3),
+            ],
+            name_pool: 0,
+            fresh_name_len: (150, NAME_MAX),
+            focus_dir: Some(dir.to_path_buf()),
+            focus_percent: 90,
+            invalid_percent: 3,
+            link_hub_percent: 80,
+            ..Profile::mixed()
+        }
+    }
 }
 
 const XATTR_NAMES: &[&[u8]] = &[
@@ -1738,6 +1825,9 @@ const MODES: &[u32] = &[
 
 const IDS: &[u32] = &[0, 1, 100, 1000, 65534, 65536, 2_147_483_653, 3_000_000_000];
 
+/// Longest relative path [`generate`] produces, in bytes.
+pub const MAX_PATH: usize = 3000;
+
 /// One op for the current state of `model`.
 pub fn generate(rng: &mut Rng, model: &Model, p: &Profile) -> Op {
     let total: u64 = p.weights.iter().map(|w| w.1 as u64).sum();
@@ -1752,8 +1842,18 @@ pub fn generate(rng: &mut Rng, model: &Model, p: &Profile) -> Op {
             }
             x -= *w as u64;
         }
+        if model.inode_count() > p.max_inodes {
+            kind = match kind {
+                OpKind::Create | OpKind::Mknod | OpKind::Symlink | OpKind::Link => OpKind::Unlink,
+                OpKind::Mkdir => OpKind::Rmdir,
+                k => k,
+            };
+        }
         if let Some(op) = (Gen { rng, m: model, p }).op(kind) {
-            return op;
+            // Far below PATH_MAX, whatever directory the target prefixes.
+            if op.paths().iter().all(|x| x.as_os_str().len() < MAX_PATH) {
+                return op;
+            }
         }
     }
 }
@@ -1788,15 +1888,17 @@ impl Gen<'_> {
         r.name_between(lo, hi).into_bytes()
     }
 
+    /// The focus directory's inode, if it exists. Renames leave it alone, so it stays put.
+    fn focus(&self) -> Option<u64> {
+        let i = self.m.resolve(self.p.focus_dir.as_deref()?).ok()?;
+        self.m.node(i).is_dir().then_some(i)
+    }
+
     /// A directory to put a new name in.
     fn dir(&mut self) -> u64 {
-        if let Some(f) = &self.p.focus_dir {
+        if let Some(f) = self.focus() {
             if self.rng.chance(self.p.focus_percent, 100) {
-                if let Ok(i) = self.m.resolve(f) {
-                    if self.m.node(i).is_dir() {
-                        return i;
-                    }
-                }
+                return f;
             }
         }
         let d = self.m.dirs.pick(self.rng).unwrap_or(ROOT);
@@ -1961,7 +2063,7 @@ impl Gen<'_> {
             },
             OpKind::Mkdir => Op::Mkdir {
                 path: self.new_path(true),
-                mode: self.mode() | 0o700,
+                mode: self.mode(),
             },
             OpKind::Mknod => {
                 let kind = *self.rng.pick(&[
@@ -2004,20 +2106,27 @@ impl Gen<'_> {
                 }
             }
             OpKind::Link => {
-                let from = if self.bad() {
-                    if self.rng.chance(1, 2) {
-                        let i = self.pick(true, |_, _| true).unwrap_or(ROOT);
-                        if i == ROOT {
-                            self.missing()
+                let from =
+                    if self.bad() {
+                        if self.rng.chance(1, 2) {
+                            let i = self.pick(true, |_, _| true).unwrap_or(ROOT);
+                            if i == ROOT {
+                                self.missing()
+                            } else {
+                                self.path(i)
+                            }
                         } else {
-                            self.path(i)
+                            self.missing()
                         }
+                    } else if self.rng.chance(self.p.link_hub_percent, 100) {
+                        let hub =
+                            self.m.others.v.iter().copied().max_by_key(|i| {
+                                (self.m.node(*i).links.len(), std::cmp::Reverse(*i))
+                            })?;
+                        self.path(hub)
                     } else {
-                        self.missing()
-                    }
-                } else {
-                    self.existing_nondir(None)?
-                };
+                        self.existing_nondir(None)?
+                    };
                 Op::Link {
                     from,
                     to: self.new_path(true),
@@ -2167,8 +2276,17 @@ impl Gen<'_> {
                 Op::Utimens { path, atime, mtime }
             }
             OpKind::SetXattr => {
-                let path = self.meta_path()?;
-                let name = self.rng.pick(XATTR_NAMES).to_vec();
+                // A third of the time a name the inode has (replace, or EEXIST with CREATE).
+                let dirs = self.rng.chance(1, 4);
+                let with = self.pick(dirs, |_, n| !n.xattrs.is_empty());
+                let (path, name) = match with {
+                    Some(i) if self.rng.chance(1, 3) => {
+                        let names: Vec<&Vec<u8>> = self.m.node(i).xattrs.keys().collect();
+                        let name = (*self.rng.pick(&names)).clone();
+                        (self.path(i), name)
+                    }
+                    _ => (self.meta_path()?, self.rng.pick(XATTR_NAMES).to_vec()),
+                };
                 let r = &mut *self.rng;
                 let value = match r.below(20) {
                     0 => Vec::new(),
@@ -2230,15 +2348,20 @@ impl Gen<'_> {
             });
         }
         let from_dir = self.rng.chance(1, 4);
+        let focus = self.focus();
+        let movable = |i: u64, _: &Inode| i != ROOT && Some(i) != focus;
         let src = self
-            .pick(from_dir, |i, _| i != ROOT)
-            .or_else(|| self.pick(!from_dir, |i, _| i != ROOT))?;
+            .pick(from_dir, movable)
+            .or_else(|| self.pick(!from_dir, movable))?;
         let from = self.path(src);
         let src_is_dir = self.m.node(src).is_dir();
         // Where it goes: (directory, name).
         let (dir, name) = match self.rng.below(10) {
             0..=3 => (self.dir(), self.new_name()),
-            4..=6 => match self.existing_any() {
+            4..=6 => match self
+                .existing_any()
+                .filter(|p| focus.is_none() || self.m.resolve(p).ok() != focus)
+            {
                 Some(p) => {
                     let i = self.m.resolve(&p).ok()?;
                     let l = &self.m.node(i).links;
