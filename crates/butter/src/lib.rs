@@ -15,5 +15,6 @@ pub mod ctree_ops;
 pub mod device;
 pub mod disk_io;
 pub mod extent_io;
+pub mod free_space_tree;
 pub mod fs;
 pub mod volumes;
