@@ -159,11 +159,7 @@ pub fn thresholds(bg_len: u64, sectorsize: u32) -> (u32, u32) {
     let header = ITEM_SIZE as u64;
     let high = bitmaps.saturating_mul(header + BITMAP_BYTES) / header;
     let high = u32::try_from(high).unwrap_or(u32::MAX);
-    let low = if high > THRESHOLD_GAP {
-        high - THRESHOLD_GAP
-    } else {
-        0
-    };
+    let low = high.saturating_sub(THRESHOLD_GAP);
     (high, low)
 }
 
@@ -279,7 +275,7 @@ pub fn decode_items(
     let Some(bg_end) = bg_start.checked_add(bg_len) else {
         return bad(None, format!("block group length {bg_len} overflows"));
     };
-    if bg_start % ss != 0 || bg_len % ss != 0 {
+    if !bg_start.is_multiple_of(ss) || !bg_len.is_multiple_of(ss) {
         return bad(
             None,
             format!("block group {bg_start} length {bg_len} is not sector aligned"),
@@ -333,17 +329,18 @@ pub fn decode_items(
             _ => {}
         }
         let (s, l) = (k.objectid, k.offset);
-        let e =
-            match s.checked_add(l) {
-                Some(e) if l > 0 && s >= bg_start && e <= bg_end => e,
-                _ => return bad(
+        let e = match s.checked_add(l) {
+            Some(e) if l > 0 && s >= bg_start && e <= bg_end => e,
+            _ => {
+                return bad(
                     Some(k),
                     format!(
                         "range {s}+{l} is empty or not inside the block group {bg_start}+{bg_len}"
                     ),
-                ),
-            };
-        if s % ss != 0 || l % ss != 0 {
+                )
+            }
+        };
+        if !s.is_multiple_of(ss) || !l.is_multiple_of(ss) {
             return bad(
                 Some(k),
                 format!("range {s}+{l} is not aligned to the sector size {ss}"),
@@ -383,7 +380,7 @@ pub fn decode_items(
                 );
             }
             let nbits = l / ss;
-            if nbits % 8 != 0 {
+            if !nbits.is_multiple_of(8) {
                 if let Some(last) = body.last() {
                     if last >> (nbits % 8) != 0 {
                         return bad(
@@ -432,7 +429,7 @@ fn bitmap_runs(
     while bit < nbits {
         let byte = body.get((bit / 8) as usize).copied().unwrap_or(0);
         // Whole bytes of one value at a byte boundary go at once.
-        if bit % 8 == 0 && nbits - bit >= 8 && (byte == 0 || byte == 0xff) {
+        if bit.is_multiple_of(8) && nbits - bit >= 8 && (byte == 0 || byte == 0xff) {
             let addr = start + bit * ss;
             if byte == 0xff {
                 match run {
