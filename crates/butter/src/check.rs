@@ -9,8 +9,16 @@
 //!    a reachable block.
 //! 3. data extents: every file extent points at an extent item that covers it; data back
 //!    references (per root/inode/offset or per shared leaf) count the file extent items found.
-//! 4. block groups: `used` equals the bytes of the extents inside the group.
-//! 5. fs trees: nlink, directory entry pairs, directory sizes, nbytes, dangling references.
+//! 4. block groups: `used` equals the bytes of the extents inside the group; block groups match
+//!    chunks; every chunk stripe has its DEV_EXTENT (right chunk and stripe length, no overlaps,
+//!    device bytes_used = their sum); with the FREE_SPACE_TREE feature, each group's free space
+//!    tree items decode (`free_space_tree`) to exactly the space its extent items leave free, with
+//!    the right extent count and flags, and no item lies outside every group (whole stale groups
+//!    left by mkfs.btrfs are warnings).
+//! 5. fs trees: nlink, directory entry pairs, directory sizes, nbytes, dangling references;
+//!    file extent items of an inode do not overlap and, without NO_HOLES, cover [0, isize) as
+//!    `btrfs check` requires; ROOT_REF/ROOT_BACKREF pairs agree with each other and with the
+//!    parent's directory entry, and every live subvolume has a ROOT_BACKREF.
 //! 6. data checksums: every sector of a checksummed regular extent has a csum.
 //!
 //! Nothing here writes. A block or item that cannot be decoded becomes a finding, not a panic.
@@ -1546,13 +1554,26 @@ impl Checker<'_> {
     /// each ROOT_REF has its directory entry in the parent tree and each subvolume entry its
     /// ROOT_REF; a live subvolume has a ROOT_BACKREF.
     fn check_root_refs(&mut self) {
-        let same = |a: &RootRefRec, b: &RootRefRec| {
-            a.parent == b.parent
-                && a.child == b.child
-                && a.rr.dirid == b.rr.dirid
-                && a.rr.sequence == b.rr.sequence
-                && a.rr.name == b.rr.name
+        // (parent, child, directory, index, name): what a ref, its backref and the directory
+        // entry must agree on.
+        type RefKey<'k> = (u64, u64, u64, u64, &'k [u8]);
+        let key = |r: &RootRefRec| -> (u64, u64, u64, u64, Vec<u8>) {
+            (
+                r.parent,
+                r.child,
+                r.rr.dirid,
+                r.rr.sequence,
+                r.rr.name.clone(),
+            )
         };
+        let refs: HashSet<_> = self.root_refs.iter().map(key).collect();
+        let backrefs: HashSet<_> = self.root_backrefs.iter().map(key).collect();
+        let entries: HashSet<RefKey> = self
+            .subvol_entries
+            .iter()
+            .map(|e| (e.tree, e.child, e.dir, e.index, e.name.as_slice()))
+            .collect();
+        let checked: HashSet<u64> = self.trees.iter().map(|t| t.id).collect();
         let desc = |r: &RootRefRec| {
             format!(
                 "subvolume {} in tree {} directory {} index {} name {:?}",
@@ -1564,7 +1585,7 @@ impl Checker<'_> {
             )
         };
         for r in &self.root_refs {
-            if !self.root_backrefs.iter().any(|b| same(r, b)) {
+            if !backrefs.contains(&key(r)) {
                 self.report.err(
                     FindingKind::RootRefWithoutBackref,
                     r.loc.clone(),
@@ -1572,15 +1593,8 @@ impl Checker<'_> {
                 );
             }
             // Its directory entry, when the parent tree was checked.
-            if self.trees.iter().any(|t| t.id == r.parent)
-                && !self.subvol_entries.iter().any(|e| {
-                    e.tree == r.parent
-                        && e.dir == r.rr.dirid
-                        && e.index == r.rr.sequence
-                        && e.name == r.rr.name
-                        && e.child == r.child
-                })
-            {
+            let e: RefKey = (r.parent, r.child, r.rr.dirid, r.rr.sequence, &r.rr.name);
+            if checked.contains(&r.parent) && !entries.contains(&e) {
                 self.report.err(
                     FindingKind::SubvolEntryMismatch,
                     r.loc.clone(),
@@ -1592,7 +1606,7 @@ impl Checker<'_> {
             }
         }
         for b in &self.root_backrefs {
-            if !self.root_refs.iter().any(|r| same(r, b)) {
+            if !refs.contains(&key(b)) {
                 self.report.err(
                     FindingKind::RootBackrefWithoutRef,
                     b.loc.clone(),
@@ -1601,13 +1615,7 @@ impl Checker<'_> {
             }
         }
         for e in &self.subvol_entries {
-            if !self.root_refs.iter().any(|r| {
-                r.parent == e.tree
-                    && r.child == e.child
-                    && r.rr.dirid == e.dir
-                    && r.rr.sequence == e.index
-                    && r.rr.name == e.name
-            }) {
+            if !refs.contains(&(e.tree, e.child, e.dir, e.index, e.name.clone())) {
                 self.report.err(
                     FindingKind::SubvolEntryMismatch,
                     e.loc.clone(),
@@ -1622,6 +1630,7 @@ impl Checker<'_> {
                 );
             }
         }
+        let with_backref: HashSet<u64> = self.root_backrefs.iter().map(|b| b.child).collect();
         for (id, (ri, rloc)) in &self.root_items {
             if !(FIRST_FREE_OBJECTID..=LAST_FREE_OBJECTID).contains(id)
                 || ri.refs == 0
@@ -1630,7 +1639,7 @@ impl Checker<'_> {
             {
                 continue;
             }
-            if !self.root_backrefs.iter().any(|b| b.child == *id) {
+            if !with_backref.contains(id) {
                 self.report.err(
                     FindingKind::SubvolUnreferenced,
                     rloc.clone(),
