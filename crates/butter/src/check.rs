@@ -9,8 +9,16 @@
 //!    a reachable block.
 //! 3. data extents: every file extent points at an extent item that covers it; data back
 //!    references (per root/inode/offset or per shared leaf) count the file extent items found.
-//! 4. block groups: `used` equals the bytes of the extents inside the group.
-//! 5. fs trees: nlink, directory entry pairs, directory sizes, nbytes, dangling references.
+//! 4. block groups: `used` equals the bytes of the extents inside the group; block groups match
+//!    chunks; every chunk stripe has its DEV_EXTENT (right chunk and stripe length, no overlaps,
+//!    device bytes_used = their sum); with the FREE_SPACE_TREE feature, each group's free space
+//!    tree items decode (`free_space_tree`) to exactly the space its extent items leave free, with
+//!    the right extent count and flags, and no item lies outside every group (whole stale groups
+//!    left by mkfs.btrfs are warnings).
+//! 5. fs trees: nlink, directory entry pairs, directory sizes, nbytes, dangling references;
+//!    file extent items of an inode do not overlap and, without NO_HOLES, cover [0, isize) as
+//!    `btrfs check` requires; ROOT_REF/ROOT_BACKREF pairs agree with each other and with the
+//!    parent's directory entry, and every live subvolume has a ROOT_BACKREF.
 //! 6. data checksums: every sector of a checksummed regular extent has a csum.
 //!
 //! Nothing here writes. A block or item that cannot be decoded becomes a finding, not a panic.
@@ -20,7 +28,9 @@ use crate::disk_io::{Expect, Readahead};
 use crate::error::{Error, Location, Result};
 use crate::format::hash::name_hash;
 use crate::format::items::*;
+use crate::format::superblock::DevItem;
 use crate::format::*;
+use crate::free_space_tree as fst;
 use crate::fs::Fs;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt;
@@ -89,6 +99,45 @@ pub enum FindingKind {
     FsItemBad,
     /// A checksummed data sector has no csum.
     CsumMissing,
+    /// A block group has no FREE_SPACE_INFO in the free space tree.
+    FreeSpaceInfoMissing,
+    /// A free space tree item of a block group cannot be decoded (out of range, misaligned,
+    /// overlapping, bitmap of the wrong size, ...).
+    FreeSpaceItemBad,
+    /// The free space tree's free space of a block group differs from the extent tree's.
+    FreeSpaceMismatch,
+    /// FREE_SPACE_INFO extent_count is not the number of free extents.
+    FreeSpaceCountMismatch,
+    /// FREE_SPACE_INFO flags have unknown bits or do not match the item type (extents/bitmaps).
+    FreeSpaceFlagsMismatch,
+    /// A free space tree item lies in no block group (a Warning for whole stale groups
+    /// mkfs.btrfs leaves behind).
+    FreeSpaceOutsideBlockGroup,
+    /// A chunk, device item or dev extent cannot be decoded.
+    DevItemBad,
+    /// A chunk stripe has no DEV_EXTENT.
+    DevExtentMissing,
+    /// A DEV_EXTENT names no chunk stripe at its place, or a chunk offset or length other than
+    /// the stripe's, or reaches past its device.
+    DevExtentMismatch,
+    /// Two DEV_EXTENTs of one device overlap.
+    DevExtentOverlap,
+    /// A device item's bytes_used differs from the sum of its dev extents.
+    DevBytesUsedMismatch,
+    /// A ROOT_REF has no ROOT_BACKREF with the same parent, child, directory, index and name.
+    RootRefWithoutBackref,
+    /// A ROOT_BACKREF has no matching ROOT_REF.
+    RootBackrefWithoutRef,
+    /// A ROOT_REF has no directory entry in its parent tree, or a directory entry naming a
+    /// subvolume has no ROOT_REF.
+    SubvolEntryMismatch,
+    /// A subvolume with references in its root item has no ROOT_BACKREF.
+    SubvolUnreferenced,
+    /// A file extent item starts before the previous one of its inode ends.
+    FileExtentOverlap,
+    /// Without NO_HOLES, a file's extent items (holes included) do not cover [0, isize)
+    /// (`btrfs check`: "file extent discount").
+    FileExtentGap,
 }
 
 #[derive(Debug, Clone)]
@@ -201,6 +250,31 @@ fn is_fs_tree(id: u64) -> bool {
         || id == DATA_RELOC_TREE_OBJECTID
 }
 
+/// A block group item.
+struct GroupRec {
+    start: u64,
+    len: u64,
+    loc: Location,
+}
+
+/// A ROOT_REF or ROOT_BACKREF, keyed as (parent, child).
+struct RootRefRec {
+    parent: u64,
+    child: u64,
+    rr: RootRef,
+    loc: Location,
+}
+
+/// A directory entry (DIR_INDEX) naming a subvolume.
+struct SubvolEntry {
+    tree: u64,
+    dir: u64,
+    index: u64,
+    name: Vec<u8>,
+    child: u64,
+    loc: Location,
+}
+
 struct Checker<'a> {
     fs: &'a Fs,
     report: Report,
@@ -209,6 +283,14 @@ struct Checker<'a> {
     /// (tree id, root) for every tree found.
     trees: Vec<Root>,
     extents: BTreeMap<u64, ExtentRec>,
+    /// Block groups by start (phase 4).
+    groups: Vec<GroupRec>,
+    /// ROOT_ITEMs of the root tree and where they are (phase 1).
+    root_items: BTreeMap<u64, (RootItem, Location)>,
+    root_refs: Vec<RootRefRec>,
+    root_backrefs: Vec<RootRefRec>,
+    /// Directory entries naming subvolumes (phase 5).
+    subvol_entries: Vec<SubvolEntry>,
 }
 
 /// Runs every check. `progress` receives one line per phase.
@@ -220,6 +302,11 @@ pub fn check(fs: &Fs, progress: &mut dyn FnMut(&str)) -> Result<Report> {
         file_exts: Vec::new(),
         trees: Vec::new(),
         extents: BTreeMap::new(),
+        groups: Vec::new(),
+        root_items: BTreeMap::new(),
+        root_refs: Vec::new(),
+        root_backrefs: Vec::new(),
+        subvol_entries: Vec::new(),
     };
     let n0 = c.report.findings.len();
     c.phase_trees()?;
@@ -269,6 +356,36 @@ pub fn check(fs: &Fs, progress: &mut dyn FnMut(&str)) -> Result<Report> {
     Ok(c.report)
 }
 
+/// The parts of sorted, disjoint ranges `a` not covered by sorted, disjoint ranges `b`.
+fn range_diff(a: &[(u64, u64)], b: &[(u64, u64)]) -> Vec<(u64, u64)> {
+    let mut out = Vec::new();
+    let mut j = 0;
+    for &(s, l) in a {
+        let e = s.saturating_add(l);
+        let mut cur = s;
+        while j < b.len() && b[j].0.saturating_add(b[j].1) <= cur {
+            j += 1;
+        }
+        let mut k = j;
+        while cur < e {
+            match b.get(k) {
+                Some(&(bs, bl)) if bs < e => {
+                    if bs > cur {
+                        out.push((cur, bs - cur));
+                    }
+                    cur = cur.max(bs.saturating_add(bl));
+                    k += 1;
+                }
+                _ => {
+                    out.push((cur, e - cur));
+                    cur = e;
+                }
+            }
+        }
+    }
+    out
+}
+
 /// Location naming an item.
 fn item_loc(it: &ItemRef, tree: u64) -> Location {
     let mut l = it.loc();
@@ -309,11 +426,40 @@ impl Checker<'_> {
             Ok(mut it) => loop {
                 match it.next_item() {
                     Ok(Some(item)) => {
+                        let k = item.key;
+                        if k.ty == ROOT_REF_KEY || k.ty == ROOT_BACKREF_KEY {
+                            let loc = item_loc(&item, ROOT_TREE_OBJECTID);
+                            match RootRef::parse(item.data()) {
+                                Ok(rr) if k.ty == ROOT_REF_KEY => self.root_refs.push(RootRefRec {
+                                    parent: k.objectid,
+                                    child: k.offset,
+                                    rr,
+                                    loc,
+                                }),
+                                Ok(rr) => self.root_backrefs.push(RootRefRec {
+                                    parent: k.offset,
+                                    child: k.objectid,
+                                    rr,
+                                    loc,
+                                }),
+                                Err(e) => {
+                                    self.report
+                                        .err(FindingKind::RootItemBad, loc, e.to_string())
+                                }
+                            }
+                            continue;
+                        }
                         if item.key.ty != ROOT_ITEM_KEY {
                             continue;
                         }
                         match RootItem::parse(item.data()) {
-                            Ok(ri) => roots.push((item.key.objectid, ri)),
+                            Ok(ri) => {
+                                self.root_items.insert(
+                                    item.key.objectid,
+                                    (ri.clone(), item_loc(&item, ROOT_TREE_OBJECTID)),
+                                );
+                                roots.push((item.key.objectid, ri))
+                            }
                             Err(e) => self.report.err(
                                 FindingKind::RootItemBad,
                                 item_loc(&item, ROOT_TREE_OBJECTID),
@@ -1007,7 +1153,382 @@ impl Checker<'_> {
                 }
             }
         }
+        let mut recs: Vec<GroupRec> = groups
+            .into_iter()
+            .map(|(start, len, _, loc)| GroupRec { start, len, loc })
+            .collect();
+        recs.sort_by_key(|g| g.start);
+        self.groups = recs;
+        self.check_dev_extents();
+        self.check_free_space_tree();
         Ok(())
+    }
+
+    /// Every item of a tree matching `want` (an unreadable block is reported and ends the walk).
+    fn collect_items(&mut self, root: Root, want: impl Fn(&Key) -> bool) -> Vec<ItemRef> {
+        let mut out = Vec::new();
+        let mut it = match TreeIter::new(self.fs.disk.clone(), root, Key::MIN, Readahead::None) {
+            Ok(it) => it,
+            Err(e) => {
+                self.unreadable(e, Some(root.id));
+                return out;
+            }
+        };
+        loop {
+            match it.next_item() {
+                Ok(Some(item)) => {
+                    if want(&item.key) {
+                        out.push(item);
+                    }
+                }
+                Ok(None) => break,
+                Err(e) => {
+                    self.unreadable(e, Some(root.id));
+                    break;
+                }
+            }
+        }
+        out
+    }
+
+    fn tree(&self, id: u64) -> Option<Root> {
+        self.trees.iter().find(|r| r.id == id).copied()
+    }
+
+    /// Chunks against dev extents: every stripe has a DEV_EXTENT naming its chunk with the
+    /// stripe's length, dev extents of a device do not overlap and stay inside it, and each
+    /// device item's bytes_used is the sum of its dev extents.
+    fn check_dev_extents(&mut self) {
+        let Some(chunk_root) = self.tree(CHUNK_TREE_OBJECTID) else {
+            return;
+        };
+        let Some(dev_root) = self.tree(DEV_TREE_OBJECTID) else {
+            self.report.err(
+                FindingKind::RootItemBad,
+                Location::what("root tree"),
+                "no device tree root item".into(),
+            );
+            return;
+        };
+        let mut chunks: Vec<(u64, ChunkItem, Location)> = Vec::new();
+        let mut devs: BTreeMap<u64, (DevItem, Location)> = BTreeMap::new();
+        for item in self.collect_items(chunk_root, |k| {
+            k.ty == CHUNK_ITEM_KEY || k.ty == DEV_ITEM_KEY
+        }) {
+            let loc = item_loc(&item, CHUNK_TREE_OBJECTID);
+            let r = if item.key.ty == CHUNK_ITEM_KEY {
+                ChunkItem::parse(item.data())
+                    .map(|(c, _)| chunks.push((item.key.offset, c, loc.clone())))
+            } else {
+                DevItem::parse(item.data()).map(|d| {
+                    devs.insert(d.devid, (d, loc.clone()));
+                })
+            };
+            if let Err(e) = r {
+                self.report.err(FindingKind::DevItemBad, loc, e.to_string());
+            }
+        }
+        // (devid, physical) -> (dev extent, location, matched by a stripe)
+        let mut dexts: BTreeMap<(u64, u64), (DevExtent, Location, bool)> = BTreeMap::new();
+        for item in self.collect_items(dev_root, |k| k.ty == DEV_EXTENT_KEY) {
+            let loc = item_loc(&item, DEV_TREE_OBJECTID);
+            match DevExtent::parse(item.data()) {
+                Ok(d) => {
+                    dexts.insert((item.key.objectid, item.key.offset), (d, loc, false));
+                }
+                Err(e) => self.report.err(FindingKind::DevItemBad, loc, e.to_string()),
+            }
+        }
+        for (logical, c, cloc) in &chunks {
+            let n = c.num_stripes as u64;
+            let data_stripes = match c.ty & BLOCK_GROUP_PROFILE_MASK {
+                BLOCK_GROUP_RAID0 => n,
+                BLOCK_GROUP_RAID10 => n / (c.sub_stripes.max(1) as u64),
+                BLOCK_GROUP_RAID5 => n.saturating_sub(1),
+                BLOCK_GROUP_RAID6 => n.saturating_sub(2),
+                _ => 1,
+            };
+            let stripe_len = c.length / data_stripes.max(1);
+            for (i, st) in c.stripes.iter().enumerate() {
+                match dexts.get_mut(&(st.devid, st.offset)) {
+                    None => self.report.err(
+                        FindingKind::DevExtentMissing,
+                        cloc.clone(),
+                        format!(
+                            "chunk {logical} stripe {i} (devid {} offset {}) has no DEV_EXTENT",
+                            st.devid, st.offset
+                        ),
+                    ),
+                    Some((d, dloc, matched)) => {
+                        *matched = true;
+                        if d.chunk_offset != *logical || d.length != stripe_len {
+                            self.report.err(
+                                FindingKind::DevExtentMismatch,
+                                dloc.clone(),
+                                format!(
+                                    "dev extent at devid {} offset {} names chunk {} length {}, but it holds stripe {i} of chunk {logical} (stripe length {stripe_len})",
+                                    st.devid, st.offset, d.chunk_offset, d.length
+                                ),
+                            );
+                        }
+                    }
+                }
+            }
+        }
+        let mut used: BTreeMap<u64, u64> = BTreeMap::new();
+        let mut prev: Option<(u64, u64)> = None; // (devid, end)
+        for ((devid, phys), (d, dloc, matched)) in &dexts {
+            if !matched {
+                self.report.err(
+                    FindingKind::DevExtentMismatch,
+                    dloc.clone(),
+                    format!(
+                        "dev extent at devid {devid} offset {phys} (chunk {} length {}) is no stripe of any chunk",
+                        d.chunk_offset, d.length
+                    ),
+                );
+            }
+            let end = phys.saturating_add(d.length);
+            if let Some((pdev, pend)) = prev {
+                if pdev == *devid && pend > *phys {
+                    self.report.err(
+                        FindingKind::DevExtentOverlap,
+                        dloc.clone(),
+                        format!("dev extent at devid {devid} offset {phys} starts before the previous one ends at {pend}"),
+                    );
+                }
+            }
+            prev = Some((
+                *devid,
+                end.max(prev.filter(|p| p.0 == *devid).map_or(0, |p| p.1)),
+            ));
+            match devs.get(devid) {
+                Some((dev, _)) if end > dev.total_bytes => self.report.err(
+                    FindingKind::DevExtentMismatch,
+                    dloc.clone(),
+                    format!(
+                        "dev extent at devid {devid} offset {phys} length {} ends past the device size {}",
+                        d.length, dev.total_bytes
+                    ),
+                ),
+                Some(_) => {}
+                None => self.report.err(
+                    FindingKind::DevExtentMismatch,
+                    dloc.clone(),
+                    format!("dev extent at devid {devid} offset {phys}: no device item for devid {devid}"),
+                ),
+            }
+            let u = used.entry(*devid).or_default();
+            *u = u.saturating_add(d.length);
+        }
+        for (devid, (dev, loc)) in &devs {
+            let sum = used.get(devid).copied().unwrap_or(0);
+            if dev.bytes_used != sum {
+                self.report.err(
+                    FindingKind::DevBytesUsedMismatch,
+                    loc.clone(),
+                    format!(
+                        "device {devid}: bytes_used {} but its dev extents total {sum}",
+                        dev.bytes_used
+                    ),
+                );
+            }
+        }
+        let sd = &self.fs.disk.sb.dev_item;
+        let sum = used.get(&sd.devid).copied().unwrap_or(0);
+        if sd.bytes_used != sum {
+            self.report.err(
+                FindingKind::DevBytesUsedMismatch,
+                Location::what("superblock dev_item"),
+                format!(
+                    "superblock device {}: bytes_used {} but its dev extents total {sum}",
+                    sd.devid, sd.bytes_used
+                ),
+            );
+        }
+    }
+
+    /// The free space tree against the extent tree, block group by block group.
+    fn check_free_space_tree(&mut self) {
+        let sb = &self.fs.disk.sb;
+        if !sb.has_compat_ro(COMPAT_RO_FREE_SPACE_TREE) {
+            return;
+        }
+        if !sb.has_compat_ro(COMPAT_RO_FREE_SPACE_TREE_VALID) {
+            self.report.add(
+                Severity::Warning,
+                FindingKind::FreeSpaceMismatch,
+                Location::what("superblock compat_ro flags"),
+                "FREE_SPACE_TREE is set but FREE_SPACE_TREE_VALID is not: the kernel rebuilds the tree; not checked".into(),
+            );
+            return;
+        }
+        let Some(root) = self.tree(FREE_SPACE_TREE_OBJECTID) else {
+            self.report.err(
+                FindingKind::RootItemBad,
+                Location::what("root tree"),
+                "the FREE_SPACE_TREE feature is set but there is no free space tree".into(),
+            );
+            return;
+        };
+        let ss = self.fs.disk.sectorsize();
+        let items = self.collect_items(root, |_| true);
+        let groups = std::mem::take(&mut self.groups);
+        // Items by block group (index into `groups`), the rest in key order.
+        let mut per: BTreeMap<usize, Vec<&ItemRef>> = BTreeMap::new();
+        let mut outside: Vec<&ItemRef> = Vec::new();
+        for it in &items {
+            let o = it.key.objectid;
+            let i = groups.partition_point(|g| g.start <= o);
+            match i.checked_sub(1) {
+                Some(gi) if o - groups[gi].start < groups[gi].len => {
+                    per.entry(gi).or_default().push(it)
+                }
+                _ => outside.push(it),
+            }
+        }
+        let mut i = 0;
+        while i < outside.len() {
+            let it = outside[i];
+            let loc = item_loc(it, FREE_SPACE_TREE_OBJECTID);
+            if it.key.ty == FREE_SPACE_INFO_KEY {
+                let (s, end) = (
+                    it.key.objectid,
+                    it.key.objectid.saturating_add(it.key.offset),
+                );
+                let overlaps = groups
+                    .iter()
+                    .any(|g| g.start < end && s < g.start.saturating_add(g.len));
+                let mut j = i + 1;
+                while j < outside.len()
+                    && outside[j].key.ty != FREE_SPACE_INFO_KEY
+                    && (s..end).contains(&outside[j].key.objectid)
+                {
+                    j += 1;
+                }
+                if !overlaps {
+                    self.report.add(
+                        Severity::Warning,
+                        FindingKind::FreeSpaceOutsideBlockGroup,
+                        loc,
+                        format!(
+                            "free space info and {} more items for {s}+{}, which is no block group (stale: mkfs.btrfs leaves these for the temporary block groups it removes)",
+                            j - i - 1,
+                            it.key.offset
+                        ),
+                    );
+                    i = j;
+                    continue;
+                }
+            }
+            self.report.err(
+                FindingKind::FreeSpaceOutsideBlockGroup,
+                loc,
+                format!("free space item {} lies in no block group", it.key),
+            );
+            i += 1;
+        }
+        for (gi, g) in groups.iter().enumerate() {
+            let its = per.remove(&gi).unwrap_or_default();
+            let info_key = Key::new(g.start, FREE_SPACE_INFO_KEY, g.len);
+            let Some(info) = its.first().filter(|i| i.key == info_key) else {
+                let first = its
+                    .first()
+                    .map(|i| format!(" (its first free space item is {})", i.key))
+                    .unwrap_or_default();
+                self.report.err(
+                    FindingKind::FreeSpaceInfoMissing,
+                    g.loc.clone(),
+                    format!(
+                        "block group {}+{} has no FREE_SPACE_INFO {info_key}{first}",
+                        g.start, g.len
+                    ),
+                );
+                continue;
+            };
+            let iloc = item_loc(info, FREE_SPACE_TREE_OBJECTID);
+            let refs: Vec<(Key, &[u8])> = its.iter().map(|i| (i.key, i.data())).collect();
+            let d = match fst::decode_items(&refs, g.start, g.len, ss) {
+                Ok(d) => d,
+                Err(e) => {
+                    let (loc, msg) = match &e {
+                        Error::Corrupt { loc, reason } => {
+                            let at = its
+                                .iter()
+                                .find(|i| Some(i.key) == loc.key)
+                                .map(|i| item_loc(i, FREE_SPACE_TREE_OBJECTID));
+                            (at.unwrap_or_else(|| iloc.clone()), reason.clone())
+                        }
+                        e => (iloc.clone(), e.to_string()),
+                    };
+                    self.report.err(
+                        FindingKind::FreeSpaceItemBad,
+                        loc,
+                        format!("block group {}: {msg}", g.start),
+                    );
+                    continue;
+                }
+            };
+            let unknown = d.info.flags & !FREE_SPACE_USING_BITMAPS;
+            if unknown != 0 {
+                self.report.err(
+                    FindingKind::FreeSpaceFlagsMismatch,
+                    iloc.clone(),
+                    format!(
+                        "block group {}: free space info flags {:#x} has unknown bits {unknown:#x}",
+                        g.start, d.info.flags
+                    ),
+                );
+            }
+            if let Some(p) = d.flags_problem() {
+                self.report.err(
+                    FindingKind::FreeSpaceFlagsMismatch,
+                    iloc.clone(),
+                    format!("block group {}: {p}", g.start),
+                );
+            }
+            if let Some(p) = d.count_problem() {
+                self.report.err(
+                    FindingKind::FreeSpaceCountMismatch,
+                    iloc.clone(),
+                    format!("block group {}: {p}", g.start),
+                );
+            }
+            let end = g.start.saturating_add(g.len);
+            let used = self
+                .extents
+                .range(..end)
+                .rev()
+                .take_while(|(b, e)| b.saturating_add(e.len) > g.start || **b >= g.start)
+                .map(|(b, e)| (*b, e.len));
+            let implied = fst::BgFreeSpace::from_used(g.start, g.len, used);
+            if d.space != implied {
+                let only_tree = range_diff(&d.space.extents, &implied.extents);
+                let only_ext = range_diff(&implied.extents, &d.space.extents);
+                let show = |v: &[(u64, u64)]| {
+                    let mut s: Vec<String> =
+                        v.iter().take(4).map(|(a, l)| format!("{a}+{l}")).collect();
+                    if v.len() > 4 {
+                        s.push(format!("... ({} ranges)", v.len()));
+                    }
+                    s.join(", ")
+                };
+                self.report.err(
+                    FindingKind::FreeSpaceMismatch,
+                    iloc.clone(),
+                    format!(
+                        "block group {}+{}: free space tree says {} free bytes, the extent tree {}; free only in the free space tree (used by extents): [{}]; free only by the extent tree: [{}]",
+                        g.start,
+                        g.len,
+                        d.space.free_bytes(),
+                        implied.free_bytes(),
+                        show(&only_tree),
+                        show(&only_ext)
+                    ),
+                );
+            }
+        }
+        self.groups = groups;
     }
 
     // ---------------------------------------------------------------------------------------
@@ -1025,7 +1546,107 @@ impl Checker<'_> {
         for root in trees {
             self.check_fs_tree(root, &mut csum);
         }
+        self.check_root_refs();
         Ok(csum.into_iter().map(|((b, l), loc)| (b, l, loc)).collect())
+    }
+
+    /// ROOT_REF and ROOT_BACKREF come in pairs (same parent, child, directory, index, name);
+    /// each ROOT_REF has its directory entry in the parent tree and each subvolume entry its
+    /// ROOT_REF; a live subvolume has a ROOT_BACKREF.
+    fn check_root_refs(&mut self) {
+        // (parent, child, directory, index, name): what a ref, its backref and the directory
+        // entry must agree on.
+        type RefKey<'k> = (u64, u64, u64, u64, &'k [u8]);
+        let key = |r: &RootRefRec| -> (u64, u64, u64, u64, Vec<u8>) {
+            (
+                r.parent,
+                r.child,
+                r.rr.dirid,
+                r.rr.sequence,
+                r.rr.name.clone(),
+            )
+        };
+        let refs: HashSet<_> = self.root_refs.iter().map(key).collect();
+        let backrefs: HashSet<_> = self.root_backrefs.iter().map(key).collect();
+        let entries: HashSet<RefKey> = self
+            .subvol_entries
+            .iter()
+            .map(|e| (e.tree, e.child, e.dir, e.index, e.name.as_slice()))
+            .collect();
+        let checked: HashSet<u64> = self.trees.iter().map(|t| t.id).collect();
+        let desc = |r: &RootRefRec| {
+            format!(
+                "subvolume {} in tree {} directory {} index {} name {:?}",
+                r.child,
+                r.parent,
+                r.rr.dirid,
+                r.rr.sequence,
+                String::from_utf8_lossy(&r.rr.name)
+            )
+        };
+        for r in &self.root_refs {
+            if !backrefs.contains(&key(r)) {
+                self.report.err(
+                    FindingKind::RootRefWithoutBackref,
+                    r.loc.clone(),
+                    format!("ROOT_REF for {} has no matching ROOT_BACKREF", desc(r)),
+                );
+            }
+            // Its directory entry, when the parent tree was checked.
+            let e: RefKey = (r.parent, r.child, r.rr.dirid, r.rr.sequence, &r.rr.name);
+            if checked.contains(&r.parent) && !entries.contains(&e) {
+                self.report.err(
+                    FindingKind::SubvolEntryMismatch,
+                    r.loc.clone(),
+                    format!(
+                        "ROOT_REF for {}: the parent tree has no such DIR_INDEX",
+                        desc(r)
+                    ),
+                );
+            }
+        }
+        for b in &self.root_backrefs {
+            if !refs.contains(&key(b)) {
+                self.report.err(
+                    FindingKind::RootBackrefWithoutRef,
+                    b.loc.clone(),
+                    format!("ROOT_BACKREF for {} has no matching ROOT_REF", desc(b)),
+                );
+            }
+        }
+        for e in &self.subvol_entries {
+            if !refs.contains(&(e.tree, e.child, e.dir, e.index, e.name.clone())) {
+                self.report.err(
+                    FindingKind::SubvolEntryMismatch,
+                    e.loc.clone(),
+                    format!(
+                        "tree {} directory {} DIR_INDEX {} {:?} names subvolume {}, which has no matching ROOT_REF",
+                        e.tree,
+                        e.dir,
+                        e.index,
+                        String::from_utf8_lossy(&e.name),
+                        e.child
+                    ),
+                );
+            }
+        }
+        let with_backref: HashSet<u64> = self.root_backrefs.iter().map(|b| b.child).collect();
+        for (id, (ri, rloc)) in &self.root_items {
+            if !(FIRST_FREE_OBJECTID..=LAST_FREE_OBJECTID).contains(id)
+                || ri.refs == 0
+                || ri.drop_progress.objectid != 0
+                || ri.drop_level != 0
+            {
+                continue;
+            }
+            if !with_backref.contains(id) {
+                self.report.err(
+                    FindingKind::SubvolUnreferenced,
+                    rloc.clone(),
+                    format!("subvolume {id} has refs {} but no ROOT_BACKREF", ri.refs),
+                );
+            }
+        }
     }
 
     fn check_fs_tree(&mut self, root: Root, csum: &mut BTreeMap<(u64, u64), Location>) {
@@ -1040,8 +1661,16 @@ impl Checker<'_> {
             nbytes: u64,
             first_loc: Option<Location>,
             extents: Vec<(u64, u64, bool)>,
+            /// First file offset with an extent item and where the last item ends.
+            file_start: Option<u64>,
+            file_end: Option<u64>,
+            /// Start of the first gap between extent items.
+            first_gap: Option<u64>,
+            overlaps: Vec<(Location, String)>,
         }
         let tid = root.id;
+        let ss = self.fs.disk.sectorsize() as u64;
+        let no_holes = self.fs.disk.sb.has_incompat(INCOMPAT_NO_HOLES);
         let mut inodes: BTreeMap<u64, Ino> = BTreeMap::new();
         let mut it = match TreeIter::new(self.fs.disk.clone(), root, Key::MIN, Readahead::None) {
             Ok(it) => it,
@@ -1105,6 +1734,28 @@ impl Checker<'_> {
                     }
                     EXTENT_DATA_KEY => {
                         let fe = FileExtentItem::parse(item.data()).map_err(bad)?;
+                        // The file range the item covers: inline data to the end of its sector.
+                        let len = match fe.body {
+                            FileExtentBody::Inline(_) => {
+                                fe.ram_bytes.div_ceil(ss).saturating_mul(ss)
+                            }
+                            FileExtentBody::Extent { num_bytes, .. } => num_bytes,
+                        };
+                        match ino.file_end {
+                            None => ino.file_start = Some(k.offset),
+                            Some(end) if k.offset < end => ino.overlaps.push((
+                                loc.clone(),
+                                format!(
+                                    "inode {}: file extent at {} starts before the previous one ends at {end}",
+                                    k.objectid, k.offset
+                                ),
+                            )),
+                            Some(end) if k.offset > end => {
+                                ino.first_gap.get_or_insert(end);
+                            }
+                            Some(_) => {}
+                        }
+                        ino.file_end = Some(k.offset.saturating_add(len));
                         match fe.body {
                             FileExtentBody::Inline(_) => {
                                 ino.nbytes = ino.nbytes.saturating_add(fe.ram_bytes)
@@ -1152,6 +1803,32 @@ impl Checker<'_> {
             };
             let is_dir = ii.mode & 0o170000 == 0o040000;
             let is_reg = ii.mode & 0o170000 == 0o100000;
+            let is_lnk = ii.mode & 0o170000 == 0o120000;
+            for (loc, msg) in &ino.overlaps {
+                self.report
+                    .err(FindingKind::FileExtentOverlap, loc.clone(), msg.clone());
+            }
+            // Without NO_HOLES every byte up to isize has an extent item (holes included).
+            if !no_holes && (is_reg || is_lnk) && ii.nlink > 0 && ii.size > 0 {
+                let end = ino.file_end.unwrap_or(0);
+                let gap = if ino.file_start != Some(0) {
+                    Some(0)
+                } else {
+                    ino.first_gap
+                        .filter(|g| *g < ii.size)
+                        .or((end < ii.size).then_some(end))
+                };
+                if let Some(g) = gap {
+                    self.report.err(
+                        FindingKind::FileExtentGap,
+                        iloc.clone(),
+                        format!(
+                            "inode {n}: size {} but no file extent item (not even a hole) covers offset {g}, and the filesystem has no NO_HOLES",
+                            ii.size
+                        ),
+                    );
+                }
+            }
             // nlink: the subvolume root directory has a ".." ref; directories have nlink 1.
             if ii.nlink as u64 != ino.names {
                 self.report.err(
@@ -1226,6 +1903,14 @@ impl Checker<'_> {
                     );
                 }
                 if loc_key.ty == ROOT_ITEM_KEY {
+                    self.subvol_entries.push(SubvolEntry {
+                        tree: tid,
+                        dir: n,
+                        index: *idx,
+                        name: name.clone(),
+                        child: loc_key.objectid,
+                        loc: dloc.clone(),
+                    });
                     // A subvolume entry: the subvolume's tree must exist.
                     if !self.trees.iter().any(|r| r.id == loc_key.objectid) {
                         self.report.err(
