@@ -236,9 +236,11 @@ impl BlockGroup {
             let _ = self.excluded.add(s, e - s);
         }
     }
-    /// What the free space tree must say is free: free plus pinned.
+    /// What the free space tree must say is free: free plus pinned, plus the superblock
+    /// ranges (the kernel describes a new group as wholly free and keeps supers out of its
+    /// allocator in memory only).
     pub fn on_disk_free(&self) -> RangeSet {
-        self.free.union(&self.pinned)
+        self.free.union(&self.pinned).union(&self.excluded)
     }
     fn alloc(&mut self, len: u64, align: u64) -> Option<u64> {
         let at = self.free.find(len, align, self.cursor)?;

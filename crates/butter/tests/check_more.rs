@@ -117,7 +117,7 @@ fn copy_of(img: &[u8], name: &str) -> Copy {
 
 fn tree_root(fs: &Fs, id: u64) -> Root {
     match id {
-        ROOT_TREE_OBJECTID => fs.tree_root,
+        ROOT_TREE_OBJECTID => fs.tree_root(),
         CHUNK_TREE_OBJECTID => Root {
             id,
             bytenr: fs.disk.sb.chunk_root,

@@ -271,6 +271,7 @@ impl ButterTarget {
                 }
                 fs.setattr(ino, &a).map(|_| ()).map_err(Self::err)
             }
+            Op::Utimens { atime: None, mtime: None, .. } => Ok(()), // no lookup at all
             Op::Utimens { path, atime, mtime } => {
                 let ino = self.resolve(path)?;
                 let ts = |t: &Option<Ts>| {
