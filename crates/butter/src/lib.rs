@@ -16,4 +16,5 @@ pub mod device;
 pub mod disk_io;
 pub mod extent_io;
 pub mod fs;
+pub mod mkfs;
 pub mod volumes;
