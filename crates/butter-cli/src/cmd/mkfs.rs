@@ -248,6 +248,35 @@ fn prepare_image(path: &Path, size: Option<u64>) -> Result<(), CliError> {
     Ok(())
 }
 
+/// Where `image` is mounted, if it is: directly (a block device), or through a loop device
+/// backed by it. Like mkfs.btrfs, mkfs refuses a mounted device even with `-f`.
+fn mounted_at(image: &Path) -> Option<String> {
+    let canon = std::fs::canonicalize(image).ok()?;
+    let mut sources = vec![canon.clone()];
+    if let Ok(dir) = std::fs::read_dir("/sys/block") {
+        for e in dir.flatten() {
+            let backing = e.path().join("loop/backing_file");
+            if let Ok(b) = std::fs::read_to_string(&backing) {
+                if Path::new(b.trim_end_matches('\n')) == canon {
+                    sources.push(Path::new("/dev").join(e.file_name()));
+                }
+            }
+        }
+    }
+    let mounts = std::fs::read_to_string("/proc/self/mounts").ok()?;
+    for line in mounts.lines() {
+        let mut f = line.split(' ');
+        let (Some(src), Some(dir)) = (f.next(), f.next()) else {
+            continue;
+        };
+        let src = std::fs::canonicalize(src).unwrap_or_else(|_| PathBuf::from(src));
+        if sources.contains(&src) {
+            return Some(dir.replace("\\040", " "));
+        }
+    }
+    None
+}
+
 fn print_summary(out: &mut impl Write, r: &MkfsReport, image: &Path) -> std::io::Result<()> {
     let label = if r.label.is_empty() {
         "(null)".to_string()
@@ -321,6 +350,12 @@ pub fn mkfs(a: MkfsArgs) -> CliResult {
         return Ok(());
     };
     prepare_image(&a.image, a.byte_count)?;
+    if let Some(dir) = mounted_at(&a.image) {
+        return Err(CliError(format!(
+            "{} is mounted on {dir}; unmount it first",
+            a.image.display()
+        )));
+    }
     let dev = FileDevice::open(&a.image, true)
         .map_err(|e| CliError(format!("cannot open {}: {e}", a.image.display())))?;
     if !a.force {
