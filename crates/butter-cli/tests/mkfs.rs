@@ -375,6 +375,7 @@ fn cli_behaviour() {
     let o = butter_mkfs(&small, &["-b", "100M"], Some(EPOCH));
     assert!(!o.status.success());
     assert!(text(&o).contains("114294784"), "{}", text(&o));
+    assert!(!small.exists(), "a refused mkfs left the file it created");
 
     // Bad values.
     for args in [

@@ -534,7 +534,10 @@ pub fn mkfs(dev: &dyn BlockDevice, opts: &MkfsOptions) -> Result<MkfsReport> {
         loop {
             let b = next[which];
             if b + ns > c.logical + c.length {
-                return Err(invalid("the metadata chunk is too small for the trees"));
+                return Err(invalid(format!(
+                    "the chunk at {} ({} bytes) is too small for its tree blocks",
+                    c.logical, c.length
+                )));
             }
             next[which] += ns;
             let touches_mirror = c.stripes.iter().any(|&s| {

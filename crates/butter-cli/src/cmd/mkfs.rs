@@ -219,7 +219,8 @@ fn options(a: &MkfsArgs) -> Result<Option<MkfsOptions>, CliError> {
 }
 
 /// Creates or extends a regular image file to `size` bytes (a block device is left alone).
-fn prepare_image(path: &Path, size: Option<u64>) -> Result<(), CliError> {
+/// True when the file was created.
+fn prepare_image(path: &Path, size: Option<u64>) -> Result<bool, CliError> {
     let meta = std::fs::metadata(path);
     match (meta, size) {
         (Ok(m), Some(size)) if m.file_type().is_file() && m.len() < size => {
@@ -236,6 +237,7 @@ fn prepare_image(path: &Path, size: Option<u64>) -> Result<(), CliError> {
                 .map_err(|e| CliError(format!("cannot create {}: {e}", path.display())))?;
             f.set_len(size)
                 .map_err(|e| CliError(format!("cannot size {}: {e}", path.display())))?;
+            return Ok(true);
         }
         (Err(e), None) if e.kind() == std::io::ErrorKind::NotFound => {
             return Err(CliError(format!(
@@ -245,7 +247,7 @@ fn prepare_image(path: &Path, size: Option<u64>) -> Result<(), CliError> {
         }
         (Err(e), _) => return Err(CliError(format!("{}: {e}", path.display()))),
     }
-    Ok(())
+    Ok(false)
 }
 
 /// Where `image` is mounted, if it is: directly (a block device), or through a loop device
@@ -349,13 +351,23 @@ pub fn mkfs(a: MkfsArgs) -> CliResult {
         }
         return Ok(());
     };
-    prepare_image(&a.image, a.byte_count)?;
     if let Some(dir) = mounted_at(&a.image) {
         return Err(CliError(format!(
             "{} is mounted on {dir}; unmount it first",
             a.image.display()
         )));
     }
+    // After the mount check: a mounted image is never extended.
+    let created = prepare_image(&a.image, a.byte_count)?;
+    let result = make(&a, opts);
+    if result.is_err() && created {
+        // Leave nothing behind for a file this command created.
+        let _ = std::fs::remove_file(&a.image);
+    }
+    result
+}
+
+fn make(a: &MkfsArgs, opts: MkfsOptions) -> CliResult {
     let dev = FileDevice::open(&a.image, true)
         .map_err(|e| CliError(format!("cannot open {}: {e}", a.image.display())))?;
     if !a.force {
