@@ -41,6 +41,13 @@
 //! options and fsid give a byte-identical image. Without it the other uuids are random
 //! (from /dev/urandom) and the time is now.
 //!
+//! Differences from mkfs.btrfs 6.2, on purpose: no holes on the device from temporary chunks
+//! (chunks start at 1 MiB: system, metadata, data); the chunk tree is the first block of the
+//! system chunk; every generation is 1 (mkfs.btrfs ends at 6 after its transactions); the
+//! free space tree has no stale entries for removed block groups; non-skinny extent items
+//! always carry the block's real first key; `uuid_tree_generation` is 1 (the uuid tree is
+//! complete), where mkfs.btrfs leaves 0 and the kernel rescans the uuid tree at first mount.
+//!
 //! What is written: the first and the last 2 MiB of the filesystem are zeroed (as mkfs.btrfs
 //! does, wiping old signatures), old btrfs superblock mirrors past the new filesystem's end
 //! but inside the device are zeroed, then every copy of every tree block, a flush, the
