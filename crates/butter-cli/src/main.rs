@@ -37,6 +37,8 @@ enum Command {
     Mount(cmd::mount::MountArgs),
     /// Check an image read-only; exit 1 when errors are found.
     Check(cmd::check::CheckArgs),
+    /// Make a new, empty btrfs filesystem on an image file or device.
+    Mkfs(cmd::mkfs::MkfsArgs),
 }
 
 fn main() -> ExitCode {
@@ -53,6 +55,7 @@ fn main() -> ExitCode {
         Command::Restore(a) => cmd::restore::restore(a),
         Command::Mount(a) => cmd::mount::mount(a),
         Command::Check(a) => cmd::check::check(a),
+        Command::Mkfs(a) => cmd::mkfs::mkfs(a),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,

@@ -22,5 +22,6 @@ pub mod file_write;
 pub mod free_space_tree;
 pub mod fs;
 pub mod fs_write;
+pub mod mkfs;
 pub mod transaction;
 pub mod volumes;

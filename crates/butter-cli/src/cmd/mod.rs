@@ -2,6 +2,7 @@
 pub mod check;
 pub mod dump;
 pub mod ls;
+pub mod mkfs;
 pub mod mount;
 pub mod restore;
 

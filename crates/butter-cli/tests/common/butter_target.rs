@@ -271,7 +271,11 @@ impl ButterTarget {
                 }
                 fs.setattr(ino, &a).map(|_| ()).map_err(Self::err)
             }
-            Op::Utimens { atime: None, mtime: None, .. } => Ok(()), // no lookup at all
+            Op::Utimens {
+                atime: None,
+                mtime: None,
+                ..
+            } => Ok(()), // no lookup at all
             Op::Utimens { path, atime, mtime } => {
                 let ino = self.resolve(path)?;
                 let ts = |t: &Option<Ts>| {

@@ -2,7 +2,6 @@
 //! [`super::items`] (round trips are tested below).
 
 use super::items::*;
-use super::superblock::DevItem;
 use super::*;
 
 fn put_u16(b: &mut Vec<u8>, v: u16) {
@@ -22,30 +21,6 @@ impl Timespec {
     }
 }
 
-impl InodeItem {
-    pub fn to_bytes(&self) -> Vec<u8> {
-        let mut b = Vec::with_capacity(Self::SIZE);
-        put_u64(&mut b, self.generation);
-        put_u64(&mut b, self.transid);
-        put_u64(&mut b, self.size);
-        put_u64(&mut b, self.nbytes);
-        put_u64(&mut b, self.block_group);
-        put_u32(&mut b, self.nlink);
-        put_u32(&mut b, self.uid);
-        put_u32(&mut b, self.gid);
-        put_u32(&mut b, self.mode);
-        put_u64(&mut b, self.rdev);
-        put_u64(&mut b, self.flags);
-        put_u64(&mut b, self.sequence);
-        b.resize(112, 0); // reserved[4]
-        self.atime.write(&mut b);
-        self.ctime.write(&mut b);
-        self.mtime.write(&mut b);
-        self.otime.write(&mut b);
-        b
-    }
-}
-
 impl DirItem {
     /// Appends one entry (dir item, dir index or xattr) to `b`.
     pub fn write(&self, b: &mut Vec<u8>) {
@@ -59,11 +34,6 @@ impl DirItem {
     }
     pub fn encoded_len(&self) -> usize {
         Self::HEADER + self.name.len() + self.data.len()
-    }
-    pub fn to_bytes(&self) -> Vec<u8> {
-        let mut b = Vec::with_capacity(self.encoded_len());
-        self.write(&mut b);
-        b
     }
 }
 
@@ -87,33 +57,6 @@ impl InodeExtref {
     }
     pub fn encoded_len(&self) -> usize {
         18 + self.name.len()
-    }
-}
-
-impl FileExtentItem {
-    pub fn to_bytes(&self) -> Vec<u8> {
-        let mut b = Vec::with_capacity(Self::SIZE);
-        put_u64(&mut b, self.generation);
-        put_u64(&mut b, self.ram_bytes);
-        b.push(self.compression);
-        b.push(self.encryption);
-        put_u16(&mut b, self.other_encoding);
-        b.push(self.ty);
-        match &self.body {
-            FileExtentBody::Inline(d) => b.extend_from_slice(d),
-            FileExtentBody::Extent {
-                disk_bytenr,
-                disk_num_bytes,
-                offset,
-                num_bytes,
-            } => {
-                put_u64(&mut b, *disk_bytenr);
-                put_u64(&mut b, *disk_num_bytes);
-                put_u64(&mut b, *offset);
-                put_u64(&mut b, *num_bytes);
-            }
-        }
-        b
     }
 }
 
@@ -189,97 +132,6 @@ impl BackRef {
             BackRef::ExtentData { .. } => self.write_body(&mut b),
             BackRef::SharedData { count, .. } => put_u32(&mut b, *count),
         }
-        b
-    }
-}
-
-impl ExtentItem {
-    pub fn to_bytes(&self) -> Vec<u8> {
-        let mut b = Vec::with_capacity(64);
-        put_u64(&mut b, self.refs);
-        put_u64(&mut b, self.generation);
-        put_u64(&mut b, self.flags);
-        if let Some((k, level)) = &self.tree_block_info {
-            b.extend_from_slice(&k.to_bytes());
-            b.push(*level);
-        }
-        for r in &self.inline_refs {
-            b.push(r.type_key());
-            r.write_body(&mut b);
-        }
-        b
-    }
-}
-
-impl BlockGroupItem {
-    pub fn to_bytes(&self) -> Vec<u8> {
-        let mut b = Vec::with_capacity(Self::SIZE);
-        put_u64(&mut b, self.used);
-        put_u64(&mut b, self.chunk_objectid);
-        put_u64(&mut b, self.flags);
-        b
-    }
-}
-
-impl DevExtent {
-    pub fn to_bytes(&self) -> Vec<u8> {
-        let mut b = Vec::with_capacity(Self::SIZE);
-        put_u64(&mut b, self.chunk_tree);
-        put_u64(&mut b, self.chunk_objectid);
-        put_u64(&mut b, self.chunk_offset);
-        put_u64(&mut b, self.length);
-        b.extend_from_slice(&self.chunk_tree_uuid);
-        b
-    }
-}
-
-impl ChunkItem {
-    pub fn to_bytes(&self) -> Vec<u8> {
-        let mut b = Vec::with_capacity(Self::BASE + Self::STRIPE * self.stripes.len());
-        put_u64(&mut b, self.length);
-        put_u64(&mut b, self.owner);
-        put_u64(&mut b, self.stripe_len);
-        put_u64(&mut b, self.ty);
-        put_u32(&mut b, self.io_align);
-        put_u32(&mut b, self.io_width);
-        put_u32(&mut b, self.sector_size);
-        put_u16(&mut b, self.stripes.len() as u16);
-        put_u16(&mut b, self.sub_stripes);
-        for s in &self.stripes {
-            put_u64(&mut b, s.devid);
-            put_u64(&mut b, s.offset);
-            b.extend_from_slice(&s.dev_uuid);
-        }
-        b
-    }
-}
-
-impl FreeSpaceInfo {
-    pub fn to_bytes(&self) -> Vec<u8> {
-        let mut b = Vec::with_capacity(8);
-        put_u32(&mut b, self.extent_count);
-        put_u32(&mut b, self.flags);
-        b
-    }
-}
-
-impl DevItem {
-    pub fn to_bytes(&self) -> Vec<u8> {
-        let mut b = Vec::with_capacity(Self::SIZE);
-        put_u64(&mut b, self.devid);
-        put_u64(&mut b, self.total_bytes);
-        put_u64(&mut b, self.bytes_used);
-        put_u32(&mut b, self.io_align);
-        put_u32(&mut b, self.io_width);
-        put_u32(&mut b, self.sector_size);
-        put_u64(&mut b, self.dev_type);
-        put_u64(&mut b, self.generation);
-        put_u64(&mut b, self.start_offset);
-        put_u32(&mut b, self.dev_group);
-        b.push(self.seek_speed);
-        b.push(self.bandwidth);
-        b.extend_from_slice(&self.uuid);
-        b.extend_from_slice(&self.fsid);
         b
     }
 }

@@ -600,3 +600,528 @@ pub fn ft_to_mode(ft: u8) -> u32 {
         _ => 0,
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Encoders: the inverse of the decoders above, for code that writes items (mkfs, the COW
+// engine). Each produces exactly the bytes the kernel and btrfs-progs write for the same
+// values; reserved fields are zero. `X::parse(&x.to_bytes())` gives back `x`.
+// ---------------------------------------------------------------------------------------------
+
+fn put_u16(b: &mut [u8], off: usize, v: u16) {
+    b[off..off + 2].copy_from_slice(&v.to_le_bytes());
+}
+fn put_u32(b: &mut [u8], off: usize, v: u32) {
+    b[off..off + 4].copy_from_slice(&v.to_le_bytes());
+}
+fn put_u64(b: &mut [u8], off: usize, v: u64) {
+    b[off..off + 8].copy_from_slice(&v.to_le_bytes());
+}
+
+/// A name length as the le16 every named item stores. Names longer than 65535 bytes cannot be
+/// encoded; btrfs caps them at 255 ([`NAME_LEN`]) anyway, so the caller has refused them.
+fn name_len16(name: &[u8]) -> u16 {
+    u16::try_from(name.len()).unwrap_or(u16::MAX)
+}
+
+impl Timespec {
+    pub const SIZE: usize = 12;
+    /// The 12 on-disk bytes: le64 seconds, le32 nanoseconds.
+    pub fn to_bytes(&self) -> [u8; Self::SIZE] {
+        let mut b = [0u8; Self::SIZE];
+        put_u64(&mut b, 0, self.sec as u64);
+        put_u32(&mut b, 8, self.nsec);
+        b
+    }
+}
+
+impl InodeItem {
+    /// The 160-byte INODE_ITEM body (also the first 160 bytes of a ROOT_ITEM).
+    pub fn to_bytes(&self) -> [u8; Self::SIZE] {
+        let mut b = [0u8; Self::SIZE];
+        put_u64(&mut b, 0, self.generation);
+        put_u64(&mut b, 8, self.transid);
+        put_u64(&mut b, 16, self.size);
+        put_u64(&mut b, 24, self.nbytes);
+        put_u64(&mut b, 32, self.block_group);
+        put_u32(&mut b, 40, self.nlink);
+        put_u32(&mut b, 44, self.uid);
+        put_u32(&mut b, 48, self.gid);
+        put_u32(&mut b, 52, self.mode);
+        put_u64(&mut b, 56, self.rdev);
+        put_u64(&mut b, 64, self.flags);
+        put_u64(&mut b, 72, self.sequence);
+        // [80, 112): four reserved le64
+        b[112..124].copy_from_slice(&self.atime.to_bytes());
+        b[124..136].copy_from_slice(&self.ctime.to_bytes());
+        b[136..148].copy_from_slice(&self.mtime.to_bytes());
+        b[148..160].copy_from_slice(&self.otime.to_bytes());
+        b
+    }
+}
+
+impl DirItem {
+    /// One DIR_ITEM / DIR_INDEX / XATTR_ITEM entry: location key, le64 transid, le16 data
+    /// length, le16 name length, u8 type, name, data. Items holding several colliding names are
+    /// the concatenation of their entries.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut b = vec![0u8; Self::HEADER + self.name.len() + self.data.len()];
+        b[0..17].copy_from_slice(&self.location.to_bytes());
+        put_u64(&mut b, 17, self.transid);
+        put_u16(&mut b, 25, name_len16(&self.data));
+        put_u16(&mut b, 27, name_len16(&self.name));
+        b[29] = self.file_type;
+        b[30..30 + self.name.len()].copy_from_slice(&self.name);
+        b[30 + self.name.len()..].copy_from_slice(&self.data);
+        b
+    }
+}
+
+impl InodeRef {
+    /// One INODE_REF entry: le64 index, le16 name length, name.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut b = vec![0u8; 10 + self.name.len()];
+        put_u64(&mut b, 0, self.index);
+        put_u16(&mut b, 8, name_len16(&self.name));
+        b[10..].copy_from_slice(&self.name);
+        b
+    }
+}
+
+impl InodeExtref {
+    /// One INODE_EXTREF entry: le64 parent, le64 index, le16 name length, name.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut b = vec![0u8; 18 + self.name.len()];
+        put_u64(&mut b, 0, self.parent);
+        put_u64(&mut b, 8, self.index);
+        put_u16(&mut b, 16, name_len16(&self.name));
+        b[18..].copy_from_slice(&self.name);
+        b
+    }
+}
+
+impl FileExtentItem {
+    /// EXTENT_DATA body: 21-byte header, then the inline data or the four le64 of a regular or
+    /// preallocated extent.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let tail = match &self.body {
+            FileExtentBody::Inline(d) => d.len(),
+            FileExtentBody::Extent { .. } => Self::SIZE - Self::INLINE_HEADER,
+        };
+        let mut b = vec![0u8; Self::INLINE_HEADER + tail];
+        put_u64(&mut b, 0, self.generation);
+        put_u64(&mut b, 8, self.ram_bytes);
+        b[16] = self.compression;
+        b[17] = self.encryption;
+        put_u16(&mut b, 18, self.other_encoding);
+        b[20] = self.ty;
+        match &self.body {
+            FileExtentBody::Inline(d) => b[21..].copy_from_slice(d),
+            FileExtentBody::Extent {
+                disk_bytenr,
+                disk_num_bytes,
+                offset,
+                num_bytes,
+            } => {
+                put_u64(&mut b, 21, *disk_bytenr);
+                put_u64(&mut b, 29, *disk_num_bytes);
+                put_u64(&mut b, 37, *offset);
+                put_u64(&mut b, 45, *num_bytes);
+            }
+        }
+        b
+    }
+}
+
+impl RootItem {
+    /// The full 439-byte ROOT_ITEM body (with the v2 fields; the 64 reserved bytes at the end
+    /// are zero).
+    pub fn to_bytes(&self) -> [u8; Self::SIZE] {
+        let mut b = [0u8; Self::SIZE];
+        b[0..160].copy_from_slice(&self.inode.to_bytes());
+        put_u64(&mut b, 160, self.generation);
+        put_u64(&mut b, 168, self.root_dirid);
+        put_u64(&mut b, 176, self.bytenr);
+        put_u64(&mut b, 184, self.byte_limit);
+        put_u64(&mut b, 192, self.bytes_used);
+        put_u64(&mut b, 200, self.last_snapshot);
+        put_u64(&mut b, 208, self.flags);
+        put_u32(&mut b, 216, self.refs);
+        b[220..237].copy_from_slice(&self.drop_progress.to_bytes());
+        b[237] = self.drop_level;
+        b[238] = self.level;
+        put_u64(&mut b, 239, self.generation_v2);
+        b[247..263].copy_from_slice(&self.uuid);
+        b[263..279].copy_from_slice(&self.parent_uuid);
+        b[279..295].copy_from_slice(&self.received_uuid);
+        put_u64(&mut b, 295, self.ctransid);
+        put_u64(&mut b, 303, self.otransid);
+        put_u64(&mut b, 311, self.stransid);
+        put_u64(&mut b, 319, self.rtransid);
+        b[327..339].copy_from_slice(&self.ctime.to_bytes());
+        b[339..351].copy_from_slice(&self.otime.to_bytes());
+        b[351..363].copy_from_slice(&self.stime.to_bytes());
+        b[363..375].copy_from_slice(&self.rtime.to_bytes());
+        b
+    }
+}
+
+impl RootRef {
+    /// ROOT_REF / ROOT_BACKREF body: le64 dirid, le64 sequence, le16 name length, name.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut b = vec![0u8; 18 + self.name.len()];
+        put_u64(&mut b, 0, self.dirid);
+        put_u64(&mut b, 8, self.sequence);
+        put_u16(&mut b, 16, name_len16(&self.name));
+        b[18..].copy_from_slice(&self.name);
+        b
+    }
+}
+
+impl Stripe {
+    /// The 32-byte stripe record: le64 devid, le64 physical offset, device uuid.
+    pub fn to_bytes(&self) -> [u8; ChunkItem::STRIPE] {
+        let mut b = [0u8; ChunkItem::STRIPE];
+        put_u64(&mut b, 0, self.devid);
+        put_u64(&mut b, 8, self.offset);
+        b[16..32].copy_from_slice(&self.dev_uuid);
+        b
+    }
+}
+
+impl ChunkItem {
+    /// CHUNK_ITEM body (also the form in the superblock's sys_chunk_array, after its key).
+    /// `num_stripes` is written as `stripes.len()`.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut b = vec![0u8; Self::BASE + self.stripes.len() * Self::STRIPE];
+        put_u64(&mut b, 0, self.length);
+        put_u64(&mut b, 8, self.owner);
+        put_u64(&mut b, 16, self.stripe_len);
+        put_u64(&mut b, 24, self.ty);
+        put_u32(&mut b, 32, self.io_align);
+        put_u32(&mut b, 36, self.io_width);
+        put_u32(&mut b, 40, self.sector_size);
+        put_u16(
+            &mut b,
+            44,
+            u16::try_from(self.stripes.len()).unwrap_or(u16::MAX),
+        );
+        put_u16(&mut b, 46, self.sub_stripes);
+        for (i, s) in self.stripes.iter().enumerate() {
+            let o = Self::BASE + i * Self::STRIPE;
+            b[o..o + Self::STRIPE].copy_from_slice(&s.to_bytes());
+        }
+        b
+    }
+}
+
+impl BlockGroupItem {
+    /// BLOCK_GROUP_ITEM body: le64 used, le64 chunk objectid, le64 flags.
+    pub fn to_bytes(&self) -> [u8; Self::SIZE] {
+        let mut b = [0u8; Self::SIZE];
+        put_u64(&mut b, 0, self.used);
+        put_u64(&mut b, 8, self.chunk_objectid);
+        put_u64(&mut b, 16, self.flags);
+        b
+    }
+}
+
+impl DevExtent {
+    /// DEV_EXTENT body.
+    pub fn to_bytes(&self) -> [u8; Self::SIZE] {
+        let mut b = [0u8; Self::SIZE];
+        put_u64(&mut b, 0, self.chunk_tree);
+        put_u64(&mut b, 8, self.chunk_objectid);
+        put_u64(&mut b, 16, self.chunk_offset);
+        put_u64(&mut b, 24, self.length);
+        b[32..48].copy_from_slice(&self.chunk_tree_uuid);
+        b
+    }
+}
+
+impl FreeSpaceInfo {
+    pub const SIZE: usize = 8;
+    /// FREE_SPACE_INFO body: le32 extent count, le32 flags.
+    pub fn to_bytes(&self) -> [u8; Self::SIZE] {
+        let mut b = [0u8; Self::SIZE];
+        put_u32(&mut b, 0, self.extent_count);
+        put_u32(&mut b, 4, self.flags);
+        b
+    }
+}
+
+impl BackRef {
+    /// The inline form inside an extent item: the type byte, then the body.
+    pub fn inline_bytes(&self) -> Vec<u8> {
+        let mut b = Vec::with_capacity(29);
+        match self {
+            BackRef::TreeBlock { root } => {
+                b.push(TREE_BLOCK_REF_KEY);
+                b.extend_from_slice(&root.to_le_bytes());
+            }
+            BackRef::SharedBlock { parent } => {
+                b.push(SHARED_BLOCK_REF_KEY);
+                b.extend_from_slice(&parent.to_le_bytes());
+            }
+            BackRef::ExtentData {
+                root,
+                objectid,
+                offset,
+                count,
+            } => {
+                b.push(EXTENT_DATA_REF_KEY);
+                b.extend_from_slice(&root.to_le_bytes());
+                b.extend_from_slice(&objectid.to_le_bytes());
+                b.extend_from_slice(&offset.to_le_bytes());
+                b.extend_from_slice(&count.to_le_bytes());
+            }
+            BackRef::SharedData { parent, count } => {
+                b.push(SHARED_DATA_REF_KEY);
+                b.extend_from_slice(&parent.to_le_bytes());
+                b.extend_from_slice(&count.to_le_bytes());
+            }
+            BackRef::Owner { root } => {
+                b.push(EXTENT_OWNER_REF_KEY);
+                b.extend_from_slice(&root.to_le_bytes());
+            }
+        }
+        b
+    }
+}
+
+impl ExtentItem {
+    /// EXTENT_ITEM / METADATA_ITEM body: le64 refs, le64 generation, le64 flags, the tree
+    /// block info (first key, level) when present (non-skinny tree blocks), then the inline
+    /// references in the order given (the caller keeps btrfs's order: by type, then value).
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut b = Vec::with_capacity(24 + 18 + 9 * self.inline_refs.len());
+        b.extend_from_slice(&self.refs.to_le_bytes());
+        b.extend_from_slice(&self.generation.to_le_bytes());
+        b.extend_from_slice(&self.flags.to_le_bytes());
+        if let Some((key, level)) = &self.tree_block_info {
+            b.extend_from_slice(&key.to_bytes());
+            b.push(*level);
+        }
+        for r in &self.inline_refs {
+            b.extend_from_slice(&r.inline_bytes());
+        }
+        b
+    }
+}
+
+#[cfg(test)]
+mod encode_tests {
+    use super::*;
+
+    fn ts(sec: i64, nsec: u32) -> Timespec {
+        Timespec { sec, nsec }
+    }
+
+    fn inode() -> InodeItem {
+        InodeItem {
+            generation: 7,
+            transid: 9,
+            size: 12345,
+            nbytes: 16384,
+            block_group: 0,
+            nlink: 2,
+            uid: 1000,
+            gid: 100,
+            mode: 0o100644,
+            rdev: 0,
+            flags: INODE_NODATASUM,
+            sequence: 3,
+            atime: ts(1_700_000_000, 5),
+            ctime: ts(1_700_000_001, 6),
+            mtime: ts(1_700_000_002, 7),
+            otime: ts(-1, 8),
+        }
+    }
+
+    #[test]
+    fn round_trips() {
+        let i = inode();
+        assert_eq!(InodeItem::parse(&i.to_bytes()).unwrap(), i);
+
+        let d = DirItem {
+            location: Key::new(257, INODE_ITEM_KEY, 0),
+            transid: 4,
+            file_type: FT_REG_FILE,
+            name: b"hello".to_vec(),
+            data: Vec::new(),
+        };
+        let x = DirItem {
+            location: Key::default(),
+            transid: 4,
+            file_type: FT_XATTR,
+            name: b"user.a".to_vec(),
+            data: b"value".to_vec(),
+        };
+        let mut two = d.to_bytes();
+        two.extend_from_slice(&x.to_bytes());
+        assert_eq!(DirItem::parse_all(&two).unwrap(), vec![d, x]);
+
+        let r = InodeRef {
+            index: 2,
+            name: b"..".to_vec(),
+        };
+        assert_eq!(InodeRef::parse_all(&r.to_bytes()).unwrap(), vec![r]);
+        let e = InodeExtref {
+            parent: 256,
+            index: 3,
+            name: b"x".repeat(200),
+        };
+        assert_eq!(InodeExtref::parse_all(&e.to_bytes()).unwrap(), vec![e]);
+
+        for f in [
+            FileExtentItem {
+                generation: 5,
+                ram_bytes: 3,
+                compression: 0,
+                encryption: 0,
+                other_encoding: 0,
+                ty: FILE_EXTENT_INLINE,
+                body: FileExtentBody::Inline(b"abc".to_vec()),
+            },
+            FileExtentItem {
+                generation: 5,
+                ram_bytes: 8192,
+                compression: COMPRESS_ZSTD,
+                encryption: 0,
+                other_encoding: 0,
+                ty: FILE_EXTENT_REG,
+                body: FileExtentBody::Extent {
+                    disk_bytenr: 1 << 30,
+                    disk_num_bytes: 4096,
+                    offset: 0,
+                    num_bytes: 8192,
+                },
+            },
+        ] {
+            assert_eq!(FileExtentItem::parse(&f.to_bytes()).unwrap(), f);
+        }
+
+        let ri = RootItem {
+            inode: inode(),
+            generation: 11,
+            root_dirid: 256,
+            bytenr: 30425088,
+            byte_limit: 0,
+            bytes_used: 16384,
+            last_snapshot: 2,
+            flags: ROOT_SUBVOL_RDONLY,
+            refs: 1,
+            drop_progress: Key::new(1, 2, 3),
+            drop_level: 1,
+            level: 2,
+            generation_v2: 11,
+            uuid: [1; 16],
+            parent_uuid: [2; 16],
+            received_uuid: [3; 16],
+            ctransid: 4,
+            otransid: 5,
+            stransid: 6,
+            rtransid: 7,
+            ctime: ts(10, 1),
+            otime: ts(11, 2),
+            stime: ts(12, 3),
+            rtime: ts(13, 4),
+        };
+        assert_eq!(RootItem::parse(&ri.to_bytes()).unwrap(), ri);
+
+        let rr = RootRef {
+            dirid: 256,
+            sequence: 2,
+            name: b"snap".to_vec(),
+        };
+        assert_eq!(RootRef::parse(&rr.to_bytes()).unwrap(), rr);
+
+        let c = ChunkItem {
+            length: 8 << 20,
+            owner: EXTENT_TREE_OBJECTID,
+            stripe_len: STRIPE_LEN,
+            ty: BLOCK_GROUP_SYSTEM | BLOCK_GROUP_DUP,
+            io_align: 65536,
+            io_width: 65536,
+            sector_size: 4096,
+            num_stripes: 2,
+            sub_stripes: 1,
+            stripes: vec![
+                Stripe {
+                    devid: 1,
+                    offset: 1 << 20,
+                    dev_uuid: [9; 16],
+                },
+                Stripe {
+                    devid: 1,
+                    offset: 9 << 20,
+                    dev_uuid: [9; 16],
+                },
+            ],
+        };
+        let cb = c.to_bytes();
+        assert_eq!(cb.len(), 112);
+        assert_eq!(ChunkItem::parse(&cb).unwrap(), (c, 112));
+
+        let bg = BlockGroupItem {
+            used: 16384,
+            chunk_objectid: FIRST_CHUNK_TREE_OBJECTID,
+            flags: BLOCK_GROUP_METADATA | BLOCK_GROUP_DUP,
+        };
+        assert_eq!(BlockGroupItem::parse(&bg.to_bytes()).unwrap(), bg);
+        let de = DevExtent {
+            chunk_tree: CHUNK_TREE_OBJECTID,
+            chunk_objectid: FIRST_CHUNK_TREE_OBJECTID,
+            chunk_offset: 1 << 20,
+            length: 8 << 20,
+            chunk_tree_uuid: [4; 16],
+        };
+        assert_eq!(DevExtent::parse(&de.to_bytes()).unwrap(), de);
+        let fsi = FreeSpaceInfo {
+            extent_count: 3,
+            flags: FREE_SPACE_USING_BITMAPS,
+        };
+        assert_eq!(FreeSpaceInfo::parse(&fsi.to_bytes()).unwrap(), fsi);
+
+        let skinny = ExtentItem {
+            refs: 1,
+            generation: 1,
+            flags: EXTENT_FLAG_TREE_BLOCK,
+            tree_block_info: None,
+            inline_refs: vec![BackRef::TreeBlock { root: 5 }],
+        };
+        let sb = skinny.to_bytes();
+        assert_eq!(sb.len(), 33);
+        assert_eq!(ExtentItem::parse(&sb, METADATA_ITEM_KEY).unwrap(), skinny);
+        let fat = ExtentItem {
+            tree_block_info: Some((Key::new(256, INODE_ITEM_KEY, 0), 0)),
+            ..skinny
+        };
+        let fb = fat.to_bytes();
+        assert_eq!(fb.len(), 51);
+        assert_eq!(ExtentItem::parse(&fb, EXTENT_ITEM_KEY).unwrap(), fat);
+        let data = ExtentItem {
+            refs: 4,
+            generation: 8,
+            flags: EXTENT_FLAG_DATA,
+            tree_block_info: None,
+            inline_refs: vec![
+                BackRef::ExtentData {
+                    root: 5,
+                    objectid: 257,
+                    offset: 0,
+                    count: 2,
+                },
+                BackRef::SharedData {
+                    parent: 1 << 22,
+                    count: 1,
+                },
+                BackRef::Owner { root: 5 },
+                BackRef::SharedBlock { parent: 1 << 23 },
+            ],
+        };
+        assert_eq!(
+            ExtentItem::parse(&data.to_bytes(), EXTENT_ITEM_KEY).unwrap(),
+            data
+        );
+    }
+}

@@ -1,0 +1,1641 @@
+//! mkfs: writes a new, empty single-device btrfs filesystem.
+//!
+//! The result has the structure `mkfs.btrfs` 6.2 gives an empty filesystem, built directly in
+//! its final state (mkfs.btrfs goes through several transactions and temporary chunks; here
+//! every tree is written once, as one leaf, at generation 1):
+//!
+//! ```text
+//! device:  [0, 1 MiB) reserved (superblock at 64 KiB)
+//!          system chunk    SYSTEM   | profile of metadata   (4 MiB single, 8 MiB per DUP copy)
+//!          metadata chunk  METADATA | metadata profile       (sizes below)
+//!          data chunk      DATA     | data profile
+//!          each chunk's logical address is the physical offset of its first copy; a DUP chunk's
+//!          two copies lie one after the other.
+//! system chunk:   the chunk tree leaf: DEV_ITEM, one CHUNK_ITEM per chunk
+//! metadata chunk: root tree, extent tree, dev tree, fs tree, csum tree, uuid tree, free space
+//!                 tree (when enabled), data reloc tree; one leaf each, in that order, from the
+//!                 start of the chunk (skipping any block whose copy would touch the 64 KiB
+//!                 around a superblock mirror)
+//! root tree:      ROOT_ITEMs of every tree but the chunk tree and itself; (FS_TREE INODE_REF 6)
+//!                 "default"; the root tree directory inode 6 with its ".." ref and the
+//!                 "default" DIR_ITEM pointing at the fs tree
+//! extent tree:    a BLOCK_GROUP_ITEM per chunk (`used` = its tree blocks), an extent item per
+//!                 tree block (METADATA_ITEM with skinny metadata, else EXTENT_ITEM with the
+//!                 block's first key and level) with one inline TREE_BLOCK_REF to its owner
+//! dev tree:       a DEV_EXTENT per chunk copy
+//! fs tree, data reloc tree: the root directory, inode 256, with its ".." INODE_REF
+//! uuid tree:      the fs tree's uuid -> 5
+//! free space tree: FREE_SPACE_INFO per block group and a FREE_SPACE_EXTENT per free range
+//! superblock:     written at every mirror offset that fits (64 KiB, 64 MiB, 256 GiB), with the
+//!                 system chunk in sys_chunk_array and backup root slot 0 filled
+//! ```
+//!
+//! Chunk sizes follow what mkfs.btrfs 6.2 creates for the device size: single system 4 MiB,
+//! single metadata and data 8 MiB; DUP system 8 MiB per copy; DUP metadata 256 MiB per copy
+//! (1 GiB above 50 GiB) and DUP data 1 GiB per copy, both cut to a tenth of the device split
+//! over the two copies when that is smaller, but never below 32 MiB (metadata) or 64 MiB
+//! (data). The kernel allocates further chunks as the filesystem fills.
+//!
+//! Determinism: with [`MkfsOptions::time`] set (SOURCE_DATE_EPOCH) every uuid other than the
+//! fsid is derived from the fsid by a hash, and every timestamp is that time, so the same
+//! options and fsid give a byte-identical image. Without it the other uuids are random
+//! (from /dev/urandom) and the time is now.
+//!
+//! Differences from mkfs.btrfs 6.2, on purpose: no holes on the device from temporary chunks
+//! (chunks start at 1 MiB: system, metadata, data); the chunk tree is the first block of the
+//! system chunk; every generation is 1 (mkfs.btrfs ends at 6 after its transactions); the
+//! free space tree has no stale entries for removed block groups; non-skinny extent items
+//! always carry the block's real first key; `uuid_tree_generation` is 1 (the uuid tree is
+//! complete), where mkfs.btrfs leaves 0 and the kernel rescans the uuid tree at first mount.
+//!
+//! What is written: the first and the last 2 MiB of the filesystem are zeroed (as mkfs.btrfs
+//! does, wiping old signatures), old btrfs superblock mirrors past the new filesystem's end
+//! but inside the device are zeroed, then every copy of every tree block, a flush, the
+//! superblock mirrors (the primary last) and a flush.
+
+use crate::ctree_ops::{LeafMut, NewHeader};
+use crate::device::BlockDevice;
+use crate::error::{Error, Result};
+use crate::format::csum::CsumType;
+use crate::format::hash::name_hash;
+use crate::format::items::*;
+use crate::format::superblock::{BackupRoot, DevItem, Superblock};
+use crate::format::*;
+
+const KIB: u64 = 1024;
+const MIB: u64 = 1024 * KIB;
+const GIB: u64 = 1024 * MIB;
+
+/// Generation of every block, root and the superblock.
+pub const GENERATION: u64 = 1;
+/// Bytes at the start of the device no chunk uses.
+const RESERVED: u64 = MIB;
+/// Bytes zeroed at each end of the filesystem.
+const ZERO_BYTES: u64 = 2 * MIB;
+/// Bytes around each superblock mirror that hold no tree block (the kernel excludes one
+/// stripe, 64 KiB, at each mirror from allocation).
+const SUPER_EXCLUDE: u64 = STRIPE_LEN;
+/// Devid of the only device.
+const DEVID: u64 = 1;
+/// Mode of the root directories: a directory, rwxr-xr-x.
+const ROOT_DIR_MODE: u32 = 0o040755;
+
+/// A block group profile on one device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Profile {
+    /// One copy.
+    Single,
+    /// Two copies on the same device.
+    Dup,
+}
+
+impl Profile {
+    /// The profile bits of a chunk type / block group flags (0 for single).
+    pub fn flag(self) -> u64 {
+        match self {
+            Profile::Single => 0,
+            Profile::Dup => BLOCK_GROUP_DUP,
+        }
+    }
+    /// Number of copies (stripes) of a chunk.
+    pub fn copies(self) -> u64 {
+        match self {
+            Profile::Single => 1,
+            Profile::Dup => 2,
+        }
+    }
+    /// The name mkfs.btrfs prints ("single", "DUP").
+    pub fn name(self) -> &'static str {
+        match self {
+            Profile::Single => "single",
+            Profile::Dup => "DUP",
+        }
+    }
+}
+
+/// What to build. [`Default`] gives mkfs.btrfs 6.2's defaults.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MkfsOptions {
+    /// Bytes of the device the filesystem uses (0 = the whole device); rounded down to the
+    /// sector size.
+    pub size: u64,
+    /// Tree block size in bytes: a power of two from the sector size (and 4096) to 65536.
+    pub nodesize: u32,
+    /// Data block size in bytes: a power of two from 4096 to 65536.
+    pub sectorsize: u32,
+    pub csum: CsumType,
+    /// Profile of the metadata and system chunks.
+    pub metadata: Profile,
+    /// Profile of the data chunk.
+    pub data: Profile,
+    /// incompat NO_HOLES.
+    pub no_holes: bool,
+    /// incompat SKINNY_METADATA (METADATA_ITEM extent items).
+    pub skinny_metadata: bool,
+    /// compat_ro FREE_SPACE_TREE (+ _VALID) and the free space tree.
+    pub free_space_tree: bool,
+    /// At most 255 bytes, no NUL.
+    pub label: String,
+    /// The filesystem uuid; random when `None`.
+    pub fsid: Option<[u8; 16]>,
+    /// Seconds since the epoch for every timestamp (SOURCE_DATE_EPOCH); `None` = now. When
+    /// set, the other uuids are derived from the fsid (see the module documentation).
+    pub time: Option<u64>,
+}
+
+impl Default for MkfsOptions {
+    fn default() -> Self {
+        MkfsOptions {
+            size: 0,
+            nodesize: 16384,
+            sectorsize: 4096,
+            csum: CsumType::Crc32c,
+            metadata: Profile::Dup,
+            data: Profile::Single,
+            no_holes: true,
+            skinny_metadata: true,
+            free_space_tree: true,
+            label: String::new(),
+            fsid: None,
+            time: None,
+        }
+    }
+}
+
+impl MkfsOptions {
+    /// The superblock incompat flags these options give.
+    pub fn incompat_flags(&self) -> u64 {
+        let mut f = INCOMPAT_MIXED_BACKREF | INCOMPAT_EXTENDED_IREF;
+        if self.skinny_metadata {
+            f |= INCOMPAT_SKINNY_METADATA;
+        }
+        if self.no_holes {
+            f |= INCOMPAT_NO_HOLES;
+        }
+        f
+    }
+    /// The superblock compat_ro flags these options give.
+    pub fn compat_ro_flags(&self) -> u64 {
+        if self.free_space_tree {
+            COMPAT_RO_FREE_SPACE_TREE | COMPAT_RO_FREE_SPACE_TREE_VALID
+        } else {
+            0
+        }
+    }
+}
+
+/// One chunk of the new filesystem.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChunkInfo {
+    /// Logical start (also the key offset of its CHUNK_ITEM and BLOCK_GROUP_ITEM).
+    pub logical: u64,
+    /// Logical length = length of each copy, bytes.
+    pub length: u64,
+    /// Chunk type and profile bits (`BLOCK_GROUP_*`).
+    pub flags: u64,
+    /// Physical offset of each copy on the device.
+    pub stripes: Vec<u64>,
+    /// Bytes of tree blocks in it.
+    pub used: u64,
+}
+
+/// What [`mkfs`] wrote.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MkfsReport {
+    pub fsid: [u8; 16],
+    pub dev_uuid: [u8; 16],
+    pub chunk_tree_uuid: [u8; 16],
+    /// uuid of the top-level subvolume (fs tree, id 5).
+    pub fs_tree_uuid: [u8; 16],
+    pub label: String,
+    /// Filesystem size (superblock and dev item total_bytes).
+    pub total_bytes: u64,
+    /// Bytes used by tree blocks (superblock bytes_used).
+    pub bytes_used: u64,
+    pub nodesize: u32,
+    pub sectorsize: u32,
+    pub csum: CsumType,
+    pub incompat_flags: u64,
+    pub compat_ro_flags: u64,
+    /// The timestamp written into inodes and the fs tree root item, seconds.
+    pub time: u64,
+    /// System, metadata and data chunk, in that order.
+    pub chunks: Vec<ChunkInfo>,
+    /// Byte offsets of the superblock copies written.
+    pub superblocks: Vec<u64>,
+}
+
+/// The smallest device mkfs accepts for these profiles: the thresholds mkfs.btrfs 6.2
+/// enforces (45 MiB with single metadata and data, 64 MiB more for DUP metadata, 120 MiB more
+/// for DUP data). The layout written here needs less; the rest is room to start writing.
+pub fn min_device_size(metadata: Profile, data: Profile) -> u64 {
+    let mut min = 45 * MIB;
+    if metadata == Profile::Dup {
+        min += 64 * MIB;
+    }
+    if data == Profile::Dup {
+        min += 120 * MIB;
+    }
+    min
+}
+
+/// Per-copy size of a DUP chunk: `cap`, unless that is more than a tenth of the device; then
+/// that tenth split over the copies (64 KiB aligned), but at least `min`.
+fn dup_stripe_size(size: u64, cap: u64, min: u64) -> u64 {
+    let tenth = size / 10;
+    let s = if cap > tenth {
+        (tenth / 2) / STRIPE_LEN * STRIPE_LEN
+    } else {
+        cap
+    };
+    s.max(min)
+}
+
+/// (type flags, per-copy length, copies) of the system, metadata and data chunks.
+fn chunk_plan(size: u64, opts: &MkfsOptions) -> [(u64, u64, u64); 3] {
+    let sys_len = match opts.metadata {
+        Profile::Single => 4 * MIB,
+        Profile::Dup => 8 * MIB,
+    };
+    let meta_len = match opts.metadata {
+        Profile::Single => 8 * MIB,
+        Profile::Dup => {
+            let cap = if size > 50 * GIB { GIB } else { 256 * MIB };
+            dup_stripe_size(size, cap, 32 * MIB)
+        }
+    };
+    let data_len = match opts.data {
+        Profile::Single => 8 * MIB,
+        Profile::Dup => dup_stripe_size(size, GIB, 64 * MIB),
+    };
+    [
+        (
+            BLOCK_GROUP_SYSTEM | opts.metadata.flag(),
+            sys_len,
+            opts.metadata.copies(),
+        ),
+        (
+            BLOCK_GROUP_METADATA | opts.metadata.flag(),
+            meta_len,
+            opts.metadata.copies(),
+        ),
+        (
+            BLOCK_GROUP_DATA | opts.data.flag(),
+            data_len,
+            opts.data.copies(),
+        ),
+    ]
+}
+
+fn invalid(msg: impl Into<String>) -> Error {
+    Error::Invalid(msg.into())
+}
+
+fn check_options(opts: &MkfsOptions) -> Result<()> {
+    let ss = opts.sectorsize;
+    if !ss.is_power_of_two() || !(4096..=65536).contains(&ss) {
+        return Err(invalid(format!(
+            "sector size {ss} must be a power of two from 4096 to 65536"
+        )));
+    }
+    let ns = opts.nodesize;
+    if !ns.is_power_of_two() || ns < ss || ns > 65536 {
+        return Err(invalid(format!(
+            "node size {ns} must be a power of two from the sector size ({ss}) to 65536"
+        )));
+    }
+    if opts.label.len() >= LABEL_SIZE {
+        return Err(invalid(format!(
+            "label is {} bytes, at most {} allowed",
+            opts.label.len(),
+            LABEL_SIZE - 1
+        )));
+    }
+    if opts.label.contains('\0') {
+        return Err(invalid("label contains a NUL byte"));
+    }
+    Ok(())
+}
+
+/// Reads `n` random bytes from the kernel.
+fn random_bytes<const N: usize>() -> Result<[u8; N]> {
+    use std::io::Read;
+    let mut b = [0u8; N];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut b))
+        .map_err(|e| Error::io("reading /dev/urandom", 0, e))?;
+    Ok(b)
+}
+
+/// Marks 16 bytes as a version 4 (random), RFC 4122 variant uuid.
+fn as_uuid_v4(mut b: [u8; 16]) -> [u8; 16] {
+    b[6] = (b[6] & 0x0f) | 0x40;
+    b[8] = (b[8] & 0x3f) | 0x80;
+    b
+}
+
+/// A random version 4 uuid.
+pub fn random_uuid() -> Result<[u8; 16]> {
+    Ok(as_uuid_v4(random_bytes::<16>()?))
+}
+
+/// A uuid derived from the fsid for `purpose` (SHA-256 of a fixed prefix, the purpose and the
+/// fsid, shaped as a version 4 uuid).
+fn derived_uuid(fsid: &[u8; 16], purpose: &str) -> [u8; 16] {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    h.update(b"butter mkfs uuid\0");
+    h.update(purpose.as_bytes());
+    h.update([0u8]);
+    h.update(fsid);
+    let d = h.finalize();
+    let mut b = [0u8; 16];
+    b.copy_from_slice(&d[..16]);
+    as_uuid_v4(b)
+}
+
+/// Names the filesystem signature found on `dev`, if any: a btrfs superblock at any mirror
+/// offset inside the device, ext2/3/4, XFS, swap or LUKS. mkfs.btrfs refuses to overwrite such
+/// a device without `-f`; the CLI does the same with this.
+pub fn existing_signature(dev: &dyn BlockDevice) -> Result<Option<&'static str>> {
+    let len = dev.len();
+    let read = |off: u64, n: usize| -> Result<Option<Vec<u8>>> {
+        if off.checked_add(n as u64).is_none_or(|end| end > len) {
+            return Ok(None);
+        }
+        let mut b = vec![0u8; n];
+        dev.read_at(&mut b, off)
+            .map_err(|e| Error::io("reading an old signature", off, e))?;
+        Ok(Some(b))
+    };
+    for m in 0..SUPER_MIRROR_MAX {
+        if let Some(b) = read(super_offset(m) + 64, 8)? {
+            if b == MAGIC.to_le_bytes() {
+                return Ok(Some("btrfs"));
+            }
+        }
+    }
+    if let Some(b) = read(1024 + 56, 2)? {
+        if b == [0x53, 0xef] {
+            return Ok(Some("ext2/ext3/ext4"));
+        }
+    }
+    if let Some(b) = read(0, 6)? {
+        if &b[..4] == b"XFSB" {
+            return Ok(Some("xfs"));
+        }
+        if b == b"LUKS\xba\xbe" {
+            return Ok(Some("crypto_LUKS"));
+        }
+    }
+    if let Some(b) = read(4096 - 10, 10)? {
+        if &b == b"SWAPSPACE2" || &b == b"SWAP-SPACE" {
+            return Ok(Some("swap"));
+        }
+    }
+    Ok(None)
+}
+
+/// A tree block to write: its address, owner and items in key order.
+struct Leaf {
+    bytenr: u64,
+    owner: u64,
+    items: Vec<(Key, Vec<u8>)>,
+}
+
+impl Leaf {
+    fn first_key(&self) -> Key {
+        self.items.first().map(|(k, _)| *k).unwrap_or_default()
+    }
+}
+
+/// The INODE_ITEM mkfs.btrfs embeds in the ROOT_ITEMs of the trees it creates first
+/// (generation 1, size 3, nbytes one block, one link, a directory).
+fn root_item_inode(nodesize: u32) -> InodeItem {
+    InodeItem {
+        generation: GENERATION,
+        size: 3,
+        nbytes: u64::from(nodesize),
+        nlink: 1,
+        mode: ROOT_DIR_MODE,
+        ..Default::default()
+    }
+}
+
+fn root_item(bytenr: u64, nodesize: u32, root_dirid: u64, inode: InodeItem) -> RootItem {
+    RootItem {
+        inode,
+        generation: GENERATION,
+        root_dirid,
+        bytenr,
+        bytes_used: u64::from(nodesize),
+        refs: 1,
+        level: 0,
+        generation_v2: GENERATION,
+        ..Default::default()
+    }
+}
+
+/// The root directory (inode 256) of a subvolume tree or the data reloc tree, with its ".."
+/// reference to itself.
+fn root_dir_items(inode: InodeItem) -> Vec<(Key, Vec<u8>)> {
+    let dotdot = InodeRef {
+        index: 0,
+        name: b"..".to_vec(),
+    };
+    vec![
+        (
+            Key::new(FIRST_FREE_OBJECTID, INODE_ITEM_KEY, 0),
+            inode.to_bytes().to_vec(),
+        ),
+        (
+            Key::new(FIRST_FREE_OBJECTID, INODE_REF_KEY, FIRST_FREE_OBJECTID),
+            dotdot.to_bytes(),
+        ),
+    ]
+}
+
+/// Writes a new filesystem onto `dev` (see the module documentation) and returns what it
+/// made. Refuses (with [`Error::Invalid`]) bad sizes and options before writing anything;
+/// does not look for an old filesystem (see [`existing_signature`]).
+pub fn mkfs(dev: &dyn BlockDevice, opts: &MkfsOptions) -> Result<MkfsReport> {
+    check_options(opts)?;
+    let dev_len = dev.len();
+    let size = if opts.size == 0 { dev_len } else { opts.size };
+    if size > dev_len {
+        return Err(invalid(format!(
+            "size {size} is larger than the device ({dev_len} bytes)"
+        )));
+    }
+    let sectorsize = u64::from(opts.sectorsize);
+    let size = size / sectorsize * sectorsize;
+    let min = min_device_size(opts.metadata, opts.data);
+    if size < min {
+        return Err(invalid(format!(
+            "{size} bytes is too small for a btrfs filesystem with {} metadata and {} data: \
+             the minimum is {min} bytes ({} MiB)",
+            opts.metadata.name(),
+            opts.data.name(),
+            min / MIB
+        )));
+    }
+    let nodesize = opts.nodesize;
+    let ns = u64::from(nodesize);
+
+    // ---- identities and time ----
+    let fsid = match opts.fsid {
+        Some(u) => u,
+        None => random_uuid()?,
+    };
+    let uuid_for = |purpose: &str| -> Result<[u8; 16]> {
+        if opts.time.is_some() {
+            Ok(derived_uuid(&fsid, purpose))
+        } else {
+            random_uuid()
+        }
+    };
+    let dev_uuid = uuid_for("dev")?;
+    let chunk_tree_uuid = uuid_for("chunk tree")?;
+    let fs_tree_uuid = uuid_for("fs tree")?;
+    let time = match opts.time {
+        Some(t) => t,
+        None => std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0),
+    };
+    let now = Timespec {
+        sec: i64::try_from(time).unwrap_or(i64::MAX),
+        nsec: 0,
+    };
+
+    // ---- chunks ----
+    let mut chunks = Vec::new();
+    let mut cursor = RESERVED;
+    for (flags, length, copies) in chunk_plan(size, opts) {
+        let stripes: Vec<u64> = (0..copies).map(|i| cursor + i * length).collect();
+        chunks.push(ChunkInfo {
+            logical: cursor,
+            length,
+            flags,
+            stripes,
+            used: 0,
+        });
+        cursor += length * copies;
+    }
+    if cursor > size {
+        return Err(invalid(format!(
+            "{size} bytes is too small for the chunks ({cursor} bytes)"
+        )));
+    }
+    let (sys, meta) = (0usize, 1usize);
+
+    // ---- tree block addresses ----
+    let mirrors: Vec<u64> = (0..SUPER_MIRROR_MAX)
+        .map(super_offset)
+        .filter(|&o| o + SUPER_INFO_SIZE as u64 <= size)
+        .collect();
+    let mut next = [chunks[sys].logical, chunks[meta].logical];
+    let mut alloc = |which: usize| -> Result<u64> {
+        let c = &chunks[which];
+        loop {
+            let b = next[which];
+            if b + ns > c.logical + c.length {
+                return Err(invalid(format!(
+                    "the chunk at {} ({} bytes) is too small for its tree blocks",
+                    c.logical, c.length
+                )));
+            }
+            next[which] += ns;
+            let touches_mirror = c.stripes.iter().any(|&s| {
+                let p = s + (b - c.logical);
+                (0..SUPER_MIRROR_MAX)
+                    .map(super_offset)
+                    .any(|m| p < m + SUPER_EXCLUDE && m < p + ns)
+            });
+            if !touches_mirror {
+                return Ok(b);
+            }
+        }
+    };
+    let chunk_bytenr = alloc(sys)?;
+    let root_bytenr = alloc(meta)?;
+    let extent_bytenr = alloc(meta)?;
+    let dev_bytenr = alloc(meta)?;
+    let fs_bytenr = alloc(meta)?;
+    let csum_bytenr = alloc(meta)?;
+    let uuid_bytenr = alloc(meta)?;
+    let fst_bytenr = if opts.free_space_tree {
+        Some(alloc(meta)?)
+    } else {
+        None
+    };
+    let reloc_bytenr = alloc(meta)?;
+    let meta_blocks: Vec<u64> = [
+        Some(root_bytenr),
+        Some(extent_bytenr),
+        Some(dev_bytenr),
+        Some(fs_bytenr),
+        Some(csum_bytenr),
+        Some(uuid_bytenr),
+        fst_bytenr,
+        Some(reloc_bytenr),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
+    chunks[sys].used = ns;
+    chunks[meta].used = ns * meta_blocks.len() as u64;
+    let bytes_used: u64 = chunks.iter().map(|c| c.used).sum();
+    let dev_bytes_used: u64 = chunks
+        .iter()
+        .map(|c| c.length * c.stripes.len() as u64)
+        .sum();
+
+    // ---- chunk tree ----
+    let dev_item = DevItem {
+        devid: DEVID,
+        total_bytes: size,
+        bytes_used: dev_bytes_used,
+        io_align: opts.sectorsize,
+        io_width: opts.sectorsize,
+        sector_size: opts.sectorsize,
+        dev_type: 0,
+        generation: 0,
+        start_offset: 0,
+        dev_group: 0,
+        seek_speed: 0,
+        bandwidth: 0,
+        uuid: dev_uuid,
+        fsid,
+    };
+    let chunk_item = |c: &ChunkInfo| ChunkItem {
+        length: c.length,
+        owner: EXTENT_TREE_OBJECTID,
+        stripe_len: STRIPE_LEN,
+        ty: c.flags,
+        io_align: STRIPE_LEN as u32,
+        io_width: STRIPE_LEN as u32,
+        sector_size: opts.sectorsize,
+        num_stripes: c.stripes.len() as u16,
+        sub_stripes: 1,
+        stripes: c
+            .stripes
+            .iter()
+            .map(|&offset| Stripe {
+                devid: DEVID,
+                offset,
+                dev_uuid,
+            })
+            .collect(),
+    };
+    let mut chunk_items = vec![(
+        Key::new(DEV_ITEMS_OBJECTID, DEV_ITEM_KEY, DEVID),
+        dev_item.to_bytes().to_vec(),
+    )];
+    for c in &chunks {
+        chunk_items.push((
+            Key::new(FIRST_CHUNK_TREE_OBJECTID, CHUNK_ITEM_KEY, c.logical),
+            chunk_item(c).to_bytes(),
+        ));
+    }
+    let mut sys_chunk_array = Key::new(
+        FIRST_CHUNK_TREE_OBJECTID,
+        CHUNK_ITEM_KEY,
+        chunks[sys].logical,
+    )
+    .to_bytes()
+    .to_vec();
+    sys_chunk_array.extend_from_slice(&chunk_item(&chunks[sys]).to_bytes());
+
+    // ---- dev tree ----
+    let mut dev_items = Vec::new();
+    for c in &chunks {
+        for &s in &c.stripes {
+            let de = DevExtent {
+                chunk_tree: CHUNK_TREE_OBJECTID,
+                chunk_objectid: FIRST_CHUNK_TREE_OBJECTID,
+                chunk_offset: c.logical,
+                length: c.length,
+                chunk_tree_uuid,
+            };
+            dev_items.push((Key::new(DEVID, DEV_EXTENT_KEY, s), de.to_bytes().to_vec()));
+        }
+    }
+    dev_items.sort_by_key(|(k, _)| *k);
+
+    // ---- root tree ----
+    let ri_inode = root_item_inode(nodesize);
+    let mut fs_root_item = root_item(fs_bytenr, nodesize, FIRST_FREE_OBJECTID, ri_inode.clone());
+    fs_root_item.uuid = fs_tree_uuid;
+    fs_root_item.ctime = now;
+    fs_root_item.otime = now;
+    let dir_inode = InodeItem {
+        generation: GENERATION,
+        transid: 0,
+        size: 0,
+        nbytes: ns,
+        nlink: 1,
+        mode: ROOT_DIR_MODE,
+        atime: now,
+        ctime: now,
+        mtime: now,
+        otime: now,
+        ..Default::default()
+    };
+    let default_name = b"default".to_vec();
+    let mut root_items: Vec<(Key, Vec<u8>)> = vec![
+        (
+            Key::new(EXTENT_TREE_OBJECTID, ROOT_ITEM_KEY, 0),
+            root_item(extent_bytenr, nodesize, 0, ri_inode.clone())
+                .to_bytes()
+                .to_vec(),
+        ),
+        (
+            Key::new(DEV_TREE_OBJECTID, ROOT_ITEM_KEY, 0),
+            root_item(dev_bytenr, nodesize, 0, ri_inode.clone())
+                .to_bytes()
+                .to_vec(),
+        ),
+        (
+            Key::new(FS_TREE_OBJECTID, INODE_REF_KEY, ROOT_TREE_DIR_OBJECTID),
+            InodeRef {
+                index: 0,
+                name: default_name.clone(),
+            }
+            .to_bytes(),
+        ),
+        (
+            Key::new(FS_TREE_OBJECTID, ROOT_ITEM_KEY, 0),
+            fs_root_item.to_bytes().to_vec(),
+        ),
+        (
+            Key::new(ROOT_TREE_DIR_OBJECTID, INODE_ITEM_KEY, 0),
+            dir_inode.to_bytes().to_vec(),
+        ),
+        (
+            Key::new(
+                ROOT_TREE_DIR_OBJECTID,
+                INODE_REF_KEY,
+                ROOT_TREE_DIR_OBJECTID,
+            ),
+            InodeRef {
+                index: 0,
+                name: b"..".to_vec(),
+            }
+            .to_bytes(),
+        ),
+        (
+            Key::new(
+                ROOT_TREE_DIR_OBJECTID,
+                DIR_ITEM_KEY,
+                name_hash(&default_name),
+            ),
+            DirItem {
+                location: Key::new(FS_TREE_OBJECTID, ROOT_ITEM_KEY, u64::MAX),
+                transid: 0,
+                file_type: FT_DIR,
+                name: default_name,
+                data: Vec::new(),
+            }
+            .to_bytes(),
+        ),
+        (
+            Key::new(CSUM_TREE_OBJECTID, ROOT_ITEM_KEY, 0),
+            root_item(csum_bytenr, nodesize, 0, ri_inode.clone())
+                .to_bytes()
+                .to_vec(),
+        ),
+        (
+            Key::new(UUID_TREE_OBJECTID, ROOT_ITEM_KEY, 0),
+            root_item(uuid_bytenr, nodesize, 0, InodeItem::default())
+                .to_bytes()
+                .to_vec(),
+        ),
+    ];
+    if let Some(b) = fst_bytenr {
+        root_items.push((
+            Key::new(FREE_SPACE_TREE_OBJECTID, ROOT_ITEM_KEY, 0),
+            root_item(b, nodesize, 0, ri_inode.clone())
+                .to_bytes()
+                .to_vec(),
+        ));
+    }
+    root_items.push((
+        Key::new(DATA_RELOC_TREE_OBJECTID, ROOT_ITEM_KEY, 0),
+        root_item(
+            reloc_bytenr,
+            nodesize,
+            FIRST_FREE_OBJECTID,
+            InodeItem::default(),
+        )
+        .to_bytes()
+        .to_vec(),
+    ));
+
+    // ---- fs tree, data reloc tree, csum tree, uuid tree ----
+    let fs_items = root_dir_items(InodeItem {
+        generation: GENERATION,
+        transid: 0,
+        size: 0,
+        nbytes: ns,
+        nlink: 1,
+        mode: ROOT_DIR_MODE,
+        atime: now,
+        ctime: now,
+        mtime: now,
+        otime: now,
+        ..Default::default()
+    });
+    let reloc_items = root_dir_items(InodeItem {
+        generation: GENERATION,
+        transid: 0,
+        size: 0,
+        nbytes: 0,
+        nlink: 1,
+        mode: ROOT_DIR_MODE,
+        atime: now,
+        ctime: now,
+        mtime: now,
+        otime: Timespec::default(),
+        ..Default::default()
+    });
+    let mut uuid_lo = [0u8; 8];
+    let mut uuid_hi = [0u8; 8];
+    uuid_lo.copy_from_slice(&fs_tree_uuid[..8]);
+    uuid_hi.copy_from_slice(&fs_tree_uuid[8..]);
+    let uuid_items = vec![(
+        Key::new(
+            u64::from_le_bytes(uuid_lo),
+            UUID_KEY_SUBVOL,
+            u64::from_le_bytes(uuid_hi),
+        ),
+        FS_TREE_OBJECTID.to_le_bytes().to_vec(),
+    )];
+
+    // ---- free space tree ----
+    let mut fst_items = Vec::new();
+    if fst_bytenr.is_some() {
+        for (i, c) in chunks.iter().enumerate() {
+            let mut used: Vec<u64> = match i {
+                0 => vec![chunk_bytenr],
+                1 => meta_blocks.clone(),
+                _ => Vec::new(),
+            };
+            used.sort_unstable();
+            let mut free = Vec::new();
+            let mut at = c.logical;
+            for b in used {
+                if b > at {
+                    free.push((at, b - at));
+                }
+                at = b + ns;
+            }
+            if at < c.logical + c.length {
+                free.push((at, c.logical + c.length - at));
+            }
+            let info = FreeSpaceInfo {
+                extent_count: free.len() as u32,
+                flags: 0,
+            };
+            fst_items.push((
+                Key::new(c.logical, FREE_SPACE_INFO_KEY, c.length),
+                info.to_bytes().to_vec(),
+            ));
+            for (s, l) in free {
+                fst_items.push((Key::new(s, FREE_SPACE_EXTENT_KEY, l), Vec::new()));
+            }
+        }
+    }
+
+    let mut leaves = vec![
+        Leaf {
+            bytenr: chunk_bytenr,
+            owner: CHUNK_TREE_OBJECTID,
+            items: chunk_items,
+        },
+        Leaf {
+            bytenr: root_bytenr,
+            owner: ROOT_TREE_OBJECTID,
+            items: root_items,
+        },
+        Leaf {
+            bytenr: dev_bytenr,
+            owner: DEV_TREE_OBJECTID,
+            items: dev_items,
+        },
+        Leaf {
+            bytenr: fs_bytenr,
+            owner: FS_TREE_OBJECTID,
+            items: fs_items,
+        },
+        Leaf {
+            bytenr: csum_bytenr,
+            owner: CSUM_TREE_OBJECTID,
+            items: Vec::new(),
+        },
+        Leaf {
+            bytenr: uuid_bytenr,
+            owner: UUID_TREE_OBJECTID,
+            items: uuid_items,
+        },
+        Leaf {
+            bytenr: reloc_bytenr,
+            owner: DATA_RELOC_TREE_OBJECTID,
+            items: reloc_items,
+        },
+    ];
+    if let Some(b) = fst_bytenr {
+        leaves.push(Leaf {
+            bytenr: b,
+            owner: FREE_SPACE_TREE_OBJECTID,
+            items: fst_items,
+        });
+    }
+
+    // ---- extent tree ----
+    // Keys first: the extent tree's own extent item needs the extent tree's first key.
+    let extent_key = |bytenr: u64| {
+        if opts.skinny_metadata {
+            Key::new(bytenr, METADATA_ITEM_KEY, 0)
+        } else {
+            Key::new(bytenr, EXTENT_ITEM_KEY, ns)
+        }
+    };
+    let mut extent_keys: Vec<Key> = chunks
+        .iter()
+        .map(|c| Key::new(c.logical, BLOCK_GROUP_ITEM_KEY, c.length))
+        .collect();
+    extent_keys.extend(leaves.iter().map(|l| extent_key(l.bytenr)));
+    extent_keys.push(extent_key(extent_bytenr));
+    extent_keys.sort_unstable();
+    let extent_first_key = extent_keys.first().copied().unwrap_or_default();
+    let mut blocks: Vec<(u64, u64, Key)> = leaves
+        .iter()
+        .map(|l| (l.bytenr, l.owner, l.first_key()))
+        .collect();
+    blocks.push((extent_bytenr, EXTENT_TREE_OBJECTID, extent_first_key));
+    let mut extent_items: Vec<(Key, Vec<u8>)> = chunks
+        .iter()
+        .map(|c| {
+            let bg = BlockGroupItem {
+                used: c.used,
+                chunk_objectid: FIRST_CHUNK_TREE_OBJECTID,
+                flags: c.flags,
+            };
+            (
+                Key::new(c.logical, BLOCK_GROUP_ITEM_KEY, c.length),
+                bg.to_bytes().to_vec(),
+            )
+        })
+        .collect();
+    for &(bytenr, owner, first_key) in &blocks {
+        let ei = ExtentItem {
+            refs: 1,
+            generation: GENERATION,
+            flags: EXTENT_FLAG_TREE_BLOCK,
+            tree_block_info: if opts.skinny_metadata {
+                None
+            } else {
+                Some((first_key, 0))
+            },
+            inline_refs: vec![BackRef::TreeBlock { root: owner }],
+        };
+        extent_items.push((extent_key(bytenr), ei.to_bytes()));
+    }
+    extent_items.sort_by_key(|(k, _)| *k);
+    leaves.push(Leaf {
+        bytenr: extent_bytenr,
+        owner: EXTENT_TREE_OBJECTID,
+        items: extent_items,
+    });
+
+    // ---- encode the leaves ----
+    let mut encoded: Vec<(u64, Vec<u8>)> = Vec::with_capacity(leaves.len());
+    for l in &leaves {
+        let mut buf = vec![0u8; nodesize as usize];
+        let header = NewHeader {
+            bytenr: l.bytenr,
+            owner: l.owner,
+            generation: GENERATION,
+            fsid,
+            chunk_tree_uuid,
+            flags: HEADER_FLAG_WRITTEN,
+            backref_rev: MIXED_BACKREF_REV as u8,
+        };
+        let mut leaf = LeafMut::init(&mut buf, &header)?;
+        for (slot, (key, data)) in l.items.iter().enumerate() {
+            let dst = leaf.insert_item(slot, *key, data.len()).map_err(|e| {
+                invalid(format!(
+                    "the {} tree does not fit in one {nodesize}-byte leaf: {e}",
+                    tree_name(l.owner)
+                ))
+            })?;
+            dst.copy_from_slice(data);
+        }
+        leaf.finalize(opts.csum)?;
+        encoded.push((l.bytenr, buf));
+    }
+    encoded.sort_by_key(|(b, _)| *b);
+
+    // ---- superblock ----
+    let backup = BackupRoot {
+        tree_root: root_bytenr,
+        tree_root_gen: GENERATION,
+        chunk_root: chunk_bytenr,
+        chunk_root_gen: GENERATION,
+        extent_root: extent_bytenr,
+        extent_root_gen: GENERATION,
+        fs_root: fs_bytenr,
+        fs_root_gen: GENERATION,
+        dev_root: dev_bytenr,
+        dev_root_gen: GENERATION,
+        csum_root: csum_bytenr,
+        csum_root_gen: GENERATION,
+        total_bytes: size,
+        bytes_used,
+        num_devices: 1,
+        ..Default::default()
+    };
+    let mut sb = Superblock {
+        csum: [0; 32],
+        fsid,
+        bytenr: 0,
+        flags: HEADER_FLAG_WRITTEN,
+        magic: MAGIC,
+        generation: GENERATION,
+        root: root_bytenr,
+        chunk_root: chunk_bytenr,
+        log_root: 0,
+        total_bytes: size,
+        bytes_used,
+        root_dir_objectid: ROOT_TREE_DIR_OBJECTID,
+        num_devices: 1,
+        sectorsize: opts.sectorsize,
+        nodesize,
+        stripesize: opts.sectorsize,
+        sys_chunk_array_size: sys_chunk_array.len() as u32,
+        chunk_root_generation: GENERATION,
+        compat_flags: 0,
+        compat_ro_flags: opts.compat_ro_flags(),
+        incompat_flags: opts.incompat_flags(),
+        csum_type_raw: opts.csum.to_disk(),
+        csum_type: opts.csum,
+        root_level: 0,
+        chunk_root_level: 0,
+        log_root_level: 0,
+        dev_item,
+        label: opts.label.clone(),
+        // v1 space cache: (u64)-1 tells the kernel there is none to trust; with the free
+        // space tree mkfs.btrfs writes 0.
+        cache_generation: if opts.free_space_tree { 0 } else { u64::MAX },
+        uuid_tree_generation: GENERATION,
+        metadata_uuid: [0; 16],
+        nr_global_roots: 0,
+        sys_chunk_array,
+        backup_roots: [
+            backup,
+            BackupRoot::default(),
+            BackupRoot::default(),
+            BackupRoot::default(),
+        ],
+        csum_ok: true,
+    };
+
+    // ---- write ----
+    let write = |what: &str, buf: &[u8], off: u64| -> Result<()> {
+        dev.write_at(buf, off)
+            .map_err(|e| Error::io(format!("writing {what}"), off, e))
+    };
+    let zeros = vec![0u8; ZERO_BYTES as usize];
+    write(
+        "zeros at the start",
+        &zeros[..ZERO_BYTES.min(size) as usize],
+        0,
+    )?;
+    let tail = size.saturating_sub(ZERO_BYTES);
+    write("zeros at the end", &zeros[..(size - tail) as usize], tail)?;
+    // Old superblock mirrors past the new end would still name the old filesystem.
+    for m in 0..SUPER_MIRROR_MAX {
+        let off = super_offset(m);
+        if off >= size && off + SUPER_INFO_SIZE as u64 <= dev_len {
+            let mut magic = [0u8; 8];
+            dev.read_at(&mut magic, off + 64)
+                .map_err(|e| Error::io("reading an old superblock mirror", off + 64, e))?;
+            if magic == MAGIC.to_le_bytes() {
+                write(
+                    "zeros over an old superblock mirror",
+                    &zeros[..SUPER_INFO_SIZE],
+                    off,
+                )?;
+            }
+        }
+    }
+    for (bytenr, buf) in &encoded {
+        let c = chunks
+            .iter()
+            .find(|c| c.logical <= *bytenr && *bytenr < c.logical + c.length)
+            .ok_or_else(|| invalid(format!("tree block {bytenr} lies in no chunk")))?;
+        for &s in &c.stripes {
+            write(
+                &format!("tree block {bytenr}"),
+                buf,
+                s + (bytenr - c.logical),
+            )?;
+        }
+    }
+    dev.flush()
+        .map_err(|e| Error::io("flushing the tree blocks", 0, e))?;
+    // Mirrors first, the primary copy last: an interrupted mkfs leaves no valid primary.
+    for &off in mirrors.iter().rev() {
+        sb.bytenr = off;
+        write("the superblock", &sb.to_bytes(), off)?;
+    }
+    dev.flush()
+        .map_err(|e| Error::io("flushing the superblocks", 0, e))?;
+
+    Ok(MkfsReport {
+        fsid,
+        dev_uuid,
+        chunk_tree_uuid,
+        fs_tree_uuid,
+        label: opts.label.clone(),
+        total_bytes: size,
+        bytes_used,
+        nodesize,
+        sectorsize: opts.sectorsize,
+        csum: opts.csum,
+        incompat_flags: opts.incompat_flags(),
+        compat_ro_flags: opts.compat_ro_flags(),
+        time,
+        chunks,
+        superblocks: mirrors,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ctree::{Root, TreeIter};
+    use crate::device::{Faults, FileDevice, RamDevice};
+    use crate::disk_io::{read_superblock, Readahead};
+    use crate::fs::Fs;
+    use std::path::PathBuf;
+    use std::sync::Arc;
+
+    /// A sparse image file in the temp directory, removed on drop.
+    struct TempImage(PathBuf);
+
+    impl TempImage {
+        fn new(name: &str, size: u64) -> TempImage {
+            let p = std::env::temp_dir().join(format!(
+                "butter-mkfs-unit-{}-{name}.img",
+                std::process::id()
+            ));
+            let f = std::fs::File::create(&p).unwrap();
+            f.set_len(size).unwrap();
+            TempImage(p)
+        }
+        fn device(&self) -> FileDevice {
+            FileDevice::open(&self.0, true).unwrap()
+        }
+    }
+
+    impl Drop for TempImage {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_file(&self.0);
+        }
+    }
+
+    fn fixed(opts: MkfsOptions) -> MkfsOptions {
+        MkfsOptions {
+            fsid: Some([0x42; 16]),
+            time: Some(1_700_000_000),
+            ..opts
+        }
+    }
+
+    /// Opens the image with butter's reader, checks the root directory is empty and runs the
+    /// checker, which must find nothing at all.
+    fn assert_opens_clean(dev: Arc<dyn BlockDevice>, what: &str) -> Fs {
+        let fs = Fs::open_device(dev).unwrap_or_else(|e| panic!("{what}: open: {e}"));
+        let root = fs.root_inode();
+        let st = fs.stat(root).unwrap();
+        assert!(st.is_dir(), "{what}: root is not a directory");
+        assert_eq!(st.nlink, 1, "{what}");
+        assert!(fs.readdir(root, 0, 0).unwrap().is_empty(), "{what}");
+        let report = crate::check::check(&fs, &mut |_| {}).unwrap();
+        assert!(
+            report.findings.is_empty(),
+            "{what}: butter check findings:\n{}",
+            report
+                .findings
+                .iter()
+                .map(|f| f.to_string())
+                .collect::<Vec<_>>()
+                .join("\n")
+        );
+        assert_eq!(report.counts.block_groups, 3, "{what}");
+        fs
+    }
+
+    /// Every item key of a tree, in order.
+    fn keys(fs: &Fs, id: u64) -> Vec<Key> {
+        let root = if id == ROOT_TREE_OBJECTID {
+            fs.tree_root()
+        } else {
+            let ri = fs.find_root_item(id).unwrap().unwrap();
+            Root {
+                id,
+                bytenr: ri.bytenr,
+                level: ri.level,
+                generation: ri.generation,
+            }
+        };
+        let mut it =
+            TreeIter::range(fs.disk.clone(), root, Key::MIN, Key::MAX, Readahead::None).unwrap();
+        let mut out = Vec::new();
+        while let Some(item) = it.next_item().unwrap() {
+            out.push(item.key);
+        }
+        out
+    }
+
+    #[test]
+    fn defaults_match_mkfs_btrfs_structure() {
+        let img = TempImage::new("defaults", 128 << 20);
+        let dev = img.device();
+        let r = mkfs(&dev, &fixed(MkfsOptions::default())).unwrap();
+        assert_eq!(r.total_bytes, 128 << 20);
+        assert_eq!(r.superblocks, vec![64 << 10, 64 << 20]);
+        assert_eq!(r.incompat_flags, 0x341);
+        assert_eq!(r.compat_ro_flags, 0x3);
+        // mkfs.btrfs 6.2 on 128 MiB: system DUP 8 MiB, metadata DUP 32 MiB, data 8 MiB.
+        let lens: Vec<(u64, u64, usize)> = r
+            .chunks
+            .iter()
+            .map(|c| (c.flags, c.length, c.stripes.len()))
+            .collect();
+        assert_eq!(
+            lens,
+            vec![
+                (BLOCK_GROUP_SYSTEM | BLOCK_GROUP_DUP, 8 << 20, 2),
+                (BLOCK_GROUP_METADATA | BLOCK_GROUP_DUP, 32 << 20, 2),
+                (BLOCK_GROUP_DATA, 8 << 20, 1),
+            ]
+        );
+        // 9 tree blocks, like mkfs.btrfs: 147456 bytes.
+        assert_eq!(r.bytes_used, 9 * 16384);
+
+        let sb = read_superblock(&dev).unwrap();
+        assert_eq!(sb.generation, 1);
+        assert_eq!(sb.fsid, [0x42; 16]);
+        assert_eq!(sb.incompat_flags, 0x341);
+        assert_eq!(sb.bytes_used, 9 * 16384);
+        assert_eq!(sb.dev_item.bytes_used, (16 + 64 + 8) << 20);
+        assert_eq!(sb.sys_chunk_array.len(), 129);
+        assert_eq!(sb.backup_roots[0].tree_root, sb.root);
+        assert_eq!(sb.backup_roots[0].bytes_used, sb.bytes_used);
+        // The mirror at 64 MiB is the same superblock but for bytenr (and so the checksum).
+        let mut m = vec![0u8; SUPER_INFO_SIZE];
+        dev.read_at(&mut m, 64 << 20).unwrap();
+        let m = Superblock::parse(&m, 64 << 20).unwrap();
+        assert_eq!((m.root, m.generation), (sb.root, sb.generation));
+
+        let fs = assert_opens_clean(Arc::new(dev), "defaults");
+        let ty = |id| keys(&fs, id).iter().map(|k| k.ty).collect::<Vec<_>>();
+        assert_eq!(
+            ty(ROOT_TREE_OBJECTID),
+            vec![
+                ROOT_ITEM_KEY,
+                ROOT_ITEM_KEY,
+                INODE_REF_KEY,
+                ROOT_ITEM_KEY,
+                INODE_ITEM_KEY,
+                INODE_REF_KEY,
+                DIR_ITEM_KEY,
+                ROOT_ITEM_KEY,
+                ROOT_ITEM_KEY,
+                ROOT_ITEM_KEY,
+                ROOT_ITEM_KEY
+            ]
+        );
+        let ext = ty(EXTENT_TREE_OBJECTID);
+        assert_eq!(ext.iter().filter(|&&t| t == METADATA_ITEM_KEY).count(), 9);
+        assert_eq!(
+            ext.iter().filter(|&&t| t == BLOCK_GROUP_ITEM_KEY).count(),
+            3
+        );
+        assert_eq!(ty(DEV_TREE_OBJECTID), vec![DEV_EXTENT_KEY; 5]);
+        assert_eq!(ty(FS_TREE_OBJECTID), vec![INODE_ITEM_KEY, INODE_REF_KEY]);
+        assert_eq!(
+            ty(DATA_RELOC_TREE_OBJECTID),
+            vec![INODE_ITEM_KEY, INODE_REF_KEY]
+        );
+        assert!(ty(CSUM_TREE_OBJECTID).is_empty());
+        assert_eq!(ty(UUID_TREE_OBJECTID), vec![UUID_KEY_SUBVOL]);
+        // Free space tree: system and metadata groups have their blocks at the start, so
+        // one free extent each after them; the data group is all free.
+        let fst = keys(&fs, FREE_SPACE_TREE_OBJECTID);
+        let c = &r.chunks;
+        assert_eq!(
+            fst,
+            vec![
+                Key::new(c[0].logical, FREE_SPACE_INFO_KEY, 8 << 20),
+                Key::new(
+                    c[0].logical + 16384,
+                    FREE_SPACE_EXTENT_KEY,
+                    (8 << 20) - 16384
+                ),
+                Key::new(c[1].logical, FREE_SPACE_INFO_KEY, 32 << 20),
+                Key::new(
+                    c[1].logical + 8 * 16384,
+                    FREE_SPACE_EXTENT_KEY,
+                    (32 << 20) - 8 * 16384
+                ),
+                Key::new(c[2].logical, FREE_SPACE_INFO_KEY, 8 << 20),
+                Key::new(c[2].logical, FREE_SPACE_EXTENT_KEY, 8 << 20),
+            ]
+        );
+        let fs_ri = fs.find_root_item(FS_TREE_OBJECTID).unwrap().unwrap();
+        assert_eq!(fs_ri.uuid, r.fs_tree_uuid);
+        assert_eq!(fs_ri.otime.sec, 1_700_000_000);
+        assert_eq!(fs.stat(fs.root_inode()).unwrap().mtime.sec, 1_700_000_000);
+    }
+
+    #[test]
+    fn option_combinations_open_and_check_clean() {
+        let cases: Vec<(&str, u64, MkfsOptions)> = vec![
+            (
+                "nodesize 4096",
+                128 << 20,
+                MkfsOptions {
+                    nodesize: 4096,
+                    ..Default::default()
+                },
+            ),
+            (
+                "xxhash",
+                128 << 20,
+                MkfsOptions {
+                    csum: CsumType::Xxhash64,
+                    ..Default::default()
+                },
+            ),
+            (
+                "sha256",
+                128 << 20,
+                MkfsOptions {
+                    csum: CsumType::Sha256,
+                    ..Default::default()
+                },
+            ),
+            (
+                "blake2 nodesize 64k",
+                128 << 20,
+                MkfsOptions {
+                    csum: CsumType::Blake2b,
+                    nodesize: 65536,
+                    ..Default::default()
+                },
+            ),
+            (
+                "metadata single, data dup",
+                256 << 20,
+                MkfsOptions {
+                    metadata: Profile::Single,
+                    data: Profile::Dup,
+                    ..Default::default()
+                },
+            ),
+            (
+                "no skinny metadata, no no-holes",
+                128 << 20,
+                MkfsOptions {
+                    skinny_metadata: false,
+                    no_holes: false,
+                    label: "fat extents".into(),
+                    ..Default::default()
+                },
+            ),
+            (
+                "no free space tree",
+                128 << 20,
+                MkfsOptions {
+                    free_space_tree: false,
+                    ..Default::default()
+                },
+            ),
+            (
+                "single/single at the minimum size",
+                45 << 20,
+                MkfsOptions {
+                    metadata: Profile::Single,
+                    data: Profile::Single,
+                    ..Default::default()
+                },
+            ),
+            (
+                "dup/dup 2 GiB",
+                2 << 30,
+                MkfsOptions {
+                    data: Profile::Dup,
+                    ..Default::default()
+                },
+            ),
+        ];
+        for (i, (what, size, opts)) in cases.into_iter().enumerate() {
+            let img = TempImage::new(&format!("combo{i}"), size);
+            let dev = img.device();
+            let r = mkfs(&dev, &fixed(opts.clone())).unwrap_or_else(|e| panic!("{what}: {e}"));
+            let sb = read_superblock(&dev).unwrap();
+            assert_eq!(sb.incompat_flags, opts.incompat_flags(), "{what}");
+            assert_eq!(sb.compat_ro_flags, opts.compat_ro_flags(), "{what}");
+            assert_eq!(sb.csum_type, opts.csum, "{what}");
+            assert_eq!(sb.nodesize, opts.nodesize, "{what}");
+            assert_eq!(sb.label, opts.label, "{what}");
+            let fs = assert_opens_clean(Arc::new(dev), what);
+            let ext = keys(&fs, EXTENT_TREE_OBJECTID);
+            let blocks = if opts.free_space_tree { 9 } else { 8 };
+            let want_ty = if opts.skinny_metadata {
+                METADATA_ITEM_KEY
+            } else {
+                EXTENT_ITEM_KEY
+            };
+            assert_eq!(
+                ext.iter().filter(|k| k.ty == want_ty).count(),
+                blocks,
+                "{what}"
+            );
+            assert_eq!(r.bytes_used, blocks as u64 * u64::from(opts.nodesize));
+            assert_eq!(
+                fs.find_root_item(FREE_SPACE_TREE_OBJECTID)
+                    .unwrap()
+                    .is_some(),
+                opts.free_space_tree,
+                "{what}"
+            );
+            for c in &r.chunks {
+                let want = if c.flags & BLOCK_GROUP_DATA != 0 {
+                    opts.data
+                } else {
+                    opts.metadata
+                };
+                assert_eq!(c.stripes.len() as u64, want.copies(), "{what}");
+            }
+        }
+    }
+
+    #[test]
+    fn chunk_sizes_follow_mkfs_btrfs() {
+        // (device size, metadata DUP per-copy length, data DUP per-copy length), as
+        // mkfs.btrfs 6.2 makes them.
+        for (size, meta, data) in [
+            (128 << 20, 32 << 20, 64 << 20),
+            (1 << 30, 53673984, 64 << 20),
+            (2 << 30, 107347968, 107347968),
+            (4 << 30, 256 << 20, 214695936),
+            (9800 << 20, 256 << 20, 513802240),
+            (10 << 30, 256 << 20, 1 << 30),
+            (51 << 30, 1 << 30, 1 << 30),
+        ] {
+            let o = MkfsOptions {
+                data: Profile::Dup,
+                ..Default::default()
+            };
+            let p = chunk_plan(size, &o);
+            assert_eq!((p[1].1, p[2].1), (meta, data), "size {size}");
+        }
+    }
+
+    #[test]
+    fn large_device_gets_three_superblocks() {
+        let img = TempImage::new("large", 300 << 30);
+        let dev = img.device();
+        let r = mkfs(&dev, &fixed(MkfsOptions::default())).unwrap();
+        assert_eq!(r.superblocks, vec![64 << 10, 64 << 20, 256 << 30]);
+        assert_eq!(r.chunks[1].length, 1 << 30);
+        let mut b = vec![0u8; SUPER_INFO_SIZE];
+        dev.read_at(&mut b, 256 << 30).unwrap();
+        assert_eq!(Superblock::parse(&b, 256 << 30).unwrap().fsid, [0x42; 16]);
+        // The 64 MiB mirror lies inside the metadata chunk's first copy: no tree block there.
+        let c = &r.chunks[1];
+        assert!(c.stripes[0] < 64 << 20 && 64 << 20 < c.stripes[0] + c.length);
+        assert_opens_clean(Arc::new(dev), "300 GiB");
+    }
+
+    #[test]
+    fn ram_device_and_determinism() {
+        let opts = fixed(MkfsOptions {
+            metadata: Profile::Single,
+            ..Default::default()
+        });
+        let size = 45 << 20;
+        let a = Arc::new(RamDevice::new(vec![0u8; size]));
+        let b = RamDevice::new(vec![0xaa; size]);
+        let ra = mkfs(a.as_ref(), &opts).unwrap();
+        let rb = mkfs(&b, &opts).unwrap();
+        assert_eq!(ra, rb);
+        // Same bytes wherever mkfs writes (b started as 0xaa garbage elsewhere).
+        let (la, lb) = (a.durable_bytes(), b.durable_bytes());
+        let mut written: Vec<(u64, u64)> = vec![(0, 2 << 20), (size as u64 - (2 << 20), 2 << 20)];
+        written.extend(ra.chunks.iter().flat_map(|c| {
+            let used = c.used;
+            c.stripes.iter().map(move |&s| (s, used))
+        }));
+        for (off, len) in written {
+            let r = off as usize..(off + len) as usize;
+            assert!(la[r.clone()] == lb[r], "bytes at {off}+{len} differ");
+        }
+        assert_opens_clean(a, "ram device");
+
+        // Another fsid: every uuid changes. No fixed time: random uuids, now.
+        let c = RamDevice::new(vec![0u8; size]);
+        let rc = mkfs(
+            &c,
+            &MkfsOptions {
+                fsid: Some([0x43; 16]),
+                ..opts.clone()
+            },
+        )
+        .unwrap();
+        assert_ne!(rc.dev_uuid, ra.dev_uuid);
+        assert_ne!(rc.chunk_tree_uuid, ra.chunk_tree_uuid);
+        assert_ne!(rc.fs_tree_uuid, ra.fs_tree_uuid);
+        assert_ne!(c.durable_bytes(), la);
+        let d = RamDevice::new(vec![0u8; size]);
+        let rd = mkfs(
+            &d,
+            &MkfsOptions {
+                time: None,
+                ..opts.clone()
+            },
+        )
+        .unwrap();
+        assert_ne!(rd.dev_uuid, ra.dev_uuid);
+        assert!(rd.time > 1_700_000_000);
+        let e = RamDevice::new(vec![0u8; size]);
+        let re = mkfs(&e, &MkfsOptions { fsid: None, ..opts }).unwrap();
+        assert_ne!(re.fsid, ra.fsid);
+        assert_eq!(re.fsid[6] >> 4, 4, "random fsid is a version 4 uuid");
+    }
+
+    #[test]
+    fn refuses_bad_options_without_writing() {
+        let dev = RamDevice::new(vec![0u8; 120 << 20]);
+        let bad = [
+            MkfsOptions {
+                size: 100 << 20,
+                ..Default::default()
+            },
+            MkfsOptions {
+                size: 200 << 20,
+                metadata: Profile::Single,
+                ..Default::default()
+            },
+            MkfsOptions {
+                data: Profile::Dup,
+                ..Default::default()
+            },
+            MkfsOptions {
+                nodesize: 12288,
+                ..Default::default()
+            },
+            MkfsOptions {
+                nodesize: 2048,
+                sectorsize: 2048,
+                ..Default::default()
+            },
+            MkfsOptions {
+                nodesize: 4096,
+                sectorsize: 8192,
+                ..Default::default()
+            },
+            MkfsOptions {
+                nodesize: 131072,
+                ..Default::default()
+            },
+            MkfsOptions {
+                label: "x".repeat(256),
+                ..Default::default()
+            },
+            MkfsOptions {
+                label: "a\0b".into(),
+                ..Default::default()
+            },
+        ];
+        for o in bad {
+            match mkfs(&dev, &o) {
+                Err(Error::Invalid(msg)) => assert!(!msg.is_empty()),
+                other => panic!("{o:?} gave {other:?}"),
+            }
+        }
+        assert_eq!(dev.write_count(), 0);
+        let small = mkfs(
+            &dev,
+            &MkfsOptions {
+                size: 100 << 20,
+                ..Default::default()
+            },
+        );
+        let msg = small.unwrap_err().to_string();
+        assert!(msg.contains("minimum is 114294784 bytes"), "{msg}");
+        // 255 bytes of label is fine.
+        let r = mkfs(
+            &dev,
+            &MkfsOptions {
+                label: "é".repeat(127),
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        assert_eq!(read_superblock(&dev).unwrap().label, r.label);
+    }
+
+    #[test]
+    fn signatures() {
+        let dev = RamDevice::new(vec![0u8; 64 << 20]);
+        assert_eq!(existing_signature(&dev).unwrap(), None);
+        dev.write_at(&[0x53, 0xef], 1080).unwrap();
+        assert_eq!(existing_signature(&dev).unwrap(), Some("ext2/ext3/ext4"));
+        let dev = RamDevice::new(vec![0u8; 50 << 20]);
+        mkfs(
+            &dev,
+            &MkfsOptions {
+                metadata: Profile::Single,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        assert_eq!(existing_signature(&dev).unwrap(), Some("btrfs"));
+    }
+
+    /// A failed write is an error, not a panic; the primary superblock is the last write, so
+    /// a failure anywhere before it leaves no valid filesystem behind.
+    #[test]
+    fn write_failures() {
+        let opts = MkfsOptions {
+            metadata: Profile::Single,
+            ..Default::default()
+        };
+        let probe = RamDevice::new(vec![0u8; 45 << 20]);
+        mkfs(&probe, &opts).unwrap();
+        let writes = probe.write_count();
+        for at in 0..writes {
+            let dev = RamDevice::new(vec![0u8; 45 << 20]);
+            dev.set_faults(Faults {
+                fail_write_at: Some(at),
+                ..Default::default()
+            });
+            let e = mkfs(&dev, &opts).unwrap_err();
+            assert!(matches!(e, Error::Io { .. }), "{e}");
+            assert!(read_superblock(&dev).is_err(), "write {at} failed");
+        }
+        let dev = RamDevice::new(vec![0u8; 45 << 20]);
+        dev.set_faults(Faults {
+            fail_flush: true,
+            ..Default::default()
+        });
+        assert!(matches!(mkfs(&dev, &opts), Err(Error::Io { .. })));
+    }
+}
