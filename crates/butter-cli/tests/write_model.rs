@@ -73,6 +73,9 @@ fn rounds(
         runner.set_targets(Vec::new()); // closes the image
         butter_check(&img);
         kernel_check(&img, &format!("after butter round {r}"));
+        if std::env::var_os("BUTTER_ORACLE_KEEP").is_some() {
+            std::fs::copy(&img, dir.join(format!("img.butter{r}"))).expect("copy image");
+        }
         let m = LoopMount::btrfs(&img, &mnt, "noatime");
         runner.set_targets(vec![Box::new(DirTarget::new(m.path(), "kernel"))]);
         runner.checkpoint(&format!("kernel mount after butter round {r}"));

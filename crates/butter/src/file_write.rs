@@ -825,6 +825,9 @@ impl Fs {
                         1,
                     );
                     item.nbytes = item.nbytes - removed.min(item.nbytes) + added;
+                    // The kernel only looks for preallocated extents (to write into them in
+                    // place) in inodes flagged PREALLOC, and sets it on fallocate too.
+                    item.flags |= INODE_PREALLOC;
                     Self::touch(w, &mut item, false);
                     self.write_inode(w, ino, &item)
                 })?;
