@@ -445,6 +445,35 @@ impl Fs {
         Ok(v)
     }
 
+    /// Before the file grows past `new_start`: the bytes between the old EOF and the end of its
+    /// sector may hold stale data on disk (the kernel, like butter, zeroes them when a file grows,
+    /// not when it shrinks). Zero them.
+    fn zero_eof_tail(&self, ino: Inode, new_start: u64) -> Result<()> {
+        let item = self.inode_item(ino)?;
+        let ss = self.disk.sectorsize() as u64;
+        let size = item.size;
+        if size % ss == 0 || new_start <= size {
+            return Ok(());
+        }
+        let z_end = (size.div_ceil(ss) * ss).min(new_start);
+        let stale = self
+            .file_extents(ino, size, size + 1)?
+            .iter()
+            .any(|x| match x.item.body {
+                FileExtentBody::Extent { disk_bytenr, .. } => {
+                    disk_bytenr != 0
+                        && x.item.ty == FILE_EXTENT_REG
+                        && x.start <= size
+                        && x.end(ss) > size
+                }
+                FileExtentBody::Inline(_) => false,
+            });
+        if stale {
+            self.write(ino, size, &vec![0u8; (z_end - size) as usize])?;
+        }
+        Ok(())
+    }
+
     /// Writes data at `offset`. Returns the bytes written.
     pub fn write(&self, ino: Inode, offset: u64, data: &[u8]) -> Result<usize> {
         if data.is_empty() {
@@ -462,6 +491,12 @@ impl Fs {
             .filter(|e| *e <= i64::MAX as u64)
             .ok_or_else(|| Error::Invalid("write past the largest file size".into()))?;
         let ss = self.disk.sectorsize() as u64;
+        let item = if offset > item.size && item.size % ss != 0 {
+            self.zero_eof_tail(ino, offset)?;
+            self.inode_item(ino)?
+        } else {
+            item
+        };
         let new_size = item.size.max(end);
         let mi = max_inline(&self.disk) as u64;
         let has_inline = self
@@ -708,6 +743,9 @@ impl Fs {
             )));
         }
         let ss = self.disk.sectorsize() as u64;
+        if size > item.size {
+            self.zero_eof_tail(ino, size)?;
+        }
         if size < item.size && size % ss != 0 {
             // Zero the tail of the last sector so a later extension reads zeros there.
             let sector_end = (size.div_ceil(ss) * ss).min(item.size);
@@ -760,6 +798,9 @@ impl Fs {
             self.zero_range(ino, offset, end.min(item.size.max(offset)), true)?;
         } else if mode & !FALLOC_FL_KEEP_SIZE != 0 {
             return Err(Error::Unsupported(format!("fallocate mode {mode:#x}")));
+        }
+        if mode & FALLOC_FL_KEEP_SIZE == 0 && end > item.size {
+            self.zero_eof_tail(ino, end)?;
         }
         // Preallocate the holes of the aligned range.
         let a = offset / ss * ss;

@@ -327,13 +327,41 @@ impl Target for ButterTarget {
     }
 
     fn apply(&mut self, op: &Op) -> Result<(), i32> {
+        // BUTTER_TRACE_INO=n: print every op that touches inode n, with its size after.
+        let watch: Option<u64> = std::env::var("BUTTER_TRACE_INO")
+            .ok()
+            .and_then(|v| v.parse().ok());
+        let before: Vec<Inode> = match watch {
+            Some(_) => op
+                .paths()
+                .iter()
+                .filter_map(|p| self.resolve(p).ok())
+                .collect(),
+            None => Vec::new(),
+        };
         let r = self.do_apply(op);
+        if let Some(w) = watch {
+            if before.iter().any(|i| i.ino == w) {
+                let ino = Inode {
+                    root: self.fs().root_inode().root,
+                    ino: w,
+                };
+                let size = self.fs().stat(ino).map(|s| s.size).ok();
+                eprintln!("TRACE ino {w}: {op} => {r:?}, size {size:?}");
+            }
+        }
         if self.commit_each {
             self.fs()
                 .commit()
                 .unwrap_or_else(|e| panic!("commit after {op}: {e}"));
         }
         r
+    }
+
+    fn read_file(&mut self, path: &Path) -> Option<Vec<u8>> {
+        let ino = self.resolve(path).ok()?;
+        let st = self.fs().stat(ino).ok()?;
+        self.fs().read(ino, 0, st.size as usize).ok()
     }
 
     fn checkpoint(&mut self) -> Result<Manifest, String> {

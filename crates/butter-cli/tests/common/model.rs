@@ -482,6 +482,10 @@ pub trait Target {
     /// Makes everything applied so far durable (sync, commit) and returns the tree the target
     /// now shows (e.g. [`manifest::take`](super::manifest::take) of its mount point).
     fn checkpoint(&mut self) -> Result<Manifest, String>;
+    /// A regular file's content, for diagnosing a content difference (optional).
+    fn read_file(&mut self, _path: &Path) -> Option<Vec<u8>> {
+        None
+    }
 }
 
 /// A [`Target`] that is a directory (e.g. a kernel mount), changed through the syscalls named
@@ -935,6 +939,13 @@ impl Model {
         m.inodes.insert(ROOT, Inode::new(Kind::Dir, 0o755, 0));
         m.dirs.insert(ROOT);
         m
+    }
+
+    /// A regular file's content as the model has it.
+    pub fn file_data(&self, path: &Path) -> Option<Vec<u8>> {
+        let i = self.resolve(path).ok()?;
+        let n = self.inodes.get(&i)?;
+        (n.kind == Kind::File).then(|| n.data.clone())
     }
 
     pub fn flavor(&self) -> Flavor {
@@ -2522,7 +2533,36 @@ impl Runner {
                     self.targets[i].name()
                 ),
             };
-            let d = compare(&self.model, &got);
+            let mut d = compare(&self.model, &got);
+            for line in d.clone() {
+                // Where contents differ, say which byte ranges.
+                let Some(p) = line
+                    .split_once(": content differs")
+                    .map(|(p, _)| p.trim_matches('"').to_string())
+                else {
+                    continue;
+                };
+                let path = std::path::PathBuf::from(&p);
+                if let (Some(want), Some(have)) = (
+                    self.model.file_data(&path),
+                    self.targets[i].read_file(&path),
+                ) {
+                    let mut ranges = Vec::new();
+                    let mut k = 0;
+                    let n = want.len().max(have.len());
+                    while k < n && ranges.len() < 8 {
+                        if want.get(k) != have.get(k) {
+                            let s0 = k;
+                            while k < n && want.get(k) != have.get(k) {
+                                k += 1;
+                            }
+                            ranges.push(format!("{s0}..{k}"));
+                        }
+                        k += 1;
+                    }
+                    d.push(format!("  {p}: bytes differ at {}", ranges.join(", ")));
+                }
+            }
             if !d.is_empty() {
                 panic!(
                     "{}checkpoint {label}: {} differs from the model (A = model, B = target: {}):\n{}",
