@@ -38,6 +38,22 @@ fn butter_check(img: &Path) {
     );
 }
 
+/// `butter mkfs` of a 768 MiB image.
+fn butter_mkfs(img: &Path, args: &[&str]) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_butter"))
+        .arg("mkfs")
+        .args(["-q", "-f", "-b", "768M"])
+        .args(args)
+        .arg(img)
+        .output()
+        .expect("run butter mkfs");
+    assert!(
+        out.status.success(),
+        "butter mkfs: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 fn kernel_check(img: &Path, when: &str) {
     let (ok, out) = btrfs_check(img);
     assert!(
@@ -72,7 +88,11 @@ fn rounds_with(
     }
     let dir = ScratchDir::new(&format!("write_model_{name}"));
     let img = dir.join("img");
-    mkfs_btrfs(&img, 768 << 20, mkfs_args);
+    if mkfs_args.first() == Some(&"butter") {
+        butter_mkfs(&img, &mkfs_args[1..]);
+    } else {
+        mkfs_btrfs(&img, 768 << 20, mkfs_args);
+    }
     let mnt = dir.dir("mnt");
     let mut runner = Runner::new(
         seed,
@@ -139,4 +159,122 @@ fn model_rounds_holes_fat_metadata() {
         .retain(|(k, _)| !matches!(k, OpKind::Write | OpKind::Fallocate | OpKind::Truncate));
     let mkfs = ["-O", "^no-holes,^skinny-metadata"];
     rounds_with("holes", &mkfs, 0x7772_6974_6535, 1200, 400, 2, kernel);
+}
+
+/// The same rounds on an image `butter mkfs` made (4 KiB nodes for deep trees).
+#[test]
+fn model_rounds_butter_mkfs() {
+    rounds(
+        "bmkfs",
+        &["butter", "-n", "4096"],
+        0x7772_6974_6536,
+        1500,
+        500,
+        2,
+    );
+}
+
+/// Kernel-made snapshots: the kernel fills subvolume `sub` and snapshots it as `snap`, so the
+/// two trees share every block. Then butter and the kernel take turns changing both sides, each
+/// side followed by its own model (the snapshot's model is a copy of the source's at snapshot
+/// time), so every COW of a shared block must leave the other side intact. After every turn:
+/// both sides equal their models, butter check and `btrfs check` are clean.
+#[test]
+fn model_rounds_kernel_snapshot() {
+    if !require_privileges() {
+        return;
+    }
+    let dir = ScratchDir::new("write_model_snap");
+    let img = dir.join("img");
+    mkfs_btrfs(&img, 768 << 20, &["-n", "4096"]);
+    let mnt = dir.dir("mnt");
+    let profile = Profile::mixed();
+    let sh = |args: &[&str]| {
+        let o = std::process::Command::new(args[0])
+            .args(&args[1..])
+            .output()
+            .expect(args[0]);
+        assert!(
+            o.status.success(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+    };
+    let m = LoopMount::btrfs(&img, &mnt, "noatime");
+    let sub = m.path().join("sub");
+    let snap = m.path().join("snap");
+    sh(&["btrfs", "subvolume", "create", sub.to_str().unwrap()]);
+    let mut a = Runner::new(
+        0x736e_6170_01,
+        Flavor::BTRFS,
+        vec![Box::new(DirTarget::new(&sub, "kernel sub"))],
+    );
+    a.run(&profile, 2000);
+    a.checkpoint("kernel fills sub");
+    sh(&[
+        "btrfs",
+        "subvolume",
+        "snapshot",
+        sub.to_str().unwrap(),
+        snap.to_str().unwrap(),
+    ]);
+    let mut b = Runner::with_model(
+        0x736e_6170_02,
+        a.model.clone(),
+        vec![Box::new(DirTarget::new(&snap, "kernel snap"))],
+    );
+    b.checkpoint("snapshot equals its source");
+    a.set_targets(Vec::new());
+    b.set_targets(Vec::new());
+    m.unmount();
+    for r in 0..2 {
+        // butter changes the source, then the snapshot, then checks both
+        a.set_targets(vec![Box::new(ButterTarget::open_at(
+            &img,
+            Path::new("sub"),
+        ))]);
+        a.run(&profile, 1000);
+        a.checkpoint(&format!("butter sub round {r}"));
+        a.set_targets(Vec::new());
+        b.set_targets(vec![Box::new(ButterTarget::open_at(
+            &img,
+            Path::new("snap"),
+        ))]);
+        b.checkpoint(&format!(
+            "snap untouched by butter's changes to sub, round {r}"
+        ));
+        b.run(&profile, 1000);
+        b.checkpoint(&format!("butter snap round {r}"));
+        b.set_targets(Vec::new());
+        a.set_targets(vec![Box::new(ButterTarget::open_at(
+            &img,
+            Path::new("sub"),
+        ))]);
+        a.checkpoint(&format!(
+            "sub untouched by butter's changes to snap, round {r}"
+        ));
+        a.set_targets(Vec::new());
+        butter_check(&img);
+        kernel_check(&img, &format!("after butter round {r}"));
+        let m = LoopMount::btrfs(&img, &mnt, "noatime");
+        a.set_targets(vec![Box::new(DirTarget::new(
+            &m.path().join("sub"),
+            "kernel sub",
+        ))]);
+        b.set_targets(vec![Box::new(DirTarget::new(
+            &m.path().join("snap"),
+            "kernel snap",
+        ))]);
+        a.checkpoint(&format!("kernel sees butter's sub, round {r}"));
+        b.checkpoint(&format!("kernel sees butter's snap, round {r}"));
+        a.run(&profile, 400);
+        b.run(&profile, 400);
+        a.checkpoint(&format!("kernel sub round {r}"));
+        b.checkpoint(&format!("kernel snap round {r}"));
+        a.set_targets(Vec::new());
+        b.set_targets(Vec::new());
+        m.unmount();
+        kernel_check(&img, &format!("after kernel round {r}"));
+    }
+    butter_check(&img);
 }

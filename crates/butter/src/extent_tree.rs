@@ -9,7 +9,8 @@
 //! References are kept inline in the extent item while it stays under the kernel's size limit
 //! for extent items; the rest become keyed items (TREE_BLOCK_REF, SHARED_BLOCK_REF,
 //! EXTENT_DATA_REF keyed by hash, SHARED_DATA_REF). Inline references are ordered by type and
-//! then by the keyed offset, as the kernel orders them.
+//! then by the keyed offset, largest first (root, parent or data ref hash), as the kernel
+//! orders them and its tree checker demands.
 
 use crate::ctree::{Root, TreeIter};
 use crate::disk_io::Readahead;
@@ -422,7 +423,7 @@ impl Writer {
         let ns = self.disk.nodesize() as usize;
         let max_item = ((ns - HEADER_SIZE) >> 4).saturating_sub(ITEM_SIZE);
         let mut all: Vec<BackRef> = rec.refs.iter().map(|(k, c)| k.to_backref(*c)).collect();
-        all.sort_by_key(|b| (b.type_key(), b.key_offset()));
+        all.sort_by_key(|b| (b.type_key(), std::cmp::Reverse(b.key_offset())));
         let mut ei = ExtentItem {
             refs: rec.refs.values().sum(),
             generation: rec.generation,

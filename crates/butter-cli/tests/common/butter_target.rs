@@ -20,6 +20,8 @@ use std::path::{Path, PathBuf};
 
 pub struct ButterTarget {
     pub image: PathBuf,
+    /// Path (from the top of the filesystem) of the directory that is this target's root.
+    pub base: PathBuf,
     pub fs: Option<Fs>,
     /// Commit after every op (slow; crash tests) instead of at checkpoints only.
     pub commit_each: bool,
@@ -27,13 +29,33 @@ pub struct ButterTarget {
 
 impl ButterTarget {
     pub fn open(image: &Path) -> ButterTarget {
+        Self::open_at(image, Path::new(""))
+    }
+
+    /// A target whose root is the directory `base` (e.g. a subvolume) of the image.
+    pub fn open_at(image: &Path, base: &Path) -> ButterTarget {
         let fs = Fs::open_rw(image)
             .unwrap_or_else(|e| panic!("open {} read-write: {e}", image.display()));
         ButterTarget {
             image: image.to_path_buf(),
+            base: base.to_path_buf(),
             fs: Some(fs),
             commit_each: false,
         }
+    }
+
+    fn base_inode(&self) -> Inode {
+        let fs = self.fs();
+        let mut cur = fs.root_inode();
+        for c in self.base.iter() {
+            cur = fs
+                .lookup(cur, c.as_bytes())
+                .ok()
+                .flatten()
+                .unwrap_or_else(|| panic!("base {} missing", self.base.display()))
+                .target;
+        }
+        cur
     }
 
     pub fn fs(&self) -> &Fs {
@@ -66,7 +88,7 @@ impl ButterTarget {
     /// Resolves a path: ENOENT for a missing component, ENOTDIR for a non-directory one.
     fn resolve(&self, p: &Path) -> Result<Inode, i32> {
         let fs = self.fs();
-        let mut cur = fs.root_inode();
+        let mut cur = self.base_inode();
         for c in p.iter() {
             let st = fs.stat(cur).map_err(Self::err)?;
             if !st.is_dir() {
@@ -343,7 +365,7 @@ impl Target for ButterTarget {
         if let Some(w) = watch {
             if before.iter().any(|i| i.ino == w) {
                 let ino = Inode {
-                    root: self.fs().root_inode().root,
+                    root: self.base_inode().root,
                     ino: w,
                 };
                 let size = self.fs().stat(ino).map(|s| s.size).ok();
@@ -367,7 +389,7 @@ impl Target for ButterTarget {
     fn checkpoint(&mut self) -> Result<Manifest, String> {
         let fs = self.fs();
         fs.commit().map_err(|e| format!("commit: {e}"))?;
-        Ok(manifest_of(fs))
+        Ok(manifest_of(fs, self.base_inode()))
     }
 }
 
@@ -379,14 +401,14 @@ fn ts(t: Timespec) -> Ts {
 }
 
 /// Everything the model compares, read through butter's `Fs`.
-pub fn manifest_of(fs: &Fs) -> Manifest {
+pub fn manifest_of(fs: &Fs, top: Inode) -> Manifest {
     let mut m = Manifest {
         root: PathBuf::from("butter"),
         entries: BTreeMap::new(),
         skipped_mounts: Vec::new(),
     };
     let mut inos: HashMap<Inode, Vec<PathBuf>> = HashMap::new();
-    let mut stack = vec![(PathBuf::new(), fs.root_inode())];
+    let mut stack = vec![(PathBuf::new(), top)];
     while let Some((path, ino)) = stack.pop() {
         let mut e = Entry {
             kind: Kind::Unknown(0),

@@ -2454,6 +2454,13 @@ impl Runner {
         self.seed
     }
 
+    /// A runner that carries on from `model` (e.g. a clone taken when a snapshot was made).
+    pub fn with_model(seed: u64, model: Model, targets: Vec<Box<dyn Target>>) -> Runner {
+        let mut r = Runner::new(seed, model.flavor(), targets);
+        r.model = model;
+        r
+    }
+
     /// Replaces the targets (dropping the old ones), e.g. to hand an image from butter to a
     /// kernel mount between rounds; the model carries on.
     pub fn set_targets(&mut self, targets: Vec<Box<dyn Target>>) {
