@@ -171,6 +171,20 @@ impl Fs {
         end: u64,
         new: Option<(u64, FileExtentItem)>,
     ) -> Result<(u64, u64)> {
+        let d0 = w.descents;
+        let r = self.replace_extents_inner(w, ino, start, end, new);
+        w.replace_descents += w.descents - d0;
+        r
+    }
+
+    fn replace_extents_inner(
+        &self,
+        w: &mut Writer,
+        ino: Inode,
+        start: u64,
+        end: u64,
+        new: Option<(u64, FileExtentItem)>,
+    ) -> Result<(u64, u64)> {
         let ss = self.disk.sectorsize() as u64;
         let added = new.as_ref().map(|(_, f)| nbytes_of(f)).unwrap_or(0);
         if w.combined_replace {

@@ -83,6 +83,8 @@ pub struct Writer {
     pub live: LiveRoots,
     /// B-tree descents made (search_mut calls and their restarts).
     pub descents: u64,
+    /// Of those, the descents of file extent replacement (seed 002's benchmark).
+    pub replace_descents: u64,
     pub stats: WriteStats,
     aborted: Option<String>,
     /// Next free inode number per subvolume.
@@ -137,6 +139,7 @@ impl Writer {
             sys_array_dirty: false,
             live,
             descents: 0,
+            replace_descents: 0,
             stats: WriteStats::default(),
             aborted: None,
             next_ino: HashMap::new(),
