@@ -45,6 +45,9 @@ pub enum Severity {
 /// Which check produced a finding.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum FindingKind {
+    /// An extent item's inline references are not in the order the kernel requires (by type,
+    /// then largest offset or hash first); the kernel refuses to mount such a leaf.
+    InlineRefOrder,
     /// A tree block or root could not be read or failed validation.
     TreeBlockUnreadable,
     /// A node names the same child twice.
@@ -738,6 +741,21 @@ impl Checker<'_> {
             match k.ty {
                 EXTENT_ITEM_KEY | METADATA_ITEM_KEY => match ExtentItem::parse(item.data(), k.ty) {
                     Ok(ei) => {
+                        let order: Vec<(u8, std::cmp::Reverse<u64>)> = ei
+                            .inline_refs
+                            .iter()
+                            .map(|r| (r.type_key(), std::cmp::Reverse(r.key_offset())))
+                            .collect();
+                        if order.windows(2).any(|w| w[0] >= w[1]) {
+                            self.report.err(
+                                FindingKind::InlineRefOrder,
+                                loc.clone(),
+                                format!(
+                                    "inline references out of order (type, offset): {:?}",
+                                    order.iter().map(|(t, o)| (*t, o.0)).collect::<Vec<_>>()
+                                ),
+                            );
+                        }
                         let len = if k.ty == METADATA_ITEM_KEY {
                             nodesize
                         } else {
