@@ -67,7 +67,11 @@ fn run(combined: bool, overwrites: u64, unaligned: bool) -> butter::Result<(f64,
     drop(fs);
     let fs = Fs::open_device(dev)?;
     let report = butter::check::check(&fs, &mut |_| {})?;
-    assert!(report.is_clean(), "butter check after the benchmark: {:?}", report.findings);
+    assert!(
+        report.is_clean(),
+        "butter check after the benchmark: {:?}",
+        report.findings
+    );
     Ok((
         rd as f64 / overwrites as f64,
         d as f64 / overwrites as f64,
@@ -76,7 +80,10 @@ fn run(combined: bool, overwrites: u64, unaligned: bool) -> butter::Result<(f64,
 }
 
 fn main() -> butter::Result<()> {
-    let n: u64 = std::env::args().nth(1).and_then(|s| s.parse().ok()).unwrap_or(4000);
+    let n: u64 = std::env::args()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(4000);
     println!("{n} overwrites of a file of 2048 extents; descents per overwrite, combined path vs one search per changed item");
     println!();
     println!("| overwrite | extent-replace descents: combined | separate | ratio | all descents: combined | separate | µs/op combined | separate |");

@@ -1,0 +1,208 @@
+//! The library's write API on images `butter mkfs` makes in a file (no root needed): orphans
+//! for files unlinked while open, items the kernel keeps (ORPHAN_ITEM, PREALLOC flag, dir sizes),
+//! a multi-level tree from one big directory and its shrink back, and every image ends with
+//! butter's checker and `btrfs check` (btrfs-progs is installed by the CI setup).
+
+use butter::format::*;
+use butter::fs::{Fs, Inode};
+use butter::fs_write::{Owner, SetAttr};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn image(name: &str, nodesize: u32) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("butter-write-api-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let p = dir.join(name);
+    let f = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(true)
+        .read(true)
+        .write(true)
+        .open(&p)
+        .unwrap();
+    f.set_len(256 << 20).unwrap();
+    drop(f);
+    let dev = butter::device::FileDevice::open(&p, true).unwrap();
+    let opts = butter::mkfs::MkfsOptions {
+        size: 256 << 20,
+        nodesize,
+        fsid: Some([3; 16]),
+        time: Some(1_700_000_000),
+        ..Default::default()
+    };
+    butter::mkfs::mkfs(&dev, &opts).unwrap();
+    p
+}
+
+fn checks(img: &Path) {
+    let fs = Fs::open(img).unwrap();
+    let rep = butter::check::check(&fs, &mut |_| {}).unwrap();
+    assert!(rep.is_clean(), "butter check: {:?}", rep.findings);
+    let out = Command::new("btrfs")
+        .args(["check", "--readonly"])
+        .arg(img)
+        .output()
+        .expect("btrfs-progs must be installed (scripts/install-deps)");
+    let text =
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success() && !text.contains("ERROR"),
+        "btrfs check:\n{text}"
+    );
+}
+
+fn has_item(fs: &Fs, root: u64, key: Key) -> bool {
+    let r = fs.subvol_root(root).unwrap();
+    butter::ctree::lookup(&fs.disk, &r, &key).unwrap().is_some()
+}
+
+#[test]
+fn unlinked_open_file_is_an_orphan_until_released() {
+    let img = image("orphan", 16384);
+    let o = Owner::default();
+    {
+        let fs = Fs::open_rw(&img).unwrap();
+        let root = fs.root_inode();
+        let f = fs.create(root, b"open-file", 0o644, o).unwrap();
+        fs.write(f, 0, &vec![7u8; 100_000]).unwrap();
+        fs.commit().unwrap();
+        fs.note_open(f);
+        fs.unlink(root, b"open-file").unwrap();
+        fs.commit().unwrap();
+        let orphan = Key::new(ORPHAN_OBJECTID, ORPHAN_ITEM_KEY, f.ino);
+        assert!(
+            has_item(&fs, f.root, orphan),
+            "no ORPHAN_ITEM for the unlinked open file"
+        );
+        assert_eq!(fs.stat(f).unwrap().nlink, 0);
+        assert_eq!(
+            fs.read(f, 0, 10).unwrap(),
+            vec![7u8; 10],
+            "data still readable while open"
+        );
+        assert!(fs.lookup(root, b"open-file").unwrap().is_none());
+    }
+    // The kernel and btrfs check accept an image holding an orphan (the kernel cleans it up).
+    checks(&img);
+    let fs = Fs::open_rw(&img).unwrap();
+    let f = Inode {
+        root: FS_TREE_OBJECTID,
+        ino: 257,
+    };
+    fs.release_orphan(f).unwrap();
+    fs.commit().unwrap();
+    assert!(!has_item(
+        &fs,
+        f.root,
+        Key::new(ORPHAN_OBJECTID, ORPHAN_ITEM_KEY, f.ino)
+    ));
+    assert!(fs.stat(f).is_err(), "inode deleted after release");
+    drop(fs);
+    checks(&img);
+}
+
+#[test]
+fn big_directory_grows_and_shrinks_the_tree() {
+    let img = image("bigdir", 4096);
+    let o = Owner::default();
+    let fs = Fs::open_rw(&img).unwrap();
+    let root = fs.root_inode();
+    let d = fs.mkdir(root, b"d", 0o755, o).unwrap();
+    let n = 6000;
+    for i in 0..n {
+        let name = format!("entry-with-a-longish-name-{i:05}");
+        let f = fs.create(d, name.as_bytes(), 0o600, o).unwrap();
+        if i % 7 == 0 {
+            fs.setxattr(f, b"user.k", format!("v{i}").as_bytes(), 0)
+                .unwrap();
+        }
+        if i % 1000 == 999 {
+            fs.commit().unwrap();
+        }
+    }
+    fs.commit().unwrap();
+    let level = fs.subvol_root(FS_TREE_OBJECTID).unwrap().level;
+    assert!(
+        level >= 2,
+        "fs tree level {level} after {n} entries at nodesize 4096"
+    );
+    let st = fs.stat(d).unwrap();
+    let want: u64 = (0..n)
+        .map(|i| 2 * format!("entry-with-a-longish-name-{i:05}").len() as u64)
+        .sum();
+    assert_eq!(st.size, want, "directory size is 2 x the name lengths");
+    drop(fs);
+    checks(&img);
+    let fs = Fs::open_rw(&img).unwrap();
+    let d = fs.lookup(fs.root_inode(), b"d").unwrap().unwrap().target;
+    for i in 0..n {
+        fs.unlink(d, format!("entry-with-a-longish-name-{i:05}").as_bytes())
+            .unwrap();
+    }
+    fs.commit().unwrap();
+    assert_eq!(fs.stat(d).unwrap().size, 0);
+    let level = fs.subvol_root(FS_TREE_OBJECTID).unwrap().level;
+    assert!(
+        level <= 1,
+        "fs tree still level {level} after deleting everything"
+    );
+    fs.rmdir(fs.root_inode(), b"d").unwrap();
+    fs.commit().unwrap();
+    drop(fs);
+    checks(&img);
+}
+
+#[test]
+fn fallocate_sets_prealloc_flag_and_attrs_stick() {
+    let img = image("attrs", 16384);
+    let o = Owner {
+        uid: 1000,
+        gid: 100,
+    };
+    {
+        let fs = Fs::open_rw(&img).unwrap();
+        let root = fs.root_inode();
+        let f = fs.create(root, b"f", 0o640, o).unwrap();
+        fs.fallocate(f, 0, 0, 1 << 20).unwrap();
+        let st = fs.stat(f).unwrap();
+        assert_eq!(st.size, 1 << 20);
+        assert_ne!(
+            st.flags & INODE_PREALLOC,
+            0,
+            "PREALLOC flag, as the kernel sets it"
+        );
+        let t = butter::format::items::Timespec {
+            sec: 1_234_567_890,
+            nsec: 5,
+        };
+        fs.setattr(
+            f,
+            &SetAttr {
+                mode: Some(0o4755),
+                mtime: Some(t),
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        fs.mknod(root, b"fifo", 0o010644, 0, o).unwrap();
+        fs.mknod(root, b"dev", 0o020600, (1 << 20) | 3, o).unwrap();
+        fs.symlink(root, b"link", b"f", o).unwrap();
+        fs.commit().unwrap();
+        let st = fs.stat(f).unwrap();
+        assert_eq!(
+            (st.mode & 0o7777, st.uid, st.gid, st.mtime),
+            (0o4755, 1000, 100, t)
+        );
+        assert_eq!(
+            fs.readlink(fs.lookup(root, b"link").unwrap().unwrap().target)
+                .unwrap(),
+            b"f"
+        );
+        assert_eq!(
+            fs.read(f, 4096, 4096).unwrap(),
+            vec![0u8; 4096],
+            "prealloc reads zeros"
+        );
+    }
+    checks(&img);
+}
