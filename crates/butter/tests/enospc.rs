@@ -17,6 +17,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 const FILE_LEN: usize = 1 << 20;
+const REFILL_STEP: usize = 2;
 
 /// Checks the device: clean for butter and (when installed) `btrfs check`, and shows `want`.
 fn verify_device(dev: &RamDevice, want: &Manifest, what: &str) {
@@ -121,7 +122,7 @@ fn data_enospc(metadata: Profile, data: Profile, tag: &str, refill: bool) {
     let fs = Fs::open_device_rw(dev.clone()).unwrap();
     let dir = fs.resolve("fill").unwrap();
     let mut freed = 0;
-    for i in (0..n).step_by(2) {
+    for i in (0..n).step_by(REFILL_STEP) {
         fs.unlink(dir, format!("f{i}").as_bytes()).unwrap();
         freed += 1;
     }
