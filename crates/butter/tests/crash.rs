@@ -660,3 +660,30 @@ fn csum_insert_before_full_leaf_item() {
     let fresh = Fs::open_device(Arc::new(RamDevice::new(dev.live_bytes()))).unwrap();
     butter_check(&fresh).unwrap();
 }
+
+/// The same bug through the tree API alone, in one transaction: the (empty) csum tree gets one
+/// item of 16228 bytes at key K, then a 396-byte item at a key below K (the leaf must split
+/// with its only item moving right: `plan_split` gives `One { at: 0, into_right: false }`).
+/// The commit fails: "tree csum block N slot 1 key (... K): key not greater than the previous
+/// key (... K)".
+#[test]
+#[ignore = "known bug: leaf split duplicates a maximum-size item (cow.rs)"]
+fn insert_before_single_max_item() {
+    use butter::format::{Key, CSUM_TREE_OBJECTID, EXTENT_CSUM_KEY, EXTENT_CSUM_OBJECTID};
+    let dev = Arc::new(RamDevice::new(fresh_image(
+        IMAGE_SIZE,
+        Profile::Dup,
+        Profile::Single,
+    )));
+    let fs = Fs::open_device_rw(dev.clone()).unwrap();
+    let big = vec![0xabu8; 16228];
+    let k = |off: u64| Key::new(EXTENT_CSUM_OBJECTID, EXTENT_CSUM_KEY, off);
+    {
+        let mut w = fs.writer().unwrap();
+        w.insert_item(CSUM_TREE_OBJECTID, k(200 << 20), &big)
+            .unwrap();
+        w.insert_item(CSUM_TREE_OBJECTID, k(100 << 20), &[1u8; 396])
+            .unwrap();
+        w.commit().unwrap();
+    }
+}
