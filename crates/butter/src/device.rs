@@ -89,18 +89,30 @@ pub struct Faults {
     pub sticky: bool,
     /// Fail every flush.
     pub fail_flush: bool,
+    /// The write at `fail_write_at` is a power cut: it and every later write and flush fail
+    /// (the device is gone), so [`RamDevice::durable_bytes`] stays what survived the cut.
+    /// Reads keep working (they show the writes that were issued before the cut).
+    pub power_cut: bool,
 }
 
 struct RamState {
     live: Vec<u8>,
-    durable: Vec<u8>,
-    /// Writes since the last flush, applied to `durable` at flush.
-    pending: Vec<(u64, Vec<u8>)>,
+    /// Writes since the last flush, in order: (offset, bytes before, bytes written). Undoing
+    /// them from the end gives the durable image.
+    pending: Vec<(u64, Vec<u8>, Vec<u8>)>,
     writes: u64,
+    flushes: u64,
+    /// A power cut happened: nothing reaches the device any more.
+    dead: bool,
     faults: Faults,
 }
 
 /// An in-memory device with fault injection and power-cut simulation.
+///
+/// Power-cut model: a flush makes every completed write durable; a write not followed by a
+/// completed flush may be lost. [`RamDevice::durable_bytes`] is the image when all of them are
+/// lost, [`RamDevice::live_bytes`] when none is, and [`RamDevice::unflushed_writes`] lets a
+/// test build anything in between.
 pub struct RamDevice {
     st: Mutex<RamState>,
 }
@@ -109,10 +121,11 @@ impl RamDevice {
     pub fn new(bytes: Vec<u8>) -> RamDevice {
         RamDevice {
             st: Mutex::new(RamState {
-                durable: bytes.clone(),
                 live: bytes,
                 pending: Vec::new(),
                 writes: 0,
+                flushes: 0,
+                dead: false,
                 faults: Faults::default(),
             }),
         }
@@ -125,15 +138,39 @@ impl RamDevice {
     }
     /// The bytes as they would be after a power cut now: only flushed writes survive.
     pub fn durable_bytes(&self) -> Vec<u8> {
-        self.lock().durable.clone()
+        let st = self.lock();
+        let mut img = st.live.clone();
+        for (off, old, _) in st.pending.iter().rev() {
+            let o = *off as usize;
+            img[o..o + old.len()].copy_from_slice(old);
+        }
+        img
     }
     /// The bytes every reader currently sees.
     pub fn live_bytes(&self) -> Vec<u8> {
         self.lock().live.clone()
     }
-    /// Number of writes issued so far.
+    /// Writes issued since the last completed flush, in order: (offset, bytes). Applying any
+    /// subset of them, in order, to [`RamDevice::durable_bytes`] gives an image a power cut
+    /// now could leave (the device may persist any of them, or none).
+    pub fn unflushed_writes(&self) -> Vec<(u64, Vec<u8>)> {
+        self.lock()
+            .pending
+            .iter()
+            .map(|(o, _, new)| (*o, new.clone()))
+            .collect()
+    }
+    /// Number of writes issued so far (failed ones included).
     pub fn write_count(&self) -> u64 {
         self.lock().writes
+    }
+    /// Number of flushes that completed.
+    pub fn flush_count(&self) -> u64 {
+        self.lock().flushes
+    }
+    /// Whether a power cut (see [`Faults::power_cut`]) happened.
+    pub fn power_lost(&self) -> bool {
+        self.lock().dead
     }
 }
 
@@ -162,31 +199,43 @@ impl BlockDevice for RamDevice {
         let mut st = self.lock();
         let n = st.writes;
         st.writes += 1;
+        if st.dead {
+            return Err(io::Error::other("device lost power"));
+        }
         if let Some(at) = st.faults.fail_write_at {
+            if st.faults.power_cut && n >= at {
+                st.dead = true;
+                return Err(io::Error::other("device lost power"));
+            }
             if n == at || (st.faults.sticky && n > at) {
                 return Err(io::Error::other("injected write error"));
             }
         }
-        let end = offset as usize + buf.len();
-        if end > st.live.len() {
-            return Err(io::Error::new(
-                io::ErrorKind::UnexpectedEof,
-                "write beyond end of RAM device",
-            ));
-        }
-        st.live[offset as usize..end].copy_from_slice(buf);
-        st.pending.push((offset, buf.to_vec()));
+        let end = offset
+            .checked_add(buf.len() as u64)
+            .filter(|&e| e <= st.live.len() as u64)
+            .ok_or_else(|| {
+                io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    "write beyond end of RAM device",
+                )
+            })? as usize;
+        let o = offset as usize;
+        let old = st.live[o..end].to_vec();
+        st.live[o..end].copy_from_slice(buf);
+        st.pending.push((offset, old, buf.to_vec()));
         Ok(())
     }
     fn flush(&self) -> io::Result<()> {
         let mut st = self.lock();
+        if st.dead {
+            return Err(io::Error::other("device lost power"));
+        }
         if st.faults.fail_flush {
             return Err(io::Error::other("injected flush error"));
         }
-        let pending = std::mem::take(&mut st.pending);
-        for (off, data) in pending {
-            st.durable[off as usize..off as usize + data.len()].copy_from_slice(&data);
-        }
+        st.pending.clear();
+        st.flushes += 1;
         Ok(())
     }
     fn len(&self) -> u64 {

@@ -369,6 +369,12 @@ impl Writer {
                 continue;
             }
             let floor = if for_growth { want / 2 } else { ns * 32 };
+            if self.allocator.free_bytes(kind) < floor && self.has_changes() {
+                // The blocks this transaction COWed away are freed only when it commits (and
+                // then pinned until the commit ends): commit to get them back before refusing.
+                // Safe here: the operation has not changed any tree yet.
+                self.commit()?;
+            }
             if self.allocator.free_bytes(kind) < floor {
                 return Err(Error::NoSpace(format!(
                     "{:?} space is nearly full ({} bytes free) and the device has no room for \
