@@ -488,6 +488,15 @@ impl Writer {
         let blk = self.dirty_block(leaf)?;
         let mut lbuf = blk.data.to_vec();
         let transid = self.transid;
+        // A double split whose first cut is at slot 0 leaves the left leaf empty: one split at
+        // the second cut does the same job (the left leaf takes the new item).
+        let plan = match plan {
+            LeafSplit::Two { first: 0, second } => LeafSplit::One {
+                at: second,
+                into_right: false,
+            },
+            p => p,
+        };
         match plan {
             LeafSplit::NotNeeded => return Ok(()),
             LeafSplit::One { at, .. } => {
@@ -503,6 +512,16 @@ impl Writer {
                 self.put(right, rbuf)?;
                 // An empty right leaf (insert at the end) is keyed by the new item.
                 let rkey = rkey.unwrap_or(key);
+                if at == 0 {
+                    // Everything moved right; the emptied left leaf takes the new item, which is
+                    // below all of them: its pointer (and the ones above it) must say so before
+                    // the right leaf's pointer, with the old first key, goes in after it.
+                    if path.nodes.len() == 1 {
+                        self.modify(parent, |buf| NodeMut::new(buf)?.set_key(pslot, key))?;
+                    } else {
+                        self.fixup_low_keys(path, 0, key)?;
+                    }
+                }
                 self.modify(parent, |buf| {
                     NodeMut::new(buf)?.insert_ptr(pslot + 1, rkey, right, transid)
                 })

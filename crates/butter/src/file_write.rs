@@ -608,7 +608,12 @@ impl Fs {
                     }
                     Err(e) => return Err(e),
                 };
-                self.disk.write_logical(bytenr, chunk)?;
+                if let Err(e) = self.disk.write_logical(bytenr, chunk) {
+                    // Nothing references the space: give it back (after the commit, as freed
+                    // space always comes back) so the free space tree stays right.
+                    w.allocator.pin(bytenr, len)?;
+                    return Err(e);
+                }
                 let mut sums = Vec::with_capacity((len / ss) as usize * ct.size());
                 for s in chunk.chunks(ss as usize) {
                     sums.extend_from_slice(&ct.compute(s)[..ct.size()]);

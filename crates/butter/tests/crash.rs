@@ -171,7 +171,6 @@ fn change_with(fs: &Fs, between: &dyn Fn(&Fs, &str) -> Result<(), Error>) -> Res
 
 /// Which group of operations breaks a commit: commit and check after each.
 #[test]
-#[ignore]
 fn bisect_change_set() {
     let dev = Arc::new(RamDevice::new(fresh_image(
         IMAGE_SIZE,
@@ -606,7 +605,6 @@ fn at(k: u64, sticky: bool) -> Faults {
 /// nor given back, so the free space tree of the next commit disagrees with the extent tree
 /// (checker: FreeSpaceMismatch, "free only by the extent tree").
 #[test]
-#[ignore = "known bug: a failed data write leaks its allocation (file_write.rs)"]
 fn failed_data_write_then_commit() {
     let s = setup();
     let dev = Arc::new(RamDevice::new((*s.base).clone()));
@@ -638,7 +636,6 @@ fn failed_data_write_then_commit() {
 /// greater than the previous key (... 93323264)")`: a leaf holds the big item twice. The
 /// transaction aborts.
 #[test]
-#[ignore = "known bug: leaf split duplicates a maximum-size item (cow.rs)"]
 fn csum_insert_before_full_leaf_item() {
     let dev = Arc::new(RamDevice::new(fresh_image(
         IMAGE_SIZE,
@@ -667,7 +664,6 @@ fn csum_insert_before_full_leaf_item() {
 /// The commit fails: "tree csum block N slot 1 key (... K): key not greater than the previous
 /// key (... K)".
 #[test]
-#[ignore = "known bug: leaf split duplicates a maximum-size item (cow.rs)"]
 fn insert_before_single_max_item() {
     use butter::format::{Key, CSUM_TREE_OBJECTID, EXTENT_CSUM_KEY, EXTENT_CSUM_OBJECTID};
     let dev = Arc::new(RamDevice::new(fresh_image(

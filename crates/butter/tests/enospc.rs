@@ -159,7 +159,6 @@ fn data_enospc_dup_metadata() {
 /// and hits the leaf split bug of `crash.rs`'s `csum_insert_before_full_leaf_item` (cow.rs):
 /// the commit aborts with "key not greater than the previous key" in the csum tree.
 #[test]
-#[ignore = "known bug: leaf split duplicates a maximum-size item (cow.rs)"]
 fn data_enospc_single_refill() {
     data_enospc(
         Profile::Single,
@@ -170,7 +169,6 @@ fn data_enospc_single_refill() {
 }
 
 #[test]
-#[ignore = "known bug: leaf split duplicates a maximum-size item (cow.rs)"]
 fn data_enospc_dup_metadata_refill() {
     data_enospc(Profile::Dup, Profile::Single, "enospc-dup-refill", true);
 }
