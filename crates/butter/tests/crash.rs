@@ -601,9 +601,9 @@ fn at(k: u64, sticky: bool) -> Faults {
 /// A data write that fails (not at commit): the operation reports EIO, and what the
 /// transaction commits afterwards is consistent.
 ///
-/// Known bug (file_write.rs): the data space allocated for the failed write is neither used
-/// nor given back, so the free space tree of the next commit disagrees with the extent tree
-/// (checker: FreeSpaceMismatch, "free only by the extent tree").
+/// Regression: the data space allocated for the failed write was neither used nor given back,
+/// so the free space tree of the next commit disagreed with the extent tree (checker:
+/// FreeSpaceMismatch, "free only by the extent tree"). It is pinned now.
 #[test]
 fn failed_data_write_then_commit() {
     let s = setup();
@@ -628,7 +628,7 @@ fn failed_data_write_then_commit() {
     assert!(m == want, "{}", diff(&want, &m));
 }
 
-/// Known bug (cow.rs leaf split), reduced from the change set: the csum tree is a root node
+/// Regression (cow.rs leaf split, fixed), reduced from the change set: the csum tree is a root node
 /// over leaf A = [csum item at 84934656, 400 bytes] and leaf B = [csum item at 93323264 of
 /// 16228 bytes, the largest csum item: B is full]. Freeing the first 4 KiB extent deletes the
 /// item in A (A empties) and inserts the rest (396 bytes) at 84938752; the commit then fails
@@ -658,7 +658,7 @@ fn csum_insert_before_full_leaf_item() {
     butter_check(&fresh).unwrap();
 }
 
-/// The same bug through the tree API alone, in one transaction: the (empty) csum tree gets one
+/// Regression, the same bug through the tree API alone, in one transaction: the (empty) csum tree gets one
 /// item of 16228 bytes at key K, then a 396-byte item at a key below K (the leaf must split
 /// with its only item moving right: `plan_split` gives `One { at: 0, into_right: false }`).
 /// The commit fails: "tree csum block N slot 1 key (... K): key not greater than the previous
