@@ -8,8 +8,9 @@
 register_workload mkfs_rootdir 40 "" \
 	"butter mkfs --rootdir vs mkfs.btrfs --rootdir of a BENCH_FILES-file tree into an image file; files/s"
 
+# ARGS: SRC IMAGE [BUTTER] SIZE
 mkfs_rootdir_butter() { "$3" mkfs -q -f -b "$4" --rootdir "$1" "$2" && sync "$2"; }
-mkfs_rootdir_kernel() { mkfs.btrfs -q -f -b "$4" --rootdir "$1" "$2" && sync "$2"; }
+mkfs_rootdir_kernel() { mkfs.btrfs -q -f -b "$3" --rootdir "$1" "$2" && sync "$2"; }
 export -f mkfs_rootdir_butter mkfs_rootdir_kernel
 
 wl_mkfs_rootdir() {
