@@ -55,6 +55,10 @@ pub struct MkfsArgs {
     /// Print nothing but errors.
     #[arg(short = 'q', long = "quiet")]
     pub quiet: bool,
+    /// Copy the tree at DIR into the new filesystem (files, holes, links, devices, modes,
+    /// owners, times, xattrs). Without -b, a missing IMAGE is sized to fit.
+    #[arg(short = 'r', long = "rootdir", value_name = "DIR")]
+    pub rootdir: Option<PathBuf>,
 }
 
 /// A size with an optional binary suffix: 4096, 16k, 128M, 2G, 1T.
@@ -357,8 +361,23 @@ pub fn mkfs(a: MkfsArgs) -> CliResult {
             a.image.display()
         )));
     }
+    let mut size = a.byte_count;
+    if let Some(dir) = &a.rootdir {
+        let meta = std::fs::metadata(dir)
+            .map_err(|e| CliError(format!("--rootdir {}: {e}", dir.display())))?;
+        if !meta.is_dir() {
+            return Err(CliError(format!(
+                "--rootdir {} is not a directory",
+                dir.display()
+            )));
+        }
+        if size.is_none() && std::fs::symlink_metadata(&a.image).is_err() {
+            let min = butter::mkfs::min_device_size(opts.metadata, opts.data);
+            size = Some(rootdir::fitting_size(dir, min)?);
+        }
+    }
     // After the mount check: a mounted image is never extended.
-    let created = prepare_image(&a.image, a.byte_count)?;
+    let created = prepare_image(&a.image, size)?;
     let result = make(&a, opts);
     if result.is_err() && created {
         // Leave nothing behind for a file this command created.
@@ -368,10 +387,12 @@ pub fn mkfs(a: MkfsArgs) -> CliResult {
 }
 
 fn make(a: &MkfsArgs, opts: MkfsOptions) -> CliResult {
-    let dev = FileDevice::open(&a.image, true)
-        .map_err(|e| CliError(format!("cannot open {}: {e}", a.image.display())))?;
+    let dev = std::sync::Arc::new(
+        FileDevice::open(&a.image, true)
+            .map_err(|e| CliError(format!("cannot open {}: {e}", a.image.display())))?,
+    );
     if !a.force {
-        if let Some(sig) = butter::mkfs::existing_signature(&dev)? {
+        if let Some(sig) = butter::mkfs::existing_signature(dev.as_ref())? {
             return Err(CliError(format!(
                 "{} appears to contain an existing filesystem ({sig}); use -f to overwrite it",
                 a.image.display()
@@ -382,18 +403,521 @@ fn make(a: &MkfsArgs, opts: MkfsOptions) -> CliResult {
     if let Some(b) = a.byte_count {
         o.size = b;
     }
-    let report = butter::mkfs::mkfs(&dev, &o).map_err(|e| {
+    let report = butter::mkfs::mkfs(dev.as_ref(), &o).map_err(|e| {
         CliError(format!(
             "cannot make a filesystem on {}: {e}",
             a.image.display()
         ))
     })?;
+    if let Some(dir) = &a.rootdir {
+        if let Some(t) = o.time {
+            // New inodes get their birth time from the engine's clock: pin it so the image
+            // depends only on the tree and the options.
+            if std::env::var_os("BUTTER_FIXED_TIME").is_none() {
+                std::env::set_var("BUTTER_FIXED_TIME", t.to_string());
+            }
+        }
+        let fs = butter::fs::Fs::open_device_rw(dev.clone()).map_err(|e| {
+            CliError(format!(
+                "cannot open the new filesystem on {}: {e}",
+                a.image.display()
+            ))
+        })?;
+        let stats = rootdir::populate(&fs, dir, a.quiet).map_err(|e| match e {
+            rootdir::Failure::Engine(butter::Error::NoSpace(why)) => CliError(format!(
+                "the image is too small for {}: use a larger -b ({} bytes now; {why})",
+                dir.display(),
+                report.total_bytes
+            )),
+            rootdir::Failure::Engine(e) => CliError(format!(
+                "cannot copy {} into {}: {}",
+                dir.display(),
+                a.image.display(),
+                CliError::from(e)
+            )),
+            rootdir::Failure::Source(m) => CliError(m),
+        })?;
+        if !a.quiet {
+            let mut out = std::io::stdout().lock();
+            print_summary(&mut out, &report, &a.image)?;
+            writeln!(
+                out,
+                "Rootdir:            {} ({} inodes, {} of data)",
+                dir.display(),
+                stats.inodes,
+                human(stats.bytes)
+            )?;
+            out.flush()?;
+        }
+        return Ok(());
+    }
     if !a.quiet {
         let mut out = std::io::stdout().lock();
         print_summary(&mut out, &report, &a.image)?;
         out.flush()?;
     }
     Ok(())
+}
+
+/// `--rootdir`: copying a directory tree into the new filesystem through the write engine.
+mod rootdir {
+    use super::CliError;
+    use butter::format::items::Timespec;
+    use butter::fs::{Fs, Inode};
+    use butter::fs_write::{Owner, SetAttr};
+    use std::collections::HashMap;
+    use std::ffi::{CString, OsString};
+    use std::fs::{File, Metadata};
+    use std::io::Write;
+    use std::os::unix::ffi::OsStrExt;
+    use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
+    use std::os::unix::io::AsRawFd;
+    use std::path::Path;
+    use std::time::{Duration, Instant};
+
+    /// Commit after this much file data ...
+    const COMMIT_BYTES: u64 = 64 << 20;
+    /// ... or this many new inodes, so the running transaction stays bounded.
+    const COMMIT_INODES: u64 = 20_000;
+    /// Largest piece of file data read and written at once.
+    const CHUNK: usize = 8 << 20;
+
+    /// Why copying failed: the engine (ENOSPC is reported as "image too small"), or the
+    /// source tree (a message naming the path).
+    pub enum Failure {
+        Engine(butter::Error),
+        Source(String),
+    }
+
+    impl From<butter::Error> for Failure {
+        fn from(e: butter::Error) -> Self {
+            Failure::Engine(e)
+        }
+    }
+
+    type R<T> = Result<T, Failure>;
+
+    fn src_err(what: &str, p: &Path, e: std::io::Error) -> Failure {
+        Failure::Source(format!("--rootdir: {what} {}: {e}", p.display()))
+    }
+
+    /// What was copied.
+    #[derive(Default)]
+    pub struct Stats {
+        pub inodes: u64,
+        pub bytes: u64,
+    }
+
+    /// A size for an image that holds `dir`: 1.5 x its allocated bytes (hard-linked inodes
+    /// once) plus 2 KiB of metadata per inode and 256 MiB, in whole MiB, at least `min`.
+    pub fn fitting_size(dir: &Path, min: u64) -> Result<u64, CliError> {
+        let mut seen = std::collections::HashSet::new();
+        let mut blocks: u64 = 0;
+        let mut inodes: u64 = 0;
+        let mut stack = vec![dir.to_path_buf()];
+        while let Some(d) = stack.pop() {
+            let rd = std::fs::read_dir(&d)
+                .map_err(|e| CliError(format!("--rootdir: reading {}: {e}", d.display())))?;
+            for e in rd {
+                let e =
+                    e.map_err(|e| CliError(format!("--rootdir: reading {}: {e}", d.display())))?;
+                let p = e.path();
+                let m = std::fs::symlink_metadata(&p)
+                    .map_err(|e| CliError(format!("--rootdir: stat {}: {e}", p.display())))?;
+                if m.nlink() > 1 && !m.is_dir() && !seen.insert((m.dev(), m.ino())) {
+                    continue;
+                }
+                inodes += 1;
+                blocks =
+                    blocks.saturating_add(m.blocks().saturating_mul(512).max(m.len().min(4096)));
+                if m.is_dir() {
+                    stack.push(p);
+                }
+            }
+        }
+        let want = blocks
+            .saturating_add(blocks / 2)
+            .saturating_add(inodes.saturating_mul(2048))
+            .saturating_add(256 << 20);
+        let mib = 1u64 << 20;
+        Ok(want.div_ceil(mib).saturating_mul(mib).max(min))
+    }
+
+    /// Progress on stderr, at most once a second, after the first second.
+    struct Progress {
+        quiet: bool,
+        start: Instant,
+        last: Instant,
+        shown: bool,
+        tty: bool,
+    }
+
+    impl Progress {
+        fn tick(&mut self, s: &Stats) {
+            if self.quiet || self.last.elapsed() < Duration::from_secs(1) {
+                return;
+            }
+            self.last = Instant::now();
+            self.shown = true;
+            self.print(s, false);
+        }
+
+        fn print(&self, s: &Stats, last: bool) {
+            let secs = self.start.elapsed().as_secs_f64();
+            let line = format!(
+                "copying: {} inodes, {} of data, {:.1}s",
+                s.inodes,
+                super::human(s.bytes),
+                secs
+            );
+            let mut err = std::io::stderr().lock();
+            let _ = if self.tty {
+                write!(err, "\r{line}\x1b[K{}", if last { "\n" } else { "" })
+            } else {
+                writeln!(err, "{line}")
+            };
+        }
+
+        fn done(&self, s: &Stats) {
+            if self.shown {
+                self.print(s, true);
+            }
+        }
+    }
+
+    struct Copier<'a> {
+        fs: &'a Fs,
+        /// Hard-linked source inodes (st_dev, st_ino) already copied, and where to.
+        links: HashMap<(u64, u64), Inode>,
+        stats: Stats,
+        since_commit_bytes: u64,
+        since_commit_inodes: u64,
+        progress: Progress,
+    }
+
+    fn ts(sec: i64, nsec: i64) -> Timespec {
+        Timespec {
+            sec,
+            nsec: nsec.clamp(0, 999_999_999) as u32,
+        }
+    }
+
+    fn owner(m: &Metadata) -> Owner {
+        Owner {
+            uid: m.uid(),
+            gid: m.gid(),
+        }
+    }
+
+    /// The attributes a copy ends with: times from the source, ctime = mtime (a normal tool
+    /// cannot set ctime, and the source's ctime would make the image depend on when the
+    /// tree was made).
+    fn final_attrs(m: &Metadata) -> SetAttr {
+        let mtime = ts(m.mtime(), m.mtime_nsec());
+        SetAttr {
+            atime: Some(ts(m.atime(), m.atime_nsec())),
+            mtime: Some(mtime),
+            ctime: Some(mtime),
+            ..SetAttr::default()
+        }
+    }
+
+    fn cpath(p: &Path) -> R<CString> {
+        CString::new(p.as_os_str().as_bytes())
+            .map_err(|_| Failure::Source(format!("--rootdir: NUL in path {}", p.display())))
+    }
+
+    /// All xattrs of `p` (not following a symlink), sorted by name.
+    fn xattrs(p: &Path) -> R<Vec<(Vec<u8>, Vec<u8>)>> {
+        let c = cpath(p)?;
+        let mut names = vec![0u8; 4096];
+        let len = loop {
+            // SAFETY: valid C path and a buffer of the given length.
+            let n = unsafe { libc::llistxattr(c.as_ptr(), names.as_mut_ptr().cast(), names.len()) };
+            if n >= 0 {
+                break n as usize;
+            }
+            let e = std::io::Error::last_os_error();
+            match e.raw_os_error() {
+                Some(libc::ERANGE) => names.resize(names.len() * 4, 0),
+                Some(libc::ENOTSUP) => return Ok(Vec::new()),
+                _ => return Err(src_err("listing xattrs of", p, e)),
+            }
+        };
+        let mut out = Vec::new();
+        for name in names[..len.min(names.len())]
+            .split(|&b| b == 0)
+            .filter(|n| !n.is_empty())
+        {
+            let cname = CString::new(name).map_err(|_| {
+                Failure::Source(format!("--rootdir: bad xattr name on {}", p.display()))
+            })?;
+            let mut val = vec![0u8; 256];
+            let vlen = loop {
+                // SAFETY: valid C strings and a buffer of the given length.
+                let n = unsafe {
+                    libc::lgetxattr(
+                        c.as_ptr(),
+                        cname.as_ptr(),
+                        val.as_mut_ptr().cast(),
+                        val.len(),
+                    )
+                };
+                if n >= 0 {
+                    break Some(n as usize);
+                }
+                let e = std::io::Error::last_os_error();
+                match e.raw_os_error() {
+                    Some(libc::ERANGE) if val.len() < (1 << 20) => val.resize(val.len() * 8, 0),
+                    // Gone since the listing.
+                    Some(libc::ENODATA) => break None,
+                    _ => {
+                        return Err(src_err(
+                            &format!("reading xattr {} of", String::from_utf8_lossy(name)),
+                            p,
+                            e,
+                        ))
+                    }
+                }
+            };
+            if let Some(vlen) = vlen {
+                val.truncate(vlen);
+                out.push((name.to_vec(), val));
+            }
+        }
+        out.sort();
+        Ok(out)
+    }
+
+    /// The names in directory `d`, sorted by their bytes.
+    fn sorted_names(d: &Path) -> R<Vec<OsString>> {
+        let mut names = Vec::new();
+        for e in std::fs::read_dir(d).map_err(|e| src_err("reading", d, e))? {
+            names.push(e.map_err(|e| src_err("reading", d, e))?.file_name());
+        }
+        names.sort_by(|a, b| a.as_bytes().cmp(b.as_bytes()));
+        Ok(names)
+    }
+
+    impl Copier<'_> {
+        fn count_inode(&mut self) -> R<()> {
+            self.stats.inodes += 1;
+            self.since_commit_inodes += 1;
+            self.maybe_commit()
+        }
+
+        fn maybe_commit(&mut self) -> R<()> {
+            if self.since_commit_bytes >= COMMIT_BYTES || self.since_commit_inodes >= COMMIT_INODES
+            {
+                self.fs.commit()?;
+                self.since_commit_bytes = 0;
+                self.since_commit_inodes = 0;
+            }
+            self.progress.tick(&self.stats);
+            Ok(())
+        }
+
+        fn set_xattrs(&mut self, ino: Inode, p: &Path) -> R<()> {
+            for (name, value) in xattrs(p)? {
+                self.fs
+                    .setxattr(ino, &name, &value, 0)
+                    .map_err(|e| match e {
+                        butter::Error::NoSpace(_) if value.len() > 1024 => {
+                            Failure::Source(format!(
+                        "--rootdir: xattr {} of {} ({} bytes) does not fit in one tree item: {e}",
+                        String::from_utf8_lossy(&name),
+                        p.display(),
+                        value.len()
+                    ))
+                        }
+                        e => Failure::Engine(e),
+                    })?;
+            }
+            Ok(())
+        }
+
+        /// Copies the children of source directory `src` into `dir` (depth first, sorted),
+        /// then gives `dir` its attributes (last: adding entries changes its times).
+        fn copy_dir(&mut self, src: &Path, dir: Inode) -> R<()> {
+            let names = sorted_names(src)?;
+            // Stat after reading: reading may have moved the atime (relatime), and a second
+            // run must see the same atime as the first.
+            let meta = std::fs::symlink_metadata(src).map_err(|e| src_err("stat", src, e))?;
+            for name in names {
+                let p = src.join(&name);
+                let m = std::fs::symlink_metadata(&p).map_err(|e| src_err("stat", &p, e))?;
+                self.copy_entry(&p, dir, name.as_bytes(), &m)?;
+            }
+            self.fs.setattr(dir, &final_attrs(&meta))?;
+            Ok(())
+        }
+
+        fn copy_entry(&mut self, p: &Path, dir: Inode, name: &[u8], m: &Metadata) -> R<()> {
+            let fs = self.fs;
+            let key = (m.dev(), m.ino());
+            if !m.is_dir() && m.nlink() > 1 {
+                if let Some(&ino) = self.links.get(&key) {
+                    fs.link(ino, dir, name)?;
+                    // The new link changed the inode's ctime: put it back.
+                    fs.setattr(ino, &final_attrs(m))?;
+                    return Ok(());
+                }
+            }
+            let mode = m.mode();
+            let perm = mode & 0o7777;
+            let ft = m.file_type();
+            let mut after_read = None;
+            let ino = if ft.is_dir() {
+                let ino = fs.mkdir(dir, name, perm, owner(m))?;
+                self.count_inode()?;
+                self.set_xattrs(ino, p)?;
+                return self.copy_dir(p, ino);
+            } else if ft.is_symlink() {
+                let target = std::fs::read_link(p).map_err(|e| src_err("readlink", p, e))?;
+                // As for directories: the atime after readlink.
+                after_read = Some(std::fs::symlink_metadata(p).map_err(|e| src_err("stat", p, e))?);
+                fs.symlink(dir, name, target.as_os_str().as_bytes(), owner(m))
+                    .map_err(|e| match e {
+                        butter::Error::NameTooLong(why) => Failure::Source(format!(
+                            "--rootdir: symlink {} cannot be stored: {why}",
+                            p.display()
+                        )),
+                        e => Failure::Engine(e),
+                    })?
+            } else if ft.is_file() {
+                let ino = fs.create(dir, name, perm, owner(m))?;
+                self.copy_data(p, ino, m.len())?;
+                ino
+            } else {
+                let rdev = m.rdev();
+                // btrfs keeps the kernel's internal dev_t: major << 20 | minor.
+                let (major, minor) = (libc::major(rdev) as u64, libc::minor(rdev) as u64);
+                fs.mknod(dir, name, mode & 0o177777, (major << 20) | minor, owner(m))?
+            };
+            self.count_inode()?;
+            self.set_xattrs(ino, p)?;
+            fs.setattr(ino, &final_attrs(after_read.as_ref().unwrap_or(m)))?;
+            if m.nlink() > 1 {
+                self.links.insert(key, ino);
+            }
+            Ok(())
+        }
+
+        /// The data of regular file `p`: only the ranges SEEK_DATA finds (holes stay holes),
+        /// then the size (a hole at the end).
+        fn copy_data(&mut self, p: &Path, ino: Inode, size: u64) -> R<()> {
+            if size == 0 {
+                return Ok(());
+            }
+            // O_NOATIME: reading must not change the source (nor a second run's image).
+            let f = std::fs::OpenOptions::new()
+                .read(true)
+                .custom_flags(libc::O_NOATIME)
+                .open(p)
+                .or_else(|_| File::open(p))
+                .map_err(|e| src_err("opening", p, e))?;
+            let fd = f.as_raw_fd();
+            let mut buf = vec![0u8; CHUNK.min(size as usize)];
+            let mut pos: u64 = 0;
+            let mut written_end: u64 = 0;
+            while pos < size {
+                // SAFETY: lseek on an open descriptor.
+                let data = unsafe { libc::lseek(fd, pos as libc::off_t, libc::SEEK_DATA) };
+                if data < 0 {
+                    let e = std::io::Error::last_os_error();
+                    if e.raw_os_error() == Some(libc::ENXIO) {
+                        break; // only a hole is left
+                    }
+                    return Err(src_err("SEEK_DATA in", p, e));
+                }
+                let data = data as u64;
+                // SAFETY: as above.
+                let hole = unsafe { libc::lseek(fd, data as libc::off_t, libc::SEEK_HOLE) };
+                let hole = if hole < 0 {
+                    size
+                } else {
+                    (hole as u64).min(size)
+                };
+                let mut off = data;
+                while off < hole {
+                    let want = ((hole - off) as usize).min(buf.len());
+                    let n = f
+                        .read_at(&mut buf[..want], off)
+                        .map_err(|e| src_err("reading", p, e))?;
+                    if n == 0 {
+                        break; // shrank under us
+                    }
+                    let mut done = 0;
+                    while done < n {
+                        let w = self.fs.write(ino, off + done as u64, &buf[done..n])?;
+                        if w == 0 {
+                            return Err(Failure::Engine(butter::Error::NoSpace(
+                                "short write".into(),
+                            )));
+                        }
+                        done += w;
+                    }
+                    off += n as u64;
+                    written_end = off;
+                    self.stats.bytes += n as u64;
+                    self.since_commit_bytes += n as u64;
+                    self.maybe_commit()?;
+                }
+                if off < hole {
+                    break;
+                }
+                pos = hole;
+            }
+            if written_end < size {
+                self.fs.setattr(
+                    ino,
+                    &SetAttr {
+                        size: Some(size),
+                        ..SetAttr::default()
+                    },
+                )?;
+            }
+            Ok(())
+        }
+    }
+
+    /// Copies the tree at `src` into the filesystem's root directory (which takes the
+    /// attributes of `src`) and commits.
+    pub fn populate(fs: &Fs, src: &Path, quiet: bool) -> R<Stats> {
+        let meta = std::fs::metadata(src).map_err(|e| src_err("stat", src, e))?;
+        // SAFETY: isatty on a standard descriptor.
+        let tty = unsafe { libc::isatty(2) } == 1;
+        let now = Instant::now();
+        let mut c = Copier {
+            fs,
+            links: HashMap::new(),
+            stats: Stats::default(),
+            since_commit_bytes: 0,
+            since_commit_inodes: 0,
+            progress: Progress {
+                quiet,
+                start: now,
+                last: now,
+                shown: false,
+                tty,
+            },
+        };
+        let root = fs.root_inode();
+        fs.setattr(
+            root,
+            &SetAttr {
+                mode: Some(meta.mode() & 0o7777),
+                uid: Some(meta.uid()),
+                gid: Some(meta.gid()),
+                ..SetAttr::default()
+            },
+        )?;
+        c.set_xattrs(root, src)?;
+        c.copy_dir(src, root)?;
+        fs.commit()?;
+        c.progress.done(&c.stats);
+        Ok(c.stats)
+    }
 }
 
 #[cfg(test)]

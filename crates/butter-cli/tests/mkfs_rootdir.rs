@@ -1,0 +1,201 @@
+//! `butter mkfs --rootdir DIR IMAGE` against the kernel: the seeded generator fills a kernel
+//! btrfs mount (every file type, hard links incl. extended refs, xattrs, sparse and
+//! preallocated files, files of a few MiB, subvolumes that the copy turns into plain
+//! directories); butter copies that tree into a new image; `btrfs check` and butter's checker
+//! must pass, and a kernel mount of the new image must show the same tree (names, types, modes,
+//! owners, sizes, content, xattrs, link targets, hard-link groups, atime/mtime). Two runs with
+//! SOURCE_DATE_EPOCH and the same -U must give byte-identical images.
+//!
+//! Needs root, loop devices and btrfs-progs: without them the test prints a notice and passes,
+//! unless CI is set (then it fails).
+
+mod common;
+
+use common::gen::{populate, Scale};
+use common::kernel::{btrfs_check, require_privileges, LoopMount, ScratchDir};
+use common::manifest::{assert_same, take, CompareOpts, Kind, TakeOpts};
+use std::path::Path;
+use std::process::Command;
+
+const BUTTER: &str = env!("CARGO_BIN_EXE_butter");
+const UUID: &str = "5eed5eed-0000-4000-8000-00000000b077";
+
+fn butter_mkfs_rootdir(src: &Path, img: &Path, extra: &[&str]) {
+    let out = Command::new(BUTTER)
+        .arg("mkfs")
+        .arg("-q")
+        .args(["-U", UUID])
+        .args(extra)
+        .arg("--rootdir")
+        .arg(src)
+        .arg(img)
+        .env("SOURCE_DATE_EPOCH", "1700000000")
+        .env_remove("BUTTER_FIXED_TIME")
+        .output()
+        .expect("run butter");
+    assert!(
+        out.status.success(),
+        "butter mkfs --rootdir failed:\n{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+fn butter_check(img: &Path) {
+    let fs = butter::fs::Fs::open(img).unwrap_or_else(|e| panic!("butter open: {e}"));
+    let report = butter::check::check(&fs, &mut |_| {}).unwrap();
+    assert!(
+        report.is_clean(),
+        "butter check of {}:\n{}",
+        img.display(),
+        report
+            .findings
+            .iter()
+            .map(|f| f.to_string())
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+}
+
+#[test]
+fn rootdir_copies_the_generated_tree() {
+    if !require_privileges() {
+        return;
+    }
+    let scratch = ScratchDir::new("mkfs-rootdir");
+    let src_img = scratch.join("src.img");
+    common::kernel::mkfs_btrfs(&src_img, 1 << 30, &[] as &[&str]);
+    let src = LoopMount::btrfs(&src_img, &scratch.join("src"), "");
+    populate(src.path(), 0x5eed, Scale::Small);
+    // The generator leaves the mount noatime: reading it for the copy changes nothing.
+    let want = take(src.path(), &TakeOpts::default());
+    assert!(want.count(Kind::Fifo) > 0 && want.count(Kind::Socket) > 0);
+    assert!(want.count(Kind::CharDev) > 0 && want.count(Kind::BlockDev) > 0);
+
+    let img1 = scratch.join("one.img");
+    let img2 = scratch.join("two.img");
+    butter_mkfs_rootdir(src.path(), &img1, &[]);
+    butter_mkfs_rootdir(src.path(), &img2, &[]);
+    let a = std::fs::read(&img1).unwrap();
+    let b = std::fs::read(&img2).unwrap();
+    assert_eq!(a.len(), b.len(), "image sizes differ between two runs");
+    if a != b {
+        let first = a.iter().zip(&b).position(|(x, y)| x != y).unwrap_or(0);
+        panic!("two runs with SOURCE_DATE_EPOCH and -U differ, first at byte {first}");
+    }
+    drop((a, b));
+
+    let (ok, text) = btrfs_check(&img1);
+    assert!(ok, "btrfs check failed on the --rootdir image:\n{text}");
+    butter_check(&img1);
+
+    let got = {
+        let m = LoopMount::btrfs_ro(&img1, &scratch.join("new"));
+        let got = take(m.path(), &TakeOpts::default());
+        m.unmount();
+        got
+    };
+    drop(src);
+    let opts = CompareOpts {
+        // A copy gets new inodes: ctime = mtime, birth time = SOURCE_DATE_EPOCH.
+        ctime: false,
+        btime: false,
+        inode_numbers: false,
+        // Subvolumes of the source are copied as plain directories.
+        subvolumes: false,
+        ..CompareOpts::all()
+    };
+    assert_same(
+        &want,
+        &got,
+        &opts,
+        "source tree vs kernel mount of the --rootdir image",
+    );
+    assert!(got.len() > 3000, "only {} entries copied", got.len());
+    // Holes stay holes.
+    let blocks = |p: &str| got.get(p).unwrap_or_else(|| panic!("{p} missing")).blocks;
+    assert_eq!(
+        blocks("sparse/all_hole"),
+        0,
+        "sparse/all_hole got data blocks"
+    );
+    assert!(
+        blocks("sparse/hole_middle") * 512 <= 256 * 1024,
+        "sparse/hole_middle: {} blocks",
+        blocks("sparse/hole_middle")
+    );
+}
+
+#[test]
+fn rootdir_too_small_says_so() {
+    if !require_privileges() {
+        return;
+    }
+    let scratch = ScratchDir::new("mkfs-rootdir-small");
+    let src = scratch.dir("src");
+    // 200 MiB of incompressible data does not fit in a 128 MiB image.
+    let mut x: u64 = 0x1234_5678_9abc_def1;
+    let mut data = vec![0u8; 1 << 20];
+    for i in 0..200 {
+        for chunk in data.chunks_mut(8) {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            chunk.copy_from_slice(&x.to_le_bytes()[..chunk.len()]);
+        }
+        std::fs::write(src.join(format!("f{i:03}")), &data).unwrap();
+    }
+    let img = scratch.join("small.img");
+    let out = Command::new(BUTTER)
+        .args(["mkfs", "-q", "-b", "128M", "--rootdir"])
+        .arg(&src)
+        .arg(&img)
+        .output()
+        .expect("run butter");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "a 128 MiB image took 200 MiB");
+    assert!(
+        err.contains("the image is too small for") && err.contains("use a larger -b"),
+        "unexpected error: {err}"
+    );
+}
+
+/// 100k small files: run by bench/workloads/mkfs_rootdir.sh; here only on request
+/// (`cargo test --test mkfs_rootdir -- --ignored`).
+#[test]
+#[ignore]
+fn rootdir_100k_files() {
+    if !require_privileges() {
+        return;
+    }
+    let scratch = ScratchDir::new("mkfs-rootdir-100k");
+    let src = scratch.dir("src");
+    for d in 0..100 {
+        let dir = src.join(format!("d{d:03}"));
+        std::fs::create_dir(&dir).unwrap();
+        for f in 0..1000 {
+            let body = format!("file {d}/{f}\n").repeat(f % 7 + 1);
+            std::fs::write(dir.join(format!("f{f:04}")), body).unwrap();
+        }
+    }
+    let img = scratch.join("big.img");
+    butter_mkfs_rootdir(&src, &img, &[]);
+    let (ok, text) = btrfs_check(&img);
+    assert!(ok, "btrfs check failed:\n{text}");
+    let want = take(&src, &TakeOpts::default());
+    let m = LoopMount::btrfs_ro(&img, &scratch.join("new"));
+    let got = take(m.path(), &TakeOpts::default());
+    m.unmount();
+    let opts = CompareOpts {
+        ctime: false,
+        btime: false,
+        inode_numbers: false,
+        // The source is on any filesystem: directory sizes and link counts differ.
+        dir_size: false,
+        dir_nlink: false,
+        root_attrs: false,
+        subvolumes: false,
+        ..CompareOpts::all()
+    };
+    assert_same(&want, &got, &opts, "100k tree");
+}
