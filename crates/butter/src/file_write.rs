@@ -517,13 +517,14 @@ impl Fs {
             .file_extents(ino, 0, 1)?
             .first()
             .is_some_and(|x| matches!(x.item.body, FileExtentBody::Inline(_)));
-        let has_other = self.file_extents(ino, 0, u64::MAX)?.iter().any(|x| {
-            !matches!(x.item.body, FileExtentBody::Inline(_)) && {
-                // Holes do not count.
-                !matches!(x.item.body, FileExtentBody::Extent { disk_bytenr: 0, .. })
-            }
-        });
-        if new_size <= mi && !has_other && (item.size == 0 || has_inline) {
+        // Only a small file can stay inline; only then is it worth looking at all its extents
+        // (an extent past EOF, e.g. preallocated, keeps it out of line). Holes do not count.
+        let stays_inline = new_size <= mi
+            && (item.size == 0 || has_inline)
+            && !self.file_extents(ino, 0, u64::MAX)?.iter().any(|x| {
+                matches!(x.item.body, FileExtentBody::Extent { disk_bytenr, .. } if disk_bytenr != 0)
+            });
+        if stays_inline {
             // The whole file stays inline.
             let mut content = self.read_range(ino, 0, item.size)?;
             content.resize(new_size as usize, 0);

@@ -77,6 +77,29 @@ fn mode_to_ft(mode: u32) -> u8 {
     }
 }
 
+/// Rewrites an item that packs several entries (refs, dir items, xattrs) without entry `skip`;
+/// deletes the item when that was its only entry.
+fn rewrite_without<T>(
+    w: &mut Writer,
+    root: u64,
+    key: Key,
+    entries: &[T],
+    skip: usize,
+    write: impl Fn(&T, &mut Vec<u8>),
+) -> Result<()> {
+    if entries.len() <= 1 {
+        w.delete_item(root, &key)?;
+        return Ok(());
+    }
+    let mut body = Vec::new();
+    for (i, e) in entries.iter().enumerate() {
+        if i != skip {
+            write(e, &mut body);
+        }
+    }
+    w.replace_item(root, key, &body)
+}
+
 fn check_name(name: &[u8]) -> Result<()> {
     if name.is_empty() || name == b"." || name == b".." || name.contains(&b'/') || name.contains(&0)
     {
@@ -324,17 +347,7 @@ impl Fs {
             let refs = InodeRef::parse_all(&body)?;
             if let Some(pos) = refs.iter().position(|r| r.name == name) {
                 let index = refs[pos].index;
-                if refs.len() == 1 {
-                    w.delete_item(ino.root, &key)?;
-                } else {
-                    let mut nb = Vec::new();
-                    for (i, r) in refs.iter().enumerate() {
-                        if i != pos {
-                            r.write(&mut nb);
-                        }
-                    }
-                    w.replace_item(ino.root, key, &nb)?;
-                }
+                rewrite_without(w, ino.root, key, &refs, pos, InodeRef::write)?;
                 return Ok(index);
             }
         }
@@ -346,17 +359,7 @@ impl Fs {
                 .position(|r| r.name == name && r.parent == parent)
             {
                 let index = refs[pos].index;
-                if refs.len() == 1 {
-                    w.delete_item(ino.root, &xk)?;
-                } else {
-                    let mut nb = Vec::new();
-                    for (i, r) in refs.iter().enumerate() {
-                        if i != pos {
-                            r.write(&mut nb);
-                        }
-                    }
-                    w.replace_item(ino.root, xk, &nb)?;
-                }
+                rewrite_without(w, ino.root, xk, &refs, pos, InodeExtref::write)?;
                 return Ok(index);
             }
         }
@@ -379,15 +382,11 @@ impl Fs {
             .read_item(dir.root, &dkey)?
             .ok_or_else(|| Error::NotFound(format!("{:?}", String::from_utf8_lossy(name))))?;
         let entries = DirItem::parse_all(&body)?;
-        if entries.len() <= 1 {
-            w.delete_item(dir.root, &dkey)?;
-        } else {
-            let mut nb = Vec::new();
-            for e in entries.iter().filter(|e| e.name != name) {
-                e.write(&mut nb);
-            }
-            w.replace_item(dir.root, dkey, &nb)?;
-        }
+        let pos = entries
+            .iter()
+            .position(|e| e.name == name)
+            .ok_or_else(|| Error::NotFound(format!("{:?}", String::from_utf8_lossy(name))))?;
+        rewrite_without(w, dir.root, dkey, &entries, pos, DirItem::write)?;
         let index = self.remove_inode_ref(w, target, dir.ino, name)?;
         w.delete_item(dir.root, &Key::new(dir.ino, DIR_INDEX_KEY, index))?;
         let mut d = self.inode_item(dir)?;
@@ -873,19 +872,13 @@ impl Fs {
         }
         self.op(false, |w| {
             let key = Key::new(ino.ino, XATTR_ITEM_KEY, hash::name_hash(name));
-            let mut body = Vec::new();
-            if let Some(old) = w.read_item(ino.root, &key)? {
-                for e in DirItem::parse_all(&old)? {
-                    if e.name != name {
-                        e.write(&mut body);
-                    }
-                }
-            }
-            if body.is_empty() {
-                w.delete_item(ino.root, &key)?;
-            } else {
-                w.replace_item(ino.root, key, &body)?;
-            }
+            let old = w.read_item(ino.root, &key)?.unwrap_or_default();
+            let entries = DirItem::parse_all(&old)?;
+            let pos = entries
+                .iter()
+                .position(|e| e.name == name)
+                .ok_or_else(|| Error::NoXattr(String::from_utf8_lossy(name).into_owned()))?;
+            rewrite_without(w, ino.root, key, &entries, pos, DirItem::write)?;
             let mut it = self.inode_item(ino)?;
             Self::touch(w, &mut it, false);
             self.write_inode(w, ino, &it)
