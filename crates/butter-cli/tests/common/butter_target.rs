@@ -78,7 +78,7 @@ impl ButterTarget {
         if matches!(
             e,
             butter::Error::Corrupt { .. } | butter::Error::Aborted(_) | butter::Error::Io { .. }
-        ) || (matches!(e, butter::Error::Invalid(_)) && e.to_string().contains("engine bug"))
+        ) || matches!(e, butter::Error::Invalid(_))
         {
             eprintln!("butter error: {e}");
         }
