@@ -23,5 +23,6 @@ pub mod free_space_tree;
 pub mod fs;
 pub mod fs_write;
 pub mod mkfs;
+pub mod subvol;
 pub mod transaction;
 pub mod volumes;

@@ -252,6 +252,52 @@ impl Writer {
         Ok(())
     }
 
+    /// Registers a tree created in the running transaction; the caller inserts its ROOT_ITEM
+    /// under `item_key` (commit keeps the item's root pointer current).
+    pub(crate) fn add_new_tree(
+        &mut self,
+        id: u64,
+        bytenr: u64,
+        level: u8,
+        item_key: Key,
+        last_snapshot: u64,
+    ) {
+        let transid = self.transid;
+        self.trees.insert(
+            id,
+            TreeState {
+                id,
+                bytenr,
+                level,
+                generation: transid,
+                shareable: is_fs_tree(id),
+                last_snapshot,
+                item_key: Some(item_key),
+                dirty: true,
+            },
+        );
+        self.live.write().unwrap_or_else(|e| e.into_inner()).insert(
+            id,
+            Root {
+                id,
+                bytenr,
+                level,
+                generation: transid,
+            },
+        );
+    }
+
+    /// Records that a snapshot of tree `id` was taken in the running transaction: blocks it
+    /// has now may be shared.
+    pub(crate) fn note_snapshot(&mut self, id: u64) -> Result<()> {
+        let transid = self.transid;
+        self.tree_state(id)?;
+        if let Some(t) = self.trees.get_mut(&id) {
+            t.last_snapshot = transid;
+        }
+        Ok(())
+    }
+
     /// Whether the running transaction changed anything.
     pub fn has_changes(&self) -> bool {
         !self.refs.is_empty() || !self.disk.overlay_addresses().is_empty()
