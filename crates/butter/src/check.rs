@@ -1636,12 +1636,13 @@ impl Checker<'_> {
             // A snapshot keeps the entries of subvolumes nested in its source, without a
             // ROOT_REF (they show as empty directories): fine when the subvolume predates the
             // snapshot.
-            let copied_by_snapshot = match (self.root_items.get(&e.tree), self.root_items.get(&e.child)) {
-                (Some((snap, _)), Some((child, _))) => {
-                    snap.parent_uuid != [0u8; 16] && child.otransid <= snap.otransid
-                }
-                _ => false,
-            };
+            let copied_by_snapshot =
+                match (self.root_items.get(&e.tree), self.root_items.get(&e.child)) {
+                    (Some((snap, _)), Some((child, _))) => {
+                        snap.parent_uuid != [0u8; 16] && child.otransid <= snap.otransid
+                    }
+                    _ => false,
+                };
             if !copied_by_snapshot
                 && !refs.contains(&(e.tree, e.child, e.dir, e.index, e.name.clone()))
             {

@@ -249,8 +249,7 @@ impl Fs {
         readonly: bool,
         uuid: Option<[u8; 16]>,
     ) -> Result<Inode> {
-        if !(src == FS_TREE_OBJECTID || (FIRST_FREE_OBJECTID..=LAST_FREE_OBJECTID).contains(&src))
-        {
+        if !(src == FS_TREE_OBJECTID || (FIRST_FREE_OBJECTID..=LAST_FREE_OBJECTID).contains(&src)) {
             return Err(Error::Invalid(format!("{src} is not a subvolume id")));
         }
         self.prepare_subvol_entry(dir, name)?;
@@ -265,9 +264,9 @@ impl Fs {
                 .item_key
                 .ok_or_else(|| Error::NotFound(format!("root item of subvolume {src}")))?;
             let src_root = w.current_root(src)?;
-            let src_body = w.read_item(ROOT_TREE_OBJECTID, &src_key)?.ok_or_else(|| {
-                Error::NotFound(format!("root item of subvolume {src}"))
-            })?;
+            let src_body = w
+                .read_item(ROOT_TREE_OBJECTID, &src_key)?
+                .ok_or_else(|| Error::NotFound(format!("root item of subvolume {src}")))?;
             let src_item = RootItem::parse(&src_body).map_err(|e| match e {
                 Error::Corrupt { reason, .. } => Error::corrupt(
                     Location::what("root item")

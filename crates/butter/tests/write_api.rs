@@ -230,7 +230,8 @@ fn random_overwrites_across_leaf_boundaries() {
         let r = next();
         let sectors = if r % 3 == 0 { 1 + r % 5 } else { 1 + r % 2 };
         let len = (sectors * 4096) as usize - if r % 7 == 0 { 1000 } else { 0 };
-        let off = ((next() as usize) % (size / 4096 - 8)) * 4096 + if r % 11 == 0 { 512 } else { 0 };
+        let off =
+            ((next() as usize) % (size / 4096 - 8)) * 4096 + if r % 11 == 0 { 512 } else { 0 };
         let fill = (i % 251) as u8 + 1;
         let data = vec![fill; len];
         assert_eq!(fs.write(ino, off as u64, &data).unwrap(), len);
@@ -245,7 +246,10 @@ fn random_overwrites_across_leaf_boundaries() {
     let end = want.iter().rposition(|b| *b != 0).map_or(0, |p| p + 1);
     assert_eq!(got.len() as u64, st.size);
     assert!(got.len() >= end);
-    assert!(got == want[..got.len()], "file content differs from the buffer");
+    assert!(
+        got == want[..got.len()],
+        "file content differs from the buffer"
+    );
     drop(fs);
     checks(&img);
 }

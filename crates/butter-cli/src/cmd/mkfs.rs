@@ -103,7 +103,10 @@ fn parse_subvol(spec: &str, rootdir: &Path) -> Result<SubvolSpec, CliError> {
             "--subvol {spec}: {} is not a directory",
             full.display()
         ))),
-        Err(e) => Err(CliError(format!("--subvol {spec}: {}: {e}", full.display()))),
+        Err(e) => Err(CliError(format!(
+            "--subvol {spec}: {}: {e}",
+            full.display()
+        ))),
     }
 }
 
@@ -482,20 +485,21 @@ fn make(a: &MkfsArgs, opts: MkfsOptions) -> CliResult {
                 a.image.display()
             ))
         })?;
-        let stats = rootdir::populate(&fs, dir, &subvols, uuid_seed, a.quiet).map_err(|e| match e {
-            rootdir::Failure::Engine(butter::Error::NoSpace(why)) => CliError(format!(
-                "the image is too small for {}: use a larger -b ({} bytes now; {why})",
-                dir.display(),
-                report.total_bytes
-            )),
-            rootdir::Failure::Engine(e) => CliError(format!(
-                "cannot copy {} into {}: {}",
-                dir.display(),
-                a.image.display(),
-                CliError::from(e)
-            )),
-            rootdir::Failure::Source(m) => CliError(m),
-        })?;
+        let stats =
+            rootdir::populate(&fs, dir, &subvols, uuid_seed, a.quiet).map_err(|e| match e {
+                rootdir::Failure::Engine(butter::Error::NoSpace(why)) => CliError(format!(
+                    "the image is too small for {}: use a larger -b ({} bytes now; {why})",
+                    dir.display(),
+                    report.total_bytes
+                )),
+                rootdir::Failure::Engine(e) => CliError(format!(
+                    "cannot copy {} into {}: {}",
+                    dir.display(),
+                    a.image.display(),
+                    CliError::from(e)
+                )),
+                rootdir::Failure::Source(m) => CliError(m),
+            })?;
         if !a.quiet {
             let mut out = std::io::stdout().lock();
             print_summary(&mut out, &report, &a.image)?;
@@ -839,10 +843,7 @@ mod rootdir {
                 let ino = match self.subvols.iter().find(|s| s.path == rel) {
                     Some(sv) => {
                         let uuid = self.uuid_seed.map(|f| {
-                            butter::mkfs::derived_uuid(
-                                &f,
-                                &format!("subvolume {}", rel.display()),
-                            )
+                            butter::mkfs::derived_uuid(&f, &format!("subvolume {}", rel.display()))
                         });
                         let ino = fs.create_subvolume(dir, name, perm, owner(m), uuid)?;
                         if sv.readonly {

@@ -59,11 +59,16 @@ fn parent_and_name(fs: &Fs, path: &str) -> Result<(Inode, Vec<u8>), CliError> {
         None => ("", trimmed),
     };
     if name.is_empty() || name == "." || name == ".." {
-        return Err(CliError(format!("{path:?}: give a path that ends in a new name")));
+        return Err(CliError(format!(
+            "{path:?}: give a path that ends in a new name"
+        )));
     }
-    let dir = fs
-        .resolve(parent)
-        .map_err(|e| CliError(format!("parent directory of {path:?}: {}", CliError::from(e))))?;
+    let dir = fs.resolve(parent).map_err(|e| {
+        CliError(format!(
+            "parent directory of {path:?}: {}",
+            CliError::from(e)
+        ))
+    })?;
     Ok((dir, name.as_bytes().to_vec()))
 }
 
@@ -99,7 +104,12 @@ pub fn subvolume(a: SubvolumeArgs) -> CliResult {
             let (dir, name) = parent_and_name(&fs, &dest)?;
             let ino = fs
                 .create_snapshot(src.root, dir, &name, readonly, None)
-                .map_err(|e| CliError(format!("cannot snapshot to {dest:?}: {}", CliError::from(e))))?;
+                .map_err(|e| {
+                    CliError(format!(
+                        "cannot snapshot to {dest:?}: {}",
+                        CliError::from(e)
+                    ))
+                })?;
             fs.commit()?;
             println!(
                 "Create {}snapshot of '{source}' in '{dest}' (id {})",
