@@ -394,21 +394,25 @@ impl Fs {
         if deletes == n && adds == 0 {
             return give_up(w, ino.root, &path);
         }
-        // Apply in the leaf, from the last slot backwards so earlier slots stay valid.
+        // Apply in the leaf, from the last slot backwards so earlier slots stay valid. (Let go
+        // of the snapshot of the leaf first: a block a reader still holds is copied on change.)
+        drop(blk);
         let mut removed = 0;
         let mut inserts: Vec<(Key, Vec<u8>)> = Vec::new();
         for (slot, k, fe, c) in cuts.into_iter().rev() {
             let before = nbytes_of(&fe);
             match c {
                 Cut::Delete => {
-                    w.modify(leaf, |buf| LeafMut::new(buf)?.delete_items(slot, 1))?;
+                    w.modify(leaf, |buf| LeafMut::trusted(buf)?.delete_items(slot, 1))?;
                     self.drop_data_ref(w, ino, k.offset, &fe);
                     removed += before;
                 }
                 Cut::KeepHead(h) => {
                     let b = h.to_bytes();
                     w.modify(leaf, |buf| {
-                        LeafMut::new(buf)?.item_data_mut(slot)?.copy_from_slice(&b);
+                        LeafMut::trusted(buf)?
+                            .item_data_mut(slot)?
+                            .copy_from_slice(&b);
                         Ok(())
                     })?;
                     removed += before - nbytes_of(&h);
@@ -417,7 +421,7 @@ impl Fs {
                     let b = t.to_bytes();
                     let nkey = Key::new(ino.ino, EXTENT_DATA_KEY, nk);
                     w.modify(leaf, |buf| {
-                        let mut l = LeafMut::new(buf)?;
+                        let mut l = LeafMut::trusted(buf)?;
                         l.set_key(slot, nkey)?;
                         l.item_data_mut(slot)?.copy_from_slice(&b);
                         Ok(())
@@ -427,7 +431,9 @@ impl Fs {
                 Cut::Split(h, nk, t) => {
                     let b = h.to_bytes();
                     w.modify(leaf, |buf| {
-                        LeafMut::new(buf)?.item_data_mut(slot)?.copy_from_slice(&b);
+                        LeafMut::trusted(buf)?
+                            .item_data_mut(slot)?
+                            .copy_from_slice(&b);
                         Ok(())
                     })?;
                     self.add_data_ref(w, ino, nk, &t, false);
@@ -442,7 +448,7 @@ impl Fs {
         inserts.sort_by_key(|(k, _)| *k);
         for (k, b) in inserts {
             w.modify(leaf, |buf| {
-                let mut l = LeafMut::new(buf)?;
+                let mut l = LeafMut::trusted(buf)?;
                 // Slot for k in the leaf as it is now.
                 let n = l.nritems();
                 let mut s = 0;

@@ -280,7 +280,7 @@ impl Fs {
                 let p = w.resize_item(dir.root, &dkey, body.len())?;
                 let slot = p.slot();
                 w.modify(p.leaf(), |buf| {
-                    crate::ctree_ops::LeafMut::new(buf)?
+                    crate::ctree_ops::LeafMut::trusted(buf)?
                         .item_data_mut(slot)?
                         .copy_from_slice(&body);
                     Ok(())
@@ -321,7 +321,7 @@ impl Fs {
                 let p = w.resize_item(ino.root, &key, body.len())?;
                 let slot = p.slot();
                 w.modify(p.leaf(), |buf| {
-                    crate::ctree_ops::LeafMut::new(buf)?
+                    crate::ctree_ops::LeafMut::trusted(buf)?
                         .item_data_mut(slot)?
                         .copy_from_slice(&body);
                     Ok(())
