@@ -195,6 +195,18 @@ fn model_rounds_butter_snapshot() {
     snapshot_rounds(true);
 }
 
+/// Points the source's and the snapshot's runners at a kernel mount.
+fn kernel_targets(a: &mut Runner, b: &mut Runner, mnt: &Path) {
+    a.set_targets(vec![Box::new(DirTarget::new(
+        &mnt.join("sub"),
+        "kernel sub",
+    ))]);
+    b.set_targets(vec![Box::new(DirTarget::new(
+        &mnt.join("snap"),
+        "kernel snap",
+    ))]);
+}
+
 fn snapshot_rounds(butter_makes_them: bool) {
     if !require_privileges() {
         return;
@@ -258,14 +270,7 @@ fn snapshot_rounds(butter_makes_them: bool) {
         b.set_targets(Vec::new());
         // The kernel sees both, and agrees they are subvolumes.
         let m = LoopMount::btrfs(&img, &mnt, "noatime");
-        a.set_targets(vec![Box::new(DirTarget::new(
-            &m.path().join("sub"),
-            "kernel sub",
-        ))]);
-        b.set_targets(vec![Box::new(DirTarget::new(
-            &m.path().join("snap"),
-            "kernel snap",
-        ))]);
+        kernel_targets(&mut a, &mut b, m.path());
         a.checkpoint("kernel sees butter's sub");
         b.checkpoint("kernel sees butter's snapshot");
         let list = std::process::Command::new("btrfs")
@@ -341,14 +346,7 @@ fn snapshot_rounds(butter_makes_them: bool) {
         butter_check(&img);
         kernel_check(&img, &format!("after butter round {r}"));
         let m = LoopMount::btrfs(&img, &mnt, "noatime");
-        a.set_targets(vec![Box::new(DirTarget::new(
-            &m.path().join("sub"),
-            "kernel sub",
-        ))]);
-        b.set_targets(vec![Box::new(DirTarget::new(
-            &m.path().join("snap"),
-            "kernel snap",
-        ))]);
+        kernel_targets(&mut a, &mut b, m.path());
         a.checkpoint(&format!("kernel sees butter's sub, round {r}"));
         b.checkpoint(&format!("kernel sees butter's snap, round {r}"));
         a.run(&profile, 400);

@@ -240,16 +240,21 @@ impl Writer {
         t.level = level;
         t.generation = transid;
         t.dirty = true;
+        self.publish_root(id, bytenr, level);
+        Ok(())
+    }
+
+    /// Lets readers see the tree's root as the running transaction has it.
+    fn publish_root(&self, id: u64, bytenr: u64, level: u8) {
         self.live.write().unwrap_or_else(|e| e.into_inner()).insert(
             id,
             Root {
                 id,
                 bytenr,
                 level,
-                generation: transid,
+                generation: self.transid,
             },
         );
-        Ok(())
     }
 
     /// Registers a tree created in the running transaction; the caller inserts its ROOT_ITEM
@@ -276,15 +281,7 @@ impl Writer {
                 dirty: true,
             },
         );
-        self.live.write().unwrap_or_else(|e| e.into_inner()).insert(
-            id,
-            Root {
-                id,
-                bytenr,
-                level,
-                generation: transid,
-            },
-        );
+        self.publish_root(id, bytenr, level);
     }
 
     /// Records that a snapshot of tree `id` was taken in the running transaction: blocks it
