@@ -213,6 +213,9 @@ fn lock_write(l: &RwLock<()>) -> std::sync::RwLockWriteGuard<'_, ()> {
     l.write().unwrap_or_else(|e| e.into_inner())
 }
 
+/// A time from a fuser request. fuser 0.18 decodes a time before the epoch, (sec < 0,
+/// nsec), as `EPOCH - (|sec| s + nsec ns)` instead of `EPOCH - |sec| s + nsec ns`; this
+/// undoes that, so the stored time is the one the caller gave (checked by tests/fuse_rw.rs).
 fn timespec(t: SystemTime) -> Timespec {
     match t.duration_since(UNIX_EPOCH) {
         Ok(d) => Timespec {
@@ -221,16 +224,9 @@ fn timespec(t: SystemTime) -> Timespec {
         },
         Err(e) => {
             let d = e.duration();
-            if d.subsec_nanos() == 0 {
-                Timespec {
-                    sec: -(d.as_secs() as i64),
-                    nsec: 0,
-                }
-            } else {
-                Timespec {
-                    sec: -(d.as_secs() as i64) - 1,
-                    nsec: 1_000_000_000 - d.subsec_nanos(),
-                }
+            Timespec {
+                sec: -(d.as_secs().min(i64::MAX as u64) as i64),
+                nsec: d.subsec_nanos(),
             }
         }
     }
