@@ -820,3 +820,31 @@ fn daemon_returns_when_the_mount_is_usable() {
     assert!(!out.status.success());
     assert!(!kernel::is_mountpoint(&d));
 }
+
+#[test]
+fn periodic_commit() {
+    if !prerequisites("periodic_commit") {
+        return;
+    }
+    let s = ScratchDir::new("fuse-rw-periodic");
+    let img = s.join("img");
+    kernel::mkfs_btrfs(&img, 256 << 20, &[] as &[&str]);
+    let d = s.dir("m");
+    let mut b = ButterMount::start(&img, &d, &["-o", "commit=1"]);
+    // Changes no flush or fsync commits: only the periodic commit makes them durable.
+    fs::create_dir(d.join("periodic")).unwrap();
+    setxattr(&d.join("periodic"), "user.p", b"1");
+    std::thread::sleep(Duration::from_millis(3500));
+    b.signal(libc::SIGKILL);
+    let st = b.wait();
+    assert!(!st.success());
+    let _ = Command::new("fusermount3")
+        .args(["-u", "-z"])
+        .arg(&d)
+        .status();
+    drop(b);
+    kernel::assert_btrfs_check(&img);
+    let km = LoopMount::btrfs_ro(&img, &s.dir("k"));
+    assert!(km.path().join("periodic").is_dir());
+    km.unmount();
+}
