@@ -790,10 +790,9 @@ impl Filesystem for ButterFuse {
 
     fn unlink(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
         match self.write_op("unlink", parent.0, || {
-            Ok(self
-                .fs
+            self.fs
                 .unlink(self.inode(parent.0)?, name.as_bytes())
-                .map_err(fs_err)?)
+                .map_err(fs_err)
         }) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(e),
@@ -802,10 +801,9 @@ impl Filesystem for ButterFuse {
 
     fn rmdir(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
         match self.write_op("rmdir", parent.0, || {
-            Ok(self
-                .fs
+            self.fs
                 .rmdir(self.inode(parent.0)?, name.as_bytes())
-                .map_err(fs_err)?)
+                .map_err(fs_err)
         }) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(e),
@@ -1231,7 +1229,7 @@ impl Filesystem for ButterFuse {
                 }
                 acl::parse(value).ok_or(OpError::Quiet(libc::EINVAL))?;
             }
-            Ok(self.fs.setxattr(i, name, value, flags).map_err(fs_err)?)
+            self.fs.setxattr(i, name, value, flags).map_err(fs_err)
         }) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(e),
@@ -1265,10 +1263,9 @@ impl Filesystem for ButterFuse {
 
     fn removexattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, reply: ReplyEmpty) {
         match self.write_op("removexattr", ino.0, || {
-            Ok(self
-                .fs
+            self.fs
                 .removexattr(self.inode(ino.0)?, name.as_bytes())
-                .map_err(fs_err)?)
+                .map_err(fs_err)
         }) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(e),
@@ -1319,13 +1316,12 @@ impl Filesystem for ButterFuse {
             if mode & !known != 0 {
                 return Err(OpError::Quiet(libc::EOPNOTSUPP));
             }
-            Ok(self
-                .fs
+            self.fs
                 .fallocate(self.inode(ino.0)?, mode as u32, offset, length)
                 .map_err(|e| match e {
                     Error::Unsupported(_) => OpError::Quiet(libc::EOPNOTSUPP),
                     e => fs_err(e),
-                })?)
+                })
         }) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(e),

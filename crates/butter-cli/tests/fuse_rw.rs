@@ -338,7 +338,7 @@ fn exercise(root: &Path) {
     assert_eq!(fs::metadata(p("small")).unwrap().nlink(), 2);
     std::os::unix::fs::symlink("small", p("sym")).unwrap();
     std::os::unix::fs::symlink("d1/d2/../../nowhere", p("dangling")).unwrap();
-    std::os::unix::fs::symlink(&"x".repeat(1000), p("longsym")).unwrap();
+    std::os::unix::fs::symlink("x".repeat(1000), p("longsym")).unwrap();
     assert_eq!(fs::read(p("sym")).unwrap(), b"replaced\n");
     // Special files.
     let mk = |rel: &str, mode: u32, dev: u64| {
