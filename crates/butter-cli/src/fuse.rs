@@ -631,6 +631,10 @@ impl Filesystem for ButterFuse {
         if let Err(nearest) = config.set_max_write(MAX_WRITE) {
             let _ = config.set_max_write(nearest);
         }
+        // Read ahead as far as the kernel allows, up to what one write may carry.
+        if let Err(nearest) = config.set_max_readahead(MAX_WRITE) {
+            let _ = config.set_max_readahead(nearest);
+        }
         Ok(())
     }
 
