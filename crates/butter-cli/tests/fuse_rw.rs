@@ -848,3 +848,66 @@ fn periodic_commit() {
     assert!(km.path().join("periodic").is_dir());
     km.unmount();
 }
+
+#[test]
+fn parallel_writers_and_readers() {
+    if !prerequisites("parallel_writers_and_readers") {
+        return;
+    }
+    let s = ScratchDir::new("fuse-rw-parallel");
+    let img = s.join("img");
+    kernel::mkfs_btrfs(&img, 512 << 20, &[] as &[&str]);
+    let d = s.dir("m");
+    let b = ButterMount::start(&img, &d, &["-o", "commit=1", "--threads", "4"]);
+    let writers: Vec<_> = (0..4u64)
+        .map(|t| {
+            let dir = d.join(format!("t{t}"));
+            std::thread::spawn(move || {
+                fs::create_dir(&dir).unwrap();
+                for i in 0..60u64 {
+                    let data = pseudo_random((i as usize % 7) * 40_000 + 100, t * 1000 + i);
+                    let f = dir.join(format!("f{i}"));
+                    fs::write(&f, &data).unwrap();
+                    assert_eq!(fs::read(&f).unwrap(), data, "t{t} f{i} read back");
+                    if i % 5 == 0 {
+                        fs::rename(&f, dir.join(format!("r{i}"))).unwrap();
+                    }
+                    if i % 7 == 3 && (i - 1) % 5 != 0 {
+                        fs::remove_file(dir.join(format!("f{}", i - 1))).unwrap();
+                    }
+                }
+            })
+        })
+        .collect();
+    let reader = {
+        let d = d.clone();
+        std::thread::spawn(move || {
+            for _ in 0..30 {
+                let _ = manifest::take(&d, &TakeOpts::default());
+            }
+        })
+    };
+    for w in writers {
+        w.join().expect("writer");
+    }
+    reader.join().expect("reader");
+    let live = manifest::take(&d, &TakeOpts::default());
+    assert!(live.errors().is_empty(), "{:?}", live.errors());
+    b.unmount();
+    butter_check(&img);
+    kernel::assert_btrfs_check(&img);
+    let km = LoopMount::btrfs_ro(&img, &s.dir("k"));
+    let after = manifest::take(km.path(), &TakeOpts::default());
+    km.unmount();
+    manifest::assert_same(
+        &live,
+        &after,
+        &CompareOpts {
+            btime: false,
+            inode_numbers: false,
+            subvolumes: false,
+            ..CompareOpts::all()
+        },
+        "after parallel writers: FUSE view vs kernel view",
+    );
+}
