@@ -225,11 +225,7 @@ pub fn mount(a: MountArgs) -> CliResult {
             a.dir.display()
         ))
     })?;
-    if fs.is_writable() {
-        // The session's end committed already; this only reports a failure again.
-        fs.commit()
-            .map_err(|e| CliError(format!("final commit failed: {e}")))?;
-    }
+    // The session's end (fuse `destroy`) made the final commit, or logged why it could not.
     Ok(())
 }
 
