@@ -911,3 +911,110 @@ fn parallel_writers_and_readers() {
         "after parallel writers: FUSE view vs kernel view",
     );
 }
+
+/// Physical offsets of every copy of the tree block at `logical`.
+fn block_copies(img: &Path, logical: u64) -> Vec<u64> {
+    let out = kernel::run(
+        Command::new("btrfs-map-logical")
+            .args(["-l", &logical.to_string()])
+            .arg(img),
+    );
+    out.split_whitespace()
+        .collect::<Vec<_>>()
+        .windows(2)
+        .filter(|w| w[0] == "physical")
+        .filter_map(|w| w[1].parse().ok())
+        .collect()
+}
+
+#[test]
+fn corrupt_metadata_gives_eio_and_stops_changes() {
+    if !prerequisites("corrupt_metadata_gives_eio_and_stops_changes") {
+        return;
+    }
+    let s = ScratchDir::new("fuse-rw-corrupt");
+    let img = s.join("img");
+    kernel::mkfs_btrfs(&img, 256 << 20, &[] as &[&str]);
+    let k = s.dir("k");
+    {
+        let m = LoopMount::btrfs(&img, &k, "");
+        fs::create_dir(m.path().join("a")).unwrap();
+        for i in 0..300 {
+            fs::write(m.path().join(format!("a/file-with-a-long-name-{i}")), "x").unwrap();
+        }
+        fs::write(m.path().join("keep"), b"keep").unwrap();
+        m.unmount();
+    }
+    // Damage both copies of a leaf holding only directory index items of "a": names still
+    // resolve (DIR_ITEM, inode items elsewhere), but listing "a" and unlinking from it
+    // reach the damaged leaf, the unlink after it already changed other items.
+    let dump = kernel::dump_tree(&img, &["-t", "5"]);
+    let mut leaves: Vec<(u64, bool)> = Vec::new();
+    for l in dump.lines() {
+        if l.starts_with("leaf ") && l.contains("owner FS_TREE") {
+            if let Some(n) = l.split_whitespace().nth(1).and_then(|n| n.parse().ok()) {
+                leaves.push((n, true));
+            }
+        } else if l.trim_start().starts_with("item ") {
+            if let Some(last) = leaves.last_mut() {
+                last.1 &= l.contains(" key (257 DIR_INDEX ");
+            }
+        }
+    }
+    let leaves: Vec<u64> = leaves.iter().filter(|l| l.1).map(|l| l.0).collect();
+    assert!(
+        !leaves.is_empty(),
+        "no leaf of DIR_INDEX items only:\n{dump}"
+    );
+    let copies = block_copies(&img, leaves[0]);
+    assert!(!copies.is_empty());
+    let f = OpenOptions::new().write(true).open(&img).unwrap();
+    for c in copies {
+        f.write_all_at(b"XXXXXXXX", c + 2000).unwrap();
+    }
+    drop(f);
+
+    let d = s.dir("m");
+    let mut b = ButterMount::start(&img, &d, &["-o", "commit=0"]);
+    fs::write(d.join("before"), b"committed at close").unwrap();
+    assert_eq!(fs::read(d.join("keep")).unwrap(), b"keep");
+    let err = fs::read_dir(d.join("a"))
+        .unwrap()
+        .collect::<Result<Vec<_>, _>>()
+        .expect_err("listing a directory with a damaged leaf");
+    assert_eq!(err.raw_os_error(), Some(libc::EIO), "{err}");
+    // Unlinking every entry reaches the damaged leaf: EIO, then the mount stops changing.
+    let mut failed = None;
+    for i in 0..300 {
+        if let Err(e) = fs::remove_file(d.join(format!("a/file-with-a-long-name-{i}"))) {
+            failed = Some(e);
+            break;
+        }
+    }
+    let e = failed.expect("no unlink met the damaged leaf");
+    assert_eq!(e.raw_os_error(), Some(libc::EIO), "{e}");
+    let e = fs::write(d.join("after"), b"x").expect_err("a change after the failure");
+    assert_eq!(e.raw_os_error(), Some(libc::EROFS), "{e}");
+    // Reading still works.
+    assert_eq!(fs::read(d.join("before")).unwrap(), b"committed at close");
+    let out = Command::new("fusermount3")
+        .arg("-u")
+        .arg(&d)
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let st = b.wait();
+    assert!(
+        !st.success(),
+        "the dropped changes must show in the exit status"
+    );
+    drop(b);
+    // The image is what the last commit left: the damage, and "before".
+    let m = LoopMount::btrfs_ro(&img, &k);
+    assert_eq!(
+        fs::read(m.path().join("before")).unwrap(),
+        b"committed at close"
+    );
+    assert!(!m.path().join("after").exists());
+    m.unmount();
+}
