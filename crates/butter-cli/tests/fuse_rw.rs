@@ -739,6 +739,10 @@ fn sigterm_commits_and_sigkill_keeps_the_last_commit() {
     let mut b = ButterMount::start(&img, &d, &["-o", "commit=0"]);
     let f = File::create(d.join("synced")).unwrap();
     (&f).write_all(b"fsynced").unwrap();
+    // A file unlinked while open when the writer dies: an orphan the next mount deletes.
+    let orphan = File::create(d.join("orphan")).unwrap();
+    (&orphan).write_all(&pseudo_random(100_000, 11)).unwrap();
+    fs::remove_file(d.join("orphan")).unwrap();
     f.sync_all().unwrap();
     fs::create_dir(d.join("uncommitted")).unwrap();
     (&f).write_all(b" and more").unwrap();
@@ -746,11 +750,27 @@ fn sigterm_commits_and_sigkill_keeps_the_last_commit() {
     let st = b.wait();
     assert!(!st.success());
     drop(f);
+    drop(orphan);
     let _ = Command::new("fusermount3")
         .args(["-u", "-z"])
         .arg(&d)
         .status();
     drop(b);
+    butter_check(&img);
+    kernel::assert_btrfs_check(&img);
+    let orphans = |img: &Path| {
+        kernel::dump_tree(img, &["-t", "5"])
+            .lines()
+            .filter(|l| l.contains("ORPHAN ORPHAN_ITEM"))
+            .count()
+    };
+    assert_eq!(orphans(&img), 1, "the unlinked open file is an orphan");
+    ButterMount::start(&img, &d, &[]).unmount();
+    assert_eq!(
+        orphans(&img),
+        0,
+        "the next read-write mount deletes orphans"
+    );
     butter_check(&img);
     kernel::assert_btrfs_check(&img);
     let km = LoopMount::btrfs_ro(&img, &k);
