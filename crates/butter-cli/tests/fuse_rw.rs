@@ -134,16 +134,9 @@ impl ButterMount {
 
     /// `fusermount3 -u`, then the process must exit 0.
     fn unmount(mut self) {
-        let out = Command::new("fusermount3")
-            .arg("-u")
-            .arg(&self.dir)
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "fusermount3 -u: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        if let Err(e) = fusermount_u(&self.dir) {
+            panic!("fusermount3 -u: {e}");
+        }
         let st = self.wait();
         assert!(st.success(), "butter mount exited with {st}");
     }
@@ -165,6 +158,27 @@ impl Drop for ButterMount {
             let _ = c.kill();
             let _ = c.wait();
         }
+    }
+}
+
+/// `fusermount3 -u dir`, retried for a while when the mount is busy (a file closed just
+/// before may still be on its way out).
+fn fusermount_u(dir: &Path) -> Result<(), String> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let out = Command::new("fusermount3")
+            .arg("-u")
+            .arg(dir)
+            .output()
+            .map_err(|e| e.to_string())?;
+        if out.status.success() {
+            return Ok(());
+        }
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        if Instant::now() > deadline || !err.contains("busy") {
+            return Err(err);
+        }
+        std::thread::sleep(Duration::from_millis(100));
     }
 }
 
@@ -802,9 +816,12 @@ fn daemon_returns_when_the_mount_is_usable() {
     );
     let mounted = kernel::is_mountpoint(&d);
     let wrote = mounted && fs::write(d.join("f"), pseudo_random(300_000, 9)).is_ok();
-    let _ = Command::new("fusermount3").arg("-u").arg(&d).status();
+    let unmounted = fusermount_u(&d);
     assert!(mounted, "not mounted when --daemon returned");
     assert!(wrote, "writing to the daemon's mount failed");
+    if let Err(e) = unmounted {
+        panic!("fusermount3 -u: {e}");
+    }
     // The daemon exits after its final commit, releasing the image lock.
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
@@ -959,7 +976,7 @@ fn corrupt_metadata_gives_eio_and_stops_changes() {
     {
         let m = LoopMount::btrfs(&img, &k, "");
         fs::create_dir(m.path().join("a")).unwrap();
-        for i in 0..300 {
+        for i in 0..1000 {
             fs::write(m.path().join(format!("a/file-with-a-long-name-{i}")), "x").unwrap();
         }
         fs::write(m.path().join("keep"), b"keep").unwrap();
@@ -1005,7 +1022,7 @@ fn corrupt_metadata_gives_eio_and_stops_changes() {
     assert_eq!(err.raw_os_error(), Some(libc::EIO), "{err}");
     // Unlinking every entry reaches the damaged leaf: EIO, then the mount stops changing.
     let mut failed = None;
-    for i in 0..300 {
+    for i in 0..1000 {
         if let Err(e) = fs::remove_file(d.join(format!("a/file-with-a-long-name-{i}"))) {
             failed = Some(e);
             break;
