@@ -7,8 +7,8 @@
 //!   operation get EROFS.
 //! - **Read-write mounts.** Each operation maps to one engine call (or a few, under one lock:
 //!   create + inherited ACLs). Nothing is durable until a commit: at `fsync`/`fsyncdir`, at
-//!   the `flush` (close) of a handle that wrote, every `commit_interval`, and in `destroy` at
-//!   the end of the session. SIGKILL therefore leaves the image at its last commit.
+//!   every `commit_interval`, and in `destroy` at the end of the session; close (`flush`) is
+//!   not one, as on the kernel's btrfs. SIGKILL therefore leaves the image at its last commit.
 //! - **Ordering.** The engine changes its trees block by block, so one `RwLock` orders
 //!   operations: changes and commits take it exclusively, reads (lookup, getattr, read,
 //!   readdir, xattr reads, lseek, statfs) share it and run in parallel with each other.
@@ -25,9 +25,8 @@
 //!   implemented: the kernel keeps POSIX and flock locks locally (single mount, so correct).
 //! - **No writeback cache.** With FUSE_WRITEBACK_CACHE the kernel owns size and mtime and
 //!   sends dirty pages whenever it likes, also after the last `release` of an unlinked file
-//!   (whose data the engine has deleted by then) and after `flush`, so "closed means
-//!   committed" would no longer hold; it needs the engine to accept writes to orphans until
-//!   the inode is forgotten. Writes are write-through instead, up to [`MAX_WRITE`] each.
+//!   (whose data the engine has deleted by then) and after `flush`; it needs the engine to
+//!   accept writes to orphans until the inode is forgotten. Writes are write-through instead, up to [`MAX_WRITE`] each.
 //! - **errno only here.** Engine errors are typed; this module turns them into errno with
 //!   [`butter::Error::errno`] and logs each one (`log::error!`). Expected outcomes (a name not
 //!   found or taken, an absent xattr, ENOSPC, ...) are not logged. A panic inside an operation
@@ -245,8 +244,6 @@ struct Handle {
     ino: Inode,
     /// Opened with O_APPEND: every write goes to the end.
     append: bool,
-    /// Something was written through this handle since its last flush (flush commits then).
-    dirty: bool,
 }
 
 /// The filesystem as fuser sees it.
@@ -603,7 +600,6 @@ impl ButterFuse {
                 Handle {
                     ino,
                     append: flags & libc::O_APPEND != 0,
-                    dirty: false,
                 },
             );
         fh
@@ -1062,14 +1058,6 @@ impl Filesystem for ButterFuse {
                 offset
             };
             let n = self.fs.write(i, offset, data).map_err(fs_err)?;
-            if let Some(h) = self
-                .handles
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .get_mut(&fh.0)
-            {
-                h.dirty = true;
-            }
             Ok(u32::try_from(n).unwrap_or(u32::MAX))
         }) {
             Ok(n) => reply.written(n),
@@ -1085,21 +1073,11 @@ impl Filesystem for ButterFuse {
         _lock_owner: fuser::LockOwner,
         reply: ReplyEmpty,
     ) {
-        // close(2): commit what this handle wrote, so a closed file is on disk.
-        let dirty = self
-            .handles
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get_mut(&fh.0)
-            .map(|h| std::mem::replace(&mut h.dirty, false))
-            .unwrap_or(false);
-        if !dirty {
-            return reply.ok();
-        }
-        match self.guard("flush", ino.0, || self.commit("flush")) {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(e),
-        }
+        // close(2) is not a durability point (as on the kernel's btrfs): writes reached the
+        // engine already, and the next commit (fsync, the periodic one, unmount) keeps them.
+        // Committing here cost a full commit per closed file.
+        let _ = (ino, fh);
+        reply.ok()
     }
 
     fn release(

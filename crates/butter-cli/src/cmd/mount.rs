@@ -6,7 +6,7 @@
 //! Read-write: one writer per image. The image is locked (see `Fs::open_rw`), so a second
 //! read-write mount, or one of an image the kernel has mounted, is refused with a message.
 //! Changes are durable at each commit: every `-o commit=SECONDS` (30 by default), at fsync,
-//! at the close of a file written through, and at unmount. SIGKILL loses what came after
+//! and at unmount (not at close, as on the kernel). SIGKILL loses what came after
 //! the last commit and nothing else.
 
 use super::{open_fs, CliError, CliResult};
@@ -28,7 +28,7 @@ pub struct MountArgs {
     #[arg(long)]
     pub ro: bool,
     /// Mount options, comma separated, may repeat: ro, rw, commit=SECONDS (read-write: commit
-    /// this often, default 30, 0 = only at fsync/close/unmount), allow_other, allow_root,
+    /// this often, default 30, 0 = only at fsync/unmount), allow_other, allow_root,
     /// fsname=NAME, subtype=NAME, subvol=PATH, subvolid=N, dev, nodev, suid, nosuid, exec,
     /// noexec, atime, noatime.
     #[arg(short = 'o', value_name = "OPTIONS")]
