@@ -506,6 +506,15 @@ impl Writer {
                 at: second,
                 into_right: false,
             },
+            // The key is there already (a caller that replaces the item: extent replace): moving
+            // everything right would leave the emptied left leaf and the right one both keyed
+            // by it. Keep the item on the left; the left leaf then has the room.
+            LeafSplit::One { at: 0, .. } if blk.nritems() > 1 && blk.key(0) == key => {
+                LeafSplit::One {
+                    at: 1,
+                    into_right: false,
+                }
+            }
             p => p,
         };
         match plan {

@@ -12,6 +12,7 @@
 //! then by the keyed offset, largest first (root, parent or data ref hash), as the kernel
 //! orders them and its tree checker demands.
 
+use crate::cow::Intent;
 use crate::ctree::{Root, TreeIter};
 use crate::disk_io::Readahead;
 use crate::error::{Error, Location, Result};
@@ -495,22 +496,54 @@ impl Writer {
                 hits.push((it.key, it.data().to_vec()));
             }
         }
+        // Trim items in place (an item may fill most of a leaf: deleting and re-inserting its
+        // pieces made new leaves for every small range freed from a big item).
         for (k, data) in hits {
-            self.delete_item(CSUM_TREE_OBJECTID, &k)?;
             let start = k.offset;
             let n = data.len() as u64 / cs;
             let iend = start + n * ss;
-            if start < logical {
-                let keep = ((logical - start) / ss * cs) as usize;
-                self.insert_item(CSUM_TREE_OBJECTID, k, &data[..keep])?;
-            }
-            if iend > end {
-                let skip = ((end - start) / ss * cs) as usize;
-                self.insert_item(
-                    CSUM_TREE_OBJECTID,
-                    Key::new(EXTENT_CSUM_OBJECTID, EXTENT_CSUM_KEY, end),
-                    &data[skip..],
-                )?;
+            let head = if start < logical {
+                ((logical - start) / ss * cs) as usize
+            } else {
+                0
+            };
+            let tail_from = if iend > end {
+                Some(((end - start) / ss * cs) as usize)
+            } else {
+                None
+            };
+            match (head, tail_from) {
+                (0, None) => {
+                    self.delete_item(CSUM_TREE_OBJECTID, &k)?;
+                }
+                (0, Some(skip)) => {
+                    // Keep the tail: cut the front and move the key up to `end` (still below
+                    // the next item, which starts at or after this one's end).
+                    let p = self.search_mut(CSUM_TREE_OBJECTID, &k, Intent::Modify)?;
+                    if !p.found {
+                        return Err(Error::Invalid(format!("csum item {k} vanished")));
+                    }
+                    let slot = p.slot();
+                    let new_key = Key::new(EXTENT_CSUM_OBJECTID, EXTENT_CSUM_KEY, end);
+                    self.modify(p.leaf(), |buf| {
+                        let mut l = crate::ctree_ops::LeafMut::trusted(buf)?;
+                        l.truncate_item(slot, data.len() - skip, false)?;
+                        l.set_key(slot, new_key)
+                    })?;
+                    if slot == 0 {
+                        self.fix_first_key(&p)?;
+                    }
+                }
+                (keep, tail) => {
+                    self.resize_item(CSUM_TREE_OBJECTID, &k, keep)?;
+                    if let Some(skip) = tail {
+                        self.insert_item(
+                            CSUM_TREE_OBJECTID,
+                            Key::new(EXTENT_CSUM_OBJECTID, EXTENT_CSUM_KEY, end),
+                            &data[skip..],
+                        )?;
+                    }
+                }
             }
         }
         Ok(())

@@ -347,7 +347,14 @@ impl Fs {
             let before = Key::new(ino.ino, EXTENT_DATA_KEY, start - 1);
             if let Some(it) = crate::ctree::lookup_le(&self.disk, &root, &before)? {
                 if it.key.objectid == ino.ino && it.key.ty == EXTENT_DATA_KEY {
-                    return give_up(w, ino.root, &path);
+                    let fe = FileExtentItem::parse(it.data()).map_err(|e| it.annotate(e))?;
+                    let prev = FileExtent {
+                        start: it.key.offset,
+                        item: fe,
+                    };
+                    if matches!(prev.item.body, FileExtentBody::Inline(_)) || prev.end(ss) > start {
+                        return give_up(w, ino.root, &path);
+                    }
                 }
             }
         }

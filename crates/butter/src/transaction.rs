@@ -374,8 +374,11 @@ impl Writer {
         match self.allocator.alloc(kind, ns, ns) {
             Some(b) => Ok(b),
             None => Err(Error::NoSpace(format!(
-                "no free {kind:?} space for a tree block of {}",
-                tree_name(tree)
+                "no free {kind:?} space for a tree block of {} ({} bytes free, {} pinned until \
+                 the commit ends)",
+                tree_name(tree),
+                self.allocator.free_bytes(kind),
+                self.allocator.pinned_bytes(kind)
             ))),
         }
     }

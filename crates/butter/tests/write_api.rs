@@ -253,3 +253,40 @@ fn random_overwrites_across_leaf_boundaries() {
     drop(fs);
     checks(&img);
 }
+
+/// A file written in 16 KiB pieces and overwritten the same way (dd conv=notrunc through the
+/// FUSE mount once failed with a duplicate EXTENT_DATA key at 3 MiB), then the same with a
+/// commit in between, and 4 KiB pieces overwritten by 16 KiB ones.
+#[test]
+fn sequential_overwrites_of_a_big_file() {
+    for (i, (piece, over, commit_between)) in [
+        (16384usize, 16384usize, false),
+        (16384, 16384, true),
+        (4096, 16384, false),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let img = image(&format!("seq-overwrite-{i}"), 16384);
+        let fs = Fs::open_rw(&img).unwrap();
+        let root = fs.root_inode();
+        let ino = fs.create(root, b"f", 0o644, Owner::default()).unwrap();
+        let size = 16usize << 20;
+        for off in (0..size).step_by(piece) {
+            fs.write(ino, off as u64, &vec![1u8; piece]).unwrap();
+        }
+        if commit_between {
+            fs.commit().unwrap();
+        }
+        for off in (0..size).step_by(over) {
+            fs.write(ino, off as u64, &vec![2u8; over])
+                .unwrap_or_else(|e| panic!("case {i}: overwrite at {off}: {e}"));
+        }
+        fs.commit()
+            .unwrap_or_else(|e| panic!("case {i}: commit: {e}"));
+        let got = fs.read(ino, 0, size).unwrap();
+        assert!(got.iter().all(|b| *b == 2), "case {i}: content");
+        drop(fs);
+        checks(&img);
+    }
+}
