@@ -28,26 +28,40 @@
 //! - **Caching.** Nothing changes under a read-only mount, so entries and attributes are
 //!   valid for [`TTL`], file pages are kept across opens and directory listings are cached.
 
+use crate::acl;
 use butter::format::items::{InodeItem, Timespec};
 use butter::format::{FT_BLKDEV, FT_CHRDEV, FT_DIR, FT_FIFO, FT_REG_FILE, FT_SOCK, FT_SYMLINK};
 use butter::fs::{Fs, Inode};
+use butter::fs_seek::Seek;
+use butter::fs_write::{Owner, SetAttr};
 use butter::{Error, Location};
 use fuser::{
     AccessFlags, Config, Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation,
-    INodeNo, InitFlags, KernelConfig, MountOption, OpenAccMode, OpenFlags, ReplyAttr, ReplyData,
-    ReplyDirectory, ReplyDirectoryPlus, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs, ReplyXattr,
-    Request, Session, SessionACL,
+    INodeNo, InitFlags, KernelConfig, MountOption, OpenAccMode, OpenFlags, RenameFlags, ReplyAttr,
+    ReplyCreate, ReplyData, ReplyDirectory, ReplyDirectoryPlus, ReplyEmpty, ReplyEntry, ReplyOpen,
+    ReplyStatfs, ReplyXattr, Request, Session, SessionACL, TimeOrNow,
 };
 use std::collections::HashMap;
 use std::ffi::OsStr;
 use std::os::unix::ffi::OsStrExt;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-/// How long the kernel may cache entries and attributes (nothing changes: read-only).
+/// How long the kernel may cache entries and attributes on a read-only mount (nothing
+/// changes).
 pub const TTL: Duration = Duration::from_secs(60);
+
+/// The same on a read-write mount. Every change comes through the kernel, which updates or
+/// drops what it cached for the inodes it touches; the short TTL bounds what it cannot know
+/// (the link count and ctime of an inode changed through another of its names, st_blocks
+/// after a commit).
+pub const TTL_RW: Duration = Duration::from_secs(1);
+
+/// Largest write the kernel may send in one request (it may cap it lower: its max_pages).
+pub const MAX_WRITE: u32 = 1 << 20;
 
 /// First node id handed out from the (subvolume, inode) table. Inode numbers of the mounted
 /// subvolume below it are used as they are; btrfs allocates inode numbers upwards from 256, so
@@ -159,12 +173,99 @@ impl From<Error> for OpError {
 
 type OpResult<T> = Result<T, OpError>;
 
+/// An open file.
+struct Handle {
+    ino: Inode,
+    /// Opened with O_APPEND: every write goes to the end.
+    append: bool,
+    /// Something was written through this handle since its last flush (flush commits then).
+    dirty: bool,
+}
+
 /// The filesystem as fuser sees it.
 pub struct ButterFuse {
     fs: Arc<Fs>,
     map: InodeMap,
     /// Parent node of each directory node seen through lookup/readdirplus (for "..").
     parents: Mutex<HashMap<u64, u64>>,
+    /// Lookup count of each node the kernel holds (lookup, create, ... minus forget).
+    lookups: Mutex<HashMap<u64, u64>>,
+    /// Open files by handle.
+    handles: Mutex<HashMap<u64, Handle>>,
+    next_fh: AtomicU64,
+    /// Operations that change the filesystem (and commits) hold this exclusively, reads
+    /// shared: the engine changes trees block by block, so a read that ran during a change
+    /// could see half of it. Shared with the periodic commit thread.
+    lock: Arc<RwLock<()>>,
+    writable: bool,
+    /// How long the kernel may cache entries and attributes.
+    ttl: Duration,
+    /// POSIX ACLs negotiated (FUSE_POSIX_ACL): we apply umask and default ACLs on create and
+    /// keep mode bits and access ACLs in step.
+    acl: bool,
+}
+
+fn lock_read(l: &RwLock<()>) -> std::sync::RwLockReadGuard<'_, ()> {
+    l.read().unwrap_or_else(|e| e.into_inner())
+}
+
+fn lock_write(l: &RwLock<()>) -> std::sync::RwLockWriteGuard<'_, ()> {
+    l.write().unwrap_or_else(|e| e.into_inner())
+}
+
+fn timespec(t: SystemTime) -> Timespec {
+    match t.duration_since(UNIX_EPOCH) {
+        Ok(d) => Timespec {
+            sec: d.as_secs() as i64,
+            nsec: d.subsec_nanos(),
+        },
+        Err(e) => {
+            let d = e.duration();
+            if d.subsec_nanos() == 0 {
+                Timespec {
+                    sec: -(d.as_secs() as i64),
+                    nsec: 0,
+                }
+            } else {
+                Timespec {
+                    sec: -(d.as_secs() as i64) - 1,
+                    nsec: 1_000_000_000 - d.subsec_nanos(),
+                }
+            }
+        }
+    }
+}
+
+fn time_or_now(t: TimeOrNow) -> Timespec {
+    match t {
+        TimeOrNow::SpecificTime(t) => timespec(t),
+        TimeOrNow::Now => timespec(SystemTime::now()),
+    }
+}
+
+/// The kernel-internal dev_t btrfs stores (major << 20 | minor) from FUSE's 32-bit
+/// userspace encoding (the inverse of [`fuse_rdev`]).
+pub fn btrfs_rdev(rdev: u32) -> u64 {
+    let rdev = u64::from(rdev);
+    let major = (rdev & 0xfff00) >> 8;
+    let minor = (rdev & 0xff) | ((rdev >> 12) & 0xfff00);
+    (major << 20) | minor
+}
+
+/// Engine errors whose message names EXDEV (hard link or rename across subvolumes).
+fn fs_err(e: Error) -> OpError {
+    match &e {
+        Error::Invalid(m) if m.contains("EXDEV") => OpError::Quiet(libc::EXDEV),
+        Error::NotFound(_)
+        | Error::Exists(_)
+        | Error::NotEmpty(_)
+        | Error::NoXattr(_)
+        | Error::IsDir(_)
+        | Error::NotDir(_)
+        | Error::NameTooLong(_)
+        | Error::NoSpace(_) => OpError::Quiet(e.errno()),
+        _ => OpError::Fs(e),
+    }
 }
 
 impl ButterFuse {
@@ -172,11 +273,24 @@ impl ButterFuse {
     pub fn new(fs: Arc<Fs>, root: Inode) -> Self {
         let mut parents = HashMap::new();
         parents.insert(INodeNo::ROOT.0, INodeNo::ROOT.0);
+        let writable = fs.is_writable();
         ButterFuse {
             fs,
             map: InodeMap::new(root),
             parents: Mutex::new(parents),
+            lookups: Mutex::new(HashMap::new()),
+            handles: Mutex::new(HashMap::new()),
+            next_fh: AtomicU64::new(1),
+            lock: Arc::new(RwLock::new(())),
+            writable,
+            ttl: if writable { TTL_RW } else { TTL },
+            acl: false,
         }
+    }
+
+    /// The lock that orders changes and reads (see the field); the commit thread takes it.
+    pub fn op_lock(&self) -> Arc<RwLock<()>> {
+        self.lock.clone()
     }
 
     /// Runs `f`, turning its failure or panic into an errno and a log line naming `op`.
@@ -204,6 +318,26 @@ impl ButterFuse {
         }
     }
 
+    /// [`ButterFuse::guard`] for a reading operation (shared lock).
+    fn read_op<T>(&self, op: &str, node: u64, f: impl FnOnce() -> OpResult<T>) -> Result<T, Errno> {
+        let _g = lock_read(&self.lock);
+        self.guard(op, node, f)
+    }
+
+    /// [`ButterFuse::guard`] for a changing operation (exclusive lock; EROFS when read-only).
+    fn write_op<T>(
+        &self,
+        op: &str,
+        node: u64,
+        f: impl FnOnce() -> OpResult<T>,
+    ) -> Result<T, Errno> {
+        if !self.writable {
+            return Err(Errno::from_i32(libc::EROFS));
+        }
+        let _g = lock_write(&self.lock);
+        self.guard(op, node, f)
+    }
+
     fn inode(&self, node: u64) -> OpResult<Inode> {
         self.map.inode(node).ok_or_else(|| {
             OpError::Edge(libc::ESTALE, format!("node id {node} was never handed out"))
@@ -226,6 +360,16 @@ impl ButterFuse {
             .insert(child, parent);
     }
 
+    /// The kernel got one more reference to `node` (an entry reply).
+    fn looked_up(&self, node: u64) {
+        *self
+            .lookups
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(node)
+            .or_insert(0) += 1;
+    }
+
     /// Attributes of node `node` (engine inode `ino`).
     fn attr(&self, node: u64, ino: Inode) -> OpResult<FileAttr> {
         let item = self.fs.inode_item(ino)?;
@@ -241,6 +385,17 @@ impl ButterFuse {
             self.remember_parent(node, parent);
         }
         Ok(attr)
+    }
+
+    /// Replies to an operation that made or found an entry, counting the kernel's reference.
+    fn reply_entry(&self, reply: ReplyEntry, r: Result<FileAttr, Errno>) {
+        match r {
+            Ok(attr) => {
+                self.looked_up(attr.ino.0);
+                reply.entry(&self.ttl, &attr, Generation(0))
+            }
+            Err(e) => reply.error(e),
+        }
     }
 
     /// "." and ".." (offsets 1 and 2), then entries with index >= `offset`. `add` gets the
@@ -298,6 +453,138 @@ impl ButterFuse {
         let item = self.fs.inode_item(e.target)?;
         kind_from_mode(item.mode, e.target).map_err(OpError::Fs)
     }
+
+    /// Creates a node of any kind in `parent` as POSIX says: owner from the request, group
+    /// and set-group-id bit from a set-group-id parent, umask (or, with ACLs, the parent's
+    /// default ACL) applied to the mode. `make` creates the inode with the final mode/owner.
+    fn create_node(
+        &self,
+        req: &Request,
+        parent: u64,
+        name: &OsStr,
+        mode: u32,
+        umask: u32,
+        make: impl FnOnce(Inode, &[u8], u32, Owner) -> butter::Result<Inode>,
+    ) -> OpResult<FileAttr> {
+        let dir = self.inode(parent)?;
+        let name = name.as_bytes();
+        if name.len() > NAME_MAX {
+            return Err(OpError::Quiet(libc::ENAMETOOLONG));
+        }
+        let d = self.fs.inode_item(dir)?;
+        let is_dir = mode & libc::S_IFMT == libc::S_IFDIR;
+        let mut owner = Owner {
+            uid: req.uid(),
+            gid: req.gid(),
+        };
+        let mut mode = mode;
+        if d.mode & libc::S_ISGID != 0 {
+            owner.gid = d.gid;
+            if is_dir {
+                mode |= libc::S_ISGID;
+            }
+        }
+        let default_acl = if self.acl {
+            self.fs
+                .getxattr(dir, acl::DEFAULT)?
+                .and_then(|v| acl::parse(&v))
+        } else {
+            None
+        };
+        let mut access_acl = None;
+        match &default_acl {
+            Some(def) if mode & libc::S_IFMT != libc::S_IFLNK => {
+                let (a, m) = acl::inherit(def, mode);
+                mode = m;
+                if !acl::mode_of(&a).1 {
+                    access_acl = Some(acl::encode(&a));
+                }
+            }
+            _ if self.acl => mode &= !(umask & 0o777),
+            _ => {}
+        }
+        let ino = make(dir, name, mode, owner).map_err(fs_err)?;
+        if let Some(v) = access_acl {
+            self.fs.setxattr(ino, acl::ACCESS, &v, 0)?;
+        }
+        if let (Some(def), true) = (&default_acl, is_dir) {
+            self.fs.setxattr(ino, acl::DEFAULT, &acl::encode(def), 0)?;
+        }
+        self.entry(parent, ino)
+    }
+
+    /// A new file handle for `ino`.
+    fn open_handle(&self, ino: Inode, flags: i32) -> u64 {
+        let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
+        self.fs.note_open(ino);
+        self.handles
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(
+                fh,
+                Handle {
+                    ino,
+                    append: flags & libc::O_APPEND != 0,
+                    dirty: false,
+                },
+            );
+        fh
+    }
+
+    /// FOPEN flags for a file opened with `flags`.
+    fn fopen_flags(&self, flags: i32) -> FopenFlags {
+        if flags & libc::O_DIRECT != 0 {
+            FopenFlags::FOPEN_DIRECT_IO
+        } else if self.writable {
+            // Other writers cannot exist, but pages cached before a truncate or punch done
+            // through another handle are dropped by the kernel itself; be conservative and
+            // let each open start from a clean page cache.
+            FopenFlags::empty()
+        } else {
+            FopenFlags::FOPEN_KEEP_CACHE
+        }
+    }
+
+    /// Commits (flush, fsync, the periodic thread and the end of the mount).
+    fn commit(&self, why: &str) -> OpResult<()> {
+        if !self.writable {
+            return Ok(());
+        }
+        let _g = lock_write(&self.lock);
+        self.fs
+            .commit()
+            .map_err(|e| OpError::Edge(libc::EIO, format!("commit ({why}) failed: {e}")))
+    }
+
+    /// Setting `system.posix_acl_access`: the mode's permission bits follow the ACL, and an
+    /// ACL the mode says all of is not stored (as the kernel's filesystems do).
+    fn set_access_acl(&self, ino: Inode, value: &[u8], flags: u32) -> OpResult<()> {
+        let entries = acl::parse(value).ok_or(OpError::Quiet(libc::EINVAL))?;
+        let (bits, equiv) = acl::mode_of(&entries);
+        let item = self.fs.inode_item(ino)?;
+        if equiv {
+            if self.fs.getxattr(ino, acl::ACCESS)?.is_some() {
+                self.fs.removexattr(ino, acl::ACCESS)?;
+            } else if flags & 2 != 0 {
+                return Err(OpError::Quiet(libc::ENODATA));
+            }
+        } else {
+            self.fs
+                .setxattr(ino, acl::ACCESS, value, flags)
+                .map_err(fs_err)?;
+        }
+        let mode = (item.mode & 0o7000) | bits;
+        if mode != item.mode & 0o7777 {
+            self.fs.setattr(
+                ino,
+                &SetAttr {
+                    mode: Some(mode),
+                    ..Default::default()
+                },
+            )?;
+        }
+        Ok(())
+    }
 }
 
 impl Filesystem for ButterFuse {
@@ -312,11 +599,28 @@ impl Filesystem for ButterFuse {
                 log::debug!("kernel lacks FUSE capability {missing:?}");
             }
         }
+        // ACLs: the kernel enforces them (with default_permissions) from the xattrs we
+        // store, and leaves umask to us (DONT_MASK) so a default ACL can replace it.
+        self.acl = config
+            .add_capabilities(InitFlags::FUSE_POSIX_ACL | InitFlags::FUSE_DONT_MASK)
+            .is_ok();
+        if !self.acl {
+            log::info!("the kernel does not offer FUSE_POSIX_ACL: ACLs are not enforced");
+        }
+        if let Err(nearest) = config.set_max_write(MAX_WRITE) {
+            let _ = config.set_max_write(nearest);
+        }
         Ok(())
     }
 
+    fn destroy(&mut self) {
+        if let Err(e) = self.guard("destroy", INodeNo::ROOT.0, || self.commit("unmount")) {
+            log::error!("final commit at unmount failed ({e:?}); the image keeps its last commit");
+        }
+    }
+
     fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
-        let r = self.guard("lookup", parent.0, || {
+        let r = self.read_op("lookup", parent.0, || {
             let dir = self.inode(parent.0)?;
             let name = name.as_bytes();
             if name.len() > NAME_MAX {
@@ -336,23 +640,90 @@ impl Filesystem for ButterFuse {
             };
             self.entry(parent.0, target)
         });
-        match r {
-            Ok(attr) => reply.entry(&TTL, &attr, Generation(0)),
+        self.reply_entry(reply, r);
+    }
+
+    fn forget(&self, _req: &Request, ino: INodeNo, nlookup: u64) {
+        let mut l = self.lookups.lock().unwrap_or_else(|e| e.into_inner());
+        let gone = match l.get_mut(&ino.0) {
+            Some(n) => {
+                *n = n.saturating_sub(nlookup);
+                *n == 0
+            }
+            None => false,
+        };
+        if gone {
+            l.remove(&ino.0);
+            drop(l);
+            // The kernel no longer knows the node: it asks for ".." of it no more. Node ids
+            // themselves stay valid (stable inode numbers), so nothing else is freed.
+            if ino.0 != INodeNo::ROOT.0 {
+                self.parents
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .remove(&ino.0);
+            }
+        }
+    }
+
+    fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
+        match self.read_op("getattr", ino.0, || self.attr(ino.0, self.inode(ino.0)?)) {
+            Ok(attr) => reply.attr(&self.ttl, &attr),
             Err(e) => reply.error(e),
         }
     }
 
-    // forget / batch_forget: the default (nothing) is right; node ids live as long as the mount.
-
-    fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
-        match self.guard("getattr", ino.0, || self.attr(ino.0, self.inode(ino.0)?)) {
-            Ok(attr) => reply.attr(&TTL, &attr),
+    fn setattr(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        mode: Option<u32>,
+        uid: Option<u32>,
+        gid: Option<u32>,
+        size: Option<u64>,
+        atime: Option<TimeOrNow>,
+        mtime: Option<TimeOrNow>,
+        ctime: Option<SystemTime>,
+        _fh: Option<FileHandle>,
+        _crtime: Option<SystemTime>,
+        _chgtime: Option<SystemTime>,
+        _bkuptime: Option<SystemTime>,
+        _flags: Option<fuser::BsdFileFlags>,
+        reply: ReplyAttr,
+    ) {
+        let r = self.write_op("setattr", ino.0, || {
+            let i = self.inode(ino.0)?;
+            let a = SetAttr {
+                mode,
+                uid,
+                gid,
+                size,
+                atime: atime.map(time_or_now),
+                mtime: mtime.map(time_or_now),
+                ctime: ctime.map(timespec),
+            };
+            self.fs.setattr(i, &a).map_err(fs_err)?;
+            if let (Some(m), true) = (mode, self.acl) {
+                if let Some(mut entries) = self
+                    .fs
+                    .getxattr(i, acl::ACCESS)?
+                    .and_then(|v| acl::parse(&v))
+                {
+                    acl::chmod(&mut entries, m);
+                    self.fs
+                        .setxattr(i, acl::ACCESS, &acl::encode(&entries), 0)?;
+                }
+            }
+            self.attr(ino.0, i)
+        });
+        match r {
+            Ok(attr) => reply.attr(&self.ttl, &attr),
             Err(e) => reply.error(e),
         }
     }
 
     fn readlink(&self, _req: &Request, ino: INodeNo, reply: ReplyData) {
-        match self.guard("readlink", ino.0, || {
+        match self.read_op("readlink", ino.0, || {
             Ok(self.fs.readlink(self.inode(ino.0)?)?)
         }) {
             Ok(target) => reply.data(&target),
@@ -360,14 +731,204 @@ impl Filesystem for ButterFuse {
         }
     }
 
-    fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
-        match self.guard("open", ino.0, || {
-            if flags.acc_mode() != OpenAccMode::O_RDONLY {
-                return Err(OpError::Quiet(libc::EROFS));
-            }
-            self.inode(ino.0).map(|_| ())
+    fn mknod(
+        &self,
+        req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        mode: u32,
+        umask: u32,
+        rdev: u32,
+        reply: ReplyEntry,
+    ) {
+        let r = self.write_op("mknod", parent.0, || {
+            self.create_node(req, parent.0, name, mode, umask, |d, n, m, o| {
+                self.fs.mknod(d, n, m, btrfs_rdev(rdev), o)
+            })
+        });
+        self.reply_entry(reply, r);
+    }
+
+    fn mkdir(
+        &self,
+        req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        mode: u32,
+        umask: u32,
+        reply: ReplyEntry,
+    ) {
+        let r = self.write_op("mkdir", parent.0, || {
+            let mode = libc::S_IFDIR | (mode & 0o7777);
+            self.create_node(req, parent.0, name, mode, umask, |d, n, m, o| {
+                self.fs.mkdir(d, n, m, o)
+            })
+        });
+        self.reply_entry(reply, r);
+    }
+
+    fn unlink(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        match self.write_op("unlink", parent.0, || {
+            Ok(self
+                .fs
+                .unlink(self.inode(parent.0)?, name.as_bytes())
+                .map_err(fs_err)?)
         }) {
-            Ok(()) => reply.opened(FileHandle(0), FopenFlags::FOPEN_KEEP_CACHE),
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn rmdir(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        match self.write_op("rmdir", parent.0, || {
+            Ok(self
+                .fs
+                .rmdir(self.inode(parent.0)?, name.as_bytes())
+                .map_err(fs_err)?)
+        }) {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn symlink(
+        &self,
+        req: &Request,
+        parent: INodeNo,
+        link_name: &OsStr,
+        target: &Path,
+        reply: ReplyEntry,
+    ) {
+        let r = self.write_op("symlink", parent.0, || {
+            let target = target.as_os_str().as_bytes();
+            self.create_node(
+                req,
+                parent.0,
+                link_name,
+                libc::S_IFLNK | 0o777,
+                0,
+                |d, n, _, o| self.fs.symlink(d, n, target, o),
+            )
+        });
+        self.reply_entry(reply, r);
+    }
+
+    fn rename(
+        &self,
+        _req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        newparent: INodeNo,
+        newname: &OsStr,
+        flags: RenameFlags,
+        reply: ReplyEmpty,
+    ) {
+        match self.write_op("rename", parent.0, || {
+            let from_dir = self.inode(parent.0)?;
+            let to_dir = self.inode(newparent.0)?;
+            let mut f = 0;
+            if flags.contains(RenameFlags::RENAME_NOREPLACE) {
+                f |= butter::fs_write::RENAME_NOREPLACE;
+            }
+            if flags.contains(RenameFlags::RENAME_EXCHANGE) {
+                f |= butter::fs_write::RENAME_EXCHANGE;
+            }
+            if flags.contains(RenameFlags::RENAME_WHITEOUT) {
+                return Err(OpError::Quiet(libc::EINVAL));
+            }
+            let (name, newname) = (name.as_bytes(), newname.as_bytes());
+            let src = self.fs.lookup(from_dir, name)?;
+            let dst = self.fs.lookup(to_dir, newname)?;
+            self.fs
+                .rename(from_dir, name, to_dir, newname, f)
+                .map_err(fs_err)?;
+            // Directories moved keep ".." right.
+            if let Some(s) = src.filter(|s| s.file_type == FT_DIR) {
+                self.remember_parent(self.map.node_id(s.target), newparent.0);
+            }
+            if f & butter::fs_write::RENAME_EXCHANGE != 0 {
+                if let Some(d) = dst.filter(|d| d.file_type == FT_DIR) {
+                    self.remember_parent(self.map.node_id(d.target), parent.0);
+                }
+            }
+            Ok(())
+        }) {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn link(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        newparent: INodeNo,
+        newname: &OsStr,
+        reply: ReplyEntry,
+    ) {
+        let r = self.write_op("link", ino.0, || {
+            let i = self.inode(ino.0)?;
+            self.fs
+                .link(i, self.inode(newparent.0)?, newname.as_bytes())
+                .map_err(fs_err)?;
+            self.entry(newparent.0, i)
+        });
+        self.reply_entry(reply, r);
+    }
+
+    fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
+        let writing = flags.acc_mode() != OpenAccMode::O_RDONLY || flags.0 & libc::O_TRUNC != 0;
+        let run = || {
+            let i = self.inode(ino.0)?;
+            if flags.0 & libc::O_TRUNC != 0 && self.fs.inode_item(i)?.size != 0 {
+                self.fs.truncate(i, 0).map_err(fs_err)?;
+            }
+            Ok(self.open_handle(i, flags.0))
+        };
+        let r = if writing {
+            self.write_op("open", ino.0, run)
+        } else {
+            self.read_op("open", ino.0, run)
+        };
+        match r {
+            Ok(fh) => reply.opened(FileHandle(fh), self.fopen_flags(flags.0)),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn create(
+        &self,
+        req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        mode: u32,
+        umask: u32,
+        flags: i32,
+        reply: ReplyCreate,
+    ) {
+        let r = self.write_op("create", parent.0, || {
+            let mode = if mode & libc::S_IFMT == 0 {
+                mode | libc::S_IFREG
+            } else {
+                mode
+            };
+            let attr = self.create_node(req, parent.0, name, mode, umask, |d, n, m, o| {
+                self.fs.mknod(d, n, m, 0, o)
+            })?;
+            let i = self.inode(attr.ino.0)?;
+            Ok((attr, self.open_handle(i, flags)))
+        });
+        match r {
+            Ok((attr, fh)) => {
+                self.looked_up(attr.ino.0);
+                reply.created(
+                    &self.ttl,
+                    &attr,
+                    Generation(0),
+                    FileHandle(fh),
+                    self.fopen_flags(flags),
+                )
+            }
             Err(e) => reply.error(e),
         }
     }
@@ -383,7 +944,7 @@ impl Filesystem for ButterFuse {
         _lock_owner: Option<fuser::LockOwner>,
         reply: ReplyData,
     ) {
-        match self.guard("read", ino.0, || {
+        match self.read_op("read", ino.0, || {
             Ok(self.fs.read(self.inode(ino.0)?, offset, size as usize)?)
         }) {
             Ok(data) => reply.data(&data),
@@ -391,11 +952,125 @@ impl Filesystem for ButterFuse {
         }
     }
 
+    fn write(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        fh: FileHandle,
+        offset: u64,
+        data: &[u8],
+        _write_flags: fuser::WriteFlags,
+        flags: OpenFlags,
+        _lock_owner: Option<fuser::LockOwner>,
+        reply: fuser::ReplyWrite,
+    ) {
+        match self.write_op("write", ino.0, || {
+            let i = self.inode(ino.0)?;
+            let append = flags.0 & libc::O_APPEND != 0
+                || self
+                    .handles
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .get(&fh.0)
+                    .is_some_and(|h| h.append);
+            let offset = if append {
+                self.fs.inode_item(i)?.size
+            } else {
+                offset
+            };
+            let n = self.fs.write(i, offset, data).map_err(fs_err)?;
+            if let Some(h) = self
+                .handles
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .get_mut(&fh.0)
+            {
+                h.dirty = true;
+            }
+            Ok(u32::try_from(n).unwrap_or(u32::MAX))
+        }) {
+            Ok(n) => reply.written(n),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn flush(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        fh: FileHandle,
+        _lock_owner: fuser::LockOwner,
+        reply: ReplyEmpty,
+    ) {
+        // close(2): commit what this handle wrote, so a closed file is on disk.
+        let dirty = self
+            .handles
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get_mut(&fh.0)
+            .map(|h| std::mem::replace(&mut h.dirty, false))
+            .unwrap_or(false);
+        if !dirty {
+            return reply.ok();
+        }
+        match self.guard("flush", ino.0, || self.commit("flush")) {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn release(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        fh: FileHandle,
+        _flags: OpenFlags,
+        _lock_owner: Option<fuser::LockOwner>,
+        _flush: bool,
+        reply: ReplyEmpty,
+    ) {
+        let h = self
+            .handles
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&fh.0);
+        let Some(h) = h else {
+            return reply.ok();
+        };
+        // The last handle of an unlinked file: its data goes now.
+        let r = {
+            let _g = lock_write(&self.lock);
+            self.guard("release", ino.0, || Ok(self.fs.release_orphan(h.ino)?))
+        };
+        match r {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn fsync(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        _datasync: bool,
+        reply: ReplyEmpty,
+    ) {
+        match self.guard("fsync", ino.0, || self.commit("fsync")) {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(e),
+        }
+    }
+
     fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
-        match self.guard("opendir", ino.0, || self.inode(ino.0).map(|_| ())) {
+        match self.read_op("opendir", ino.0, || self.inode(ino.0).map(|_| ())) {
             Ok(()) => reply.opened(
                 FileHandle(0),
-                FopenFlags::FOPEN_KEEP_CACHE | FopenFlags::FOPEN_CACHE_DIR,
+                if self.writable {
+                    FopenFlags::empty()
+                } else {
+                    FopenFlags::FOPEN_KEEP_CACHE | FopenFlags::FOPEN_CACHE_DIR
+                },
             ),
             Err(e) => reply.error(e),
         }
@@ -409,7 +1084,7 @@ impl Filesystem for ButterFuse {
         offset: u64,
         mut reply: ReplyDirectory,
     ) {
-        let r = self.guard("readdir", ino.0, || {
+        let r = self.read_op("readdir", ino.0, || {
             let parent = self.parent_of(ino.0);
             self.fill_dir(ino.0, offset, |name, next, e| {
                 let (st_ino, kind) = match e {
@@ -437,7 +1112,7 @@ impl Filesystem for ButterFuse {
         offset: u64,
         mut reply: ReplyDirectoryPlus,
     ) {
-        let r = self.guard("readdirplus", ino.0, || {
+        let r = self.read_op("readdirplus", ino.0, || {
             let dir = self.inode(ino.0)?;
             let parent = self.parent_of(ino.0);
             // The kernel ignores the attributes sent with "." and "..": reuse the directory's.
@@ -457,14 +1132,19 @@ impl Filesystem for ButterFuse {
                     }
                     Some(e) => self.entry(ino.0, e.target)?,
                 };
-                Ok(reply.add(
+                let full = reply.add(
                     INodeNo(attr.ino.0),
                     next,
                     OsStr::from_bytes(name),
-                    &TTL,
+                    &self.ttl,
                     &attr,
                     Generation(0),
-                ))
+                );
+                // The kernel takes a reference for every entry it accepts, except the dots.
+                if !full && e.is_some() {
+                    self.looked_up(attr.ino.0);
+                }
+                Ok(full)
             })
         });
         match r {
@@ -473,16 +1153,72 @@ impl Filesystem for ButterFuse {
         }
     }
 
+    fn fsyncdir(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        _datasync: bool,
+        reply: ReplyEmpty,
+    ) {
+        match self.guard("fsyncdir", ino.0, || self.commit("fsyncdir")) {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(e),
+        }
+    }
+
     fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
-        let sb = &self.fs.disk.sb;
-        let ss = sb.sectorsize.max(1);
-        let blocks = sb.total_bytes / u64::from(ss);
-        let free = sb.total_bytes.saturating_sub(sb.bytes_used) / u64::from(ss);
-        reply.statfs(blocks, free, free, 0, 0, ss, NAME_MAX as u32, ss);
+        match self.read_op("statfs", INodeNo::ROOT.0, || Ok(self.fs.statfs()?)) {
+            Ok(s) => {
+                let bs = u64::from(s.bsize.max(1));
+                let free = s.free / bs;
+                reply.statfs(
+                    s.total / bs,
+                    free,
+                    free,
+                    0,
+                    0,
+                    s.bsize,
+                    NAME_MAX as u32,
+                    s.bsize,
+                )
+            }
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn setxattr(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        name: &OsStr,
+        value: &[u8],
+        flags: i32,
+        _position: u32,
+        reply: ReplyEmpty,
+    ) {
+        match self.write_op("setxattr", ino.0, || {
+            let i = self.inode(ino.0)?;
+            let name = name.as_bytes();
+            let flags = (flags & (libc::XATTR_CREATE | libc::XATTR_REPLACE)) as u32;
+            if self.acl && name == acl::ACCESS {
+                return self.set_access_acl(i, value, flags);
+            }
+            if self.acl && name == acl::DEFAULT {
+                if self.fs.inode_item(i)?.mode & libc::S_IFMT != libc::S_IFDIR {
+                    return Err(OpError::Quiet(libc::EACCES));
+                }
+                acl::parse(value).ok_or(OpError::Quiet(libc::EINVAL))?;
+            }
+            Ok(self.fs.setxattr(i, name, value, flags).map_err(fs_err)?)
+        }) {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(e),
+        }
     }
 
     fn getxattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, size: u32, reply: ReplyXattr) {
-        match self.guard("getxattr", ino.0, || {
+        match self.read_op("getxattr", ino.0, || {
             self.fs
                 .getxattr(self.inode(ino.0)?, name.as_bytes())?
                 .ok_or(OpError::Quiet(libc::ENODATA))
@@ -493,7 +1229,7 @@ impl Filesystem for ButterFuse {
     }
 
     fn listxattr(&self, _req: &Request, ino: INodeNo, size: u32, reply: ReplyXattr) {
-        match self.guard("listxattr", ino.0, || {
+        match self.read_op("listxattr", ino.0, || {
             let mut out = Vec::new();
             for name in self.fs.listxattr(self.inode(ino.0)?)? {
                 out.extend_from_slice(&name);
@@ -506,40 +1242,16 @@ impl Filesystem for ButterFuse {
         }
     }
 
-    // Nothing is ever dirty: flush and fsync succeed. The rest answer what fuser's defaults
-    // answer, without their "not implemented" warning on every first use.
-
-    fn flush(
-        &self,
-        _req: &Request,
-        _ino: INodeNo,
-        _fh: FileHandle,
-        _lock_owner: fuser::LockOwner,
-        reply: ReplyEmpty,
-    ) {
-        reply.ok();
-    }
-
-    fn fsync(
-        &self,
-        _req: &Request,
-        _ino: INodeNo,
-        _fh: FileHandle,
-        _datasync: bool,
-        reply: ReplyEmpty,
-    ) {
-        reply.ok();
-    }
-
-    fn fsyncdir(
-        &self,
-        _req: &Request,
-        _ino: INodeNo,
-        _fh: FileHandle,
-        _datasync: bool,
-        reply: ReplyEmpty,
-    ) {
-        reply.ok();
+    fn removexattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        match self.write_op("removexattr", ino.0, || {
+            Ok(self
+                .fs
+                .removexattr(self.inode(ino.0)?, name.as_bytes())
+                .map_err(fs_err)?)
+        }) {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(e),
+        }
     }
 
     fn ioctl(
@@ -570,23 +1282,107 @@ impl Filesystem for ButterFuse {
         reply.error(Errno::ENOSYS);
     }
 
+    fn fallocate(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        length: u64,
+        mode: i32,
+        reply: ReplyEmpty,
+    ) {
+        match self.write_op("fallocate", ino.0, || {
+            let known =
+                libc::FALLOC_FL_KEEP_SIZE | libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_ZERO_RANGE;
+            if mode & !known != 0 {
+                return Err(OpError::Quiet(libc::EOPNOTSUPP));
+            }
+            Ok(self
+                .fs
+                .fallocate(self.inode(ino.0)?, mode as u32, offset, length)
+                .map_err(|e| match e {
+                    Error::Unsupported(_) => OpError::Quiet(libc::EOPNOTSUPP),
+                    e => fs_err(e),
+                })?)
+        }) {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(e),
+        }
+    }
+
     fn lseek(
         &self,
         _req: &Request,
-        _ino: INodeNo,
+        ino: INodeNo,
         _fh: FileHandle,
-        _offset: i64,
-        _whence: i32,
+        offset: i64,
+        whence: i32,
         reply: fuser::ReplyLseek,
     ) {
-        // ENOSYS: the kernel stops asking and does SEEK_DATA/SEEK_HOLE itself (all data).
-        reply.error(Errno::ENOSYS);
+        match self.read_op("lseek", ino.0, || {
+            let what = match whence {
+                libc::SEEK_DATA => Seek::Data,
+                libc::SEEK_HOLE => Seek::Hole,
+                _ => return Err(OpError::Quiet(libc::EINVAL)),
+            };
+            let offset = u64::try_from(offset).map_err(|_| OpError::Quiet(libc::ENXIO))?;
+            let at = self
+                .fs
+                .seek_data_hole(self.inode(ino.0)?, offset, what)?
+                .ok_or(OpError::Quiet(libc::ENXIO))?;
+            i64::try_from(at).map_err(|_| OpError::Quiet(libc::EOVERFLOW))
+        }) {
+            Ok(at) => reply.offset(at),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn copy_file_range(
+        &self,
+        _req: &Request,
+        ino_in: INodeNo,
+        _fh_in: FileHandle,
+        offset_in: u64,
+        ino_out: INodeNo,
+        _fh_out: FileHandle,
+        offset_out: u64,
+        len: u64,
+        _flags: fuser::CopyFileRangeFlags,
+        reply: fuser::ReplyWrite,
+    ) {
+        // Read and write in steps; the reply counts bytes in 32 bits.
+        match self.write_op("copy_file_range", ino_in.0, || {
+            let src = self.inode(ino_in.0)?;
+            let dst = self.inode(ino_out.0)?;
+            let len = len.min(1 << 30);
+            let mut done = 0u64;
+            while done < len {
+                let step = (len - done).min(u64::from(MAX_WRITE)) as usize;
+                let data = self.fs.read(src, offset_in + done, step)?;
+                if data.is_empty() {
+                    break;
+                }
+                let n = self
+                    .fs
+                    .write(dst, offset_out + done, &data)
+                    .map_err(fs_err)?;
+                done += n as u64;
+                if n < step {
+                    break;
+                }
+            }
+            Ok(done as u32)
+        }) {
+            Ok(n) => reply.written(n),
+            Err(e) => reply.error(e),
+        }
     }
 
     fn access(&self, _req: &Request, _ino: INodeNo, mask: AccessFlags, reply: ReplyEmpty) {
         // With default_permissions the kernel checks modes itself and does not ask; this only
-        // refuses writing.
-        if mask.contains(AccessFlags::W_OK) {
+        // refuses writing on a read-only mount.
+        if mask.contains(AccessFlags::W_OK) && !self.writable {
             reply.error(Errno::from_i32(libc::EROFS));
         } else {
             reply.ok();
@@ -716,17 +1512,32 @@ pub struct MountConfig {
     pub flags: Vec<MountOption>,
     /// Worker threads reading requests (each with its own cloned /dev/fuse descriptor).
     pub threads: usize,
+    /// Read-write mounts: commit this often (besides flush, fsync and unmount).
+    pub commit_interval: Option<Duration>,
 }
 
-/// Mounts `fs` (root directory `root`) read-only on `dir` and serves it until the mount goes
-/// away: `fusermount3 -u`/`umount`, or SIGINT/SIGTERM/SIGHUP, on which it unmounts (lazily
-/// if the mount is busy). A second signal exits at once.
-pub fn serve(fs: Arc<Fs>, root: Inode, dir: &Path, cfg: &MountConfig) -> std::io::Result<()> {
+/// Mounts `fs` (root directory `root`) on `dir`, read-write when `fs` was opened so, and
+/// serves it until the mount goes away: `fusermount3 -u`/`umount`, or SIGINT/SIGTERM/SIGHUP,
+/// on which it unmounts (lazily if the mount is busy). Either way the session's end commits
+/// (the `destroy` callback). A second signal commits what it can and exits at once.
+/// `ready` runs once the kernel has the mount (its INIT answered): the mount is usable.
+pub fn serve(
+    fs: Arc<Fs>,
+    root: Inode,
+    dir: &Path,
+    cfg: &MountConfig,
+    ready: impl FnOnce(),
+) -> std::io::Result<()> {
     use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
     // Registered before mounting, so that a signal arriving during the mount waits for us.
     let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM, SIGHUP])?;
+    let writable = fs.is_writable();
     let mut options = vec![
-        MountOption::RO,
+        if writable {
+            MountOption::RW
+        } else {
+            MountOption::RO
+        },
         MountOption::DefaultPermissions,
         MountOption::FSName(cfg.fsname.clone()),
         // As a kernel option rather than MountOption::Subtype, which fuser passes only to
@@ -746,9 +1557,37 @@ pub fn serve(fs: Arc<Fs>, root: Inode, dir: &Path, cfg: &MountConfig) -> std::io
     config.n_threads = Some(cfg.threads.max(1));
     config.clone_fd = true;
 
-    let session = Session::new(ButterFuse::new(fs, root), dir, &config)?;
+    let bf = ButterFuse::new(fs.clone(), root);
+    let lock = bf.op_lock();
+    let session = Session::new(bf, dir, &config)?;
     let mountpoint: PathBuf = dir.canonicalize().unwrap_or_else(|_| dir.to_path_buf());
-    log::info!("mounted on {}", mountpoint.display());
+    log::info!(
+        "mounted on {} ({})",
+        mountpoint.display(),
+        if writable { "read-write" } else { "read-only" }
+    );
+    // Periodic commits; the sender's drop at the end stops the thread.
+    let (stop_commits, stopped) = std::sync::mpsc::channel::<()>();
+    let committer = match (writable, cfg.commit_interval) {
+        (true, Some(every)) if !every.is_zero() => {
+            let (fs, lock) = (fs.clone(), lock.clone());
+            Some(
+                std::thread::Builder::new()
+                    .name("butter-commit".into())
+                    .spawn(move || {
+                        while let Err(std::sync::mpsc::RecvTimeoutError::Timeout) =
+                            stopped.recv_timeout(every)
+                        {
+                            let _g = lock_write(&lock);
+                            if let Err(e) = fs.commit() {
+                                log::error!("periodic commit failed: {e}");
+                            }
+                        }
+                    })?,
+            )
+        }
+        _ => None,
+    };
     // fuser 0.18 unmounts the mount point again when its session ends, even after someone
     // else unmounted it (its is-still-mounted probe takes POLLERR for "mounted"): a spurious
     // warning, and with stacked mounts it would unmount the one below ours. So the session
@@ -766,6 +1605,16 @@ pub fn serve(fs: Arc<Fs>, root: Inode, dir: &Path, cfg: &MountConfig) -> std::io
                     eprintln!(
                         "butter: second signal {sig}: exiting without waiting for the unmount"
                     );
+                    if writable {
+                        // Whatever the running operations leave: after them, commit.
+                        let _g = lock_write(&lock);
+                        match fs.commit() {
+                            Ok(()) => eprintln!("butter: committed"),
+                            Err(e) => eprintln!(
+                                "butter: the last commit failed ({e}); the image keeps the one before"
+                            ),
+                        }
+                    }
                     std::process::exit(1);
                 }
                 asked = true;
@@ -781,11 +1630,16 @@ pub fn serve(fs: Arc<Fs>, root: Inode, dir: &Path, cfg: &MountConfig) -> std::io
                 }
             }
         })?;
+    ready();
     let r = worker
         .join()
         .unwrap_or_else(|_| Err(std::io::Error::other("the FUSE session thread panicked")));
     handle.close();
     let _ = watcher.join();
+    drop(stop_commits);
+    if let Some(c) = committer {
+        let _ = c.join();
+    }
     r
 }
 

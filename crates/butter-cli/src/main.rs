@@ -2,6 +2,7 @@
 //!
 //! One module per subcommand under `cmd/`; errors become messages only here.
 
+mod acl;
 mod cmd;
 mod fuse;
 

@@ -48,6 +48,85 @@ impl FileDevice {
         };
         Ok(FileDevice { file, len })
     }
+
+    /// Opens an image file or block device read-write for the only writer: an image file gets
+    /// an exclusive `flock` (held as long as the device is open, released by the kernel when
+    /// the process dies, even by SIGKILL), a block device is opened `O_EXCL` (which fails
+    /// while the kernel has it mounted). An image file that backs a loop device is refused
+    /// too: the kernel may have it mounted. Errors have kind `ResourceBusy` and say who holds
+    /// the image.
+    pub fn open_exclusive(path: &Path) -> io::Result<FileDevice> {
+        use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+        let meta = std::fs::metadata(path)?;
+        let busy = |why: String| io::Error::new(io::ErrorKind::ResourceBusy, why);
+        if meta.file_type().is_file() {
+            if let Some(dev) = loop_device_backed_by(meta.dev(), meta.ino()) {
+                return Err(busy(format!(
+                    "the image backs loop device {dev}, so the kernel may have it mounted: \
+                     unmount it and detach the loop device (umount, losetup -d {dev}) first"
+                )));
+            }
+            let dev = FileDevice::open(path, true)?;
+            match dev.file.try_lock() {
+                Ok(()) => Ok(dev),
+                Err(std::fs::TryLockError::WouldBlock) => Err(busy(
+                    "the image is already open read-write in another butter process (a \
+                     `butter mount` or another writer): unmount that first (fusermount3 -u \
+                     MOUNTPOINT) or wait for it to finish, or open it read-only"
+                        .into(),
+                )),
+                Err(std::fs::TryLockError::Error(e)) => Err(e),
+            }
+        } else {
+            /// Linux O_EXCL: on a block device, fail with EBUSY while it is mounted or opened
+            /// exclusively by someone else.
+            const O_EXCL: i32 = 0o200;
+            const EBUSY: i32 = 16;
+            let file = OpenOptions::new()
+                .read(true)
+                .write(true)
+                .custom_flags(O_EXCL)
+                .open(path)
+                .map_err(|e| {
+                    if e.raw_os_error() == Some(EBUSY) {
+                        busy(
+                            "the device is in use (mounted by the kernel, or open read-write in \
+                             another butter process): unmount it first"
+                                .into(),
+                        )
+                    } else {
+                        e
+                    }
+                })?;
+            use std::io::Seek;
+            let mut f = &file;
+            let len = f.seek(io::SeekFrom::End(0))?;
+            Ok(FileDevice { file, len })
+        }
+    }
+}
+
+/// The loop device (`/dev/loopN`) whose backing file is the file with this device and inode
+/// number, if any (from /sys/block/loop*/loop/backing_file).
+fn loop_device_backed_by(dev: u64, ino: u64) -> Option<String> {
+    use std::os::unix::fs::MetadataExt;
+    for e in std::fs::read_dir("/sys/block").ok()?.flatten() {
+        let name = e.file_name();
+        let Some(name) = name.to_str() else { continue };
+        if !name.starts_with("loop") {
+            continue;
+        }
+        let Ok(backing) = std::fs::read_to_string(e.path().join("loop/backing_file")) else {
+            continue;
+        };
+        let backing = backing.trim_end_matches('\n');
+        if let Ok(m) = std::fs::metadata(backing) {
+            if m.dev() == dev && m.ino() == ino {
+                return Some(format!("/dev/{name}"));
+            }
+        }
+    }
+    None
 }
 
 impl BlockDevice for FileDevice {

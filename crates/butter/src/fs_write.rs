@@ -115,10 +115,20 @@ fn check_name(name: &[u8]) -> Result<()> {
 }
 
 impl Fs {
-    /// Opens an image file or block device read-write.
+    /// Opens an image file or block device read-write, as its only writer: refused while
+    /// another process has it open read-write or the kernel may have it mounted (see
+    /// [`FileDevice::open_exclusive`]).
     pub fn open_rw(path: &Path) -> Result<Fs> {
-        let dev = FileDevice::open(path, true)
-            .map_err(|e| Error::io(format!("opening {} read-write", path.display()), 0, e))?;
+        let dev = FileDevice::open_exclusive(path).map_err(|e| {
+            if e.kind() == std::io::ErrorKind::ResourceBusy {
+                Error::NotPermitted(format!(
+                    "{} cannot be opened read-write: {e}",
+                    path.display()
+                ))
+            } else {
+                Error::io(format!("opening {} read-write", path.display()), 0, e)
+            }
+        })?;
         Self::open_device_rw(Arc::new(dev))
     }
 

@@ -21,6 +21,8 @@ pub mod extent_tree;
 pub mod file_write;
 pub mod free_space_tree;
 pub mod fs;
+pub mod fs_seek;
+pub mod fs_stat;
 pub mod fs_write;
 pub mod mkfs;
 pub mod transaction;

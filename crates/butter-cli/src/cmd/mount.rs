@@ -1,6 +1,13 @@
-//! `butter mount --ro IMAGE DIR`: serve an image through FUSE, in the foreground, until it is
-//! unmounted (`fusermount3 -u DIR`) or the process gets SIGINT/SIGTERM (then it unmounts and
-//! exits 0). Read-only for now: writing comes later, so `--ro` (or `-o ro`) is required.
+//! `butter mount IMAGE DIR`: serve an image through FUSE, read-write (or read-only with `--ro`
+//! / `-o ro`), in the foreground until it is unmounted (`fusermount3 -u DIR`, `umount DIR`) or
+//! the process gets SIGINT/SIGTERM (then it unmounts and exits 0); the end of the mount
+//! commits. `-d`/`--daemon` returns once the mount is usable and serves in the background.
+//!
+//! Read-write: one writer per image. The image is locked (see `Fs::open_rw`), so a second
+//! read-write mount, or one of an image the kernel has mounted, is refused with a message.
+//! Changes are durable at each commit: every `-o commit=SECONDS` (30 by default), at fsync,
+//! at the close of a file written through, and at unmount. SIGKILL loses what came after
+//! the last commit and nothing else.
 
 use super::{open_fs, CliError, CliResult};
 use crate::fuse::{self, MountConfig};
@@ -9,6 +16,7 @@ use butter::fs::{Fs, Inode};
 use fuser::MountOption;
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::Duration;
 
 #[derive(clap::Args)]
 pub struct MountArgs {
@@ -16,12 +24,13 @@ pub struct MountArgs {
     pub image: PathBuf,
     /// Mount point: an existing directory.
     pub dir: PathBuf,
-    /// Mount read-only (required until butter can write).
+    /// Mount read-only.
     #[arg(long)]
     pub ro: bool,
-    /// Mount options, comma separated, may repeat: ro, allow_other, allow_root, fsname=NAME,
-    /// subtype=NAME, subvol=PATH, subvolid=N, dev, nodev, suid, nosuid, exec, noexec, atime,
-    /// noatime.
+    /// Mount options, comma separated, may repeat: ro, rw, commit=SECONDS (read-write: commit
+    /// this often, default 30, 0 = only at fsync/close/unmount), allow_other, allow_root,
+    /// fsname=NAME, subtype=NAME, subvol=PATH, subvolid=N, dev, nodev, suid, nosuid, exec,
+    /// noexec, atime, noatime.
     #[arg(short = 'o', value_name = "OPTIONS")]
     pub options: Vec<String>,
     /// Mount this subvolume (path from the top-level subvolume) instead of the default one.
@@ -36,7 +45,13 @@ pub struct MountArgs {
     /// Worker threads serving requests.
     #[arg(long, default_value_t = 4, value_name = "N")]
     pub threads: usize,
+    /// Serve in the background: exit 0 once the mount is usable (1 if mounting failed).
+    #[arg(short = 'd', long)]
+    pub daemon: bool,
 }
+
+/// Default interval of periodic commits (seconds), as the kernel's btrfs.
+const DEFAULT_COMMIT: u64 = 30;
 
 /// Which subvolume becomes the mount's root.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -69,6 +84,7 @@ fn plan(a: &MountArgs) -> Result<Plan, CliError> {
         allow_root: false,
         flags: Vec::new(),
         threads: a.threads.max(1),
+        commit_interval: Some(Duration::from_secs(DEFAULT_COMMIT)),
     };
     for opt in a.options.iter().flat_map(|o| o.split(',')) {
         let (key, value) = match opt.split_once('=') {
@@ -83,6 +99,13 @@ fn plan(a: &MountArgs) -> Result<Plan, CliError> {
             }
             ("rw", None) => {
                 rw = true;
+                None
+            }
+            ("commit", Some(v)) => {
+                let secs: u64 = v
+                    .parse()
+                    .map_err(|_| CliError(format!("commit={v}: not a number of seconds")))?;
+                cfg.commit_interval = Some(Duration::from_secs(secs));
                 None
             }
             ("allow_other", None) => {
@@ -162,19 +185,27 @@ fn subvol_root(fs: &Fs, s: &Subvol) -> Result<Inode, CliError> {
 
 pub fn mount(a: MountArgs) -> CliResult {
     let p = plan(&a)?;
-    if !p.ro {
-        return Err(CliError(
-            "read-write mounting is not implemented yet; mount read-only with --ro (or -o ro)"
-                .into(),
-        ));
-    }
     if !a.dir.is_dir() {
         return Err(CliError(format!(
             "mount point {} is not a directory",
             a.dir.display()
         )));
     }
-    let fs = Arc::new(open_fs(&a.image)?);
+    // Before anything starts a thread: fork(2) copies only the calling one.
+    let ready_pipe = if a.daemon { Some(daemonize()?) } else { None };
+    let fs = if p.ro {
+        open_fs(&a.image)?
+    } else {
+        Fs::open_rw(&a.image).map_err(|e| match e {
+            butter::Error::NotPermitted(msg) => CliError(msg),
+            e => CliError(format!(
+                "cannot open {} read-write: {}; to mount it read-only use --ro",
+                a.image.display(),
+                CliError::from(e)
+            )),
+        })?
+    };
+    let fs = Arc::new(fs);
     let root = subvol_root(&fs, &p.subvol)?;
     if !fs.stat(root)?.is_dir() {
         return Err(CliError(format!(
@@ -182,13 +213,90 @@ pub fn mount(a: MountArgs) -> CliResult {
             root.root
         )));
     }
-    fuse::serve(fs, root, &a.dir, &p.cfg).map_err(|e| {
+    let ready = move || {
+        if let Some(fd) = ready_pipe {
+            detach(fd);
+        }
+    };
+    fuse::serve(fs.clone(), root, &a.dir, &p.cfg, ready).map_err(|e| {
         CliError(format!(
             "mounting {} on {}: {e}",
             a.image.display(),
             a.dir.display()
         ))
-    })
+    })?;
+    if fs.is_writable() {
+        // The session's end committed already; this only reports a failure again.
+        fs.commit()
+            .map_err(|e| CliError(format!("final commit failed: {e}")))?;
+    }
+    Ok(())
+}
+
+/// `--daemon`: forks. The parent waits until the child reports the mount usable (exit 0) or
+/// exits (then with the child's failure; the child printed why). The child returns the write
+/// end of the pipe to report on, in a new session.
+fn daemonize() -> Result<i32, CliError> {
+    let mut fds = [0i32; 2];
+    // SAFETY: pipe writes two descriptors into the array.
+    if unsafe { libc::pipe(fds.as_mut_ptr()) } != 0 {
+        return Err(CliError(format!(
+            "pipe: {}",
+            std::io::Error::last_os_error()
+        )));
+    }
+    // SAFETY: no other thread exists yet (called before the filesystem or FUSE start any).
+    let pid = unsafe { libc::fork() };
+    if pid < 0 {
+        return Err(CliError(format!(
+            "fork: {}",
+            std::io::Error::last_os_error()
+        )));
+    }
+    if pid > 0 {
+        // SAFETY: closing our copy of the write end; reading one byte into a local.
+        unsafe { libc::close(fds[1]) };
+        let mut b = 0u8;
+        let n = loop {
+            let n = unsafe { libc::read(fds[0], (&mut b as *mut u8).cast(), 1) };
+            if n < 0 && std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            break n;
+        };
+        if n == 1 && b == b'1' {
+            std::process::exit(0);
+        }
+        let mut status = 0;
+        // SAFETY: waiting for our own child.
+        unsafe { libc::waitpid(pid, &mut status, 0) };
+        std::process::exit(1);
+    }
+    // SAFETY: the child: its own session, off the parent's terminal; the read end is unused.
+    unsafe {
+        libc::close(fds[0]);
+        libc::setsid();
+    }
+    Ok(fds[1])
+}
+
+/// The daemon's mount is usable: tell the waiting parent, and let go of its terminal and
+/// output (whoever reads the parent's output must not wait for the daemon to exit).
+fn detach(fd: i32) {
+    // SAFETY: plain descriptor operations on descriptors we own.
+    unsafe {
+        libc::write(fd, b"1".as_ptr().cast(), 1);
+        libc::close(fd);
+        let null = libc::open(c"/dev/null".as_ptr(), libc::O_RDWR);
+        if null >= 0 {
+            for std_fd in 0..3 {
+                libc::dup2(null, std_fd);
+            }
+            if null > 2 {
+                libc::close(null);
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -209,7 +317,7 @@ mod tests {
     }
 
     #[test]
-    fn ro_is_required() {
+    fn ro_and_rw() {
         assert!(!parse(&["img", "dir"]).unwrap().ro);
         assert!(parse(&["--ro", "img", "dir"]).unwrap().ro);
         assert!(parse(&["-o", "ro", "img", "dir"]).unwrap().ro);
@@ -235,6 +343,14 @@ mod tests {
         assert_eq!(p.subvol, Subvol::Path("a/b".into()));
         assert!(!p.cfg.allow_other);
         assert!(parse(&["-o", "ro,bogus", "img", "dir"]).is_err());
+        let p = parse(&["-o", "commit=5", "img", "dir"]).unwrap();
+        assert_eq!(p.cfg.commit_interval, Some(Duration::from_secs(5)));
+        assert!(!p.ro);
+        assert_eq!(
+            parse(&["img", "dir"]).unwrap().cfg.commit_interval,
+            Some(Duration::from_secs(DEFAULT_COMMIT))
+        );
+        assert!(parse(&["-o", "commit=x", "img", "dir"]).is_err());
         assert!(parse(&["--subvol", "a", "--subvol-id", "5", "img", "dir"]).is_err());
     }
 }

@@ -1,0 +1,180 @@
+//! lseek(2) SEEK_DATA / SEEK_HOLE from a file's extent items.
+//!
+//! What counts as data is what the kernel's btrfs reports without delayed allocation: inline
+//! extents and regular extents that point at a data extent. Holes are ranges without an
+//! extent item (NO_HOLES), regular extents with `disk_bytenr == 0`, and preallocated extents
+//! (their bytes read as zeros). The end of the file is a hole: SEEK_HOLE finds the size when
+//! nothing before it is a hole. Offsets at or past the size have neither (ENXIO).
+
+use crate::error::Result;
+use crate::format::items::{FileExtentBody, FileExtentItem};
+use crate::format::*;
+use crate::fs::{Fs, Inode};
+
+/// Which lseek `whence`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Seek {
+    Data,
+    Hole,
+}
+
+impl Fs {
+    /// SEEK_DATA / SEEK_HOLE from `offset`. `None` when there is no such offset (the
+    /// caller's ENXIO): `offset` is at or past the end of the file, or SEEK_DATA finds only
+    /// holes up to the end.
+    pub fn seek_data_hole(&self, ino: Inode, offset: u64, what: Seek) -> Result<Option<u64>> {
+        let size = self.inode_item(ino)?.size;
+        if offset >= size {
+            return Ok(None);
+        }
+        let root = self.subvol_root(ino.root)?;
+        let start_key = match crate::ctree::lookup_le(
+            &self.disk,
+            &root,
+            &Key::new(ino.ino, EXTENT_DATA_KEY, offset),
+        )? {
+            Some(i) if i.key.objectid == ino.ino && i.key.ty == EXTENT_DATA_KEY => i.key,
+            _ => Key::new(ino.ino, EXTENT_DATA_KEY, 0),
+        };
+        let mut it = crate::ctree::TreeIter::new(
+            self.disk.clone(),
+            root,
+            start_key,
+            crate::disk_io::Readahead::None,
+        )?;
+        // `pos`: the first byte not yet known to be data (for SEEK_HOLE).
+        let mut pos = offset;
+        while let Some(i) = it.next_item()? {
+            if i.key.objectid != ino.ino || i.key.ty != EXTENT_DATA_KEY || i.key.offset >= size {
+                break;
+            }
+            let fe = FileExtentItem::parse(i.data()).map_err(|e| i.annotate(e))?;
+            let Some((start, end)) = data_range(i.key.offset, &fe) else {
+                continue;
+            };
+            let end = end.min(size);
+            if end <= offset {
+                continue;
+            }
+            match what {
+                Seek::Data => return Ok(Some(start.max(offset))),
+                Seek::Hole => {
+                    if start > pos {
+                        return Ok(Some(pos));
+                    }
+                    pos = pos.max(end);
+                    if pos >= size {
+                        return Ok(Some(size));
+                    }
+                }
+            }
+        }
+        Ok(match what {
+            Seek::Data => None,
+            Seek::Hole => Some(pos.min(size)),
+        })
+    }
+}
+
+/// The byte range `[start, end)` of the file an extent item holds data for, `None` for a hole
+/// or a preallocated extent.
+fn data_range(key_offset: u64, fe: &FileExtentItem) -> Option<(u64, u64)> {
+    match &fe.body {
+        FileExtentBody::Inline(_) => Some((key_offset, key_offset.saturating_add(fe.ram_bytes))),
+        FileExtentBody::Extent {
+            disk_bytenr,
+            num_bytes,
+            ..
+        } => {
+            if *disk_bytenr == 0 || fe.ty == FILE_EXTENT_PREALLOC || *num_bytes == 0 {
+                None
+            } else {
+                Some((key_offset, key_offset.saturating_add(*num_bytes)))
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::RamDevice;
+    use crate::file_write::{FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE};
+    use crate::fs_write::Owner;
+    use std::sync::Arc;
+
+    fn new_fs() -> Fs {
+        let size = 128u64 << 20;
+        let dev = Arc::new(RamDevice::new(vec![0u8; size as usize]));
+        let opts = crate::mkfs::MkfsOptions {
+            size,
+            fsid: Some([7; 16]),
+            time: Some(1_700_000_000),
+            ..Default::default()
+        };
+        crate::mkfs::mkfs(dev.as_ref(), &opts).unwrap();
+        Fs::open_device_rw(dev).unwrap()
+    }
+
+    const K: u64 = 1024;
+    const S: u64 = 4096;
+
+    #[test]
+    fn data_and_holes() {
+        let fs = new_fs();
+        let root = fs.root_inode();
+        let f = fs.create(root, b"f", 0o644, Owner::default()).unwrap();
+        // [0, 8K) data, [8K, 64K) hole (implicit or a hole extent), [64K, 72K) data,
+        // then a hole to the size of 100K.
+        fs.write(f, 0, &[1u8; 8192]).unwrap();
+        fs.write(f, 64 * K, &[2u8; 8192]).unwrap();
+        fs.truncate(f, 100 * K).unwrap();
+        let d = |o| fs.seek_data_hole(f, o, Seek::Data).unwrap();
+        let h = |o| fs.seek_data_hole(f, o, Seek::Hole).unwrap();
+        assert_eq!(d(0), Some(0));
+        assert_eq!(d(100), Some(100));
+        assert_eq!(d(8 * K), Some(64 * K));
+        assert_eq!(d(70 * K), Some(70 * K));
+        assert_eq!(d(72 * K), None);
+        assert_eq!(d(100 * K), None);
+        assert_eq!(h(0), Some(8 * K));
+        assert_eq!(h(9 * K), Some(9 * K));
+        assert_eq!(h(64 * K), Some(72 * K));
+        assert_eq!(h(99 * K), Some(99 * K));
+        assert_eq!(h(100 * K), None);
+        // Survives a commit (the same answers from the committed trees).
+        fs.commit().unwrap();
+        assert_eq!(d(8 * K), Some(64 * K));
+        assert_eq!(h(0), Some(8 * K));
+    }
+
+    #[test]
+    fn full_file_hole_is_at_the_end_and_prealloc_is_a_hole() {
+        let fs = new_fs();
+        let root = fs.root_inode();
+        let f = fs.create(root, b"full", 0o644, Owner::default()).unwrap();
+        fs.write(f, 0, &[3u8; 3 * 4096]).unwrap();
+        assert_eq!(fs.seek_data_hole(f, 0, Seek::Hole).unwrap(), Some(3 * S));
+        assert_eq!(fs.seek_data_hole(f, S, Seek::Data).unwrap(), Some(S));
+        // Punch the middle sector.
+        fs.fallocate(f, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, S, S)
+            .unwrap();
+        assert_eq!(fs.seek_data_hole(f, 0, Seek::Hole).unwrap(), Some(S));
+        assert_eq!(fs.seek_data_hole(f, S, Seek::Data).unwrap(), Some(2 * S));
+        // A preallocated file is all hole.
+        let p = fs.create(root, b"pre", 0o644, Owner::default()).unwrap();
+        fs.fallocate(p, 0, 0, 16 * S).unwrap();
+        assert_eq!(fs.stat(p).unwrap().size, 16 * S);
+        assert_eq!(fs.seek_data_hole(p, 0, Seek::Data).unwrap(), None);
+        assert_eq!(fs.seek_data_hole(p, 0, Seek::Hole).unwrap(), Some(0));
+        // Small (inline) file: data up to the size.
+        let s = fs.create(root, b"small", 0o644, Owner::default()).unwrap();
+        fs.write(s, 0, b"hello").unwrap();
+        assert_eq!(fs.seek_data_hole(s, 0, Seek::Data).unwrap(), Some(0));
+        assert_eq!(fs.seek_data_hole(s, 2, Seek::Hole).unwrap(), Some(5));
+        // Empty file: nothing.
+        let e = fs.create(root, b"empty", 0o644, Owner::default()).unwrap();
+        assert_eq!(fs.seek_data_hole(e, 0, Seek::Data).unwrap(), None);
+        assert_eq!(fs.seek_data_hole(e, 0, Seek::Hole).unwrap(), None);
+    }
+}

@@ -1,0 +1,103 @@
+//! statfs(2) numbers: size and free space of the filesystem.
+//!
+//! Read-write: free space is what new file data can still get: the free bytes of the data
+//! block groups (as the allocator sees them in the running transaction) plus the device space
+//! no chunk uses yet (a new data chunk can take it; data is single-copy here). Read-only:
+//! the superblock's `total_bytes - bytes_used`, as of the last commit.
+
+use crate::alloc::SpaceKind;
+use crate::error::Result;
+use crate::format::items::DevExtent;
+use crate::format::*;
+use crate::fs::Fs;
+
+/// What statfs reports, in bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StatFs {
+    /// Block size (the sector size).
+    pub bsize: u32,
+    /// Size of the device.
+    pub total: u64,
+    /// Bytes file data can still use.
+    pub free: u64,
+}
+
+impl Fs {
+    pub fn statfs(&self) -> Result<StatFs> {
+        let sb = &self.disk.sb;
+        let bsize = sb.sectorsize.max(1);
+        if !self.is_writable() {
+            return Ok(StatFs {
+                bsize,
+                total: sb.total_bytes,
+                free: sb.total_bytes.saturating_sub(sb.bytes_used),
+            });
+        }
+        let mut w = self.writer()?;
+        let data_free = w.allocator.free_bytes(SpaceKind::Data);
+        let devid = self.disk.devid;
+        let root = w.current_root(DEV_TREE_OBJECTID)?;
+        drop(w);
+        let mut allocated = 1u64 << 20; // the first MiB is never allocated
+        let mut it = crate::ctree::TreeIter::new(
+            self.disk.clone(),
+            root,
+            Key::new(devid, DEV_EXTENT_KEY, 0),
+            crate::disk_io::Readahead::None,
+        )?;
+        while let Some(item) = it.next_item()? {
+            if item.key.objectid != devid || item.key.ty != DEV_EXTENT_KEY {
+                break;
+            }
+            let de = DevExtent::parse(item.data()).map_err(|e| item.annotate(e))?;
+            allocated = allocated.saturating_add(de.length);
+        }
+        let total = sb.dev_item.total_bytes.min(self.disk.dev.len());
+        let unallocated = total.saturating_sub(allocated);
+        Ok(StatFs {
+            bsize,
+            total,
+            free: data_free.saturating_add(unallocated).min(total),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::RamDevice;
+    use crate::fs_write::Owner;
+    use std::sync::Arc;
+
+    #[test]
+    fn free_space_shrinks_as_data_is_written_and_comes_back() {
+        let size = 128u64 << 20;
+        let dev = Arc::new(RamDevice::new(vec![0u8; size as usize]));
+        let opts = crate::mkfs::MkfsOptions {
+            size,
+            fsid: Some([9; 16]),
+            time: Some(1_700_000_000),
+            ..Default::default()
+        };
+        crate::mkfs::mkfs(dev.as_ref(), &opts).unwrap();
+        let fs = Fs::open_device_rw(dev).unwrap();
+        let s0 = fs.statfs().unwrap();
+        assert_eq!(s0.total, size);
+        assert!(s0.free > size / 4 && s0.free < size, "{s0:?}");
+        let f = fs
+            .create(fs.root_inode(), b"f", 0o644, Owner::default())
+            .unwrap();
+        fs.write(f, 0, &vec![5u8; 8 << 20]).unwrap();
+        fs.commit().unwrap();
+        let s1 = fs.statfs().unwrap();
+        assert!(
+            s0.free - s1.free >= 8 << 20 && s0.free - s1.free < 16 << 20,
+            "{s0:?} {s1:?}"
+        );
+        fs.unlink(fs.root_inode(), b"f").unwrap();
+        fs.commit().unwrap();
+        fs.commit().unwrap();
+        let s2 = fs.statfs().unwrap();
+        assert!(s2.free > s1.free, "{s1:?} {s2:?}");
+    }
+}
