@@ -17,7 +17,7 @@
 //! subdirectories and calling fsync every few operations; SIGKILL after a random 0.1–1.5 s.
 //! Writer errors are expected only after the kill; an error before it fails the test.
 //!
-//! `BUTTER_CRASH_ROUNDS` (default 12) sets the number of rounds, `BUTTER_CRASH_SEED` the seed
+//! `BUTTER_CRASH_ROUNDS` (default 20) sets the number of rounds, `BUTTER_CRASH_SEED` the seed
 //! (printed at the start, so a failure can be replayed). Needs root, /dev/fuse, loop devices,
 //! kernel btrfs, btrfs-progs and fusermount3; without them a notice and a pass, or a failure
 //! under CI.
@@ -39,7 +39,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 const IMAGE_SIZE: u64 = 1 << 30;
-const DEFAULT_ROUNDS: u64 = 12;
+const DEFAULT_ROUNDS: u64 = 20;
 const WRITERS: u64 = 2;
 /// Extra `butter mount` arguments: a short commit interval, so that a crash can also land in
 /// the middle of a periodic commit (fsync commits anyway).
@@ -277,9 +277,11 @@ impl Writer {
     }
 }
 
-/// Checks one writer's guarantees against the tree at `dir` (a kernel mount of the image).
-fn check_durable(dir: &Path, d: &Durable, what: &str) -> Vec<String> {
+/// Checks one writer's guarantees against the tree at `dir` (a kernel mount of the image);
+/// returns the number of entries it could check and the problems found.
+fn check_durable(dir: &Path, d: &Durable, what: &str) -> (usize, Vec<String>) {
     let mut problems = Vec::new();
+    let mut checked = 0;
     let touched = |p: &Path| {
         d.touched_after
             .iter()
@@ -289,6 +291,7 @@ fn check_durable(dir: &Path, d: &Durable, what: &str) -> Vec<String> {
         if touched(rel) {
             continue;
         }
+        checked += 1;
         let path = dir.join(rel);
         match want {
             None => {
@@ -333,7 +336,7 @@ fn check_durable(dir: &Path, d: &Durable, what: &str) -> Vec<String> {
             }
         }
     }
-    problems
+    (checked, problems)
 }
 
 fn hex(b: &[u8]) -> String {
@@ -436,11 +439,14 @@ fn sigkill_rounds_keep_what_was_fsynced() {
     let bm = ButterMount::start(&img, &mnt, MOUNT_ARGS, &scratch.join("butter-final.log"));
     let mut problems = Vec::new();
     for r in &done {
-        problems.extend(check_durable(
-            &bm.path().join(&r.dir_rel),
-            &r.durable,
-            &format!("final butter mount, {}", r.dir_rel.display()),
-        ));
+        problems.extend(
+            check_durable(
+                &bm.path().join(&r.dir_rel),
+                &r.durable,
+                &format!("final butter mount, {}", r.dir_rel.display()),
+            )
+            .1,
+        );
     }
     assert!(problems.is_empty(), "{}", problems.join("\n"));
     let seen = manifest::take(bm.path(), &TakeOpts::default());
@@ -467,14 +473,18 @@ fn check_after_crash(img: &Path, kmnt: &Path, done: &[RoundResult], round: u64) 
     );
     let m = LoopMount::btrfs_ro(img, kmnt);
     let mut problems = Vec::new();
+    let mut checked = 0;
     for r in done {
-        problems.extend(check_durable(
+        let (n, p) = check_durable(
             &m.path().join(&r.dir_rel),
             &r.durable,
             &format!("round {round}, {}", r.dir_rel.display()),
-        ));
+        );
+        checked += n;
+        problems.extend(p);
     }
     m.unmount();
+    eprintln!("round {round}: checks clean, {checked} fsynced entries as expected");
     assert!(
         problems.is_empty(),
         "round {round}: after SIGKILL, fsynced data is wrong:\n{}",
