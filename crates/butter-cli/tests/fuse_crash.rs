@@ -484,10 +484,10 @@ fn check_after_crash(img: &Path, kmnt: &Path, done: &[RoundResult], round: u64) 
         problems.extend(p);
     }
     m.unmount();
-    eprintln!("round {round}: checks clean, {checked} fsynced entries as expected");
     assert!(
         problems.is_empty(),
         "round {round}: after SIGKILL, fsynced data is wrong:\n{}",
         problems.join("\n")
     );
+    eprintln!("round {round}: checks clean, {checked} fsynced entries as expected");
 }
