@@ -32,6 +32,8 @@ enum Command {
     Cat(cmd::ls::CatArgs),
     /// List subvolumes and snapshots.
     Subvolumes(cmd::ls::SubvolArgs),
+    /// Create, snapshot and list subvolumes.
+    Subvolume(cmd::subvol::SubvolumeArgs),
     /// Extract a subvolume (with subvolumes below it) into a directory.
     Restore(cmd::restore::RestoreArgs),
     /// Mount an image through FUSE.
@@ -53,6 +55,7 @@ fn main() -> ExitCode {
         Command::Ls(a) => cmd::ls::ls(a),
         Command::Cat(a) => cmd::ls::cat(a),
         Command::Subvolumes(a) => cmd::ls::subvolumes(a),
+        Command::Subvolume(a) => cmd::subvol::subvolume(a),
         Command::Restore(a) => cmd::restore::restore(a),
         Command::Mount(a) => cmd::mount::mount(a),
         Command::Check(a) => cmd::check::check(a),

@@ -95,7 +95,6 @@ fn rootdir_copies_the_generated_tree() {
         m.unmount();
         got
     };
-    drop(src);
     let opts = CompareOpts {
         // A copy gets new inodes: ctime = mtime, birth time = SOURCE_DATE_EPOCH.
         ctime: false,
@@ -112,6 +111,54 @@ fn rootdir_copies_the_generated_tree() {
         "source tree vs kernel mount of the --rootdir image",
     );
     assert!(got.len() > 3000, "only {} entries copied", got.len());
+
+    // --subvol: the source's subvolumes (the read-only snapshot read-only) stay subvolumes.
+    let img3 = scratch.join("subvols.img");
+    let subvols: Vec<String> = want
+        .subvolumes()
+        .iter()
+        .map(|p| {
+            let p = p.to_string_lossy().into_owned();
+            if p == common::gen::SNAPSHOT {
+                format!("ro:{p}")
+            } else {
+                p
+            }
+        })
+        .collect();
+    assert!(subvols.len() >= 2, "the generator made {subvols:?}");
+    let mut extra: Vec<&str> = Vec::new();
+    for s in &subvols {
+        extra.push("--subvol");
+        extra.push(s);
+    }
+    butter_mkfs_rootdir(src.path(), &img3, &extra);
+    drop(src);
+    let (ok, text) = btrfs_check(&img3);
+    assert!(ok, "btrfs check failed on the --subvol image:\n{text}");
+    butter_check(&img3);
+    let m = LoopMount::btrfs_ro(&img3, &scratch.join("new3"));
+    let got3 = take(m.path(), &TakeOpts::default());
+    let list = Command::new("btrfs")
+        .args(["subvolume", "list", "-r"])
+        .arg(m.path())
+        .output()
+        .expect("btrfs subvolume list");
+    m.unmount();
+    assert_same(
+        &want,
+        &got3,
+        &CompareOpts {
+            subvolumes: true,
+            ..opts.clone()
+        },
+        "source tree vs kernel mount of the --rootdir --subvol image",
+    );
+    let ro = String::from_utf8_lossy(&list.stdout);
+    assert!(
+        ro.lines().count() == 1 && ro.contains(common::gen::SNAPSHOT),
+        "read-only subvolumes of the --subvol image: {ro}"
+    );
     // Holes stay holes.
     let blocks = |p: &str| got.get(p).unwrap_or_else(|| panic!("{p} missing")).blocks;
     assert_eq!(

@@ -1633,7 +1633,19 @@ impl Checker<'_> {
             }
         }
         for e in &self.subvol_entries {
-            if !refs.contains(&(e.tree, e.child, e.dir, e.index, e.name.clone())) {
+            // A snapshot keeps the entries of subvolumes nested in its source, without a
+            // ROOT_REF (they show as empty directories): fine when the subvolume predates the
+            // snapshot.
+            let copied_by_snapshot =
+                match (self.root_items.get(&e.tree), self.root_items.get(&e.child)) {
+                    (Some((snap, _)), Some((child, _))) => {
+                        snap.parent_uuid != [0u8; 16] && child.otransid <= snap.otransid
+                    }
+                    _ => false,
+                };
+            if !copied_by_snapshot
+                && !refs.contains(&(e.tree, e.child, e.dir, e.index, e.name.clone()))
+            {
                 self.report.err(
                     FindingKind::SubvolEntryMismatch,
                     e.loc.clone(),

@@ -387,10 +387,19 @@ impl Writer {
                     Intent::Extend { extra } if found => Some(Growth::Extend { extra }),
                     _ => None,
                 };
-                if let Some(g) = growth {
+                // Room in the leaf already: no split to plan (and no copy of the leaf for it).
+                let fits = match growth {
+                    Some(Growth::Insert { items, data_len }) => items
+                        .checked_mul(ITEM_SIZE)
+                        .and_then(|r| r.checked_add(data_len))
+                        .is_some_and(|need| need <= blk.leaf_free_space()),
+                    Some(Growth::Extend { extra }) => extra <= blk.leaf_free_space(),
+                    None => true,
+                };
+                if let (Some(g), false) = (growth, fits) {
                     let plan = {
                         let mut buf = blk.data.to_vec();
-                        LeafMut::new(&mut buf)?.plan_split(slot, g)?
+                        LeafMut::trusted(&mut buf)?.plan_split(slot, g)?
                     };
                     if plan != LeafSplit::NotNeeded {
                         self.split_leaf(tree, &path, bytenr, plan, *key)?;
@@ -504,8 +513,8 @@ impl Writer {
                 let right = self.new_block(tree, 0, rfirst)?;
                 let mut rbuf = self.dirty_block(right)?.data.to_vec();
                 let rkey = {
-                    let mut l = LeafMut::new(&mut lbuf)?;
-                    let mut r = LeafMut::new(&mut rbuf)?;
+                    let mut l = LeafMut::trusted(&mut lbuf)?;
+                    let mut r = LeafMut::trusted(&mut rbuf)?;
                     ctree_ops::split_leaf(&mut l, &mut r, at)?
                 };
                 self.put(leaf, lbuf)?;
@@ -535,9 +544,9 @@ impl Writer {
                 let mut rbuf = self.dirty_block(right)?.data.to_vec();
                 let mut mbuf = self.dirty_block(middle)?.data.to_vec();
                 let (rkey, mkey) = {
-                    let mut l = LeafMut::new(&mut lbuf)?;
-                    let mut r = LeafMut::new(&mut rbuf)?;
-                    let mut m = LeafMut::new(&mut mbuf)?;
+                    let mut l = LeafMut::trusted(&mut lbuf)?;
+                    let mut r = LeafMut::trusted(&mut rbuf)?;
+                    let mut m = LeafMut::trusted(&mut mbuf)?;
                     let rk = ctree_ops::split_leaf(&mut l, &mut r, second)?;
                     let mk = ctree_ops::split_leaf(&mut l, &mut m, first)?;
                     (rk, mk)
@@ -664,7 +673,7 @@ impl Writer {
         let (leaf, slot) = (path.leaf(), path.slot());
         let spec: Vec<(Key, usize)> = items.iter().map(|(k, d)| (*k, d.len())).collect();
         self.modify(leaf, |buf| {
-            let mut l = LeafMut::new(buf)?;
+            let mut l = LeafMut::trusted(buf)?;
             l.insert_items(slot, &spec)?;
             for (i, (_, d)) in items.iter().enumerate() {
                 l.item_data_mut(slot + i)?.copy_from_slice(d);
@@ -724,7 +733,9 @@ impl Writer {
             return Ok(false);
         };
         let slot = p.slot();
-        self.modify(p.leaf(), |buf| f(LeafMut::new(buf)?.item_data_mut(slot)?))?;
+        self.modify(p.leaf(), |buf| {
+            f(LeafMut::trusted(buf)?.item_data_mut(slot)?)
+        })?;
         Ok(true)
     }
 
@@ -736,7 +747,7 @@ impl Writer {
             if cur == data.len() {
                 let slot = p.slot();
                 return self.modify(p.leaf(), |buf| {
-                    LeafMut::new(buf)?
+                    LeafMut::trusted(buf)?
                         .item_data_mut(slot)?
                         .copy_from_slice(data);
                     Ok(())
@@ -764,7 +775,7 @@ impl Writer {
         if new_size < cur {
             let slot = p.slot();
             self.modify(p.leaf(), |buf| {
-                LeafMut::new(buf)?.truncate_item(slot, new_size, true)
+                LeafMut::trusted(buf)?.truncate_item(slot, new_size, true)
             })?;
             return Ok(p);
         }
@@ -777,7 +788,7 @@ impl Writer {
         )?;
         let slot = p.slot();
         self.modify(p.leaf(), |buf| {
-            LeafMut::new(buf)?.extend_item(slot, new_size - cur)
+            LeafMut::trusted(buf)?.extend_item(slot, new_size - cur)
         })?;
         Ok(p)
     }
@@ -802,7 +813,7 @@ impl Writer {
     /// then removes the leaf if it is empty or merges it with a neighbour if it is light.
     pub fn delete_at(&mut self, tree: u64, path: &WPath, slot: usize, count: usize) -> Result<()> {
         let leaf = path.leaf();
-        self.modify(leaf, |buf| LeafMut::new(buf)?.delete_items(slot, count))?;
+        self.modify(leaf, |buf| LeafMut::trusted(buf)?.delete_items(slot, count))?;
         let blk = self.dirty_block(leaf)?;
         if path.nodes.len() == 1 {
             return Ok(()); // a root leaf may be empty
@@ -871,8 +882,8 @@ impl Writer {
             let mut lbuf = self.dirty_block(lb)?.data.to_vec();
             let mut rbuf = self.dirty_block(rb)?.data.to_vec();
             {
-                let mut l = LeafMut::new(&mut lbuf)?;
-                let mut r = LeafMut::new(&mut rbuf)?;
+                let mut l = LeafMut::trusted(&mut lbuf)?;
+                let mut r = LeafMut::trusted(&mut rbuf)?;
                 ctree_ops::merge_leaves(&mut l, &mut r)?;
             }
             self.put(lb, lbuf)?;

@@ -544,7 +544,7 @@ impl Writer {
                 let p = self.resize_item(CSUM_TREE_OBJECTID, &key, cur + take)?;
                 let slot = p.slot();
                 self.modify(p.leaf(), |buf| {
-                    let mut l = crate::ctree_ops::LeafMut::new(buf)?;
+                    let mut l = crate::ctree_ops::LeafMut::trusted(buf)?;
                     l.item_data_mut(slot)?[cur..].copy_from_slice(&sums[..take]);
                     Ok(())
                 })?;

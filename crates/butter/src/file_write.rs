@@ -339,6 +339,17 @@ impl Fs {
             if k.objectid == ino.ino && k.ty == EXTENT_DATA_KEY {
                 first -= 1;
             }
+        } else if start > 0 {
+            // The slot is the leaf's first (the search may have split the leaf there): the
+            // extent before `start` is in the previous leaf, and may overlap. Fall back.
+            // (The lookup does not enter this leaf, which may be a new empty one.)
+            let root = w.current_root(ino.root)?;
+            let before = Key::new(ino.ino, EXTENT_DATA_KEY, start - 1);
+            if let Some(it) = crate::ctree::lookup_le(&self.disk, &root, &before)? {
+                if it.key.objectid == ino.ino && it.key.ty == EXTENT_DATA_KEY {
+                    return give_up(w, ino.root, &path);
+                }
+            }
         }
         let mut cuts: Vec<(usize, Key, FileExtentItem, Cut)> = Vec::new();
         let mut slot = first;
@@ -364,17 +375,12 @@ impl Fs {
             slot += 1;
         }
         // If the scan reached the end of the leaf, the next leaf may hold more: fall back.
-        if slot == n && n > 0 {
-            let last = blk.key(n - 1);
-            let succ = if last.offset < u64::MAX {
-                Key::new(last.objectid, last.ty, last.offset + 1)
-            } else {
-                Key::new(last.objectid, last.ty.saturating_add(1), 0)
-            };
-            let root = w.current_root(ino.root)?;
-            if let Some(nk) = crate::cow::next_key_after(&self.disk, &root, &succ)? {
-                if nk.objectid == ino.ino && nk.ty == EXTENT_DATA_KEY && nk.offset < end {
-                    return Ok(None);
+        // The path's nodes give a lower bound of the next leaf's first key without a search
+        // (a search could meet this leaf while it is a new, still empty one).
+        if slot == n {
+            if let Some(nk) = next_key_on_path(w, &path)? {
+                if nk < Key::new(ino.ino, EXTENT_DATA_KEY, end) {
+                    return give_up(w, ino.root, &path);
                 }
             }
         }
@@ -386,23 +392,27 @@ impl Fs {
             .count()
             + usize::from(new.is_some());
         if deletes == n && adds == 0 {
-            return Ok(None);
+            return give_up(w, ino.root, &path);
         }
-        // Apply in the leaf, from the last slot backwards so earlier slots stay valid.
+        // Apply in the leaf, from the last slot backwards so earlier slots stay valid. (Let go
+        // of the snapshot of the leaf first: a block a reader still holds is copied on change.)
+        drop(blk);
         let mut removed = 0;
         let mut inserts: Vec<(Key, Vec<u8>)> = Vec::new();
         for (slot, k, fe, c) in cuts.into_iter().rev() {
             let before = nbytes_of(&fe);
             match c {
                 Cut::Delete => {
-                    w.modify(leaf, |buf| LeafMut::new(buf)?.delete_items(slot, 1))?;
+                    w.modify(leaf, |buf| LeafMut::trusted(buf)?.delete_items(slot, 1))?;
                     self.drop_data_ref(w, ino, k.offset, &fe);
                     removed += before;
                 }
                 Cut::KeepHead(h) => {
                     let b = h.to_bytes();
                     w.modify(leaf, |buf| {
-                        LeafMut::new(buf)?.item_data_mut(slot)?.copy_from_slice(&b);
+                        LeafMut::trusted(buf)?
+                            .item_data_mut(slot)?
+                            .copy_from_slice(&b);
                         Ok(())
                     })?;
                     removed += before - nbytes_of(&h);
@@ -411,7 +421,7 @@ impl Fs {
                     let b = t.to_bytes();
                     let nkey = Key::new(ino.ino, EXTENT_DATA_KEY, nk);
                     w.modify(leaf, |buf| {
-                        let mut l = LeafMut::new(buf)?;
+                        let mut l = LeafMut::trusted(buf)?;
                         l.set_key(slot, nkey)?;
                         l.item_data_mut(slot)?.copy_from_slice(&b);
                         Ok(())
@@ -421,7 +431,9 @@ impl Fs {
                 Cut::Split(h, nk, t) => {
                     let b = h.to_bytes();
                     w.modify(leaf, |buf| {
-                        LeafMut::new(buf)?.item_data_mut(slot)?.copy_from_slice(&b);
+                        LeafMut::trusted(buf)?
+                            .item_data_mut(slot)?
+                            .copy_from_slice(&b);
                         Ok(())
                     })?;
                     self.add_data_ref(w, ino, nk, &t, false);
@@ -436,7 +448,7 @@ impl Fs {
         inserts.sort_by_key(|(k, _)| *k);
         for (k, b) in inserts {
             w.modify(leaf, |buf| {
-                let mut l = LeafMut::new(buf)?;
+                let mut l = LeafMut::trusted(buf)?;
                 // Slot for k in the leaf as it is now.
                 let n = l.nritems();
                 let mut s = 0;
@@ -963,4 +975,27 @@ impl Fs {
             self.write_inode(w, ino, &item)
         })
     }
+}
+
+/// The fast path of extent replacement does not apply: leave the tree as a search would find
+/// it. The search for room may have split the leaf at its end, leaving a new empty leaf that
+/// the fast path would have filled; remove it (an empty leaf other than the root is invalid).
+fn give_up(w: &mut Writer, tree: u64, path: &crate::cow::WPath) -> Result<Option<u64>> {
+    if path.nodes.len() > 1 && w.dirty_block(path.leaf())?.nritems() == 0 {
+        w.delete_at(tree, path, 0, 0)?;
+    }
+    Ok(None)
+}
+
+/// A lower bound of the first key after the leaf of `path`: the key of the next pointer in the
+/// lowest node on the path that has one (node keys are their children's first keys, or lower).
+/// `None` when the leaf is the tree's last.
+fn next_key_on_path(w: &mut Writer, path: &crate::cow::WPath) -> Result<Option<Key>> {
+    for &(node, slot) in path.nodes.iter().skip(1) {
+        let blk = w.dirty_block(node)?;
+        if slot + 1 < blk.nritems() {
+            return Ok(Some(blk.key(slot + 1)));
+        }
+    }
+    Ok(None)
 }

@@ -206,14 +206,21 @@ impl Fs {
 
     fn subvol(&self, id: u64) -> Result<(Root, RootItem)> {
         if let Some(live) = self.live_root(id) {
-            if let Some(r) = self
+            let cached = self
                 .roots
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .get(&id)
-            {
-                return Ok((live, r.1.clone()));
-            }
+                .map(|r| r.1.clone());
+            // A tree the running transaction moved (or created): its ROOT_ITEM may still name
+            // an older root block; the live root is the current one.
+            let ri = match cached {
+                Some(ri) => ri,
+                None => self
+                    .find_root_item(id)?
+                    .ok_or_else(|| Error::NotFound(format!("subvolume {id}")))?,
+            };
+            return Ok((live, ri));
         }
         if let Some(r) = self
             .roots
@@ -237,6 +244,14 @@ impl Fs {
             .unwrap_or_else(|e| e.into_inner())
             .insert(id, (root, ri.clone()));
         Ok((root, ri))
+    }
+
+    /// Drops the cached root item of subvolume `id` (after the write engine changed it).
+    pub(crate) fn forget_subvol(&self, id: u64) {
+        self.roots
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&id);
     }
 
     /// Root directory inode of the default subvolume.

@@ -100,7 +100,7 @@ fn rewrite_without<T>(
     w.replace_item(root, key, &body)
 }
 
-fn check_name(name: &[u8]) -> Result<()> {
+pub(crate) fn check_name(name: &[u8]) -> Result<()> {
     if name.is_empty() || name == b"." || name == b".." || name.contains(&b'/') || name.contains(&0)
     {
         return Err(Error::Invalid(format!(
@@ -200,7 +200,7 @@ impl Fs {
         }
     }
 
-    fn next_objectid(&self, w: &mut Writer, root: u64) -> Result<u64> {
+    pub(crate) fn next_objectid(&self, w: &mut Writer, root: u64) -> Result<u64> {
         if let Some(n) = w.next_ino.get(&root) {
             let n = *n;
             w.next_ino.insert(root, n + 1);
@@ -248,7 +248,7 @@ impl Fs {
     }
 
     /// Adds `name` -> `target` to directory `dir` (DIR_ITEM, DIR_INDEX, and the target's
-    /// INODE_REF unless it is a subvolume), and grows the directory. Returns the index.
+    /// INODE_REF), and grows the directory. Returns the index.
     fn add_entry(
         &self,
         w: &mut Writer,
@@ -257,15 +257,31 @@ impl Fs {
         target: Inode,
         ft: u8,
     ) -> Result<u64> {
+        let index =
+            self.add_dir_items(w, dir, name, Key::new(target.ino, INODE_ITEM_KEY, 0), ft)?;
+        self.add_inode_ref(w, target, dir.ino, index, name)?;
+        Ok(index)
+    }
+
+    /// The directory side of a new entry: DIR_ITEM (appended to on a hash collision) and
+    /// DIR_INDEX pointing at `location` (an inode, or a subvolume's ROOT_ITEM), and the
+    /// directory's size and times. Returns the index.
+    pub(crate) fn add_dir_items(
+        &self,
+        w: &mut Writer,
+        dir: Inode,
+        name: &[u8],
+        location: Key,
+        ft: u8,
+    ) -> Result<u64> {
         let index = self.next_dir_index(w, dir)?;
         let di = DirItem {
-            location: Key::new(target.ino, INODE_ITEM_KEY, 0),
+            location,
             transid: w.transid,
             file_type: ft,
             name: name.to_vec(),
             data: Vec::new(),
         };
-        // DIR_ITEM: append on hash collision.
         let dkey = Key::new(dir.ino, DIR_ITEM_KEY, hash::name_hash(name));
         match w.read_item(dir.root, &dkey)? {
             Some(existing) => {
@@ -274,7 +290,7 @@ impl Fs {
                 let p = w.resize_item(dir.root, &dkey, body.len())?;
                 let slot = p.slot();
                 w.modify(p.leaf(), |buf| {
-                    crate::ctree_ops::LeafMut::new(buf)?
+                    crate::ctree_ops::LeafMut::trusted(buf)?
                         .item_data_mut(slot)?
                         .copy_from_slice(&body);
                     Ok(())
@@ -287,7 +303,6 @@ impl Fs {
             Key::new(dir.ino, DIR_INDEX_KEY, index),
             &di.to_bytes(),
         )?;
-        self.add_inode_ref(w, target, dir.ino, index, name)?;
         let mut d = self.inode_item(dir)?;
         d.size += 2 * name.len() as u64;
         Self::touch(w, &mut d, true);
@@ -316,7 +331,7 @@ impl Fs {
                 let p = w.resize_item(ino.root, &key, body.len())?;
                 let slot = p.slot();
                 w.modify(p.leaf(), |buf| {
-                    crate::ctree_ops::LeafMut::new(buf)?
+                    crate::ctree_ops::LeafMut::trusted(buf)?
                         .item_data_mut(slot)?
                         .copy_from_slice(&body);
                     Ok(())
@@ -437,7 +452,7 @@ impl Fs {
         Ok((Inode { root, ino }, item))
     }
 
-    fn require_dir(&self, dir: Inode) -> Result<InodeItem> {
+    pub(crate) fn require_dir(&self, dir: Inode) -> Result<InodeItem> {
         let d = self.inode_item(dir)?;
         if d.mode & 0o170000 != 0o040000 {
             return Err(Error::NotDir(format!("inode {}", dir.ino)));

@@ -25,5 +25,6 @@ pub mod fs_seek;
 pub mod fs_stat;
 pub mod fs_write;
 pub mod mkfs;
+pub mod subvol;
 pub mod transaction;
 pub mod volumes;

@@ -341,7 +341,7 @@ pub fn random_uuid() -> Result<[u8; 16]> {
 
 /// A uuid derived from the fsid for `purpose` (SHA-256 of a fixed prefix, the purpose and the
 /// fsid, shaped as a version 4 uuid).
-fn derived_uuid(fsid: &[u8; 16], purpose: &str) -> [u8; 16] {
+pub fn derived_uuid(fsid: &[u8; 16], purpose: &str) -> [u8; 16] {
     use sha2::{Digest, Sha256};
     let mut h = Sha256::new();
     h.update(b"butter mkfs uuid\0");

@@ -240,15 +240,58 @@ impl Writer {
         t.level = level;
         t.generation = transid;
         t.dirty = true;
+        self.publish_root(id, bytenr, level);
+        Ok(())
+    }
+
+    /// Lets readers see the tree's root as the running transaction has it.
+    fn publish_root(&self, id: u64, bytenr: u64, level: u8) {
         self.live.write().unwrap_or_else(|e| e.into_inner()).insert(
             id,
             Root {
                 id,
                 bytenr,
                 level,
-                generation: transid,
+                generation: self.transid,
             },
         );
+    }
+
+    /// Registers a tree created in the running transaction; the caller inserts its ROOT_ITEM
+    /// under `item_key` (commit keeps the item's root pointer current).
+    pub(crate) fn add_new_tree(
+        &mut self,
+        id: u64,
+        bytenr: u64,
+        level: u8,
+        item_key: Key,
+        last_snapshot: u64,
+    ) {
+        let transid = self.transid;
+        self.trees.insert(
+            id,
+            TreeState {
+                id,
+                bytenr,
+                level,
+                generation: transid,
+                shareable: is_fs_tree(id),
+                last_snapshot,
+                item_key: Some(item_key),
+                dirty: true,
+            },
+        );
+        self.publish_root(id, bytenr, level);
+    }
+
+    /// Records that a snapshot of tree `id` was taken in the running transaction: blocks it
+    /// has now may be shared.
+    pub(crate) fn note_snapshot(&mut self, id: u64) -> Result<()> {
+        let transid = self.transid;
+        self.tree_state(id)?;
+        if let Some(t) = self.trees.get_mut(&id) {
+            t.last_snapshot = transid;
+        }
         Ok(())
     }
 

@@ -59,6 +59,55 @@ pub struct MkfsArgs {
     /// owners, times, xattrs). Without -b, a missing IMAGE is sized to fit.
     #[arg(short = 'r', long = "rootdir", value_name = "DIR")]
     pub rootdir: Option<PathBuf>,
+    /// With --rootdir: make the directory SUBDIR (relative to DIR) a subvolume; `ro:SUBDIR`
+    /// makes it a read-only one (`rw:SUBDIR` is the default). May repeat; nested ones work.
+    #[arg(long = "subvol", value_name = "[TYPE:]SUBDIR", requires = "rootdir")]
+    pub subvol: Vec<String>,
+}
+
+/// A `--subvol` request: the path below the rootdir and whether it ends read-only.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SubvolSpec {
+    pub path: PathBuf,
+    pub readonly: bool,
+}
+
+/// Parses `--subvol [TYPE:]SUBDIR` and checks SUBDIR is a directory below `rootdir`.
+fn parse_subvol(spec: &str, rootdir: &Path) -> Result<SubvolSpec, CliError> {
+    let (readonly, sub) = match spec.split_once(':') {
+        Some(("rw", s)) => (false, s),
+        Some(("ro", s)) => (true, s),
+        Some((t @ ("default" | "default-ro"), _)) => {
+            return Err(CliError(format!(
+                "--subvol {spec}: type {t:?} (setting the default subvolume) is not supported \
+                 yet; use rw: or ro: and `btrfs subvolume set-default` after mounting"
+            )))
+        }
+        _ => (false, spec),
+    };
+    let path = PathBuf::from(sub.trim_end_matches('/'));
+    if sub.is_empty()
+        || path.is_absolute()
+        || path
+            .components()
+            .any(|c| !matches!(c, std::path::Component::Normal(_)))
+    {
+        return Err(CliError(format!(
+            "--subvol {spec}: give a path relative to the --rootdir directory, without . or .."
+        )));
+    }
+    let full = rootdir.join(&path);
+    match std::fs::symlink_metadata(&full) {
+        Ok(m) if m.is_dir() => Ok(SubvolSpec { path, readonly }),
+        Ok(_) => Err(CliError(format!(
+            "--subvol {spec}: {} is not a directory",
+            full.display()
+        ))),
+        Err(e) => Err(CliError(format!(
+            "--subvol {spec}: {}: {e}",
+            full.display()
+        ))),
+    }
 }
 
 /// A size with an optional binary suffix: 4096, 16k, 128M, 2G, 1T.
@@ -387,6 +436,17 @@ pub fn mkfs(a: MkfsArgs) -> CliResult {
 }
 
 fn make(a: &MkfsArgs, opts: MkfsOptions) -> CliResult {
+    // Checked before anything is written.
+    let mut subvols = Vec::new();
+    if let Some(dir) = &a.rootdir {
+        for spec in &a.subvol {
+            let sv = parse_subvol(spec, dir)?;
+            if subvols.iter().any(|s: &SubvolSpec| s.path == sv.path) {
+                return Err(CliError(format!("--subvol {spec} is given twice")));
+            }
+            subvols.push(sv);
+        }
+    }
     let dev = std::sync::Arc::new(
         FileDevice::open(&a.image, true)
             .map_err(|e| CliError(format!("cannot open {}: {e}", a.image.display())))?,
@@ -410,6 +470,8 @@ fn make(a: &MkfsArgs, opts: MkfsOptions) -> CliResult {
         ))
     })?;
     if let Some(dir) = &a.rootdir {
+        // Reproducible images: subvolume uuids derived from the fsid, like mkfs's others.
+        let uuid_seed = o.time.map(|_| report.fsid);
         if let Some(t) = o.time {
             // New inodes get their birth time from the engine's clock: pin it so the image
             // depends only on the tree and the options.
@@ -423,20 +485,21 @@ fn make(a: &MkfsArgs, opts: MkfsOptions) -> CliResult {
                 a.image.display()
             ))
         })?;
-        let stats = rootdir::populate(&fs, dir, a.quiet).map_err(|e| match e {
-            rootdir::Failure::Engine(butter::Error::NoSpace(why)) => CliError(format!(
-                "the image is too small for {}: use a larger -b ({} bytes now; {why})",
-                dir.display(),
-                report.total_bytes
-            )),
-            rootdir::Failure::Engine(e) => CliError(format!(
-                "cannot copy {} into {}: {}",
-                dir.display(),
-                a.image.display(),
-                CliError::from(e)
-            )),
-            rootdir::Failure::Source(m) => CliError(m),
-        })?;
+        let stats =
+            rootdir::populate(&fs, dir, &subvols, uuid_seed, a.quiet).map_err(|e| match e {
+                rootdir::Failure::Engine(butter::Error::NoSpace(why)) => CliError(format!(
+                    "the image is too small for {}: use a larger -b ({} bytes now; {why})",
+                    dir.display(),
+                    report.total_bytes
+                )),
+                rootdir::Failure::Engine(e) => CliError(format!(
+                    "cannot copy {} into {}: {}",
+                    dir.display(),
+                    a.image.display(),
+                    CliError::from(e)
+                )),
+                rootdir::Failure::Source(m) => CliError(m),
+            })?;
         if !a.quiet {
             let mut out = std::io::stdout().lock();
             print_summary(&mut out, &report, &a.image)?;
@@ -587,8 +650,16 @@ mod rootdir {
 
     struct Copier<'a> {
         fs: &'a Fs,
-        /// Hard-linked source inodes (st_dev, st_ino) already copied, and where to.
-        links: HashMap<(u64, u64), Inode>,
+        /// Hard-linked source inodes (st_dev, st_ino, subvolume) already copied, and where to
+        /// (links cannot cross subvolumes: each subvolume gets its own copy).
+        links: HashMap<(u64, u64, u64), Inode>,
+        /// The --rootdir directory and the --subvol requests below it.
+        src_root: &'a Path,
+        subvols: &'a [super::SubvolSpec],
+        /// fsid to derive subvolume uuids from (reproducible images), else random ones.
+        uuid_seed: Option<[u8; 16]>,
+        /// Subvolumes to make read-only once filled.
+        readonly: Vec<u64>,
         stats: Stats,
         since_commit_bytes: u64,
         since_commit_inodes: u64,
@@ -754,7 +825,7 @@ mod rootdir {
 
         fn copy_entry(&mut self, p: &Path, dir: Inode, name: &[u8], m: &Metadata) -> R<()> {
             let fs = self.fs;
-            let key = (m.dev(), m.ino());
+            let key = (m.dev(), m.ino(), dir.root);
             if !m.is_dir() && m.nlink() > 1 {
                 if let Some(&ino) = self.links.get(&key) {
                     fs.link(ino, dir, name)?;
@@ -768,7 +839,20 @@ mod rootdir {
             let ft = m.file_type();
             let mut after_read = None;
             let ino = if ft.is_dir() {
-                let ino = fs.mkdir(dir, name, perm, owner(m))?;
+                let rel = p.strip_prefix(self.src_root).unwrap_or(p);
+                let ino = match self.subvols.iter().find(|s| s.path == rel) {
+                    Some(sv) => {
+                        let uuid = self.uuid_seed.map(|f| {
+                            butter::mkfs::derived_uuid(&f, &format!("subvolume {}", rel.display()))
+                        });
+                        let ino = fs.create_subvolume(dir, name, perm, owner(m), uuid)?;
+                        if sv.readonly {
+                            self.readonly.push(ino.root);
+                        }
+                        ino
+                    }
+                    None => fs.mkdir(dir, name, perm, owner(m))?,
+                };
                 self.count_inode()?;
                 self.set_xattrs(ino, p)?;
                 return self.copy_dir(p, ino);
@@ -883,7 +967,13 @@ mod rootdir {
 
     /// Copies the tree at `src` into the filesystem's root directory (which takes the
     /// attributes of `src`) and commits.
-    pub fn populate(fs: &Fs, src: &Path, quiet: bool) -> R<Stats> {
+    pub fn populate(
+        fs: &Fs,
+        src: &Path,
+        subvols: &[super::SubvolSpec],
+        uuid_seed: Option<[u8; 16]>,
+        quiet: bool,
+    ) -> R<Stats> {
         let meta = std::fs::metadata(src).map_err(|e| src_err("stat", src, e))?;
         // SAFETY: isatty on a standard descriptor.
         let tty = unsafe { libc::isatty(2) } == 1;
@@ -891,6 +981,10 @@ mod rootdir {
         let mut c = Copier {
             fs,
             links: HashMap::new(),
+            src_root: src,
+            subvols,
+            uuid_seed,
+            readonly: Vec::new(),
             stats: Stats::default(),
             since_commit_bytes: 0,
             since_commit_inodes: 0,
@@ -914,6 +1008,9 @@ mod rootdir {
         )?;
         c.set_xattrs(root, src)?;
         c.copy_dir(src, root)?;
+        for id in &c.readonly {
+            fs.set_subvolume_readonly(*id, true)?;
+        }
         fs.commit()?;
         c.progress.done(&c.stats);
         Ok(c.stats)

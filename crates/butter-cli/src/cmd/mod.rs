@@ -5,6 +5,7 @@ pub mod ls;
 pub mod mkfs;
 pub mod mount;
 pub mod restore;
+pub mod subvol;
 
 /// Errors shown to the user: a message, with what to do next where we know it.
 pub type CliResult = Result<(), CliError>;

@@ -1,0 +1,123 @@
+//! `butter subvolume create|snapshot|list`: subvolumes of an image, without mounting it.
+//!
+//! Paths are inside the image, from the root of its default subvolume (as on a mount).
+
+use super::{CliError, CliResult};
+use butter::fs::{Fs, Inode};
+use butter::fs_write::Owner;
+use std::path::{Path, PathBuf};
+
+#[derive(clap::Subcommand)]
+pub enum SubvolCmd {
+    /// Create an empty subvolume at PATH (its parent directory must exist).
+    Create {
+        /// Image file or block device.
+        image: PathBuf,
+        /// Path of the new subvolume inside the image.
+        path: String,
+    },
+    /// Snapshot the subvolume at SOURCE as DEST.
+    Snapshot {
+        /// Make the snapshot read-only.
+        #[arg(short = 'r')]
+        readonly: bool,
+        /// Image file or block device.
+        image: PathBuf,
+        /// Root directory of the subvolume to snapshot ("/" is the default subvolume).
+        source: String,
+        /// Path of the snapshot inside the image.
+        dest: String,
+    },
+    /// List subvolumes and snapshots (same as `butter subvolumes`).
+    List {
+        /// Image file or block device.
+        image: PathBuf,
+    },
+}
+
+#[derive(clap::Args)]
+pub struct SubvolumeArgs {
+    #[command(subcommand)]
+    pub cmd: SubvolCmd,
+}
+
+fn open_rw(image: &Path) -> Result<Fs, CliError> {
+    Fs::open_rw(image).map_err(|e| {
+        CliError(format!(
+            "cannot open {} read-write: {}",
+            image.display(),
+            CliError::from(e)
+        ))
+    })
+}
+
+/// Splits "a/b/c" into the parent directory's inode and the last name.
+fn parent_and_name(fs: &Fs, path: &str) -> Result<(Inode, Vec<u8>), CliError> {
+    let trimmed = path.trim_end_matches('/');
+    let (parent, name) = match trimmed.rsplit_once('/') {
+        Some((p, n)) => (p, n),
+        None => ("", trimmed),
+    };
+    if name.is_empty() || name == "." || name == ".." {
+        return Err(CliError(format!(
+            "{path:?}: give a path that ends in a new name"
+        )));
+    }
+    let dir = fs.resolve(parent).map_err(|e| {
+        CliError(format!(
+            "parent directory of {path:?}: {}",
+            CliError::from(e)
+        ))
+    })?;
+    Ok((dir, name.as_bytes().to_vec()))
+}
+
+pub fn subvolume(a: SubvolumeArgs) -> CliResult {
+    match a.cmd {
+        SubvolCmd::Create { image, path } => {
+            let fs = open_rw(&image)?;
+            let (dir, name) = parent_and_name(&fs, &path)?;
+            let ino = fs
+                .create_subvolume(dir, &name, 0o755, Owner::default(), None)
+                .map_err(|e| CliError(format!("cannot create {path:?}: {}", CliError::from(e))))?;
+            fs.commit()?;
+            println!("Create subvolume '{path}' (id {})", ino.root);
+            Ok(())
+        }
+        SubvolCmd::Snapshot {
+            readonly,
+            image,
+            source,
+            dest,
+        } => {
+            let fs = open_rw(&image)?;
+            let src = fs
+                .resolve(&source)
+                .map_err(|e| CliError(format!("{source:?}: {}", CliError::from(e))))?;
+            let root_dir = fs.subvol_root_inode(src.root)?;
+            if src != root_dir {
+                return Err(CliError(format!(
+                    "{source:?} is not the root of a subvolume; snapshot a subvolume (see \
+                     `butter subvolume list`)"
+                )));
+            }
+            let (dir, name) = parent_and_name(&fs, &dest)?;
+            let ino = fs
+                .create_snapshot(src.root, dir, &name, readonly, None)
+                .map_err(|e| {
+                    CliError(format!(
+                        "cannot snapshot to {dest:?}: {}",
+                        CliError::from(e)
+                    ))
+                })?;
+            fs.commit()?;
+            println!(
+                "Create {}snapshot of '{source}' in '{dest}' (id {})",
+                if readonly { "a readonly " } else { "a " },
+                ino.root
+            );
+            Ok(())
+        }
+        SubvolCmd::List { image } => super::ls::subvolumes(super::ls::SubvolArgs { image }),
+    }
+}
