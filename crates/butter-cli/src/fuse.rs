@@ -1,21 +1,45 @@
-//! FUSE adapter: serves a [`butter::fs::Fs`] to the kernel through `fuser`, read-only.
+//! FUSE adapter: serves a [`butter::fs::Fs`] to the kernel through `fuser`, read-write when
+//! the `Fs` was opened read-write, else read-only.
 //!
 //! Design limits and invariants:
 //!
-//! - **Read-only.** The mount carries `ro`; opens for writing and `access(W_OK)` get EROFS.
-//!   Every other write operation keeps fuser's default (ENOSYS), which the kernel never sends
-//!   on an `ro` mount anyway.
+//! - **Read-only mounts** carry `ro`; opens for writing, `access(W_OK)` and every changing
+//!   operation get EROFS.
+//! - **Read-write mounts.** Each operation maps to one engine call (or a few, under one lock:
+//!   create + inherited ACLs). Nothing is durable until a commit: at `fsync`/`fsyncdir`, at
+//!   the `flush` (close) of a handle that wrote, every `commit_interval`, and in `destroy` at
+//!   the end of the session. SIGKILL therefore leaves the image at its last commit.
+//! - **Ordering.** The engine changes its trees block by block, so one `RwLock` orders
+//!   operations: changes and commits take it exclusively, reads (lookup, getattr, read,
+//!   readdir, xattr reads, lseek, statfs) share it and run in parallel with each other.
+//! - **Permissions** are the kernel's (`default_permissions`). With `FUSE_POSIX_ACL` (asked
+//!   for in `init`) the kernel also enforces ACLs from the `system.posix_acl_*` xattrs we
+//!   store as given (the xattr format btrfs stores), and leaves umask to us (`FUSE_DONT_MASK`):
+//!   new inodes get the parent's default ACL (then no umask) as the kernel's `posix_acl_create`
+//!   does; setting an access ACL sets the mode bits (an ACL the mode says all of is not
+//!   stored); chmod updates the ACL's mask. New inodes belong to the caller, with the group
+//!   (and for directories the set-group-id bit) of a set-group-id parent.
+//! - **Open files.** A handle per open; an unlinked file stays (an orphan in the engine)
+//!   until its last handle's `release`. O_APPEND handles write at the end whatever offset the
+//!   kernel sends; O_DIRECT opens get FOPEN_DIRECT_IO; O_TRUNC truncates. File locks are not
+//!   implemented: the kernel keeps POSIX and flock locks locally (single mount, so correct).
+//! - **No writeback cache.** With FUSE_WRITEBACK_CACHE the kernel owns size and mtime and
+//!   sends dirty pages whenever it likes, also after the last `release` of an unlinked file
+//!   (whose data the engine has deleted by then) and after `flush`, so "closed means
+//!   committed" would no longer hold; it needs the engine to accept writes to orphans until
+//!   the inode is forgotten. Writes are write-through instead, up to [`MAX_WRITE`] each.
 //! - **errno only here.** Engine errors are typed; this module turns them into errno with
 //!   [`butter::Error::errno`] and logs each one (`log::error!`). Expected outcomes (a name not
-//!   found, an absent xattr, a too-small xattr buffer) are not logged. A panic inside an
-//!   operation is caught, logged and answered with EIO: one bad inode never ends the mount.
+//!   found or taken, an absent xattr, ENOSPC, ...) are not logged. A panic inside an operation
+//!   is caught, logged and answered with EIO: one bad inode never ends the mount.
 //! - **Inode numbers** (FUSE node ids, which are also the reported `st_ino`) are stable for
-//!   the life of the mount. The mounted subvolume's root directory is node 1 (reported with
-//!   its btrfs number, 256, as `st_ino`, like the kernel). Every other inode of the mounted
-//!   subvolume keeps its btrfs number. Inodes of other subvolumes (and, on a damaged image,
-//!   numbers of the mounted one outside `[2, TABLE_BASE)`) get `TABLE_BASE + n` from a table
-//!   keyed by (subvolume, inode) that only grows, so hardlinks share one `st_ino` and
-//!   `forget` has nothing to free.
+//!   the life of the mount (the engine never reuses an inode number within a mount). The
+//!   mounted subvolume's root directory is node 1 (reported with its btrfs number, 256, as
+//!   `st_ino`, like the kernel). Every other inode of the mounted subvolume keeps its btrfs
+//!   number. Inodes of other subvolumes (and, on a damaged image, numbers of the mounted one
+//!   outside `[2, TABLE_BASE)`) get `TABLE_BASE + n` from a table keyed by (subvolume, inode)
+//!   that only grows, so hardlinks share one `st_ino`. Lookup counts are kept per node;
+//!   `forget` to zero drops what we remember about the node (its parent).
 //! - **readdir cookies.** "." has offset 1, ".." offset 2, an entry with DIR_INDEX sequence
 //!   number `i` (always >= 2 on btrfs) offset `i + 1`: a request at offset `o >= 2` resumes at
 //!   index `o`. These are the positions the kernel's btrfs uses, so telldir/seekdir values
@@ -25,8 +49,9 @@
 //!   that read the request.
 //! - **Ending.** [`serve`] returns when the mount goes away: an external unmount, or a signal
 //!   (SIGINT/SIGTERM/SIGHUP) on which it unmounts itself, lazily if the mount is busy.
-//! - **Caching.** Nothing changes under a read-only mount, so entries and attributes are
-//!   valid for [`TTL`], file pages are kept across opens and directory listings are cached.
+//! - **Caching.** Read-only: nothing changes, so entries and attributes are valid for
+//!   [`TTL`], file pages are kept across opens and directory listings are cached. Read-write:
+//!   [`TTL_RW`], and page and directory caches start afresh at each open.
 
 use crate::acl;
 use butter::format::items::{InodeItem, Timespec};
@@ -213,6 +238,9 @@ fn lock_write(l: &RwLock<()>) -> std::sync::RwLockWriteGuard<'_, ()> {
     l.write().unwrap_or_else(|e| e.into_inner())
 }
 
+/// A time from a fuser request. fuser 0.18 decodes a time before the epoch, (sec < 0,
+/// nsec), as `EPOCH - (|sec| s + nsec ns)` instead of `EPOCH - |sec| s + nsec ns`; this
+/// undoes that, so the stored time is the one the caller gave (checked by tests/fuse_rw.rs).
 fn timespec(t: SystemTime) -> Timespec {
     match t.duration_since(UNIX_EPOCH) {
         Ok(d) => Timespec {
@@ -221,16 +249,9 @@ fn timespec(t: SystemTime) -> Timespec {
         },
         Err(e) => {
             let d = e.duration();
-            if d.subsec_nanos() == 0 {
-                Timespec {
-                    sec: -(d.as_secs() as i64),
-                    nsec: 0,
-                }
-            } else {
-                Timespec {
-                    sec: -(d.as_secs() as i64) - 1,
-                    nsec: 1_000_000_000 - d.subsec_nanos(),
-                }
+            Timespec {
+                sec: -(d.as_secs().min(i64::MAX as u64) as i64),
+                nsec: d.subsec_nanos(),
             }
         }
     }
