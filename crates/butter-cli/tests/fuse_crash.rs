@@ -12,6 +12,9 @@
 //! The next round mounts the crashed image again and writes more; a final clean unmount ends
 //! with the usual checks and a kernel-vs-butter tree comparison.
 //!
+//! Only the last 10 rounds' files stay: older rounds are deleted (and committed) before a
+//! round's writers start, so long loops keep the image from filling up.
+//!
 //! Each round: two writer threads, each in its own directory, creating files (inline-sized
 //! and multi-extent), overwriting ranges, extending, truncating, renaming, unlinking, making
 //! subdirectories and calling fsync every few operations; SIGKILL after a random 0.1–1.5 s.
@@ -41,6 +44,9 @@ use std::time::{Duration, Instant};
 const IMAGE_SIZE: u64 = 1 << 30;
 const DEFAULT_ROUNDS: u64 = 20;
 const WRITERS: u64 = 2;
+/// Rounds whose files stay on the image; older rounds are deleted (through butter, before the
+/// next round's writers start, and committed), so a long loop does not fill the image.
+const KEEP_ROUNDS: u64 = 10;
 /// Extra `butter mount` arguments: a short commit interval, so that a crash can also land in
 /// the middle of a periodic commit (fsync commits anyway).
 const MOUNT_ARGS: &[&str] = &["-o", "commit=1"];
@@ -379,6 +385,16 @@ fn sigkill_rounds_keep_what_was_fsynced() {
     for round in 0..rounds {
         let log = scratch.join(format!("butter-{round}.log"));
         let bm = ButterMount::start(&img, &mnt, MOUNT_ARGS, &log);
+        if round >= KEEP_ROUNDS {
+            let old = PathBuf::from(format!("r{:03}", round - KEEP_ROUNDS));
+            let path = bm.path().join(&old);
+            fs::remove_dir_all(&path)
+                .unwrap_or_else(|e| panic!("round {round}: rm -r {}: {e}", path.display()));
+            File::open(bm.path())
+                .and_then(|d| d.sync_all())
+                .unwrap_or_else(|e| panic!("round {round}: fsync of the mount root: {e}"));
+            done.retain(|r| !r.dir_rel.starts_with(&old));
+        }
         let killed = Arc::new(AtomicBool::new(false));
         let mut handles = Vec::new();
         let mut shared = Vec::new();
