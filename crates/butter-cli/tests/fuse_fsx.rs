@@ -58,7 +58,7 @@ posix_fadvise = 1
 copy_file_range = 2
 "#;
 
-/// Runs `fsx` on `file` and returns (exit status or None on timeout, its output).
+/// Starts `fsx` on `file` (its output to `artifacts/fsx.log`, its artifacts in `artifacts`).
 fn spawn_fsx(
     cfg: &Path,
     file: &Path,
