@@ -7,8 +7,8 @@
 //!   operation get EROFS.
 //! - **Read-write mounts.** Each operation maps to one engine call (or a few, under one lock:
 //!   create + inherited ACLs). Nothing is durable until a commit: at `fsync`/`fsyncdir`, at
-//!   the `flush` (close) of a handle that wrote, every `commit_interval`, and in `destroy` at
-//!   the end of the session. SIGKILL therefore leaves the image at its last commit.
+//!   every `commit_interval`, and in `destroy` at the end of the session; close (`flush`) is
+//!   not one, as on the kernel's btrfs. SIGKILL therefore leaves the image at its last commit.
 //! - **Ordering.** The engine changes its trees block by block, so one `RwLock` orders
 //!   operations: changes and commits take it exclusively, reads (lookup, getattr, read,
 //!   readdir, xattr reads, lseek, statfs) share it and run in parallel with each other.
@@ -25,9 +25,8 @@
 //!   implemented: the kernel keeps POSIX and flock locks locally (single mount, so correct).
 //! - **No writeback cache.** With FUSE_WRITEBACK_CACHE the kernel owns size and mtime and
 //!   sends dirty pages whenever it likes, also after the last `release` of an unlinked file
-//!   (whose data the engine has deleted by then) and after `flush`, so "closed means
-//!   committed" would no longer hold; it needs the engine to accept writes to orphans until
-//!   the inode is forgotten. Writes are write-through instead, up to [`MAX_WRITE`] each.
+//!   (whose data the engine has deleted by then) and after `flush`; it needs the engine to
+//!   accept writes to orphans until the inode is forgotten. Writes are write-through instead, up to [`MAX_WRITE`] each.
 //! - **errno only here.** Engine errors are typed; this module turns them into errno with
 //!   [`butter::Error::errno`] and logs each one (`log::error!`). Expected outcomes (a name not
 //!   found or taken, an absent xattr, ENOSPC, ...) are not logged. A panic inside an operation
@@ -198,13 +197,53 @@ impl From<Error> for OpError {
 
 type OpResult<T> = Result<T, OpError>;
 
+/// State shared by the operations, the periodic commit thread and the end of the mount.
+#[derive(Default)]
+pub struct Shared {
+    /// Operations that change the filesystem (and commits) hold this exclusively, reads
+    /// shared: the engine changes trees block by block, so a read that ran during a change
+    /// could see half of it.
+    lock: RwLock<()>,
+    /// Why changes and commits stopped (an operation failed in a way that may have left
+    /// half of it in the running transaction).
+    stopped: Mutex<Option<String>>,
+}
+
+impl Shared {
+    /// Why changes stopped, if they did.
+    pub fn stopped(&self) -> Option<String> {
+        self.stopped
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    fn stop(&self, why: String) {
+        let mut s = self.stopped.lock().unwrap_or_else(|e| e.into_inner());
+        if s.is_none() {
+            log::error!(
+                "{why}; the filesystem is read-only from now on and nothing more is committed: \
+                 the image keeps its last commit (unmount, then run `butter check`)"
+            );
+            *s = Some(why);
+        }
+    }
+
+    /// Commits, after the running operations, unless changes were stopped.
+    pub fn commit(&self, fs: &Fs) -> Result<(), String> {
+        let _g = lock_write(&self.lock);
+        if let Some(why) = self.stopped() {
+            return Err(format!("not committing ({why})"));
+        }
+        fs.commit().map_err(|e| format!("commit failed: {e}"))
+    }
+}
+
 /// An open file.
 struct Handle {
     ino: Inode,
     /// Opened with O_APPEND: every write goes to the end.
     append: bool,
-    /// Something was written through this handle since its last flush (flush commits then).
-    dirty: bool,
 }
 
 /// The filesystem as fuser sees it.
@@ -218,10 +257,8 @@ pub struct ButterFuse {
     /// Open files by handle.
     handles: Mutex<HashMap<u64, Handle>>,
     next_fh: AtomicU64,
-    /// Operations that change the filesystem (and commits) hold this exclusively, reads
-    /// shared: the engine changes trees block by block, so a read that ran during a change
-    /// could see half of it. Shared with the periodic commit thread.
-    lock: Arc<RwLock<()>>,
+    /// The operation lock and the stop on commits, shared with the periodic commit thread.
+    shared: Arc<Shared>,
     writable: bool,
     /// How long the kernel may cache entries and attributes.
     ttl: Duration,
@@ -302,16 +339,16 @@ impl ButterFuse {
             lookups: Mutex::new(HashMap::new()),
             handles: Mutex::new(HashMap::new()),
             next_fh: AtomicU64::new(1),
-            lock: Arc::new(RwLock::new(())),
+            shared: Arc::new(Shared::default()),
             writable,
             ttl: if writable { TTL_RW } else { TTL },
             acl: false,
         }
     }
 
-    /// The lock that orders changes and reads (see the field); the commit thread takes it.
-    pub fn op_lock(&self) -> Arc<RwLock<()>> {
-        self.lock.clone()
+    /// What the commit thread and the end of [`serve`] share with the operations.
+    pub fn shared(&self) -> Arc<Shared> {
+        self.shared.clone()
     }
 
     /// Runs `f`, turning its failure or panic into an errno and a log line naming `op`.
@@ -341,7 +378,7 @@ impl ButterFuse {
 
     /// [`ButterFuse::guard`] for a reading operation (shared lock).
     fn read_op<T>(&self, op: &str, node: u64, f: impl FnOnce() -> OpResult<T>) -> Result<T, Errno> {
-        let _g = lock_read(&self.lock);
+        let _g = lock_read(&self.shared.lock);
         self.guard(op, node, f)
     }
 
@@ -352,11 +389,28 @@ impl ButterFuse {
         node: u64,
         f: impl FnOnce() -> OpResult<T>,
     ) -> Result<T, Errno> {
-        if !self.writable {
+        if !self.writable || self.shared.stopped().is_some() {
             return Err(Errno::from_i32(libc::EROFS));
         }
-        let _g = lock_write(&self.lock);
-        self.guard(op, node, f)
+        let _g = lock_write(&self.shared.lock);
+        let r = catch_unwind(AssertUnwindSafe(f));
+        // A failure of the disk or of the engine may come after the operation changed some
+        // trees: the running transaction could hold half of it. Like the kernel's transaction
+        // abort: no more changes, no more commits; the image keeps its last commit.
+        let why = match &r {
+            Ok(Err(OpError::Fs(
+                e @ (Error::Io { .. } | Error::Corrupt { .. } | Error::BadChecksum { .. }),
+            ))) => Some(format!("{op} failed: {e}")),
+            Err(_) => Some(format!("{op} panicked")),
+            _ => None,
+        };
+        if let Some(why) = why {
+            self.shared.stop(why);
+        }
+        self.guard(op, node, || match r {
+            Ok(r) => r,
+            Err(p) => std::panic::resume_unwind(p),
+        })
     }
 
     fn inode(&self, node: u64) -> OpResult<Inode> {
@@ -546,7 +600,6 @@ impl ButterFuse {
                 Handle {
                     ino,
                     append: flags & libc::O_APPEND != 0,
-                    dirty: false,
                 },
             );
         fh
@@ -571,10 +624,9 @@ impl ButterFuse {
         if !self.writable {
             return Ok(());
         }
-        let _g = lock_write(&self.lock);
-        self.fs
-            .commit()
-            .map_err(|e| OpError::Edge(libc::EIO, format!("commit ({why}) failed: {e}")))
+        self.shared
+            .commit(&self.fs)
+            .map_err(|e| OpError::Edge(libc::EIO, format!("commit ({why}): {e}")))
     }
 
     /// Setting `system.posix_acl_access`: the mode's permission bits follow the ACL, and an
@@ -631,12 +683,20 @@ impl Filesystem for ButterFuse {
         if let Err(nearest) = config.set_max_write(MAX_WRITE) {
             let _ = config.set_max_write(nearest);
         }
+        // Read ahead as far as the kernel allows, up to what one write may carry.
+        if let Err(nearest) = config.set_max_readahead(MAX_WRITE) {
+            let _ = config.set_max_readahead(nearest);
+        }
         Ok(())
     }
 
     fn destroy(&mut self) {
-        if let Err(e) = self.guard("destroy", INodeNo::ROOT.0, || self.commit("unmount")) {
-            log::error!("final commit at unmount failed ({e:?}); the image keeps its last commit");
+        if !self.writable {
+            return;
+        }
+        // The final commit; a failure (or changes stopped before) makes `serve` fail.
+        if let Err(e) = self.shared.commit(&self.fs) {
+            self.shared.stop(format!("final commit at unmount: {e}"));
         }
     }
 
@@ -790,10 +850,9 @@ impl Filesystem for ButterFuse {
 
     fn unlink(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
         match self.write_op("unlink", parent.0, || {
-            Ok(self
-                .fs
+            self.fs
                 .unlink(self.inode(parent.0)?, name.as_bytes())
-                .map_err(fs_err)?)
+                .map_err(fs_err)
         }) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(e),
@@ -802,10 +861,9 @@ impl Filesystem for ButterFuse {
 
     fn rmdir(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
         match self.write_op("rmdir", parent.0, || {
-            Ok(self
-                .fs
+            self.fs
                 .rmdir(self.inode(parent.0)?, name.as_bytes())
-                .map_err(fs_err)?)
+                .map_err(fs_err)
         }) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(e),
@@ -1000,14 +1058,6 @@ impl Filesystem for ButterFuse {
                 offset
             };
             let n = self.fs.write(i, offset, data).map_err(fs_err)?;
-            if let Some(h) = self
-                .handles
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .get_mut(&fh.0)
-            {
-                h.dirty = true;
-            }
             Ok(u32::try_from(n).unwrap_or(u32::MAX))
         }) {
             Ok(n) => reply.written(n),
@@ -1023,21 +1073,11 @@ impl Filesystem for ButterFuse {
         _lock_owner: fuser::LockOwner,
         reply: ReplyEmpty,
     ) {
-        // close(2): commit what this handle wrote, so a closed file is on disk.
-        let dirty = self
-            .handles
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get_mut(&fh.0)
-            .map(|h| std::mem::replace(&mut h.dirty, false))
-            .unwrap_or(false);
-        if !dirty {
-            return reply.ok();
-        }
-        match self.guard("flush", ino.0, || self.commit("flush")) {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(e),
-        }
+        // close(2) is not a durability point (as on the kernel's btrfs): writes reached the
+        // engine already, and the next commit (fsync, the periodic one, unmount) keeps them.
+        // Committing here cost a full commit per closed file.
+        let _ = (ino, fh);
+        reply.ok()
     }
 
     fn release(
@@ -1060,7 +1100,7 @@ impl Filesystem for ButterFuse {
         };
         // The last handle of an unlinked file: its data goes now.
         let r = {
-            let _g = lock_write(&self.lock);
+            let _g = lock_write(&self.shared.lock);
             self.guard("release", ino.0, || Ok(self.fs.release_orphan(h.ino)?))
         };
         match r {
@@ -1231,7 +1271,7 @@ impl Filesystem for ButterFuse {
                 }
                 acl::parse(value).ok_or(OpError::Quiet(libc::EINVAL))?;
             }
-            Ok(self.fs.setxattr(i, name, value, flags).map_err(fs_err)?)
+            self.fs.setxattr(i, name, value, flags).map_err(fs_err)
         }) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(e),
@@ -1265,10 +1305,9 @@ impl Filesystem for ButterFuse {
 
     fn removexattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, reply: ReplyEmpty) {
         match self.write_op("removexattr", ino.0, || {
-            Ok(self
-                .fs
+            self.fs
                 .removexattr(self.inode(ino.0)?, name.as_bytes())
-                .map_err(fs_err)?)
+                .map_err(fs_err)
         }) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(e),
@@ -1319,13 +1358,12 @@ impl Filesystem for ButterFuse {
             if mode & !known != 0 {
                 return Err(OpError::Quiet(libc::EOPNOTSUPP));
             }
-            Ok(self
-                .fs
+            self.fs
                 .fallocate(self.inode(ino.0)?, mode as u32, offset, length)
                 .map_err(|e| match e {
                     Error::Unsupported(_) => OpError::Quiet(libc::EOPNOTSUPP),
                     e => fs_err(e),
-                })?)
+                })
         }) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(e),
@@ -1579,7 +1617,7 @@ pub fn serve(
     config.clone_fd = true;
 
     let bf = ButterFuse::new(fs.clone(), root);
-    let lock = bf.op_lock();
+    let shared = bf.shared();
     let session = Session::new(bf, dir, &config)?;
     let mountpoint: PathBuf = dir.canonicalize().unwrap_or_else(|_| dir.to_path_buf());
     log::info!(
@@ -1591,7 +1629,7 @@ pub fn serve(
     let (stop_commits, stopped) = std::sync::mpsc::channel::<()>();
     let committer = match (writable, cfg.commit_interval) {
         (true, Some(every)) if !every.is_zero() => {
-            let (fs, lock) = (fs.clone(), lock.clone());
+            let (fs, shared) = (fs.clone(), shared.clone());
             Some(
                 std::thread::Builder::new()
                     .name("butter-commit".into())
@@ -1599,9 +1637,8 @@ pub fn serve(
                         while let Err(std::sync::mpsc::RecvTimeoutError::Timeout) =
                             stopped.recv_timeout(every)
                         {
-                            let _g = lock_write(&lock);
-                            if let Err(e) = fs.commit() {
-                                log::error!("periodic commit failed: {e}");
+                            if let Err(e) = shared.commit(&fs) {
+                                log::error!("periodic commit: {e}");
                             }
                         }
                     })?,
@@ -1617,6 +1654,7 @@ pub fn serve(
     let bg: &'static mut fuser::BackgroundSession = Box::leak(Box::new(session.spawn()?));
     let worker = std::mem::replace(&mut bg.guard, std::thread::spawn(|| Ok(())));
     let handle = signals.handle();
+    let watcher_shared = shared.clone();
     let watcher = std::thread::Builder::new()
         .name("butter-signals".into())
         .spawn(move || {
@@ -1628,8 +1666,7 @@ pub fn serve(
                     );
                     if writable {
                         // Whatever the running operations leave: after them, commit.
-                        let _g = lock_write(&lock);
-                        match fs.commit() {
+                        match watcher_shared.commit(&fs) {
                             Ok(()) => eprintln!("butter: committed"),
                             Err(e) => eprintln!(
                                 "butter: the last commit failed ({e}); the image keeps the one before"
@@ -1661,7 +1698,13 @@ pub fn serve(
     if let Some(c) = committer {
         let _ = c.join();
     }
-    r
+    r?;
+    match shared.stopped() {
+        Some(why) => Err(std::io::Error::other(format!(
+            "changes after the last commit were dropped: {why}"
+        ))),
+        None => Ok(()),
+    }
 }
 
 /// Unmounts `dir` (detaches it if `lazy`): umount2 as root, else the setuid fusermount3.

@@ -589,14 +589,7 @@ fn compare_trees(kernel: &Path, fuse: &Path) {
 // Tests
 
 #[test]
-fn refuses_read_write() {
-    let out = Command::new(BUTTER)
-        .args(["mount", "/nonexistent.img", "/nonexistent-dir"])
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("read-write") && err.contains("--ro"), "{err}");
+fn refuses_unknown_options() {
     let out = Command::new(BUTTER)
         .args(["mount", "-o", "ro,frobnicate", "/nonexistent.img", "/tmp"])
         .output()

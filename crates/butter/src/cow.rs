@@ -214,7 +214,9 @@ impl Writer {
         );
         match parent {
             Some((p, slot)) => {
-                self.modify(p, |buf| NodeMut::new(buf)?.set_ptr(slot, new, self.transid))?;
+                self.modify(p, |buf| {
+                    NodeMut::trusted(buf)?.set_ptr(slot, new, self.transid)
+                })?;
             }
             None => self.set_root(tree, new, blk.level())?,
         }
@@ -428,7 +430,7 @@ impl Writer {
         let new = self.new_block(tree, level, first)?;
         let transid = self.transid;
         self.modify(new, |buf| {
-            NodeMut::new(buf)?.insert_ptr(0, first, old_root, transid)
+            NodeMut::trusted(buf)?.insert_ptr(0, first, old_root, transid)
         })?;
         self.set_root(tree, new, level)?;
         Ok(new)
@@ -459,8 +461,8 @@ impl Writer {
         let rblk = self.dirty_block(right)?;
         let mut rbuf = rblk.data.to_vec();
         let rkey = {
-            let mut l = NodeMut::new(&mut lbuf)?;
-            let mut r = NodeMut::new(&mut rbuf)?;
+            let mut l = NodeMut::trusted(&mut lbuf)?;
+            let mut r = NodeMut::trusted(&mut rbuf)?;
             ctree_ops::split_node(&mut l, &mut r, at)?
         };
         self.put(bytenr, lbuf)?;
@@ -468,7 +470,7 @@ impl Writer {
         let rkey = rkey.ok_or_else(|| Error::Invalid("split node gave an empty right".into()))?;
         let transid = self.transid;
         self.modify(parent, |buf| {
-            NodeMut::new(buf)?.insert_ptr(pslot + 1, rkey, right, transid)
+            NodeMut::trusted(buf)?.insert_ptr(pslot + 1, rkey, right, transid)
         })
     }
 
@@ -526,13 +528,13 @@ impl Writer {
                     // below all of them: its pointer (and the ones above it) must say so before
                     // the right leaf's pointer, with the old first key, goes in after it.
                     if path.nodes.len() == 1 {
-                        self.modify(parent, |buf| NodeMut::new(buf)?.set_key(pslot, key))?;
+                        self.modify(parent, |buf| NodeMut::trusted(buf)?.set_key(pslot, key))?;
                     } else {
                         self.fixup_low_keys(path, 0, key)?;
                     }
                 }
                 self.modify(parent, |buf| {
-                    NodeMut::new(buf)?.insert_ptr(pslot + 1, rkey, right, transid)
+                    NodeMut::trusted(buf)?.insert_ptr(pslot + 1, rkey, right, transid)
                 })
             }
             LeafSplit::Two { first, second } => {
@@ -557,14 +559,14 @@ impl Writer {
                 let mkey = mkey.unwrap_or(key);
                 match rkey {
                     Some(rk) => self.modify(parent, |buf| {
-                        let mut p = NodeMut::new(buf)?;
+                        let mut p = NodeMut::trusted(buf)?;
                         p.insert_ptr(pslot + 1, mkey, middle, transid)?;
                         p.insert_ptr(pslot + 2, rk, right, transid)
                     }),
                     None => {
                         self.free_dirty_block(tree, right)?;
                         self.modify(parent, |buf| {
-                            NodeMut::new(buf)?.insert_ptr(pslot + 1, mkey, middle, transid)
+                            NodeMut::trusted(buf)?.insert_ptr(pslot + 1, mkey, middle, transid)
                         })
                     }
                 }
@@ -603,27 +605,29 @@ impl Writer {
         let mut lbuf = self.dirty_block(lb)?.data.to_vec();
         let mut rbuf = self.dirty_block(rb)?.data.to_vec();
         let (nl, nr) = {
-            let l = NodeMut::new(&mut lbuf)?;
-            let r = NodeMut::new(&mut rbuf)?;
+            let l = NodeMut::trusted(&mut lbuf)?;
+            let r = NodeMut::trusted(&mut rbuf)?;
             (l.nritems(), r.nritems())
         };
         if nl + nr + 4 <= max_ptrs {
             {
-                let mut l = NodeMut::new(&mut lbuf)?;
-                let mut r = NodeMut::new(&mut rbuf)?;
+                let mut l = NodeMut::trusted(&mut lbuf)?;
+                let mut r = NodeMut::trusted(&mut rbuf)?;
                 ctree_ops::merge_nodes(&mut l, &mut r)?;
             }
             self.put(lb, lbuf)?;
             self.put(rb, rbuf)?;
-            self.modify(parent, |buf| NodeMut::new(buf)?.delete_ptrs(right_slot, 1))?;
+            self.modify(parent, |buf| {
+                NodeMut::trusted(buf)?.delete_ptrs(right_slot, 1)
+            })?;
             self.free_dirty_block(tree, rb)?;
             return Ok(true);
         }
         // Even them out.
         let target = (nl + nr) / 2;
         let rkey = {
-            let mut l = NodeMut::new(&mut lbuf)?;
-            let mut r = NodeMut::new(&mut rbuf)?;
+            let mut l = NodeMut::trusted(&mut lbuf)?;
+            let mut r = NodeMut::trusted(&mut rbuf)?;
             if nl < target {
                 ctree_ops::push_node_left(&mut l, &mut r, target - nl)?
             } else if nl > target {
@@ -635,7 +639,7 @@ impl Writer {
         self.put(lb, lbuf)?;
         self.put(rb, rbuf)?;
         if let Some(k) = rkey {
-            self.modify(parent, |buf| NodeMut::new(buf)?.set_key(right_slot, k))?;
+            self.modify(parent, |buf| NodeMut::trusted(buf)?.set_key(right_slot, k))?;
         }
         Ok(true)
     }
@@ -644,7 +648,7 @@ impl Writer {
     fn fixup_low_keys(&mut self, path: &WPath, from_level: usize, key: Key) -> Result<()> {
         for lvl in from_level + 1..path.nodes.len() {
             let (b, slot) = path.nodes[lvl];
-            self.modify(b, |buf| NodeMut::new(buf)?.set_key(slot, key))?;
+            self.modify(b, |buf| NodeMut::trusted(buf)?.set_key(slot, key))?;
             if slot != 0 {
                 break;
             }
@@ -836,7 +840,7 @@ impl Writer {
     /// Removes the pointer at `path.nodes[level]` (its child is gone); empties propagate up.
     fn remove_from_parent(&mut self, tree: u64, path: &WPath, level: usize) -> Result<()> {
         let (node, slot) = path.nodes[level];
-        self.modify(node, |buf| NodeMut::new(buf)?.delete_ptrs(slot, 1))?;
+        self.modify(node, |buf| NodeMut::trusted(buf)?.delete_ptrs(slot, 1))?;
         let blk = self.dirty_block(node)?;
         if blk.nritems() == 0 {
             if level + 1 == path.nodes.len() {

@@ -1104,6 +1104,27 @@ impl<'a> NodeMut<'a> {
         Ok(NodeMut { buf })
     }
 
+    /// A view of a node already known to be valid (see [`LeafMut::trusted`]): checks the
+    /// header only, not the order of every key.
+    pub fn trusted(buf: &'a mut [u8]) -> Result<NodeMut<'a>> {
+        check_block_len(buf)?;
+        let level = buf[OFF_LEVEL];
+        if level == 0 || level >= MAX_LEVEL {
+            return Err(invalid(
+                header_loc(buf),
+                format!("level {level} is not a node level (1..{MAX_LEVEL})"),
+            ));
+        }
+        let n = le_u32(buf, OFF_NRITEMS) as usize;
+        if n > max_node_ptrs(buf.len()) {
+            return Err(invalid(
+                header_loc(buf),
+                format!("node claims {n} pointers, more than fit"),
+            ));
+        }
+        Ok(NodeMut { buf })
+    }
+
     /// Initializes `buf` as an empty node at `level` (1..8) and returns a view.
     pub fn init(buf: &'a mut [u8], level: u8, h: &NewHeader) -> Result<NodeMut<'a>> {
         if level == 0 {

@@ -17,7 +17,8 @@ use crate::format::header::{Header, ItemHeader, KeyPtr};
 use crate::format::superblock::Superblock;
 use crate::format::*;
 use crate::volumes::ChunkMap;
-use std::collections::{HashMap, VecDeque};
+use rustc_hash::FxHashMap as HashMap;
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
@@ -465,13 +466,13 @@ impl Disk {
             devid,
             chunks: RwLock::new(chunks),
             cache: Mutex::new(BlockCache {
-                map: HashMap::new(),
+                map: HashMap::default(),
                 order: VecDeque::new(),
                 capacity: cache_blocks,
             }),
             stats: IoStats::default(),
             ra_tx: Mutex::new(None),
-            overlay: RwLock::new(HashMap::new()),
+            overlay: RwLock::new(HashMap::default()),
         });
         disk.load_chunk_tree()?;
         Ok(disk)
