@@ -14,6 +14,8 @@ import statistics
 import sys
 
 SYSTEMS = [("butter", "butter"), ("kernel", "kernel btrfs"), ("ext4", "ext4")]
+# Extra ratio columns (numerator, denominator) after butter/kernel; filled in main().
+RATIOS = []
 
 
 def read_tsv(path, ncols):
@@ -60,6 +62,12 @@ def main():
     raw = read_tsv(os.path.join(work, "raw.tsv"), 9)
     meta = read_tsv(os.path.join(work, "meta.tsv"), 2)
 
+    # The FUSE write workloads (workloads/fusewrite.sh) also measure nullfs, a FUSE filesystem
+    # that does nothing: a fourth column, and how it compares with the kernel and with butter.
+    if any(r[2] == "nullfs" for r in raw):
+        SYSTEMS.append(("nullfs", "nullfs (FUSE)"))
+        RATIOS.extend([("nullfs", "kernel"), ("butter", "nullfs")])
+
     cells = {}
     for wl, row, sysname, run, ns, amount, unit, status, msg in raw:
         c = cells.setdefault((row, sysname), Cell())
@@ -101,10 +109,16 @@ def main():
         ratio = None
         if b and k and b.rate() and k.rate():
             ratio = b.rate() / k.rate()
+        extra = []
+        for num, den in RATIOS:
+            n_, d_ = got[num], got[den]
+            r_ = n_.rate() / d_.rate() if n_ and d_ and n_.rate() and d_.rate() else None
+            extra.append("%.2fx" % r_ if r_ is not None else "n/a")
         table.append(
             [row]
             + [cell_text(got[s], unit) for s, _ in SYSTEMS]
             + ["%.2fx" % ratio if ratio is not None else "n/a"]
+            + extra
         )
         line = {"workload": wl, "row": row, "unit": unit}
         for s, _ in SYSTEMS:
@@ -149,6 +163,7 @@ def main():
         "counterpart.\n"
     )
     header = ["workload"] + [label for _, label in SYSTEMS] + ["butter/kernel"]
+    header += ["%s/%s" % r for r in RATIOS]
     md.append("| " + " | ".join(header) + " |")
     md.append("|" + "---|" + "---:|" * (len(header) - 1))
     for t in table:
@@ -228,7 +243,7 @@ def make_chart(path, rows, cells):
     cols = min(n, 3)
     nrows = (n + cols - 1) // cols
     fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.4 * nrows), squeeze=False)
-    colors = {"butter": "#e0a800", "kernel": "#3870b0", "ext4": "#6a9a50"}
+    colors = {"butter": "#e0a800", "kernel": "#3870b0", "ext4": "#6a9a50", "nullfs": "#999999"}
     for i, (wl, row, unit, _) in enumerate(rows):
         ax = axes[i // cols][i % cols]
         labels, values, texts = [], [], []
