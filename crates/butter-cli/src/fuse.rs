@@ -11,7 +11,10 @@
 //!   not one, as on the kernel's btrfs. SIGKILL therefore leaves the image at its last commit.
 //! - **Ordering.** The engine changes its trees block by block, so one `RwLock` orders
 //!   operations: changes and commits take it exclusively, reads (lookup, getattr, read,
-//!   readdir, xattr reads, lseek, statfs) share it and run in parallel with each other.
+//!   readdir, xattr reads, lseek, statfs) share it and run in parallel with each other. A
+//!   commit gives it up once its trees are final, so reads go on during its block writes and
+//!   flushes (a slow fsync does not stall reads); the next change waits for the commit on a
+//!   mutex taken before the lock.
 //! - **Permissions** are the kernel's (`default_permissions`). With `FUSE_POSIX_ACL` (asked
 //!   for in `init`) the kernel also enforces ACLs from the `system.posix_acl_*` xattrs we
 //!   store as given (the xattr format btrfs stores), and leaves umask to us (`FUSE_DONT_MASK`):
@@ -204,6 +207,10 @@ pub struct Shared {
     /// shared: the engine changes trees block by block, so a read that ran during a change
     /// could see half of it.
     lock: RwLock<()>,
+    /// Taken before `lock` by changes and commits: a commit keeps it to its end but lets go
+    /// of `lock` once the trees are final, so reads run during its writes and flushes while
+    /// the next change waits here (not on `lock`, where it would hold readers back).
+    changes: Mutex<()>,
     /// Why changes and commits stopped (an operation failed in a way that may have left
     /// half of it in the running transaction).
     stopped: Mutex<Option<String>>,
@@ -231,11 +238,13 @@ impl Shared {
 
     /// Commits, after the running operations, unless changes were stopped.
     pub fn commit(&self, fs: &Fs) -> Result<(), String> {
-        let _g = lock_write(&self.lock);
+        let _c = self.changes.lock().unwrap_or_else(|e| e.into_inner());
+        let g = lock_write(&self.lock);
         if let Some(why) = self.stopped() {
             return Err(format!("not committing ({why})"));
         }
-        fs.commit().map_err(|e| format!("commit failed: {e}"))
+        fs.commit_with(move || drop(g))
+            .map_err(|e| format!("commit failed: {e}"))
     }
 }
 
@@ -392,6 +401,11 @@ impl ButterFuse {
         if !self.writable || self.shared.stopped().is_some() {
             return Err(Errno::from_i32(libc::EROFS));
         }
+        let _c = self
+            .shared
+            .changes
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
         let _g = lock_write(&self.shared.lock);
         let r = catch_unwind(AssertUnwindSafe(f));
         // A failure of the disk or of the engine may come after the operation changed some
@@ -1098,10 +1112,20 @@ impl Filesystem for ButterFuse {
         let Some(h) = h else {
             return reply.ok();
         };
-        // The last handle of an unlinked file: its data goes now.
-        let r = {
-            let _g = lock_write(&self.shared.lock);
-            self.guard("release", ino.0, || Ok(self.fs.release_orphan(h.ino)?))
+        // The last handle of an unlinked file: its data goes now. Most releases change
+        // nothing and must not wait for a commit in progress.
+        let r = match self.read_op("release", ino.0, || Ok(self.fs.note_closed(h.ino)?)) {
+            Ok(true) => {
+                let _c = self
+                    .shared
+                    .changes
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner());
+                let _g = lock_write(&self.shared.lock);
+                self.guard("release", ino.0, || Ok(self.fs.delete_orphan(h.ino)?))
+            }
+            Ok(false) => Ok(()),
+            Err(e) => Err(e),
         };
         match r {
             Ok(()) => reply.ok(),

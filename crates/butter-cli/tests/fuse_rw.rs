@@ -948,6 +948,71 @@ fn parallel_writers_and_readers() {
     );
 }
 
+/// A slow fsync (a commit that writes back a big file) does not stall reads of other files:
+/// opens and reads that reach butter keep completing while the fsync is in flight. (Ordering,
+/// not speed: it counts reads that finished in the middle half of the fsync.)
+#[test]
+fn reads_go_on_during_a_slow_fsync() {
+    if !prerequisites("reads_go_on_during_a_slow_fsync") {
+        return;
+    }
+    let s = ScratchDir::new("fuse-rw-slow-fsync");
+    let img = s.join("img");
+    kernel::mkfs_btrfs(&img, 1 << 30, &[] as &[&str]);
+    let d = s.dir("m");
+    let b = ButterMount::start(&img, &d, &["-o", "commit=0", "--threads", "4"]);
+    let small = d.join("small");
+    fs::write(&small, b"small file").unwrap();
+    File::open(&small).unwrap().sync_all().unwrap();
+    let big = File::create(d.join("big")).unwrap();
+    let chunk = pseudo_random(1 << 20, 5);
+    for i in 0..300u64 {
+        big.write_all_at(&chunk, i << 20).unwrap();
+    }
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let reader = {
+        let stop = stop.clone();
+        let small = small.clone();
+        std::thread::spawn(move || {
+            let mut done = Vec::new();
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                // A fresh open each time: on a read-write mount every open reaches butter and
+                // starts from an empty page cache, so the read does too.
+                let mut v = Vec::new();
+                File::open(&small).unwrap().read_to_end(&mut v).unwrap();
+                assert_eq!(v, b"small file");
+                done.push(Instant::now());
+            }
+            done
+        })
+    };
+    std::thread::sleep(Duration::from_millis(50));
+    let t0 = Instant::now();
+    big.sync_all().unwrap();
+    let t1 = Instant::now();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let done = reader.join().expect("reader");
+    let q = (t1 - t0) / 4;
+    let during = done.iter().filter(|t| **t > t0 + q && **t < t1 - q).count();
+    assert!(
+        during > 0,
+        "no read finished during the middle half of a {:?} fsync ({} reads in all)",
+        t1 - t0,
+        done.len()
+    );
+    drop(big);
+    b.unmount();
+    butter_check(&img);
+    kernel::assert_btrfs_check(&img);
+    let km = LoopMount::btrfs_ro(&img, &s.dir("k"));
+    assert_eq!(
+        fs::read(km.path().join("big")).unwrap().len(),
+        300 << 20,
+        "the fsynced file under the kernel"
+    );
+    km.unmount();
+}
+
 /// Physical offsets of every copy of the tree block at `logical`.
 fn block_copies(img: &Path, logical: u64) -> Vec<u64> {
     let out = kernel::run(

@@ -165,6 +165,13 @@ impl Fs {
         self.writer()?.commit()
     }
 
+    /// [`Fs::commit`], calling `trees_final` when the trees reached their final state in
+    /// memory and only the writing is left (see [`Writer::commit_with`]). Other changes wait
+    /// for the whole commit; reads may run again from `trees_final` on.
+    pub fn commit_with(&self, trees_final: impl FnOnce()) -> Result<()> {
+        self.writer()?.commit_with(trees_final)
+    }
+
     /// The disk the filesystem lives on.
     pub fn disk(&self) -> &Arc<Disk> {
         &self.disk
@@ -637,17 +644,40 @@ impl Fs {
 
     /// The last handle on `ino` closed: delete it if it was unlinked.
     pub fn release_orphan(&self, ino: Inode) -> Result<()> {
+        if self.note_closed(ino)? {
+            self.delete_orphan(ino)?;
+        }
+        Ok(())
+    }
+
+    /// One handle on `ino` closed. Returns whether that was the last one of an unlinked inode
+    /// (then [`Fs::delete_orphan`] should follow). Changes nothing on disk, so a front end can
+    /// run it without keeping readers out.
+    pub fn note_closed(&self, ino: Inode) -> Result<bool> {
         {
             let mut m = self.open_files.lock().unwrap_or_else(|e| e.into_inner());
             if let Some(c) = m.get_mut(&ino) {
                 *c = c.saturating_sub(1);
                 if *c > 0 {
-                    return Ok(());
+                    return Ok(false);
                 }
                 m.remove(&ino);
             }
         }
         if !self.is_writable() {
+            return Ok(false);
+        }
+        Ok(matches!(self.inode_item(ino), Ok(item) if item.nlink == 0))
+    }
+
+    /// Deletes an unlinked inode no handle holds (again checked here).
+    pub fn delete_orphan(&self, ino: Inode) -> Result<()> {
+        if self
+            .open_files
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains_key(&ino)
+        {
             return Ok(());
         }
         match self.inode_item(ino) {

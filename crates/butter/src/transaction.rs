@@ -598,12 +598,21 @@ impl Writer {
 
     /// Commits the running transaction. A no-op when nothing changed.
     pub fn commit(&mut self) -> Result<()> {
+        self.commit_with(|| {})
+    }
+
+    /// [`Writer::commit`], calling `trees_final` once the trees have their final state in
+    /// memory, before the slow part (writing blocks, flushes, superblocks). From then on the
+    /// commit reads the trees but does not change them: a caller that keeps readers out while
+    /// trees change can let them in again there (the FUSE mount does, so a slow fsync does
+    /// not stall reads).
+    pub fn commit_with(&mut self, trees_final: impl FnOnce()) -> Result<()> {
         self.check_writable()?;
         if !self.has_changes() {
             return Ok(());
         }
         self.state = TransState::CommitStart;
-        match self.commit_inner() {
+        match self.commit_inner(trees_final) {
             Ok(()) => {
                 self.state = TransState::Running;
                 Ok(())
@@ -617,7 +626,7 @@ impl Writer {
         }
     }
 
-    fn commit_inner(&mut self) -> Result<()> {
+    fn commit_inner(&mut self, trees_final: impl FnOnce()) -> Result<()> {
         self.state = TransState::CommitDoing;
         let mut passes = 0;
         loop {
@@ -634,6 +643,7 @@ impl Writer {
                 break;
             }
         }
+        trees_final();
         self.write_dirty_blocks()?;
         self.disk
             .dev
