@@ -165,7 +165,10 @@ impl Fs {
             generation: sb.generation,
         };
         if sb.log_root != 0 {
-            log::info!("the image has an unreplayed fsync log (log_root {})", sb.log_root);
+            log::info!(
+                "the image has an unreplayed fsync log (log_root {})",
+                sb.log_root
+            );
         }
         let mut fs = Fs {
             disk,

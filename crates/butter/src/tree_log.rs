@@ -87,7 +87,11 @@ fn walk(
     items: &mut BTreeMap<Key, Vec<u8>>,
 ) -> Result<()> {
     if level > MAX_LEVEL {
-        return Err(corrupt_log(subvol, bytenr, format!("level {level} is too high")));
+        return Err(corrupt_log(
+            subvol,
+            bytenr,
+            format!("level {level} is too high"),
+        ));
     }
     if !seen.insert(bytenr) {
         return Err(corrupt_log(
@@ -331,7 +335,10 @@ pub fn replay(fs: &Fs, w: &mut Writer, log: &FsyncLog) -> Result<()> {
         w.current_root(t.subvol).map_err(|e| {
             Error::corrupt(
                 item_loc(t, &Key::new(TREE_LOG_OBJECTID, ROOT_ITEM_KEY, t.subvol)),
-                format!("the log is for subvolume {} which does not exist: {e}", t.subvol),
+                format!(
+                    "the log is for subvolume {} which does not exist: {e}",
+                    t.subvol
+                ),
             )
         })?;
         r.run(w)?;
@@ -664,7 +671,10 @@ impl Replayer<'_> {
         // Another entry at the same index goes.
         let ik = Key::new(dir, DIR_INDEX_KEY, index);
         if let Some(b) = w.read_item(self.root, &ik)? {
-            if let Some(d) = DirItem::parse_all(&b).ok().and_then(|v| v.into_iter().next()) {
+            if let Some(d) = DirItem::parse_all(&b)
+                .ok()
+                .and_then(|v| v.into_iter().next())
+            {
                 if d.location.ty == INODE_ITEM_KEY {
                     self.unlink(w, dir, &d.name, d.location.objectid)?;
                 }
@@ -740,7 +750,9 @@ impl Replayer<'_> {
         if let Some(body) = w.read_item(self.root, &rk)? {
             let refs = InodeRef::parse_all(&body).map_err(|e| {
                 Error::corrupt(
-                    Location::what("inode ref").with_tree(self.root).with_key(rk),
+                    Location::what("inode ref")
+                        .with_tree(self.root)
+                        .with_key(rk),
                     e.to_string(),
                 )
             })?;
@@ -794,7 +806,9 @@ impl Replayer<'_> {
                     Key::new(dir, DIR_INDEX_KEY, u64::MAX),
                 )? {
                     if let Ok(v) = DirItem::parse_all(&body) {
-                        if v.iter().any(|d| d.name == name && d.location.objectid == target) {
+                        if v.iter()
+                            .any(|d| d.name == name && d.location.objectid == target)
+                        {
                             w.delete_item(self.root, &k)?;
                         }
                     }
@@ -809,9 +823,11 @@ impl Replayer<'_> {
     /// A logged inode's names become exactly its logged names.
     fn replay_names(&mut self, w: &mut Writer, ino: u64) -> Result<()> {
         let mut logged = Vec::new();
-        for (k, body) in self.log.items.range(
-            Key::new(ino, INODE_REF_KEY, 0)..=Key::new(ino, INODE_EXTREF_KEY, u64::MAX),
-        ) {
+        for (k, body) in self
+            .log
+            .items
+            .range(Key::new(ino, INODE_REF_KEY, 0)..=Key::new(ino, INODE_EXTREF_KEY, u64::MAX))
+        {
             self.parse_names(k, body, &mut logged)
                 .map_err(|e| item_err(self.log, k, e))?;
         }
@@ -822,7 +838,10 @@ impl Replayer<'_> {
             return Ok(());
         };
         for n in self.names_in_subvol(w, ino)? {
-            if !logged.iter().any(|l| l.parent == n.parent && l.name == n.name) {
+            if !logged
+                .iter()
+                .any(|l| l.parent == n.parent && l.name == n.name)
+            {
                 self.unlink(w, n.parent, &n.name, ino)?;
             }
         }
@@ -866,7 +885,8 @@ impl Replayer<'_> {
                         .ok_or_else(|| Error::corrupt(item_loc(self.log, &k), "size overflow"))?
                         .div_ceil(ss)
                         * ss;
-                    self.fs.replace_extents(w, inode, off, end, Some((off, fe)))?;
+                    self.fs
+                        .replace_extents(w, inode, off, end, Some((off, fe)))?;
                 }
                 FileExtentBody::Extent {
                     disk_bytenr,
@@ -889,7 +909,9 @@ impl Replayer<'_> {
                         continue;
                     }
                     if fe.compression == 0
-                        && (offset.checked_add(num_bytes).is_none_or(|e| e > disk_num_bytes))
+                        && (offset
+                            .checked_add(num_bytes)
+                            .is_none_or(|e| e > disk_num_bytes))
                     {
                         return Err(Error::corrupt(
                             item_loc(self.log, &k),
@@ -999,8 +1021,9 @@ impl Replayer<'_> {
                         Key::new(ino, DIR_INDEX_KEY, u64::MAX),
                     )?;
                     for (_, body) in entries {
-                        if let Some(d) =
-                            DirItem::parse_all(&body).ok().and_then(|v| v.into_iter().next())
+                        if let Some(d) = DirItem::parse_all(&body)
+                            .ok()
+                            .and_then(|v| v.into_iter().next())
                         {
                             if d.location.ty == INODE_ITEM_KEY {
                                 self.unlink(w, ino, &d.name, d.location.objectid)?;
@@ -1023,7 +1046,9 @@ impl Replayer<'_> {
                 )? {
                     let fe = FileExtentItem::parse(&body).map_err(|e| {
                         Error::corrupt(
-                            Location::what("file extent").with_tree(self.root).with_key(k),
+                            Location::what("file extent")
+                                .with_tree(self.root)
+                                .with_key(k),
                             e.to_string(),
                         )
                     })?;
@@ -1072,7 +1097,11 @@ impl Replayer<'_> {
             }
             if item.size != size {
                 item.size = size;
-                w.replace_item(self.root, Key::new(dir, INODE_ITEM_KEY, 0), &item.to_bytes())?;
+                w.replace_item(
+                    self.root,
+                    Key::new(dir, INODE_ITEM_KEY, 0),
+                    &item.to_bytes(),
+                )?;
             }
         }
         Ok(())
