@@ -8,12 +8,12 @@
 //!
 //! Replay, in the order the format needs:
 //! 1. Inodes: each logged INODE_ITEM replaces the subvolume's (its size and nbytes are
-//!    recomputed later); a logged directory first loses the entries in its DIR_LOG_INDEX ranges
+//!    recomputed later; one with generation 0 only says the inode exists); a logged directory first loses the entries in its DIR_LOG_INDEX ranges
 //!    that the log does not have; a logged inode loses xattrs the log does not have; a logged
 //!    regular file loses extents past its logged size.
 //! 2. Directory indexes: each logged DIR_INDEX becomes a name in its directory.
-//! 3. Everything else: the names of a logged inode become exactly its logged INODE_REF /
-//!    INODE_EXTREF names; logged EXTENT_DATA items replace the file range they cover (data
+//! 3. Everything else: in each directory where the log has names of an inode, its names
+//!    become exactly the logged ones (names in other directories stay); logged EXTENT_DATA items replace the file range they cover (data
 //!    extents get references, logged checksums go into the checksum tree); xattrs are copied.
 //! 4. Fix-ups: link counts recomputed from names (an inode left with none is deleted, as the
 //!    orphan cleanup after a kernel replay does), nbytes from extents, directory sizes from
@@ -538,6 +538,19 @@ impl Replayer<'_> {
             self.dir_deletes(w, ino)?;
             self.dirs.insert(ino);
         }
+        if logged.generation == 0 {
+            // Logged only to say the inode exists (a new name of it was logged with its
+            // directory): an existing inode keeps its item; a regular file takes the logged
+            // size when it is not 0.
+            if let Some(mut e) = existing {
+                if is_reg && logged.size != 0 && e.size != logged.size {
+                    e.size = logged.size;
+                    w.replace_item(self.root, *k, &e.to_bytes())?;
+                }
+                self.touched.insert(ino);
+                return Ok(());
+            }
+        }
         self.xattr_deletes(w, ino)?;
         let mut item = logged.clone();
         if let Some(e) = &existing {
@@ -837,10 +850,14 @@ impl Replayer<'_> {
         let Some(item) = self.inode_exists(w, ino)? else {
             return Ok(());
         };
+        // Names in the directories the log has names in, that the log does not have, are
+        // gone; names in other directories stay (as after the kernel's replay).
+        let parents: BTreeSet<u64> = logged.iter().map(|l| l.parent).collect();
         for n in self.names_in_subvol(w, ino)? {
-            if !logged
-                .iter()
-                .any(|l| l.parent == n.parent && l.name == n.name)
+            if parents.contains(&n.parent)
+                && !logged
+                    .iter()
+                    .any(|l| l.parent == n.parent && l.name == n.name)
             {
                 self.unlink(w, n.parent, &n.name, ino)?;
             }
@@ -947,12 +964,12 @@ impl Replayer<'_> {
         Ok(())
     }
 
-    /// Checksums of `[start, end)`: the log's replace the checksum tree's.
+    /// Checksums in `[start, end)` that the log has replace the checksum tree's.
     fn replay_csums(&mut self, w: &mut Writer, start: u64, end: u64) -> Result<()> {
         let ss = self.fs.disk.sectorsize() as u64;
         let cs = self.fs.disk.sb.csum_type.size() as u64;
-        w.delete_csums(start, end - start)?;
-        // Log checksum items overlapping the range.
+        // Log checksum items overlapping the range replace what the checksum tree has there
+        // (an extent committed before keeps its checksums: the log need not repeat them).
         let mut runs: Vec<(u64, Vec<u8>)> = Vec::new();
         let lo = Key::new(EXTENT_CSUM_OBJECTID, EXTENT_CSUM_KEY, 0);
         let hi = Key::new(EXTENT_CSUM_OBJECTID, EXTENT_CSUM_KEY, end);
@@ -977,6 +994,7 @@ impl Replayer<'_> {
             }
         }
         for (s, sums) in runs {
+            w.delete_csums(s, sums.len() as u64 / cs * ss)?;
             w.insert_csums(s, &sums)?;
         }
         Ok(())
