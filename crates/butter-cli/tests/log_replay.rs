@@ -98,16 +98,26 @@ fn copy_sparse(from: &Path, to: &Path) {
 /// Builds the crash image: `setup` runs and is synced, then `ops` (which fsyncs) runs and the
 /// image is copied while mounted. Returns the crash image path.
 fn crash_image(scratch: &ScratchDir, setup: &dyn Fn(&Path), ops: &dyn Fn(&Path)) -> PathBuf {
+    crash_image_opts(scratch, "", setup, ops)
+}
+
+fn crash_image_opts(
+    scratch: &ScratchDir,
+    extra: &str,
+    setup: &dyn Fn(&Path),
+    ops: &dyn Fn(&Path),
+) -> PathBuf {
+    let opts = format!("commit=600,noatime{extra}");
     let img = scratch.join("img");
     mkfs_btrfs(&img, 256 << 20, &[] as &[&str]);
     let crash = scratch.join("crash");
     {
-        let m = LoopMount::btrfs(&img, &scratch.dir("m0"), "commit=600,noatime");
+        let m = LoopMount::btrfs(&img, &scratch.dir("m0"), &opts);
         setup(m.path());
         m.unmount();
         // A fresh mount: the base state is committed and nothing else is pending. (With a
         // `sync` instead, the kernel 6.18 here often commits at the fsync instead of logging.)
-        let m = LoopMount::btrfs(&img, &scratch.dir("m0"), "commit=600,noatime");
+        let m = LoopMount::btrfs(&img, &scratch.dir("m0"), &opts);
         ops(m.path());
         copy_sparse(&img, &crash);
         m.unmount();
@@ -137,11 +147,16 @@ fn compare_opts() -> CompareOpts {
 }
 
 fn run_scenario(name: &str, setup: &dyn Fn(&Path), ops: &dyn Fn(&Path)) {
+    run_scenario_opts(name, "", setup, ops)
+}
+
+/// `extra`: more mount options for the kernel's writes (",compress=zstd").
+fn run_scenario_opts(name: &str, extra: &str, setup: &dyn Fn(&Path), ops: &dyn Fn(&Path)) {
     if !require_privileges() {
         return;
     }
     let scratch = ScratchDir::new(&format!("logreplay-{name}"));
-    let crash = crash_image(&scratch, setup, ops);
+    let crash = crash_image_opts(&scratch, extra, setup, ops);
     let a = scratch.join("a.img");
     let b = scratch.join("b.img");
     copy_sparse(&crash, &a);
@@ -467,6 +482,77 @@ fn many_files() {
             fsync(&p);
         }
     });
+}
+
+#[test]
+fn compressed() {
+    run_scenario_opts(
+        "compressed",
+        ",compress=zstd",
+        &|m| write_file(&m.join("f"), 20000, 42),
+        &|m| {
+            let text: Vec<u8> = b"compressible text "
+                .iter()
+                .cycle()
+                .take(300000)
+                .copied()
+                .collect();
+            fs::write(m.join("g"), &text).unwrap();
+            fsync(&m.join("g"));
+            let f = open_rw(&m.join("f"));
+            f.write_all_at(&text[..12288], 4096).unwrap();
+            f.sync_all().unwrap();
+        },
+    );
+}
+
+#[test]
+fn rmdir_fsync_parent() {
+    run_scenario(
+        "rmdir",
+        &|m| {
+            fs::create_dir_all(m.join("d/sub")).unwrap();
+            fs::create_dir_all(m.join("d/keep")).unwrap();
+            write_file(&m.join("d/keep/f"), 100, 43);
+        },
+        &|m| {
+            fs::remove_dir(m.join("d/sub")).unwrap();
+            write_file(&m.join("d/new"), 100, 44);
+            fsync(&m.join("d"));
+        },
+    );
+}
+
+#[test]
+fn rename_over_existing() {
+    run_scenario(
+        "rename-over",
+        &|m| {
+            fs::create_dir(m.join("d")).unwrap();
+            write_file(&m.join("d/a"), 5000, 45);
+            write_file(&m.join("d/b"), 7000, 46);
+        },
+        &|m| {
+            fs::rename(m.join("d/a"), m.join("d/b")).unwrap();
+            fsync(&m.join("d/b"));
+        },
+    );
+}
+
+/// Enough extents that the log tree needs more than one leaf.
+#[test]
+fn many_extents() {
+    run_scenario(
+        "many-extents",
+        &|m| write_file(&m.join("small"), 10, 47),
+        &|m| {
+            let f = File::create(m.join("f")).unwrap();
+            for i in 0..1500u64 {
+                f.write_all_at(&pattern(4096, i as u8), i * 8192).unwrap();
+            }
+            f.sync_all().unwrap();
+        },
+    );
 }
 
 /// A read-only open of a log image shows the replayed view and writes nothing; `nologreplay`
