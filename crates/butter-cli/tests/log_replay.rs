@@ -555,6 +555,29 @@ fn many_extents() {
     );
 }
 
+/// The second fsync of an inode in one transaction takes the kernel's fast path (only what
+/// changed since the first is logged); xattrs the log does not repeat must survive.
+#[test]
+fn repeated_fsync() {
+    run_scenario(
+        "repeated",
+        &|m| {
+            write_file(&m.join("f"), 6000, 53);
+            setxattr(&m.join("f"), "user.keep", b"kept");
+        },
+        &|m| {
+            let mut f = OpenOptions::new().append(true).open(m.join("f")).unwrap();
+            f.write_all(&pattern(9000, 54)).unwrap();
+            f.sync_all().unwrap();
+            f.write_all(&pattern(5000, 55)).unwrap();
+            f.sync_all().unwrap();
+            let g = open_rw(&m.join("f"));
+            g.write_all_at(&pattern(100, 56), 10).unwrap();
+            g.sync_all().unwrap();
+        },
+    );
+}
+
 /// A read-only open of a log image shows the replayed view and writes nothing; `nologreplay`
 /// shows the committed state.
 #[test]

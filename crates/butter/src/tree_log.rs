@@ -974,7 +974,7 @@ impl Replayer<'_> {
         let lo = Key::new(EXTENT_CSUM_OBJECTID, EXTENT_CSUM_KEY, 0);
         let hi = Key::new(EXTENT_CSUM_OBJECTID, EXTENT_CSUM_KEY, end);
         for (k, body) in self.log.items.range(lo..hi) {
-            if body.len() as u64 % cs != 0 || k.offset % ss != 0 {
+            if !(body.len() as u64).is_multiple_of(cs) || k.offset % ss != 0 {
                 return Err(Error::corrupt(
                     item_loc(self.log, k),
                     "checksum item of a bad size or offset",
