@@ -263,11 +263,24 @@ pub fn read_log(disk: &Disk) -> Result<Option<FsyncLog>> {
 /// when the image has one.
 pub fn start_writer(fs: &Fs) -> Result<Writer> {
     let disk = fs.disk.clone();
-    let Some(log) = read_log(&disk)? else {
+    let log = read_log(&disk).map_err(|e| {
+        with_hint(
+            e,
+            "the fsync log is damaged; nothing was written (`btrfs rescue zero-log` drops it)",
+        )
+    })?;
+    let Some(log) = log else {
         return Writer::open(disk, fs.live.clone());
     };
     let mut w = Writer::open_with_log(disk, fs.live.clone())?;
-    replay(fs, &mut w, &log)?;
+    replay(fs, &mut w, &log).map_err(|e| {
+        with_hint(
+            e,
+            "the fsync log could not be replayed; nothing was written (read-only opens with \
+             OpenOpts::nologreplay show the last committed state; `btrfs rescue zero-log` \
+             drops the log)",
+        )
+    })?;
     // The commit clears the superblock's log pointer, even when replay changed nothing.
     w.force_commit()?;
     log::info!(
@@ -282,11 +295,39 @@ pub fn start_writer(fs: &Fs) -> Result<Writer> {
 /// overlay), so reads show what a mount would, and nothing is written.
 pub fn replay_in_memory(fs: &Fs) -> Result<()> {
     let disk = fs.disk.clone();
-    let Some(log) = read_log(&disk)? else {
+    let log = read_log(&disk).map_err(|e| {
+        with_hint(
+            e,
+            "the fsync log is damaged (open with OpenOpts::nologreplay to read the last \
+             committed state without it)",
+        )
+    })?;
+    let Some(log) = log else {
         return Ok(());
     };
     let mut w = Writer::open_with_log(disk, fs.live.clone())?;
-    replay(fs, &mut w, &log)
+    replay(fs, &mut w, &log).map_err(|e| {
+        with_hint(
+            e,
+            "the fsync log could not be replayed in memory (open with OpenOpts::nologreplay \
+             to read the last committed state without it)",
+        )
+    })
+}
+
+/// Adds what to do to an error, keeping its kind.
+fn with_hint(e: Error, hint: &str) -> Error {
+    match e {
+        Error::Corrupt { loc, reason } => Error::Corrupt {
+            loc,
+            reason: format!("{reason}; {hint}"),
+        },
+        Error::BadChecksum { loc, reason } => Error::BadChecksum {
+            loc,
+            reason: format!("{reason}; {hint}"),
+        },
+        e => e,
+    }
 }
 
 /// Replays `log` into the running transaction of `w`.
@@ -305,6 +346,15 @@ pub fn replay(fs: &Fs, w: &mut Writer, log: &FsyncLog) -> Result<()> {
                 continue;
             }
             let fe = FileExtentItem::parse(body).map_err(|e| item_err(t, k, e))?;
+            if fe.compression > 3 || fe.encryption != 0 || fe.other_encoding != 0 {
+                return Err(Error::corrupt(
+                    item_loc(t, k),
+                    format!(
+                        "file extent with compression {}, encryption {}, other encoding {}",
+                        fe.compression, fe.encryption, fe.other_encoding
+                    ),
+                ));
+            }
             if let FileExtentBody::Extent {
                 disk_bytenr,
                 disk_num_bytes,
@@ -312,10 +362,40 @@ pub fn replay(fs: &Fs, w: &mut Writer, log: &FsyncLog) -> Result<()> {
             } = fe.body
             {
                 if disk_bytenr != 0 {
-                    if w.allocator.group_containing(disk_bytenr).is_none() {
+                    let ss = fs.disk.sectorsize() as u64;
+                    let offset = match fe.body {
+                        FileExtentBody::Extent { offset, .. } => offset,
+                        _ => 0,
+                    };
+                    if disk_bytenr % ss != 0
+                        || disk_num_bytes % ss != 0
+                        || offset % ss != 0
+                        || disk_num_bytes == 0
+                    {
                         return Err(Error::corrupt(
                             item_loc(t, k),
-                            format!("data extent {disk_bytenr} is in no block group"),
+                            format!(
+                                "data extent [{disk_bytenr}, +{disk_num_bytes}) offset {offset} \
+                                 is not sector aligned"
+                            ),
+                        ));
+                    }
+                    let end = disk_bytenr.checked_add(disk_num_bytes);
+                    let group = w.allocator.group_containing(disk_bytenr);
+                    let fits = group.and_then(|g| {
+                        w.allocator.with_group(g, |bg| {
+                            end.is_some_and(|e| e <= bg.end())
+                                && crate::alloc::SpaceKind::of_flags(bg.flags)
+                                    == Some(crate::alloc::SpaceKind::Data)
+                        })
+                    });
+                    if fits != Some(true) {
+                        return Err(Error::corrupt(
+                            item_loc(t, k),
+                            format!(
+                                "data extent [{disk_bytenr}, +{disk_num_bytes}) is not inside a \
+                                 data block group"
+                            ),
                         ));
                     }
                     w.allocator.reserve(disk_bytenr, disk_num_bytes);
