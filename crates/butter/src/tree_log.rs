@@ -411,6 +411,7 @@ pub fn replay(fs: &Fs, w: &mut Writer, log: &FsyncLog) -> Result<()> {
             log: t,
             touched: BTreeSet::new(),
             dirs: BTreeSet::new(),
+            unlinked: BTreeSet::new(),
         };
         w.current_root(t.subvol).map_err(|e| {
             Error::corrupt(
@@ -455,6 +456,8 @@ struct Replayer<'a> {
     touched: BTreeSet<u64>,
     /// Directories whose size must be recomputed.
     dirs: BTreeSet<u64>,
+    /// Inodes that lost a name in the replay.
+    unlinked: BTreeSet<u64>,
 }
 
 impl Replayer<'_> {
@@ -909,8 +912,17 @@ impl Replayer<'_> {
             }
         }
         self.touched.insert(target);
+        self.unlinked.insert(target);
         self.dirs.insert(dir);
         Ok(())
+    }
+
+    /// Whether the log has the inode's full item (not just "it exists").
+    fn fully_logged(&self, ino: u64) -> bool {
+        self.log
+            .items
+            .get(&Key::new(ino, INODE_ITEM_KEY, 0))
+            .is_some_and(|b| b.len() >= 8 && le_u64(b, 0) != 0)
     }
 
     /// A logged inode's names become exactly its logged names.
@@ -976,6 +988,12 @@ impl Replayer<'_> {
                 ));
             }
             match fe.body {
+                FileExtentBody::Inline(_) if off != 0 => {
+                    return Err(Error::corrupt(
+                        item_loc(self.log, &k),
+                        "inline file extent not at offset 0",
+                    ));
+                }
                 FileExtentBody::Inline(_) => {
                     let end = off
                         .checked_add(fe.ram_bytes.max(1))
@@ -1166,9 +1184,16 @@ impl Replayer<'_> {
                     };
                 }
             }
-            if item.nlink != nlink || item.nbytes != nbytes {
+            // An inode that lost a name and whose item the log does not carry changed now
+            // (the kernel's replay stamps it so too).
+            let restamp = self.unlinked.contains(&ino) && !self.fully_logged(ino);
+            if item.nlink != nlink || item.nbytes != nbytes || restamp {
                 item.nlink = nlink;
                 item.nbytes = nbytes;
+                if restamp {
+                    item.ctime = crate::fs_write::now();
+                    item.transid = w.transid;
+                }
                 w.replace_item(
                     self.root,
                     Key::new(ino, INODE_ITEM_KEY, 0),
