@@ -86,6 +86,27 @@ pub const EMPTY_SUBVOL_DIR_OBJECTID: u64 = 2;
 /// Maximum bytes of a compressed extent, before and after decompression (btrfs limit).
 pub const MAX_COMPRESSED: u64 = 128 * 1024;
 
+/// Options of a read-only open.
+#[derive(Debug, Clone, Copy)]
+pub struct OpenOpts {
+    /// Replay an fsync log in memory (the default). Off: show the last committed state
+    /// and ignore the log (the kernel's `nologreplay`).
+    pub log_replay: bool,
+}
+
+impl Default for OpenOpts {
+    fn default() -> Self {
+        OpenOpts { log_replay: true }
+    }
+}
+
+impl OpenOpts {
+    /// Ignore any fsync log.
+    pub fn nologreplay() -> Self {
+        OpenOpts { log_replay: false }
+    }
+}
+
 pub struct Fs {
     pub disk: Arc<Disk>,
     /// Root tree as opened; [`Fs::tree_root`] gives the current one.
@@ -112,7 +133,29 @@ impl Fs {
         Self::open_device(Arc::new(dev))
     }
 
+    /// Opens an image file or block device read-only, with options.
+    pub fn open_opts(path: &FsPath, opts: OpenOpts) -> Result<Fs> {
+        let dev = FileDevice::open(path, false)
+            .map_err(|e| Error::io(format!("opening {}", path.display()), 0, e))?;
+        Self::open_device_opts(Arc::new(dev), opts)
+    }
+
+    /// Opens a device read-only. An unreplayed fsync log is replayed in memory (nothing is
+    /// written), so reads show what a kernel mount would.
     pub fn open_device(dev: Arc<dyn BlockDevice>) -> Result<Fs> {
+        Self::open_device_opts(dev, OpenOpts::default())
+    }
+
+    pub fn open_device_opts(dev: Arc<dyn BlockDevice>, opts: OpenOpts) -> Result<Fs> {
+        let fs = Self::open_device_nolog(dev)?;
+        if opts.log_replay && fs.disk.sb.log_root != 0 {
+            crate::tree_log::replay_in_memory(&fs)?;
+            fs.roots.lock().unwrap_or_else(|e| e.into_inner()).clear();
+        }
+        Ok(fs)
+    }
+
+    fn open_device_nolog(dev: Arc<dyn BlockDevice>) -> Result<Fs> {
         let disk = Disk::open(dev)?;
         let sb = &disk.sb;
         let tree_root = Root {
@@ -122,8 +165,8 @@ impl Fs {
             generation: sb.generation,
         };
         if sb.log_root != 0 {
-            log::warn!(
-                "the image has an unreplayed fsync log (log_root {}); butter shows the last committed state without it",
+            log::info!(
+                "the image has an unreplayed fsync log (log_root {})",
                 sb.log_root
             );
         }

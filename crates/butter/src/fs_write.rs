@@ -134,8 +134,8 @@ impl Fs {
 
     /// Opens a device read-write: starts the write engine.
     pub fn open_device_rw(dev: Arc<dyn crate::device::BlockDevice>) -> Result<Fs> {
-        let mut fs = Fs::open_device(dev)?;
-        let w = Writer::open(fs.disk.clone(), fs.live.clone())?;
+        let mut fs = Fs::open_device_opts(dev, crate::fs::OpenOpts::nologreplay())?;
+        let w = crate::tree_log::start_writer(&fs)?;
         fs.writer = Some(Mutex::new(w));
         Ok(fs)
     }

@@ -27,4 +27,5 @@ pub mod fs_write;
 pub mod mkfs;
 pub mod subvol;
 pub mod transaction;
+pub mod tree_log;
 pub mod volumes;

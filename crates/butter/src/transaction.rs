@@ -105,14 +105,20 @@ impl Writer {
     /// Starts the write engine on an opened filesystem: loads block groups and their free
     /// space from the extent tree.
     pub fn open(disk: Arc<Disk>, live: LiveRoots) -> Result<Writer> {
-        let sb = disk.sb.clone();
-        if sb.log_root != 0 {
+        if disk.sb.log_root != 0 {
             return Err(Error::Unsupported(
-                "the image has an unreplayed fsync log; replay is not implemented yet, so it \
-                 can only be opened read-only"
+                "the image has an unreplayed fsync log: open it with Fs::open_rw (or mount it \
+                 read-write once), which replays the log first"
                     .into(),
             ));
         }
+        Self::open_with_log(disk, live)
+    }
+
+    /// [`Writer::open`] for log replay (crate::tree_log): accepts an image whose superblock
+    /// names an fsync log; the caller replays it before anything else allocates.
+    pub(crate) fn open_with_log(disk: Arc<Disk>, live: LiveRoots) -> Result<Writer> {
+        let sb = disk.sb.clone();
         let mut raw = vec![0u8; SUPER_INFO_SIZE];
         disk.dev
             .read_at(&mut raw, sb.bytenr)
@@ -596,6 +602,23 @@ impl Writer {
     // Commit
     // -----------------------------------------------------------------------------------------
 
+    /// Commits the running transaction even when no tree changed (log replay: the
+    /// superblock's log pointer must be cleared).
+    pub(crate) fn force_commit(&mut self) -> Result<()> {
+        self.check_writable()?;
+        self.state = TransState::CommitStart;
+        match self.commit_inner() {
+            Ok(()) => {
+                self.state = TransState::Running;
+                Ok(())
+            }
+            Err(e) => {
+                self.aborted = Some(e.to_string());
+                Err(e)
+            }
+        }
+    }
+
     /// Commits the running transaction. A no-op when nothing changed.
     pub fn commit(&mut self) -> Result<()> {
         self.commit_with(|| {})
@@ -835,6 +858,10 @@ impl Writer {
         put(b, 80, root.bytenr);
         put(b, 88, chunk.bytenr);
         put(b, 120, self.sb_bytes_used);
+        // Any fsync log was replayed before this commit (tree_log).
+        put(b, 96, 0);
+        put(b, 104, 0);
+        b[200] = 0;
         put(b, 164, chunk.generation);
         b[198] = root.level;
         b[199] = chunk.level;
