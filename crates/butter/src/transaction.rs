@@ -607,7 +607,7 @@ impl Writer {
     pub(crate) fn force_commit(&mut self) -> Result<()> {
         self.check_writable()?;
         self.state = TransState::CommitStart;
-        match self.commit_inner() {
+        match self.commit_inner(|| {}) {
             Ok(()) => {
                 self.state = TransState::Running;
                 Ok(())
