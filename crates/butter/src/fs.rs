@@ -524,7 +524,21 @@ impl Fs {
             return Ok(Vec::new());
         }
         let end = inode.size.min(offset.saturating_add(len as u64));
-        let mut out = vec![0u8; (end - offset) as usize];
+        // The size comes from disk: a damaged one must give an error, not abort on allocation.
+        let want = usize::try_from(end - offset).unwrap_or(usize::MAX);
+        let mut out = Vec::new();
+        if out.try_reserve_exact(want).is_err() {
+            return Err(Error::corrupt(
+                Location::what(format!("inode {}", ino.ino)).with_tree(ino.root),
+                format!(
+                    "reading {want} bytes at {offset} of a file of size {} cannot be done in \
+                     memory: read it in smaller pieces (the size may be damaged; `butter check` \
+                     tells)",
+                    inode.size
+                ),
+            ));
+        }
+        out.resize(want, 0);
         let root = self.subvol_root(ino.root)?;
         // Start from the extent item at or before `offset`.
         let first = ctree::lookup_le(

@@ -27,7 +27,8 @@ pub struct MountArgs {
     /// Mount read-only.
     #[arg(long)]
     pub ro: bool,
-    /// Mount options, comma separated, may repeat: ro, rw, commit=SECONDS (read-write: commit
+    /// Mount options, comma separated, may repeat: ro, rw, nologreplay (with ro: ignore an
+    /// fsync log, show the last commit), commit=SECONDS (read-write: commit
     /// this often, default 30, 0 = only at fsync/unmount), allow_other, allow_root,
     /// fsname=NAME, subtype=NAME, subvol=PATH, subvolid=N, dev, nodev, suid, nosuid, exec,
     /// noexec, atime, noatime.
@@ -65,6 +66,8 @@ enum Subvol {
 #[derive(Debug)]
 struct Plan {
     ro: bool,
+    /// `nologreplay`: show the last commit and leave an fsync log alone (read-only only).
+    nologreplay: bool,
     subvol: Subvol,
     cfg: MountConfig,
 }
@@ -72,6 +75,7 @@ struct Plan {
 fn plan(a: &MountArgs) -> Result<Plan, CliError> {
     let mut ro = a.ro;
     let mut rw = false;
+    let mut nologreplay = false;
     let mut subvol = match (&a.subvol, a.subvol_id) {
         (Some(p), _) => Subvol::Path(p.clone()),
         (None, Some(id)) => Subvol::Id(id),
@@ -106,6 +110,10 @@ fn plan(a: &MountArgs) -> Result<Plan, CliError> {
                     .parse()
                     .map_err(|_| CliError(format!("commit={v}: not a number of seconds")))?;
                 cfg.commit_interval = Some(Duration::from_secs(secs));
+                None
+            }
+            ("nologreplay", None) => {
+                nologreplay = true;
                 None
             }
             ("allow_other", None) => {
@@ -152,7 +160,19 @@ fn plan(a: &MountArgs) -> Result<Plan, CliError> {
     if rw {
         ro = false;
     }
-    Ok(Plan { ro, subvol, cfg })
+    if nologreplay && !ro {
+        return Err(CliError(
+            "nologreplay needs a read-only mount (-o ro,nologreplay): a read-write mount must \
+             replay the fsync log first"
+                .into(),
+        ));
+    }
+    Ok(Plan {
+        ro,
+        nologreplay,
+        subvol,
+        cfg,
+    })
 }
 
 /// The root directory of the subvolume to mount. `subvol=` paths start at the top-level
@@ -193,7 +213,15 @@ pub fn mount(a: MountArgs) -> CliResult {
     }
     // Before anything starts a thread: fork(2) copies only the calling one.
     let ready_pipe = if a.daemon { Some(daemonize()?) } else { None };
-    let fs = if p.ro {
+    let fs = if p.ro && p.nologreplay {
+        Fs::open_opts(&a.image, butter::fs::OpenOpts::nologreplay()).map_err(|e| {
+            CliError(format!(
+                "cannot open {}: {}",
+                a.image.display(),
+                CliError::from(e)
+            ))
+        })?
+    } else if p.ro {
         open_fs(&a.image)?
     } else {
         Fs::open_rw(&a.image).map_err(|e| match e {
@@ -391,6 +419,13 @@ mod tests {
             Some(Duration::from_secs(DEFAULT_COMMIT))
         );
         assert!(parse(&["-o", "commit=x", "img", "dir"]).is_err());
+        assert!(
+            parse(&["-o", "ro,nologreplay", "img", "dir"])
+                .unwrap()
+                .nologreplay
+        );
+        assert!(!parse(&["-o", "ro", "img", "dir"]).unwrap().nologreplay);
+        assert!(parse(&["-o", "nologreplay", "img", "dir"]).is_err());
         assert!(parse(&["--subvol", "a", "--subvol-id", "5", "img", "dir"]).is_err());
     }
 }
