@@ -745,7 +745,9 @@ impl Fs {
         let ss = self.disk.sectorsize() as u64;
         let cut_at = size.div_ceil(ss) * ss;
         let mut removed = 0;
-        for x in self.file_extents(ino, cut_at, u64::MAX)? {
+        // From `size`, not `cut_at`: an inline extent ends inside the first sector and must be
+        // cut to the new size (else a later truncate up shows its stale bytes).
+        for x in self.file_extents(ino, size, u64::MAX)? {
             let key = Key::new(ino.ino, EXTENT_DATA_KEY, x.start);
             if let FileExtentBody::Inline(d) = &x.item.body {
                 if x.start >= cut_at || size == 0 {
@@ -761,6 +763,9 @@ impl Fs {
                 continue;
             }
             let ke = x.end(ss);
+            if ke <= cut_at {
+                continue; // a regular extent ending in the kept last sector
+            }
             let c = cut(x.start, &x.item, ke, cut_at, u64::MAX.max(ke));
             let c = match c {
                 Cut::Split(h, _, _) => Cut::KeepHead(h),
