@@ -127,23 +127,9 @@ fn cut(ks: u64, fe: &FileExtentItem, ke: u64, start: u64, end: u64) -> Cut {
 
 impl Fs {
     fn file_extents(&self, ino: Inode, from: u64, to: u64) -> Result<Vec<FileExtent>> {
-        let root = self.subvol_root(ino.root)?;
         let ss = self.disk.sectorsize() as u64;
         let mut out = Vec::new();
-        let start_key = match crate::ctree::lookup_le(
-            &self.disk,
-            &root,
-            &Key::new(ino.ino, EXTENT_DATA_KEY, from),
-        )? {
-            Some(i) if i.key.objectid == ino.ino && i.key.ty == EXTENT_DATA_KEY => i.key,
-            _ => Key::new(ino.ino, EXTENT_DATA_KEY, 0),
-        };
-        let mut it = crate::ctree::TreeIter::new(
-            self.disk.clone(),
-            root,
-            start_key,
-            crate::disk_io::Readahead::None,
-        )?;
+        let mut it = self.extent_items_from(ino, from)?;
         while let Some(i) = it.next_item()? {
             if i.key.objectid != ino.ino || i.key.ty != EXTENT_DATA_KEY || i.key.offset >= to {
                 break;

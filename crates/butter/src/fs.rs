@@ -289,6 +289,21 @@ impl Fs {
         Ok((root, ri))
     }
 
+    /// Items of `ino` from its file extent item at or before `offset` (from its first one when
+    /// there is none before): the start of every walk over a range of a file's extents.
+    pub(crate) fn extent_items_from(&self, ino: Inode, offset: u64) -> Result<TreeIter> {
+        let root = self.subvol_root(ino.root)?;
+        let start_key = match ctree::lookup_le(
+            &self.disk,
+            &root,
+            &Key::new(ino.ino, EXTENT_DATA_KEY, offset),
+        )? {
+            Some(i) if i.key.objectid == ino.ino && i.key.ty == EXTENT_DATA_KEY => i.key,
+            _ => Key::new(ino.ino, EXTENT_DATA_KEY, 0),
+        };
+        TreeIter::new(self.disk.clone(), root, start_key, Readahead::None)
+    }
+
     /// Drops the cached root item of subvolume `id` (after the write engine changed it).
     pub(crate) fn forget_subvol(&self, id: u64) {
         self.roots

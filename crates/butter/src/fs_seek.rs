@@ -27,21 +27,7 @@ impl Fs {
         if offset >= size {
             return Ok(None);
         }
-        let root = self.subvol_root(ino.root)?;
-        let start_key = match crate::ctree::lookup_le(
-            &self.disk,
-            &root,
-            &Key::new(ino.ino, EXTENT_DATA_KEY, offset),
-        )? {
-            Some(i) if i.key.objectid == ino.ino && i.key.ty == EXTENT_DATA_KEY => i.key,
-            _ => Key::new(ino.ino, EXTENT_DATA_KEY, 0),
-        };
-        let mut it = crate::ctree::TreeIter::new(
-            self.disk.clone(),
-            root,
-            start_key,
-            crate::disk_io::Readahead::None,
-        )?;
+        let mut it = self.extent_items_from(ino, offset)?;
         // `pos`: the first byte not yet known to be data (for SEEK_HOLE).
         let mut pos = offset;
         while let Some(i) = it.next_item()? {
