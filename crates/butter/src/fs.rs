@@ -259,9 +259,18 @@ impl Fs {
             // an older root block; the live root is the current one.
             let ri = match cached {
                 Some(ri) => ri,
-                None => self
-                    .find_root_item(id)?
-                    .ok_or_else(|| Error::NotFound(format!("subvolume {id}")))?,
+                None => {
+                    let ri = self
+                        .find_root_item(id)?
+                        .ok_or_else(|| Error::NotFound(format!("subvolume {id}")))?;
+                    // Cached with the live root: live roots are never dropped, so the cached
+                    // root is never used for this tree again, only its item.
+                    self.roots
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .insert(id, (live, ri.clone()));
+                    ri
+                }
             };
             return Ok((live, ri));
         }
