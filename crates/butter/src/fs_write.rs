@@ -165,6 +165,13 @@ impl Fs {
         self.writer()?.commit()
     }
 
+    /// fsync(2) / fdatasync(2) of one inode: when it returns, the inode's data and metadata
+    /// (and the names that make it reachable) survive a power cut.
+    pub fn fsync(&self, ino: Inode, datasync: bool) -> Result<()> {
+        let _ = (ino, datasync);
+        self.commit()
+    }
+
     /// [`Fs::commit`], calling `trees_final` when the trees reached their final state in
     /// memory and only the writing is left (see [`Writer::commit_with`]). Other changes wait
     /// for the whole commit; reads may run again from `trees_final` on.
