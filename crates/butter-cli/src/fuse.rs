@@ -6,9 +6,12 @@
 //! - **Read-only mounts** carry `ro`; opens for writing, `access(W_OK)` and every changing
 //!   operation get EROFS.
 //! - **Read-write mounts.** Each operation maps to one engine call (or a few, under one lock:
-//!   create + inherited ACLs). Nothing is durable until a commit: at `fsync`/`fsyncdir`, at
-//!   every `commit_interval`, and in `destroy` at the end of the session; close (`flush`) is
-//!   not one, as on the kernel's btrfs. SIGKILL therefore leaves the image at its last commit.
+//!   create + inherited ACLs). Changes are durable at a commit (every `commit_interval`, and
+//!   in `destroy` at the end of the session) and, for one inode, at its `fsync`, which writes
+//!   the fsync log (crate `butter::log_write`; directories and the cases the log cannot
+//!   express commit instead, as does every fsync with `fsync=commit`). Close (`flush`) is
+//!   not durable, as on the kernel's btrfs. SIGKILL leaves the image at its last commit plus
+//!   the log; the next read-write open replays it.
 //! - **Ordering.** The engine changes its trees block by block, so one `RwLock` orders
 //!   operations: changes and commits take it exclusively, reads (lookup, getattr, read,
 //!   readdir, xattr reads, lseek, statfs) share it and run in parallel with each other. A
@@ -233,6 +236,29 @@ impl Shared {
                  the image keeps its last commit (unmount, then run `butter check`)"
             );
             *s = Some(why);
+        }
+    }
+
+    /// fsync of one inode: logs it (waiting for running changes, not for a commit in
+    /// progress), then writes the log, in one log commit with the fsyncs that logged
+    /// meanwhile. Commits instead where the engine cannot log the inode.
+    pub fn fsync(&self, fs: &Fs, ino: Inode) -> Result<(), String> {
+        let ticket = {
+            // Shared: the trees do not change under a reader; the engine's writer lock keeps
+            // other fsyncs out of the log meanwhile.
+            let _g = lock_read(&self.lock);
+            if let Some(why) = self.stopped() {
+                return Err(format!("not writing ({why})"));
+            }
+            fs.log_inode(ino)
+                .map_err(|e| format!("logging inode: {e}"))?
+        };
+        match ticket {
+            butter::log_write::LogTicket::Logged(seq) => fs
+                .sync_log(seq)
+                .map_err(|e| format!("writing the fsync log: {e}")),
+            butter::log_write::LogTicket::Durable => Ok(()),
+            butter::log_write::LogTicket::Commit => self.commit(fs),
         }
     }
 
@@ -631,16 +657,6 @@ impl ButterFuse {
         } else {
             FopenFlags::FOPEN_KEEP_CACHE
         }
-    }
-
-    /// Commits (flush, fsync, the periodic thread and the end of the mount).
-    fn commit(&self, why: &str) -> OpResult<()> {
-        if !self.writable {
-            return Ok(());
-        }
-        self.shared
-            .commit(&self.fs)
-            .map_err(|e| OpError::Edge(libc::EIO, format!("commit ({why}): {e}")))
     }
 
     /// Setting `system.posix_acl_access`: the mode's permission bits follow the ACL, and an
@@ -1141,7 +1157,16 @@ impl Filesystem for ButterFuse {
         _datasync: bool,
         reply: ReplyEmpty,
     ) {
-        match self.guard("fsync", ino.0, || self.commit("fsync")) {
+        let r = self.guard("fsync", ino.0, || {
+            if !self.writable {
+                return Ok(());
+            }
+            let i = self.inode(ino.0)?;
+            self.shared
+                .fsync(&self.fs, i)
+                .map_err(|e| OpError::Edge(libc::EIO, format!("fsync: {e}")))
+        });
+        match r {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(e),
         }
@@ -1246,7 +1271,16 @@ impl Filesystem for ButterFuse {
         _datasync: bool,
         reply: ReplyEmpty,
     ) {
-        match self.guard("fsyncdir", ino.0, || self.commit("fsyncdir")) {
+        let r = self.guard("fsyncdir", ino.0, || {
+            if !self.writable {
+                return Ok(());
+            }
+            let i = self.inode(ino.0)?;
+            self.shared
+                .fsync(&self.fs, i)
+                .map_err(|e| OpError::Edge(libc::EIO, format!("fsyncdir: {e}")))
+        });
+        match r {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(e),
         }

@@ -193,6 +193,10 @@ pub struct BlockGroup {
     pub pinned: RangeSet,
     /// Carved out for superblock copies; never free, never used.
     pub excluded: RangeSet,
+    /// Blocks of the fsync log (crate::log_write): free as far as the trees say (no extent
+    /// item, free in the free space tree), but not allocatable until the transaction that
+    /// wrote them has committed and no log write is in flight.
+    pub held: RangeSet,
     /// Needs its BLOCK_GROUP_ITEM and free space tree entries rewritten at commit.
     pub dirty: bool,
     /// Created in the running transaction: its items do not exist on disk yet.
@@ -215,6 +219,7 @@ impl BlockGroup {
             free,
             pinned: RangeSet::new(),
             excluded: RangeSet::new(),
+            held: RangeSet::new(),
             dirty: false,
             new: false,
             fst_bitmaps: false,
@@ -240,7 +245,10 @@ impl BlockGroup {
     /// ranges (the kernel describes a new group as wholly free and keeps supers out of its
     /// allocator in memory only).
     pub fn on_disk_free(&self) -> RangeSet {
-        self.free.union(&self.pinned).union(&self.excluded)
+        self.free
+            .union(&self.pinned)
+            .union(&self.excluded)
+            .union(&self.held)
     }
     fn alloc(&mut self, len: u64, align: u64) -> Option<u64> {
         let at = self.free.find(len, align, self.cursor)?;
@@ -403,6 +411,26 @@ impl Allocator {
                 "freed extent {start}+{len} is in no block group"
             ))),
         }
+    }
+
+    /// Allocates a block for the fsync log: taken from the free space and held (see
+    /// [`BlockGroup::held`]) without touching the group's used count or its on-disk items.
+    pub fn alloc_held(&mut self, kind: SpaceKind, len: u64, align: u64) -> Option<u64> {
+        let at = self.alloc(kind, len, align)?;
+        match self.with_group(at, |g| g.held.add(at, len)) {
+            Some(Ok(())) => Some(at),
+            _ => None,
+        }
+    }
+
+    /// Gives held log blocks back to the free space.
+    pub fn release_held(&mut self, start: u64, len: u64) {
+        self.with_group(start, |g| {
+            if g.held.contains(start, len) {
+                g.held.remove(start, len);
+                let _ = g.free.add(start, len);
+            }
+        });
     }
 
     /// After a commit: pinned space becomes allocatable.

@@ -125,7 +125,7 @@ impl Writer {
         }
     }
 
-    fn header_for(&self, tree: u64, bytenr: u64) -> NewHeader {
+    pub(crate) fn header_for(&self, tree: u64, bytenr: u64) -> NewHeader {
         NewHeader {
             bytenr,
             owner: tree,

@@ -157,6 +157,7 @@ impl Fs {
         end: u64,
         new: Option<(u64, FileExtentItem)>,
     ) -> Result<(u64, u64)> {
+        w.log.note_change(ino, start, end);
         let d0 = w.descents;
         let r = self.replace_extents_inner(w, ino, start, end, new);
         w.replace_descents += w.descents - d0;
@@ -564,6 +565,7 @@ impl Fs {
         let mut item = self.inode_item(ino)?;
         let key = Key::new(ino.ino, EXTENT_DATA_KEY, 0);
         let old = w.read_item(ino.root, &key)?;
+        w.log.note_change(ino, 0, u64::MAX);
         let fe = FileExtentItem {
             generation: w.transid,
             ram_bytes: content.len() as u64,
@@ -642,6 +644,7 @@ impl Fs {
                 };
                 let mut item = self.inode_item(ino)?;
                 if had_inline && done == 0 {
+                    w.log.note_change(ino, 0, ss);
                     let key = Key::new(ino.ino, EXTENT_DATA_KEY, 0);
                     if let Some(old) = w.read_item(ino.root, &key)? {
                         let ofe = FileExtentItem::parse(&old)?;
@@ -719,6 +722,7 @@ impl Fs {
                 num_bytes: to - from,
             },
         };
+        w.log.note_change(ino, from, to);
         w.insert_item(
             ino.root,
             Key::new(ino.ino, EXTENT_DATA_KEY, from),
@@ -730,6 +734,7 @@ impl Fs {
     pub(crate) fn truncate_extents(&self, w: &mut Writer, ino: Inode, size: u64) -> Result<u64> {
         let ss = self.disk.sectorsize() as u64;
         let cut_at = size.div_ceil(ss) * ss;
+        w.log.note_change(ino, size, u64::MAX);
         let mut removed = 0;
         // From `size`, not `cut_at`: an inline extent ends inside the first sector and must be
         // cut to the new size (else a later truncate up shows its stale bytes).

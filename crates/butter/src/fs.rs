@@ -123,6 +123,11 @@ pub struct Fs {
     pub default_subvol: u64,
     /// Readahead mode used by whole-tree walks (restore, find).
     pub walk_readahead: Readahead,
+    /// Held by log commits and transaction commits (crate::log_write): one writes a
+    /// superblock at a time.
+    pub(crate) log_sync: Mutex<()>,
+    /// fsync writes the log tree (else it commits the transaction).
+    pub(crate) fsync_log: std::sync::atomic::AtomicBool,
 }
 
 impl Fs {
@@ -180,6 +185,8 @@ impl Fs {
             roots: Mutex::new(HashMap::new()),
             default_subvol: FS_TREE_OBJECTID,
             walk_readahead: Readahead::ForwardAlways,
+            log_sync: Mutex::new(()),
+            fsync_log: std::sync::atomic::AtomicBool::new(true),
         };
         fs.csum_root = match fs.find_root_item(CSUM_TREE_OBJECTID)? {
             Some(ri) => Some(Root {

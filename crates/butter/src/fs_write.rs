@@ -162,20 +162,15 @@ impl Fs {
 
     /// Makes every change so far durable.
     pub fn commit(&self) -> Result<()> {
+        let _l = self.log_sync.lock().unwrap_or_else(|e| e.into_inner());
         self.writer()?.commit()
-    }
-
-    /// fsync(2) / fdatasync(2) of one inode: when it returns, the inode's data and metadata
-    /// (and the names that make it reachable) survive a power cut.
-    pub fn fsync(&self, ino: Inode, datasync: bool) -> Result<()> {
-        let _ = (ino, datasync);
-        self.commit()
     }
 
     /// [`Fs::commit`], calling `trees_final` when the trees reached their final state in
     /// memory and only the writing is left (see [`Writer::commit_with`]). Other changes wait
     /// for the whole commit; reads may run again from `trees_final` on.
     pub fn commit_with(&self, trees_final: impl FnOnce()) -> Result<()> {
+        let _l = self.log_sync.lock().unwrap_or_else(|e| e.into_inner());
         self.writer()?.commit_with(trees_final)
     }
 
@@ -416,6 +411,9 @@ impl Fs {
     /// Removes the entry `name` from `dir` (DIR_ITEM entry, DIR_INDEX, INODE_REF) and shrinks
     /// the directory.
     fn remove_entry(&self, w: &mut Writer, dir: Inode, name: &[u8], target: Inode) -> Result<()> {
+        // A name went away: logging either side could bring it back or collide with it.
+        w.log.note_needs_commit(dir);
+        w.log.note_needs_commit(target);
         let dkey = Key::new(dir.ino, DIR_ITEM_KEY, hash::name_hash(name));
         let body = w
             .read_item(dir.root, &dkey)?
@@ -573,6 +571,8 @@ impl Fs {
             return Err(Error::Exists(String::from_utf8_lossy(name).into_owned()));
         }
         self.op(true, |w| {
+            w.log.note_needs_commit(dir);
+            w.log.note_needs_commit(ino);
             self.add_entry(w, dir, name, ino, mode_to_ft(item.mode))?;
             item.nlink += 1;
             Self::touch(w, &mut item, false);
@@ -758,6 +758,11 @@ impl Fs {
         }
         self.require_dir(from_dir)?;
         self.require_dir(to_dir)?;
+        {
+            let mut w = self.writer()?;
+            w.log.note_needs_commit(from_dir);
+            w.log.note_needs_commit(to_dir);
+        }
         if from_dir.root != to_dir.root {
             return Err(Error::Invalid("rename across subvolumes (EXDEV)".into()));
         }

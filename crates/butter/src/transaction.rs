@@ -93,6 +93,8 @@ pub struct Writer {
     pub(crate) next_index: HashMap<(u64, u64), u64>,
     /// Seed 002: replace file extents in the leaf of one descent when possible.
     pub combined_replace: bool,
+    /// The fsync log of the running transaction (crate::log_write).
+    pub(crate) log: crate::log_write::LogState,
 }
 
 fn is_fs_tree(id: u64) -> bool {
@@ -151,6 +153,7 @@ impl Writer {
             next_ino: HashMap::new(),
             next_index: HashMap::new(),
             combined_replace: true,
+            log: Default::default(),
             disk,
         };
         w.trees.insert(
@@ -274,6 +277,7 @@ impl Writer {
         last_snapshot: u64,
     ) {
         let transid = self.transid;
+        self.log.note_new_tree(id);
         self.trees.insert(
             id,
             TreeState {
@@ -674,6 +678,10 @@ impl Writer {
             .map_err(|e| Error::io("flushing tree blocks", 0, e))?;
         self.write_superblocks()?;
         self.state = TransState::Unblocked;
+        // The superblock no longer names a log: its blocks go back once no log write is in
+        // flight.
+        let ns = self.disk.nodesize() as u64;
+        self.log.committed(&mut self.allocator, ns);
         // The transaction is on disk.
         self.allocator.unpin_all();
         self.allocator.for_each(|g| {
@@ -832,6 +840,28 @@ impl Writer {
             })?;
             self.disk.write_logical(bytenr, &data)?;
             self.stats.blocks_written += 1;
+        }
+        Ok(())
+    }
+
+    /// Points the primary superblock at a log root tree (an fsync log commit; the caller
+    /// flushes). The mirrors keep the committed state, as the kernel leaves them.
+    pub(crate) fn write_log_super(&mut self, log_root: u64, level: u8) -> Result<()> {
+        let mut copy = self.sb_raw.clone();
+        copy[96..104].copy_from_slice(&log_root.to_le_bytes());
+        copy[104..112].fill(0);
+        copy[200] = level;
+        let off = alloc::super_mirror_offsets()[0];
+        copy[48..56].copy_from_slice(&off.to_le_bytes());
+        let ct = self.disk.sb.csum_type;
+        let c = ct.compute(&copy[32..SUPER_INFO_SIZE]);
+        copy[0..32].fill(0);
+        copy[..ct.size()].copy_from_slice(&c[..ct.size()]);
+        if let Err(e) = self.disk.dev.write_at(&copy, off) {
+            let e = Error::io("writing the superblock of an fsync log", off, e);
+            // The primary copy may be torn: nothing more may be written.
+            self.aborted = Some(e.to_string());
+            return Err(e);
         }
         Ok(())
     }

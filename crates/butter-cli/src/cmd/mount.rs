@@ -5,9 +5,11 @@
 //!
 //! Read-write: one writer per image. The image is locked (see `Fs::open_rw`), so a second
 //! read-write mount, or one of an image the kernel has mounted, is refused with a message.
-//! Changes are durable at each commit: every `-o commit=SECONDS` (30 by default), at fsync,
-//! and at unmount (not at close, as on the kernel). SIGKILL loses what came after
-//! the last commit and nothing else.
+//! Changes are durable at each commit: every `-o commit=SECONDS` (30 by default) and at
+//! unmount (not at close, as on the kernel), and a file's changes at its fsync, which writes
+//! the btrfs fsync log (`-o fsync=commit` makes every fsync a full commit instead). SIGKILL
+//! loses what came after the last commit or fsync and nothing else; the next read-write open
+//! (butter's or the kernel's) replays the log.
 
 use super::{open_fs, CliError, CliResult};
 use crate::fuse::{self, MountConfig};
@@ -29,7 +31,8 @@ pub struct MountArgs {
     pub ro: bool,
     /// Mount options, comma separated, may repeat: ro, rw, nologreplay (with ro: ignore an
     /// fsync log, show the last commit), commit=SECONDS (read-write: commit
-    /// this often, default 30, 0 = only at fsync/unmount), allow_other, allow_root,
+    /// this often, default 30, 0 = only at fsync/unmount), fsync=log|commit (what an fsync
+    /// writes: the fsync log, the default, or a full commit), allow_other, allow_root,
     /// fsname=NAME, subtype=NAME, subvol=PATH, subvolid=N, dev, nodev, suid, nosuid, exec,
     /// noexec, atime, noatime.
     #[arg(short = 'o', value_name = "OPTIONS")]
@@ -68,6 +71,8 @@ struct Plan {
     ro: bool,
     /// `nologreplay`: show the last commit and leave an fsync log alone (read-only only).
     nologreplay: bool,
+    /// fsync writes the log tree (else commits).
+    fsync_log: bool,
     subvol: Subvol,
     cfg: MountConfig,
 }
@@ -76,6 +81,7 @@ fn plan(a: &MountArgs) -> Result<Plan, CliError> {
     let mut ro = a.ro;
     let mut rw = false;
     let mut nologreplay = false;
+    let mut fsync_log = true;
     let mut subvol = match (&a.subvol, a.subvol_id) {
         (Some(p), _) => Subvol::Path(p.clone()),
         (None, Some(id)) => Subvol::Id(id),
@@ -115,6 +121,19 @@ fn plan(a: &MountArgs) -> Result<Plan, CliError> {
             ("nologreplay", None) => {
                 nologreplay = true;
                 None
+            }
+            ("fsync", Some("log")) => {
+                fsync_log = true;
+                None
+            }
+            ("fsync", Some("commit")) => {
+                fsync_log = false;
+                None
+            }
+            ("fsync", Some(v)) => {
+                return Err(CliError(format!(
+                    "fsync={v}: expected fsync=log or fsync=commit"
+                )))
             }
             ("allow_other", None) => {
                 cfg.allow_other = true;
@@ -170,6 +189,7 @@ fn plan(a: &MountArgs) -> Result<Plan, CliError> {
     Ok(Plan {
         ro,
         nologreplay,
+        fsync_log,
         subvol,
         cfg,
     })
@@ -233,6 +253,7 @@ pub fn mount(a: MountArgs) -> CliResult {
             )),
         })?
     };
+    fs.set_fsync_log(p.fsync_log);
     let fs = Arc::new(fs);
     let root = subvol_root(&fs, &p.subvol)?;
     if !fs.stat(root)?.is_dir() {
@@ -425,6 +446,13 @@ mod tests {
                 .nologreplay
         );
         assert!(!parse(&["-o", "ro", "img", "dir"]).unwrap().nologreplay);
+        assert!(parse(&["img", "dir"]).unwrap().fsync_log);
+        assert!(
+            !parse(&["-o", "fsync=commit", "img", "dir"])
+                .unwrap()
+                .fsync_log
+        );
+        assert!(parse(&["-o", "fsync=sometimes", "img", "dir"]).is_err());
         assert!(parse(&["-o", "nologreplay", "img", "dir"]).is_err());
         assert!(parse(&["--subvol", "a", "--subvol-id", "5", "img", "dir"]).is_err());
     }

@@ -1,0 +1,942 @@
+//! Writing the fsync log (seed 003): fsync and fdatasync without a transaction commit.
+//!
+//! An fsync copies what the inode needs to survive a power cut into its subvolume's log tree,
+//! kept in memory for the running transaction ([`LogState`]):
+//!
+//! - its INODE_ITEM, INODE_REFs and XATTR_ITEMs, as they are now (replay makes the inode's
+//!   names in the logged directories and its xattrs exactly these);
+//! - the EXTENT_DATA items of the file ranges changed since the inode was last logged (the
+//!   range-state tree of seed 000 tracks them per inode, [`ExtentBits::DIRTY`]), widened to
+//!   whole items of both the tree and the log, with explicit holes where a NO_HOLES file has
+//!   none (replay then drops what the committed tree has there);
+//! - the data checksums of the logged extents, as EXTENT_CSUM items.
+//!
+//! A log commit ([`Fs::sync_log`]) writes the leaves that changed since the last one (the log
+//! tree's other leaves stay where they are), new upper nodes and a new log root tree, all in
+//! blocks held out of the allocator until the transaction commits; flushes; points the primary
+//! superblock's `log_root` at the log root tree; flushes again. The data was written by
+//! `write` before, so the first flush makes it durable too. A transaction commit clears the
+//! pointer and drops the in-memory log.
+//!
+//! Group commit: logging an inode (under the writer lock) and writing the log (under the log
+//! lock, mostly without the writer lock) are separate steps. Fsyncs that logged while another
+//! log commit was writing find their items written by the next one, or already by one that
+//! started after they logged (`synced_seq`).
+//!
+//! Fsyncs fall back to a full commit where a log cannot be right or is not written yet:
+//! directories, inodes with extended refs or without links, inodes renamed, linked or
+//! unlinked in the running transaction and inodes in directories that lost or changed names
+//! in it (a logged name could then collide with a committed one), inodes whose directory or
+//! subvolume is new in the transaction, and when log blocks cannot be allocated.
+
+use crate::alloc::SpaceKind;
+use crate::ctree;
+use crate::ctree::TreeIter;
+use crate::ctree_ops::{LeafMut, NewHeader, NodeMut};
+use crate::disk_io::Readahead;
+use crate::error::{Error, Result};
+use crate::extent_io::{ExtentBits, ExtentIoTree};
+use crate::format::csum::CsumType;
+use crate::format::items::*;
+use crate::format::*;
+use crate::fs::{Fs, Inode};
+use crate::transaction::Writer;
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::atomic::Ordering;
+
+/// One subvolume's log tree (or the log root tree) in memory, laid out in leaves that are
+/// rewritten only when their items change.
+#[derive(Debug, Default)]
+struct LogTree {
+    items: BTreeMap<Key, Vec<u8>>,
+    /// First key of every leaf, ascending: leaf `i` holds the items in
+    /// `[bounds[i], bounds[i + 1])` (leaf 0 also the keys below `bounds[0]`).
+    bounds: Vec<Key>,
+    /// Where each leaf was last written; `None` when its items changed since.
+    written: Vec<Option<u64>>,
+    /// Root (bytenr, level) of the last written tree; `None` when anything changed since.
+    root: Option<(u64, u8)>,
+}
+
+impl LogTree {
+    fn leaf_of(&self, k: &Key) -> usize {
+        self.bounds.partition_point(|b| b <= k).saturating_sub(1)
+    }
+
+    fn touch(&mut self, k: &Key) {
+        self.root = None;
+        if self.bounds.is_empty() {
+            self.bounds.push(*k);
+            self.written.push(None);
+            return;
+        }
+        let i = self.leaf_of(k);
+        self.written[i] = None;
+    }
+
+    fn insert(&mut self, k: Key, v: Vec<u8>) {
+        if self.items.get(&k) == Some(&v) {
+            return;
+        }
+        self.touch(&k);
+        self.items.insert(k, v);
+    }
+
+    /// Removes every item in `[from, to]`.
+    fn remove_range(&mut self, from: Key, to: Key) {
+        if from > to {
+            return;
+        }
+        let keys: Vec<Key> = self.items.range(from..=to).map(|(k, _)| *k).collect();
+        for k in keys {
+            self.touch(&k);
+            self.items.remove(&k);
+        }
+    }
+
+    /// Writes the changed leaves and every upper node into new blocks (appended to `out`).
+    /// Returns the root, or `None` for an empty tree.
+    fn write(
+        &mut self,
+        nodesize: usize,
+        out: &mut Vec<(u64, Vec<u8>)>,
+        new_block: &mut dyn FnMut() -> Result<(u64, NewHeader)>,
+        csum_type: CsumType,
+    ) -> Result<Option<(u64, u8)>> {
+        if let Some(r) = self.root {
+            return Ok(Some(r));
+        }
+        let cap = nodesize - HEADER_SIZE;
+        let mut i = self.bounds.len();
+        while i > 0 {
+            i -= 1;
+            if self.written[i].is_some() {
+                continue;
+            }
+            let lo = if i == 0 { Key::MIN } else { self.bounds[i] };
+            let range: Vec<(Key, Vec<u8>)> = match self.bounds.get(i + 1) {
+                Some(hi) => self.items.range(lo..*hi),
+                None => self.items.range(lo..),
+            }
+            .map(|(k, v)| (*k, v.clone()))
+            .collect();
+            // Greedy packing into as many leaves as the items need.
+            let mut groups: Vec<Vec<(Key, Vec<u8>)>> = Vec::new();
+            let mut used = cap;
+            for (k, v) in range {
+                let need = ITEM_SIZE + v.len();
+                if need > cap {
+                    return Err(Error::Invalid(format!(
+                        "engine bug: log item {k} of {} bytes does not fit a leaf",
+                        v.len()
+                    )));
+                }
+                if used + need > cap {
+                    groups.push(Vec::new());
+                    used = 0;
+                }
+                used += need;
+                if let Some(g) = groups.last_mut() {
+                    g.push((k, v));
+                }
+            }
+            let mut bounds = Vec::with_capacity(groups.len());
+            let mut written = Vec::with_capacity(groups.len());
+            for g in groups {
+                let (bytenr, h) = new_block()?;
+                let mut buf = vec![0u8; nodesize];
+                {
+                    let mut leaf = LeafMut::init(&mut buf, &h)?;
+                    let specs: Vec<(Key, usize)> = g.iter().map(|(k, v)| (*k, v.len())).collect();
+                    leaf.insert_items(0, &specs)?;
+                    for (slot, (_, v)) in g.iter().enumerate() {
+                        leaf.item_data_mut(slot)?.copy_from_slice(v);
+                    }
+                }
+                crate::ctree_ops::finalize(&mut buf, csum_type)?;
+                bounds.push(g[0].0);
+                written.push(Some(bytenr));
+                out.push((bytenr, buf));
+            }
+            self.bounds.splice(i..=i, bounds);
+            self.written.splice(i..=i, written);
+        }
+        let mut level_ptrs: Vec<(Key, u64)> = self
+            .bounds
+            .iter()
+            .zip(&self.written)
+            .filter_map(|(k, w)| w.map(|b| (*k, b)))
+            .collect();
+        if level_ptrs.is_empty() {
+            return Ok(None);
+        }
+        let max_ptrs = (nodesize - HEADER_SIZE) / KEY_PTR_SIZE;
+        let mut level = 0u8;
+        while level_ptrs.len() > 1 {
+            level += 1;
+            if level >= MAX_LEVEL {
+                return Err(Error::Invalid("engine bug: log tree too tall".into()));
+            }
+            let mut next = Vec::new();
+            for chunk in level_ptrs.chunks(max_ptrs) {
+                let (bytenr, h) = new_block()?;
+                let mut buf = vec![0u8; nodesize];
+                {
+                    let mut node = NodeMut::init(&mut buf, level, &h)?;
+                    for (slot, (k, ptr)) in chunk.iter().enumerate() {
+                        node.insert_ptr(slot, *k, *ptr, h.generation)?;
+                    }
+                }
+                crate::ctree_ops::finalize(&mut buf, csum_type)?;
+                next.push((chunk[0].0, bytenr));
+                out.push((bytenr, buf));
+            }
+            level_ptrs = next;
+        }
+        let root = (level_ptrs[0].1, level);
+        self.root = Some(root);
+        Ok(Some(root))
+    }
+}
+
+/// The fsync log of the running transaction (part of the [`Writer`]).
+#[derive(Debug, Default)]
+pub struct LogState {
+    /// Log trees by subvolume.
+    trees: BTreeMap<u64, LogTree>,
+    /// The log root tree: one ROOT_ITEM per log tree.
+    root_tree: LogTree,
+    /// Per inode: file ranges changed since it was last logged (seed 000's range-state tree,
+    /// `DIRTY`).
+    changed: HashMap<Inode, ExtentIoTree>,
+    /// Inodes and directories whose fsync must commit (see the module documentation).
+    needs_commit: HashSet<Inode>,
+    /// Subvolumes created in the running transaction.
+    new_trees: HashSet<u64>,
+    /// Inodes logged in the running transaction.
+    logged: HashSet<Inode>,
+    /// Bumped by every change to the log's items.
+    seq: u64,
+    /// Every change up to this sequence number is durable.
+    synced_seq: u64,
+    /// Blocks written for this transaction's log, held until it commits.
+    blocks: Vec<u64>,
+    /// Blocks of committed logs, released once no log write is in flight.
+    retired: Vec<u64>,
+    /// Log writes in flight (their blocks go out without the writer lock).
+    inflight: u32,
+    pub stats: LogStats,
+}
+
+/// Counters for tests and benchmarks.
+#[derive(Debug, Default, Clone)]
+pub struct LogStats {
+    /// Fsyncs that logged their inode.
+    pub logged: u64,
+    /// Fsyncs that committed the transaction instead.
+    pub fallbacks: u64,
+    /// Log commits written (each may carry several fsyncs: group commit).
+    pub log_commits: u64,
+    /// Fsyncs that found their changes already durable.
+    pub already_durable: u64,
+}
+
+/// What an fsync has to do after its inode is logged.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogTicket {
+    /// The log holds the inode: make sequence number `seq` durable with [`Fs::sync_log`].
+    Logged(u64),
+    /// Nothing changed since the last commit.
+    Durable,
+    /// The inode cannot be logged: commit the transaction.
+    Commit,
+}
+
+impl LogState {
+    /// A file range of `ino` changed (`end` exclusive).
+    pub(crate) fn note_change(&mut self, ino: Inode, start: u64, end: u64) {
+        if end > start {
+            self.changed
+                .entry(ino)
+                .or_default()
+                .set_bits(start, end - 1, ExtentBits::DIRTY);
+        }
+    }
+
+    /// An operation made logging `ino` unsafe until the next commit.
+    pub(crate) fn note_needs_commit(&mut self, ino: Inode) {
+        self.needs_commit.insert(ino);
+    }
+
+    pub(crate) fn note_new_tree(&mut self, id: u64) {
+        self.new_trees.insert(id);
+    }
+
+    /// After a transaction commit wrote its superblock (whose log pointer is clear).
+    pub(crate) fn committed(&mut self, allocator: &mut crate::alloc::Allocator, nodesize: u64) {
+        self.trees.clear();
+        self.root_tree = LogTree::default();
+        self.changed.clear();
+        self.needs_commit.clear();
+        self.new_trees.clear();
+        self.logged.clear();
+        self.synced_seq = self.seq;
+        self.retired.append(&mut self.blocks);
+        if self.inflight == 0 {
+            for b in self.retired.drain(..) {
+                allocator.release_held(b, nodesize);
+            }
+        }
+    }
+
+    /// Whether the log has anything a log commit has not written.
+    pub fn pending(&self) -> bool {
+        self.synced_seq < self.seq
+    }
+}
+
+/// A log commit prepared under the writer lock: blocks to write, then the superblock.
+struct LogPlan {
+    blocks: Vec<(u64, Vec<u8>)>,
+    root: u64,
+    level: u8,
+    seq: u64,
+    transid: u64,
+}
+
+/// End of a file extent item's range.
+fn extent_end(start: u64, data: &[u8], ss: u64) -> Result<u64> {
+    let fe = FileExtentItem::parse(data)?;
+    Ok(match fe.body {
+        FileExtentBody::Inline(_) => start.saturating_add(fe.ram_bytes.div_ceil(ss) * ss),
+        FileExtentBody::Extent { num_bytes, .. } => start.saturating_add(num_bytes),
+    })
+}
+
+impl Writer {
+    /// Builds the blocks of a log commit: changed leaves, upper nodes, the log root tree.
+    fn log_prepare(&mut self) -> Result<Option<LogPlan>> {
+        if !self.log.pending() {
+            return Ok(None);
+        }
+        let ns = self.disk.nodesize() as usize;
+        let ct = self.disk.sb.csum_type;
+        let transid = self.transid;
+        let mut tmpl = self.header_for(TREE_LOG_OBJECTID, 0);
+        tmpl.flags = HEADER_FLAG_WRITTEN;
+        let mut trees = std::mem::take(&mut self.log.trees);
+        let mut root_tree = std::mem::take(&mut self.log.root_tree);
+        let mut out = Vec::new();
+        let mut new_blocks = Vec::new();
+        let allocator = &mut self.allocator;
+        let mut new_block = || -> Result<(u64, NewHeader)> {
+            let b = allocator
+                .alloc_held(SpaceKind::Metadata, ns as u64, ns as u64)
+                .ok_or_else(|| Error::NoSpace("no metadata space for fsync log blocks".into()))?;
+            new_blocks.push(b);
+            let mut h = tmpl.clone();
+            h.bytenr = b;
+            Ok((b, h))
+        };
+        let r = write_log_trees(
+            &mut trees,
+            &mut root_tree,
+            ns,
+            ct,
+            transid,
+            &mut out,
+            &mut new_block,
+        );
+        self.log.trees = trees;
+        self.log.root_tree = root_tree;
+        self.log.blocks.extend_from_slice(&new_blocks);
+        let (root, level) = r?;
+        self.log.inflight += 1;
+        Ok(Some(LogPlan {
+            blocks: out,
+            root,
+            level,
+            seq: self.log.seq,
+            transid,
+        }))
+    }
+}
+
+/// Writes every changed log tree, then the log root tree. Returns the log root tree's root.
+fn write_log_trees(
+    trees: &mut BTreeMap<u64, LogTree>,
+    root_tree: &mut LogTree,
+    ns: usize,
+    ct: CsumType,
+    transid: u64,
+    out: &mut Vec<(u64, Vec<u8>)>,
+    new_block: &mut dyn FnMut() -> Result<(u64, NewHeader)>,
+) -> Result<(u64, u8)> {
+    for (id, t) in trees.iter_mut() {
+        let was = t.root;
+        let root = t.write(ns, out, new_block, ct)?;
+        let key = Key::new(TREE_LOG_OBJECTID, ROOT_ITEM_KEY, *id);
+        match root {
+            Some((bytenr, level)) if was != root => {
+                root_tree.insert(key, log_root_item(bytenr, level, transid, ns));
+            }
+            Some(_) => {}
+            None => root_tree.remove_range(key, key),
+        }
+    }
+    root_tree
+        .write(ns, out, new_block, ct)?
+        .ok_or_else(|| Error::Invalid("engine bug: empty fsync log".into()))
+}
+
+/// The ROOT_ITEM of a log tree in the log root tree.
+fn log_root_item(bytenr: u64, level: u8, transid: u64, nodesize: usize) -> Vec<u8> {
+    RootItem {
+        inode: InodeItem {
+            generation: 1,
+            size: 3,
+            nlink: 1,
+            nbytes: nodesize as u64,
+            mode: 0o40755,
+            ..Default::default()
+        },
+        generation: transid,
+        bytenr,
+        level,
+        generation_v2: transid,
+        refs: 0,
+        ..Default::default()
+    }
+    .to_bytes()
+    .to_vec()
+}
+
+fn key_range_of(ino: u64, ty: u8) -> (Key, Key) {
+    (Key::new(ino, ty, 0), Key::new(ino, ty, u64::MAX))
+}
+
+impl Fs {
+    /// Whether fsync writes the log tree (default) or commits the transaction (`false`, for
+    /// comparison and as a fallback switch).
+    pub fn set_fsync_log(&self, on: bool) {
+        self.fsync_log.store(on, Ordering::Relaxed);
+    }
+
+    /// fsync(2) / fdatasync(2) of one inode: when it returns, the inode's data and metadata
+    /// (and the names that make it reachable) survive a power cut.
+    pub fn fsync(&self, ino: Inode, _datasync: bool) -> Result<()> {
+        match self.log_inode(ino)? {
+            LogTicket::Logged(seq) => self.sync_log(seq),
+            LogTicket::Durable => Ok(()),
+            LogTicket::Commit => self.commit(),
+        }
+    }
+
+    /// First half of an fsync: copies `ino` into its subvolume's log tree in memory (under the
+    /// writer lock; fast). Says what is left to do.
+    pub fn log_inode(&self, ino: Inode) -> Result<LogTicket> {
+        let mut w = self.writer()?;
+        let t = self.log_inode_locked(&mut w, ino)?;
+        match t {
+            LogTicket::Commit => w.log.stats.fallbacks += 1,
+            LogTicket::Logged(_) => w.log.stats.logged += 1,
+            LogTicket::Durable => w.log.stats.already_durable += 1,
+        }
+        Ok(t)
+    }
+
+    fn log_inode_locked(&self, w: &mut Writer, ino: Inode) -> Result<LogTicket> {
+        if !self.fsync_log.load(Ordering::Relaxed) {
+            return Ok(LogTicket::Commit);
+        }
+        let item = self.inode_item(ino)?;
+        let fmt = item.mode & 0o170000;
+        if fmt == 0o040000 || item.nlink == 0 {
+            return Ok(LogTicket::Commit);
+        }
+        if w.log.new_trees.contains(&ino.root) || w.log.needs_commit.contains(&ino) {
+            return Ok(LogTicket::Commit);
+        }
+        let changed: Vec<(u64, u64)> = w
+            .log
+            .changed
+            .get(&ino)
+            .map(|t| {
+                t.iter()
+                    .filter(|r| r.bits.contains(ExtentBits::DIRTY))
+                    .map(|r| (r.start, r.end.saturating_add(1).max(r.end)))
+                    .collect()
+            })
+            .unwrap_or_default();
+        let mut changed = changed;
+        if item.generation >= w.transid && !w.log.logged.contains(&ino) {
+            // New in this transaction: everything it has (symlink targets are written
+            // directly, not through the file write path).
+            changed = vec![(0, u64::MAX)];
+        }
+        if item.transid < w.transid && changed.is_empty() {
+            // Untouched since the last commit.
+            return Ok(LogTicket::Durable);
+        }
+        // The inode's own items: inode, names, xattrs.
+        let root = self.subvol_root(ino.root)?;
+        let mut own: Vec<(Key, Vec<u8>)> = Vec::new();
+        let mut it = TreeIter::new(
+            self.disk.clone(),
+            root,
+            Key::new(ino.ino, INODE_ITEM_KEY, 0),
+            Readahead::None,
+        )?;
+        while let Some(i) = it.next_item()? {
+            if i.key.objectid != ino.ino || i.key.ty > XATTR_ITEM_KEY {
+                break;
+            }
+            match i.key.ty {
+                INODE_ITEM_KEY | XATTR_ITEM_KEY => {}
+                INODE_REF_KEY => {
+                    let dir = Inode {
+                        root: ino.root,
+                        ino: i.key.offset,
+                    };
+                    if w.log.needs_commit.contains(&dir) {
+                        return Ok(LogTicket::Commit);
+                    }
+                    if self.inode_item(dir)?.generation >= w.transid {
+                        return Ok(LogTicket::Commit);
+                    }
+                }
+                INODE_EXTREF_KEY => return Ok(LogTicket::Commit),
+                _ => continue,
+            }
+            own.push((i.key, i.data().to_vec()));
+        }
+        if !own.iter().any(|(k, _)| k.ty == INODE_REF_KEY) {
+            return Ok(LogTicket::Commit);
+        }
+        let ss = self.disk.sectorsize() as u64;
+        let no_holes = self.disk.sb.has_incompat(INCOMPAT_NO_HOLES);
+        let mut csum_ranges: Vec<(u64, u64)> = Vec::new();
+        let mut extents: Vec<((u64, u64), Vec<(Key, Vec<u8>)>)> = Vec::new();
+        if fmt == 0o100000 || fmt == 0o120000 {
+            for (s, e) in merge_ranges(changed) {
+                let (lo, hi, items) =
+                    self.extents_to_log(w.log.trees.get(&ino.root), ino, s, e, ss)?;
+                extents.push(((lo, hi), items));
+            }
+        }
+        // From here on only the in-memory log changes.
+        let log = w.log.trees.entry(ino.root).or_default();
+        log.remove_range(
+            Key::new(ino.ino, 0, 0),
+            Key::new(ino.ino, XATTR_ITEM_KEY, u64::MAX),
+        );
+        for (k, v) in own {
+            log.insert(k, v);
+        }
+        let eof = item.size.div_ceil(ss) * ss;
+        for ((lo, hi), items) in extents {
+            if hi > lo {
+                log.remove_range(
+                    Key::new(ino.ino, EXTENT_DATA_KEY, lo),
+                    Key::new(ino.ino, EXTENT_DATA_KEY, hi - 1),
+                );
+            }
+            let mut cursor = lo;
+            let hole_end = hi.min(eof);
+            for (k, v) in items {
+                let fe = FileExtentItem::parse(&v)?;
+                if no_holes && k.offset > cursor && cursor < hole_end {
+                    let to = k.offset.min(hole_end);
+                    log.insert(
+                        Key::new(ino.ino, EXTENT_DATA_KEY, cursor),
+                        hole_item(w.transid, to - cursor),
+                    );
+                }
+                cursor = cursor.max(extent_end(k.offset, &v, ss)?);
+                if let FileExtentBody::Extent {
+                    disk_bytenr,
+                    disk_num_bytes,
+                    offset,
+                    num_bytes,
+                } = fe.body
+                {
+                    if disk_bytenr != 0 && fe.ty == FILE_EXTENT_REG {
+                        if fe.compression != 0 {
+                            csum_ranges.push((disk_bytenr, disk_num_bytes));
+                        } else {
+                            csum_ranges.push((disk_bytenr + offset, num_bytes));
+                        }
+                    }
+                }
+                log.insert(k, v);
+            }
+            if no_holes && cursor < hole_end {
+                log.insert(
+                    Key::new(ino.ino, EXTENT_DATA_KEY, cursor),
+                    hole_item(w.transid, hole_end - cursor),
+                );
+            }
+        }
+        for (start, len) in csum_ranges {
+            let sums = self.data_csums(start, len)?;
+            let csize = self.disk.sb.csum_type.size();
+            let log = w.log.trees.entry(ino.root).or_default();
+            let mut run_start = 0usize;
+            while run_start < sums.len() {
+                if sums[run_start].is_none() {
+                    run_start += 1;
+                    continue;
+                }
+                let mut run_end = run_start;
+                let mut bytes = Vec::new();
+                while run_end < sums.len() {
+                    let Some(c) = &sums[run_end] else { break };
+                    bytes.extend_from_slice(&c[..csize]);
+                    run_end += 1;
+                }
+                log_csums(
+                    log,
+                    start + run_start as u64 * ss,
+                    &bytes,
+                    ss,
+                    csize,
+                    self.disk.nodesize() as usize,
+                );
+                run_start = run_end;
+            }
+        }
+        if let Some(t) = w.log.changed.get_mut(&ino) {
+            t.clear();
+        }
+        w.log.logged.insert(ino);
+        w.log.seq += 1;
+        Ok(LogTicket::Logged(w.log.seq))
+    }
+
+    /// The extent items of `ino` to log for the changed range `[s, e)`: the range widened to
+    /// whole items (of the tree and of what the log already has), and the tree's items in it.
+    #[allow(clippy::type_complexity)]
+    fn extents_to_log(
+        &self,
+        log: Option<&LogTree>,
+        ino: Inode,
+        s: u64,
+        e: u64,
+        ss: u64,
+    ) -> Result<(u64, u64, Vec<(Key, Vec<u8>)>)> {
+        let root = self.subvol_root(ino.root)?;
+        let tree_cover = |p: u64| -> Result<Option<(u64, u64)>> {
+            match ctree::lookup_le(&self.disk, &root, &Key::new(ino.ino, EXTENT_DATA_KEY, p))? {
+                Some(i) if i.key.objectid == ino.ino && i.key.ty == EXTENT_DATA_KEY => {
+                    let end = extent_end(i.key.offset, i.data(), ss).map_err(|e| i.annotate(e))?;
+                    Ok((end > p).then_some((i.key.offset, end)))
+                }
+                _ => Ok(None),
+            }
+        };
+        let log_cover = |p: u64| -> Result<Option<(u64, u64)>> {
+            let Some(log) = log else { return Ok(None) };
+            let (from, _) = key_range_of(ino.ino, EXTENT_DATA_KEY);
+            match log
+                .items
+                .range(from..=Key::new(ino.ino, EXTENT_DATA_KEY, p))
+                .next_back()
+            {
+                Some((k, v)) => {
+                    let end = extent_end(k.offset, v, ss)?;
+                    Ok((end > p).then_some((k.offset, end)))
+                }
+                None => Ok(None),
+            }
+        };
+        let (mut lo, mut hi) = (s, e.max(s + 1));
+        for _ in 0..64 {
+            let mut nlo = lo;
+            let mut nhi = hi;
+            for c in [tree_cover(lo)?, log_cover(lo)?].into_iter().flatten() {
+                nlo = nlo.min(c.0);
+            }
+            for c in [tree_cover(hi - 1)?, log_cover(hi - 1)?]
+                .into_iter()
+                .flatten()
+            {
+                nhi = nhi.max(c.1);
+            }
+            if (nlo, nhi) == (lo, hi) {
+                break;
+            }
+            (lo, hi) = (nlo, nhi);
+        }
+        let mut items = Vec::new();
+        let mut it = self.extent_items_from(ino, lo)?;
+        while let Some(i) = it.next_item()? {
+            if i.key.objectid != ino.ino || i.key.ty != EXTENT_DATA_KEY || i.key.offset >= hi {
+                break;
+            }
+            if i.key.offset < lo {
+                continue;
+            }
+            items.push((i.key, i.data().to_vec()));
+        }
+        Ok((lo, hi, items))
+    }
+
+    /// Second half of an fsync: makes the log durable up to sequence `seq`, sharing the log
+    /// commit with every fsync that logged before it started.
+    pub fn sync_log(&self, seq: u64) -> Result<()> {
+        let _l = self.log_sync.lock().unwrap_or_else(|e| e.into_inner());
+        let plan = {
+            let mut w = self.writer()?;
+            if w.log.synced_seq >= seq {
+                w.log.stats.already_durable += 1;
+                return Ok(());
+            }
+            match w.log_prepare() {
+                Ok(Some(p)) => p,
+                Ok(None) => return Ok(()),
+                Err(Error::NoSpace(_)) => {
+                    w.log.stats.fallbacks += 1;
+                    return w.commit();
+                }
+                Err(e) => return Err(e),
+            }
+        };
+        let io = (|| -> Result<()> {
+            for (b, data) in &plan.blocks {
+                self.disk.write_logical(*b, data)?;
+            }
+            self.disk
+                .dev
+                .flush()
+                .map_err(|e| Error::io("flushing fsync log blocks", 0, e))
+        })();
+        let mut w = self.writer()?;
+        w.log.inflight -= 1;
+        io?;
+        if w.transid != plan.transid {
+            // A commit ran meanwhile and made everything up to it durable.
+            return Ok(());
+        }
+        w.write_log_super(plan.root, plan.level)?;
+        drop(w);
+        self.disk
+            .dev
+            .flush()
+            .map_err(|e| Error::io("flushing the superblock of an fsync log", 0, e))?;
+        let mut w = self.writer()?;
+        if w.transid == plan.transid {
+            w.log.synced_seq = w.log.synced_seq.max(plan.seq);
+        }
+        w.log.stats.log_commits += 1;
+        Ok(())
+    }
+
+    /// Log counters (fsyncs logged, fallbacks, log commits).
+    pub fn log_stats(&self) -> Result<LogStats> {
+        Ok(self.writer()?.log.stats.clone())
+    }
+}
+
+/// A hole of `len` bytes (an explicit one: replay drops the committed extents under it).
+fn hole_item(transid: u64, len: u64) -> Vec<u8> {
+    FileExtentItem {
+        generation: transid,
+        ram_bytes: len,
+        compression: 0,
+        encryption: 0,
+        other_encoding: 0,
+        ty: FILE_EXTENT_REG,
+        body: FileExtentBody::Extent {
+            disk_bytenr: 0,
+            disk_num_bytes: 0,
+            offset: 0,
+            num_bytes: len,
+        },
+    }
+    .to_bytes()
+}
+
+/// Sorted, merged half-open ranges.
+fn merge_ranges(mut r: Vec<(u64, u64)>) -> Vec<(u64, u64)> {
+    r.sort_unstable();
+    let mut out: Vec<(u64, u64)> = Vec::new();
+    for (s, e) in r {
+        match out.last_mut() {
+            Some(last) if s <= last.1 => last.1 = last.1.max(e),
+            _ => out.push((s, e)),
+        }
+    }
+    out
+}
+
+/// Adds the checksums of `[start, start + sums/csize sectors)` to a log tree's EXTENT_CSUM
+/// items, merging with the items it overlaps (data checksums of an address do not change
+/// within a transaction: freed space is not reused before the commit).
+fn log_csums(log: &mut LogTree, start: u64, sums: &[u8], ss: u64, csize: usize, nodesize: usize) {
+    let n = (sums.len() / csize) as u64;
+    let end = start + n * ss;
+    let lo_key = Key::new(EXTENT_CSUM_OBJECTID, EXTENT_CSUM_KEY, 0);
+    let mut overlapping: Vec<(Key, Vec<u8>)> = Vec::new();
+    for (k, v) in log
+        .items
+        .range(lo_key..Key::new(EXTENT_CSUM_OBJECTID, EXTENT_CSUM_KEY, end))
+        .rev()
+    {
+        let kend = k.offset + (v.len() / csize) as u64 * ss;
+        if kend < start {
+            break;
+        }
+        overlapping.push((*k, v.clone()));
+    }
+    let mstart = overlapping
+        .iter()
+        .map(|(k, _)| k.offset)
+        .min()
+        .unwrap_or(start)
+        .min(start);
+    let mend = overlapping
+        .iter()
+        .map(|(k, v)| k.offset + (v.len() / csize) as u64 * ss)
+        .max()
+        .unwrap_or(end)
+        .max(end);
+    let mut merged = vec![0u8; ((mend - mstart) / ss) as usize * csize];
+    for (k, v) in &overlapping {
+        let at = ((k.offset - mstart) / ss) as usize * csize;
+        merged[at..at + v.len()].copy_from_slice(v);
+        log.remove_range(*k, *k);
+    }
+    let at = ((start - mstart) / ss) as usize * csize;
+    merged[at..at + sums.len()].copy_from_slice(sums);
+    // Items of at most a quarter leaf, so leaves pack well.
+    let per_item = ((nodesize - HEADER_SIZE) / 4 / csize).max(1);
+    for (i, chunk) in merged.chunks(per_item * csize).enumerate() {
+        log.insert(
+            Key::new(
+                EXTENT_CSUM_OBJECTID,
+                EXTENT_CSUM_KEY,
+                mstart + (i * per_item) as u64 * ss,
+            ),
+            chunk.to_vec(),
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::RamDevice;
+    use crate::fs_write::Owner;
+    use std::sync::Arc;
+
+    fn fresh() -> (Arc<RamDevice>, Fs) {
+        let size = 128u64 << 20;
+        let dev = Arc::new(RamDevice::new(vec![0u8; size as usize]));
+        let opts = crate::mkfs::MkfsOptions {
+            size,
+            fsid: Some([7; 16]),
+            time: Some(1_700_000_000),
+            ..Default::default()
+        };
+        crate::mkfs::mkfs(dev.as_ref(), &opts).unwrap();
+        let fs = Fs::open_device_rw(dev.clone()).unwrap();
+        (dev, fs)
+    }
+
+    /// The image a power cut now leaves (only flushed writes), opened (and replayed).
+    fn after_cut(dev: &RamDevice) -> Fs {
+        let copy = Arc::new(RamDevice::new(dev.durable_bytes()));
+        // Replays and commits; checked as opened again.
+        drop(Fs::open_device_rw(copy.clone()).unwrap());
+        let fs = Fs::open_device_rw(copy).unwrap();
+        assert_eq!(fs.disk.sb.log_root, 0);
+        let r = crate::check::check(&fs, &mut |_| {}).unwrap();
+        assert!(r.is_clean(), "{r:?}");
+        fs
+    }
+
+    fn pattern(len: usize, seed: u8) -> Vec<u8> {
+        (0..len)
+            .map(|i| (i as u8).wrapping_mul(31) ^ seed)
+            .collect()
+    }
+
+    #[test]
+    fn fsync_writes_a_log_not_a_commit() {
+        let (dev, fs) = fresh();
+        let root = fs.root_inode();
+        let a = fs.create(root, b"a", 0o644, Owner::default()).unwrap();
+        fs.write(a, 0, &pattern(100_000, 1)).unwrap();
+        fs.commit().unwrap();
+        let commits = fs.writer().unwrap().stats.commits;
+        // New file, append, overwrite in the middle, xattr.
+        let b = fs.create(root, b"b", 0o600, Owner::default()).unwrap();
+        fs.write(b, 0, &pattern(50_000, 2)).unwrap();
+        fs.fsync(b, false).unwrap();
+        fs.write(a, 100_000, &pattern(30_000, 3)).unwrap();
+        fs.write(a, 8192, &pattern(5000, 4)).unwrap();
+        fs.setxattr(a, b"user.k", b"v", 0).unwrap();
+        fs.fsync(a, false).unwrap();
+        // Not fsynced: must not matter either way.
+        let _c = fs.create(root, b"c", 0o644, Owner::default()).unwrap();
+        assert_eq!(fs.writer().unwrap().stats.commits, commits);
+        let st = fs.log_stats().unwrap();
+        assert_eq!(
+            (st.logged, st.fallbacks, st.log_commits),
+            (2, 0, 2),
+            "{st:?}"
+        );
+        let want_a = fs.read(a, 0, 200_000).unwrap();
+        let want_b = fs.read(b, 0, 100_000).unwrap();
+        let after = after_cut(&dev);
+        let r = after.root_inode();
+        let a2 = after.lookup(r, b"a").unwrap().unwrap().target;
+        let b2 = after.lookup(r, b"b").unwrap().unwrap().target;
+        assert_eq!(after.read(a2, 0, 200_000).unwrap(), want_a);
+        assert_eq!(after.read(b2, 0, 100_000).unwrap(), want_b);
+        assert_eq!(after.stat(b2).unwrap().mode & 0o7777, 0o600);
+        assert_eq!(
+            after.getxattr(a2, b"user.k").unwrap().as_deref(),
+            Some(&b"v"[..])
+        );
+    }
+
+    #[test]
+    fn truncate_and_punch_are_logged() {
+        let (dev, fs) = fresh();
+        let root = fs.root_inode();
+        let a = fs.create(root, b"a", 0o644, Owner::default()).unwrap();
+        fs.write(a, 0, &pattern(1 << 20, 1)).unwrap();
+        fs.commit().unwrap();
+        fs.fallocate(a, FALLOC_PUNCH | FALLOC_KEEP, 100_000, 200_000)
+            .unwrap();
+        fs.truncate(a, 700_000).unwrap();
+        fs.fsync(a, true).unwrap();
+        let want = fs.read(a, 0, 1 << 20).unwrap();
+        assert_eq!(want.len(), 700_000);
+        let after = after_cut(&dev);
+        let a2 = after
+            .lookup(after.root_inode(), b"a")
+            .unwrap()
+            .unwrap()
+            .target;
+        assert_eq!(after.read(a2, 0, 1 << 20).unwrap(), want);
+    }
+
+    #[test]
+    fn renamed_file_falls_back_to_a_commit() {
+        let (dev, fs) = fresh();
+        let root = fs.root_inode();
+        let a = fs.create(root, b"a", 0o644, Owner::default()).unwrap();
+        fs.commit().unwrap();
+        fs.rename(root, b"a", root, b"b", 0).unwrap();
+        fs.fsync(a, false).unwrap();
+        assert_eq!(fs.log_stats().unwrap().fallbacks, 1);
+        let after = after_cut(&dev);
+        assert!(after.lookup(after.root_inode(), b"b").unwrap().is_some());
+        assert!(after.lookup(after.root_inode(), b"a").unwrap().is_none());
+    }
+
+    const FALLOC_KEEP: u32 = 1;
+    const FALLOC_PUNCH: u32 = 2;
+}
