@@ -4,10 +4,12 @@
 //!
 //! - `butter check` opens the image and finds it clean, `btrfs check --readonly` is clean, and
 //!   the kernel mounts it;
-//! - everything each writer had completed before its last fsync that returned is there with
-//!   the right content (in butter an fsync commits the whole filesystem), and nothing it had
-//!   deleted or renamed away before that fsync came back. Paths a writer touched after its
-//!   last successful fsync may be in any state.
+//! - what each writer's fsyncs made durable is there with the right content: an fsync of a
+//!   file makes that file (content and name) and its directories durable, not the writer's
+//!   other changes (butter writes the fsync log for it, as the kernel does); an fsync of the
+//!   writer's directory makes everything durable (butter commits the transaction for a
+//!   directory fsync), including that nothing deleted or renamed away before it comes back.
+//!   Paths a writer touched after they were last made durable may be in any state.
 //!
 //! The next round mounts the crashed image again and writes more; a final clean unmount ends
 //! with the usual checks and a kernel-vs-butter tree comparison.
@@ -233,21 +235,40 @@ impl Writer {
                 fs::create_dir(self.dir.join(&rel))?;
                 self.dirs.insert(rel);
             }
-            // fsync: of a file or of the writer's directory; in butter both commit everything
-            _ => {
-                let target = match self.pick_file() {
-                    Some(rel) if self.rng.chance(3, 4) => self.dir.join(rel),
-                    _ => self.dir.clone(),
-                };
-                File::open(&target)?.sync_all()?;
-                self.record_durable();
-            }
+            // fsync: of a file (that file is durable) or of the writer's directory (butter
+            // commits everything for a directory)
+            _ => match self.pick_file() {
+                Some(rel) if self.rng.chance(3, 4) => {
+                    File::open(self.dir.join(&rel))?.sync_all()?;
+                    self.record_file_durable(&rel);
+                }
+                _ => {
+                    File::open(&self.dir)?.sync_all()?;
+                    self.record_durable();
+                }
+            },
         }
         self.shared.lock().unwrap().ops += 1;
         Ok(true)
     }
 
-    /// The fsync returned: everything so far is durable.
+    /// The fsync of one file returned: its content under its name is durable, and the
+    /// directories on its path exist.
+    fn record_file_durable(&self, rel: &Path) {
+        let mut d = self.shared.lock().unwrap();
+        d.entries
+            .insert(rel.to_path_buf(), Some(digest(&self.files[rel])));
+        d.touched_after.remove(rel);
+        for a in rel.ancestors().skip(1) {
+            if !a.as_os_str().is_empty() {
+                d.entries.insert(a.to_path_buf(), None);
+                d.touched_after.remove(a);
+            }
+        }
+        d.fsyncs += 1;
+    }
+
+    /// The fsync of the writer's directory returned: everything so far is durable.
     fn record_durable(&self) {
         let mut entries: BTreeMap<PathBuf, Option<Digest32>> = self
             .files
