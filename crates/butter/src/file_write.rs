@@ -605,17 +605,7 @@ impl Fs {
             let chunk = &buf[done as usize..(done + len) as usize];
             let file_off = a + done;
             self.op(true, |w| {
-                let bytenr = match w.alloc_data(len) {
-                    Ok(b) => b,
-                    Err(Error::NoSpace(_))
-                        if w.allocator.pinned_bytes(crate::alloc::SpaceKind::Data) >= len =>
-                    {
-                        // Space freed earlier in this transaction comes back after a commit.
-                        w.commit()?;
-                        w.alloc_data(len)?
-                    }
-                    Err(e) => return Err(e),
-                };
+                let bytenr = w.alloc_data_or_commit(len)?;
                 if let Err(e) = self.disk.write_logical(bytenr, chunk) {
                     // Nothing references the space: give it back (after the commit, as freed
                     // space always comes back) so the free space tree stays right.
@@ -871,7 +861,7 @@ impl Fs {
             while s < he {
                 let l = (he - s).min(MAX_EXTENT);
                 self.op(true, |w| {
-                    let bytenr = w.alloc_data(l)?;
+                    let bytenr = w.alloc_data_or_commit(l)?;
                     let fe = FileExtentItem {
                         generation: w.transid,
                         ram_bytes: l,

@@ -56,6 +56,11 @@ struct LogTree {
     written: Vec<Option<u64>>,
     /// Root (bytenr, level) of the last written tree; `None` when anything changed since.
     root: Option<(u64, u8)>,
+    /// Upper nodes of the last written tree.
+    nodes: Vec<u64>,
+    /// Written blocks the next log commit replaces: free again once its superblock is
+    /// durable.
+    stale: Vec<u64>,
 }
 
 impl LogTree {
@@ -71,7 +76,9 @@ impl LogTree {
             return;
         }
         let i = self.leaf_of(k);
-        self.written[i] = None;
+        if let Some(b) = self.written[i].take() {
+            self.stale.push(b);
+        }
     }
 
     fn insert(&mut self, k: Key, v: Vec<u8>) {
@@ -107,6 +114,7 @@ impl LogTree {
             return Ok(Some(r));
         }
         let cap = nodesize - HEADER_SIZE;
+        self.stale.append(&mut self.nodes);
         let mut i = self.bounds.len();
         while i > 0 {
             i -= 1;
@@ -188,6 +196,7 @@ impl LogTree {
                     }
                 }
                 crate::ctree_ops::finalize(&mut buf, csum_type)?;
+                self.nodes.push(bytenr);
                 next.push((chunk[0].0, bytenr));
                 out.push((bytenr, buf));
             }
@@ -219,8 +228,12 @@ pub struct LogState {
     seq: u64,
     /// Every change up to this sequence number is durable.
     synced_seq: u64,
-    /// Blocks written for this transaction's log, held until it commits.
-    blocks: Vec<u64>,
+    /// Blocks written for this transaction's log, held until it commits (or until a later
+    /// log commit that no longer needs them is durable).
+    blocks: HashSet<u64>,
+    /// A log commit failed part way: its trees may name blocks never written, so fsyncs
+    /// commit until the transaction does.
+    broken: bool,
     /// Blocks of committed logs, released once no log write is in flight.
     retired: Vec<u64>,
     /// Log writes in flight (their blocks go out without the writer lock).
@@ -281,7 +294,8 @@ impl LogState {
         self.new_trees.clear();
         self.logged.clear();
         self.synced_seq = self.seq;
-        self.retired.append(&mut self.blocks);
+        self.broken = false;
+        self.retired.extend(self.blocks.drain());
         if self.inflight == 0 {
             for b in self.retired.drain(..) {
                 allocator.release_held(b, nodesize);
@@ -298,6 +312,8 @@ impl LogState {
 /// A log commit prepared under the writer lock: blocks to write, then the superblock.
 struct LogPlan {
     blocks: Vec<(u64, Vec<u8>)>,
+    /// Log blocks this commit replaces.
+    replaced: Vec<u64>,
     root: u64,
     level: u8,
     seq: u64,
@@ -347,13 +363,20 @@ impl Writer {
             &mut out,
             &mut new_block,
         );
+        let mut replaced: Vec<u64> = trees.values_mut().flat_map(|t| t.stale.drain(..)).collect();
+        replaced.append(&mut root_tree.stale);
         self.log.trees = trees;
         self.log.root_tree = root_tree;
-        self.log.blocks.extend_from_slice(&new_blocks);
+        self.log.blocks.extend(new_blocks);
+        if let Err(e) = r {
+            self.log.broken = true;
+            return Err(e);
+        }
         let (root, level) = r?;
         self.log.inflight += 1;
         Ok(Some(LogPlan {
             blocks: out,
+            replaced,
             root,
             level,
             seq: self.log.seq,
@@ -446,7 +469,7 @@ impl Fs {
     }
 
     fn log_inode_locked(&self, w: &mut Writer, ino: Inode) -> Result<LogTicket> {
-        if !self.fsync_log.load(Ordering::Relaxed) {
+        if !self.fsync_log.load(Ordering::Relaxed) || w.log.broken {
             return Ok(LogTicket::Commit);
         }
         let item = self.inode_item(ino)?;
@@ -712,20 +735,39 @@ impl Fs {
         })();
         let mut w = self.writer()?;
         w.log.inflight -= 1;
-        io?;
         if w.transid != plan.transid {
             // A commit ran meanwhile and made everything up to it durable.
             return Ok(());
         }
-        w.write_log_super(plan.root, plan.level)?;
+        if let Err(e) = io {
+            w.log.broken = true;
+            return Err(e);
+        }
+        if let Err(e) = w.write_log_super(plan.root, plan.level) {
+            w.log.broken = true;
+            return Err(e);
+        }
         drop(w);
-        self.disk
+        let flushed = self
+            .disk
             .dev
             .flush()
-            .map_err(|e| Error::io("flushing the superblock of an fsync log", 0, e))?;
+            .map_err(|e| Error::io("flushing the superblock of an fsync log", 0, e));
         let mut w = self.writer()?;
-        if w.transid == plan.transid {
-            w.log.synced_seq = w.log.synced_seq.max(plan.seq);
+        if w.transid != plan.transid {
+            return flushed;
+        }
+        if let Err(e) = flushed {
+            w.log.broken = true;
+            return Err(e);
+        }
+        w.log.synced_seq = w.log.synced_seq.max(plan.seq);
+        // The superblock names the new log: the blocks it replaced are free.
+        let ns = self.disk.nodesize() as u64;
+        for b in plan.replaced {
+            if w.log.blocks.remove(&b) {
+                w.allocator.release_held(b, ns);
+            }
         }
         w.log.stats.log_commits += 1;
         Ok(())

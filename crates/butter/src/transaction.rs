@@ -410,6 +410,19 @@ impl Writer {
         )))
     }
 
+    /// [`Writer::alloc_data`] at the start of an operation (before it changed a tree): when
+    /// the device is full, commits first, since extents this transaction dropped are freed
+    /// (and become allocatable) only by a commit.
+    pub(crate) fn alloc_data_or_commit(&mut self, len: u64) -> Result<u64> {
+        match self.alloc_data(len) {
+            Err(Error::NoSpace(_)) if self.has_changes() => {
+                self.commit()?;
+                self.alloc_data(len)
+            }
+            r => r,
+        }
+    }
+
     /// Before an operation: make sure metadata and system space will not run out in the middle
     /// of it (adding chunks here, where no tree is being changed). Errors with ENOSPC when the
     /// device is full and `for_growth`.
