@@ -979,6 +979,80 @@ mod tests {
         assert!(after.lookup(after.root_inode(), b"a").unwrap().is_none());
     }
 
+    #[test]
+    fn fsyncs_that_logged_meanwhile_share_one_log_commit() {
+        let (dev, fs) = fresh();
+        let root = fs.root_inode();
+        let mut inos = Vec::new();
+        for i in 0..3u8 {
+            let f = fs
+                .create(root, &[b'f', b'0' + i], 0o644, Owner::default())
+                .unwrap();
+            inos.push(f);
+        }
+        fs.commit().unwrap();
+        // Three fsyncs log before the first one's log commit starts (as concurrent callers
+        // do while another log commit writes): one log commit carries them all.
+        let mut seqs = Vec::new();
+        for (i, f) in inos.iter().enumerate() {
+            fs.write(*f, 0, &pattern(10_000, i as u8)).unwrap();
+            match fs.log_inode(*f).unwrap() {
+                LogTicket::Logged(s) => seqs.push(s),
+                t => panic!("{t:?}"),
+            }
+        }
+        for s in seqs.iter().rev() {
+            fs.sync_log(*s).unwrap();
+        }
+        let st = fs.log_stats().unwrap();
+        assert_eq!((st.logged, st.log_commits), (3, 1), "{st:?}");
+        let after = after_cut(&dev);
+        for i in 0..3u8 {
+            let f = after
+                .lookup(after.root_inode(), &[b'f', b'0' + i])
+                .unwrap()
+                .unwrap()
+                .target;
+            assert_eq!(after.read(f, 0, 20_000).unwrap(), pattern(10_000, i));
+        }
+    }
+
+    #[test]
+    fn a_big_log_spans_many_leaves_and_replays() {
+        let (dev, fs) = fresh();
+        let root = fs.root_inode();
+        let d = fs.mkdir(root, b"d", 0o755, Owner::default()).unwrap();
+        fs.commit().unwrap();
+        let mut want = Vec::new();
+        for i in 0..400u32 {
+            let name = format!("file-{i:05}");
+            let f = fs
+                .create(d, name.as_bytes(), 0o644, Owner::default())
+                .unwrap();
+            let data = pattern(50 + (i as usize * 97) % 6000, i as u8);
+            fs.write(f, 0, &data).unwrap();
+            fs.setxattr(f, b"user.i", name.as_bytes(), 0).unwrap();
+            fs.fsync(f, false).unwrap();
+            want.push((name, data));
+        }
+        let st = fs.log_stats().unwrap();
+        assert_eq!((st.logged, st.fallbacks), (400, 0), "{st:?}");
+        let after = after_cut(&dev);
+        let d2 = after
+            .lookup(after.root_inode(), b"d")
+            .unwrap()
+            .unwrap()
+            .target;
+        for (name, data) in want {
+            let f = after.lookup(d2, name.as_bytes()).unwrap().unwrap().target;
+            assert_eq!(after.read(f, 0, 10_000).unwrap(), data, "{name}");
+            assert_eq!(
+                after.getxattr(f, b"user.i").unwrap().as_deref(),
+                Some(name.as_bytes())
+            );
+        }
+    }
+
     const FALLOC_KEEP: u32 = 1;
     const FALLOC_PUNCH: u32 = 2;
 }
