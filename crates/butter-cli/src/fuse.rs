@@ -728,6 +728,15 @@ impl Filesystem for ButterFuse {
         if let Err(e) = self.shared.commit(&self.fs) {
             self.shared.stop(format!("final commit at unmount: {e}"));
         }
+        if let Ok(st) = self.fs.log_stats() {
+            log::info!(
+                "fsync: {} logged, {} committed instead, {} already durable; {} log commits",
+                st.logged,
+                st.fallbacks,
+                st.already_durable,
+                st.log_commits
+            );
+        }
     }
 
     fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {

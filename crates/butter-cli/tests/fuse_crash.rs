@@ -2,8 +2,9 @@
 //! butter process at a random moment, many rounds on the same image. After each kill the dead
 //! FUSE mount is detached and then:
 //!
-//! - `butter check` opens the image and finds it clean, `btrfs check --readonly` is clean, and
-//!   the kernel mounts it;
+//! - the image may hold an fsync log: the kernel replays it on a copy (read-write loop mount)
+//!   and butter on the image (a read-write butter mount); after each replay the checks below
+//!   hold, and `butter check` and `btrfs check --readonly` are clean;
 //! - what each writer's fsyncs made durable is there with the right content: an fsync of a
 //!   file makes that file (content and name) and its directories durable, not the writer's
 //!   other changes (butter writes the fsync log for it, as the kernel does); an fsync of the
@@ -52,6 +53,9 @@ const KEEP_ROUNDS: u64 = 10;
 /// Extra `butter mount` arguments: a short commit interval, so that a crash can also land in
 /// the middle of a periodic commit (fsync commits anyway).
 const MOUNT_ARGS: &[&str] = &["-o", "commit=1"];
+/// Odd rounds: no periodic commit during the round, so the kill finds the fsync log that
+/// the fsyncs since the round's start wrote (the rest of the image is their last commit).
+const MOUNT_ARGS_LOG: &[&str] = &["-o", "commit=600"];
 
 /// A file's content by length and SHA-256.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -405,7 +409,12 @@ fn sigkill_rounds_keep_what_was_fsynced() {
 
     for round in 0..rounds {
         let log = scratch.join(format!("butter-{round}.log"));
-        let bm = ButterMount::start(&img, &mnt, MOUNT_ARGS, &log);
+        let args = if round % 2 == 1 {
+            MOUNT_ARGS_LOG
+        } else {
+            MOUNT_ARGS
+        };
+        let bm = ButterMount::start(&img, &mnt, args, &log);
         if round >= KEEP_ROUNDS {
             let old = PathBuf::from(format!("r{:03}", round - KEEP_ROUNDS));
             let path = bm.path().join(&old);
@@ -495,36 +504,88 @@ fn sigkill_rounds_keep_what_was_fsynced() {
     );
 }
 
-/// butter opens and checks the image clean, btrfs check is clean, the kernel mounts it and
-/// every writer's durable state is there.
+/// After a kill the image may hold an fsync log. The kernel replays it on a copy (a
+/// read-write loop mount) and every writer's durable state must be there; then butter replays
+/// it on the image itself (a read-write butter mount, as the next round does) and the same
+/// must hold; after both replays `butter check` and `btrfs check` are clean.
 fn check_after_crash(img: &Path, kmnt: &Path, done: &[RoundResult], round: u64) {
-    let (rc, out) = fuse_mount::butter_check(img);
-    assert_eq!(
-        rc, 0,
-        "round {round}: butter check after SIGKILL is not clean:\n{out}"
-    );
-    let (ok, text) = common::kernel::btrfs_check(img);
-    assert!(
-        ok,
-        "round {round}: btrfs check after SIGKILL failed:\n{text}"
-    );
-    let m = LoopMount::btrfs_ro(img, kmnt);
+    let had_log = log_root_of(img) != 0;
+    let copy = img.with_extension("kernel.img");
+    let st = std::process::Command::new("cp")
+        .arg("--sparse=always")
+        .arg(img)
+        .arg(&copy)
+        .status()
+        .expect("cp");
+    assert!(st.success(), "cp {} failed", img.display());
     let mut problems = Vec::new();
     let mut checked = 0;
+    {
+        let m = LoopMount::btrfs(&copy, kmnt, "noatime");
+        for r in done {
+            let (n, p) = check_durable(
+                &m.path().join(&r.dir_rel),
+                &r.durable,
+                &format!("round {round} (kernel replay), {}", r.dir_rel.display()),
+            );
+            checked += n;
+            problems.extend(p);
+        }
+        m.unmount();
+    }
+    let (ok, text) = common::kernel::btrfs_check(&copy);
+    assert!(
+        ok,
+        "round {round}: btrfs check after the kernel replayed butter's log failed:\n{text}"
+    );
+    let _ = fs::remove_file(&copy);
+    let bdir = kmnt.with_file_name("replay-mnt");
+    fs::create_dir_all(&bdir).unwrap();
+    let bm = ButterMount::start(
+        img,
+        &bdir,
+        &["-o", "commit=3600"],
+        &kmnt.with_file_name("replay.log"),
+    );
     for r in done {
-        let (n, p) = check_durable(
-            &m.path().join(&r.dir_rel),
+        let (_, p) = check_durable(
+            &bm.path().join(&r.dir_rel),
             &r.durable,
-            &format!("round {round}, {}", r.dir_rel.display()),
+            &format!("round {round} (butter replay), {}", r.dir_rel.display()),
         );
-        checked += n;
         problems.extend(p);
     }
-    m.unmount();
+    bm.unmount();
     assert!(
         problems.is_empty(),
         "round {round}: after SIGKILL, fsynced data is wrong:\n{}",
         problems.join("\n")
     );
-    eprintln!("round {round}: checks clean, {checked} fsynced entries as expected");
+    let (rc, out) = fuse_mount::butter_check(img);
+    assert_eq!(
+        rc, 0,
+        "round {round}: butter check after replay is not clean:\n{out}"
+    );
+    let (ok, text) = common::kernel::btrfs_check(img);
+    assert!(
+        ok,
+        "round {round}: btrfs check after butter's replay failed:\n{text}"
+    );
+    eprintln!(
+        "round {round}: checks clean ({}), {checked} fsynced entries as expected in both replays",
+        if had_log {
+            "the image had an fsync log"
+        } else {
+            "no log"
+        }
+    );
+}
+
+/// The superblock's log_root.
+fn log_root_of(img: &Path) -> u64 {
+    let mut sb = [0u8; 8];
+    let f = File::open(img).expect("open image");
+    f.read_exact_at(&mut sb, 0x10000 + 96)
+        .expect("read superblock");
+    u64::from_le_bytes(sb)
 }

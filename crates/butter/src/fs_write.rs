@@ -411,8 +411,7 @@ impl Fs {
     /// Removes the entry `name` from `dir` (DIR_ITEM entry, DIR_INDEX, INODE_REF) and shrinks
     /// the directory.
     fn remove_entry(&self, w: &mut Writer, dir: Inode, name: &[u8], target: Inode) -> Result<()> {
-        // A name went away: logging either side could bring it back or collide with it.
-        w.log.note_needs_commit(dir);
+        // Its names changed: logging it could bring the old one back next to a new one.
         w.log.note_needs_commit(target);
         let dkey = Key::new(dir.ino, DIR_ITEM_KEY, hash::name_hash(name));
         let body = w
@@ -571,7 +570,6 @@ impl Fs {
             return Err(Error::Exists(String::from_utf8_lossy(name).into_owned()));
         }
         self.op(true, |w| {
-            w.log.note_needs_commit(dir);
             w.log.note_needs_commit(ino);
             self.add_entry(w, dir, name, ino, mode_to_ft(item.mode))?;
             item.nlink += 1;
@@ -758,11 +756,6 @@ impl Fs {
         }
         self.require_dir(from_dir)?;
         self.require_dir(to_dir)?;
-        {
-            let mut w = self.writer()?;
-            w.log.note_needs_commit(from_dir);
-            w.log.note_needs_commit(to_dir);
-        }
         if from_dir.root != to_dir.root {
             return Err(Error::Invalid("rename across subvolumes (EXDEV)".into()));
         }

@@ -25,9 +25,10 @@
 //!
 //! Fsyncs fall back to a full commit where a log cannot be right or is not written yet:
 //! directories, inodes with extended refs or without links, inodes renamed, linked or
-//! unlinked in the running transaction and inodes in directories that lost or changed names
-//! in it (a logged name could then collide with a committed one), inodes whose directory or
-//! subvolume is new in the transaction, and when log blocks cannot be allocated.
+//! unlinked in the running transaction, inodes with a name that the last commit (or the log)
+//! gives another inode (replay would take it from that inode: the kernel logs the other inode
+//! too, butter commits), inodes whose directory or subvolume is new in the transaction, and
+//! when log blocks cannot be allocated.
 
 use crate::alloc::SpaceKind;
 use crate::ctree;
@@ -224,6 +225,8 @@ pub struct LogState {
     new_trees: HashSet<u64>,
     /// Inodes logged in the running transaction.
     logged: HashSet<Inode>,
+    /// Names the log gives inodes: (subvolume, directory, name) -> inode.
+    logged_names: HashMap<(u64, u64, Vec<u8>), u64>,
     /// Bumped by every change to the log's items.
     seq: u64,
     /// Every change up to this sequence number is durable.
@@ -293,6 +296,7 @@ impl LogState {
         self.needs_commit.clear();
         self.new_trees.clear();
         self.logged.clear();
+        self.logged_names.clear();
         self.synced_seq = self.seq;
         self.broken = false;
         self.retired.extend(self.blocks.drain());
@@ -412,6 +416,32 @@ fn write_log_trees(
         .ok_or_else(|| Error::Invalid("engine bug: empty fsync log".into()))
 }
 
+impl Writer {
+    /// Root of tree `id` as of the last commit (its blocks stay untouched until the running
+    /// transaction commits); `None` for a tree created since.
+    fn committed_root(&self, id: u64) -> Result<Option<crate::ctree::Root>> {
+        let tree_root = crate::ctree::Root {
+            id: ROOT_TREE_OBJECTID,
+            bytenr: le_u64(&self.sb_raw, 80),
+            level: self.sb_raw[198],
+            generation: le_u64(&self.sb_raw, 72),
+        };
+        let key = Key::new(id, ROOT_ITEM_KEY, u64::MAX);
+        match ctree::lookup_le(&self.disk, &tree_root, &key)? {
+            Some(it) if it.key.objectid == id && it.key.ty == ROOT_ITEM_KEY => {
+                let ri = RootItem::parse(it.data()).map_err(|e| it.annotate(e))?;
+                Ok(Some(crate::ctree::Root {
+                    id,
+                    bytenr: ri.bytenr,
+                    level: ri.level,
+                    generation: ri.generation,
+                }))
+            }
+            _ => Ok(None),
+        }
+    }
+}
+
 /// The ROOT_ITEM of a log tree in the log root tree.
 fn log_root_item(bytenr: u64, level: u8, transid: u64, nodesize: usize) -> Vec<u8> {
     RootItem {
@@ -521,11 +551,14 @@ impl Fs {
                         root: ino.root,
                         ino: i.key.offset,
                     };
-                    if w.log.needs_commit.contains(&dir) {
-                        return Ok(LogTicket::Commit);
-                    }
                     if self.inode_item(dir)?.generation >= w.transid {
                         return Ok(LogTicket::Commit);
+                    }
+                    let refs = InodeRef::parse_all(i.data()).map_err(|e| i.annotate(e))?;
+                    for r in refs {
+                        if self.name_taken(w, dir, &r.name, ino)? {
+                            return Ok(LogTicket::Commit);
+                        }
                     }
                 }
                 INODE_EXTREF_KEY => return Ok(LogTicket::Commit),
@@ -554,8 +587,17 @@ impl Fs {
             Key::new(ino.ino, XATTR_ITEM_KEY, u64::MAX),
         );
         for (k, v) in own {
+            if k.ty == INODE_REF_KEY {
+                for r in InodeRef::parse_all(&v)? {
+                    w.log
+                        .logged_names
+                        .insert((ino.root, k.offset, r.name), ino.ino);
+                }
+            }
+            let log = w.log.trees.entry(ino.root).or_default();
             log.insert(k, v);
         }
+        let log = w.log.trees.entry(ino.root).or_default();
         let eof = item.size.div_ceil(ss) * ss;
         for ((lo, hi), items) in extents {
             if hi > lo {
@@ -634,6 +676,26 @@ impl Fs {
         w.log.logged.insert(ino);
         w.log.seq += 1;
         Ok(LogTicket::Logged(w.log.seq))
+    }
+
+    /// Whether `dir/name` names another inode than `ino` in the last commit or in the log.
+    fn name_taken(&self, w: &Writer, dir: Inode, name: &[u8], ino: Inode) -> Result<bool> {
+        if let Some(other) = w.log.logged_names.get(&(dir.root, dir.ino, name.to_vec())) {
+            if *other != ino.ino {
+                return Ok(true);
+            }
+        }
+        let Some(root) = w.committed_root(dir.root)? else {
+            return Ok(false);
+        };
+        let key = Key::new(dir.ino, DIR_ITEM_KEY, crate::format::hash::name_hash(name));
+        let Some(it) = ctree::lookup(&self.disk, &root, &key)? else {
+            return Ok(false);
+        };
+        let entries = DirItem::parse_all(it.data()).map_err(|e| it.annotate(e))?;
+        Ok(entries
+            .iter()
+            .any(|e| e.name == name && e.location.objectid != ino.ino))
     }
 
     /// The extent items of `ino` to log for the changed range `[s, e)`: the range widened to

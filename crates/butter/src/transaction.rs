@@ -75,7 +75,7 @@ pub struct Writer {
     pub allocator: Allocator,
     pub(crate) chunk_tree_uuid: [u8; 16],
     /// The superblock as last written (raw), patched at each commit.
-    sb_raw: Vec<u8>,
+    pub(crate) sb_raw: Vec<u8>,
     pub(crate) sb_bytes_used: u64,
     dev_item: DevItem,
     sys_chunk_array: Vec<u8>,
