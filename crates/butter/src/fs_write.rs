@@ -413,6 +413,7 @@ impl Fs {
     fn remove_entry(&self, w: &mut Writer, dir: Inode, name: &[u8], target: Inode) -> Result<()> {
         // Its names changed: logging it could bring the old one back next to a new one.
         w.log.note_needs_commit(target);
+        w.log.note_removed(dir, target);
         let dkey = Key::new(dir.ino, DIR_ITEM_KEY, hash::name_hash(name));
         let body = w
             .read_item(dir.root, &dkey)?

@@ -225,6 +225,8 @@ pub struct LogState {
     new_trees: HashSet<u64>,
     /// Inodes logged in the running transaction.
     logged: HashSet<Inode>,
+    /// Per directory: inodes whose name in it was removed in the running transaction.
+    removed: HashMap<Inode, Vec<Inode>>,
     /// Names the log gives inodes: (subvolume, directory, name) -> inode.
     logged_names: HashMap<(u64, u64, Vec<u8>), u64>,
     /// Bumped by every change to the log's items.
@@ -284,6 +286,11 @@ impl LogState {
         self.needs_commit.insert(ino);
     }
 
+    /// `target` lost its name in `dir`.
+    pub(crate) fn note_removed(&mut self, dir: Inode, target: Inode) {
+        self.removed.entry(dir).or_default().push(target);
+    }
+
     pub(crate) fn note_new_tree(&mut self, id: u64) {
         self.new_trees.insert(id);
     }
@@ -297,6 +304,7 @@ impl LogState {
         self.new_trees.clear();
         self.logged.clear();
         self.logged_names.clear();
+        self.removed.clear();
         self.synced_seq = self.seq;
         self.broken = false;
         self.retired.extend(self.blocks.drain());
@@ -311,6 +319,25 @@ impl LogState {
     pub fn pending(&self) -> bool {
         self.synced_seq < self.seq
     }
+}
+
+/// What logging one inode takes (read from the trees before the log changes).
+struct InodePlan {
+    ino: Inode,
+    size: u64,
+    /// Inode item, names, xattrs.
+    own: Vec<(Key, Vec<u8>)>,
+    /// Widened changed ranges and the tree's extent items in them.
+    #[allow(clippy::type_complexity)]
+    extents: Vec<((u64, u64), Vec<(Key, Vec<u8>)>)>,
+    /// A directory's DIR_INDEX items.
+    dir: Option<Vec<(Key, Vec<u8>)>>,
+}
+
+enum Plan {
+    Log(InodePlan),
+    Durable,
+    Commit,
 }
 
 /// A log commit prepared under the writer lock: blocks to write, then the superblock.
@@ -502,15 +529,36 @@ impl Fs {
         if !self.fsync_log.load(Ordering::Relaxed) || w.log.broken {
             return Ok(LogTicket::Commit);
         }
+        if w.log.new_trees.contains(&ino.root) {
+            return Ok(LogTicket::Commit);
+        }
         let item = self.inode_item(ino)?;
+        let plans = if item.mode & 0o170000 == 0o040000 {
+            match self.plan_dir(w, ino, &item)? {
+                Some(p) => p,
+                None => return Ok(LogTicket::Commit),
+            }
+        } else {
+            match self.plan_inode(w, ino, &item)? {
+                Plan::Commit => return Ok(LogTicket::Commit),
+                Plan::Durable => return Ok(LogTicket::Durable),
+                Plan::Log(p) => vec![p],
+            }
+        };
+        for p in plans {
+            self.apply_plan(w, p)?;
+        }
+        w.log.seq += 1;
+        Ok(LogTicket::Logged(w.log.seq))
+    }
+
+    /// What logging a file (or symlink) takes, read from the trees; nothing changes yet.
+    fn plan_inode(&self, w: &Writer, ino: Inode, item: &InodeItem) -> Result<Plan> {
         let fmt = item.mode & 0o170000;
-        if fmt == 0o040000 || item.nlink == 0 {
-            return Ok(LogTicket::Commit);
+        if fmt == 0o040000 || item.nlink == 0 || w.log.needs_commit.contains(&ino) {
+            return Ok(Plan::Commit);
         }
-        if w.log.new_trees.contains(&ino.root) || w.log.needs_commit.contains(&ino) {
-            return Ok(LogTicket::Commit);
-        }
-        let changed: Vec<(u64, u64)> = w
+        let mut changed: Vec<(u64, u64)> = w
             .log
             .changed
             .get(&ino)
@@ -521,7 +569,6 @@ impl Fs {
                     .collect()
             })
             .unwrap_or_default();
-        let mut changed = changed;
         if item.generation >= w.transid && !w.log.logged.contains(&ino) {
             // New in this transaction: everything it has (symlink targets are written
             // directly, not through the file write path).
@@ -529,9 +576,37 @@ impl Fs {
         }
         if item.transid < w.transid && changed.is_empty() {
             // Untouched since the last commit.
-            return Ok(LogTicket::Durable);
+            return Ok(Plan::Durable);
         }
-        // The inode's own items: inode, names, xattrs.
+        let Some(own) = self.own_items(w, ino, true)? else {
+            return Ok(Plan::Commit);
+        };
+        let ss = self.disk.sectorsize() as u64;
+        let mut extents = Vec::new();
+        if fmt == 0o100000 || fmt == 0o120000 {
+            for (s, e) in merge_ranges(changed) {
+                let (lo, hi, items) =
+                    self.extents_to_log(w.log.trees.get(&ino.root), ino, s, e, ss)?;
+                extents.push(((lo, hi), items));
+            }
+        }
+        Ok(Plan::Log(InodePlan {
+            ino,
+            size: item.size,
+            own,
+            extents,
+            dir: None,
+        }))
+    }
+
+    /// The inode item, names (with `names`) and xattrs of `ino`; `None` when one of its names
+    /// cannot be logged (see the module documentation).
+    fn own_items(
+        &self,
+        w: &Writer,
+        ino: Inode,
+        names: bool,
+    ) -> Result<Option<Vec<(Key, Vec<u8>)>>> {
         let root = self.subvol_root(ino.root)?;
         let mut own: Vec<(Key, Vec<u8>)> = Vec::new();
         let mut it = TreeIter::new(
@@ -546,60 +621,143 @@ impl Fs {
             }
             match i.key.ty {
                 INODE_ITEM_KEY | XATTR_ITEM_KEY => {}
-                INODE_REF_KEY => {
+                INODE_REF_KEY if names => {
                     let dir = Inode {
                         root: ino.root,
                         ino: i.key.offset,
                     };
                     if self.inode_item(dir)?.generation >= w.transid {
-                        return Ok(LogTicket::Commit);
+                        return Ok(None);
                     }
                     let refs = InodeRef::parse_all(i.data()).map_err(|e| i.annotate(e))?;
                     for r in refs {
                         if self.name_taken(w, dir, &r.name, ino)? {
-                            return Ok(LogTicket::Commit);
+                            return Ok(None);
                         }
                     }
                 }
-                INODE_EXTREF_KEY => return Ok(LogTicket::Commit),
+                INODE_EXTREF_KEY if names => return Ok(None),
                 _ => continue,
             }
             own.push((i.key, i.data().to_vec()));
         }
-        if !own.iter().any(|(k, _)| k.ty == INODE_REF_KEY) {
-            return Ok(LogTicket::Commit);
+        if names && !own.iter().any(|(k, _)| k.ty == INODE_REF_KEY) {
+            return Ok(None);
         }
-        let ss = self.disk.sectorsize() as u64;
-        let no_holes = self.disk.sb.has_incompat(INCOMPAT_NO_HOLES);
-        let mut csum_ranges: Vec<(u64, u64)> = Vec::new();
-        let mut extents: Vec<((u64, u64), Vec<(Key, Vec<u8>)>)> = Vec::new();
-        if fmt == 0o100000 || fmt == 0o120000 {
-            for (s, e) in merge_ranges(changed) {
-                let (lo, hi, items) =
-                    self.extents_to_log(w.log.trees.get(&ino.root), ino, s, e, ss)?;
-                extents.push(((lo, hi), items));
+        Ok(Some(own))
+    }
+
+    /// Logging a directory: its inode and xattrs, all its DIR_INDEX entries with one
+    /// DIR_LOG_INDEX range over every index (replay then drops the committed entries the
+    /// log lacks), and every file that is new in the transaction. `None`: commit instead
+    /// (a new or renamed directory, an entry that is a subvolume, a new subdirectory, an entry
+    /// whose inode changed names, or a removed entry whose inode lives on elsewhere).
+    fn plan_dir(&self, w: &Writer, dir: Inode, item: &InodeItem) -> Result<Option<Vec<InodePlan>>> {
+        if w.log.needs_commit.contains(&dir) || item.generation >= w.transid {
+            return Ok(None);
+        }
+        if let Some(removed) = w.log.removed.get(&dir) {
+            for t in removed {
+                match self.inode_item(*t) {
+                    Ok(it) if it.nlink > 0 => return Ok(None),
+                    Ok(_) | Err(Error::NotFound(_)) => {}
+                    Err(e) => return Err(e),
+                }
             }
         }
-        // From here on only the in-memory log changes.
-        let log = w.log.trees.entry(ino.root).or_default();
-        log.remove_range(
-            Key::new(ino.ino, 0, 0),
-            Key::new(ino.ino, XATTR_ITEM_KEY, u64::MAX),
-        );
-        for (k, v) in own {
+        let Some(own) = self.own_items(w, dir, false)? else {
+            return Ok(None);
+        };
+        let root = self.subvol_root(dir.root)?;
+        let mut entries = Vec::new();
+        let mut plans = Vec::new();
+        let mut it = TreeIter::range(
+            self.disk.clone(),
+            root,
+            Key::new(dir.ino, DIR_INDEX_KEY, 0),
+            Key::new(dir.ino, DIR_INDEX_KEY, u64::MAX),
+            Readahead::None,
+        )?;
+        while let Some(i) = it.next_item()? {
+            let di = DirItem::parse_all(i.data()).map_err(|e| i.annotate(e))?;
+            for d in &di {
+                if d.location.ty != INODE_ITEM_KEY {
+                    return Ok(None);
+                }
+                let child = Inode {
+                    root: dir.root,
+                    ino: d.location.objectid,
+                };
+                if w.log.needs_commit.contains(&child) {
+                    return Ok(None);
+                }
+                let ci = self.inode_item(child)?;
+                if ci.generation >= w.transid {
+                    if ci.mode & 0o170000 == 0o040000 {
+                        return Ok(None);
+                    }
+                    match self.plan_inode(w, child, &ci)? {
+                        Plan::Log(p) => plans.push(p),
+                        Plan::Durable => {}
+                        Plan::Commit => return Ok(None),
+                    }
+                }
+            }
+            entries.push((i.key, i.data().to_vec()));
+        }
+        plans.push(InodePlan {
+            ino: dir,
+            size: item.size,
+            own,
+            extents: Vec::new(),
+            dir: Some(entries),
+        });
+        Ok(Some(plans))
+    }
+
+    /// Puts a planned inode into the in-memory log.
+    fn apply_plan(&self, w: &mut Writer, p: InodePlan) -> Result<()> {
+        let ino = p.ino;
+        let ss = self.disk.sectorsize() as u64;
+        let no_holes = self.disk.sb.has_incompat(INCOMPAT_NO_HOLES);
+        let transid = w.transid;
+        for (k, v) in &p.own {
             if k.ty == INODE_REF_KEY {
-                for r in InodeRef::parse_all(&v)? {
+                for r in InodeRef::parse_all(v)? {
                     w.log
                         .logged_names
                         .insert((ino.root, k.offset, r.name), ino.ino);
                 }
             }
-            let log = w.log.trees.entry(ino.root).or_default();
-            log.insert(k, v);
         }
         let log = w.log.trees.entry(ino.root).or_default();
-        let eof = item.size.div_ceil(ss) * ss;
-        for ((lo, hi), items) in extents {
+        log.remove_range(
+            Key::new(ino.ino, 0, 0),
+            Key::new(ino.ino, XATTR_ITEM_KEY, u64::MAX),
+        );
+        for (k, v) in p.own {
+            log.insert(k, v);
+        }
+        if let Some(entries) = p.dir {
+            log.remove_range(
+                Key::new(ino.ino, DIR_LOG_INDEX_KEY, 0),
+                Key::new(ino.ino, DIR_LOG_INDEX_KEY, u64::MAX),
+            );
+            log.remove_range(
+                Key::new(ino.ino, DIR_INDEX_KEY, 0),
+                Key::new(ino.ino, DIR_INDEX_KEY, u64::MAX),
+            );
+            log.insert(
+                Key::new(ino.ino, DIR_LOG_INDEX_KEY, 0),
+                u64::MAX.to_le_bytes().to_vec(),
+            );
+            for (k, v) in entries {
+                log.insert(k, v);
+            }
+        }
+        let mut csum_ranges: Vec<(u64, u64)> = Vec::new();
+        let eof = p.size.div_ceil(ss) * ss;
+        for ((lo, hi), items) in p.extents {
             if hi > lo {
                 log.remove_range(
                     Key::new(ino.ino, EXTENT_DATA_KEY, lo),
@@ -614,7 +772,7 @@ impl Fs {
                     let to = k.offset.min(hole_end);
                     log.insert(
                         Key::new(ino.ino, EXTENT_DATA_KEY, cursor),
-                        hole_item(w.transid, to - cursor),
+                        hole_item(transid, to - cursor),
                     );
                 }
                 cursor = cursor.max(extent_end(k.offset, &v, ss)?);
@@ -638,13 +796,13 @@ impl Fs {
             if no_holes && cursor < hole_end {
                 log.insert(
                     Key::new(ino.ino, EXTENT_DATA_KEY, cursor),
-                    hole_item(w.transid, hole_end - cursor),
+                    hole_item(transid, hole_end - cursor),
                 );
             }
         }
+        let csize = self.disk.sb.csum_type.size();
         for (start, len) in csum_ranges {
             let sums = self.data_csums(start, len)?;
-            let csize = self.disk.sb.csum_type.size();
             let log = w.log.trees.entry(ino.root).or_default();
             let mut run_start = 0usize;
             while run_start < sums.len() {
@@ -674,8 +832,7 @@ impl Fs {
             t.clear();
         }
         w.log.logged.insert(ino);
-        w.log.seq += 1;
-        Ok(LogTicket::Logged(w.log.seq))
+        Ok(())
     }
 
     /// Whether `dir/name` names another inode than `ino` in the last commit or in the log.
@@ -1113,6 +1270,62 @@ mod tests {
                 Some(name.as_bytes())
             );
         }
+    }
+
+    #[test]
+    fn directory_fsync_logs_created_and_deleted_entries() {
+        let (dev, fs) = fresh();
+        let root = fs.root_inode();
+        let d = fs.mkdir(root, b"d", 0o755, Owner::default()).unwrap();
+        for n in [&b"a"[..], b"b", b"c"] {
+            let f = fs.create(d, n, 0o644, Owner::default()).unwrap();
+            fs.write(f, 0, n).unwrap();
+        }
+        fs.commit().unwrap();
+        fs.unlink(d, b"b").unwrap();
+        let e = fs.create(d, b"e", 0o640, Owner::default()).unwrap();
+        fs.write(e, 0, &pattern(9000, 5)).unwrap();
+        fs.symlink(d, b"s", b"target", Owner::default()).unwrap();
+        fs.fsync(d, false).unwrap();
+        let st = fs.log_stats().unwrap();
+        assert_eq!((st.logged, st.fallbacks), (1, 0), "{st:?}");
+        let after = after_cut(&dev);
+        let d2 = after
+            .lookup(after.root_inode(), b"d")
+            .unwrap()
+            .unwrap()
+            .target;
+        let names: Vec<Vec<u8>> = after
+            .readdir(d2, 0, 100)
+            .unwrap()
+            .into_iter()
+            .map(|e| e.name)
+            .collect();
+        assert_eq!(
+            names,
+            vec![b"a".to_vec(), b"c".to_vec(), b"e".to_vec(), b"s".to_vec()]
+        );
+        let e2 = after.lookup(d2, b"e").unwrap().unwrap().target;
+        assert_eq!(after.read(e2, 0, 10_000).unwrap(), pattern(9000, 5));
+        let s2 = after.lookup(d2, b"s").unwrap().unwrap().target;
+        assert_eq!(after.readlink(s2).unwrap(), b"target");
+    }
+
+    #[test]
+    fn directory_fsync_after_a_rename_commits() {
+        let (dev, fs) = fresh();
+        let root = fs.root_inode();
+        let d = fs.mkdir(root, b"d", 0o755, Owner::default()).unwrap();
+        fs.create(d, b"a", 0o644, Owner::default()).unwrap();
+        fs.commit().unwrap();
+        fs.rename(d, b"a", root, b"moved", 0).unwrap();
+        fs.fsync(d, false).unwrap();
+        assert_eq!(fs.log_stats().unwrap().fallbacks, 1);
+        let after = after_cut(&dev);
+        assert!(after
+            .lookup(after.root_inode(), b"moved")
+            .unwrap()
+            .is_some());
     }
 
     const FALLOC_KEEP: u32 = 1;
