@@ -8,8 +8,12 @@
 //! - the EXTENT_DATA items of the file ranges changed since the inode was last logged (the
 //!   range-state tree of seed 000 tracks them per inode, [`ExtentBits::DIRTY`]), widened to
 //!   whole items of both the tree and the log, with explicit holes where a NO_HOLES file has
-//!   none (replay then drops what the committed tree has there);
-//! - the data checksums of the logged extents, as EXTENT_CSUM items.
+//!   none (replay then drops what the committed tree has there); a ranged fsync logs the
+//!   whole file's changed ranges;
+//! - the data checksums of the logged extents, as EXTENT_CSUM items;
+//! - for a directory: its DIR_INDEX entries under one DIR_LOG_INDEX range covering every
+//!   index (replay drops the committed entries the log lacks), and the files new in the
+//!   transaction that its entries name (so replay finds their inodes).
 //!
 //! A log commit ([`Fs::sync_log`]) writes the leaves that changed since the last one (the log
 //! tree's other leaves stay where they are), new upper nodes and a new log root tree, all in
@@ -24,11 +28,18 @@
 //! started after they logged (`synced_seq`).
 //!
 //! Fsyncs fall back to a full commit where a log cannot be right or is not written yet:
-//! directories, inodes with extended refs or without links, inodes renamed, linked or
-//! unlinked in the running transaction, inodes with a name that the last commit (or the log)
-//! gives another inode (replay would take it from that inode: the kernel logs the other inode
-//! too, butter commits), inodes whose directory or subvolume is new in the transaction, and
-//! when log blocks cannot be allocated.
+//! new or renamed directories and directories with new subdirectories or subvolume entries
+//! (the kernel logs those recursively), inodes with extended refs or without links, inodes
+//! renamed, linked or unlinked in the running transaction, inodes with a name that the last
+//! commit (or the log) gives another inode (replay would take it from that inode: the kernel
+//! logs the other inode too, butter commits), inodes whose directory or subvolume is new in
+//! the transaction, and when log blocks cannot be allocated.
+//!
+//! Not here yet: ordered extents. butter has no delayed allocation: `write` allocates, writes
+//! the data, records its extent and checksums in the trees before it returns, so an fsync
+//! never waits for extents to complete and logs from the trees; its first flush is the only
+//! wait for data. Seed 003's "wait for writeback only" rule (log from in-flight ordered
+//! extents without waiting for their tree updates) needs deferred extent insertion first.
 
 use crate::alloc::SpaceKind;
 use crate::ctree;
