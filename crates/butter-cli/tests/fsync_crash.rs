@@ -743,5 +743,5 @@ fn power_cut_keeps_fsynced_data() {
 /// The same with a random prefix of the unflushed writes on the device.
 #[test]
 fn power_cut_with_torn_unflushed_writes() {
-    crash_loop("fsync-crash-torn", true, 0x7072_6e);
+    crash_loop("fsync-crash-torn", true, 0x0072_726e);
 }
