@@ -25,7 +25,7 @@
 //! a random prefix of [`RamDevice::unflushed_writes`] (a device may persist some unflushed
 //! writes, in order).
 //!
-//! Environment: `BUTTER_FSYNC_CRASH_ROUNDS` (default 40 per test), `BUTTER_FSYNC_CRASH_SEED`
+//! Environment: `BUTTER_FSYNC_CRASH_ROUNDS` (default 30 per test), `BUTTER_FSYNC_CRASH_SEED`
 //! (printed; a failure names its seed and round), `BUTTER_FSYNC_CRASH_ROUND` (run only that
 //! round, to replay a failure). Needs root, loop devices, kernel btrfs and btrfs-progs: fails
 //! without them.
@@ -51,7 +51,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 const IMAGE_SIZE: u64 = 128 << 20;
-const DEFAULT_ROUNDS: u64 = 40;
+const DEFAULT_ROUNDS: u64 = 30;
 /// Every this many rounds the kernel replays the crash image too.
 const KERNEL_EVERY: u64 = 4;
 const OWNER: Owner = Owner { uid: 0, gid: 0 };
