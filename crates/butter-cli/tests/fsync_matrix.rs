@@ -43,7 +43,7 @@ use std::sync::Mutex;
 
 /// True once butter's fsync writes the log tree instead of committing: the log writer's merge
 /// flips this, and then the fast-path scenarios must leave a log in the crash image.
-const EXPECT_LOG_WRITER: bool = false;
+const EXPECT_LOG_WRITER: bool = true;
 
 /// No periodic commit during a scenario: only the fsyncs may make anything durable.
 const MOUNT_ARGS: &[&str] = &["-o", "commit=3600,noatime"];

@@ -662,13 +662,19 @@ impl Fs {
     /// DIR_LOG_INDEX range over every index (replay then drops the committed entries the
     /// log lacks), and every file that is new in the transaction. `None`: commit instead
     /// (a new or renamed directory, an entry that is a subvolume, a new subdirectory, an entry
-    /// whose inode changed names, or a removed entry whose inode lives on elsewhere).
+    /// whose inode changed names, a removed entry whose inode lives on elsewhere or was
+    /// logged before).
     fn plan_dir(&self, w: &Writer, dir: Inode, item: &InodeItem) -> Result<Option<Vec<InodePlan>>> {
         if w.log.needs_commit.contains(&dir) || item.generation >= w.transid {
             return Ok(None);
         }
         if let Some(removed) = w.log.removed.get(&dir) {
             for t in removed {
+                // Its earlier log items still give it the removed name: replay would bring
+                // the name back after dropping it.
+                if w.log.logged.contains(t) {
+                    return Ok(None);
+                }
                 match self.inode_item(*t) {
                     Ok(it) if it.nlink > 0 => return Ok(None),
                     Ok(_) | Err(Error::NotFound(_)) => {}
