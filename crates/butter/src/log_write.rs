@@ -804,7 +804,7 @@ impl Fs {
                         if fe.compression != 0 {
                             csum_ranges.push((disk_bytenr, disk_num_bytes));
                         } else {
-                            csum_ranges.push((disk_bytenr + offset, num_bytes));
+                            csum_ranges.push((disk_bytenr.saturating_add(offset), num_bytes));
                         }
                     }
                 }
