@@ -659,6 +659,20 @@ impl ButterFuse {
         }
     }
 
+    /// fsync and fsyncdir: the inode's changes (or, where the engine cannot log them, all
+    /// changes) are durable when this returns.
+    fn fsync_node(&self, op: &str, node: u64) -> Result<(), Errno> {
+        self.guard(op, node, || {
+            if !self.writable {
+                return Ok(());
+            }
+            let i = self.inode(node)?;
+            self.shared
+                .fsync(&self.fs, i)
+                .map_err(|e| OpError::Edge(libc::EIO, format!("{op}: {e}")))
+        })
+    }
+
     /// Setting `system.posix_acl_access`: the mode's permission bits follow the ACL, and an
     /// ACL the mode says all of is not stored (as the kernel's filesystems do).
     fn set_access_acl(&self, ino: Inode, value: &[u8], flags: u32) -> OpResult<()> {
@@ -1166,16 +1180,7 @@ impl Filesystem for ButterFuse {
         _datasync: bool,
         reply: ReplyEmpty,
     ) {
-        let r = self.guard("fsync", ino.0, || {
-            if !self.writable {
-                return Ok(());
-            }
-            let i = self.inode(ino.0)?;
-            self.shared
-                .fsync(&self.fs, i)
-                .map_err(|e| OpError::Edge(libc::EIO, format!("fsync: {e}")))
-        });
-        match r {
+        match self.fsync_node("fsync", ino.0) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(e),
         }
@@ -1280,16 +1285,7 @@ impl Filesystem for ButterFuse {
         _datasync: bool,
         reply: ReplyEmpty,
     ) {
-        let r = self.guard("fsyncdir", ino.0, || {
-            if !self.writable {
-                return Ok(());
-            }
-            let i = self.inode(ino.0)?;
-            self.shared
-                .fsync(&self.fs, i)
-                .map_err(|e| OpError::Edge(libc::EIO, format!("fsyncdir: {e}")))
-        });
-        match r {
+        match self.fsync_node("fsyncdir", ino.0) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(e),
         }

@@ -14,86 +14,16 @@ mod common;
 
 use butter::fs::{Fs, OpenOpts};
 use common::butter_target::manifest_of;
+use common::fsync::{
+    copy_sparse, fallocate, fsync_path as fsync, kernel_manifest, log_root_of, open_rw, pattern,
+    removexattr, replay_compare_opts as compare_opts, setxattr, write_file,
+};
 use common::kernel::*;
-use common::manifest::{self, CompareOpts, Manifest, TakeOpts};
-use std::ffi::CString;
+use common::manifest::{self, CompareOpts};
 use std::fs::{self, File, OpenOptions};
-use std::io::{Read, Seek, SeekFrom, Write};
-use std::os::unix::ffi::OsStrExt;
+use std::io::Write;
 use std::os::unix::fs::FileExt;
-use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
-
-fn pattern(len: usize, seed: u8) -> Vec<u8> {
-    (0..len)
-        .map(|i| (i as u32).wrapping_mul(2654435761).rotate_left(7) as u8 ^ seed)
-        .collect()
-}
-
-fn write_file(p: &Path, len: usize, seed: u8) {
-    fs::write(p, pattern(len, seed)).unwrap_or_else(|e| panic!("write {}: {e}", p.display()));
-}
-
-fn fsync(p: &Path) {
-    File::open(p)
-        .and_then(|f| f.sync_all())
-        .unwrap_or_else(|e| panic!("fsync {}: {e}", p.display()));
-}
-
-fn open_rw(p: &Path) -> File {
-    OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(p)
-        .unwrap_or_else(|e| panic!("open {}: {e}", p.display()))
-}
-
-fn fallocate(f: &File, mode: i32, off: i64, len: i64) {
-    // SAFETY: a valid open descriptor; plain integer arguments.
-    let r = unsafe { libc::fallocate(f.as_raw_fd(), mode, off, len) };
-    assert_eq!(r, 0, "fallocate: {}", std::io::Error::last_os_error());
-}
-
-fn cstr(p: &Path) -> CString {
-    CString::new(p.as_os_str().as_bytes()).expect("path without NUL")
-}
-
-fn setxattr(p: &Path, name: &str, value: &[u8]) {
-    let n = CString::new(name).expect("name");
-    // SAFETY: valid C strings and a buffer of the given length.
-    let r = unsafe {
-        libc::setxattr(
-            cstr(p).as_ptr(),
-            n.as_ptr(),
-            value.as_ptr().cast(),
-            value.len(),
-            0,
-        )
-    };
-    assert_eq!(r, 0, "setxattr: {}", std::io::Error::last_os_error());
-}
-
-fn removexattr(p: &Path, name: &str) {
-    let n = CString::new(name).expect("name");
-    // SAFETY: valid C strings.
-    let r = unsafe { libc::removexattr(cstr(p).as_ptr(), n.as_ptr()) };
-    assert_eq!(r, 0, "removexattr: {}", std::io::Error::last_os_error());
-}
-
-fn log_root_of(img: &Path) -> u64 {
-    let mut f = File::open(img).expect("open image");
-    let mut b = [0u8; 8];
-    f.seek(SeekFrom::Start(65536 + 96)).expect("seek");
-    f.read_exact(&mut b).expect("read superblock");
-    u64::from_le_bytes(b)
-}
-
-fn copy_sparse(from: &Path, to: &Path) {
-    sh(
-        "cp",
-        &["--sparse=always".as_ref(), from.as_os_str(), to.as_os_str()],
-    );
-}
 
 /// Builds the crash image: `setup` runs and is synced, then `ops` (which fsyncs) runs and the
 /// image is copied while mounted. Returns the crash image path.
@@ -128,22 +58,6 @@ fn crash_image_opts(
         "the crash image has no fsync log (the scenario did not fsync after its changes?)"
     );
     crash
-}
-
-fn kernel_manifest(img: &Path, mnt: &Path, options: &str) -> Manifest {
-    let m = LoopMount::btrfs(img, mnt, options);
-    let man = manifest::take(m.path(), &TakeOpts::default());
-    m.unmount();
-    man
-}
-
-fn compare_opts() -> CompareOpts {
-    // Kernel mount vs butter's Fs: what a FUSE view can reproduce.
-    CompareOpts {
-        // An inode that loses a name in the replay gets the replay's time as ctime.
-        ctime: false,
-        ..CompareOpts::fuse()
-    }
 }
 
 /// A file butter writes after its replay.

@@ -698,20 +698,7 @@ impl Fs {
         if to <= from {
             return Ok(());
         }
-        let hole = FileExtentItem {
-            generation: w.transid,
-            ram_bytes: to - from,
-            compression: 0,
-            encryption: 0,
-            other_encoding: 0,
-            ty: FILE_EXTENT_REG,
-            body: FileExtentBody::Extent {
-                disk_bytenr: 0,
-                disk_num_bytes: 0,
-                offset: 0,
-                num_bytes: to - from,
-            },
-        };
+        let hole = FileExtentItem::hole(w.transid, to - from);
         w.log.note_change(ino, from, to);
         w.insert_item(
             ino.root,

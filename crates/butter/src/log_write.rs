@@ -1017,21 +1017,7 @@ impl Fs {
 
 /// A hole of `len` bytes (an explicit one: replay drops the committed extents under it).
 fn hole_item(transid: u64, len: u64) -> Vec<u8> {
-    FileExtentItem {
-        generation: transid,
-        ram_bytes: len,
-        compression: 0,
-        encryption: 0,
-        other_encoding: 0,
-        ty: FILE_EXTENT_REG,
-        body: FileExtentBody::Extent {
-            disk_bytenr: 0,
-            disk_num_bytes: 0,
-            offset: 0,
-            num_bytes: len,
-        },
-    }
-    .to_bytes()
+    FileExtentItem::hole(transid, len).to_bytes()
 }
 
 /// Sorted, merged half-open ranges.

@@ -700,6 +700,24 @@ impl InodeExtref {
 }
 
 impl FileExtentItem {
+    /// An explicit hole of `len` bytes written in transaction `generation`.
+    pub fn hole(generation: u64, len: u64) -> FileExtentItem {
+        FileExtentItem {
+            generation,
+            ram_bytes: len,
+            compression: 0,
+            encryption: 0,
+            other_encoding: 0,
+            ty: FILE_EXTENT_REG,
+            body: FileExtentBody::Extent {
+                disk_bytenr: 0,
+                disk_num_bytes: 0,
+                offset: 0,
+                num_bytes: len,
+            },
+        }
+    }
+
     /// EXTENT_DATA body: 21-byte header, then the inline data or the four le64 of a regular or
     /// preallocated extent.
     pub fn to_bytes(&self) -> Vec<u8> {
