@@ -930,25 +930,8 @@ impl Fs {
         }
         self.op(false, |w| {
             let mut item = self.inode_item(ino)?;
-            let hole = (!self.disk.sb.has_incompat(INCOMPAT_NO_HOLES)).then(|| {
-                (
-                    a,
-                    FileExtentItem {
-                        generation: w.transid,
-                        ram_bytes: b - a,
-                        compression: 0,
-                        encryption: 0,
-                        other_encoding: 0,
-                        ty: FILE_EXTENT_REG,
-                        body: FileExtentBody::Extent {
-                            disk_bytenr: 0,
-                            disk_num_bytes: 0,
-                            offset: 0,
-                            num_bytes: b - a,
-                        },
-                    },
-                )
-            });
+            let hole = (!self.disk.sb.has_incompat(INCOMPAT_NO_HOLES))
+                .then(|| (a, FileExtentItem::hole(w.transid, b - a)));
             let (removed, _) = self.replace_extents(w, ino, a, b, hole)?;
             item.nbytes -= removed.min(item.nbytes);
             Self::touch(w, &mut item, true);
