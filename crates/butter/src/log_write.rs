@@ -596,9 +596,10 @@ impl Fs {
         let mut extents = Vec::new();
         if fmt == 0o100000 || fmt == 0o120000 {
             for (s, e) in merge_ranges(changed) {
-                let (lo, hi, items) =
-                    self.extents_to_log(w.log.trees.get(&ino.root), ino, s, e, ss)?;
-                extents.push(((lo, hi), items));
+                match self.extents_to_log(w.log.trees.get(&ino.root), ino, s, e, ss)? {
+                    Some((lo, hi, items)) => extents.push(((lo, hi), items)),
+                    None => return Ok(Plan::Commit),
+                }
             }
         }
         Ok(Plan::Log(InodePlan {
@@ -882,7 +883,7 @@ impl Fs {
         s: u64,
         e: u64,
         ss: u64,
-    ) -> Result<(u64, u64, Vec<(Key, Vec<u8>)>)> {
+    ) -> Result<Option<(u64, u64, Vec<(Key, Vec<u8>)>)>> {
         let root = self.subvol_root(ino.root)?;
         let tree_cover = |p: u64| -> Result<Option<(u64, u64)>> {
             match ctree::lookup_le(&self.disk, &root, &Key::new(ino.ino, EXTENT_DATA_KEY, p))? {
@@ -909,6 +910,7 @@ impl Fs {
             }
         };
         let (mut lo, mut hi) = (s, e.max(s + 1));
+        let mut converged = false;
         for _ in 0..64 {
             let mut nlo = lo;
             let mut nhi = hi;
@@ -922,9 +924,14 @@ impl Fs {
                 nhi = nhi.max(c.1);
             }
             if (nlo, nhi) == (lo, hi) {
+                converged = true;
                 break;
             }
             (lo, hi) = (nlo, nhi);
+        }
+        if !converged {
+            // Items that keep overlapping further out (a damaged tree): let a commit do it.
+            return Ok(None);
         }
         let mut items = Vec::new();
         let mut it = self.extent_items_from(ino, lo)?;
@@ -937,7 +944,7 @@ impl Fs {
             }
             items.push((i.key, i.data().to_vec()));
         }
-        Ok((lo, hi, items))
+        Ok(Some((lo, hi, items)))
     }
 
     /// Second half of an fsync: makes the log durable up to sequence `seq`, sharing the log
