@@ -8,8 +8,8 @@
 //! - what each writer's fsyncs made durable is there with the right content: an fsync of a
 //!   file makes that file (content and name) and its directories durable, not the writer's
 //!   other changes (butter writes the fsync log for it, as the kernel does); an fsync of the
-//!   writer's directory makes everything durable (butter commits the transaction for a
-//!   directory fsync), including that nothing deleted or renamed away before it comes back.
+//!   writer's directory makes its entries durable: the names in it exist, names removed from
+//!   it stay gone (file contents only from their own fsyncs).
 //!   Paths a writer touched after they were last made durable may be in any state.
 //!
 //! The next round mounts the crashed image again and writes more; a final clean unmount ends
@@ -77,6 +77,8 @@ fn digest(data: &[u8]) -> Digest32 {
 struct Durable {
     /// Relative path -> Some(content) for files, None for directories.
     entries: BTreeMap<PathBuf, Option<Digest32>>,
+    /// Files that must exist, content unknown (named by a directory fsync).
+    names_only: BTreeSet<PathBuf>,
     touched_after: BTreeSet<PathBuf>,
     fsyncs: u64,
     /// Operations completed in all (durable or not).
@@ -248,7 +250,7 @@ impl Writer {
                 }
                 _ => {
                     File::open(&self.dir)?.sync_all()?;
-                    self.record_durable();
+                    self.record_dir_durable();
                 }
             },
         }
@@ -262,6 +264,7 @@ impl Writer {
         let mut d = self.shared.lock().unwrap();
         d.entries
             .insert(rel.to_path_buf(), Some(digest(&self.files[rel])));
+        d.names_only.remove(rel);
         d.touched_after.remove(rel);
         for a in rel.ancestors().skip(1) {
             if !a.as_os_str().is_empty() {
@@ -272,19 +275,31 @@ impl Writer {
         d.fsyncs += 1;
     }
 
-    /// The fsync of the writer's directory returned: everything so far is durable.
-    fn record_durable(&self) {
-        let mut entries: BTreeMap<PathBuf, Option<Digest32>> = self
-            .files
-            .iter()
-            .map(|(p, v)| (p.clone(), Some(digest(v))))
-            .collect();
-        for d in &self.dirs {
-            entries.insert(d.clone(), None);
-        }
+    /// The fsync of the writer's directory returned: the directory exists, and its entries
+    /// are what they are now: the files and subdirectories in it exist (a file's content is
+    /// known only from its own fsync, if untouched since), and names removed from it are gone.
+    fn record_dir_durable(&self) {
         let mut d = self.shared.lock().unwrap();
-        d.entries = entries;
-        d.touched_after.clear();
+        d.touched_after.remove(Path::new(""));
+        let direct = |p: &Path| p.parent().is_some_and(|q| q.as_os_str().is_empty());
+        let touched: Vec<PathBuf> = d
+            .touched_after
+            .iter()
+            .filter(|p| direct(p))
+            .cloned()
+            .collect();
+        for rel in touched {
+            d.touched_after.remove(&rel);
+            if self.files.contains_key(&rel) {
+                d.entries.remove(&rel);
+                d.names_only.insert(rel);
+            } else if self.dirs.contains(&rel) {
+                d.entries.insert(rel, None);
+            } else {
+                d.entries.remove(&rel);
+                d.names_only.remove(&rel);
+            }
+        }
         d.fsyncs += 1;
     }
 
@@ -318,6 +333,18 @@ fn check_durable(dir: &Path, d: &Durable, what: &str) -> (usize, Vec<String>) {
             .iter()
             .any(|t| p.starts_with(t) || t.starts_with(p))
     };
+    for rel in &d.names_only {
+        if touched(rel) {
+            continue;
+        }
+        checked += 1;
+        if !dir.join(rel).is_file() {
+            problems.push(format!(
+                "{what}: {} is missing (its directory was fsynced)",
+                rel.display()
+            ));
+        }
+    }
     for (rel, want) in &d.entries {
         if touched(rel) {
             continue;
@@ -356,7 +383,8 @@ fn check_durable(dir: &Path, d: &Durable, what: &str) -> (usize, Vec<String>) {
         };
         for e in rd.flatten() {
             let child = rel.join(e.file_name());
-            if !d.entries.contains_key(&child) && !touched(&child) {
+            if !d.entries.contains_key(&child) && !d.names_only.contains(&child) && !touched(&child)
+            {
                 problems.push(format!(
                     "{what}: {} exists but was not there at the last fsync",
                     child.display()

@@ -528,6 +528,13 @@ impl Fs {
     pub fn log_inode(&self, ino: Inode) -> Result<LogTicket> {
         let mut w = self.writer()?;
         let t = self.log_inode_locked(&mut w, ino)?;
+        log::debug!(
+            "fsync {}/{}: {t:?} (transid {}, synced {})",
+            ino.root,
+            ino.ino,
+            w.transid,
+            w.log.synced_seq
+        );
         match t {
             LogTicket::Commit => w.log.stats.fallbacks += 1,
             LogTicket::Logged(_) => w.log.stats.logged += 1,
@@ -1005,6 +1012,14 @@ impl Fs {
             return Err(e);
         }
         w.log.synced_seq = w.log.synced_seq.max(plan.seq);
+        log::debug!(
+            "log commit: seq {} durable (transid {}, root {} level {}, {} blocks)",
+            plan.seq,
+            plan.transid,
+            plan.root,
+            plan.level,
+            plan.blocks.len()
+        );
         // The superblock names the new log: the blocks it replaced are free.
         let ns = self.disk.nodesize() as u64;
         for b in plan.replaced {
