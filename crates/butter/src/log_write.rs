@@ -916,7 +916,11 @@ impl Fs {
                 None => Ok(None),
             }
         };
-        let (mut lo, mut hi) = (s, e.max(s + 1));
+        // Changed ranges are in bytes (a truncate to an odd size); items and holes are in
+        // whole sectors.
+        let s = s / ss * ss;
+        let e = e.saturating_add(ss - 1) / ss * ss;
+        let (mut lo, mut hi) = (s, e.max(s + ss));
         let mut converged = false;
         for _ in 0..64 {
             let mut nlo = lo;
