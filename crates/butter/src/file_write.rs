@@ -511,6 +511,7 @@ impl Fs {
             .filter(|e| *e <= i64::MAX as u64)
             .ok_or_else(|| Error::Invalid("write past the largest file size".into()))?;
         let ss = self.disk.sectorsize() as u64;
+        self.note_growth(ino, item.size, end)?;
         let item = if offset > item.size && item.size % ss != 0 {
             self.zero_eof_tail(ino, offset)?;
             self.inode_item(ino)?
@@ -745,6 +746,17 @@ impl Fs {
         Ok(removed)
     }
 
+    /// A file grows from `old` to `new` bytes: for the fsync log, the range between is changed
+    /// even where no extent item changes (with NO_HOLES the new part is an implicit hole, while
+    /// the last commit may have extents there: a truncate down in this transaction dropped
+    /// them from the tree, and replay must drop them too).
+    fn note_growth(&self, ino: Inode, old: u64, new: u64) -> Result<()> {
+        if new > old {
+            self.writer()?.log.note_change(ino, old, new);
+        }
+        Ok(())
+    }
+
     /// truncate(2).
     pub fn truncate(&self, ino: Inode, size: u64) -> Result<()> {
         let item = self.inode_item(ino)?;
@@ -755,6 +767,7 @@ impl Fs {
             )));
         }
         let ss = self.disk.sectorsize() as u64;
+        self.note_growth(ino, item.size, size)?;
         if size > item.size {
             self.zero_eof_tail(ino, size)?;
         }
@@ -812,6 +825,7 @@ impl Fs {
             return Err(Error::Unsupported(format!("fallocate mode {mode:#x}")));
         }
         if mode & FALLOC_FL_KEEP_SIZE == 0 && end > item.size {
+            self.note_growth(ino, item.size, end)?;
             self.zero_eof_tail(ino, end)?;
         }
         // Preallocate the holes of the aligned range.

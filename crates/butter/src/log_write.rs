@@ -1357,6 +1357,30 @@ mod tests {
             .is_some());
     }
 
+    #[test]
+    fn a_file_shrunk_then_grown_reads_zeros_after_replay() {
+        // The last commit has data past the later EOF; the log must say it is gone even
+        // after the file grew again (found by fsync_crash).
+        let (dev, fs) = fresh();
+        let root = fs.root_inode();
+        let a = fs.create(root, b"a", 0o644, Owner::default()).unwrap();
+        fs.write(a, 0, &pattern(9000, 9)).unwrap();
+        fs.commit().unwrap();
+        fs.truncate(a, 4289).unwrap();
+        fs.fsync(a, false).unwrap();
+        fs.truncate(a, 183_336).unwrap();
+        fs.fsync(a, false).unwrap();
+        let want = fs.read(a, 0, 200_000).unwrap();
+        assert_eq!(want.len(), 183_336);
+        let after = after_cut(&dev);
+        let a2 = after
+            .lookup(after.root_inode(), b"a")
+            .unwrap()
+            .unwrap()
+            .target;
+        assert_eq!(after.read(a2, 0, 200_000).unwrap(), want);
+    }
+
     const FALLOC_KEEP: u32 = 1;
     const FALLOC_PUNCH: u32 = 2;
 }
