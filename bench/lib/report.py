@@ -67,6 +67,12 @@ def main():
     if any(r[2] == "nullfs" for r in raw):
         SYSTEMS.append(("nullfs", "nullfs (FUSE)"))
         RATIOS.extend([("nullfs", "kernel"), ("butter", "nullfs")])
+    # The fsync workloads (workloads/fsync.sh) also measure butter mounted with -o fsync=commit
+    # and compare butter with ext4; their fsync latencies (WORK/latency.tsv) get a table too.
+    if any(r[2] == "butter-commit" for r in raw):
+        SYSTEMS.append(("butter-commit", "butter fsync=commit"))
+        RATIOS.extend([("butter", "ext4"), ("butter-commit", "butter")])
+    latency = read_tsv(os.path.join(work, "latency.tsv"), 7)
 
     cells = {}
     for wl, row, sysname, run, ns, amount, unit, status, msg in raw:
@@ -174,6 +180,7 @@ def main():
         for i, n in enumerate(notes, 1):
             md.append("%d. `%s`" % (i, n.replace("`", "'")))
         md.append("")
+    md.extend(latency_table(rows, latency, cells))
     md.append(chart_note + "\n")
 
     md.append("## Commands\n")
@@ -223,6 +230,49 @@ def main():
     return 0
 
 
+def fmt_ns(ns):
+    return "%.2f ms" % (ns / 1e6)
+
+
+def latency_table(rows, latency, cells):
+    """Markdown lines: median fsync latency p50 / p99 per row and system, and their ratios."""
+    runs = {}  # (row, system) -> [(p50, p99)] of the runs
+    for wl, row, sysname, run, p50, p99, n in latency:
+        try:
+            runs.setdefault((row, sysname), []).append((int(p50), int(p99)))
+        except ValueError:
+            pass
+    if not runs:
+        return []
+
+    def med(row, s):
+        c, r = cells.get((row, s)), runs.get((row, s))
+        if not r or (c and c.error):
+            return None
+        return statistics.median(x for x, _ in r), statistics.median(y for _, y in r)
+
+    md = ["## fsync latency\n"]
+    md.append(
+        "fio's fsync latency, p50 / p99, median of the runs (lower is better). The ratios divide "
+        "the first system's latency by the second's: above 1.00x the first is slower.\n"
+    )
+    header = ["workload"] + [label for _, label in SYSTEMS] + ["butter/kernel"] + ["%s/%s" % r for r in RATIOS]
+    md.append("| " + " | ".join(header) + " |")
+    md.append("|" + "---|" + "---:|" * (len(header) - 1))
+    for wl, row, unit, rnote in rows:
+        if not any((row, s) in runs for s, _ in SYSTEMS):
+            continue
+        got = {s: med(row, s) for s, _ in SYSTEMS}
+        line = [row] + ["%s / %s" % (fmt_ns(v[0]), fmt_ns(v[1])) if v else "n/a" for v in got.values()]
+        for num, den in [("butter", "kernel")] + RATIOS:
+            a, b = got.get(num), got.get(den)
+            ok = a and b and b[0] and b[1]
+            line.append("%.2fx / %.2fx" % (a[0] / b[0], a[1] / b[1]) if ok else "n/a")
+        md.append("| " + " | ".join(x.replace("|", "\\|") for x in line) + " |")
+    md.append("")
+    return md
+
+
 def make_chart(path, rows, cells):
     if os.path.exists(path):
         os.remove(path)
@@ -243,7 +293,7 @@ def make_chart(path, rows, cells):
     cols = min(n, 3)
     nrows = (n + cols - 1) // cols
     fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.4 * nrows), squeeze=False)
-    colors = {"butter": "#e0a800", "kernel": "#3870b0", "ext4": "#6a9a50", "nullfs": "#999999"}
+    colors = {"butter": "#e0a800", "kernel": "#3870b0", "ext4": "#6a9a50", "nullfs": "#999999", "butter-commit": "#a06000"}
     for i, (wl, row, unit, _) in enumerate(rows):
         ax = axes[i // cols][i % cols]
         labels, values, texts = [], [], []
