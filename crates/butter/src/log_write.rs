@@ -1145,6 +1145,11 @@ mod tests {
         fs
     }
 
+    /// The inode of `dir/name`, which must exist.
+    fn child(fs: &Fs, dir: Inode, name: &[u8]) -> Inode {
+        fs.lookup(dir, name).unwrap().unwrap().target
+    }
+
     fn pattern(len: usize, seed: u8) -> Vec<u8> {
         (0..len)
             .map(|i| (i as u8).wrapping_mul(31) ^ seed)
@@ -1180,8 +1185,8 @@ mod tests {
         let want_b = fs.read(b, 0, 100_000).unwrap();
         let after = after_cut(&dev);
         let r = after.root_inode();
-        let a2 = after.lookup(r, b"a").unwrap().unwrap().target;
-        let b2 = after.lookup(r, b"b").unwrap().unwrap().target;
+        let a2 = child(&after, r, b"a");
+        let b2 = child(&after, r, b"b");
         assert_eq!(after.read(a2, 0, 200_000).unwrap(), want_a);
         assert_eq!(after.read(b2, 0, 100_000).unwrap(), want_b);
         assert_eq!(after.stat(b2).unwrap().mode & 0o7777, 0o600);
@@ -1205,11 +1210,7 @@ mod tests {
         let want = fs.read(a, 0, 1 << 20).unwrap();
         assert_eq!(want.len(), 700_000);
         let after = after_cut(&dev);
-        let a2 = after
-            .lookup(after.root_inode(), b"a")
-            .unwrap()
-            .unwrap()
-            .target;
+        let a2 = child(&after, after.root_inode(), b"a");
         assert_eq!(after.read(a2, 0, 1 << 20).unwrap(), want);
     }
 
@@ -1256,11 +1257,7 @@ mod tests {
         assert_eq!((st.logged, st.log_commits), (3, 1), "{st:?}");
         let after = after_cut(&dev);
         for i in 0..3u8 {
-            let f = after
-                .lookup(after.root_inode(), &[b'f', b'0' + i])
-                .unwrap()
-                .unwrap()
-                .target;
+            let f = child(&after, after.root_inode(), &[b'f', b'0' + i]);
             assert_eq!(after.read(f, 0, 20_000).unwrap(), pattern(10_000, i));
         }
     }
@@ -1286,13 +1283,9 @@ mod tests {
         let st = fs.log_stats().unwrap();
         assert_eq!((st.logged, st.fallbacks), (400, 0), "{st:?}");
         let after = after_cut(&dev);
-        let d2 = after
-            .lookup(after.root_inode(), b"d")
-            .unwrap()
-            .unwrap()
-            .target;
+        let d2 = child(&after, after.root_inode(), b"d");
         for (name, data) in want {
-            let f = after.lookup(d2, name.as_bytes()).unwrap().unwrap().target;
+            let f = child(&after, d2, name.as_bytes());
             assert_eq!(after.read(f, 0, 10_000).unwrap(), data, "{name}");
             assert_eq!(
                 after.getxattr(f, b"user.i").unwrap().as_deref(),
@@ -1319,11 +1312,7 @@ mod tests {
         let st = fs.log_stats().unwrap();
         assert_eq!((st.logged, st.fallbacks), (1, 0), "{st:?}");
         let after = after_cut(&dev);
-        let d2 = after
-            .lookup(after.root_inode(), b"d")
-            .unwrap()
-            .unwrap()
-            .target;
+        let d2 = child(&after, after.root_inode(), b"d");
         let names: Vec<Vec<u8>> = after
             .readdir(d2, 0, 100)
             .unwrap()
@@ -1334,9 +1323,9 @@ mod tests {
             names,
             vec![b"a".to_vec(), b"c".to_vec(), b"e".to_vec(), b"s".to_vec()]
         );
-        let e2 = after.lookup(d2, b"e").unwrap().unwrap().target;
+        let e2 = child(&after, d2, b"e");
         assert_eq!(after.read(e2, 0, 10_000).unwrap(), pattern(9000, 5));
-        let s2 = after.lookup(d2, b"s").unwrap().unwrap().target;
+        let s2 = child(&after, d2, b"s");
         assert_eq!(after.readlink(s2).unwrap(), b"target");
     }
 
@@ -1373,11 +1362,7 @@ mod tests {
         let want = fs.read(a, 0, 200_000).unwrap();
         assert_eq!(want.len(), 183_336);
         let after = after_cut(&dev);
-        let a2 = after
-            .lookup(after.root_inode(), b"a")
-            .unwrap()
-            .unwrap()
-            .target;
+        let a2 = child(&after, after.root_inode(), b"a");
         assert_eq!(after.read(a2, 0, 200_000).unwrap(), want);
     }
 
