@@ -129,6 +129,8 @@ fs_rows() {
 	local wl=$1 prefix=$2 what=$3 mib=$4 jobs
 	shift 4
 	fw_need fio fio
+	[[ -n ${FS_META_DONE:-} ]] || meta "fsync parameters" "BENCH_FSYNC_MB=$BENCH_FSYNC_MB BENCH_FSYNC_RAND_MB=$BENCH_FSYNC_RAND_MB BENCH_FSYNC_JOBS='$BENCH_FSYNC_JOBS' BENCH_FSYNC_MAX_S=$BENCH_FSYNC_MAX_S BENCH_FSYNC_IMAGE_MB=$BENCH_FSYNC_IMAGE_MB butter -o $BENCH_FSYNC_BUTTER_OPTS; butter-commit -o $BENCH_FSYNC_COMMIT_OPTS; $(fio --version)"
+	FS_META_DONE=1
 	for jobs in $BENCH_FSYNC_JOBS; do
 		local size=$((mib / jobs)) row
 		row="$what ($jobs job$( ((jobs > 1)) && echo s), $((size * jobs)) MiB)"
