@@ -124,6 +124,9 @@ struct Base {
     model: Model,
 }
 
+/// Held around every kernel mount (see its use).
+static KERNEL_MOUNT: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 fn make_base() -> Base {
     let dev = Arc::new(RamDevice::new(vec![0u8; IMAGE_SIZE as usize]));
     let opts = MkfsOptions {
@@ -662,9 +665,15 @@ fn round(base: &Base, scratch: &ScratchDir, seed: u64, r: u64, torn: bool, st: &
     // The kernel's recovery of the same crash image.
     if kernel {
         st.kernel += 1;
-        let m = LoopMount::btrfs(&kpath, &scratch.dir("kmnt"), "noatime");
-        let kview = kernel_view(m.path());
-        m.unmount();
+        // The two tests run at once on images with one fsid: the kernel refuses a second
+        // device with an fsid it has mounted (EEXIST), so one kernel mount at a time.
+        let kview = {
+            let _one = KERNEL_MOUNT.lock().unwrap_or_else(|e| e.into_inner());
+            let m = LoopMount::btrfs(&kpath, &scratch.dir("kmnt"), "noatime");
+            let v = kernel_view(m.path());
+            m.unmount();
+            v
+        };
         let problems = check_model(&end.model, &kview);
         assert!(
             problems.is_empty(),
