@@ -84,22 +84,11 @@ fn data_range(key_offset: u64, fe: &FileExtentItem) -> Option<(u64, u64)> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::device::RamDevice;
     use crate::file_write::{FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE};
     use crate::fs_write::Owner;
-    use std::sync::Arc;
 
     fn new_fs() -> Fs {
-        let size = 128u64 << 20;
-        let dev = Arc::new(RamDevice::new(vec![0u8; size as usize]));
-        let opts = crate::mkfs::MkfsOptions {
-            size,
-            fsid: Some([7; 16]),
-            time: Some(1_700_000_000),
-            ..Default::default()
-        };
-        crate::mkfs::mkfs(dev.as_ref(), &opts).unwrap();
-        Fs::open_device_rw(dev).unwrap()
+        crate::mkfs::test_fs(128 << 20).1
     }
 
     const K: u64 = 1024;

@@ -64,23 +64,12 @@ impl Fs {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
-    use crate::device::RamDevice;
     use crate::fs_write::Owner;
-    use std::sync::Arc;
 
     #[test]
     fn free_space_shrinks_as_data_is_written_and_comes_back() {
         let size = 128u64 << 20;
-        let dev = Arc::new(RamDevice::new(vec![0u8; size as usize]));
-        let opts = crate::mkfs::MkfsOptions {
-            size,
-            fsid: Some([9; 16]),
-            time: Some(1_700_000_000),
-            ..Default::default()
-        };
-        crate::mkfs::mkfs(dev.as_ref(), &opts).unwrap();
-        let fs = Fs::open_device_rw(dev).unwrap();
+        let (_dev, fs) = crate::mkfs::test_fs(size);
         let s0 = fs.statfs().unwrap();
         assert_eq!(s0.total, size);
         assert!(s0.free > size / 4 && s0.free < size, "{s0:?}");

@@ -1120,17 +1120,7 @@ mod tests {
     use std::sync::Arc;
 
     fn fresh() -> (Arc<RamDevice>, Fs) {
-        let size = 128u64 << 20;
-        let dev = Arc::new(RamDevice::new(vec![0u8; size as usize]));
-        let opts = crate::mkfs::MkfsOptions {
-            size,
-            fsid: Some([7; 16]),
-            time: Some(1_700_000_000),
-            ..Default::default()
-        };
-        crate::mkfs::mkfs(dev.as_ref(), &opts).unwrap();
-        let fs = Fs::open_device_rw(dev.clone()).unwrap();
-        (dev, fs)
+        crate::mkfs::test_fs(128 << 20)
     }
 
     /// The image a power cut now leaves (only flushed writes), opened (and replayed).

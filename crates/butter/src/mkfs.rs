@@ -1113,6 +1113,22 @@ pub fn mkfs(dev: &dyn BlockDevice, opts: &MkfsOptions) -> Result<MkfsReport> {
     })
 }
 
+/// For tests: a fresh filesystem of `size` bytes on a RAM device (fixed fsid and time, so
+/// runs are reproducible), opened read-write.
+#[cfg(test)]
+pub(crate) fn test_fs(size: u64) -> (std::sync::Arc<crate::device::RamDevice>, crate::fs::Fs) {
+    let dev = std::sync::Arc::new(crate::device::RamDevice::new(vec![0u8; size as usize]));
+    let opts = MkfsOptions {
+        size,
+        fsid: Some([7; 16]),
+        time: Some(1_700_000_000),
+        ..Default::default()
+    };
+    mkfs(dev.as_ref(), &opts).expect("mkfs on a RAM device");
+    let fs = crate::fs::Fs::open_device_rw(dev.clone()).expect("open the new filesystem");
+    (dev, fs)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
