@@ -262,12 +262,7 @@ fn run(s: Scenario) {
     manifest::assert_same(
         &want,
         &kb,
-        &CompareOpts {
-            inode_numbers: true,
-            ctime: false,
-            root_attrs: false,
-            ..CompareOpts::all()
-        },
+        &kernel_views_compare_opts(),
         &format!("{name}: kernel view of A vs kernel view of B after butter's replay"),
     );
 }

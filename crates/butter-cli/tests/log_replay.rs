@@ -15,11 +15,12 @@ mod common;
 use butter::fs::{Fs, OpenOpts};
 use common::butter_target::manifest_of;
 use common::fsync::{
-    copy_sparse, fallocate, fsync_path as fsync, kernel_manifest, log_root_of, open_rw, pattern,
-    removexattr, replay_compare_opts as compare_opts, setxattr, write_file,
+    copy_sparse, fallocate, fsync_path as fsync, kernel_manifest, kernel_views_compare_opts,
+    log_root_of, open_rw, pattern, removexattr, replay_compare_opts as compare_opts, setxattr,
+    write_file,
 };
 use common::kernel::*;
-use common::manifest::{self, CompareOpts};
+use common::manifest;
 use std::fs::{self, File, OpenOptions};
 use std::io::Write;
 use std::os::unix::fs::FileExt;
@@ -140,12 +141,7 @@ fn run_scenario_opts(name: &str, extra: &str, setup: &dyn Fn(&Path), ops: &dyn F
     manifest::assert_same(
         &want,
         &kb,
-        &CompareOpts {
-            inode_numbers: true,
-            ctime: false,
-            root_attrs: false,
-            ..CompareOpts::all()
-        },
+        &kernel_views_compare_opts(),
         &format!("{name}: kernel view of A vs kernel view of B after butter's replay"),
     );
     let (ok, text) = btrfs_check(&b);

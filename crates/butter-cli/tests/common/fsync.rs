@@ -132,6 +132,17 @@ pub fn copy_sparse(from: &Path, to: &Path) {
 
 /// Kernel mount vs butter's `Fs` after both replayed one log: what a FUSE view can reproduce
 /// except ctime (an inode that loses a name in a replay gets the replay's time as ctime).
+/// Two kernel mounts of copies of one crash image, one replayed by the kernel and one by
+/// butter: everything but ctime (replay stamps it) and the root's attributes.
+pub fn kernel_views_compare_opts() -> CompareOpts {
+    CompareOpts {
+        inode_numbers: true,
+        ctime: false,
+        root_attrs: false,
+        ..CompareOpts::all()
+    }
+}
+
 pub fn replay_compare_opts() -> CompareOpts {
     CompareOpts {
         ctime: false,
