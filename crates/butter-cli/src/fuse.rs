@@ -1761,7 +1761,16 @@ pub fn serve(
     if let Some(c) = committer {
         let _ = c.join();
     }
-    r?;
+    match r {
+        // The kernel aborted the connection (`/sys/fs/fuse/connections/N/abort`, or the end
+        // of a detached mount racing the last reads; fuser asks for FUSE_ABORT_ERROR, so the
+        // readers see ECONNABORTED instead of ENODEV). Nothing more can come: the session's
+        // `destroy` has run, as after an unmount.
+        Err(e) if e.raw_os_error() == Some(libc::ECONNABORTED) => {
+            log::warn!("the kernel aborted the FUSE connection; the session ends");
+        }
+        r => r?,
+    }
     match shared.stopped() {
         Some(why) => Err(std::io::Error::other(format!(
             "changes after the last commit were dropped: {why}"

@@ -908,3 +908,50 @@ fn signals_and_unmounts_end_the_mount_cleanly() {
     assert!(st.success(), "{st}: {}", b.log_text());
     assert!(b.log_text().contains("detach"), "{}", b.log_text());
 }
+
+/// The connection aborted through fusectl (what an administrator does to a hung FUSE mount):
+/// butter's readers see ECONNABORTED, which ends the session like an unmount. The process
+/// exits cleanly after its final commit, so a file written before the abort is in the image.
+#[test]
+fn an_aborted_connection_ends_the_mount_with_a_commit() {
+    if !prerequisites("an_aborted_connection_ends_the_mount_with_a_commit") {
+        return;
+    }
+    let conns = Path::new("/sys/fs/fuse/connections");
+    if fs::read_dir(conns).map_or(true, |mut d| d.next().is_none())
+        && mounted_type(conns).is_none()
+    {
+        run("mount", &[&"-t", &"fusectl", &"fusectl", &conns]);
+    }
+    let s = Scratch::new("abort");
+    let image = s.path("img");
+    let fdir = s.mkdir("butter");
+    let kdir = s.mkdir("kernel");
+    mkfs(&image);
+
+    // No periodic commit: only the session's end can make the file durable.
+    let mut b = ButterMount::start(&image, &fdir, &["-o", "commit=0"]);
+    fs::write(fdir.join("before-abort"), pseudo_random(100_000, 7)).unwrap();
+    let dev = fs::metadata(&fdir).unwrap().dev();
+    let conn = conns.join(libc::minor(dev).to_string());
+    fs::write(conn.join("abort"), "1").unwrap();
+    let st = b
+        .wait(Duration::from_secs(20))
+        .expect("butter did not exit after the abort");
+    assert!(st.success(), "{st}: {}", b.log_text());
+    // The aborted mount stays until someone unmounts it.
+    run("umount", &[&"-l", &fdir]);
+
+    let out = Command::new(BUTTER).arg("check").arg(&image).output().unwrap();
+    assert!(
+        out.status.success(),
+        "butter check: {}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    run("btrfs", &[&"check", &"--readonly", &image]);
+    let _k = KernelMount::new(&image, &kdir, "ro");
+    assert_eq!(
+        fs::read(kdir.join("before-abort")).unwrap(),
+        pseudo_random(100_000, 7)
+    );
+}
