@@ -918,8 +918,7 @@ fn an_aborted_connection_ends_the_mount_with_a_commit() {
         return;
     }
     let conns = Path::new("/sys/fs/fuse/connections");
-    if fs::read_dir(conns).map_or(true, |mut d| d.next().is_none())
-        && mounted_type(conns).is_none()
+    if fs::read_dir(conns).map_or(true, |mut d| d.next().is_none()) && mounted_type(conns).is_none()
     {
         run("mount", &[&"-t", &"fusectl", &"fusectl", &conns]);
     }
@@ -942,7 +941,11 @@ fn an_aborted_connection_ends_the_mount_with_a_commit() {
     // The aborted mount stays until someone unmounts it.
     run("umount", &[&"-l", &fdir]);
 
-    let out = Command::new(BUTTER).arg("check").arg(&image).output().unwrap();
+    let out = Command::new(BUTTER)
+        .arg("check")
+        .arg(&image)
+        .output()
+        .unwrap();
     assert!(
         out.status.success(),
         "butter check: {}",
