@@ -193,9 +193,12 @@ pub struct BlockGroup {
     pub pinned: RangeSet,
     /// Carved out for superblock copies; never free, never used.
     pub excluded: RangeSet,
-    /// Blocks of the fsync log (crate::log_write): free as far as the trees say (no extent
-    /// item, free in the free space tree), but not allocatable until the transaction that
-    /// wrote them has committed and no log write is in flight.
+    /// Space taken but not recorded in the trees: blocks of the fsync log (crate::log_write),
+    /// and data extents being written (crate::ordered) until their file extent items go in.
+    /// Free as far as the trees say (no extent item, free in the free space tree), so a commit
+    /// meanwhile leaves them free on disk, but not allocatable: log blocks until the
+    /// transaction that wrote them has committed and no log write is in flight, data extents
+    /// until [`Allocator::claim_held`] or [`Allocator::release_held`].
     pub held: RangeSet,
     /// Needs its BLOCK_GROUP_ITEM and free space tree entries rewritten at commit.
     pub dirty: bool,
@@ -421,6 +424,23 @@ impl Allocator {
             Some(Ok(())) => Some(at),
             _ => None,
         }
+    }
+
+    /// Holds a range [`Allocator::alloc`] just returned (see [`BlockGroup::held`]).
+    pub fn hold(&mut self, start: u64, len: u64) -> Result<()> {
+        match self.with_group(start, |g| g.held.add(start, len)) {
+            Some(Ok(())) => Ok(()),
+            Some(Err(e)) => Err(Error::Invalid(format!("holding {start}+{len}: {e}"))),
+            None => Err(Error::Invalid(format!(
+                "held extent {start}+{len} is in no block group"
+            ))),
+        }
+    }
+
+    /// A held range becomes an ordinary allocation: the caller has just recorded it in the
+    /// trees (its extent item and used count come with the commit's delayed references).
+    pub fn claim_held(&mut self, start: u64, len: u64) {
+        self.with_group(start, |g| g.held.remove(start, len));
     }
 
     /// Gives held log blocks back to the free space.

@@ -1,8 +1,9 @@
 //! File data writes: write, truncate, fallocate, and the file extent replace of seed 002.
 //!
-//! Data goes to newly allocated extents (copy on write) and is written to the device at once;
-//! the file extent items, data references and checksums that make it reachable are tree
-//! changes of the running transaction. Small files whose whole content fits under the inline
+//! Data goes to newly allocated extents (copy on write), written to the device as ordered
+//! extents (crate::ordered: the data and its checksums without the writer lock) before the
+//! write returns; the file extent items, data references and checksums that make it reachable
+//! are tree changes of the running transaction. Small files whose whole content fits under the inline
 //! limit live inline in their EXTENT_DATA item, as the kernel keeps them.
 //!
 //! Replacing a range ([`Fs::replace_extents`]) drops or trims the file extent items that
@@ -495,10 +496,20 @@ impl Fs {
     }
 
     /// Writes data at `offset`. Returns the bytes written.
+    ///
+    /// The sectors written are range-locked for the whole write (crate::ordered), so
+    /// overlapping writes to a file happen one after the other; regular extents are written
+    /// as ordered extents, their data without the writer lock.
     pub fn write(&self, ino: Inode, offset: u64, data: &[u8]) -> Result<usize> {
         if data.is_empty() {
             return Ok(0);
         }
+        let end = offset
+            .checked_add(data.len() as u64)
+            .filter(|e| *e <= i64::MAX as u64)
+            .ok_or_else(|| Error::Invalid("write past the largest file size".into()))?;
+        let ss = self.disk.sectorsize() as u64;
+        let mi = max_inline(&self.disk) as u64;
         let item = self.inode_item(ino)?;
         if item.mode & 0o170000 != 0o100000 {
             return Err(Error::Invalid(format!(
@@ -506,24 +517,33 @@ impl Fs {
                 ino.ino
             )));
         }
-        let end = offset
-            .checked_add(data.len() as u64)
-            .filter(|e| *e <= i64::MAX as u64)
-            .ok_or_else(|| Error::Invalid("write past the largest file size".into()))?;
-        let ss = self.disk.sectorsize() as u64;
-        self.note_growth(ino, item.size, end)?;
-        let item = if offset > item.size && item.size % ss != 0 {
+        // Zeroing the stale tail of the last sector is a write of its own (before the lock:
+        // its sector may be one this write locks).
+        if offset > item.size && item.size % ss != 0 {
             self.zero_eof_tail(ino, offset)?;
-            self.inode_item(ino)?
+        }
+        let b = end.div_ceil(ss) * ss;
+        // An inline extent is rewritten whole: a write that may meet one locks from 0.
+        let mut lock_from = if offset <= mi || item.size <= mi {
+            0
         } else {
-            item
+            offset / ss * ss
         };
+        let (guard, item, has_inline) = loop {
+            let guard = self.ordered.lock(ino, lock_from, b);
+            let item = self.inode_item(ino)?;
+            let has_inline = self
+                .file_extents(ino, 0, 1)?
+                .first()
+                .is_some_and(|x| matches!(x.item.body, FileExtentBody::Inline(_)));
+            if has_inline && lock_from > 0 {
+                lock_from = 0;
+                continue;
+            }
+            break (guard, item, has_inline);
+        };
+        self.note_growth(ino, item.size, end)?;
         let new_size = item.size.max(end);
-        let mi = max_inline(&self.disk) as u64;
-        let has_inline = self
-            .file_extents(ino, 0, 1)?
-            .first()
-            .is_some_and(|x| matches!(x.item.body, FileExtentBody::Inline(_)));
         // Only a small file can stay inline; only then is it worth looking at all its extents
         // (an extent past EOF, e.g. preallocated, keeps it out of line). Holes do not count.
         let stays_inline = new_size <= mi
@@ -541,7 +561,6 @@ impl Fs {
         }
         // Regular extents over the sector-aligned range; an inline extent is folded in.
         let a = if has_inline { 0 } else { offset / ss * ss };
-        let b = end.div_ceil(ss) * ss;
         let mut buf = vec![0u8; (b - a) as usize];
         if a < offset || has_inline {
             let head_end = offset.min(item.size);
@@ -557,7 +576,7 @@ impl Fs {
         }
         let o = (offset - a) as usize;
         buf[o..o + data.len()].copy_from_slice(data);
-        self.write_extents(ino, a, &buf, new_size, has_inline)?;
+        self.write_extents(ino, a, &buf, end, has_inline, Some(&guard))?;
         Ok(data.len())
     }
 
@@ -588,14 +607,20 @@ impl Fs {
         self.write_inode(w, ino, &item)
     }
 
-    /// Writes sector-aligned `buf` at file offset `a` into new extents.
+    /// Writes sector-aligned `buf` at file offset `a` into new extents, each an ordered extent
+    /// (crate::ordered): allocated and held under the writer lock, its data written and
+    /// checksummed without it, then recorded under it. The file grows to at least `size_to`
+    /// (its size when the last extent goes in, so a truncate that ran meanwhile counts as
+    /// having come first). `guard`: the write's range lock, which gets the ordered-extent
+    /// range bits.
     fn write_extents(
         &self,
         ino: Inode,
         a: u64,
         buf: &[u8],
-        new_size: u64,
+        size_to: u64,
         had_inline: bool,
+        guard: Option<&crate::ordered::RangeGuard<'_>>,
     ) -> Result<()> {
         let ss = self.disk.sectorsize() as u64;
         let ct = self.disk.sb.csum_type;
@@ -605,76 +630,116 @@ impl Fs {
             let len = (total - done).min(MAX_EXTENT);
             let chunk = &buf[done as usize..(done + len) as usize];
             let file_off = a + done;
-            self.op(true, |w| {
-                let bytenr = w.alloc_data_or_commit(len)?;
-                if let Err(e) = self.disk.write_logical(bytenr, chunk) {
-                    // Nothing references the space: give it back (after the commit, as freed
-                    // space always comes back) so the free space tree stays right.
-                    w.allocator.pin(bytenr, len)?;
-                    return Err(e);
-                }
+            let bytenr = self.op(true, |w| w.alloc_data_held_or_commit(len))?;
+            if let Some(g) = guard {
+                g.start_ordered(file_off, file_off + len);
+            }
+            // The writeback, without the writer lock.
+            let written = self.disk.write_logical(bytenr, chunk).map(|()| {
                 let mut sums = Vec::with_capacity((len / ss) as usize * ct.size());
                 for s in chunk.chunks(ss as usize) {
                     sums.extend_from_slice(&ct.compute(s)[..ct.size()]);
                 }
-                w.delete_csums(bytenr, len)?;
-                w.insert_csums(bytenr, &sums)?;
-                let fe = FileExtentItem {
-                    generation: w.transid,
-                    ram_bytes: len,
-                    compression: 0,
-                    encryption: 0,
-                    other_encoding: 0,
-                    ty: FILE_EXTENT_REG,
-                    body: FileExtentBody::Extent {
-                        disk_bytenr: bytenr,
-                        disk_num_bytes: len,
-                        offset: 0,
-                        num_bytes: len,
-                    },
+                sums
+            });
+            if let Some(g) = guard {
+                g.writeback_done(file_off, file_off + len);
+            }
+            let r = written.and_then(|sums| {
+                let reach = if done + len == total {
+                    size_to
+                } else {
+                    (file_off + len).min(size_to)
                 };
-                let mut item = self.inode_item(ino)?;
-                if had_inline && done == 0 {
-                    w.log.note_change(ino, 0, ss);
-                    let key = Key::new(ino.ino, EXTENT_DATA_KEY, 0);
-                    if let Some(old) = w.read_item(ino.root, &key)? {
-                        let ofe = FileExtentItem::parse(&old)?;
-                        if matches!(ofe.body, FileExtentBody::Inline(_)) {
-                            w.delete_item(ino.root, &key)?;
-                            item.nbytes -= nbytes_of(&ofe).min(item.nbytes);
-                        }
-                    }
+                self.op(true, |w| {
+                    self.finish_ordered(
+                        w,
+                        ino,
+                        (file_off, len, reach),
+                        bytenr,
+                        &sums,
+                        had_inline && done == 0,
+                    )?;
+                    // Recorded: an ordinary allocation from now on.
+                    w.allocator.claim_held(bytenr, len);
+                    Ok(())
+                })
+            });
+            if let Some(g) = guard {
+                g.finish_ordered(file_off, file_off + len);
+            }
+            if let Err(e) = r {
+                // Nothing references the space: it goes back to the free space (on disk it
+                // never left it).
+                if let Ok(mut w) = self.writer() {
+                    w.allocator.release_held(bytenr, len);
                 }
-                self.fill_holes(w, ino, &mut item, file_off)?;
-                let (removed, added) = self.replace_extents(
-                    w,
-                    ino,
-                    file_off,
-                    file_off + len,
-                    Some((file_off, fe.clone())),
-                )?;
-                w.refs.add_data_ref(
-                    bytenr,
-                    len,
-                    true,
-                    RefKey::Data {
-                        root: ino.root,
-                        ino: ino.ino,
-                        offset: file_off,
-                    },
-                    1,
-                );
-                item.nbytes = item.nbytes - removed.min(item.nbytes) + added;
-                item.size = item.size.max((file_off + len).min(new_size));
-                if done + len == total {
-                    item.size = item.size.max(new_size);
-                }
-                Self::touch(w, &mut item, true);
-                self.write_inode(w, ino, &item)
-            })?;
+                return Err(e);
+            }
             done += len;
         }
         Ok(())
+    }
+
+    /// An ordered extent's completion: its checksums and its file extent item go into the
+    /// trees (replacing what the range held), with the data reference and the inode's nbytes;
+    /// the file grows to `reach` if it is smaller. `range`: (file offset, length, reach).
+    fn finish_ordered(
+        &self,
+        w: &mut Writer,
+        ino: Inode,
+        (file_off, len, reach): (u64, u64, u64),
+        bytenr: u64,
+        sums: &[u8],
+        drop_inline: bool,
+    ) -> Result<()> {
+        let ss = self.disk.sectorsize() as u64;
+        w.delete_csums(bytenr, len)?;
+        w.insert_csums(bytenr, sums)?;
+        let fe = FileExtentItem {
+            generation: w.transid,
+            ram_bytes: len,
+            compression: 0,
+            encryption: 0,
+            other_encoding: 0,
+            ty: FILE_EXTENT_REG,
+            body: FileExtentBody::Extent {
+                disk_bytenr: bytenr,
+                disk_num_bytes: len,
+                offset: 0,
+                num_bytes: len,
+            },
+        };
+        let mut item = self.inode_item(ino)?;
+        if drop_inline {
+            w.log.note_change(ino, 0, ss);
+            let key = Key::new(ino.ino, EXTENT_DATA_KEY, 0);
+            if let Some(old) = w.read_item(ino.root, &key)? {
+                let ofe = FileExtentItem::parse(&old)?;
+                if matches!(ofe.body, FileExtentBody::Inline(_)) {
+                    w.delete_item(ino.root, &key)?;
+                    item.nbytes -= nbytes_of(&ofe).min(item.nbytes);
+                }
+            }
+        }
+        self.fill_holes(w, ino, &mut item, file_off)?;
+        let (removed, added) =
+            self.replace_extents(w, ino, file_off, file_off + len, Some((file_off, fe)))?;
+        w.refs.add_data_ref(
+            bytenr,
+            len,
+            true,
+            RefKey::Data {
+                root: ino.root,
+                ino: ino.ino,
+                offset: file_off,
+            },
+            1,
+        );
+        item.nbytes = item.nbytes - removed.min(item.nbytes) + added;
+        item.size = item.size.max(reach);
+        Self::touch(w, &mut item, true);
+        self.write_inode(w, ino, &item)
     }
 
     /// Without NO_HOLES: explicit hole items from the current end of the file's extents up to
@@ -840,7 +905,7 @@ impl Fs {
             let content = self.read_range(ino, 0, item.size)?;
             let mut buf = content;
             buf.resize((item.size.div_ceil(ss) * ss) as usize, 0);
-            self.write_extents(ino, 0, &buf, item.size, true)?;
+            self.write_extents(ino, 0, &buf, item.size, true, None)?;
         }
         let mut holes: Vec<(u64, u64)> = Vec::new();
         let mut pos = a;

@@ -128,6 +128,8 @@ pub struct Fs {
     pub(crate) log_sync: Mutex<()>,
     /// fsync writes the log tree (else it commits the transaction).
     pub(crate) fsync_log: std::sync::atomic::AtomicBool,
+    /// Range locks and ordered extents of the writes in progress (crate::ordered).
+    pub(crate) ordered: crate::ordered::OrderedTrees,
 }
 
 impl Fs {
@@ -187,6 +189,7 @@ impl Fs {
             walk_readahead: Readahead::ForwardAlways,
             log_sync: Mutex::new(()),
             fsync_log: std::sync::atomic::AtomicBool::new(true),
+            ordered: Default::default(),
         };
         fs.csum_root = match fs.find_root_item(CSUM_TREE_OBJECTID)? {
             Some(ri) => Some(Root {

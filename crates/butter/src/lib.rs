@@ -26,6 +26,7 @@ pub mod fs_stat;
 pub mod fs_write;
 pub mod log_write;
 pub mod mkfs;
+pub mod ordered;
 pub mod subvol;
 pub mod transaction;
 pub mod tree_log;

@@ -423,6 +423,15 @@ impl Writer {
         }
     }
 
+    /// [`Writer::alloc_data_or_commit`], the range held (see [`crate::alloc::BlockGroup::held`])
+    /// for an ordered extent: its data is written without the writer lock, and until its file
+    /// extent item goes in, a commit leaves the range free on disk.
+    pub(crate) fn alloc_data_held_or_commit(&mut self, len: u64) -> Result<u64> {
+        let at = self.alloc_data_or_commit(len)?;
+        self.allocator.hold(at, len)?;
+        Ok(at)
+    }
+
     /// Before an operation: make sure metadata and system space will not run out in the middle
     /// of it (adding chunks here, where no tree is being changed). Errors with ENOSPC when the
     /// device is full and `for_growth`.
