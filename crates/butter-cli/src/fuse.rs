@@ -751,6 +751,12 @@ impl Filesystem for ButterFuse {
                 st.log_commits
             );
         }
+        let o = self.fs.ordered_stats();
+        log::info!(
+            "writes: {} ordered extents, {} writes waited for an overlapping one",
+            o.started,
+            o.locked_waits
+        );
     }
 
     fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {

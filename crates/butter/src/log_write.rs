@@ -35,11 +35,13 @@
 //! logs the other inode too, butter commits), inodes whose directory or subvolume is new in
 //! the transaction, and when log blocks cannot be allocated.
 //!
-//! Not here yet: ordered extents. butter has no delayed allocation: `write` allocates, writes
-//! the data, records its extent and checksums in the trees before it returns, so an fsync
-//! never waits for extents to complete and logs from the trees; its first flush is the only
-//! wait for data. Seed 003's "wait for writeback only" rule (log from in-flight ordered
-//! extents without waiting for their tree updates) needs deferred extent insertion first.
+//! Ordered extents (crate::ordered): a write's data and checksums go to the device without
+//! the writer lock, and its extent is recorded in the trees before the write returns. An
+//! fsync covers the writes that returned before it was called, so it finds their items in the
+//! trees and waits for no ordered extent; its first flush is its only wait for data. Seed
+//! 003's rule in full (logging ordered extents whose tree updates are still to come) would
+//! need writes that return before their extents are recorded, i.e. delayed allocation, which
+//! butter does not have.
 
 use crate::alloc::SpaceKind;
 use crate::ctree;

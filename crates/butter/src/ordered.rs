@@ -89,6 +89,13 @@ impl OrderedTrees {
     }
 }
 
+impl crate::fs::Fs {
+    /// Counters of the ordered extents since the filesystem was opened.
+    pub fn ordered_stats(&self) -> OrderedStats {
+        self.ordered.stats()
+    }
+}
+
 /// A write's range lock; unlocks (and forgets the inode's tree once nothing is left in it) on
 /// drop.
 pub struct RangeGuard<'a> {
