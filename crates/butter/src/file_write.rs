@@ -24,6 +24,10 @@ use crate::transaction::Writer;
 /// Largest data extent butter writes (the kernel's limit for one extent).
 pub const MAX_EXTENT: u64 = 128 << 20;
 
+/// Extents up to this size are written under the writer lock (see `Fs::write_extents`;
+/// [`Fs::set_unlocked_writeback`] changes it).
+pub const SHORT_WRITEBACK: u64 = 64 << 10;
+
 /// Largest inline file: the kernel's default max_inline (2048), bounded by what fits in a leaf
 /// and below one sector.
 pub fn max_inline(disk: &Disk) -> usize {
@@ -510,28 +514,27 @@ impl Fs {
             .ok_or_else(|| Error::Invalid("write past the largest file size".into()))?;
         let ss = self.disk.sectorsize() as u64;
         let mi = max_inline(&self.disk) as u64;
-        let item = self.inode_item(ino)?;
-        if item.mode & 0o170000 != 0o100000 {
-            return Err(Error::Invalid(format!(
-                "write to inode {} that is not a regular file",
-                ino.ino
-            )));
-        }
-        // Zeroing the stale tail of the last sector is a write of its own (before the lock:
-        // its sector may be one this write locks).
-        if offset > item.size && item.size % ss != 0 {
-            self.zero_eof_tail(ino, offset)?;
-        }
         let b = end.div_ceil(ss) * ss;
-        // An inline extent is rewritten whole: a write that may meet one locks from 0.
-        let mut lock_from = if offset <= mi || item.size <= mi {
-            0
-        } else {
-            offset / ss * ss
-        };
+        // An inline extent is rewritten whole: a write that meets one locks from 0.
+        let mut lock_from = if offset <= mi { 0 } else { offset / ss * ss };
+        let mut tail_zeroed = false;
         let (guard, item, has_inline) = loop {
             let guard = self.ordered.lock(ino, lock_from, b);
             let item = self.inode_item(ino)?;
+            if item.mode & 0o170000 != 0o100000 {
+                return Err(Error::Invalid(format!(
+                    "write to inode {} that is not a regular file",
+                    ino.ino
+                )));
+            }
+            if offset > item.size && item.size % ss != 0 && !tail_zeroed {
+                // Zeroing the stale tail of the last sector is a write of its own, and its
+                // sector may be one this write locks.
+                drop(guard);
+                self.zero_eof_tail(ino, offset)?;
+                tail_zeroed = true;
+                continue;
+            }
             let has_inline = self
                 .file_extents(ino, 0, 1)?
                 .first()
@@ -609,10 +612,11 @@ impl Fs {
 
     /// Writes sector-aligned `buf` at file offset `a` into new extents, each an ordered extent
     /// (crate::ordered): allocated and held under the writer lock, its data written and
-    /// checksummed without it, then recorded under it. The file grows to at least `size_to`
-    /// (its size when the last extent goes in, so a truncate that ran meanwhile counts as
-    /// having come first). `guard`: the write's range lock, which gets the ordered-extent
-    /// range bits.
+    /// checksummed without it, then recorded under it. Extents up to [`SHORT_WRITEBACK`] take
+    /// all three steps under one writer lock: their writeback is shorter than taking the lock
+    /// twice. The file grows to at least `size_to` (its size when the last extent goes in, so
+    /// a truncate that ran meanwhile counts as having come first). `guard`: the write's range
+    /// lock, which gets the ordered-extent range bits.
     fn write_extents(
         &self,
         ino: Inode,
@@ -624,61 +628,91 @@ impl Fs {
     ) -> Result<()> {
         let ss = self.disk.sectorsize() as u64;
         let ct = self.disk.sb.csum_type;
+        let writeback = |bytenr: u64, chunk: &[u8]| -> Result<Vec<u8>> {
+            self.disk.write_logical(bytenr, chunk)?;
+            let mut sums = Vec::with_capacity(chunk.len() / ss as usize * ct.size());
+            for s in chunk.chunks(ss as usize) {
+                sums.extend_from_slice(&ct.compute(s)[..ct.size()]);
+            }
+            Ok(sums)
+        };
         let mut done = 0u64;
         let total = buf.len() as u64;
         while done < total {
             let len = (total - done).min(MAX_EXTENT);
             let chunk = &buf[done as usize..(done + len) as usize];
             let file_off = a + done;
-            let bytenr = self.op(true, |w| w.alloc_data_held_or_commit(len))?;
+            let reach = if done + len == total {
+                size_to
+            } else {
+                (file_off + len).min(size_to)
+            };
+            let range = (file_off, len, reach);
+            let drop_inline = had_inline && done == 0;
             if let Some(g) = guard {
                 g.start_ordered(file_off, file_off + len);
             }
-            // The writeback, without the writer lock.
-            let written = self.disk.write_logical(bytenr, chunk).map(|()| {
-                let mut sums = Vec::with_capacity((len / ss) as usize * ct.size());
-                for s in chunk.chunks(ss as usize) {
-                    sums.extend_from_slice(&ct.compute(s)[..ct.size()]);
-                }
-                sums
-            });
-            if let Some(g) = guard {
-                g.writeback_done(file_off, file_off + len);
-            }
-            let r = written.and_then(|sums| {
-                let reach = if done + len == total {
-                    size_to
-                } else {
-                    (file_off + len).min(size_to)
-                };
+            let r = if len
+                <= self
+                    .unlocked_writeback_above
+                    .load(std::sync::atomic::Ordering::Relaxed)
+            {
                 self.op(true, |w| {
-                    self.finish_ordered(
-                        w,
-                        ino,
-                        (file_off, len, reach),
-                        bytenr,
-                        &sums,
-                        had_inline && done == 0,
-                    )?;
-                    // Recorded: an ordinary allocation from now on.
-                    w.allocator.claim_held(bytenr, len);
-                    Ok(())
+                    let bytenr = w.alloc_data_or_commit(len)?;
+                    match writeback(bytenr, chunk) {
+                        Ok(sums) => self.finish_ordered(w, ino, range, bytenr, &sums, drop_inline),
+                        Err(e) => {
+                            // Nothing references the space: give it back after the commit,
+                            // as freed space always comes back.
+                            w.allocator.pin(bytenr, len)?;
+                            Err(e)
+                        }
+                    }
                 })
-            });
+            } else {
+                self.write_ordered_unlocked(ino, range, chunk, drop_inline, guard, &writeback)
+            };
             if let Some(g) = guard {
                 g.finish_ordered(file_off, file_off + len);
             }
-            if let Err(e) = r {
-                // Nothing references the space: it goes back to the free space (on disk it
-                // never left it).
-                if let Ok(mut w) = self.writer() {
-                    w.allocator.release_held(bytenr, len);
-                }
-                return Err(e);
-            }
+            r?;
             done += len;
         }
         Ok(())
+    }
+
+    /// One ordered extent whose data is written without the writer lock.
+    fn write_ordered_unlocked(
+        &self,
+        ino: Inode,
+        range: (u64, u64, u64),
+        chunk: &[u8],
+        drop_inline: bool,
+        guard: Option<&crate::ordered::RangeGuard<'_>>,
+        writeback: &dyn Fn(u64, &[u8]) -> Result<Vec<u8>>,
+    ) -> Result<()> {
+        let (file_off, len, _) = range;
+        let bytenr = self.op(true, |w| w.alloc_data_held_or_commit(len))?;
+        let written = writeback(bytenr, chunk);
+        if let Some(g) = guard {
+            g.writeback_done(file_off, file_off + len);
+        }
+        let r = written.and_then(|sums| {
+            self.op(true, |w| {
+                self.finish_ordered(w, ino, range, bytenr, &sums, drop_inline)?;
+                // Recorded: an ordinary allocation from now on.
+                w.allocator.claim_held(bytenr, len);
+                Ok(())
+            })
+        });
+        if r.is_err() {
+            // Nothing references the space: it goes back to the free space (on disk it never
+            // left it).
+            if let Ok(mut w) = self.writer() {
+                w.allocator.release_held(bytenr, len);
+            }
+        }
+        r
     }
 
     /// An ordered extent's completion: its checksums and its file extent item go into the

@@ -130,6 +130,9 @@ pub struct Fs {
     pub(crate) fsync_log: std::sync::atomic::AtomicBool,
     /// Range locks and ordered extents of the writes in progress (crate::ordered).
     pub(crate) ordered: crate::ordered::OrderedTrees,
+    /// Extents longer than this are written without the writer lock (crate::ordered);
+    /// `u64::MAX` turns that off (for the benchmark's comparison).
+    pub(crate) unlocked_writeback_above: std::sync::atomic::AtomicU64,
 }
 
 impl Fs {
@@ -190,6 +193,9 @@ impl Fs {
             log_sync: Mutex::new(()),
             fsync_log: std::sync::atomic::AtomicBool::new(true),
             ordered: Default::default(),
+            unlocked_writeback_above: std::sync::atomic::AtomicU64::new(
+                crate::file_write::SHORT_WRITEBACK,
+            ),
         };
         fs.csum_root = match fs.find_root_item(CSUM_TREE_OBJECTID)? {
             Some(ri) => Some(Root {

@@ -94,6 +94,19 @@ impl crate::fs::Fs {
     pub fn ordered_stats(&self) -> OrderedStats {
         self.ordered.stats()
     }
+
+    /// Whether long extents are written without the writer lock (the default). Off, every
+    /// write's data goes to the device under the lock, as before ordered extents: for
+    /// benchmarks that compare the two.
+    pub fn set_unlocked_writeback(&self, on: bool) {
+        let above = if on {
+            crate::file_write::SHORT_WRITEBACK
+        } else {
+            u64::MAX
+        };
+        self.unlocked_writeback_above
+            .store(above, Ordering::Relaxed);
+    }
 }
 
 /// A write's range lock; unlocks (and forgets the inode's tree once nothing is left in it) on
