@@ -538,12 +538,16 @@ fn dir_create_delete() {
             write_file(&c.p("d/n2"), 7000, 33);
             fs::create_dir(c.p("d/sub")).unwrap();
             write_file(&c.p("d/sub/z"), 10, 34);
+            fs::create_dir(c.p("d/sub/deeper")).unwrap();
+            write_file(&c.p("d/sub/deeper/w"), 70_000, 35);
+            fs::create_dir(c.p("d/sub/deeper/empty")).unwrap();
             std::os::unix::fs::symlink("n2", c.p("d/ln")).unwrap();
             fs::remove_file(c.p("d/x")).unwrap();
             fs::remove_file(c.p("d/n1")).unwrap();
+            // New subdirectories are logged with the directory, recursively.
             c.fsync("d");
         },
-        fast_log: false,
+        fast_log: true,
     });
 }
 
@@ -562,7 +566,7 @@ fn rmdir_fsync_parent() {
             c.fsync("d/new");
             c.fsync("d");
         },
-        fast_log: false,
+        fast_log: true,
     });
 }
 

@@ -13,7 +13,8 @@
 //! - the data checksums of the logged extents, as EXTENT_CSUM items;
 //! - for a directory: its DIR_INDEX entries under one DIR_LOG_INDEX range covering every
 //!   index (replay drops the committed entries the log lacks), and the files new in the
-//!   transaction that its entries name (so replay finds their inodes).
+//!   transaction that its entries name (so replay finds their inodes); new subdirectories
+//!   are logged the same way, with their names, recursively (as the kernel does).
 //!
 //! A log commit ([`Fs::sync_log`]) writes the leaves that changed since the last one (the log
 //! tree's other leaves stay where they are), new upper nodes and a new log root tree, all in
@@ -28,8 +29,8 @@
 //! started after they logged (`synced_seq`).
 //!
 //! Fsyncs fall back to a full commit where a log cannot be right or is not written yet:
-//! new or renamed directories and directories with new subdirectories or subvolume entries
-//! (the kernel logs those recursively), inodes with extended refs or without links, inodes
+//! fsyncs of new or renamed directories, directories with subvolume entries or more than
+//! [`MAX_DIR_PLAN`] inodes to log, inodes with extended refs or without links, inodes
 //! renamed, linked or unlinked in the running transaction, inodes with a name that the last
 //! commit (or the log) gives another inode (replay would take it from that inode: the kernel
 //! logs the other inode too, butter commits), inodes whose directory or subvolume is new in
@@ -504,6 +505,10 @@ fn log_root_item(bytenr: u64, level: u8, transid: u64, nodesize: usize) -> Vec<u
     .to_vec()
 }
 
+/// Most inodes one directory fsync logs (new subdirectories included) before it commits
+/// instead.
+pub const MAX_DIR_PLAN: usize = 4096;
+
 fn key_range_of(ino: u64, ty: u8) -> (Key, Key) {
     (Key::new(ino, ty, 0), Key::new(ino, ty, u64::MAX))
 }
@@ -559,7 +564,7 @@ impl Fs {
                 None => return Ok(LogTicket::Commit),
             }
         } else {
-            match self.plan_inode(w, ino, &item)? {
+            match self.plan_inode(w, ino, &item, None)? {
                 Plan::Commit => return Ok(LogTicket::Commit),
                 Plan::Durable => return Ok(LogTicket::Durable),
                 Plan::Log(p) => vec![p],
@@ -573,7 +578,14 @@ impl Fs {
     }
 
     /// What logging a file (or symlink) takes, read from the trees; nothing changes yet.
-    fn plan_inode(&self, w: &Writer, ino: Inode, item: &InodeItem) -> Result<Plan> {
+    /// `planned_parent`: a directory logged with it.
+    fn plan_inode(
+        &self,
+        w: &Writer,
+        ino: Inode,
+        item: &InodeItem,
+        planned_parent: Option<Inode>,
+    ) -> Result<Plan> {
         let fmt = item.mode & 0o170000;
         if fmt == 0o040000 || item.nlink == 0 || w.log.needs_commit.contains(&ino) {
             return Ok(Plan::Commit);
@@ -598,7 +610,7 @@ impl Fs {
             // Untouched since the last commit.
             return Ok(Plan::Durable);
         }
-        let Some(own) = self.own_items(w, ino, true)? else {
+        let Some(own) = self.own_items(w, ino, true, planned_parent)? else {
             return Ok(Plan::Commit);
         };
         let ss = self.disk.sectorsize() as u64;
@@ -621,12 +633,14 @@ impl Fs {
     }
 
     /// The inode item, names (with `names`) and xattrs of `ino`; `None` when one of its names
-    /// cannot be logged (see the module documentation).
+    /// cannot be logged (see the module documentation). `planned_parent`: a directory logged
+    /// with `ino` (so it may be new in the transaction).
     fn own_items(
         &self,
         w: &Writer,
         ino: Inode,
         names: bool,
+        planned_parent: Option<Inode>,
     ) -> Result<Option<Vec<(Key, Vec<u8>)>>> {
         let root = self.subvol_root(ino.root)?;
         let mut own: Vec<(Key, Vec<u8>)> = Vec::new();
@@ -647,7 +661,8 @@ impl Fs {
                         root: ino.root,
                         ino: i.key.offset,
                     };
-                    if self.inode_item(dir)?.generation >= w.transid {
+                    if Some(dir) != planned_parent && self.inode_item(dir)?.generation >= w.transid
+                    {
                         return Ok(None);
                     }
                     let refs = InodeRef::parse_all(i.data()).map_err(|e| i.annotate(e))?;
@@ -670,34 +685,55 @@ impl Fs {
 
     /// Logging a directory: its inode and xattrs, all its DIR_INDEX entries with one
     /// DIR_LOG_INDEX range over every index (replay then drops the committed entries the
-    /// log lacks), and every file that is new in the transaction. `None`: commit instead
-    /// (a new or renamed directory, an entry that is a subvolume, a new subdirectory, an entry
-    /// whose inode changed names, a removed entry whose inode lives on elsewhere or was
-    /// logged before).
+    /// log lacks), and every file that is new in the transaction; a subdirectory new in the
+    /// transaction is logged the same way with its name, recursively, as the kernel does.
+    /// `None`: commit instead (a new or renamed directory, an entry that is a subvolume, an
+    /// entry whose inode changed names, a removed entry whose inode lives on elsewhere or was
+    /// logged before, more than [`MAX_DIR_PLAN`] inodes).
     fn plan_dir(&self, w: &Writer, dir: Inode, item: &InodeItem) -> Result<Option<Vec<InodePlan>>> {
-        if w.log.needs_commit.contains(&dir) || item.generation >= w.transid {
+        if item.generation >= w.transid {
             return Ok(None);
+        }
+        let mut plans = Vec::new();
+        if !self.plan_dir_into(w, dir, item, None, &mut plans)? {
+            return Ok(None);
+        }
+        Ok(Some(plans))
+    }
+
+    /// [`Fs::plan_dir`] of `dir`, whose parent `parent` (for a new subdirectory) is logged
+    /// with it; the plans go to `plans`. False: commit instead.
+    fn plan_dir_into(
+        &self,
+        w: &Writer,
+        dir: Inode,
+        item: &InodeItem,
+        parent: Option<Inode>,
+        plans: &mut Vec<InodePlan>,
+    ) -> Result<bool> {
+        if w.log.needs_commit.contains(&dir) || plans.len() >= MAX_DIR_PLAN {
+            return Ok(false);
         }
         if let Some(removed) = w.log.removed.get(&dir) {
             for t in removed {
                 // Its earlier log items still give it the removed name: replay would bring
                 // the name back after dropping it.
                 if w.log.logged.contains(t) {
-                    return Ok(None);
+                    return Ok(false);
                 }
                 match self.inode_item(*t) {
-                    Ok(it) if it.nlink > 0 => return Ok(None),
+                    Ok(it) if it.nlink > 0 => return Ok(false),
                     Ok(_) | Err(Error::NotFound(_)) => {}
                     Err(e) => return Err(e),
                 }
             }
         }
-        let Some(own) = self.own_items(w, dir, false)? else {
-            return Ok(None);
+        // A new subdirectory's name is logged with it (its parent's entries give it too).
+        let Some(own) = self.own_items(w, dir, parent.is_some(), parent)? else {
+            return Ok(false);
         };
         let root = self.subvol_root(dir.root)?;
         let mut entries = Vec::new();
-        let mut plans = Vec::new();
         let mut it = TreeIter::range(
             self.disk.clone(),
             root,
@@ -709,24 +745,27 @@ impl Fs {
             let di = DirItem::parse_all(i.data()).map_err(|e| i.annotate(e))?;
             for d in &di {
                 if d.location.ty != INODE_ITEM_KEY {
-                    return Ok(None);
+                    return Ok(false);
                 }
                 let child = Inode {
                     root: dir.root,
                     ino: d.location.objectid,
                 };
                 if w.log.needs_commit.contains(&child) {
-                    return Ok(None);
+                    return Ok(false);
                 }
                 let ci = self.inode_item(child)?;
                 if ci.generation >= w.transid {
                     if ci.mode & 0o170000 == 0o040000 {
-                        return Ok(None);
+                        if !self.plan_dir_into(w, child, &ci, Some(dir), plans)? {
+                            return Ok(false);
+                        }
+                        continue;
                     }
-                    match self.plan_inode(w, child, &ci)? {
+                    match self.plan_inode(w, child, &ci, Some(dir))? {
                         Plan::Log(p) => plans.push(p),
                         Plan::Durable => {}
-                        Plan::Commit => return Ok(None),
+                        Plan::Commit => return Ok(false),
                     }
                 }
             }
@@ -739,7 +778,7 @@ impl Fs {
             extents: Vec::new(),
             dir: Some(entries),
         });
-        Ok(Some(plans))
+        Ok(true)
     }
 
     /// Puts a planned inode into the in-memory log.
@@ -1284,6 +1323,40 @@ mod tests {
                 Some(name.as_bytes())
             );
         }
+    }
+
+    /// A directory fsync logs new subdirectories with their entries, recursively (the kernel
+    /// does the same), instead of committing.
+    #[test]
+    fn directory_fsync_logs_new_subdirectories() {
+        let (dev, fs) = fresh();
+        let root = fs.root_inode();
+        let d = fs.mkdir(root, b"d", 0o755, Owner::default()).unwrap();
+        fs.commit().unwrap();
+        let sub = fs.mkdir(d, b"sub", 0o750, Owner::default()).unwrap();
+        let z = fs.create(sub, b"z", 0o644, Owner::default()).unwrap();
+        fs.write(z, 0, &pattern(20_000, 9)).unwrap();
+        let deeper = fs.mkdir(sub, b"deeper", 0o700, Owner::default()).unwrap();
+        let w = fs.create(deeper, b"w", 0o600, Owner::default()).unwrap();
+        fs.write(w, 0, b"inline").unwrap();
+        fs.mkdir(deeper, b"empty", 0o755, Owner::default()).unwrap();
+        fs.symlink(sub, b"ln", b"z", Owner::default()).unwrap();
+        fs.fsync(d, false).unwrap();
+        let st = fs.log_stats().unwrap();
+        assert_eq!((st.logged, st.fallbacks), (1, 0), "{st:?}");
+        let after = after_cut(&dev);
+        let d2 = child(&after, after.root_inode(), b"d");
+        let sub2 = child(&after, d2, b"sub");
+        assert_eq!(after.inode_item(sub2).unwrap().mode & 0o7777, 0o750);
+        let z2 = child(&after, sub2, b"z");
+        assert_eq!(after.read(z2, 0, 30_000).unwrap(), pattern(20_000, 9));
+        let deeper2 = child(&after, sub2, b"deeper");
+        let w2 = child(&after, deeper2, b"w");
+        assert_eq!(after.read(w2, 0, 100).unwrap(), b"inline");
+        let e2 = child(&after, deeper2, b"empty");
+        assert_eq!(after.inode_item(e2).unwrap().nlink, 1);
+        let ln = child(&after, sub2, b"ln");
+        assert_eq!(after.readlink(ln).unwrap(), b"z");
     }
 
     #[test]
