@@ -7,7 +7,11 @@
 //! - `... + fsync`: the same with an fsync after every write (the log tree);
 //! - `creates beside a writer`: one thread streams 8 MiB writes while another creates 2000
 //!   files, 200 µs apart; the creates' latency shows how long other operations wait for the
-//!   writer lock.
+//!   writer lock;
+//! - `fsync beside a writer`: one thread writes a file 8 MiB at a time while another writes
+//!   4 KiB past that range and fsyncs the file every 2 ms, with seed 003's rule (the fsync
+//!   does not wait for the writes in progress, the default) and without it (it waits for
+//!   them first, as the kernel did before the rule).
 //!
 //! The image lives in DIR (default: /dev/shm, else the temp dir), so device time is the page
 //! cache's; the numbers are the engine's and the lock's.
@@ -114,6 +118,46 @@ fn creates_beside_writer(dir: &Path, unlocked: bool, mib: u64) -> butter::Result
     Ok((lat[lat.len() / 2], lat[lat.len() * 99 / 100]))
 }
 
+/// (p50, p99) in µs of fsyncs of a file that another thread keeps writing 8 MiB at a time:
+/// every 2 ms a 4 KiB write past the stream's range, then an fsync. `rule`: seed 003's rule
+/// (the fsync does not wait for the writes in progress).
+fn fsync_beside_writer(dir: &Path, rule: bool, mib: u64) -> butter::Result<(f64, f64)> {
+    let (path, fs) = fresh(dir, true)?;
+    fs.set_fsync_skips_writes_in_progress(rule);
+    let root = fs.root_inode();
+    let f = fs.create(root, b"shared", 0o644, Owner::default())?;
+    fs.commit()?;
+    let stop = Arc::new(AtomicBool::new(false));
+    let writer = {
+        let (fs, stop) = (fs.clone(), stop.clone());
+        std::thread::spawn(move || -> butter::Result<()> {
+            let buf = vec![9u8; 8 << 20];
+            let mut off = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                fs.write(f, off % (mib << 20), &buf)?;
+                off += 8 << 20;
+            }
+            Ok(())
+        })
+    };
+    std::thread::sleep(Duration::from_millis(50));
+    let mut lat = Vec::new();
+    for i in 0..300u64 {
+        fs.write(f, (mib << 20) + (i % 64) * 4096, &[i as u8; 4096])?;
+        let t = Instant::now();
+        fs.fsync(f, false)?;
+        lat.push(t.elapsed().as_secs_f64() * 1e6);
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    stop.store(true, Ordering::Relaxed);
+    writer.join().expect("writer thread")?;
+    fs.commit()?;
+    drop(fs);
+    let _ = std::fs::remove_file(path);
+    lat.sort_by(|a, b| a.total_cmp(b));
+    Ok((lat[lat.len() / 2], lat[lat.len() * 99 / 100]))
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     v[v.len() / 2]
@@ -168,6 +212,25 @@ fn main() -> butter::Result<()> {
         let (a, b) = (p(&u, i), p(&l, i));
         println!(
             "| file create {name} beside an 8 MiB-write stream (lower is better) | {a:.1} µs | {b:.1} µs | {:.2}x |",
+            a / b
+        );
+    }
+    println!(
+        "\nSeed 003's rule: an fsync does not wait for the file's writes in progress (with) or \
+         waits for them first (without).\n"
+    );
+    println!("| workload | with the rule | without | with/without |");
+    println!("|---|---:|---:|---:|");
+    let mut u = Vec::new();
+    let mut l = Vec::new();
+    for _ in 0..RUNS {
+        u.push(fsync_beside_writer(&dir, true, mib)?);
+        l.push(fsync_beside_writer(&dir, false, mib)?);
+    }
+    for (i, name) in ["p50", "p99"].iter().enumerate() {
+        let (a, b) = (p(&u, i), p(&l, i));
+        println!(
+            "| fsync {name} of a file another thread writes 8 MiB at a time (lower is better) | {a:.1} µs | {b:.1} µs | {:.2}x |",
             a / b
         );
     }

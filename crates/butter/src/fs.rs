@@ -133,6 +133,9 @@ pub struct Fs {
     /// Extents longer than this are written without the writer lock (crate::ordered);
     /// `u64::MAX` turns that off (for the benchmark's comparison).
     pub(crate) unlocked_writeback_above: std::sync::atomic::AtomicU64,
+    /// fsync waits for the inode's writes in progress (off: seed 003's rule; see
+    /// [`Fs::set_fsync_skips_writes_in_progress`]).
+    pub(crate) fsync_waits_for_writes: std::sync::atomic::AtomicBool,
 }
 
 impl Fs {
@@ -196,6 +199,7 @@ impl Fs {
             unlocked_writeback_above: std::sync::atomic::AtomicU64::new(
                 crate::file_write::SHORT_WRITEBACK,
             ),
+            fsync_waits_for_writes: std::sync::atomic::AtomicBool::new(false),
         };
         fs.csum_root = match fs.find_root_item(CSUM_TREE_OBJECTID)? {
             Some(ri) => Some(Root {

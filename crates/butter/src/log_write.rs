@@ -39,10 +39,11 @@
 //! Ordered extents (crate::ordered): a write's data and checksums go to the device without
 //! the writer lock, and its extent is recorded in the trees before the write returns. An
 //! fsync covers the writes that returned before it was called, so it finds their items in the
-//! trees and waits for no ordered extent; its first flush is its only wait for data. Seed
-//! 003's rule in full (logging ordered extents whose tree updates are still to come) would
-//! need writes that return before their extents are recorded, i.e. delayed allocation, which
-//! butter does not have.
+//! trees and, by seed 003's rule, does not wait for the file's writes still in progress
+//! ([`Fs::set_fsync_skips_writes_in_progress`] turns the rule off for benchmarks); its first
+//! flush is its only wait for data. The rest of the seed (logging ordered extents whose tree
+//! updates are still to come, a commit waiting for them) would need writes that return before
+//! their extents are recorded, i.e. delayed allocation, which butter does not have.
 
 use crate::alloc::SpaceKind;
 use crate::ctree;
@@ -520,6 +521,15 @@ impl Fs {
         self.fsync_log.store(on, Ordering::Relaxed);
     }
 
+    /// Seed 003's rule, on by default: an fsync does not wait for the inode's writes in
+    /// progress (their ordered extents); it logs what the writes that returned before it
+    /// recorded. Off, an fsync first waits until no write to the inode is in progress, as the
+    /// kernel's fsync waited for every ordered extent in its range before the rule (for
+    /// benchmarks; the result is the same, only later).
+    pub fn set_fsync_skips_writes_in_progress(&self, on: bool) {
+        self.fsync_waits_for_writes.store(!on, Ordering::Relaxed);
+    }
+
     /// fsync(2) / fdatasync(2) of one inode: when it returns, the inode's data and metadata
     /// (and the names that make it reachable) survive a power cut.
     pub fn fsync(&self, ino: Inode, _datasync: bool) -> Result<()> {
@@ -533,6 +543,9 @@ impl Fs {
     /// First half of an fsync: copies `ino` into its subvolume's log tree in memory (under the
     /// writer lock; fast). Says what is left to do.
     pub fn log_inode(&self, ino: Inode) -> Result<LogTicket> {
+        if self.fsync_waits_for_writes.load(Ordering::Relaxed) {
+            self.ordered.wait_for_writes(ino);
+        }
         let mut w = self.writer()?;
         let t = self.log_inode_locked(&mut w, ino)?;
         log::debug!(

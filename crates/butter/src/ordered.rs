@@ -16,20 +16,27 @@
 //! `WRITEBACK` ranges whose data is being written.
 //!
 //! A write returns only after its completion, so an fsync, which covers the writes that
-//! returned before it was called, finds their items in the trees and never waits here; a
-//! commit never waits either: an unfinished ordered extent is not in the trees and its space
-//! is free on disk, and a power cut at any point loses only writes that had not returned.
+//! returned before it was called, finds their items in the trees and need not wait here (seed
+//! 003's rule; [`OrderedTrees::wait_for_writes`] is the wait without it). A commit never
+//! waits either: an unfinished ordered extent is not in the trees and its space is free on
+//! disk, and a power cut at any point loses only writes that had not returned.
 
 use crate::extent_io::{ExtentBits, SharedExtentIoTree};
 use crate::fs::Inode;
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 
 /// The range-state trees of the inodes being written.
 #[derive(Default)]
 pub struct OrderedTrees {
     trees: Mutex<HashMap<Inode, Arc<SharedExtentIoTree>>>,
+    /// Tickets of the writes holding their range lock, per inode (for
+    /// [`OrderedTrees::wait_for_writes`]).
+    writes: Mutex<HashMap<Inode, BTreeSet<u64>>>,
+    write_done: Condvar,
+    waiters: AtomicU64,
+    next_ticket: AtomicU64,
     started: AtomicU64,
     locked_waits: AtomicU64,
 }
@@ -60,12 +67,20 @@ impl OrderedTrees {
             self.locked_waits.fetch_add(1, Ordering::Relaxed);
             tree.lock_range(start, last);
         }
+        let ticket = self.next_ticket.fetch_add(1, Ordering::Relaxed);
+        self.writes
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(ino)
+            .or_default()
+            .insert(ticket);
         RangeGuard {
             owner: self,
             ino,
             tree,
             start,
             last,
+            ticket,
         }
     }
 
@@ -75,6 +90,25 @@ impl OrderedTrees {
             locked_waits: self.locked_waits.load(Ordering::Relaxed),
             inodes: self.trees.lock().unwrap_or_else(|e| e.into_inner()).len() as u64,
         }
+    }
+
+    /// Waits until the writes to `ino` that hold their range lock now have finished (writes
+    /// that start meanwhile are not waited for).
+    pub fn wait_for_writes(&self, ino: Inode) {
+        let upto = self.next_ticket.load(Ordering::Relaxed);
+        let mut writes = self.writes.lock().unwrap_or_else(|e| e.into_inner());
+        self.waiters.fetch_add(1, Ordering::SeqCst);
+        while writes
+            .get(&ino)
+            .and_then(|t| t.first())
+            .is_some_and(|t| *t < upto)
+        {
+            writes = self
+                .write_done
+                .wait(writes)
+                .unwrap_or_else(|e| e.into_inner());
+        }
+        self.waiters.fetch_sub(1, Ordering::SeqCst);
     }
 
     /// Whether any byte of `[start, end)` of `ino` has `bits` now.
@@ -117,6 +151,7 @@ pub struct RangeGuard<'a> {
     tree: Arc<SharedExtentIoTree>,
     start: u64,
     last: u64,
+    ticket: u64,
 }
 
 impl RangeGuard<'_> {
@@ -153,6 +188,18 @@ impl Drop for RangeGuard<'_> {
             ExtentBits::ORDERED | ExtentBits::WRITEBACK,
         );
         self.tree.unlock_range(self.start, self.last);
+        {
+            let mut writes = self.owner.writes.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(t) = writes.get_mut(&self.ino) {
+                t.remove(&self.ticket);
+                if t.is_empty() {
+                    writes.remove(&self.ino);
+                }
+            }
+            if self.owner.waiters.load(Ordering::SeqCst) > 0 {
+                self.owner.write_done.notify_all();
+            }
+        }
         let mut trees = self.owner.trees.lock().unwrap_or_else(|e| e.into_inner());
         // Two references while no other write holds this tree: the map's and ours.
         if Arc::strong_count(&self.tree) == 2 && self.tree.with(|t| t.is_empty()) {
@@ -201,8 +248,12 @@ mod tests {
         }
     }
 
+    /// The image a power cut now leaves, opened (and replayed if it has a log), checked.
     fn checked_copy(bytes: Vec<u8>) -> Fs {
-        let fs = Fs::open_device_rw(Arc::new(RamDevice::new(bytes))).unwrap();
+        let copy = Arc::new(RamDevice::new(bytes));
+        // The first open replays a log and commits.
+        drop(Fs::open_device_rw(copy.clone()).unwrap());
+        let fs = Fs::open_device_rw(copy).unwrap();
         let r = crate::check::check(&fs, &mut |_| {}).unwrap();
         assert!(r.is_clean(), "{r:?}");
         fs
@@ -260,6 +311,73 @@ mod tests {
             .unwrap()
             .target;
         assert_eq!(after.read(a2, 0, 400_000).unwrap(), data);
+    }
+
+    fn gated() -> (
+        Arc<RamDevice>,
+        Arc<Fs>,
+        mpsc::Receiver<()>,
+        mpsc::Sender<()>,
+    ) {
+        let (ram, fs) = crate::mkfs::test_fs(128 << 20);
+        drop(fs);
+        let (arrived_tx, arrived) = mpsc::channel();
+        let (release, release_rx) = mpsc::channel();
+        let dev = Arc::new(GateDevice {
+            ram: ram.clone(),
+            arrived: Mutex::new(Some(arrived_tx)),
+            release: Mutex::new(Some(release_rx)),
+        });
+        (
+            ram,
+            Arc::new(Fs::open_device_rw(dev).unwrap()),
+            arrived,
+            release,
+        )
+    }
+
+    /// Seed 003's rule: an fsync does not wait for a write to the same file that is still in
+    /// progress; without the rule it waits for that write to finish.
+    #[test]
+    fn fsync_waits_for_writes_in_progress_only_without_the_rule() {
+        for rule in [true, false] {
+            let (ram, fs, arrived, release) = gated();
+            fs.set_fsync_skips_writes_in_progress(rule);
+            let root = fs.root_inode();
+            let a = fs.create(root, b"a", 0o644, Owner::default()).unwrap();
+            fs.write(a, 1 << 20, b"before").unwrap();
+            let mut data = vec![1u8; 200_000];
+            data[..MARK.len()].copy_from_slice(MARK);
+            let writer = {
+                let fs = fs.clone();
+                std::thread::spawn(move || fs.write(a, 0, &data).unwrap())
+            };
+            arrived.recv_timeout(Duration::from_secs(60)).unwrap();
+            let (done_tx, done) = mpsc::channel();
+            let syncer = {
+                let fs = fs.clone();
+                std::thread::spawn(move || {
+                    fs.fsync(a, false).unwrap();
+                    done_tx.send(()).unwrap();
+                })
+            };
+            let early = done.recv_timeout(Duration::from_millis(300)).is_ok();
+            assert_eq!(early, rule, "fsync returned during the write: {early}");
+            release.send(()).unwrap();
+            writer.join().unwrap();
+            syncer.join().unwrap();
+            // What the fsync covered survives a power cut now.
+            let after = checked_copy(ram.durable_bytes());
+            let a2 = after
+                .lookup(after.root_inode(), b"a")
+                .unwrap()
+                .unwrap()
+                .target;
+            assert_eq!(after.read(a2, 1 << 20, 10).unwrap(), b"before");
+            if !rule {
+                assert_eq!(after.read(a2, 0, 16).unwrap(), MARK.to_vec());
+            }
+        }
     }
 
     /// Four threads write interleaved 100-byte stripes of one file, so most writes share a
