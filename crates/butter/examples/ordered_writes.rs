@@ -81,15 +81,24 @@ fn streams(dir: &Path, unlocked: bool, threads: u64, mib: u64, fsync: bool) -> b
     Ok((per * threads) as f64 / secs)
 }
 
-/// (p50, p99) of file creates in µs while another thread streams 8 MiB writes.
-fn creates_beside_writer(dir: &Path, unlocked: bool, mib: u64) -> butter::Result<(f64, f64)> {
+/// Runs `measure` (which returns latencies in µs) while another thread writes the file
+/// `stream` 8 MiB at a time over its first `mib` MiB; (p50, p99) of the latencies. `unlocked`
+/// and `rule` set the filesystem up (see [`fresh`] and `Fs::set_fsync_skips_writes_in_progress`).
+fn beside_stream(
+    dir: &Path,
+    unlocked: bool,
+    rule: bool,
+    mib: u64,
+    measure: impl FnOnce(&Fs, butter::fs::Inode) -> butter::Result<Vec<f64>>,
+) -> butter::Result<(f64, f64)> {
     let (path, fs) = fresh(dir, unlocked)?;
-    let root = fs.root_inode();
+    fs.set_fsync_skips_writes_in_progress(rule);
+    let f = fs.create(fs.root_inode(), b"stream", 0o644, Owner::default())?;
+    fs.commit()?;
     let stop = Arc::new(AtomicBool::new(false));
     let writer = {
         let (fs, stop) = (fs.clone(), stop.clone());
         std::thread::spawn(move || -> butter::Result<()> {
-            let f = fs.create(root, b"stream", 0o644, Owner::default())?;
             let buf = vec![9u8; 8 << 20];
             let mut off = 0u64;
             while !stop.load(Ordering::Relaxed) {
@@ -100,17 +109,10 @@ fn creates_beside_writer(dir: &Path, unlocked: bool, mib: u64) -> butter::Result
         })
     };
     std::thread::sleep(Duration::from_millis(50));
-    let d = fs.mkdir(root, b"d", 0o755, Owner::default())?;
-    let mut lat = Vec::new();
-    for i in 0..2000u32 {
-        let t = Instant::now();
-        fs.create(d, format!("n{i}").as_bytes(), 0o644, Owner::default())?;
-        lat.push(t.elapsed().as_secs_f64() * 1e6);
-        // Spread over the stream's writes rather than between two of them.
-        std::thread::sleep(Duration::from_micros(200));
-    }
+    let lat = measure(&fs, f);
     stop.store(true, Ordering::Relaxed);
     writer.join().expect("writer thread")?;
+    let mut lat = lat?;
     fs.commit()?;
     drop(fs);
     let _ = std::fs::remove_file(path);
@@ -118,44 +120,37 @@ fn creates_beside_writer(dir: &Path, unlocked: bool, mib: u64) -> butter::Result
     Ok((lat[lat.len() / 2], lat[lat.len() * 99 / 100]))
 }
 
-/// (p50, p99) in µs of fsyncs of a file that another thread keeps writing 8 MiB at a time:
-/// every 2 ms a 4 KiB write past the stream's range, then an fsync. `rule`: seed 003's rule
-/// (the fsync does not wait for the writes in progress).
+/// (p50, p99) of file creates in µs, 200 µs apart, beside an 8 MiB-write stream.
+fn creates_beside_writer(dir: &Path, unlocked: bool, mib: u64) -> butter::Result<(f64, f64)> {
+    beside_stream(dir, unlocked, true, mib, |fs, _| {
+        let d = fs.mkdir(fs.root_inode(), b"d", 0o755, Owner::default())?;
+        let mut lat = Vec::new();
+        for i in 0..2000u32 {
+            let t = Instant::now();
+            fs.create(d, format!("n{i}").as_bytes(), 0o644, Owner::default())?;
+            lat.push(t.elapsed().as_secs_f64() * 1e6);
+            // Spread over the stream's writes rather than between two of them.
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        Ok(lat)
+    })
+}
+
+/// (p50, p99) in µs of fsyncs of the stream's file: every 2 ms a 4 KiB write past the
+/// stream's range, then an fsync. `rule`: seed 003's rule (the fsync does not wait for the
+/// writes in progress).
 fn fsync_beside_writer(dir: &Path, rule: bool, mib: u64) -> butter::Result<(f64, f64)> {
-    let (path, fs) = fresh(dir, true)?;
-    fs.set_fsync_skips_writes_in_progress(rule);
-    let root = fs.root_inode();
-    let f = fs.create(root, b"shared", 0o644, Owner::default())?;
-    fs.commit()?;
-    let stop = Arc::new(AtomicBool::new(false));
-    let writer = {
-        let (fs, stop) = (fs.clone(), stop.clone());
-        std::thread::spawn(move || -> butter::Result<()> {
-            let buf = vec![9u8; 8 << 20];
-            let mut off = 0u64;
-            while !stop.load(Ordering::Relaxed) {
-                fs.write(f, off % (mib << 20), &buf)?;
-                off += 8 << 20;
-            }
-            Ok(())
-        })
-    };
-    std::thread::sleep(Duration::from_millis(50));
-    let mut lat = Vec::new();
-    for i in 0..300u64 {
-        fs.write(f, (mib << 20) + (i % 64) * 4096, &[i as u8; 4096])?;
-        let t = Instant::now();
-        fs.fsync(f, false)?;
-        lat.push(t.elapsed().as_secs_f64() * 1e6);
-        std::thread::sleep(Duration::from_millis(2));
-    }
-    stop.store(true, Ordering::Relaxed);
-    writer.join().expect("writer thread")?;
-    fs.commit()?;
-    drop(fs);
-    let _ = std::fs::remove_file(path);
-    lat.sort_by(|a, b| a.total_cmp(b));
-    Ok((lat[lat.len() / 2], lat[lat.len() * 99 / 100]))
+    beside_stream(dir, true, rule, mib, |fs, f| {
+        let mut lat = Vec::new();
+        for i in 0..300u64 {
+            fs.write(f, (mib << 20) + (i % 64) * 4096, &[i as u8; 4096])?;
+            let t = Instant::now();
+            fs.fsync(f, false)?;
+            lat.push(t.elapsed().as_secs_f64() * 1e6);
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        Ok(lat)
+    })
 }
 
 fn median(mut v: Vec<f64>) -> f64 {

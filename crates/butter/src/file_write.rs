@@ -730,20 +730,7 @@ impl Fs {
         let ss = self.disk.sectorsize() as u64;
         w.delete_csums(bytenr, len)?;
         w.insert_csums(bytenr, sums)?;
-        let fe = FileExtentItem {
-            generation: w.transid,
-            ram_bytes: len,
-            compression: 0,
-            encryption: 0,
-            other_encoding: 0,
-            ty: FILE_EXTENT_REG,
-            body: FileExtentBody::Extent {
-                disk_bytenr: bytenr,
-                disk_num_bytes: len,
-                offset: 0,
-                num_bytes: len,
-            },
-        };
+        let fe = FileExtentItem::regular(w.transid, bytenr, len);
         let mut item = self.inode_item(ino)?;
         if drop_inline {
             w.log.note_change(ino, 0, ss);

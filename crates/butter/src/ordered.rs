@@ -248,6 +248,10 @@ mod tests {
         }
     }
 
+    fn in_root(fs: &Fs, name: &[u8]) -> crate::fs::Inode {
+        fs.lookup(fs.root_inode(), name).unwrap().unwrap().target
+    }
+
     /// The image a power cut now leaves, opened (and replayed if it has a log), checked.
     fn checked_copy(bytes: Vec<u8>) -> Fs {
         let copy = Arc::new(RamDevice::new(bytes));
@@ -265,16 +269,7 @@ mod tests {
     /// the write). Once the data is written, the write completes and survives the next commit.
     #[test]
     fn writeback_runs_without_the_writer_lock_and_commits_skip_it() {
-        let (ram, fs) = crate::mkfs::test_fs(128 << 20);
-        drop(fs);
-        let (arrived_tx, arrived) = mpsc::channel();
-        let (release, release_rx) = mpsc::channel();
-        let dev = Arc::new(GateDevice {
-            ram: ram.clone(),
-            arrived: Mutex::new(Some(arrived_tx)),
-            release: Mutex::new(Some(release_rx)),
-        });
-        let fs = Arc::new(Fs::open_device_rw(dev).unwrap());
+        let (ram, fs, arrived, release) = gated();
         let root = fs.root_inode();
         let a = fs.create(root, b"a", 0o644, Owner::default()).unwrap();
         fs.commit().unwrap();
@@ -292,9 +287,9 @@ mod tests {
         fs.write(b, 0, &[7u8; 100_000]).unwrap();
         fs.commit().unwrap();
         let mid = checked_copy(ram.durable_bytes());
-        let a_mid = mid.lookup(mid.root_inode(), b"a").unwrap().unwrap().target;
+        let a_mid = in_root(&mid, b"a");
         assert_eq!(mid.inode_item(a_mid).unwrap().size, 0);
-        let b_mid = mid.lookup(mid.root_inode(), b"b").unwrap().unwrap().target;
+        let b_mid = in_root(&mid, b"b");
         assert_eq!(mid.read(b_mid, 0, 200_000).unwrap(), vec![7u8; 100_000]);
         drop(mid);
 
@@ -305,11 +300,7 @@ mod tests {
         assert_eq!(fs.read(a, 0, 400_000).unwrap(), data);
         fs.commit().unwrap();
         let after = checked_copy(ram.durable_bytes());
-        let a2 = after
-            .lookup(after.root_inode(), b"a")
-            .unwrap()
-            .unwrap()
-            .target;
+        let a2 = in_root(&after, b"a");
         assert_eq!(after.read(a2, 0, 400_000).unwrap(), data);
     }
 
@@ -368,11 +359,7 @@ mod tests {
             syncer.join().unwrap();
             // What the fsync covered survives a power cut now.
             let after = checked_copy(ram.durable_bytes());
-            let a2 = after
-                .lookup(after.root_inode(), b"a")
-                .unwrap()
-                .unwrap()
-                .target;
+            let a2 = in_root(&after, b"a");
             assert_eq!(after.read(a2, 1 << 20, 10).unwrap(), b"before");
             if !rule {
                 assert_eq!(after.read(a2, 0, 16).unwrap(), MARK.to_vec());
@@ -421,11 +408,7 @@ mod tests {
         assert!(fs.ordered.stats().started >= 3 * STRIPES);
         fs.commit().unwrap();
         let after = checked_copy(ram.durable_bytes());
-        let f2 = after
-            .lookup(after.root_inode(), b"f")
-            .unwrap()
-            .unwrap()
-            .target;
+        let f2 = in_root(&after, b"f");
         check_content(&after.read(f2, 0, 100_000).unwrap());
     }
 }

@@ -700,8 +700,9 @@ impl InodeExtref {
 }
 
 impl FileExtentItem {
-    /// An explicit hole of `len` bytes written in transaction `generation`.
-    pub fn hole(generation: u64, len: u64) -> FileExtentItem {
+    /// A new regular extent: all `len` bytes at `bytenr`, uncompressed, written in transaction
+    /// `generation`.
+    pub fn regular(generation: u64, bytenr: u64, len: u64) -> FileExtentItem {
         FileExtentItem {
             generation,
             ram_bytes: len,
@@ -710,12 +711,21 @@ impl FileExtentItem {
             other_encoding: 0,
             ty: FILE_EXTENT_REG,
             body: FileExtentBody::Extent {
-                disk_bytenr: 0,
-                disk_num_bytes: 0,
+                disk_bytenr: bytenr,
+                disk_num_bytes: len,
                 offset: 0,
                 num_bytes: len,
             },
         }
+    }
+
+    /// An explicit hole of `len` bytes written in transaction `generation`.
+    pub fn hole(generation: u64, len: u64) -> FileExtentItem {
+        let mut fe = Self::regular(generation, 0, len);
+        if let FileExtentBody::Extent { disk_num_bytes, .. } = &mut fe.body {
+            *disk_num_bytes = 0;
+        }
+        fe
     }
 
     /// EXTENT_DATA body: 21-byte header, then the inline data or the four le64 of a regular or
