@@ -348,6 +348,10 @@ fn dir_create_delete() {
             write_file(&m.join("d/n2"), 7000, 33);
             fs::create_dir(m.join("d/sub")).unwrap();
             write_file(&m.join("d/sub/z"), 10, 34);
+            // The kernel logs new subdirectories recursively.
+            fs::create_dir(m.join("d/sub/deeper")).unwrap();
+            write_file(&m.join("d/sub/deeper/w"), 70_000, 35);
+            fs::create_dir(m.join("d/sub/deeper/empty")).unwrap();
             std::os::unix::fs::symlink("n2", m.join("d/ln")).unwrap();
             fs::remove_file(m.join("d/x")).unwrap();
             fs::remove_file(m.join("d/n1")).unwrap();
