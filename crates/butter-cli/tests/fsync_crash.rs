@@ -5,8 +5,9 @@
 //! a few committed files) in a [`RamDevice`], opened read-write. A seeded workload creates
 //! files, writes (appends, overwrites, writes past the end), truncates down and up, punches
 //! holes, preallocates (with and without KEEP_SIZE), sets and removes an xattr, unlinks, and
-//! calls `Fs::fsync` (full and data-only) on files and sometimes on directories, with an
-//! occasional `Fs::commit`. The power is cut at a random write number (chosen from the number
+//! calls `Fs::fsync` (full and data-only) on files and sometimes on directories, makes new
+//! subdirectory trees (a file, a nested directory with a file, an empty one) and fsyncs their
+//! parent (the log carries them recursively), with an occasional `Fs::commit`. The power is cut at a random write number (chosen from the number
 //! of writes a dry run of the same workload issues): that write and everything after it fail,
 //! and the workload stops at its first error.
 //!
@@ -74,7 +75,13 @@ struct MFile {
     name_durable: bool,
     unlinked: bool,
     unlink_durable: bool,
+    /// In a subdirectory tree (`name` is a path below the workload directory; directories
+    /// show as [`DIR_MARK`]): no operation touches it after it was made.
+    fixed: bool,
 }
+
+/// The content a view records for a directory.
+const DIR_MARK: &[u8] = b"<directory>";
 
 impl MFile {
     fn cur(&self) -> &Vec<u8> {
@@ -102,7 +109,7 @@ struct Model {
 impl Model {
     fn live(&self) -> Vec<usize> {
         (0..self.files.len())
-            .filter(|&i| !self.files[i].unlinked)
+            .filter(|&i| !self.files[i].unlinked && !self.files[i].fixed)
             .collect()
     }
     fn commit(&mut self) {
@@ -162,6 +169,7 @@ fn make_base() -> Base {
                 name_durable: true,
                 unlinked: false,
                 unlink_durable: false,
+                fixed: false,
             });
         }
     }
@@ -282,6 +290,7 @@ fn step(
                 name_durable: false,
                 unlinked: false,
                 unlink_durable: false,
+                fixed: false,
             });
             if rng.chance(2, 3) {
                 let i = m.files.len() - 1;
@@ -387,8 +396,51 @@ fn step(
             }
             f.name_durable = true;
         }
+        // a new subdirectory tree, then an fsync of its parent: all of it is durable
+        90..=91 => {
+            let dir = rng.below(DIRS.len() as u64) as usize;
+            m.next_name += 1;
+            let top = format!("s{:04}", m.next_name);
+            let first = m.files.len();
+            let add = |m: &mut Model, path: String, content: Vec<Vec<u8>>| {
+                m.files.push(MFile {
+                    dir,
+                    name: path.into_bytes(),
+                    ino: dirs[dir],
+                    content,
+                    xattr: vec![None],
+                    name_durable: false,
+                    unlinked: false,
+                    unlink_durable: false,
+                    fixed: true,
+                });
+            };
+            let (_, len) = write_range(rng, 0);
+            let z = rng.random_bytes(len);
+            let wlen = rng.range(1, 3000) as usize;
+            let w = rng.random_bytes(wlen);
+            // Before the operations: a power cut in the middle may leave any part of it.
+            add(m, top.clone(), vec![DIR_MARK.to_vec()]);
+            add(m, format!("{top}/z"), vec![Vec::new(), z.clone()]);
+            add(m, format!("{top}/deeper"), vec![DIR_MARK.to_vec()]);
+            add(m, format!("{top}/deeper/w"), vec![Vec::new(), w.clone()]);
+            add(m, format!("{top}/deeper/empty"), vec![DIR_MARK.to_vec()]);
+            let sub = fs.mkdir(dirs[dir], top.as_bytes(), 0o755, OWNER)?;
+            let zi = fs.create(sub, b"z", 0o644, OWNER)?;
+            fs.write(zi, 0, &z)?;
+            let deeper = fs.mkdir(sub, b"deeper", 0o700, OWNER)?;
+            let wi = fs.create(deeper, b"w", 0o600, OWNER)?;
+            fs.write(wi, 0, &w)?;
+            fs.mkdir(deeper, b"empty", 0o755, OWNER)?;
+            fs.fsync(dirs[dir], false)?;
+            *fsyncs += 1;
+            for f in &mut m.files[first..] {
+                f.data_durable();
+                f.name_durable = true;
+            }
+        }
         // fsync of a directory: its names (new ones and removed ones) are durable
-        90..=96 => {
+        92..=96 => {
             let dir = rng.below(DIRS.len() as u64) as usize;
             fs.fsync(dirs[dir], false)?;
             *fsyncs += 1;
@@ -422,20 +474,45 @@ type View = BTreeMap<(usize, Vec<u8>), Seen>;
 fn butter_view(fs: &Fs) -> Result<View, Error> {
     let mut v = View::new();
     for (d, dir) in dir_inodes(fs)?.into_iter().enumerate() {
-        let mut after = 0;
-        loop {
-            let entries = fs.readdir(dir, after, 256)?;
-            let Some(last) = entries.last() else { break };
-            after = last.index;
-            for e in &entries {
-                let st = fs.stat(e.target)?;
-                let content = fs.read(e.target, 0, st.size as usize)?;
-                let xattr = fs.getxattr(e.target, XATTR)?;
-                v.insert((d, e.name.clone()), Seen { content, xattr });
-            }
-        }
+        butter_view_dir(fs, d, dir, Vec::new(), &mut v)?;
     }
     Ok(v)
+}
+
+/// The entries below `dir` into `v`, their names after `prefix` (subdirectories as
+/// [`DIR_MARK`] and their entries as paths).
+fn butter_view_dir(
+    fs: &Fs,
+    d: usize,
+    dir: Inode,
+    prefix: Vec<u8>,
+    v: &mut View,
+) -> Result<(), Error> {
+    let mut after = 0;
+    loop {
+        let entries = fs.readdir(dir, after, 256)?;
+        let Some(last) = entries.last() else { break };
+        after = last.index;
+        for e in &entries {
+            let name = [prefix.as_slice(), &e.name].concat();
+            let st = fs.stat(e.target)?;
+            if st.mode & 0o170000 == 0o040000 {
+                v.insert(
+                    (d, name.clone()),
+                    Seen {
+                        content: DIR_MARK.to_vec(),
+                        xattr: None,
+                    },
+                );
+                butter_view_dir(fs, d, e.target, [name.as_slice(), b"/"].concat(), v)?;
+                continue;
+            }
+            let content = fs.read(e.target, 0, st.size as usize)?;
+            let xattr = fs.getxattr(e.target, XATTR)?;
+            v.insert((d, name), Seen { content, xattr });
+        }
+    }
+    Ok(())
 }
 
 fn get_xattr(p: &Path, name: &[u8]) -> Option<Vec<u8>> {
@@ -461,20 +538,34 @@ fn get_xattr(p: &Path, name: &[u8]) -> Option<Vec<u8>> {
 fn kernel_view(mnt: &Path) -> View {
     let mut v = View::new();
     for (d, dir) in DIRS.iter().enumerate() {
-        let rd =
-            fs::read_dir(mnt.join(dir)).unwrap_or_else(|e| panic!("kernel readdir {dir}: {e}"));
-        for e in rd {
-            let e = e.expect("readdir entry");
-            let p = e.path();
-            let content = fs::read(&p).unwrap_or_else(|e| panic!("read {}: {e}", p.display()));
-            let xattr = get_xattr(&p, XATTR);
-            v.insert(
-                (d, e.file_name().as_bytes().to_vec()),
-                Seen { content, xattr },
-            );
-        }
+        kernel_view_dir(&mnt.join(dir), d, Vec::new(), &mut v);
     }
     v
+}
+
+/// [`butter_view_dir`] through the kernel's mount.
+fn kernel_view_dir(path: &Path, d: usize, prefix: Vec<u8>, v: &mut View) {
+    let rd =
+        fs::read_dir(path).unwrap_or_else(|e| panic!("kernel readdir {}: {e}", path.display()));
+    for e in rd {
+        let e = e.expect("readdir entry");
+        let p = e.path();
+        let name = [prefix.as_slice(), e.file_name().as_bytes()].concat();
+        if e.file_type().expect("file type").is_dir() {
+            v.insert(
+                (d, name.clone()),
+                Seen {
+                    content: DIR_MARK.to_vec(),
+                    xattr: None,
+                },
+            );
+            kernel_view_dir(&p, d, [name.as_slice(), b"/"].concat(), v);
+            continue;
+        }
+        let content = fs::read(&p).unwrap_or_else(|e| panic!("read {}: {e}", p.display()));
+        let xattr = get_xattr(&p, XATTR);
+        v.insert((d, name), Seen { content, xattr });
+    }
 }
 
 fn show(m: &MFile) -> String {

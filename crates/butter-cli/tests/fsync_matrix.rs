@@ -551,6 +551,28 @@ fn dir_create_delete() {
     });
 }
 
+/// The highest index of a directory is unlinked, then a new file created there and fsynced:
+/// the new file must not get the unlinked entry's index, which the crash image (the unlink
+/// not durable) still gives the old one (the kernel's replay failed with EEXIST when it did).
+#[test]
+fn unlink_then_create_fsync_file() {
+    run(Scenario {
+        name: "unlink-create",
+        setup: vec![Step::Mounted(&|m| {
+            fs::create_dir(m.join("d")).unwrap();
+            for (i, n) in ["a", "b", "c"].iter().enumerate() {
+                write_file(&m.join("d").join(n), 3000, 50 + i as u8);
+            }
+        })],
+        ops: &|c| {
+            fs::remove_file(c.p("d/c")).unwrap();
+            write_file(&c.p("d/n"), 5000, 53);
+            c.fsync("d/n");
+        },
+        fast_log: true,
+    });
+}
+
 #[test]
 fn rmdir_fsync_parent() {
     run(Scenario {

@@ -425,6 +425,18 @@ impl Fs {
             .ok_or_else(|| Error::NotFound(format!("{:?}", String::from_utf8_lossy(name))))?;
         rewrite_without(w, dir.root, dkey, &entries, pos, DirItem::write)?;
         let index = self.remove_inode_ref(w, target, dir.ino, name)?;
+        // An index is never handed out twice in a mount, as the kernel's in-memory counter
+        // never is: the removal may not be durable when a new entry is (an fsync of a file
+        // created after it logs the file's index), and replay would find the index taken.
+        let k = (dir.root, dir.ino);
+        if !w.next_index.contains_key(&k) {
+            // Counts from the tree as it still is (this entry included); `n` stays unused.
+            let n = self.next_dir_index(w, dir)?;
+            w.next_index.insert(k, n);
+        }
+        if let Some(next) = w.next_index.get_mut(&k) {
+            *next = (*next).max(index + 1);
+        }
         w.delete_item(dir.root, &Key::new(dir.ino, DIR_INDEX_KEY, index))?;
         let mut d = self.inode_item(dir)?;
         d.size = d.size.saturating_sub(2 * name.len() as u64);
@@ -615,6 +627,13 @@ impl Fs {
 
     /// Deletes every item of an inode, dropping its data references.
     pub(crate) fn delete_inode(&self, w: &mut Writer, ino: Inode) -> Result<()> {
+        // An inode number is never handed out twice in a mount, as the kernel's counter never
+        // is: the deletion may not be durable when the new inode is (an fsync logs it), and
+        // replay would merge the two. Counted from the tree as it still is; `n` stays unused.
+        if !w.next_ino.contains_key(&ino.root) {
+            let n = self.next_objectid(w, ino.root)?;
+            w.next_ino.insert(ino.root, n);
+        }
         self.truncate_extents(w, ino, 0)?;
         w.delete_range(
             ino.root,

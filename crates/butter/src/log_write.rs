@@ -1372,6 +1372,46 @@ mod tests {
         assert_eq!(after.readlink(ln).unwrap(), b"z");
     }
 
+    /// The directory's highest index and the highest inode are unlinked, then a file created
+    /// and fsynced: the new file gets a fresh index and inode number (the crash image still
+    /// gives the old ones to the unlinked file, whose unlink is not durable), and the log
+    /// replays beside it.
+    #[test]
+    fn a_new_entry_never_takes_an_unlinked_entrys_index() {
+        let (dev, fs) = fresh();
+        let root = fs.root_inode();
+        let d = fs.mkdir(root, b"d", 0o755, Owner::default()).unwrap();
+        for n in [&b"a"[..], b"b", b"c"] {
+            let f = fs.create(d, n, 0o644, Owner::default()).unwrap();
+            fs.write(f, 0, n).unwrap();
+        }
+        fs.commit().unwrap();
+        // A new mount: nothing cached about the directory's indexes or the inode numbers.
+        let c_ino = fs.lookup(d, b"c").unwrap().unwrap().target;
+        drop(fs);
+        let fs = Fs::open_device_rw(dev.clone()).unwrap();
+        let index_of = |name: &[u8]| {
+            let all = fs.readdir(d, 0, 0).unwrap();
+            all.iter().find(|e| e.name == name).unwrap().index
+        };
+        let c_index = index_of(b"c");
+        fs.unlink(d, b"c").unwrap();
+        let n = fs.create(d, b"n", 0o644, Owner::default()).unwrap();
+        fs.write(n, 0, &pattern(5000, 3)).unwrap();
+        assert!(index_of(b"n") > c_index);
+        assert!(n.ino > c_ino.ino, "inode number {} handed out again", n.ino);
+        fs.fsync(n, false).unwrap();
+        let st = fs.log_stats().unwrap();
+        assert_eq!((st.logged, st.fallbacks), (1, 0), "{st:?}");
+        let after = after_cut(&dev);
+        let d2 = child(&after, after.root_inode(), b"d");
+        assert_eq!(after.read(child(&after, d2, b"c"), 0, 10).unwrap(), b"c");
+        assert_eq!(
+            after.read(child(&after, d2, b"n"), 0, 10_000).unwrap(),
+            pattern(5000, 3)
+        );
+    }
+
     #[test]
     fn directory_fsync_logs_created_and_deleted_entries() {
         let (dev, fs) = fresh();
