@@ -1194,6 +1194,19 @@ mod tests {
         fs.lookup(dir, name).unwrap().unwrap().target
     }
 
+    /// A committed directory `d` with files `a`, `b` and `c` (each holding its name).
+    fn dir_of_abc(fs: &Fs) -> Inode {
+        let d = fs
+            .mkdir(fs.root_inode(), b"d", 0o755, Owner::default())
+            .unwrap();
+        for n in [&b"a"[..], b"b", b"c"] {
+            let f = fs.create(d, n, 0o644, Owner::default()).unwrap();
+            fs.write(f, 0, n).unwrap();
+        }
+        fs.commit().unwrap();
+        d
+    }
+
     fn pattern(len: usize, seed: u8) -> Vec<u8> {
         (0..len)
             .map(|i| (i as u8).wrapping_mul(31) ^ seed)
@@ -1379,13 +1392,7 @@ mod tests {
     #[test]
     fn a_new_entry_never_takes_an_unlinked_entrys_index() {
         let (dev, fs) = fresh();
-        let root = fs.root_inode();
-        let d = fs.mkdir(root, b"d", 0o755, Owner::default()).unwrap();
-        for n in [&b"a"[..], b"b", b"c"] {
-            let f = fs.create(d, n, 0o644, Owner::default()).unwrap();
-            fs.write(f, 0, n).unwrap();
-        }
-        fs.commit().unwrap();
+        let d = dir_of_abc(&fs);
         // A new mount: nothing cached about the directory's indexes or the inode numbers.
         let c_ino = fs.lookup(d, b"c").unwrap().unwrap().target;
         drop(fs);
@@ -1415,13 +1422,7 @@ mod tests {
     #[test]
     fn directory_fsync_logs_created_and_deleted_entries() {
         let (dev, fs) = fresh();
-        let root = fs.root_inode();
-        let d = fs.mkdir(root, b"d", 0o755, Owner::default()).unwrap();
-        for n in [&b"a"[..], b"b", b"c"] {
-            let f = fs.create(d, n, 0o644, Owner::default()).unwrap();
-            fs.write(f, 0, n).unwrap();
-        }
-        fs.commit().unwrap();
+        let d = dir_of_abc(&fs);
         fs.unlink(d, b"b").unwrap();
         let e = fs.create(d, b"e", 0o640, Owner::default()).unwrap();
         fs.write(e, 0, &pattern(9000, 5)).unwrap();
