@@ -545,7 +545,8 @@ impl Fs {
             }
             break (guard, item, has_inline);
         };
-        self.note_growth(ino, item.size, end)?;
+        // (The growth is noted for the fsync log where the new size is recorded: write_inline
+        // notes the whole file, finish_ordered the range past the size it finds.)
         let new_size = item.size.max(end);
         // Only a small file can stay inline; only then is it worth looking at all its extents
         // (an extent past EOF, e.g. preallocated, keeps it out of line). Holes do not count.
@@ -758,7 +759,11 @@ impl Fs {
             1,
         );
         item.nbytes = item.nbytes - removed.min(item.nbytes) + added;
-        item.size = item.size.max(reach);
+        if reach > item.size {
+            // See `note_growth`: the part between the old size and this extent changed too.
+            w.log.note_change(ino, item.size, reach);
+            item.size = reach;
+        }
         Self::touch(w, &mut item, true);
         self.write_inode(w, ino, &item)
     }
