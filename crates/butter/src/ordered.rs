@@ -30,15 +30,20 @@ use std::sync::{Arc, Condvar, Mutex};
 /// The range-state trees of the inodes being written.
 #[derive(Default)]
 pub struct OrderedTrees {
-    trees: Mutex<HashMap<Inode, Arc<SharedExtentIoTree>>>,
-    /// Tickets of the writes holding their range lock, per inode (for
-    /// [`OrderedTrees::wait_for_writes`]).
-    writes: Mutex<HashMap<Inode, BTreeSet<u64>>>,
+    inodes: Mutex<HashMap<Inode, InodeWrites>>,
+    /// Signalled when a write ends while someone waits in [`OrderedTrees::wait_for_writes`].
     write_done: Condvar,
     waiters: AtomicU64,
     next_ticket: AtomicU64,
     started: AtomicU64,
     locked_waits: AtomicU64,
+}
+
+/// One inode being written: its range-state tree and the tickets of the writes holding a
+/// range lock in it (for [`OrderedTrees::wait_for_writes`]).
+struct InodeWrites {
+    tree: Arc<SharedExtentIoTree>,
+    tickets: BTreeSet<u64>,
 }
 
 /// Counters for tests and benchmarks.
@@ -56,11 +61,13 @@ impl OrderedTrees {
     /// Locks the bytes `[start, end)` of `ino` for a write (waiting for overlapping writes).
     pub fn lock(&self, ino: Inode, start: u64, end: u64) -> RangeGuard<'_> {
         let tree = self
-            .trees
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
+            .inodes()
             .entry(ino)
-            .or_insert_with(|| Arc::new(SharedExtentIoTree::new()))
+            .or_insert_with(|| InodeWrites {
+                tree: Arc::new(SharedExtentIoTree::new()),
+                tickets: BTreeSet::new(),
+            })
+            .tree
             .clone();
         let last = end.max(start + 1) - 1;
         if !tree.try_lock_range(start, last) {
@@ -68,11 +75,14 @@ impl OrderedTrees {
             tree.lock_range(start, last);
         }
         let ticket = self.next_ticket.fetch_add(1, Ordering::Relaxed);
-        self.writes
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
+        // The entry stays while we hold its tree (see the guard's drop).
+        self.inodes()
             .entry(ino)
-            .or_default()
+            .or_insert_with(|| InodeWrites {
+                tree: tree.clone(),
+                tickets: BTreeSet::new(),
+            })
+            .tickets
             .insert(ticket);
         RangeGuard {
             owner: self,
@@ -84,11 +94,15 @@ impl OrderedTrees {
         }
     }
 
+    fn inodes(&self) -> std::sync::MutexGuard<'_, HashMap<Inode, InodeWrites>> {
+        self.inodes.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     pub fn stats(&self) -> OrderedStats {
         OrderedStats {
             started: self.started.load(Ordering::Relaxed),
             locked_waits: self.locked_waits.load(Ordering::Relaxed),
-            inodes: self.trees.lock().unwrap_or_else(|e| e.into_inner()).len() as u64,
+            inodes: self.inodes().len() as u64,
         }
     }
 
@@ -96,16 +110,16 @@ impl OrderedTrees {
     /// that start meanwhile are not waited for).
     pub fn wait_for_writes(&self, ino: Inode) {
         let upto = self.next_ticket.load(Ordering::Relaxed);
-        let mut writes = self.writes.lock().unwrap_or_else(|e| e.into_inner());
+        let mut inodes = self.inodes();
         self.waiters.fetch_add(1, Ordering::SeqCst);
-        while writes
+        while inodes
             .get(&ino)
-            .and_then(|t| t.first())
+            .and_then(|w| w.tickets.first())
             .is_some_and(|t| *t < upto)
         {
-            writes = self
+            inodes = self
                 .write_done
-                .wait(writes)
+                .wait(inodes)
                 .unwrap_or_else(|e| e.into_inner());
         }
         self.waiters.fetch_sub(1, Ordering::SeqCst);
@@ -113,12 +127,7 @@ impl OrderedTrees {
 
     /// Whether any byte of `[start, end)` of `ino` has `bits` now.
     pub fn test(&self, ino: Inode, start: u64, end: u64, bits: ExtentBits) -> bool {
-        let tree = self
-            .trees
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(&ino)
-            .cloned();
+        let tree = self.inodes().get(&ino).map(|w| w.tree.clone());
         tree.is_some_and(|t| t.test_bits(start, end.max(start + 1) - 1, bits, false))
     }
 }
@@ -188,22 +197,20 @@ impl Drop for RangeGuard<'_> {
             ExtentBits::ORDERED | ExtentBits::WRITEBACK,
         );
         self.tree.unlock_range(self.start, self.last);
-        {
-            let mut writes = self.owner.writes.lock().unwrap_or_else(|e| e.into_inner());
-            if let Some(t) = writes.get_mut(&self.ino) {
-                t.remove(&self.ticket);
-                if t.is_empty() {
-                    writes.remove(&self.ino);
-                }
-            }
-            if self.owner.waiters.load(Ordering::SeqCst) > 0 {
-                self.owner.write_done.notify_all();
+        let mut inodes = self.owner.inodes();
+        if let Some(w) = inodes.get_mut(&self.ino) {
+            w.tickets.remove(&self.ticket);
+            // Forgotten once no other write holds or waits for its tree: two references
+            // then, the map's and ours.
+            if w.tickets.is_empty()
+                && Arc::strong_count(&self.tree) == 2
+                && self.tree.with(|t| t.is_empty())
+            {
+                inodes.remove(&self.ino);
             }
         }
-        let mut trees = self.owner.trees.lock().unwrap_or_else(|e| e.into_inner());
-        // Two references while no other write holds this tree: the map's and ours.
-        if Arc::strong_count(&self.tree) == 2 && self.tree.with(|t| t.is_empty()) {
-            trees.remove(&self.ino);
+        if self.owner.waiters.load(Ordering::SeqCst) > 0 {
+            self.owner.write_done.notify_all();
         }
     }
 }
