@@ -488,29 +488,23 @@ fn butter_view_dir(
     prefix: Vec<u8>,
     v: &mut View,
 ) -> Result<(), Error> {
-    let mut after = 0;
-    loop {
-        let entries = fs.readdir(dir, after, 256)?;
-        let Some(last) = entries.last() else { break };
-        after = last.index;
-        for e in &entries {
-            let name = [prefix.as_slice(), &e.name].concat();
-            let st = fs.stat(e.target)?;
-            if st.mode & 0o170000 == 0o040000 {
-                v.insert(
-                    (d, name.clone()),
-                    Seen {
-                        content: DIR_MARK.to_vec(),
-                        xattr: None,
-                    },
-                );
-                butter_view_dir(fs, d, e.target, [name.as_slice(), b"/"].concat(), v)?;
-                continue;
-            }
-            let content = fs.read(e.target, 0, st.size as usize)?;
-            let xattr = fs.getxattr(e.target, XATTR)?;
-            v.insert((d, name), Seen { content, xattr });
+    for e in &fs.readdir(dir, 0, 0)? {
+        let name = [prefix.as_slice(), &e.name].concat();
+        let st = fs.stat(e.target)?;
+        if st.mode & 0o170000 == 0o040000 {
+            v.insert(
+                (d, name.clone()),
+                Seen {
+                    content: DIR_MARK.to_vec(),
+                    xattr: None,
+                },
+            );
+            butter_view_dir(fs, d, e.target, [name.as_slice(), b"/"].concat(), v)?;
+            continue;
         }
+        let content = fs.read(e.target, 0, st.size as usize)?;
+        let xattr = fs.getxattr(e.target, XATTR)?;
+        v.insert((d, name), Seen { content, xattr });
     }
     Ok(())
 }
