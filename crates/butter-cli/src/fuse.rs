@@ -228,6 +228,25 @@ impl Shared {
             .clone()
     }
 
+    /// The shared lock, once no write's ordered extent waits for its completion (a reader
+    /// would complete it, changing trees under the other readers): pending ones are completed
+    /// under the exclusive lock first. Writes register pending ones only under the exclusive
+    /// lock, so none appear while it is held.
+    fn read_lock(&self, fs: &Fs) -> std::sync::RwLockReadGuard<'_, ()> {
+        loop {
+            let g = lock_read(&self.lock);
+            if !fs.has_pending_ordered() || self.stopped().is_some() {
+                return g;
+            }
+            drop(g);
+            let _c = self.changes.lock().unwrap_or_else(|e| e.into_inner());
+            let _w = lock_write(&self.lock);
+            if let Err(e) = fs.complete_ordered_extents() {
+                self.stop(format!("completing writes: {e}"));
+            }
+        }
+    }
+
     fn stop(&self, why: String) {
         let mut s = self.stopped.lock().unwrap_or_else(|e| e.into_inner());
         if s.is_none() {
@@ -246,7 +265,11 @@ impl Shared {
         let ticket = {
             // Shared: the trees do not change under a reader; the engine's writer lock keeps
             // other fsyncs out of the log meanwhile.
-            let _g = lock_read(&self.lock);
+            let _g = if fs.fsync_completes_ordered() {
+                self.read_lock(fs)
+            } else {
+                lock_read(&self.lock)
+            };
             if let Some(why) = self.stopped() {
                 return Err(format!("not writing ({why})"));
             }
@@ -413,7 +436,7 @@ impl ButterFuse {
 
     /// [`ButterFuse::guard`] for a reading operation (shared lock).
     fn read_op<T>(&self, op: &str, node: u64, f: impl FnOnce() -> OpResult<T>) -> Result<T, Errno> {
-        let _g = lock_read(&self.shared.lock);
+        let _g = self.shared.read_lock(&self.fs);
         self.guard(op, node, f)
     }
 
@@ -744,8 +767,10 @@ impl Filesystem for ButterFuse {
         }
         if let Ok(st) = self.fs.log_stats() {
             log::info!(
-                "fsync: {} logged, {} committed instead, {} already durable; {} log commits",
+                "fsync: {} logged ({} ordered extents before their completion), {} committed \
+                 instead, {} already durable; {} log commits",
                 st.logged,
+                st.ordered_logged,
                 st.fallbacks,
                 st.already_durable,
                 st.log_commits
@@ -753,8 +778,10 @@ impl Filesystem for ButterFuse {
         }
         let o = self.fs.ordered_stats();
         log::info!(
-            "writes: {} ordered extents, {} writes waited for an overlapping one",
+            "writes: {} ordered extents ({} completed after the write returned), {} writes \
+             waited for an overlapping one",
             o.started,
+            o.deferred,
             o.locked_waits
         );
     }

@@ -61,7 +61,7 @@ impl FileExtent {
 }
 
 /// What one file extent item contributes to the inode's nbytes.
-fn nbytes_of(fe: &FileExtentItem) -> u64 {
+pub(crate) fn nbytes_of(fe: &FileExtentItem) -> u64 {
     match &fe.body {
         FileExtentBody::Inline(_) => fe.ram_bytes,
         FileExtentBody::Extent {
@@ -79,7 +79,7 @@ fn nbytes_of(fe: &FileExtentItem) -> u64 {
 }
 
 /// How a dropped range changes one overlapping item.
-enum Cut {
+pub(crate) enum Cut {
     /// The item is entirely inside: delete it.
     Delete,
     /// Keep the head: new length.
@@ -114,7 +114,7 @@ fn with_extent(fe: &FileExtentItem, off_add: u64, num: u64) -> FileExtentItem {
 }
 
 /// How dropping `[start, end)` affects an item at `ks` (non-inline).
-fn cut(ks: u64, fe: &FileExtentItem, ke: u64, start: u64, end: u64) -> Cut {
+pub(crate) fn cut(ks: u64, fe: &FileExtentItem, ke: u64, start: u64, end: u64) -> Cut {
     if ks >= start && ke <= end {
         Cut::Delete
     } else if ks < start && ke > end {
@@ -650,6 +650,8 @@ impl Fs {
             };
             let range = (file_off, len, reach);
             let drop_inline = had_inline && done == 0;
+            // The completion waits (crate::ordered) unless an inline extent is folded in.
+            let defer = guard.filter(|_| !drop_inline);
             if let Some(g) = guard {
                 g.start_ordered(file_off, file_off + len);
             }
@@ -659,10 +661,24 @@ impl Fs {
                     .load(std::sync::atomic::Ordering::Relaxed)
             {
                 self.op(true, |w| {
-                    let bytenr = w.alloc_data_or_commit(len)?;
-                    match writeback(bytenr, chunk) {
-                        Ok(sums) => self.finish_ordered(w, ino, range, bytenr, &sums, drop_inline),
-                        Err(e) => {
+                    let bytenr = if defer.is_some() {
+                        w.alloc_data_held_or_commit(len)?
+                    } else {
+                        w.alloc_data_or_commit(len)?
+                    };
+                    match (writeback(bytenr, chunk), defer) {
+                        (Ok(sums), Some(g)) => {
+                            Self::defer_ordered(w, g, range, bytenr, sums);
+                            Ok(true)
+                        }
+                        (Ok(sums), None) => self
+                            .finish_ordered(w, ino, range, bytenr, &sums, drop_inline, None)
+                            .map(|()| false),
+                        (Err(e), Some(_)) => {
+                            w.allocator.release_held(bytenr, len);
+                            Err(e)
+                        }
+                        (Err(e), None) => {
                             // Nothing references the space: give it back after the commit,
                             // as freed space always comes back.
                             w.allocator.pin(bytenr, len)?;
@@ -671,10 +687,12 @@ impl Fs {
                     }
                 })
             } else {
-                self.write_ordered_unlocked(ino, range, chunk, drop_inline, guard, &writeback)
+                self.write_ordered_unlocked(ino, range, chunk, drop_inline, defer, &writeback)
             };
             if let Some(g) = guard {
-                g.finish_ordered(file_off, file_off + len);
+                if !matches!(r, Ok(true)) {
+                    g.finish_ordered(file_off, file_off + len);
+                }
             }
             r?;
             done += len;
@@ -682,28 +700,52 @@ impl Fs {
         Ok(())
     }
 
-    /// One ordered extent whose data is written without the writer lock.
+    /// The extent of `range` written at `bytenr` (held) becomes a pending ordered extent of
+    /// the write holding `g`: its completion comes later ([`Fs::complete_ordered`]).
+    fn defer_ordered(
+        w: &mut Writer,
+        g: &crate::ordered::RangeGuard<'_>,
+        (file_off, len, reach): (u64, u64, u64),
+        bytenr: u64,
+        sums: Vec<u8>,
+    ) {
+        g.defer(crate::ordered::Pending {
+            file_off,
+            len,
+            reach,
+            bytenr,
+            sums,
+            stamp: crate::fs_write::now(),
+        });
+        w.ordered_pending += 1;
+    }
+
+    /// One ordered extent whose data is written without the writer lock; `defer`: the range
+    /// lock of a write whose completion waits. Ok(true): deferred.
     fn write_ordered_unlocked(
         &self,
         ino: Inode,
         range: (u64, u64, u64),
         chunk: &[u8],
         drop_inline: bool,
-        guard: Option<&crate::ordered::RangeGuard<'_>>,
+        defer: Option<&crate::ordered::RangeGuard<'_>>,
         writeback: &dyn Fn(u64, &[u8]) -> Result<Vec<u8>>,
-    ) -> Result<()> {
-        let (file_off, len, _) = range;
+    ) -> Result<bool> {
+        let len = range.1;
         let bytenr = self.op(true, |w| w.alloc_data_held_or_commit(len))?;
         let written = writeback(bytenr, chunk);
-        if let Some(g) = guard {
-            g.writeback_done(file_off, file_off + len);
-        }
         let r = written.and_then(|sums| {
-            self.op(true, |w| {
-                self.finish_ordered(w, ino, range, bytenr, &sums, drop_inline)?;
-                // Recorded: an ordinary allocation from now on.
-                w.allocator.claim_held(bytenr, len);
-                Ok(())
+            self.op(true, |w| match defer {
+                Some(g) => {
+                    Self::defer_ordered(w, g, range, bytenr, sums);
+                    Ok(true)
+                }
+                None => {
+                    self.finish_ordered(w, ino, range, bytenr, &sums, drop_inline, None)?;
+                    // Recorded: an ordinary allocation from now on.
+                    w.allocator.claim_held(bytenr, len);
+                    Ok(false)
+                }
             })
         });
         if r.is_err() {
@@ -716,9 +758,47 @@ impl Fs {
         r
     }
 
+    /// Completes every pending ordered extent (crate::ordered), oldest first per inode: each
+    /// goes into the trees as [`Fs::finish_ordered`] puts it, with the time its write
+    /// returned. After a failure the rest are abandoned (their space freed) and the error
+    /// returned.
+    pub(crate) fn complete_ordered(&self, w: &mut Writer) -> Result<()> {
+        let mut failed = None;
+        for (ino, list) in self.ordered.take_pending() {
+            w.ordered_pending = w.ordered_pending.saturating_sub(list.len());
+            for p in &list {
+                if failed.is_none() {
+                    let range = (p.file_off, p.len, p.reach);
+                    match self.finish_ordered(w, ino, range, p.bytenr, &p.sums, false, Some(p.stamp))
+                    {
+                        Ok(()) => {
+                            w.allocator.claim_held(p.bytenr, p.len);
+                            continue;
+                        }
+                        Err(e) => {
+                            log::error!(
+                                "completing the write of {} bytes at {} of inode {} (subvolume \
+                                 {}): {e}",
+                                p.len,
+                                p.file_off,
+                                ino.ino,
+                                ino.root
+                            );
+                            failed = Some(e);
+                        }
+                    }
+                }
+                w.allocator.release_held(p.bytenr, p.len);
+            }
+            self.ordered.completed(ino, &list);
+        }
+        failed.map_or(Ok(()), Err)
+    }
+
     /// An ordered extent's completion: its checksums and its file extent item go into the
     /// trees (replacing what the range held), with the data reference and the inode's nbytes;
-    /// the file grows to `reach` if it is smaller. `range`: (file offset, length, reach).
+    /// the file grows to `reach` if it is smaller. `range`: (file offset, length, reach);
+    /// `stamp`: the time of the write (now if `None`).
     fn finish_ordered(
         &self,
         w: &mut Writer,
@@ -727,12 +807,13 @@ impl Fs {
         bytenr: u64,
         sums: &[u8],
         drop_inline: bool,
+        stamp: Option<Timespec>,
     ) -> Result<()> {
         let ss = self.disk.sectorsize() as u64;
         w.delete_csums(bytenr, len)?;
         w.insert_csums(bytenr, sums)?;
         let fe = FileExtentItem::regular(w.transid, bytenr, len);
-        let mut item = self.inode_item(ino)?;
+        let mut item = self.inode_item_raw(ino)?;
         if drop_inline {
             w.log.note_change(ino, 0, ss);
             let key = Key::new(ino.ino, EXTENT_DATA_KEY, 0);
@@ -764,7 +845,7 @@ impl Fs {
             w.log.note_change(ino, item.size, reach);
             item.size = reach;
         }
-        Self::touch(w, &mut item, true);
+        Self::touch_at(w, &mut item, true, stamp.unwrap_or_else(crate::fs_write::now));
         self.write_inode(w, ino, &item)
     }
 

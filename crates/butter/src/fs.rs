@@ -358,7 +358,18 @@ impl Fs {
         })
     }
 
+    /// The inode item of `ino`, after the completion of its pending ordered extents
+    /// (crate::ordered): its size and times count every write that returned.
     pub fn inode_item(&self, ino: Inode) -> Result<InodeItem> {
+        if self.ordered.has_pending(ino) {
+            self.complete_ordered_extents()?;
+        }
+        self.inode_item_raw(ino)
+    }
+
+    /// The inode item as the trees have it now (pending ordered extents not counted): for
+    /// the holders of the writer lock.
+    pub(crate) fn inode_item_raw(&self, ino: Inode) -> Result<InodeItem> {
         if ino.ino == EMPTY_SUBVOL_DIR_OBJECTID {
             return self.placeholder_dir(ino);
         }

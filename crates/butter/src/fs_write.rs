@@ -144,12 +144,39 @@ impl Fs {
         self.writer.is_some()
     }
 
-    /// The write engine (locked).
+    /// The write engine (locked), with every pending ordered extent completed
+    /// (crate::ordered): its holder sees the trees as every returned write left them.
     pub fn writer(&self) -> Result<MutexGuard<'_, Writer>> {
+        let mut g = self.writer_keeping_ordered()?;
+        if self.ordered.any_pending() {
+            self.complete_ordered(&mut g)?;
+        }
+        Ok(g)
+    }
+
+    /// The write engine (locked), pending ordered extents left as they are: for the fsync
+    /// log, which logs them without waiting for their completion (seed 003), and never
+    /// commits without completing them.
+    pub(crate) fn writer_keeping_ordered(&self) -> Result<MutexGuard<'_, Writer>> {
         let w = self.writer.as_ref().ok_or(Error::ReadOnly)?;
         let g = w.lock().unwrap_or_else(|e| e.into_inner());
         g.check_writable()?;
         Ok(g)
+    }
+
+    /// Completes every pending ordered extent now (crate::ordered). A caller that keeps
+    /// readers out while trees change (the FUSE mount) does this before letting them in.
+    pub fn complete_ordered_extents(&self) -> Result<()> {
+        if self.ordered.any_pending() {
+            drop(self.writer()?);
+        }
+        Ok(())
+    }
+
+    /// Whether some write returned whose extent is not in the trees yet (crate::ordered):
+    /// reading the trees completes it first, see [`Fs::complete_ordered_extents`].
+    pub fn has_pending_ordered(&self) -> bool {
+        self.ordered.any_pending()
     }
 
     /// Runs one filesystem operation in the running transaction. `grows` says it adds data
@@ -200,7 +227,11 @@ impl Fs {
 
     /// Bumps the change fields (transid, sequence, ctime) of an inode item.
     pub(crate) fn touch(w: &Writer, item: &mut InodeItem, mtime: bool) {
-        let t = now();
+        Self::touch_at(w, item, mtime, now())
+    }
+
+    /// [`Fs::touch`] with the time of the change `t`.
+    pub(crate) fn touch_at(w: &Writer, item: &mut InodeItem, mtime: bool, t: Timespec) {
         item.transid = w.transid;
         item.sequence += 1;
         item.ctime = t;

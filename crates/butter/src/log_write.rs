@@ -272,6 +272,8 @@ pub struct LogStats {
     pub log_commits: u64,
     /// Fsyncs that found their changes already durable.
     pub already_durable: u64,
+    /// Pending ordered extents logged from memory, before their completion (seed 003).
+    pub ordered_logged: u64,
 }
 
 /// What an fsync has to do after its inode is logged.
@@ -347,6 +349,8 @@ struct InodePlan {
     extents: Vec<((u64, u64), Vec<(Key, Vec<u8>)>)>,
     /// A directory's DIR_INDEX items.
     dir: Option<Vec<(Key, Vec<u8>)>>,
+    /// The checksums of the pending ordered extents logged: (bytenr, length, checksums).
+    pending_sums: Vec<(u64, u64, Vec<u8>)>,
 }
 
 enum Plan {
@@ -530,6 +534,14 @@ impl Fs {
         self.fsync_waits_for_writes.store(!on, Ordering::Relaxed);
     }
 
+    /// Whether [`Fs::log_inode`] completes pending ordered extents (changing the trees)
+    /// rather than logging them as they are: without seed 003's rule, and on a file system
+    /// without NO_HOLES.
+    pub fn fsync_completes_ordered(&self) -> bool {
+        self.fsync_waits_for_writes.load(Ordering::Relaxed)
+            || !self.disk.sb.has_incompat(INCOMPAT_NO_HOLES)
+    }
+
     /// fsync(2) / fdatasync(2) of one inode: when it returns, the inode's data and metadata
     /// (and the names that make it reachable) survive a power cut.
     pub fn fsync(&self, ino: Inode, _datasync: bool) -> Result<()> {
@@ -543,10 +555,18 @@ impl Fs {
     /// First half of an fsync: copies `ino` into its subvolume's log tree in memory (under the
     /// writer lock; fast). Says what is left to do.
     pub fn log_inode(&self, ino: Inode) -> Result<LogTicket> {
-        if self.fsync_waits_for_writes.load(Ordering::Relaxed) {
+        let waits = self.fsync_waits_for_writes.load(Ordering::Relaxed);
+        if waits {
             self.ordered.wait_for_writes(ino);
         }
-        let mut w = self.writer()?;
+        // Pending ordered extents are logged as they are (seed 003), not completed first;
+        // without the rule, or where the log would need the hole items their completion
+        // inserts (a file system without NO_HOLES), they are completed first.
+        let mut w = if self.fsync_completes_ordered() {
+            self.writer()?
+        } else {
+            self.writer_keeping_ordered()?
+        };
         let t = self.log_inode_locked(&mut w, ino)?;
         log::debug!(
             "fsync {}/{}: {t:?} (transid {}, synced {})",
@@ -570,7 +590,7 @@ impl Fs {
         if w.log.new_trees.contains(&ino.root) {
             return Ok(LogTicket::Commit);
         }
-        let item = self.inode_item(ino)?;
+        let item = self.inode_item_raw(ino)?;
         let plans = if item.mode & 0o170000 == 0o040000 {
             match self.plan_dir(w, ino, &item)? {
                 Some(p) => p,
@@ -619,29 +639,92 @@ impl Fs {
             // directly, not through the file write path).
             changed = vec![(0, u64::MAX)];
         }
+        // Writes that returned but whose extents are not in the trees yet (crate::ordered):
+        // logged from memory, with the ranges their completion will mark changed.
+        let pending = if fmt == 0o100000 {
+            self.ordered.pending_of(ino)
+        } else {
+            Vec::new()
+        };
+        let mut size = item.size;
+        for p in &pending {
+            changed.push((p.file_off, p.file_off + p.len));
+            if p.reach > size {
+                changed.push((size, p.reach));
+                size = p.reach;
+            }
+        }
         if item.transid < w.transid && changed.is_empty() {
             // Untouched since the last commit.
             return Ok(Plan::Durable);
         }
-        let Some(own) = self.own_items(w, ino, true, planned_parent)? else {
+        let Some(mut own) = self.own_items(w, ino, true, planned_parent)? else {
             return Ok(Plan::Commit);
         };
         let ss = self.disk.sectorsize() as u64;
         let mut extents = Vec::new();
+        let mut logged_item = item.clone();
         if fmt == 0o100000 || fmt == 0o120000 {
+            let log = w.log.trees.get(&ino.root);
+            let mut groups = Vec::new();
             for (s, e) in merge_ranges(changed) {
-                match self.extents_to_log(w.log.trees.get(&ino.root), ino, s, e, ss)? {
-                    Some((lo, hi, items)) => extents.push(((lo, hi), items)),
+                match self.extents_to_log(log, ino, s, e, ss)? {
+                    Some(g) => groups.push(g),
                     None => return Ok(Plan::Commit),
+                }
+            }
+            // Widening can make two ranges meet: one group each time a range is logged.
+            for _ in 0..8 {
+                groups.sort_by_key(|g| g.0);
+                if groups.windows(2).all(|p| p[0].1 <= p[1].0) {
+                    break;
+                }
+                let mut merged = Vec::new();
+                for (lo, hi) in merge_ranges(groups.iter().map(|g| (g.0, g.1)).collect()) {
+                    match self.extents_to_log(log, ino, lo, hi, ss)? {
+                        Some(g) => merged.push(g),
+                        None => return Ok(Plan::Commit),
+                    }
+                }
+                groups = merged;
+            }
+            if !groups.windows(2).all(|p| p[0].1 <= p[1].0) {
+                return Ok(Plan::Commit);
+            }
+            let (mut removed, mut added) = (0u64, 0u64);
+            for (lo, hi, mut items) in groups {
+                for p in pending.iter().filter(|p| p.file_off < hi && p.file_off + p.len > lo) {
+                    let Some((r, a)) = overlay_pending(&mut items, ino.ino, p, w.transid, ss)?
+                    else {
+                        return Ok(Plan::Commit);
+                    };
+                    removed += r;
+                    added += a;
+                }
+                extents.push(((lo, hi), items));
+            }
+            if let Some(last) = pending.last() {
+                // The inode as the completion of its pending extents will leave it.
+                logged_item.size = size;
+                logged_item.nbytes = logged_item.nbytes.saturating_sub(removed) + added;
+                Self::touch_at(w, &mut logged_item, true, last.stamp);
+                for (k, v) in own.iter_mut() {
+                    if k.ty == INODE_ITEM_KEY {
+                        *v = logged_item.to_bytes().to_vec();
+                    }
                 }
             }
         }
         Ok(Plan::Log(InodePlan {
             ino,
-            size: item.size,
+            size: logged_item.size,
             own,
             extents,
             dir: None,
+            pending_sums: pending
+                .into_iter()
+                .map(|p| (p.bytenr, p.len, p.sums))
+                .collect(),
         }))
     }
 
@@ -674,7 +757,7 @@ impl Fs {
                         root: ino.root,
                         ino: i.key.offset,
                     };
-                    if Some(dir) != planned_parent && self.inode_item(dir)?.generation >= w.transid
+                    if Some(dir) != planned_parent && self.inode_item_raw(dir)?.generation >= w.transid
                     {
                         return Ok(None);
                     }
@@ -734,7 +817,7 @@ impl Fs {
                 if w.log.logged.contains(t) {
                     return Ok(false);
                 }
-                match self.inode_item(*t) {
+                match self.inode_item_raw(*t) {
                     Ok(it) if it.nlink > 0 => return Ok(false),
                     Ok(_) | Err(Error::NotFound(_)) => {}
                     Err(e) => return Err(e),
@@ -767,7 +850,7 @@ impl Fs {
                 if w.log.needs_commit.contains(&child) {
                     return Ok(false);
                 }
-                let ci = self.inode_item(child)?;
+                let ci = self.inode_item_raw(child)?;
                 if ci.generation >= w.transid {
                     if ci.mode & 0o170000 == 0o040000 {
                         if !self.plan_dir_into(w, child, &ci, Some(dir), plans)? {
@@ -790,6 +873,7 @@ impl Fs {
             own,
             extents: Vec::new(),
             dir: Some(entries),
+            pending_sums: Vec::new(),
         });
         Ok(true)
     }
@@ -881,6 +965,20 @@ impl Fs {
         }
         let csize = self.disk.sb.csum_type.size();
         for (start, len) in csum_ranges {
+            if let Some((b, _, sums)) = p
+                .pending_sums
+                .iter()
+                .find(|(b, l, _)| *b <= start && start + len <= b + l)
+            {
+                // A pending ordered extent: its checksums are not in the tree yet.
+                let from = ((start - b) / ss) as usize * csize;
+                let to = from + (len / ss) as usize * csize;
+                if let Some(bytes) = sums.get(from..to) {
+                    let log = w.log.trees.entry(ino.root).or_default();
+                    log_csums(log, start, bytes, ss, csize, self.disk.nodesize() as usize);
+                    continue;
+                }
+            }
             let sums = self.data_csums(start, len)?;
             let log = w.log.trees.entry(ino.root).or_default();
             let mut run_start = 0usize;
@@ -910,6 +1008,7 @@ impl Fs {
         if let Some(t) = w.log.changed.get_mut(&ino) {
             t.clear();
         }
+        w.log.stats.ordered_logged += p.pending_sums.len() as u64;
         w.log.logged.insert(ino);
         Ok(())
     }
@@ -1017,7 +1116,7 @@ impl Fs {
     pub fn sync_log(&self, seq: u64) -> Result<()> {
         let _l = self.log_sync.lock().unwrap_or_else(|e| e.into_inner());
         let plan = {
-            let mut w = self.writer()?;
+            let mut w = self.writer_keeping_ordered()?;
             if w.log.synced_seq >= seq {
                 w.log.stats.already_durable += 1;
                 return Ok(());
@@ -1027,6 +1126,7 @@ impl Fs {
                 Ok(None) => return Ok(()),
                 Err(Error::NoSpace(_)) => {
                     w.log.stats.fallbacks += 1;
+                    self.complete_ordered(&mut w)?;
                     return w.commit();
                 }
                 Err(e) => return Err(e),
@@ -1041,7 +1141,7 @@ impl Fs {
                 .flush()
                 .map_err(|e| Error::io("flushing fsync log blocks", 0, e))
         })();
-        let mut w = self.writer()?;
+        let mut w = self.writer_keeping_ordered()?;
         w.log.inflight -= 1;
         if w.transid != plan.transid {
             // A commit ran meanwhile and made everything up to it durable.
@@ -1061,7 +1161,7 @@ impl Fs {
             .dev
             .flush()
             .map_err(|e| Error::io("flushing the superblock of an fsync log", 0, e));
-        let mut w = self.writer()?;
+        let mut w = self.writer_keeping_ordered()?;
         if w.transid != plan.transid {
             return flushed;
         }
@@ -1091,8 +1191,52 @@ impl Fs {
 
     /// Log counters (fsyncs logged, fallbacks, log commits).
     pub fn log_stats(&self) -> Result<LogStats> {
-        Ok(self.writer()?.log.stats.clone())
+        Ok(self.writer_keeping_ordered()?.log.stats.clone())
     }
+}
+
+/// Lays pending ordered extent `p` of inode `ino` over the extent items of a logged range, as
+/// its completion will lay it over the tree: the items under it are cut, and its own item goes
+/// in. Returns the inode's nbytes (removed, added); `None` when an inline extent is under it
+/// (the log then commits instead).
+fn overlay_pending(
+    items: &mut Vec<(Key, Vec<u8>)>,
+    ino: u64,
+    p: &crate::ordered::Pending,
+    transid: u64,
+    ss: u64,
+) -> Result<Option<(u64, u64)>> {
+    use crate::file_write::{cut, nbytes_of, Cut};
+    let (start, end) = (p.file_off, p.file_off + p.len);
+    let mut out = Vec::with_capacity(items.len() + 2);
+    let mut removed = 0u64;
+    for (k, v) in items.drain(..) {
+        let ke = extent_end(k.offset, &v, ss)?;
+        if ke <= start || k.offset >= end {
+            out.push((k, v));
+            continue;
+        }
+        let fe = FileExtentItem::parse(&v)?;
+        if matches!(fe.body, FileExtentBody::Inline(_)) {
+            return Ok(None);
+        }
+        let key_at = |off| Key::new(ino, EXTENT_DATA_KEY, off);
+        let kept = match cut(k.offset, &fe, ke, start, end) {
+            Cut::Delete => vec![],
+            Cut::KeepHead(h) => vec![(k, h)],
+            Cut::KeepTail(nk, t) => vec![(key_at(nk), t)],
+            Cut::Split(h, nk, t) => vec![(k, h), (key_at(nk), t)],
+        };
+        removed += nbytes_of(&fe).saturating_sub(kept.iter().map(|(_, x)| nbytes_of(x)).sum());
+        out.extend(kept.into_iter().map(|(k, x)| (k, x.to_bytes())));
+    }
+    out.push((
+        Key::new(ino, EXTENT_DATA_KEY, start),
+        FileExtentItem::regular(transid, p.bytenr, p.len).to_bytes(),
+    ));
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    *items = out;
+    Ok(Some((removed, p.len)))
 }
 
 /// A hole of `len` bytes (an explicit one: replay drops the committed extents under it).

@@ -4,27 +4,39 @@
 //! A write of a regular extent goes in three steps (crate::file_write):
 //! 1. under the writer lock: allocate the extent, held (crate::alloc::BlockGroup::held), so a
 //!    commit in the meantime leaves it free on disk;
-//! 2. without the writer lock: write the data and compute its checksums (the writeback);
-//! 3. under the writer lock: insert the checksums and the file extent item, take the extent
-//!    out of the held set, update the inode (the ordered extent's completion).
+//! 2. the writeback: write the data and compute its checksums (without the writer lock for
+//!    extents longer than [`crate::file_write::SHORT_WRITEBACK`]);
+//! 3. under the writer lock: the extent becomes a *pending* ordered extent (its data and
+//!    checksums written, its file extent item, checksum items, size and mtime in memory
+//!    here), and the write returns.
 //!
-//! Other operations, on other files or on other ranges of the same file, go on during step 2.
+//! The completion (inserting the checksums and the file extent item, taking the extent out of
+//! the held set, updating the inode) comes later, in one batch for every pending extent: the
+//! next time anything takes the writer lock to change the trees ([`crate::fs::Fs::writer`]),
+//! reads the inode ([`crate::fs::Fs::inode_item`]) or commits. Everything that looks at a
+//! file therefore sees its returned writes; only the fsync log looks at pending extents
+//! directly. That is seed 003's split: an fsync waits for the writeback of its data (done
+//! before the write returned) and logs pending extents from here, with their checksums,
+//! without waiting for their completion (crate::log_write); a transaction commit completes
+//! every pending extent first, so the extents an fsync logged are in the commit, and a power
+//! cut at any point loses only what was neither committed nor logged.
+//!
 //! Each inode being written has a range-state tree (seed 000's crate::extent_io): a write holds
-//! a range lock on the sectors it covers from its read-modify-write of partial sectors to its
-//! completion, so overlapping writes to one file happen one after the other, as the kernel's
+//! a range lock on the sectors it covers from its read-modify-write of partial sectors until
+//! it returns, so overlapping writes to one file happen one after the other, as the kernel's
 //! extent range lock makes them; `ORDERED` marks ranges from allocation to completion and
 //! `WRITEBACK` ranges whose data is being written.
 //!
-//! A write returns only after its completion, so an fsync, which covers the writes that
-//! returned before it was called, finds their items in the trees and need not wait here (seed
-//! 003's rule; [`OrderedTrees::wait_for_writes`] is the wait without it). A commit never
-//! waits either: an unfinished ordered extent is not in the trees and its space is free on
-//! disk, and a power cut at any point loses only writes that had not returned.
+//! Pending extents are added and completed only under the writer lock, and every holder of the
+//! writer lock but the fsync log completes them first: so a commit inside an operation (to
+//! get space back) never finds one (the writer checks: [`crate::transaction::Writer`]'s
+//! `ordered_pending`).
 
 use crate::extent_io::{ExtentBits, SharedExtentIoTree};
+use crate::format::items::Timespec;
 use crate::fs::Inode;
 use std::collections::{BTreeSet, HashMap};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 
 /// The range-state trees of the inodes being written.
@@ -37,6 +49,27 @@ pub struct OrderedTrees {
     next_ticket: AtomicU64,
     started: AtomicU64,
     locked_waits: AtomicU64,
+    /// Pending ordered extents of all inodes, those being completed included (a quick test
+    /// before the map).
+    pending_total: AtomicUsize,
+    deferred: AtomicU64,
+    completed: AtomicU64,
+}
+
+/// A pending ordered extent: written, checksummed, not yet in the trees.
+#[derive(Debug, Clone)]
+pub struct Pending {
+    /// File offset and length (sector aligned).
+    pub file_off: u64,
+    pub len: u64,
+    /// The file is at least this long once the extent is in (the write's end).
+    pub reach: u64,
+    /// Where the data is (held in the allocator until the completion).
+    pub bytenr: u64,
+    /// The data checksums, one per sector.
+    pub sums: Vec<u8>,
+    /// When the write returned: the inode's mtime and ctime after the completion.
+    pub stamp: Timespec,
 }
 
 /// One inode being written: its range-state tree and the tickets of the writes holding a
@@ -44,6 +77,21 @@ pub struct OrderedTrees {
 struct InodeWrites {
     tree: Arc<SharedExtentIoTree>,
     tickets: BTreeSet<u64>,
+    /// Its pending ordered extents, oldest first (completed in this order).
+    pending: Vec<Pending>,
+    /// Of them, taken out for their completion, not completed yet.
+    completing: usize,
+}
+
+impl InodeWrites {
+    fn new(tree: Arc<SharedExtentIoTree>) -> Self {
+        InodeWrites {
+            tree,
+            tickets: BTreeSet::new(),
+            pending: Vec::new(),
+            completing: 0,
+        }
+    }
 }
 
 /// Counters for tests and benchmarks.
@@ -53,8 +101,14 @@ pub struct OrderedStats {
     pub started: u64,
     /// Writes that waited for an overlapping write's range lock.
     pub locked_waits: u64,
-    /// Inodes with a write in progress now.
+    /// Inodes with a write in progress or a pending ordered extent now.
     pub inodes: u64,
+    /// Ordered extents that became pending (their completion deferred).
+    pub deferred: u64,
+    /// Pending ordered extents completed.
+    pub completed: u64,
+    /// Pending ordered extents now.
+    pub pending: u64,
 }
 
 impl OrderedTrees {
@@ -63,10 +117,7 @@ impl OrderedTrees {
         let tree = self
             .inodes()
             .entry(ino)
-            .or_insert_with(|| InodeWrites {
-                tree: Arc::new(SharedExtentIoTree::new()),
-                tickets: BTreeSet::new(),
-            })
+            .or_insert_with(|| InodeWrites::new(Arc::new(SharedExtentIoTree::new())))
             .tree
             .clone();
         let last = end.max(start + 1) - 1;
@@ -78,10 +129,7 @@ impl OrderedTrees {
         // The entry stays while we hold its tree (see the guard's drop).
         self.inodes()
             .entry(ino)
-            .or_insert_with(|| InodeWrites {
-                tree: tree.clone(),
-                tickets: BTreeSet::new(),
-            })
+            .or_insert_with(|| InodeWrites::new(tree.clone()))
             .tickets
             .insert(ticket);
         RangeGuard {
@@ -103,6 +151,78 @@ impl OrderedTrees {
             started: self.started.load(Ordering::Relaxed),
             locked_waits: self.locked_waits.load(Ordering::Relaxed),
             inodes: self.inodes().len() as u64,
+            deferred: self.deferred.load(Ordering::Relaxed),
+            completed: self.completed.load(Ordering::Relaxed),
+            pending: self.pending_total.load(Ordering::SeqCst) as u64,
+        }
+    }
+
+    /// Whether any inode has a pending ordered extent.
+    pub fn any_pending(&self) -> bool {
+        self.pending_total.load(Ordering::SeqCst) > 0
+    }
+
+    /// Whether `ino` has a pending ordered extent (or one being completed: its reader must
+    /// wait for the writer lock too).
+    pub fn has_pending(&self, ino: Inode) -> bool {
+        self.any_pending()
+            && self
+                .inodes()
+                .get(&ino)
+                .is_some_and(|w| !w.pending.is_empty() || w.completing > 0)
+    }
+
+    /// The pending ordered extents of `ino`, oldest first (for the fsync log).
+    pub fn pending_of(&self, ino: Inode) -> Vec<Pending> {
+        if !self.any_pending() {
+            return Vec::new();
+        }
+        self.inodes()
+            .get(&ino)
+            .map(|w| w.pending.clone())
+            .unwrap_or_default()
+    }
+
+    /// Takes every pending ordered extent out, for their completion (under the writer lock).
+    /// Their ranges keep `ORDERED` until [`OrderedTrees::completed`].
+    pub fn take_pending(&self) -> Vec<(Inode, Vec<Pending>)> {
+        if !self.any_pending() {
+            return Vec::new();
+        }
+        let mut out = Vec::new();
+        let mut inodes = self.inodes();
+        for (ino, w) in inodes.iter_mut() {
+            if !w.pending.is_empty() {
+                let list = std::mem::take(&mut w.pending);
+                w.completing += list.len();
+                out.push((*ino, list));
+            }
+        }
+        out
+    }
+
+    /// The ordered extents `done` of `ino` (taken by [`OrderedTrees::take_pending`]) are in the
+    /// trees, or abandoned: their ranges lose `ORDERED`, and the inode's tree is forgotten when
+    /// nothing is left in it.
+    pub fn completed(&self, ino: Inode, done: &[Pending]) {
+        self.completed.fetch_add(done.len() as u64, Ordering::Relaxed);
+        let mut inodes = self.inodes();
+        let Some(w) = inodes.get_mut(&ino) else {
+            return;
+        };
+        w.completing = w.completing.saturating_sub(done.len());
+        self.pending_total.fetch_sub(done.len(), Ordering::SeqCst);
+        for p in done {
+            w.tree
+                .clear_bits(p.file_off, p.file_off + p.len - 1, ExtentBits::ORDERED);
+        }
+        if w.tickets.is_empty()
+            && w.pending.is_empty()
+            && w.completing == 0
+            && Arc::strong_count(&w.tree) == 1
+            && w.tree.with(|t| t.is_empty())
+        {
+            inodes.remove(&ino);
         }
     }
 
@@ -187,15 +307,27 @@ impl RangeGuard<'_> {
         self.tree
             .clear_bits(start, end - 1, ExtentBits::ORDERED | ExtentBits::WRITEBACK);
     }
+
+    /// Written: the extent waits for its completion as `p` (the range keeps `ORDERED`). Only
+    /// under the writer lock, whose holder counts it (`Writer::ordered_pending`).
+    pub fn defer(&self, p: Pending) {
+        self.writeback_done(p.file_off, p.file_off + p.len);
+        self.owner.deferred.fetch_add(1, Ordering::Relaxed);
+        let mut inodes = self.owner.inodes();
+        // The entry exists while this guard holds its tree.
+        let w = inodes
+            .entry(self.ino)
+            .or_insert_with(|| InodeWrites::new(self.tree.clone()));
+        w.pending.push(p);
+        self.owner.pending_total.fetch_add(1, Ordering::SeqCst);
+    }
 }
 
 impl Drop for RangeGuard<'_> {
     fn drop(&mut self) {
-        self.tree.clear_bits(
-            self.start,
-            self.last,
-            ExtentBits::ORDERED | ExtentBits::WRITEBACK,
-        );
+        // (`ORDERED` stays on the extents that wait for their completion.)
+        self.tree
+            .clear_bits(self.start, self.last, ExtentBits::WRITEBACK);
         self.tree.unlock_range(self.start, self.last);
         let mut inodes = self.owner.inodes();
         if let Some(w) = inodes.get_mut(&self.ino) {
@@ -203,6 +335,8 @@ impl Drop for RangeGuard<'_> {
             // Forgotten once no other write holds or waits for its tree: two references
             // then, the map's and ours.
             if w.tickets.is_empty()
+                && w.pending.is_empty()
+                && w.completing == 0
                 && Arc::strong_count(&self.tree) == 2
                 && self.tree.with(|t| t.is_empty())
             {
@@ -302,9 +436,15 @@ mod tests {
 
         release.send(()).unwrap();
         assert_eq!(writer.join().unwrap(), 300_000);
+        // Returned: written, pending, not in the trees yet; the first read completes it.
+        assert!(fs.ordered.test(a, 0, 300_000, ExtentBits::ORDERED));
+        assert!(!fs.ordered.test(a, 0, 300_000, ExtentBits::WRITEBACK));
+        assert_eq!(fs.ordered.stats().pending, 1);
+        assert_eq!(fs.inode_item_raw(a).unwrap().size, 0);
+        assert_eq!(fs.read(a, 0, 400_000).unwrap(), data);
         assert!(!fs.ordered.test(a, 0, 300_000, ExtentBits::ORDERED));
         assert_eq!(fs.ordered.stats().inodes, 0);
-        assert_eq!(fs.read(a, 0, 400_000).unwrap(), data);
+        assert_eq!(fs.ordered.stats().completed, fs.ordered.stats().deferred);
         fs.commit().unwrap();
         let after = checked_copy(ram.durable_bytes());
         let a2 = in_root(&after, b"a");
@@ -372,6 +512,84 @@ mod tests {
                 assert_eq!(after.read(a2, 0, 16).unwrap(), MARK.to_vec());
             }
         }
+    }
+
+    /// Seed 003: an fsync logs the file's pending ordered extents as they are, with their
+    /// checksums and the size and times their completion will give the inode, without
+    /// completing them; a power cut then leaves an image whose replay has every write. A
+    /// commit completes them first. Writes: a new extent over the middle of a committed one
+    /// (which the log must cut in two) and one past EOF (the file grows, a hole between).
+    #[test]
+    fn fsync_logs_pending_extents_and_commit_completes_them() {
+        let (ram, fs) = crate::mkfs::test_fs(128 << 20);
+        let root = fs.root_inode();
+        let a = fs.create(root, b"a", 0o644, Owner::default()).unwrap();
+        let base: Vec<u8> = (0..400_000u32).map(|i| (i % 251) as u8).collect();
+        fs.write(a, 0, &base).unwrap();
+        fs.commit().unwrap();
+        let mut want = base.clone();
+        // Each step leaves one pending extent (the next write's writer lock completes it).
+        let tail = vec![0x77u8; 70_000];
+        let mid = vec![0xabu8; 100_000];
+        for (off, data) in [(600_000usize, &tail), (150_000, &mid)] {
+            fs.write(a, off as u64, data).unwrap();
+            if want.len() < off + data.len() {
+                want.resize(off + data.len(), 0);
+            }
+            want[off..off + data.len()].copy_from_slice(data);
+            let st = fs.ordered.stats();
+            assert_eq!(st.pending, 1, "{st:?}");
+            let logged = fs.log_stats().unwrap().logged;
+            fs.fsync(a, false).unwrap();
+            // Logged from memory: still pending.
+            assert_eq!(fs.ordered.stats().pending, 1);
+            let ls = fs.log_stats().unwrap();
+            assert_eq!((ls.logged, ls.ordered_logged), (logged + 1, logged + 1));
+            let in_tree = if off == 600_000 { 400_000 } else { 670_000 };
+            assert_eq!(fs.inode_item_raw(a).unwrap().size, in_tree);
+            let cut = ram.durable_bytes();
+            let live = fs.inode_item(a).unwrap();
+            assert_eq!(fs.ordered.stats().pending, 0);
+            assert_eq!(live.size, 670_000);
+            assert_eq!(fs.read(a, 0, 1 << 20).unwrap(), want);
+            // The power cut: replay gives every write, the inode as the live one.
+            let after = checked_copy(cut);
+            let a2 = in_root(&after, b"a");
+            assert_eq!(after.read(a2, 0, 1 << 20).unwrap(), want);
+            let got = after.inode_item(a2).unwrap();
+            assert_eq!((got.size, got.nbytes), (live.size, live.nbytes));
+            assert_eq!(got.mtime, live.mtime);
+        }
+        // A commit with pending extents completes them; the committed image has no log.
+        fs.write(a, 0, &[1u8; 80_000]).unwrap();
+        want[..80_000].copy_from_slice(&[1u8; 80_000]);
+        assert_eq!(fs.ordered.stats().pending, 1);
+        fs.commit().unwrap();
+        assert_eq!(fs.ordered.stats().pending, 0);
+        let bytes = ram.durable_bytes();
+        let sb = crate::format::superblock::Superblock::parse(&bytes[0x10000..0x10000 + 4096], 0x10000).unwrap();
+        assert_eq!(sb.log_root, 0);
+        let after = checked_copy(bytes);
+        let a3 = in_root(&after, b"a");
+        assert_eq!(after.read(a3, 0, 1 << 20).unwrap(), want);
+    }
+
+    /// Without seed 003's rule an fsync completes the pending extents before it logs.
+    #[test]
+    fn without_the_rule_fsync_completes_pending_extents() {
+        let (ram, fs) = crate::mkfs::test_fs(128 << 20);
+        fs.set_fsync_skips_writes_in_progress(false);
+        let root = fs.root_inode();
+        let a = fs.create(root, b"a", 0o644, Owner::default()).unwrap();
+        fs.commit().unwrap();
+        fs.write(a, 0, &[9u8; 200_000]).unwrap();
+        assert_eq!(fs.ordered.stats().pending, 1);
+        fs.fsync(a, false).unwrap();
+        assert_eq!(fs.ordered.stats().pending, 0);
+        assert_eq!(fs.inode_item_raw(a).unwrap().size, 200_000);
+        let after = checked_copy(ram.durable_bytes());
+        let a2 = in_root(&after, b"a");
+        assert_eq!(after.read(a2, 0, 300_000).unwrap(), vec![9u8; 200_000]);
     }
 
     /// Four threads write interleaved 100-byte stripes of one file, so most writes share a

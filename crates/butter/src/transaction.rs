@@ -95,6 +95,10 @@ pub struct Writer {
     pub combined_replace: bool,
     /// The fsync log of the running transaction (crate::log_write).
     pub(crate) log: crate::log_write::LogState,
+    /// Ordered extents written but not yet in the trees (crate::ordered). A commit must not
+    /// run while there are any: their data would be in no tree and, if an fsync logged them,
+    /// the commit would drop the log that has them.
+    pub(crate) ordered_pending: usize,
 }
 
 fn is_fs_tree(id: u64) -> bool {
@@ -154,6 +158,7 @@ impl Writer {
             next_index: HashMap::new(),
             combined_replace: true,
             log: Default::default(),
+            ordered_pending: 0,
             disk,
         };
         w.trees.insert(
@@ -632,6 +637,7 @@ impl Writer {
     /// superblock's log pointer must be cleared).
     pub(crate) fn force_commit(&mut self) -> Result<()> {
         self.check_writable()?;
+        self.check_no_ordered()?;
         self.state = TransState::CommitStart;
         match self.commit_inner(|| {}) {
             Ok(()) => {
@@ -657,6 +663,7 @@ impl Writer {
     /// not stall reads).
     pub fn commit_with(&mut self, trees_final: impl FnOnce()) -> Result<()> {
         self.check_writable()?;
+        self.check_no_ordered()?;
         if !self.has_changes() {
             return Ok(());
         }
@@ -673,6 +680,18 @@ impl Writer {
                 Err(e)
             }
         }
+    }
+
+    /// A commit with pending ordered extents would lose them (see `ordered_pending`): the
+    /// filesystem completes them before it commits ([`crate::fs::Fs::writer`]).
+    fn check_no_ordered(&self) -> Result<()> {
+        if self.ordered_pending > 0 {
+            return Err(Error::Invalid(format!(
+                "engine bug: a commit with {} ordered extents not yet in the trees",
+                self.ordered_pending
+            )));
+        }
+        Ok(())
     }
 
     fn commit_inner(&mut self, trees_final: impl FnOnce()) -> Result<()> {
