@@ -72,6 +72,10 @@ def main():
     if any(r[2] == "butter-commit" for r in raw):
         SYSTEMS.append(("butter-commit", "butter fsync=commit"))
         RATIOS.extend([("butter", "ext4"), ("butter-commit", "butter")])
+    # ... and with -o fsync=log-wait: seed 003 without its rule.
+    if any(r[2] == "butter-wait" for r in raw):
+        SYSTEMS.append(("butter-wait", "butter fsync=log-wait"))
+        RATIOS.append(("butter-wait", "butter"))
     latency = read_tsv(os.path.join(work, "latency.tsv"), 7)
 
     cells = {}
@@ -293,7 +297,7 @@ def make_chart(path, rows, cells):
     cols = min(n, 3)
     nrows = (n + cols - 1) // cols
     fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.4 * nrows), squeeze=False)
-    colors = {"butter": "#e0a800", "kernel": "#3870b0", "ext4": "#6a9a50", "nullfs": "#999999", "butter-commit": "#a06000"}
+    colors = {"butter": "#e0a800", "kernel": "#3870b0", "ext4": "#6a9a50", "nullfs": "#999999", "butter-commit": "#a06000", "butter-wait": "#c08040"}
     for i, (wl, row, unit, _) in enumerate(rows):
         ax = axes[i // cols][i % cols]
         labels, values, texts = [], [], []

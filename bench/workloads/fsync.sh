@@ -1,8 +1,10 @@
 # fsync: buffered writes with fsync (issue 5, seed 003: fsync through the btrfs log tree) on a
 # read-write butter FUSE mount vs the kernel's btrfs vs ext4, plus "butter-commit": butter
 # mounted with `-o fsync=commit`, where every fsync is a full transaction commit instead of a
-# log tree write (a system whose mount fails, for instance while butter does not know the
-# option yet, is recorded as failed and the others still run).
+# log tree write, and "butter-wait": butter mounted with `-o fsync=log-wait`, whose fsync
+# completes the file's ordered extents before logging, i.e. without seed 003's rule (a system
+# whose mount fails, for instance while butter does not know the option yet, is recorded as
+# failed and the others still run).
 #
 #   fsync_seq   fio 64 KiB sequential writes, an fsync after every write
 #   fsync_rand  fio 4 KiB random writes, an fsync after every 16 writes
@@ -19,11 +21,12 @@ register_workload fsync_seq 60 "" \
 register_workload fsync_rand 61 "" \
 	"fio 4 KiB random writes, fsync=16, BENCH_FSYNC_JOBS jobs sharing BENCH_FSYNC_RAND_MB MiB, buffered, fresh image; MiB/s, fsync p50/p99"
 
-FS_SYSTEMS="butter kernel ext4 butter-commit"
+FS_SYSTEMS="butter kernel ext4 butter-commit butter-wait"
 : "${BENCH_FSYNC_IMAGE_MB:=1024}" "${BENCH_FSYNC_MB:=48}" "${BENCH_FSYNC_RAND_MB:=24}"
 : "${BENCH_FSYNC_JOBS:=1 2 4}" "${BENCH_FSYNC_MAX_S:=12}"
 # butter's periodic commit stays at its default (30 s, as the kernel's btrfs).
 : "${BENCH_FSYNC_BUTTER_OPTS:=commit=30}" "${BENCH_FSYNC_COMMIT_OPTS:=commit=30,fsync=commit}"
+: "${BENCH_FSYNC_WAIT_OPTS:=commit=30,fsync=log-wait}"
 
 # fs_butter_wrapper NAME OPTIONS -> the path of a script that runs butter with `-o OPTIONS`
 # after its subcommand, so fw_mount (which runs `$BUTTER_BIN mount IMAGE MNT`) mounts with them.
@@ -40,10 +43,11 @@ fs_mount() {
 	case $1 in
 	butter) BUTTER_BIN=$(fs_butter_wrapper butter-fsync-log "$BENCH_FSYNC_BUTTER_OPTS") ;;
 	butter-commit) BUTTER_BIN=$(fs_butter_wrapper butter-fsync-commit "$BENCH_FSYNC_COMMIT_OPTS") ;;
+	butter-wait) BUTTER_BIN=$(fs_butter_wrapper butter-fsync-wait "$BENCH_FSYNC_WAIT_OPTS") ;;
 	esac
-	fw_mount "${1%-commit}" "$2"
+	fw_mount "${1%-*}" "$2"
 }
-fs_umount() { fw_umount "${1%-commit}"; }
+fs_umount() { fw_umount "${1%-*}"; }
 
 fs_fio() { # MNT JSON FIOARGS...
 	local mnt=$1 json=$2
@@ -129,7 +133,7 @@ fs_rows() {
 	local wl=$1 prefix=$2 what=$3 mib=$4 jobs
 	shift 4
 	fw_need fio fio
-	[[ -n ${FS_META_DONE:-} ]] || meta "fsync parameters" "BENCH_FSYNC_MB=$BENCH_FSYNC_MB BENCH_FSYNC_RAND_MB=$BENCH_FSYNC_RAND_MB BENCH_FSYNC_JOBS='$BENCH_FSYNC_JOBS' BENCH_FSYNC_MAX_S=$BENCH_FSYNC_MAX_S BENCH_FSYNC_IMAGE_MB=$BENCH_FSYNC_IMAGE_MB butter -o $BENCH_FSYNC_BUTTER_OPTS; butter-commit -o $BENCH_FSYNC_COMMIT_OPTS; $(fio --version)"
+	[[ -n ${FS_META_DONE:-} ]] || meta "fsync parameters" "BENCH_FSYNC_MB=$BENCH_FSYNC_MB BENCH_FSYNC_RAND_MB=$BENCH_FSYNC_RAND_MB BENCH_FSYNC_JOBS='$BENCH_FSYNC_JOBS' BENCH_FSYNC_MAX_S=$BENCH_FSYNC_MAX_S BENCH_FSYNC_IMAGE_MB=$BENCH_FSYNC_IMAGE_MB butter -o $BENCH_FSYNC_BUTTER_OPTS; butter-commit -o $BENCH_FSYNC_COMMIT_OPTS; butter-wait -o $BENCH_FSYNC_WAIT_OPTS; $(fio --version)"
 	FS_META_DONE=1
 	for jobs in $BENCH_FSYNC_JOBS; do
 		local size=$((mib / jobs)) row

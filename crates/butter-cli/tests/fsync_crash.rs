@@ -654,6 +654,8 @@ struct Stats {
     with_log: u64,
     kernel: u64,
     torn_writes: u64,
+    /// Pending ordered extents the dry runs' fsyncs logged before their completion.
+    ordered_logged: u64,
 }
 
 /// One round; panics with `what` (seed and round) on any problem.
@@ -672,6 +674,7 @@ fn round(base: &Base, scratch: &ScratchDir, seed: u64, r: u64, torn: bool, st: &
         if let Some(e) = end.error {
             panic!("{what}: dry run (no power cut) failed: {e}");
         }
+        st.ordered_logged += fs.log_stats().map(|l| l.ordered_logged).unwrap_or(0);
         drop(fs);
         dev.write_count() - start
     };
@@ -819,14 +822,23 @@ fn crash_loop(name: &str, torn: bool, seed_mix: u64) {
     }
     eprintln!(
         "{name}: {rounds} rounds in {:.1} s: {} power cuts, {} ran to the end, {} crash images \
-         with an fsync log, {} kernel replays, {} unflushed writes kept",
+         with an fsync log, {} kernel replays, {} unflushed writes kept; the dry runs' fsyncs \
+         logged {} ordered extents before their completion",
         t.elapsed().as_secs_f64(),
         st.cuts,
         st.completed,
         st.with_log,
         st.kernel,
-        st.torn_writes
+        st.torn_writes,
+        st.ordered_logged
     );
+    if only.is_none() && rounds >= 10 {
+        // The workload's writes leave pending ordered extents that its fsyncs log.
+        assert!(
+            st.ordered_logged > 0,
+            "{name}: no fsync logged a pending ordered extent"
+        );
+    }
 }
 
 #[test]

@@ -769,8 +769,15 @@ impl Fs {
             for p in &list {
                 if failed.is_none() {
                     let range = (p.file_off, p.len, p.reach);
-                    match self.finish_ordered(w, ino, range, p.bytenr, &p.sums, false, Some(p.stamp))
-                    {
+                    match self.finish_ordered(
+                        w,
+                        ino,
+                        range,
+                        p.bytenr,
+                        &p.sums,
+                        false,
+                        Some(p.stamp),
+                    ) {
                         Ok(()) => {
                             w.allocator.claim_held(p.bytenr, p.len);
                             continue;
@@ -845,7 +852,12 @@ impl Fs {
             w.log.note_change(ino, item.size, reach);
             item.size = reach;
         }
-        Self::touch_at(w, &mut item, true, stamp.unwrap_or_else(crate::fs_write::now));
+        Self::touch_at(
+            w,
+            &mut item,
+            true,
+            stamp.unwrap_or_else(crate::fs_write::now),
+        );
         self.write_inode(w, ino, &item)
     }
 

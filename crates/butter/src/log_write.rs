@@ -36,14 +36,17 @@
 //! logs the other inode too, butter commits), inodes whose directory or subvolume is new in
 //! the transaction, and when log blocks cannot be allocated.
 //!
-//! Ordered extents (crate::ordered): a write's data and checksums go to the device without
-//! the writer lock, and its extent is recorded in the trees before the write returns. An
-//! fsync covers the writes that returned before it was called, so it finds their items in the
-//! trees and, by seed 003's rule, does not wait for the file's writes still in progress
-//! ([`Fs::set_fsync_skips_writes_in_progress`] turns the rule off for benchmarks); its first
-//! flush is its only wait for data. The rest of the seed (logging ordered extents whose tree
-//! updates are still to come, a commit waiting for them) would need writes that return before
-//! their extents are recorded, i.e. delayed allocation, which butter does not have.
+//! Ordered extents (crate::ordered): a write returns once its data and checksums are written;
+//! its extent may still wait, pending, for its completion (the tree updates). An fsync logs
+//! the file's pending extents from memory, each laid over the tree's items of its range as its
+//! completion will lay it, with its checksums and the inode's size, nbytes and times as the
+//! completion will leave them, and, by seed 003's rule, neither completes them nor waits for
+//! the file's writes still in progress: its first flush is its only wait for data. A
+//! transaction commit completes every pending extent first, so what the log had is in the
+//! commit. Without the rule ([`Fs::set_fsync_skips_writes_in_progress`], `-o fsync=log-wait`)
+//! an fsync waits for the writes in progress and completes the pending extents, then logs from
+//! the trees; so it does on a file system without NO_HOLES, where the log would need the hole
+//! items the completion inserts.
 
 use crate::alloc::SpaceKind;
 use crate::ctree;
@@ -693,7 +696,10 @@ impl Fs {
             }
             let (mut removed, mut added) = (0u64, 0u64);
             for (lo, hi, mut items) in groups {
-                for p in pending.iter().filter(|p| p.file_off < hi && p.file_off + p.len > lo) {
+                for p in pending
+                    .iter()
+                    .filter(|p| p.file_off < hi && p.file_off + p.len > lo)
+                {
                     let Some((r, a)) = overlay_pending(&mut items, ino.ino, p, w.transid, ss)?
                     else {
                         return Ok(Plan::Commit);
@@ -757,7 +763,8 @@ impl Fs {
                         root: ino.root,
                         ino: i.key.offset,
                     };
-                    if Some(dir) != planned_parent && self.inode_item_raw(dir)?.generation >= w.transid
+                    if Some(dir) != planned_parent
+                        && self.inode_item_raw(dir)?.generation >= w.transid
                     {
                         return Ok(None);
                     }

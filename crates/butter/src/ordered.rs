@@ -205,7 +205,8 @@ impl OrderedTrees {
     /// trees, or abandoned: their ranges lose `ORDERED`, and the inode's tree is forgotten when
     /// nothing is left in it.
     pub fn completed(&self, ino: Inode, done: &[Pending]) {
-        self.completed.fetch_add(done.len() as u64, Ordering::Relaxed);
+        self.completed
+            .fetch_add(done.len() as u64, Ordering::Relaxed);
         let mut inodes = self.inodes();
         let Some(w) = inodes.get_mut(&ino) else {
             return;
@@ -567,7 +568,9 @@ mod tests {
         fs.commit().unwrap();
         assert_eq!(fs.ordered.stats().pending, 0);
         let bytes = ram.durable_bytes();
-        let sb = crate::format::superblock::Superblock::parse(&bytes[0x10000..0x10000 + 4096], 0x10000).unwrap();
+        let sb =
+            crate::format::superblock::Superblock::parse(&bytes[0x10000..0x10000 + 4096], 0x10000)
+                .unwrap();
         assert_eq!(sb.log_root, 0);
         let after = checked_copy(bytes);
         let a3 = in_root(&after, b"a");

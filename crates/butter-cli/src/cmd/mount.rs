@@ -31,8 +31,10 @@ pub struct MountArgs {
     pub ro: bool,
     /// Mount options, comma separated, may repeat: ro, rw, nologreplay (with ro: ignore an
     /// fsync log, show the last commit), commit=SECONDS (read-write: commit
-    /// this often, default 30, 0 = only at fsync/unmount), fsync=log|commit (what an fsync
-    /// writes: the fsync log, the default, or a full commit), allow_other, allow_root,
+    /// this often, default 30, 0 = only at fsync/unmount), fsync=log|log-wait|commit (what an
+    /// fsync writes: the fsync log, the default; the fsync log after waiting for the file's
+    /// writes in progress and completing its ordered extents, i.e. without seed 003's rule,
+    /// for comparison; or a full commit), allow_other, allow_root,
     /// fsname=NAME, subtype=NAME, subvol=PATH, subvolid=N, dev, nodev, suid, nosuid, exec,
     /// noexec, atime, noatime.
     #[arg(short = 'o', value_name = "OPTIONS")]
@@ -73,6 +75,8 @@ struct Plan {
     nologreplay: bool,
     /// fsync writes the log tree (else commits).
     fsync_log: bool,
+    /// fsync logs pending ordered extents as they are (seed 003's rule; off: `fsync=log-wait`).
+    fsync_rule: bool,
     subvol: Subvol,
     cfg: MountConfig,
 }
@@ -82,6 +86,7 @@ fn plan(a: &MountArgs) -> Result<Plan, CliError> {
     let mut rw = false;
     let mut nologreplay = false;
     let mut fsync_log = true;
+    let mut fsync_rule = true;
     let mut subvol = match (&a.subvol, a.subvol_id) {
         (Some(p), _) => Subvol::Path(p.clone()),
         (None, Some(id)) => Subvol::Id(id),
@@ -123,7 +128,11 @@ fn plan(a: &MountArgs) -> Result<Plan, CliError> {
                 None
             }
             ("fsync", Some("log")) => {
-                fsync_log = true;
+                (fsync_log, fsync_rule) = (true, true);
+                None
+            }
+            ("fsync", Some("log-wait")) => {
+                (fsync_log, fsync_rule) = (true, false);
                 None
             }
             ("fsync", Some("commit")) => {
@@ -132,7 +141,7 @@ fn plan(a: &MountArgs) -> Result<Plan, CliError> {
             }
             ("fsync", Some(v)) => {
                 return Err(CliError(format!(
-                    "fsync={v}: expected fsync=log or fsync=commit"
+                    "fsync={v}: expected fsync=log, fsync=log-wait or fsync=commit"
                 )))
             }
             ("allow_other", None) => {
@@ -190,6 +199,7 @@ fn plan(a: &MountArgs) -> Result<Plan, CliError> {
         ro,
         nologreplay,
         fsync_log,
+        fsync_rule,
         subvol,
         cfg,
     })
@@ -254,6 +264,7 @@ pub fn mount(a: MountArgs) -> CliResult {
         })?
     };
     fs.set_fsync_log(p.fsync_log);
+    fs.set_fsync_skips_writes_in_progress(p.fsync_rule);
     let fs = Arc::new(fs);
     let root = subvol_root(&fs, &p.subvol)?;
     if !fs.stat(root)?.is_dir() {
@@ -452,6 +463,9 @@ mod tests {
                 .unwrap()
                 .fsync_log
         );
+        let wait = parse(&["-o", "fsync=log-wait", "img", "dir"]).unwrap();
+        assert!(wait.fsync_log && !wait.fsync_rule);
+        assert!(parse(&["img", "dir"]).unwrap().fsync_rule);
         assert!(parse(&["-o", "fsync=sometimes", "img", "dir"]).is_err());
         assert!(parse(&["-o", "nologreplay", "img", "dir"]).is_err());
         assert!(parse(&["--subvol", "a", "--subvol-id", "5", "img", "dir"]).is_err());
