@@ -806,6 +806,7 @@ impl Fs {
     /// trees (replacing what the range held), with the data reference and the inode's nbytes;
     /// the file grows to `reach` if it is smaller. `range`: (file offset, length, reach);
     /// `stamp`: the time of the write (now if `None`).
+    #[allow(clippy::too_many_arguments)]
     fn finish_ordered(
         &self,
         w: &mut Writer,
