@@ -22,7 +22,7 @@ register_workload fsync_rand 61 "" \
 	"fio 4 KiB random writes, fsync=16, BENCH_FSYNC_JOBS jobs sharing BENCH_FSYNC_RAND_MB MiB, buffered, fresh image; MiB/s, fsync p50/p99"
 
 FS_SYSTEMS="butter kernel ext4 butter-commit butter-wait"
-: "${BENCH_FSYNC_IMAGE_MB:=1024}" "${BENCH_FSYNC_MB:=48}" "${BENCH_FSYNC_RAND_MB:=24}"
+: "${BENCH_FSYNC_IMAGE_MB:=1024}" "${BENCH_FSYNC_MB:=192}" "${BENCH_FSYNC_RAND_MB:=96}"
 : "${BENCH_FSYNC_JOBS:=1 2 4}" "${BENCH_FSYNC_MAX_S:=12}"
 # butter's periodic commit stays at its default (30 s, as the kernel's btrfs).
 : "${BENCH_FSYNC_BUTTER_OPTS:=commit=30}" "${BENCH_FSYNC_COMMIT_OPTS:=commit=30,fsync=commit}"
