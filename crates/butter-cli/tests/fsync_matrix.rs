@@ -427,7 +427,7 @@ fn rename_fsync_file() {
             fs::rename(c.p("d/b"), c.p("e/b")).unwrap();
             c.fsync("e/b");
         },
-        fast_log: false,
+        fast_log: true,
     });
 }
 
@@ -498,7 +498,31 @@ fn link_fsync() {
             fs::hard_link(c.p("d/a"), c.p("c")).unwrap();
             c.fsync("d/a");
         },
-        fast_log: false,
+        fast_log: true,
+    });
+}
+
+/// A file loses names (its other names stay): its fsync logs the directories it lost them in.
+#[test]
+fn unlink_link_fsync_file() {
+    run(Scenario {
+        name: "unlink-link",
+        setup: vec![Step::Mounted(&|m| {
+            fs::create_dir(m.join("d")).unwrap();
+            fs::create_dir(m.join("e")).unwrap();
+            write_file(&m.join("d/a"), 6000, 47);
+            write_file(&m.join("d/keep"), 100, 48);
+            fs::hard_link(m.join("d/a"), m.join("d/b")).unwrap();
+            fs::hard_link(m.join("d/a"), m.join("e/c")).unwrap();
+        })],
+        ops: &|c| {
+            fs::remove_file(c.p("d/b")).unwrap();
+            c.fsync("d/a");
+            fs::remove_file(c.p("e/c")).unwrap();
+            write_file(&c.p("e/new"), 200, 49);
+            c.fsync("d/a");
+        },
+        fast_log: true,
     });
 }
 

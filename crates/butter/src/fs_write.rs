@@ -442,14 +442,22 @@ impl Fs {
     /// Removes the entry `name` from `dir` (DIR_ITEM entry, DIR_INDEX, INODE_REF) and shrinks
     /// the directory.
     fn remove_entry(&self, w: &mut Writer, dir: Inode, name: &[u8], target: Inode) -> Result<()> {
-        // Its names changed: logging it could bring the old one back next to a new one.
-        w.log.note_needs_commit(target);
         w.log.note_removed(dir, target);
         let dkey = Key::new(dir.ino, DIR_ITEM_KEY, hash::name_hash(name));
         let body = w
             .read_item(dir.root, &dkey)?
             .ok_or_else(|| Error::NotFound(format!("{:?}", String::from_utf8_lossy(name))))?;
         let entries = DirItem::parse_all(&body)?;
+        // Its names changed: a file's fsync logs `dir` too (crate::log_write); a directory's
+        // commits (logging it could bring the old name back next to a new one).
+        if entries
+            .iter()
+            .any(|e| e.name == name && e.file_type == FT_DIR)
+        {
+            w.log.note_needs_commit(target);
+        } else {
+            w.log.note_name_change(target, Some(dir));
+        }
         let pos = entries
             .iter()
             .position(|e| e.name == name)
@@ -614,7 +622,7 @@ impl Fs {
             return Err(Error::Exists(String::from_utf8_lossy(name).into_owned()));
         }
         self.op(true, |w| {
-            w.log.note_needs_commit(ino);
+            w.log.note_name_change(ino, None);
             self.add_entry(w, dir, name, ino, mode_to_ft(item.mode))?;
             item.nlink += 1;
             Self::touch(w, &mut item, false);

@@ -28,13 +28,20 @@
 //! log commit was writing find their items written by the next one, or already by one that
 //! started after they logged (`synced_seq`).
 //!
+//! A file renamed, linked or unlinked in the running transaction is logged with all its
+//! names (INODE_REFs); the directories where it lost a name are logged whole with it (replay
+//! keeps the names in directories the log does not cover), as the kernel logs a renamed
+//! inode's old parent.
+//!
 //! Fsyncs fall back to a full commit where a log cannot be right or is not written yet:
 //! fsyncs of new or renamed directories, directories with subvolume entries or more than
-//! [`MAX_DIR_PLAN`] inodes to log, inodes with extended refs or without links, inodes
-//! renamed, linked or unlinked in the running transaction, inodes with a name that the last
-//! commit (or the log) gives another inode (replay would take it from that inode: the kernel
-//! logs the other inode too, butter commits), inodes whose directory or subvolume is new in
-//! the transaction, and when log blocks cannot be allocated.
+//! [`MAX_DIR_PLAN`] inodes to log, directories with an entry whose inode's names changed in
+//! the running transaction (or a removed entry whose inode lives on), inodes with extended
+//! refs or without links, inodes with a name that the last commit (or the log) gives another
+//! inode (replay would take it from that inode: the kernel logs the other inode too, butter
+//! commits; a rename over an existing file is such a case), inodes whose directory (or a
+//! directory they lost a name in) or subvolume is new in the transaction, and when log blocks
+//! cannot be allocated.
 //!
 //! Ordered extents (crate::ordered): a write returns once its data and checksums are written;
 //! its extent may still wait, pending, for its completion (the tree updates). An fsync logs
@@ -60,7 +67,7 @@ use crate::format::items::*;
 use crate::format::*;
 use crate::fs::{Fs, Inode};
 use crate::transaction::Writer;
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::atomic::Ordering;
 
 /// One subvolume's log tree (or the log root tree) in memory, laid out in leaves that are
@@ -245,6 +252,9 @@ pub struct LogState {
     logged: HashSet<Inode>,
     /// Per directory: inodes whose name in it was removed in the running transaction.
     removed: HashMap<Inode, Vec<Inode>>,
+    /// Non-directories renamed, linked or unlinked in the running transaction, with the
+    /// directories where they lost a name: their fsync logs those directories too.
+    names_changed: HashMap<Inode, BTreeSet<Inode>>,
     /// Names the log gives inodes: (subvolume, directory, name) -> inode.
     logged_names: HashMap<(u64, u64, Vec<u8>), u64>,
     /// Bumped by every change to the log's items.
@@ -311,6 +321,12 @@ impl LogState {
         self.removed.entry(dir).or_default().push(target);
     }
 
+    /// Non-directory `ino` got a new name (`lost_in` `None`) or lost its name in `lost_in`.
+    pub(crate) fn note_name_change(&mut self, ino: Inode, lost_in: Option<Inode>) {
+        let dirs = self.names_changed.entry(ino).or_default();
+        dirs.extend(lost_in);
+    }
+
     pub(crate) fn note_new_tree(&mut self, id: u64) {
         self.new_trees.insert(id);
     }
@@ -325,6 +341,7 @@ impl LogState {
         self.logged.clear();
         self.logged_names.clear();
         self.removed.clear();
+        self.names_changed.clear();
         self.synced_seq = self.seq;
         self.broken = false;
         self.retired.extend(self.blocks.drain());
@@ -603,14 +620,58 @@ impl Fs {
             match self.plan_inode(w, ino, &item, None)? {
                 Plan::Commit => return Ok(LogTicket::Commit),
                 Plan::Durable => return Ok(LogTicket::Durable),
-                Plan::Log(p) => vec![p],
+                Plan::Log(p) => match self.plan_lost_names(w, ino)? {
+                    Some(mut plans) => {
+                        if !plans.iter().any(|q| q.ino == ino) {
+                            plans.push(p);
+                        }
+                        plans
+                    }
+                    None => return Ok(LogTicket::Commit),
+                },
             }
         };
         for p in plans {
             self.apply_plan(w, p)?;
         }
+        if item.mode & 0o170000 != 0o040000 {
+            // Its names in the log are current, with the directories it lost names in: those
+            // removals no longer keep the directories from being logged.
+            if let Some(dirs) = w.log.names_changed.remove(&ino) {
+                for d in dirs {
+                    if let Some(r) = w.log.removed.get_mut(&d) {
+                        r.retain(|t| *t != ino);
+                    }
+                }
+            }
+        }
         w.log.seq += 1;
         Ok(LogTicket::Logged(w.log.seq))
+    }
+
+    /// A file that lost names in the transaction (renamed or unlinked while it keeps another
+    /// name): the directories it lost them in are logged whole, so replay drops the old
+    /// names there (it keeps names in directories the log does not cover), as the kernel
+    /// logs a renamed inode's old parent. `None`: commit instead (such a directory is new,
+    /// gone, or cannot be logged).
+    fn plan_lost_names(&self, w: &Writer, ino: Inode) -> Result<Option<Vec<InodePlan>>> {
+        let mut plans = Vec::new();
+        let Some(dirs) = w.log.names_changed.get(&ino) else {
+            return Ok(Some(plans));
+        };
+        for dir in dirs {
+            let item = match self.inode_item_raw(*dir) {
+                Ok(i) => i,
+                Err(Error::NotFound(_)) => return Ok(None),
+                Err(e) => return Err(e),
+            };
+            if item.generation >= w.transid
+                || !self.plan_dir_into(w, *dir, &item, None, Some(ino), &mut plans)?
+            {
+                return Ok(None);
+            }
+        }
+        Ok(Some(plans))
     }
 
     /// What logging a file (or symlink) takes, read from the trees; nothing changes yet.
@@ -624,6 +685,10 @@ impl Fs {
     ) -> Result<Plan> {
         let fmt = item.mode & 0o170000;
         if fmt == 0o040000 || item.nlink == 0 || w.log.needs_commit.contains(&ino) {
+            return Ok(Plan::Commit);
+        }
+        if planned_parent.is_some() && w.log.names_changed.contains_key(&ino) {
+            // Logged for its directory: its other directories are not in this log.
             return Ok(Plan::Commit);
         }
         let mut changed: Vec<(u64, u64)> = w
@@ -798,27 +863,29 @@ impl Fs {
             return Ok(None);
         }
         let mut plans = Vec::new();
-        if !self.plan_dir_into(w, dir, item, None, &mut plans)? {
+        if !self.plan_dir_into(w, dir, item, None, None, &mut plans)? {
             return Ok(None);
         }
         Ok(Some(plans))
     }
 
     /// [`Fs::plan_dir`] of `dir`, whose parent `parent` (for a new subdirectory) is logged
-    /// with it; the plans go to `plans`. False: commit instead.
+    /// with it; the plans go to `plans`. `with`: a file logged with it whose name `dir` lost
+    /// (see [`Fs::plan_lost_names`]). False: commit instead.
     fn plan_dir_into(
         &self,
         w: &Writer,
         dir: Inode,
         item: &InodeItem,
         parent: Option<Inode>,
+        with: Option<Inode>,
         plans: &mut Vec<InodePlan>,
     ) -> Result<bool> {
         if w.log.needs_commit.contains(&dir) || plans.len() >= MAX_DIR_PLAN {
             return Ok(false);
         }
         if let Some(removed) = w.log.removed.get(&dir) {
-            for t in removed {
+            for t in removed.iter().filter(|t| Some(**t) != with) {
                 // Its earlier log items still give it the removed name: replay would bring
                 // the name back after dropping it.
                 if w.log.logged.contains(t) {
@@ -854,13 +921,18 @@ impl Fs {
                     root: dir.root,
                     ino: d.location.objectid,
                 };
-                if w.log.needs_commit.contains(&child) {
+                if Some(child) == with {
+                    // Planned by the caller, with its names.
+                    continue;
+                }
+                if w.log.needs_commit.contains(&child) || w.log.names_changed.contains_key(&child) {
+                    // Names changed elsewhere too: its other directories are not logged.
                     return Ok(false);
                 }
                 let ci = self.inode_item_raw(child)?;
                 if ci.generation >= w.transid {
                     if ci.mode & 0o170000 == 0o040000 {
-                        if !self.plan_dir_into(w, child, &ci, Some(dir), plans)? {
+                        if !self.plan_dir_into(w, child, &ci, Some(dir), with, plans)? {
                             return Ok(false);
                         }
                         continue;
@@ -1422,18 +1494,32 @@ mod tests {
         assert_eq!(after.read(a2, 0, 1 << 20).unwrap(), want);
     }
 
+    /// A file renamed out of a directory is logged with that directory, so replay drops its
+    /// old name there; a renamed directory still commits.
     #[test]
-    fn renamed_file_falls_back_to_a_commit() {
+    fn a_renamed_file_is_logged_with_the_directory_it_left() {
         let (dev, fs) = fresh();
         let root = fs.root_inode();
-        let a = fs.create(root, b"a", 0o644, Owner::default()).unwrap();
+        let d = dir_of_abc(&fs);
+        let a = child(&fs, d, b"a");
+        let x = fs.mkdir(root, b"x", 0o755, Owner::default()).unwrap();
         fs.commit().unwrap();
-        fs.rename(root, b"a", root, b"b", 0).unwrap();
+        fs.rename(d, b"a", root, b"moved", 0).unwrap();
         fs.fsync(a, false).unwrap();
-        assert_eq!(fs.log_stats().unwrap().fallbacks, 1);
+        let st = fs.log_stats().unwrap();
+        assert_eq!((st.logged, st.fallbacks), (1, 0));
         let after = after_cut(&dev);
-        assert!(after.lookup(after.root_inode(), b"b").unwrap().is_some());
-        assert!(after.lookup(after.root_inode(), b"a").unwrap().is_none());
+        let r = after.root_inode();
+        let moved = child(&after, r, b"moved");
+        assert_eq!(after.inode_item(moved).unwrap().nlink, 1);
+        assert_eq!(after.read(moved, 0, 10).unwrap(), b"a");
+        let d2 = child(&after, r, b"d");
+        assert!(after.lookup(d2, b"a").unwrap().is_none());
+        assert!(after.lookup(d2, b"b").unwrap().is_some());
+        drop(after);
+        fs.rename(root, b"x", root, b"y", 0).unwrap();
+        fs.fsync(x, false).unwrap();
+        assert_eq!(fs.log_stats().unwrap().fallbacks, 1);
     }
 
     #[test]
