@@ -4,7 +4,8 @@
 //! Each round starts from one base image (butter's mkfs, three directories and a subvolume,
 //! a few committed files) in a [`RamDevice`], opened read-write. A seeded workload creates
 //! files, writes (appends, overwrites, writes past the end), truncates down and up, punches
-//! holes, preallocates (with and without KEEP_SIZE), sets and removes an xattr, unlinks, and
+//! holes, preallocates (with and without KEEP_SIZE), sets and removes an xattr, unlinks,
+//! renames files to new names (across directories of one subvolume), and
 //! calls `Fs::fsync` (full and data-only) on files and sometimes on directories, makes new
 //! subdirectory trees (a file, a nested directory with a file, an empty one) and fsyncs their
 //! parent (the log carries them recursively), with an occasional `Fs::commit`. The power is cut at a random write number (chosen from the number
@@ -16,7 +17,8 @@
 //! may have kept a later state, nothing may show an earlier one. fdatasync makes the content
 //! durable but not the xattr. A file whose name was made durable (its fsync, an fsync of its
 //! directory, a commit) must exist; an unlink made durable (directory fsync, commit) must be
-//! gone; no name may appear that the workload never created.
+//! gone; no name may appear that the workload never created. A rename is the old name's
+//! unlink and a new name for the file: an fsync of the renamed file makes both durable.
 //!
 //! Recovery: [`RamDevice::durable_bytes`] (only flushed writes survived) goes to an image
 //! file; butter opens it read-write (which replays any fsync log) and must satisfy the model;
@@ -383,8 +385,25 @@ fn step(
             fs.unlink(dirs[f.dir], &f.name)?;
             f.unlinked = true;
         }
+        // rename to a new name, in the same subvolume
+        66..=68 => {
+            let Some(i) = pick(rng) else { return Ok(()) };
+            let from = m.files[i].dir;
+            let to = if DIRS[from] == "sv" {
+                from
+            } else {
+                rng.below(3) as usize
+            };
+            m.next_name += 1;
+            let name = format!("r{:04}", m.next_name).into_bytes();
+            fs.rename(dirs[from], &m.files[i].name, dirs[to], &name, 0)?;
+            let mut moved = m.files[i].clone();
+            (moved.dir, moved.name, moved.name_durable) = (to, name, false);
+            m.files[i].unlinked = true;
+            m.files.push(moved);
+        }
         // fsync or fdatasync of a file
-        66..=89 => {
+        69..=89 => {
             let Some(i) = pick(rng) else { return Ok(()) };
             let datasync = rng.chance(1, 4);
             let f = &mut m.files[i];
@@ -395,6 +414,11 @@ fn step(
                 f.meta_durable();
             }
             f.name_durable = true;
+            // The names it had before a rename are gone for good.
+            let ino = f.ino;
+            for old in m.files.iter_mut().filter(|g| g.ino == ino && g.unlinked) {
+                old.unlink_durable = true;
+            }
         }
         // a new subdirectory tree, then an fsync of its parent: all of it is durable
         90..=91 => {
