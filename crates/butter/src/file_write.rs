@@ -760,8 +760,9 @@ impl Fs {
 
     /// Completes every pending ordered extent (crate::ordered), oldest first per inode: each
     /// goes into the trees as [`Fs::finish_ordered`] puts it, with the time its write
-    /// returned. After a failure the rest are abandoned (their space freed) and the error
-    /// returned.
+    /// returned. A failure may leave the trees half changed and writes that returned
+    /// unrecorded: the transaction is aborted (the image keeps its last commit and the fsync
+    /// log, which has what was fsynced), the rest are abandoned and the error returned.
     pub(crate) fn complete_ordered(&self, w: &mut Writer) -> Result<()> {
         let mut failed = None;
         for (ino, list) in self.ordered.take_pending() {
@@ -783,15 +784,14 @@ impl Fs {
                             continue;
                         }
                         Err(e) => {
-                            log::error!(
+                            w.abort(format!(
                                 "completing the write of {} bytes at {} of inode {} (subvolume \
                                  {}): {e}",
-                                p.len,
-                                p.file_off,
-                                ino.ino,
-                                ino.root
-                            );
+                                p.len, p.file_off, ino.ino, ino.root
+                            ));
                             failed = Some(e);
+                            // Its item may be in a tree: its space stays held.
+                            continue;
                         }
                     }
                 }

@@ -362,7 +362,11 @@ impl Fs {
     /// (crate::ordered): its size and times count every write that returned.
     pub fn inode_item(&self, ino: Inode) -> Result<InodeItem> {
         if self.ordered.has_pending(ino) {
-            self.complete_ordered_extents()?;
+            match self.complete_ordered_extents() {
+                // Changes stopped: what the trees have is all there is.
+                Ok(()) | Err(Error::Aborted(_)) => {}
+                Err(e) => return Err(e),
+            }
         }
         self.inode_item_raw(ino)
     }

@@ -208,11 +208,11 @@ impl OrderedTrees {
         self.completed
             .fetch_add(done.len() as u64, Ordering::Relaxed);
         let mut inodes = self.inodes();
+        self.pending_total.fetch_sub(done.len(), Ordering::SeqCst);
         let Some(w) = inodes.get_mut(&ino) else {
             return;
         };
         w.completing = w.completing.saturating_sub(done.len());
-        self.pending_total.fetch_sub(done.len(), Ordering::SeqCst);
         for p in done {
             w.tree
                 .clear_bits(p.file_off, p.file_off + p.len - 1, ExtentBits::ORDERED);

@@ -682,6 +682,15 @@ impl Writer {
         }
     }
 
+    /// Stops the write engine: no more changes, no more commits; the image keeps its last
+    /// commit (and any fsync log written). For a failure that left the trees half changed.
+    pub(crate) fn abort(&mut self, reason: String) {
+        log::error!("transaction {} aborted: {reason}", self.transid);
+        if self.aborted.is_none() {
+            self.aborted = Some(reason);
+        }
+    }
+
     /// A commit with pending ordered extents would lose them (see `ordered_pending`): the
     /// filesystem completes them before it commits ([`crate::fs::Fs::writer`]).
     fn check_no_ordered(&self) -> Result<()> {
