@@ -446,7 +446,7 @@ fn rename_fsync_dir() {
             c.fsync("e");
             c.fsync("d");
         },
-        fast_log: false,
+        fast_log: true,
     });
 }
 
@@ -464,7 +464,7 @@ fn rename_in_dir_fsync_dir() {
             fs::rename(c.p("d/a"), c.p("d/z")).unwrap();
             c.fsync("d");
         },
-        fast_log: false,
+        fast_log: true,
     });
 }
 
@@ -544,7 +544,7 @@ fn unlink_fsync_dir() {
             // The other link of f3 lost one name: its link count is fsynced too.
             c.fsync("f3link");
         },
-        fast_log: false,
+        fast_log: true,
     });
 }
 

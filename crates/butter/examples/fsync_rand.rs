@@ -88,7 +88,10 @@ fn main() -> butter::Result<()> {
     let args: Vec<String> = std::env::args().collect();
     let dir = PathBuf::from(args.get(1).map(String::as_str).unwrap_or("/dev/shm"));
     let mib: u64 = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(96);
-    println!("4 KiB random writes, an fsync every 16, {mib} MiB file, image in {}", dir.display());
+    println!(
+        "4 KiB random writes, an fsync every 16, {mib} MiB file, image in {}",
+        dir.display()
+    );
     for log in [true, false] {
         let (mut all, mut l, mut s) = run(&dir, log, mib)?;
         print!(

@@ -373,6 +373,16 @@ struct InodePlan {
     pending_sums: Vec<(u64, u64, Vec<u8>)>,
 }
 
+/// What one fsync logs: the plans, the directories among them, and the files whose names
+/// changed in the transaction that are logged with all their names and the directories they
+/// lost names in.
+#[derive(Default)]
+struct Batch {
+    plans: Vec<InodePlan>,
+    dirs: HashSet<Inode>,
+    adopted: BTreeSet<Inode>,
+}
+
 enum Plan {
     Log(InodePlan),
     Durable,
@@ -611,36 +621,34 @@ impl Fs {
             return Ok(LogTicket::Commit);
         }
         let item = self.inode_item_raw(ino)?;
-        let plans = if item.mode & 0o170000 == 0o040000 {
-            match self.plan_dir(w, ino, &item)? {
-                Some(p) => p,
-                None => return Ok(LogTicket::Commit),
+        let mut b = Batch::default();
+        if item.mode & 0o170000 == 0o040000 {
+            if item.generation >= w.transid || !self.plan_dir_into(w, ino, &item, None, &mut b)? {
+                return Ok(LogTicket::Commit);
             }
         } else {
             match self.plan_inode(w, ino, &item, None)? {
                 Plan::Commit => return Ok(LogTicket::Commit),
                 Plan::Durable => return Ok(LogTicket::Durable),
-                Plan::Log(p) => match self.plan_lost_names(w, ino)? {
-                    Some(mut plans) => {
-                        if !plans.iter().any(|q| q.ino == ino) {
-                            plans.push(p);
-                        }
-                        plans
+                Plan::Log(p) => {
+                    b.adopted.insert(ino);
+                    b.plans.push(p);
+                    if !self.plan_lost_names(w, ino, &mut b)? {
+                        return Ok(LogTicket::Commit);
                     }
-                    None => return Ok(LogTicket::Commit),
-                },
+                }
             }
-        };
-        for p in plans {
+        }
+        for p in b.plans {
             self.apply_plan(w, p)?;
         }
-        if item.mode & 0o170000 != 0o040000 {
+        for t in b.adopted {
             // Its names in the log are current, with the directories it lost names in: those
             // removals no longer keep the directories from being logged.
-            if let Some(dirs) = w.log.names_changed.remove(&ino) {
+            if let Some(dirs) = w.log.names_changed.remove(&t) {
                 for d in dirs {
                     if let Some(r) = w.log.removed.get_mut(&d) {
-                        r.retain(|t| *t != ino);
+                        r.retain(|x| *x != t);
                     }
                 }
             }
@@ -650,28 +658,47 @@ impl Fs {
     }
 
     /// A file that lost names in the transaction (renamed or unlinked while it keeps another
-    /// name): the directories it lost them in are logged whole, so replay drops the old
-    /// names there (it keeps names in directories the log does not cover), as the kernel
-    /// logs a renamed inode's old parent. `None`: commit instead (such a directory is new,
-    /// gone, or cannot be logged).
-    fn plan_lost_names(&self, w: &Writer, ino: Inode) -> Result<Option<Vec<InodePlan>>> {
-        let mut plans = Vec::new();
+    /// name), planned in `b` with all its names: the directories it lost them in are logged
+    /// whole too, so replay drops the old names there (it keeps names in directories the log
+    /// does not cover), as the kernel logs a renamed inode's old parent. False: commit
+    /// instead (such a directory is new, gone, or cannot be logged).
+    fn plan_lost_names(&self, w: &Writer, ino: Inode, b: &mut Batch) -> Result<bool> {
         let Some(dirs) = w.log.names_changed.get(&ino) else {
-            return Ok(Some(plans));
+            return Ok(true);
         };
         for dir in dirs {
+            if b.dirs.contains(dir) {
+                continue;
+            }
             let item = match self.inode_item_raw(*dir) {
                 Ok(i) => i,
-                Err(Error::NotFound(_)) => return Ok(None),
+                Err(Error::NotFound(_)) => return Ok(false),
                 Err(e) => return Err(e),
             };
-            if item.generation >= w.transid
-                || !self.plan_dir_into(w, *dir, &item, None, Some(ino), &mut plans)?
-            {
-                return Ok(None);
+            if item.generation >= w.transid || !self.plan_dir_into(w, *dir, &item, None, b)? {
+                return Ok(false);
             }
         }
-        Ok(Some(plans))
+        Ok(true)
+    }
+
+    /// A file whose names changed in the transaction, met while logging a directory: it is
+    /// logged with all its names and the directories it lost names in ([`Fs::plan_lost_names`]).
+    fn adopt(&self, w: &Writer, t: Inode, b: &mut Batch) -> Result<bool> {
+        if !b.adopted.insert(t) {
+            return Ok(true);
+        }
+        let item = match self.inode_item_raw(t) {
+            Ok(i) => i,
+            Err(Error::NotFound(_)) => return Ok(false),
+            Err(e) => return Err(e),
+        };
+        match self.plan_inode(w, t, &item, None)? {
+            Plan::Log(p) => b.plans.push(p),
+            Plan::Durable => {}
+            Plan::Commit => return Ok(false),
+        }
+        self.plan_lost_names(w, t, b)
     }
 
     /// What logging a file (or symlink) takes, read from the trees; nothing changes yet.
@@ -855,45 +882,46 @@ impl Fs {
     /// DIR_LOG_INDEX range over every index (replay then drops the committed entries the
     /// log lacks), and every file that is new in the transaction; a subdirectory new in the
     /// transaction is logged the same way with its name, recursively, as the kernel does.
-    /// `None`: commit instead (a new or renamed directory, an entry that is a subvolume, an
-    /// entry whose inode changed names, a removed entry whose inode lives on elsewhere or was
-    /// logged before, more than [`MAX_DIR_PLAN`] inodes).
-    fn plan_dir(&self, w: &Writer, dir: Inode, item: &InodeItem) -> Result<Option<Vec<InodePlan>>> {
-        if item.generation >= w.transid {
-            return Ok(None);
-        }
-        let mut plans = Vec::new();
-        if !self.plan_dir_into(w, dir, item, None, None, &mut plans)? {
-            return Ok(None);
-        }
-        Ok(Some(plans))
-    }
-
-    /// [`Fs::plan_dir`] of `dir`, whose parent `parent` (for a new subdirectory) is logged
-    /// with it; the plans go to `plans`. `with`: a file logged with it whose name `dir` lost
-    /// (see [`Fs::plan_lost_names`]). False: commit instead.
+    /// False: commit instead (a renamed directory, or one new in the transaction that is not
+    /// logged with its parent, an entry that is a subvolume or a directory whose names
+    /// changed, a removed entry whose inode is gone but was logged before, more than
+    /// [`MAX_DIR_PLAN`] inodes).
+    ///
+    /// `parent`: for a new subdirectory, its parent, logged with it. The plans go to `b`; a
+    /// file met here whose names changed in the transaction (a removed entry that lives on, or
+    /// an entry) is adopted ([`Fs::adopt`]).
     fn plan_dir_into(
         &self,
         w: &Writer,
         dir: Inode,
         item: &InodeItem,
         parent: Option<Inode>,
-        with: Option<Inode>,
-        plans: &mut Vec<InodePlan>,
+        b: &mut Batch,
     ) -> Result<bool> {
-        if w.log.needs_commit.contains(&dir) || plans.len() >= MAX_DIR_PLAN {
+        if w.log.needs_commit.contains(&dir) || b.plans.len() >= MAX_DIR_PLAN {
             return Ok(false);
         }
+        if !b.dirs.insert(dir) {
+            return Ok(true);
+        }
+        let mut adopt = Vec::new();
         if let Some(removed) = w.log.removed.get(&dir) {
-            for t in removed.iter().filter(|t| Some(**t) != with) {
-                // Its earlier log items still give it the removed name: replay would bring
-                // the name back after dropping it.
-                if w.log.logged.contains(t) {
-                    return Ok(false);
-                }
+            for t in removed.iter().filter(|t| !b.adopted.contains(*t)) {
                 match self.inode_item_raw(*t) {
-                    Ok(it) if it.nlink > 0 => return Ok(false),
-                    Ok(_) | Err(Error::NotFound(_)) => {}
+                    // Lives on under another name: logged with all its names.
+                    Ok(it) if it.nlink > 0 => {
+                        if !w.log.names_changed.contains_key(t) {
+                            return Ok(false);
+                        }
+                        adopt.push(*t);
+                    }
+                    // Gone: its earlier log items would still give it the removed name
+                    // (replay would bring the name back after dropping it).
+                    Ok(_) | Err(Error::NotFound(_)) => {
+                        if w.log.logged.contains(t) {
+                            return Ok(false);
+                        }
+                    }
                     Err(e) => return Err(e),
                 }
             }
@@ -921,24 +949,26 @@ impl Fs {
                     root: dir.root,
                     ino: d.location.objectid,
                 };
-                if Some(child) == with {
-                    // Planned by the caller, with its names.
+                if b.adopted.contains(&child) {
                     continue;
                 }
-                if w.log.needs_commit.contains(&child) || w.log.names_changed.contains_key(&child) {
-                    // Names changed elsewhere too: its other directories are not logged.
+                if w.log.needs_commit.contains(&child) {
                     return Ok(false);
+                }
+                if w.log.names_changed.contains_key(&child) {
+                    adopt.push(child);
+                    continue;
                 }
                 let ci = self.inode_item_raw(child)?;
                 if ci.generation >= w.transid {
                     if ci.mode & 0o170000 == 0o040000 {
-                        if !self.plan_dir_into(w, child, &ci, Some(dir), with, plans)? {
+                        if !self.plan_dir_into(w, child, &ci, Some(dir), b)? {
                             return Ok(false);
                         }
                         continue;
                     }
                     match self.plan_inode(w, child, &ci, Some(dir))? {
-                        Plan::Log(p) => plans.push(p),
+                        Plan::Log(p) => b.plans.push(p),
                         Plan::Durable => {}
                         Plan::Commit => return Ok(false),
                     }
@@ -946,7 +976,7 @@ impl Fs {
             }
             entries.push((i.key, i.data().to_vec()));
         }
-        plans.push(InodePlan {
+        b.plans.push(InodePlan {
             ino: dir,
             size: item.size,
             own,
@@ -954,6 +984,11 @@ impl Fs {
             dir: Some(entries),
             pending_sums: Vec::new(),
         });
+        for t in adopt {
+            if !self.adopt(w, t, b)? {
+                return Ok(false);
+            }
+        }
         Ok(true)
     }
 
@@ -1685,21 +1720,29 @@ mod tests {
         assert_eq!(after.readlink(s2).unwrap(), b"target");
     }
 
+    /// A directory fsync after a file moved out of it logs the file with its new name; one
+    /// after a directory moved out commits.
     #[test]
-    fn directory_fsync_after_a_rename_commits() {
+    fn directory_fsync_after_a_rename_logs_the_moved_file() {
         let (dev, fs) = fresh();
         let root = fs.root_inode();
         let d = fs.mkdir(root, b"d", 0o755, Owner::default()).unwrap();
         fs.create(d, b"a", 0o644, Owner::default()).unwrap();
+        fs.mkdir(d, b"sub", 0o755, Owner::default()).unwrap();
         fs.commit().unwrap();
         fs.rename(d, b"a", root, b"moved", 0).unwrap();
         fs.fsync(d, false).unwrap();
-        assert_eq!(fs.log_stats().unwrap().fallbacks, 1);
+        let st = fs.log_stats().unwrap();
+        assert_eq!((st.logged, st.fallbacks), (1, 0));
         let after = after_cut(&dev);
-        assert!(after
-            .lookup(after.root_inode(), b"moved")
-            .unwrap()
-            .is_some());
+        let r = after.root_inode();
+        assert!(after.lookup(r, b"moved").unwrap().is_some());
+        let d2 = child(&after, r, b"d");
+        assert!(after.lookup(d2, b"a").unwrap().is_none());
+        drop(after);
+        fs.rename(d, b"sub", root, b"sub2", 0).unwrap();
+        fs.fsync(d, false).unwrap();
+        assert_eq!(fs.log_stats().unwrap().fallbacks, 1);
     }
 
     #[test]

@@ -34,7 +34,7 @@ impl ButterTarget {
 
     /// A target whose root is the directory `base` (e.g. a subvolume) of the image.
     pub fn open_at(image: &Path, base: &Path) -> ButterTarget {
-        let fs = Fs::open_rw(image)
+        let fs = open_rw_retrying(image)
             .unwrap_or_else(|e| panic!("open {} read-write: {e}", image.display()));
         ButterTarget {
             image: image.to_path_buf(),
@@ -71,7 +71,7 @@ impl ButterTarget {
 
     pub fn reopen(&mut self) {
         self.close();
-        self.fs = Some(Fs::open_rw(&self.image).unwrap_or_else(|e| panic!("reopen: {e}")));
+        self.fs = Some(open_rw_retrying(&self.image).unwrap_or_else(|e| panic!("reopen: {e}")));
     }
 
     fn err(e: butter::Error) -> i32 {
@@ -521,4 +521,21 @@ pub fn manifest_of(fs: &Fs, top: Inode) -> Manifest {
         }
     }
     m
+}
+
+/// [`Fs::open_rw`], retried for a few seconds while the image's lock is busy: the previous
+/// writer of this process has closed it, but a test running in parallel may have forked a
+/// child (to run `btrfs` or `mount`) that holds a copy of its descriptor, and so the lock,
+/// until it execs.
+fn open_rw_retrying(image: &Path) -> butter::Result<Fs> {
+    let mut tries = 0;
+    loop {
+        match Fs::open_rw(image) {
+            Err(butter::Error::NotPermitted(m)) if m.contains("already open") && tries < 50 => {
+                tries += 1;
+                std::thread::sleep(std::time::Duration::from_millis(100));
+            }
+            r => return r,
+        }
+    }
 }
