@@ -31,13 +31,13 @@
 //! A file renamed, linked or unlinked in the running transaction is logged with all its
 //! names (INODE_REFs); the directories where it lost a name are logged whole with it (replay
 //! keeps the names in directories the log does not cover), as the kernel logs a renamed
-//! inode's old parent.
+//! inode's old parent. A directory fsync that meets such a file (an entry, or a removed entry
+//! that lives on) logs it the same way.
 //!
 //! Fsyncs fall back to a full commit where a log cannot be right or is not written yet:
 //! fsyncs of new or renamed directories, directories with subvolume entries or more than
-//! [`MAX_DIR_PLAN`] inodes to log, directories with an entry whose inode's names changed in
-//! the running transaction (or a removed entry whose inode lives on), inodes with extended
-//! refs or without links, inodes with a name that the last commit (or the log) gives another
+//! [`MAX_DIR_PLAN`] inodes to log, directories with an entry that is a directory renamed in
+//! the running transaction, inodes with extended refs or without links, inodes with a name that the last commit (or the log) gives another
 //! inode (replay would take it from that inode: the kernel logs the other inode too, butter
 //! commits; a rename over an existing file is such a case), inodes whose directory (or a
 //! directory they lost a name in) or subvolume is new in the transaction, and when log blocks
