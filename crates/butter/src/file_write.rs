@@ -508,6 +508,11 @@ impl Fs {
         if data.is_empty() {
             return Ok(0);
         }
+        if self.ordered.try_append(ino, offset, data)
+            || self.try_start_delalloc(ino, offset, data)?
+        {
+            return Ok(data.len());
+        }
         let end = offset
             .checked_add(data.len() as u64)
             .filter(|e| *e <= i64::MAX as u64)
@@ -758,6 +763,99 @@ impl Fs {
         r
     }
 
+    /// Delayed allocation (crate::ordered::Delalloc): an append at a sector-aligned end of a
+    /// regular file too big to be inline, with no write in progress and nothing pending,
+    /// starts the file's buffer. The file is checked under the writer lock, so it cannot
+    /// change before the buffer exists; later appends join it without the lock.
+    fn try_start_delalloc(&self, ino: Inode, offset: u64, data: &[u8]) -> Result<bool> {
+        let ss = self.disk.sectorsize() as u64;
+        if offset % ss != 0
+            || offset <= max_inline(&self.disk) as u64
+            || data.len() as u64 > crate::ordered::DELALLOC_MAX
+            || self.ordered.has_pending(ino)
+        {
+            return Ok(false);
+        }
+        let mut w = self.writer_keeping_ordered()?;
+        let item = self.inode_item_raw(ino)?;
+        if item.mode & 0o170000 != 0o100000 || item.size != offset {
+            return Ok(false);
+        }
+        let free = self.data_space_left(&mut w)?;
+        Ok(self.ordered.start_buffer(ino, offset, data, free))
+    }
+
+    /// Writes back the delayed-allocation buffer `d` of `ino` (under the writer lock): a new
+    /// extent, its data and checksums. Returns the pending ordered extent it makes.
+    fn write_back_delalloc(
+        &self,
+        w: &mut Writer,
+        d: &crate::ordered::Delalloc,
+        commit_ok: bool,
+    ) -> Result<crate::ordered::Pending> {
+        let ss = self.disk.sectorsize() as u64;
+        let ct = self.disk.sb.csum_type;
+        let mut buf = d.data.clone();
+        buf.resize((buf.len() as u64).div_ceil(ss) as usize * ss as usize, 0);
+        let len = buf.len() as u64;
+        let bytenr = if commit_ok {
+            w.alloc_data_held_or_commit(len)?
+        } else {
+            let at = w.alloc_data(len)?;
+            w.allocator.hold(at, len)?;
+            at
+        };
+        let written = self.disk.write_logical(bytenr, &buf);
+        if let Err(e) = written {
+            w.allocator.release_held(bytenr, len);
+            return Err(e);
+        }
+        let mut sums = Vec::with_capacity(buf.len() / ss as usize * ct.size());
+        for s in buf.chunks(ss as usize) {
+            sums.extend_from_slice(&ct.compute(s)[..ct.size()]);
+        }
+        Ok(crate::ordered::Pending {
+            file_off: d.start,
+            len,
+            reach: d.start + d.data.len() as u64,
+            bytenr,
+            sums,
+            stamp: d.stamp,
+        })
+    }
+
+    /// An fsync of `ino` writes back its delayed-allocation buffer as a pending ordered
+    /// extent (which the log then takes from memory), without completing it. When the space
+    /// cannot be had without a commit, everything is completed instead (a commit may follow).
+    pub(crate) fn write_back_for_fsync(&self, w: &mut Writer, ino: Inode) -> Result<()> {
+        for (i, d) in self.ordered.take_delalloc(Some(ino)) {
+            match self.write_back_delalloc(w, &d, false) {
+                Ok(p) => {
+                    self.ordered.add_pending(i, p);
+                    w.ordered_pending += 1;
+                    self.ordered.delalloc_done(i, &d);
+                }
+                Err(Error::NoSpace(_)) => {
+                    // Give the buffer back, then complete everything (with a commit for space
+                    // if need be).
+                    self.ordered.untake_delalloc(i, d);
+                    return self.complete_ordered(w);
+                }
+                Err(e) => {
+                    self.ordered.delalloc_done(i, &d);
+                    w.abort(format!(
+                        "writing back {} bytes appended to inode {} (subvolume {}): {e}",
+                        d.data.len(),
+                        i.ino,
+                        i.root
+                    ));
+                    return Err(e);
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Completes every pending ordered extent (crate::ordered), oldest first per inode: each
     /// goes into the trees as [`Fs::finish_ordered`] puts it, with the time its write
     /// returned. A failure may leave the trees half changed and writes that returned
@@ -798,6 +896,28 @@ impl Fs {
                 w.allocator.release_held(p.bytenr, p.len);
             }
             self.ordered.completed(ino, &list);
+        }
+        // Then the delayed allocations (no pending extent is left, so a commit for space may
+        // run).
+        for (ino, d) in self.ordered.take_delalloc(None) {
+            if failed.is_none() {
+                let r = self.write_back_delalloc(w, &d, true).and_then(|p| {
+                    let range = (p.file_off, p.len, p.reach);
+                    self.finish_ordered(w, ino, range, p.bytenr, &p.sums, false, Some(p.stamp))?;
+                    w.allocator.claim_held(p.bytenr, p.len);
+                    Ok(())
+                });
+                if let Err(e) = r {
+                    w.abort(format!(
+                        "writing back {} bytes appended to inode {} (subvolume {}): {e}",
+                        d.data.len(),
+                        ino.ino,
+                        ino.root
+                    ));
+                    failed = Some(e);
+                }
+            }
+            self.ordered.delalloc_done(ino, &d);
         }
         failed.map_or(Ok(()), Err)
     }

@@ -34,10 +34,22 @@ impl Fs {
             });
         }
         let mut w = self.writer()?;
+        let free = self.data_space_left(&mut w)?;
+        drop(w);
+        let total = sb.dev_item.total_bytes.min(self.disk.dev.len());
+        Ok(StatFs {
+            bsize,
+            total,
+            free: free.min(total),
+        })
+    }
+
+    /// Bytes file data can still use: free space in data chunks plus the device space no
+    /// chunk has yet.
+    pub(crate) fn data_space_left(&self, w: &mut crate::transaction::Writer) -> Result<u64> {
         let data_free = w.allocator.free_bytes(SpaceKind::Data);
         let devid = self.disk.devid;
         let root = w.current_root(DEV_TREE_OBJECTID)?;
-        drop(w);
         let mut allocated = 1u64 << 20; // the first MiB is never allocated
         let mut it = crate::ctree::TreeIter::new(
             self.disk.clone(),
@@ -52,13 +64,8 @@ impl Fs {
             let de = DevExtent::parse(item.data()).map_err(|e| item.annotate(e))?;
             allocated = allocated.saturating_add(de.length);
         }
-        let total = sb.dev_item.total_bytes.min(self.disk.dev.len());
-        let unallocated = total.saturating_sub(allocated);
-        Ok(StatFs {
-            bsize,
-            total,
-            free: data_free.saturating_add(unallocated).min(total),
-        })
+        let total = self.disk.sb.dev_item.total_bytes.min(self.disk.dev.len());
+        Ok(data_free.saturating_add(total.saturating_sub(allocated)))
     }
 }
 

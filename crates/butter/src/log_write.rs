@@ -595,7 +595,10 @@ impl Fs {
         let mut w = if self.fsync_completes_ordered() {
             self.writer()?
         } else {
-            self.writer_keeping_ordered()?
+            let mut w = self.writer_keeping_ordered()?;
+            // Its appends not yet allocated: written back now, logged as pending extents.
+            self.write_back_for_fsync(&mut w, ino)?;
+            w
         };
         let t = self.log_inode_locked(&mut w, ino)?;
         log::debug!(

@@ -54,7 +54,21 @@ pub struct OrderedTrees {
     pending_total: AtomicUsize,
     deferred: AtomicU64,
     completed: AtomicU64,
+    /// Delayed allocation: on (default), bytes buffered now, free data space seen when the
+    /// last buffer started, buffers written back.
+    delalloc_off: std::sync::atomic::AtomicBool,
+    delalloc_bytes: AtomicU64,
+    data_free: AtomicU64,
+    delalloc_flushed: AtomicU64,
 }
+
+/// Most bytes one file gathers before its appends take the ordinary write path.
+pub const DELALLOC_MAX: u64 = 4 << 20;
+/// Most bytes all files gather.
+pub const DELALLOC_TOTAL_MAX: u64 = 64 << 20;
+/// Free data space that must remain beyond the gathered bytes (their allocation comes later
+/// and must not fail).
+pub const DELALLOC_MARGIN: u64 = 32 << 20;
 
 /// A pending ordered extent: written, checksummed, not yet in the trees.
 #[derive(Debug, Clone)]
@@ -79,8 +93,23 @@ struct InodeWrites {
     tickets: BTreeSet<u64>,
     /// Its pending ordered extents, oldest first (completed in this order).
     pending: Vec<Pending>,
-    /// Of them, taken out for their completion, not completed yet.
+    /// Of them (and of its delayed allocation), taken out for their completion, not
+    /// completed yet.
     completing: usize,
+    /// Appended data not yet allocated (delayed allocation).
+    delalloc: Option<Delalloc>,
+}
+
+/// Data appended to a file and not yet allocated (delayed allocation): consecutive appends
+/// gather here and go to the device as one extent when the buffer is written back (by the
+/// file's fsync, as a pending ordered extent), or are completed with the pending extents.
+#[derive(Debug, Clone)]
+pub struct Delalloc {
+    /// File offset (sector aligned: the file's size when the first append came).
+    pub start: u64,
+    pub data: Vec<u8>,
+    /// When the last append returned.
+    pub stamp: Timespec,
 }
 
 impl InodeWrites {
@@ -90,6 +119,7 @@ impl InodeWrites {
             tickets: BTreeSet::new(),
             pending: Vec::new(),
             completing: 0,
+            delalloc: None,
         }
     }
 }
@@ -109,6 +139,8 @@ pub struct OrderedStats {
     pub completed: u64,
     /// Pending ordered extents now.
     pub pending: u64,
+    /// Delayed-allocation buffers written back.
+    pub delalloc_flushed: u64,
 }
 
 impl OrderedTrees {
@@ -154,6 +186,161 @@ impl OrderedTrees {
             deferred: self.deferred.load(Ordering::Relaxed),
             completed: self.completed.load(Ordering::Relaxed),
             pending: self.pending_total.load(Ordering::SeqCst) as u64,
+            delalloc_flushed: self.delalloc_flushed.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Whether appends may gather in memory (delayed allocation; on by default).
+    pub fn set_delalloc(&self, on: bool) {
+        self.delalloc_off.store(!on, Ordering::Relaxed);
+    }
+
+    /// Appends `data` at `offset` to `ino`'s delayed-allocation buffer if it ends there (and
+    /// no write to the file is in progress, and the limits allow): true when done.
+    pub fn try_append(&self, ino: Inode, offset: u64, data: &[u8]) -> bool {
+        let len = data.len() as u64;
+        if self.delalloc_off.load(Ordering::Relaxed) || !self.any_pending() {
+            return false;
+        }
+        let mut inodes = self.inodes();
+        let Some(w) = inodes.get_mut(&ino) else {
+            return false;
+        };
+        let Some(d) = w.delalloc.as_mut() else {
+            return false;
+        };
+        if !w.tickets.is_empty()
+            || d.start + d.data.len() as u64 != offset
+            || d.data.len() as u64 + len > DELALLOC_MAX
+            || !self.room_for(len)
+        {
+            return false;
+        }
+        d.data.extend_from_slice(data);
+        d.stamp = crate::fs_write::now();
+        w.tree
+            .set_bits(offset, offset + len - 1, ExtentBits::DELALLOC);
+        self.delalloc_bytes.fetch_add(len, Ordering::SeqCst);
+        true
+    }
+
+    fn room_for(&self, len: u64) -> bool {
+        let gathered = self.delalloc_bytes.load(Ordering::SeqCst) + len;
+        gathered <= DELALLOC_TOTAL_MAX
+            && gathered + DELALLOC_MARGIN <= self.data_free.load(Ordering::Relaxed)
+    }
+
+    /// Starts `ino`'s delayed-allocation buffer with `data` at `offset`, the file's size (the
+    /// caller holds the writer lock and checked the file: `data_free` is the free data space
+    /// now). False when the file has writes in progress or pending extents, or no room.
+    pub fn start_buffer(&self, ino: Inode, offset: u64, data: &[u8], data_free: u64) -> bool {
+        let len = data.len() as u64;
+        if self.delalloc_off.load(Ordering::Relaxed) || len > DELALLOC_MAX {
+            return false;
+        }
+        self.data_free.store(data_free, Ordering::Relaxed);
+        if !self.room_for(len) {
+            return false;
+        }
+        let mut inodes = self.inodes();
+        let w = inodes
+            .entry(ino)
+            .or_insert_with(|| InodeWrites::new(Arc::new(SharedExtentIoTree::new())));
+        if !w.tickets.is_empty()
+            || !w.pending.is_empty()
+            || w.completing > 0
+            || w.delalloc.is_some()
+        {
+            return false;
+        }
+        w.delalloc = Some(Delalloc {
+            start: offset,
+            data: data.to_vec(),
+            stamp: crate::fs_write::now(),
+        });
+        w.tree
+            .set_bits(offset, offset + len - 1, ExtentBits::DELALLOC);
+        self.delalloc_bytes.fetch_add(len, Ordering::SeqCst);
+        self.pending_total.fetch_add(1, Ordering::SeqCst);
+        true
+    }
+
+    /// Takes the delayed-allocation buffers out (of `ino` only, or of every file) for their
+    /// write-back; each counts as being completed until [`OrderedTrees::delalloc_done`].
+    pub fn take_delalloc(&self, ino: Option<Inode>) -> Vec<(Inode, Delalloc)> {
+        if !self.any_pending() {
+            return Vec::new();
+        }
+        let mut out = Vec::new();
+        let mut inodes = self.inodes();
+        for (i, w) in inodes.iter_mut() {
+            if ino.is_some_and(|x| x != *i) {
+                continue;
+            }
+            if let Some(d) = w.delalloc.take() {
+                w.completing += 1;
+                out.push((*i, d));
+            }
+        }
+        out
+    }
+
+    /// `ino`'s buffer `d` (taken by [`OrderedTrees::take_delalloc`]) is written back.
+    pub fn delalloc_done(&self, ino: Inode, d: &Delalloc) {
+        let len = d.data.len() as u64;
+        self.delalloc_flushed.fetch_add(1, Ordering::Relaxed);
+        self.delalloc_bytes.fetch_sub(len, Ordering::SeqCst);
+        let mut inodes = self.inodes();
+        self.pending_total.fetch_sub(1, Ordering::SeqCst);
+        let Some(w) = inodes.get_mut(&ino) else {
+            return;
+        };
+        w.completing = w.completing.saturating_sub(1);
+        if len > 0 {
+            w.tree
+                .clear_bits(d.start, d.start + len - 1, ExtentBits::DELALLOC);
+        }
+        Self::forget_if_idle(&mut inodes, ino, 1);
+    }
+
+    /// Puts a buffer taken by [`OrderedTrees::take_delalloc`] back (its write-back could not
+    /// get space).
+    pub fn untake_delalloc(&self, ino: Inode, d: Delalloc) {
+        let mut inodes = self.inodes();
+        let w = inodes
+            .entry(ino)
+            .or_insert_with(|| InodeWrites::new(Arc::new(SharedExtentIoTree::new())));
+        w.completing = w.completing.saturating_sub(1);
+        w.delalloc = Some(d);
+    }
+
+    /// Adds a pending ordered extent to `ino` outside a write (an fsync writing back its
+    /// buffer); under the writer lock, whose holder counts it.
+    pub fn add_pending(&self, ino: Inode, p: Pending) {
+        let mut inodes = self.inodes();
+        let w = inodes
+            .entry(ino)
+            .or_insert_with(|| InodeWrites::new(Arc::new(SharedExtentIoTree::new())));
+        w.tree
+            .set_bits(p.file_off, p.file_off + p.len - 1, ExtentBits::ORDERED);
+        w.pending.push(p);
+        self.deferred.fetch_add(1, Ordering::Relaxed);
+        self.pending_total.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// Forgets `ino`'s tree when nothing is left in it and `refs` references to it remain
+    /// (the map's, and the caller's if it holds one).
+    fn forget_if_idle(inodes: &mut HashMap<Inode, InodeWrites>, ino: Inode, refs: usize) {
+        if let Some(w) = inodes.get(&ino) {
+            if w.tickets.is_empty()
+                && w.pending.is_empty()
+                && w.completing == 0
+                && w.delalloc.is_none()
+                && Arc::strong_count(&w.tree) == refs
+                && w.tree.with(|t| t.is_empty())
+            {
+                inodes.remove(&ino);
+            }
         }
     }
 
@@ -162,14 +349,14 @@ impl OrderedTrees {
         self.pending_total.load(Ordering::SeqCst) > 0
     }
 
-    /// Whether `ino` has a pending ordered extent (or one being completed: its reader must
-    /// wait for the writer lock too).
+    /// Whether `ino` has a pending ordered extent or delayed-allocation buffer (or one being
+    /// completed: its reader must wait for the writer lock too).
     pub fn has_pending(&self, ino: Inode) -> bool {
         self.any_pending()
             && self
                 .inodes()
                 .get(&ino)
-                .is_some_and(|w| !w.pending.is_empty() || w.completing > 0)
+                .is_some_and(|w| !w.pending.is_empty() || w.completing > 0 || w.delalloc.is_some())
     }
 
     /// The pending ordered extents of `ino`, oldest first (for the fsync log).
@@ -217,14 +404,7 @@ impl OrderedTrees {
             w.tree
                 .clear_bits(p.file_off, p.file_off + p.len - 1, ExtentBits::ORDERED);
         }
-        if w.tickets.is_empty()
-            && w.pending.is_empty()
-            && w.completing == 0
-            && Arc::strong_count(&w.tree) == 1
-            && w.tree.with(|t| t.is_empty())
-        {
-            inodes.remove(&ino);
-        }
+        Self::forget_if_idle(&mut inodes, ino, 1);
     }
 
     /// Waits until the writes to `ino` that hold their range lock now have finished (writes
@@ -335,14 +515,7 @@ impl Drop for RangeGuard<'_> {
             w.tickets.remove(&self.ticket);
             // Forgotten once no other write holds or waits for its tree: two references
             // then, the map's and ours.
-            if w.tickets.is_empty()
-                && w.pending.is_empty()
-                && w.completing == 0
-                && Arc::strong_count(&self.tree) == 2
-                && self.tree.with(|t| t.is_empty())
-            {
-                inodes.remove(&self.ino);
-            }
+            OrderedTrees::forget_if_idle(&mut inodes, self.ino, 2);
         }
         if self.owner.waiters.load(Ordering::SeqCst) > 0 {
             self.owner.write_done.notify_all();
@@ -576,6 +749,70 @@ mod tests {
         let after = checked_copy(bytes);
         let a3 = in_root(&after, b"a");
         assert_eq!(after.read(a3, 0, 1 << 20).unwrap(), want);
+    }
+
+    /// The file's EXTENT_DATA items as the trees have them now.
+    fn extent_items(fs: &Fs, ino: crate::fs::Inode) -> usize {
+        let mut it = fs.extent_items_from(ino, 0).unwrap();
+        let mut n = 0;
+        while let Some(i) = it.next_item().unwrap() {
+            if i.key.objectid != ino.ino || i.key.ty != crate::format::EXTENT_DATA_KEY {
+                break;
+            }
+            n += 1;
+        }
+        n
+    }
+
+    /// Delayed allocation: appends gather in memory; the file's fsync writes them back as one
+    /// extent, logged as a pending ordered extent (not completed); a read or a commit writes
+    /// a buffer back and completes it. Replay after a power cut right after the fsync has
+    /// every append; the committed image has every append too.
+    #[test]
+    fn appends_gather_until_fsync_writes_them_back_as_one_extent() {
+        let (ram, fs) = crate::mkfs::test_fs(256 << 20);
+        let root = fs.root_inode();
+        let a = fs.create(root, b"a", 0o644, Owner::default()).unwrap();
+        let mut want: Vec<u8> = (0..8192u32).map(|i| (i % 253) as u8).collect();
+        fs.write(a, 0, &want).unwrap();
+        fs.commit().unwrap();
+        for i in 0..16u8 {
+            let chunk = vec![i + 1; 65536];
+            fs.write(a, want.len() as u64, &chunk).unwrap();
+            want.extend_from_slice(&chunk);
+        }
+        // Nothing allocated yet: the tree still has the first 8 KiB only.
+        assert_eq!(extent_items(&fs, a), 1);
+        assert_eq!(fs.inode_item_raw(a).unwrap().size, 8192);
+        assert!(fs.ordered.test(a, 8192, 8192 + 65536, ExtentBits::DELALLOC));
+        fs.fsync(a, false).unwrap();
+        let ls = fs.log_stats().unwrap();
+        assert_eq!((ls.logged, ls.ordered_logged), (1, 1));
+        let st = fs.ordered.stats();
+        assert_eq!((st.delalloc_flushed, st.pending), (1, 1), "{st:?}");
+        assert!(!fs.ordered.test(a, 8192, 8192 + 65536, ExtentBits::DELALLOC));
+        let cut = ram.durable_bytes();
+        let after = checked_copy(cut);
+        let a2 = in_root(&after, b"a");
+        assert_eq!(after.read(a2, 0, 2 << 20).unwrap(), want);
+        assert_eq!(extent_items(&after, a2), 2);
+        drop(after);
+        // A read writes back and completes; appends after it start a new buffer.
+        assert_eq!(fs.read(a, 0, 2 << 20).unwrap(), want);
+        assert_eq!(extent_items(&fs, a), 2);
+        for i in 0..4u8 {
+            let chunk = vec![0xf0 | i; 100_000];
+            fs.write(a, want.len() as u64, &chunk).unwrap();
+            want.extend_from_slice(&chunk);
+        }
+        // Unaligned end: the second buffer starts only at a sector boundary, so these went
+        // through the ordinary path but for the first.
+        assert_eq!(fs.inode_item(a).unwrap().size, want.len() as u64);
+        fs.commit().unwrap();
+        assert_eq!(fs.ordered.stats().pending, 0);
+        let after = checked_copy(ram.durable_bytes());
+        let a3 = in_root(&after, b"a");
+        assert_eq!(after.read(a3, 0, 4 << 20).unwrap(), want);
     }
 
     /// Without seed 003's rule an fsync completes the pending extents before it logs.
