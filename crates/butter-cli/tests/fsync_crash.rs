@@ -241,6 +241,15 @@ fn workload(fs: &Fs, base: &Model, seed: u64, max_ops: usize) -> RunEnd {
 /// A random file offset and length for writes: appends, overwrites, writes past the end;
 /// small (inline-sized), medium and large.
 fn write_range(rng: &mut Rng, size: u64) -> (u64, usize) {
+    if rng.below(4) == 0 {
+        // Sector-aligned appends (the first may leave a gap to reach alignment), the kind
+        // that gather in a delayed-allocation buffer until the fsync.
+        let off = size.next_multiple_of(4096);
+        let len = rng.range(1, 24) * 4096;
+        if off + len <= MAX_FILE {
+            return (off, len as usize);
+        }
+    }
     let len = match rng.below(10) {
         0..=3 => rng.range(1, 3000),
         4..=7 => rng.range(4096, 64 << 10),
@@ -680,6 +689,8 @@ struct Stats {
     torn_writes: u64,
     /// Pending ordered extents the dry runs' fsyncs logged before their completion.
     ordered_logged: u64,
+    /// Delayed-allocation buffers the dry runs wrote back.
+    delalloc: u64,
 }
 
 /// One round; panics with `what` (seed and round) on any problem.
@@ -699,6 +710,7 @@ fn round(base: &Base, scratch: &ScratchDir, seed: u64, r: u64, torn: bool, st: &
             panic!("{what}: dry run (no power cut) failed: {e}");
         }
         st.ordered_logged += fs.log_stats().map(|l| l.ordered_logged).unwrap_or(0);
+        st.delalloc += fs.ordered_stats().delalloc_flushed;
         drop(fs);
         dev.write_count() - start
     };
@@ -847,20 +859,26 @@ fn crash_loop(name: &str, torn: bool, seed_mix: u64) {
     eprintln!(
         "{name}: {rounds} rounds in {:.1} s: {} power cuts, {} ran to the end, {} crash images \
          with an fsync log, {} kernel replays, {} unflushed writes kept; the dry runs' fsyncs \
-         logged {} ordered extents before their completion",
+         logged {} ordered extents before their completion; {} delayed allocations written back",
         t.elapsed().as_secs_f64(),
         st.cuts,
         st.completed,
         st.with_log,
         st.kernel,
         st.torn_writes,
-        st.ordered_logged
+        st.ordered_logged,
+        st.delalloc
     );
     if only.is_none() && rounds >= 10 {
         // The workload's writes leave pending ordered extents that its fsyncs log.
         assert!(
             st.ordered_logged > 0,
             "{name}: no fsync logged a pending ordered extent"
+        );
+        // Its aligned appends gather in delayed-allocation buffers.
+        assert!(
+            st.delalloc > 0,
+            "{name}: no delayed allocation was written back"
         );
     }
 }
