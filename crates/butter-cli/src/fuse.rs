@@ -440,6 +440,21 @@ impl ButterFuse {
         self.guard(op, node, f)
     }
 
+    /// [`ButterFuse::guard`] for a reading operation that only reads xattr items: pending
+    /// ordered extents and delayed-allocation buffers cannot change what it sees, and it
+    /// never completes them, so it takes the shared lock as it is. (The kernel asks for
+    /// `security.capability` before every write; completing the file's writes there would
+    /// write each delayed-allocation buffer back after a single append.)
+    fn xattr_read_op<T>(
+        &self,
+        op: &str,
+        node: u64,
+        f: impl FnOnce() -> OpResult<T>,
+    ) -> Result<T, Errno> {
+        let _g = lock_read(&self.shared.lock);
+        self.guard(op, node, f)
+    }
+
     /// [`ButterFuse::guard`] for a changing operation (exclusive lock; EROFS when read-only).
     fn write_op<T>(
         &self,
@@ -778,10 +793,11 @@ impl Filesystem for ButterFuse {
         }
         let o = self.fs.ordered_stats();
         log::info!(
-            "writes: {} ordered extents ({} completed after the write returned), {} writes \
-             waited for an overlapping one",
+            "writes: {} ordered extents ({} completed after the write returned), {} delayed \
+             allocations written back, {} writes waited for an overlapping one",
             o.started,
             o.deferred,
+            o.delalloc_flushed,
             o.locked_waits
         );
     }
@@ -1375,7 +1391,7 @@ impl Filesystem for ButterFuse {
     }
 
     fn getxattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, size: u32, reply: ReplyXattr) {
-        match self.read_op("getxattr", ino.0, || {
+        match self.xattr_read_op("getxattr", ino.0, || {
             self.fs
                 .getxattr(self.inode(ino.0)?, name.as_bytes())?
                 .ok_or(OpError::Quiet(libc::ENODATA))
@@ -1386,7 +1402,7 @@ impl Filesystem for ButterFuse {
     }
 
     fn listxattr(&self, _req: &Request, ino: INodeNo, size: u32, reply: ReplyXattr) {
-        match self.read_op("listxattr", ino.0, || {
+        match self.xattr_read_op("listxattr", ino.0, || {
             let mut out = Vec::new();
             for name in self.fs.listxattr(self.inode(ino.0)?)? {
                 out.extend_from_slice(&name);

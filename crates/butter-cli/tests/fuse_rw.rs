@@ -272,7 +272,13 @@ fn exercise(root: &Path) {
     let p = |rel: &str| root.join(rel);
     // Small, big, appended, truncated.
     fs::write(p("small"), b"hello world\n").unwrap();
-    fs::write(p("big"), pseudo_random(5 << 20, 1)).unwrap();
+    {
+        // In 128 KiB writes, as cp writes.
+        let mut f = File::create(p("big")).unwrap();
+        for c in pseudo_random(5 << 20, 1).chunks(128 << 10) {
+            f.write_all(c).unwrap();
+        }
+    }
     {
         let mut f = OpenOptions::new()
             .append(true)
@@ -633,7 +639,21 @@ fn read_write_mount_matches_the_kernel() {
     kernel::assert_btrfs_check(&bimg);
     let k = LoopMount::btrfs_ro(&bimg, &kdir);
     let after = manifest::take(k.path(), &TakeOpts::default());
+    let big_ino = fs::metadata(k.path().join("big")).unwrap().ino();
     k.unmount();
+    // "big" (5 MiB in 128 KiB writes, each after the kernel's security.capability lookup,
+    // which must not write the file's buffer back)
+    // gathered in delayed-allocation buffers: two extents (4 MiB and 1 MiB), not one per
+    // write; the overwrite in its middle makes up to four more items.
+    let items = kernel::dump_tree(&bimg, &["-t", "5"])
+        .lines()
+        .filter(|l| l.contains(&format!("key ({big_ino} EXTENT_DATA ")))
+        .count();
+    assert!(
+        (2..=6).contains(&items),
+        "\"big\" has {items} file extent items:\n{}",
+        kernel::dump_tree(&bimg, &["-t", "5"])
+    );
     manifest::assert_same(
         &got,
         &after,

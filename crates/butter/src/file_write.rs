@@ -764,19 +764,26 @@ impl Fs {
     }
 
     /// Delayed allocation (crate::ordered::Delalloc): an append at a sector-aligned end of a
-    /// regular file too big to be inline, with no write in progress and nothing pending,
-    /// starts the file's buffer. The file is checked under the writer lock, so it cannot
-    /// change before the buffer exists; later appends join it without the lock.
+    /// regular file, too big to be inline, starts the file's buffer. The file's pending
+    /// extents (a full buffer, an earlier write) are completed first, as any other write
+    /// would: the buffer starts at the size the trees hold. The file is checked under the
+    /// writer lock, so it cannot change before the buffer exists; later appends join it
+    /// without the lock.
     fn try_start_delalloc(&self, ino: Inode, offset: u64, data: &[u8]) -> Result<bool> {
         let ss = self.disk.sectorsize() as u64;
+        let mi = max_inline(&self.disk) as u64;
         if offset % ss != 0
-            || offset <= max_inline(&self.disk) as u64
+            || (offset <= mi && data.len() as u64 <= mi)
             || data.len() as u64 > crate::ordered::DELALLOC_MAX
-            || self.ordered.has_pending(ino)
+            || !self.ordered.delalloc_enabled()
         {
             return Ok(false);
         }
-        let mut w = self.writer_keeping_ordered()?;
+        let mut w = if self.ordered.has_pending(ino) {
+            self.writer()?
+        } else {
+            self.writer_keeping_ordered()?
+        };
         let item = self.inode_item_raw(ino)?;
         if item.mode & 0o170000 != 0o100000 || item.size != offset {
             return Ok(false);

@@ -43,8 +43,10 @@
 //! directory they lost a name in) or subvolume is new in the transaction, and when log blocks
 //! cannot be allocated.
 //!
-//! Ordered extents (crate::ordered): a write returns once its data and checksums are written;
-//! its extent may still wait, pending, for its completion (the tree updates). An fsync logs
+//! Ordered extents (crate::ordered): a write returns once its data and checksums are written
+//! (or, for an append, once it joined the file's delayed-allocation buffer, which the fsync
+//! writes back first); its extent may still wait, pending, for its completion (the tree
+//! updates). An fsync logs
 //! the file's pending extents from memory, each laid over the tree's items of its range as its
 //! completion will lay it, with its checksums and the inode's size, nbytes and times as the
 //! completion will leave them, and, by seed 003's rule, neither completes them nor waits for
