@@ -138,6 +138,10 @@ pub enum Error {
     /// last committed state.
     #[error("transaction aborted, filesystem is read-only until reopened: {0}")]
     Aborted(String),
+    /// Appended data held in memory could not be written to the device: reported by the
+    /// file's next fsync (EIO).
+    #[error("appended data was lost: {0}; what was appended since the file's last fsync is not on the device (write it again)")]
+    WriteLost(String),
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -180,7 +184,7 @@ impl Error {
     /// Maps to the errno the FUSE front end reports.
     pub fn errno(&self) -> i32 {
         match self {
-            Error::Io { .. } => libc_consts::EIO,
+            Error::Io { .. } | Error::WriteLost(_) => libc_consts::EIO,
             Error::Corrupt { .. } => libc_consts::EUCLEAN,
             Error::BadChecksum { .. } | Error::DataChecksum { .. } => libc_consts::EIO,
             Error::Unsupported(_) => libc_consts::EOPNOTSUPP,

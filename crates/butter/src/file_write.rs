@@ -793,13 +793,15 @@ impl Fs {
     }
 
     /// Writes back the delayed-allocation buffer `d` of `ino` (under the writer lock): a new
-    /// extent, its data and checksums. Returns the pending ordered extent it makes.
+    /// extent, its data and checksums. Returns the pending ordered extent it makes, or (the
+    /// inner error) the failure of the data write, whose space went back: the buffer is
+    /// lost, nothing else changed.
     fn write_back_delalloc(
         &self,
         w: &mut Writer,
         d: &crate::ordered::Delalloc,
         commit_ok: bool,
-    ) -> Result<crate::ordered::Pending> {
+    ) -> Result<Result<crate::ordered::Pending>> {
         let ss = self.disk.sectorsize() as u64;
         let ct = self.disk.sb.csum_type;
         let mut buf = d.data.clone();
@@ -815,20 +817,35 @@ impl Fs {
         let written = self.disk.write_logical(bytenr, &buf);
         if let Err(e) = written {
             w.allocator.release_held(bytenr, len);
-            return Err(e);
+            return Ok(Err(e));
         }
         let mut sums = Vec::with_capacity(buf.len() / ss as usize * ct.size());
         for s in buf.chunks(ss as usize) {
             sums.extend_from_slice(&ct.compute(s)[..ct.size()]);
         }
-        Ok(crate::ordered::Pending {
+        Ok(Ok(crate::ordered::Pending {
             file_off: d.start,
             len,
             reach: d.start + d.data.len() as u64,
             bytenr,
             sums,
             stamp: d.stamp,
-        })
+        }))
+    }
+
+    /// A buffer whose data write failed: its appends are lost (the file keeps the size the
+    /// trees give it), and the file's next fsync reports the error. (The caller is done with
+    /// the buffer.)
+    fn lose_delalloc(&self, ino: Inode, d: &crate::ordered::Delalloc, e: &Error) {
+        let why = format!(
+            "writing back {} bytes appended at {} to inode {} (subvolume {}): {e}",
+            d.data.len(),
+            d.start,
+            ino.ino,
+            ino.root
+        );
+        log::error!("{why}; the appends are lost, the file's next fsync fails");
+        self.ordered.note_write_error(ino, why);
     }
 
     /// An fsync of `ino` writes back its delayed-allocation buffer as a pending ordered
@@ -837,9 +854,13 @@ impl Fs {
     pub(crate) fn write_back_for_fsync(&self, w: &mut Writer, ino: Inode) -> Result<()> {
         for (i, d) in self.ordered.take_delalloc(Some(ino)) {
             match self.write_back_delalloc(w, &d, false) {
-                Ok(p) => {
+                Ok(Ok(p)) => {
                     self.ordered.add_pending(i, p);
                     w.ordered_pending += 1;
+                    self.ordered.delalloc_done(i, &d);
+                }
+                Ok(Err(e)) => {
+                    self.lose_delalloc(i, &d, &e);
                     self.ordered.delalloc_done(i, &d);
                 }
                 Err(Error::NoSpace(_)) => {
@@ -908,11 +929,26 @@ impl Fs {
         // run).
         for (ino, d) in self.ordered.take_delalloc(None) {
             if failed.is_none() {
-                let r = self.write_back_delalloc(w, &d, true).and_then(|p| {
-                    let range = (p.file_off, p.len, p.reach);
-                    self.finish_ordered(w, ino, range, p.bytenr, &p.sums, false, Some(p.stamp))?;
-                    w.allocator.claim_held(p.bytenr, p.len);
-                    Ok(())
+                let r = self.write_back_delalloc(w, &d, true).and_then(|p| match p {
+                    Ok(p) => {
+                        let range = (p.file_off, p.len, p.reach);
+                        self.finish_ordered(
+                            w,
+                            ino,
+                            range,
+                            p.bytenr,
+                            &p.sums,
+                            false,
+                            Some(p.stamp),
+                        )?;
+                        w.allocator.claim_held(p.bytenr, p.len);
+                        Ok(())
+                    }
+                    // Only the buffer is lost: nothing changed, the transaction goes on.
+                    Err(e) => {
+                        self.lose_delalloc(ino, &d, &e);
+                        Ok(())
+                    }
                 });
                 if let Err(e) = r {
                     w.abort(format!(

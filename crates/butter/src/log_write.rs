@@ -602,6 +602,11 @@ impl Fs {
             self.write_back_for_fsync(&mut w, ino)?;
             w
         };
+        // Appends lost to a failed write-back since the last fsync: this fsync fails (once,
+        // as a writeback error does on Linux).
+        if let Some(why) = self.ordered.take_write_error(ino) {
+            return Err(Error::WriteLost(why));
+        }
         let t = self.log_inode_locked(&mut w, ino)?;
         log::debug!(
             "fsync {}/{}: {t:?} (transid {}, synced {})",

@@ -34,7 +34,8 @@
 //! extent that becomes a pending ordered extent (logged, not completed); everything else that
 //! completes pending extents writes buffers back and completes them too. A buffer starts only
 //! while the free data space holds all buffers plus [`DELALLOC_MARGIN`], so its allocation
-//! later does not fail.
+//! later does not fail. A buffer whose data write fails is dropped (nothing in the trees
+//! changed) and the file's next fsync fails ([`crate::Error::WriteLost`]), once.
 //!
 //! Pending extents are added and completed only under the writer lock, and every holder of the
 //! writer lock but the fsync log completes them first: so a commit inside an operation (to
@@ -69,6 +70,10 @@ pub struct OrderedTrees {
     delalloc_bytes: AtomicU64,
     data_free: AtomicU64,
     delalloc_flushed: AtomicU64,
+    /// Inodes whose buffered appends were lost to a failed data write since their last
+    /// fsync, with what failed: their next fsync reports it (EIO), as the kernel reports a
+    /// writeback error.
+    write_errors: Mutex<HashMap<Inode, String>>,
 }
 
 /// Most bytes one file gathers before its appends take the ordinary write path.
@@ -315,6 +320,22 @@ impl OrderedTrees {
                 .clear_bits(d.start, d.start + len - 1, ExtentBits::DELALLOC);
         }
         Self::forget_if_idle(&mut inodes, ino, 1);
+    }
+
+    /// `ino`'s buffered appends were lost: the data write failed (`why`).
+    pub fn note_write_error(&self, ino: Inode, why: String) {
+        self.write_errors
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(ino, why);
+    }
+
+    /// The write error of `ino` noted since its last fsync, if any (taken: reported once).
+    pub fn take_write_error(&self, ino: Inode) -> Option<String> {
+        self.write_errors
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&ino)
     }
 
     /// Puts a buffer taken by [`OrderedTrees::take_delalloc`] back (its write-back could not

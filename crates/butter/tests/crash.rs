@@ -612,7 +612,8 @@ fn failed_data_write_then_commit() {
     let root = fs.root_inode();
     let ino = fs.create(root, b"victim", 0o644, OWNER).unwrap();
     dev.set_faults(at(dev.write_count(), false));
-    let e = fs.write(ino, 0, &content(1, 256 * 1024)).unwrap_err();
+    // Past the end, so the data is written now (an append at the end would wait in memory).
+    let e = fs.write(ino, 4096, &content(1, 256 * 1024)).unwrap_err();
     assert_eq!(e.errno(), 5, "{e:?}");
     dev.set_faults(Faults::default());
     fs.write(ino, 0, &content(2, 8192)).unwrap();
@@ -682,4 +683,50 @@ fn insert_before_single_max_item() {
             .unwrap();
         w.commit().unwrap();
     }
+}
+
+/// Appends wait in memory (delayed allocation); when their write-back fails, only they are
+/// lost: the file's fsync reports EIO (once), the file keeps what was fsynced before, the
+/// filesystem goes on, and what is written and committed afterwards is consistent.
+#[test]
+fn failed_write_back_of_appends_loses_only_them() {
+    let s = setup();
+    let dev = Arc::new(RamDevice::new((*s.base).clone()));
+    let fs = Fs::open_device_rw(dev.clone()).expect("open A");
+    let root = fs.root_inode();
+    let ino = fs.create(root, b"victim", 0o644, OWNER).unwrap();
+    let first = content(1, 64 * 1024);
+    fs.write(ino, 0, &first).unwrap();
+    fs.fsync(ino, false).unwrap();
+    let before = dev.write_count();
+    fs.write(ino, first.len() as u64, &content(2, 256 * 1024))
+        .unwrap();
+    assert_eq!(
+        dev.write_count(),
+        before,
+        "the append went to the device at once"
+    );
+    dev.set_faults(at(dev.write_count(), false));
+    let e = fs.fsync(ino, false).unwrap_err();
+    assert_eq!(e.errno(), 5, "{e:?}");
+    assert!(e.to_string().contains("appended data was lost"), "{e}");
+    dev.set_faults(Faults::default());
+    // Reported once; the file has what its first fsync made durable.
+    fs.fsync(ino, false).unwrap();
+    assert_eq!(fs.stat(ino).unwrap().size, first.len() as u64);
+    assert_eq!(fs.read(ino, 0, 1 << 20).unwrap(), first);
+    let again = content(3, 100_000);
+    fs.write(ino, first.len() as u64, &again).unwrap();
+    fs.commit().unwrap();
+    drop(fs);
+    let fs2 = Fs::open_device(Arc::new(RamDevice::new(dev.durable_bytes()))).unwrap();
+    butter_check(&fs2).unwrap_or_else(|e| panic!("after a failed write-back: {e}"));
+    let v = fs2.resolve("/victim").unwrap();
+    let mut want = first.clone();
+    want.extend_from_slice(&again);
+    assert_eq!(fs2.read(v, 0, 1 << 20).unwrap(), want);
+    let m = manifest(&fs2).unwrap();
+    let mut expect = s.man_a.clone();
+    expect.insert("/victim".into(), m.get("/victim").unwrap().clone());
+    assert!(m == expect, "{}", diff(&expect, &m));
 }
