@@ -8,6 +8,8 @@
 //! - `creates beside a writer`: one thread streams 8 MiB writes while another creates 2000
 //!   files, 200 µs apart; the creates' latency shows how long other operations wait for the
 //!   writer lock;
+//! - delayed allocation on and off: 4 KiB and 64 KiB appends from 1 and 4 threads, with and
+//!   without an fsync every 16 appends;
 //! - `fsync beside a writer`: one thread writes a file 8 MiB at a time while another writes
 //!   4 KiB past that range and fsyncs the file every 2 ms, with seed 003's rule (the fsync
 //!   does not wait for the writes in progress, the default) and without it (it waits for
@@ -49,21 +51,37 @@ fn fresh(dir: &Path, unlocked: bool) -> butter::Result<(PathBuf, Arc<Fs>)> {
     Ok((path, Arc::new(fs)))
 }
 
-/// MiB/s of `threads` writers sharing `mib` MiB in 1 MiB writes.
-fn streams(dir: &Path, unlocked: bool, threads: u64, mib: u64, fsync: bool) -> butter::Result<f64> {
+/// One stream workload: `threads` writers, each appending to its own file in `bs`-byte
+/// writes, `mib` MiB in all, with an fsync every `fsync_every` writes (0: none).
+struct Streams {
+    threads: u64,
+    mib: u64,
+    bs: usize,
+    fsync_every: u64,
+}
+
+/// MiB/s of a [`Streams`] workload, and the delayed-allocation buffers written back.
+fn streams(dir: &Path, unlocked: bool, delalloc: bool, s: &Streams) -> butter::Result<(f64, u64)> {
     let (path, fs) = fresh(dir, unlocked)?;
+    fs.set_delayed_allocation(delalloc);
     let root = fs.root_inode();
-    let per = mib / threads;
+    let Streams {
+        threads,
+        mib,
+        bs,
+        fsync_every,
+    } = *s;
+    let per = (mib << 20) / bs as u64 / threads;
     let t = Instant::now();
     let handles: Vec<_> = (0..threads)
         .map(|i| {
             let fs = fs.clone();
             std::thread::spawn(move || -> butter::Result<()> {
                 let f = fs.create(root, format!("f{i}").as_bytes(), 0o644, Owner::default())?;
-                let buf = vec![i as u8 + 1; 1 << 20];
+                let buf = vec![i as u8 + 1; bs];
                 for k in 0..per {
-                    fs.write(f, k << 20, &buf)?;
-                    if fsync {
+                    fs.write(f, k * bs as u64, &buf)?;
+                    if fsync_every > 0 && (k + 1) % fsync_every == 0 {
                         fs.fsync(f, false)?;
                     }
                 }
@@ -76,9 +94,13 @@ fn streams(dir: &Path, unlocked: bool, threads: u64, mib: u64, fsync: bool) -> b
     }
     let secs = t.elapsed().as_secs_f64();
     fs.commit()?;
+    let flushed = fs.ordered_stats().delalloc_flushed;
     drop(fs);
     let _ = std::fs::remove_file(path);
-    Ok((per * threads) as f64 / secs)
+    Ok((
+        (per * threads * bs as u64) as f64 / (1 << 20) as f64 / secs,
+        flushed,
+    ))
 }
 
 /// Runs `measure` (which returns latencies in µs) while another thread writes the file
@@ -181,9 +203,15 @@ fn main() -> butter::Result<()> {
             let mib = if fsync { mib / 4 } else { mib };
             let mut u = Vec::new();
             let mut l = Vec::new();
+            let s = Streams {
+                threads,
+                mib,
+                bs: 1 << 20,
+                fsync_every: u64::from(fsync),
+            };
             for _ in 0..RUNS {
-                u.push(streams(&dir, true, threads, mib, fsync)?);
-                l.push(streams(&dir, false, threads, mib, fsync)?);
+                u.push(streams(&dir, true, true, &s)?.0);
+                l.push(streams(&dir, false, true, &s)?.0);
             }
             let (u, l) = (median(u), median(l));
             println!(
@@ -226,6 +254,48 @@ fn main() -> butter::Result<()> {
         let (a, b) = (p(&u, i), p(&l, i));
         println!(
             "| fsync {name} of a file another thread writes 8 MiB at a time (lower is better) | {a:.1} µs | {b:.1} µs | {:.2}x |",
+            a / b
+        );
+    }
+    println!(
+        "\nDelayed allocation: appends gather in memory and go to the device as one extent per \
+         buffer (on) or are allocated and written one by one (off).\n"
+    );
+    println!("| workload | on | off | on/off | buffers written back (on) |");
+    println!("|---|---:|---:|---:|---:|");
+    for (threads, bs, fsync_every, part) in [
+        (1u64, 4096usize, 0u64, 8u64),
+        (1, 64 << 10, 0, 2),
+        (4, 64 << 10, 0, 2),
+        (1, 64 << 10, 16, 8),
+        (4, 64 << 10, 16, 8),
+    ] {
+        let s = Streams {
+            threads,
+            mib: mib / part,
+            bs,
+            fsync_every,
+        };
+        let mut on = Vec::new();
+        let mut off = Vec::new();
+        let mut flushed = 0;
+        for _ in 0..RUNS {
+            let (t, f) = streams(&dir, true, true, &s)?;
+            on.push(t);
+            flushed = f;
+            off.push(streams(&dir, true, false, &s)?.0);
+        }
+        let (a, b) = (median(on), median(off));
+        println!(
+            "| {threads} thread{}, {} KiB appends{}, {} MiB | {a:.0} MiB/s | {b:.0} MiB/s | {:.2}x | {flushed} |",
+            if threads == 1 { "" } else { "s" },
+            bs >> 10,
+            if fsync_every > 0 {
+                format!(" + fsync every {fsync_every}")
+            } else {
+                String::new()
+            },
+            s.mib,
             a / b
         );
     }

@@ -721,6 +721,7 @@ impl Fs {
             bytenr,
             sums,
             stamp: crate::fs_write::now(),
+            writing: false,
         });
         w.ordered_pending += 1;
     }
@@ -774,11 +775,14 @@ impl Fs {
         let mi = max_inline(&self.disk) as u64;
         if offset % ss != 0
             || (offset <= mi && data.len() as u64 <= mi)
-            || data.len() as u64 > crate::ordered::DELALLOC_MAX
+            || data.len() as u64 > crate::ordered::DELALLOC_APPEND_MAX
             || !self.ordered.delalloc_enabled()
         {
             return Ok(false);
         }
+        // A full buffer (this append did not fit) goes to the device without the writer lock
+        // first; its completion below is only tree updates.
+        self.flush_delalloc_unlocked(ino)?;
         let mut w = if self.ordered.has_pending(ino) {
             self.writer()?
         } else {
@@ -830,7 +834,94 @@ impl Fs {
             bytenr,
             sums,
             stamp: d.stamp,
+            writing: false,
         }))
+    }
+
+    /// Writes `ino`'s delayed-allocation buffer back with the writer lock held only to
+    /// allocate its extent and register it as a pending ordered extent (seed 003: writeback
+    /// does not stop other operations): the data goes to the device without it, as an
+    /// ordinary write's does. Whoever needs the extent meanwhile (a completion, the fsync
+    /// log) waits for its data. When the space cannot be had without a commit, the buffer
+    /// stays for a write-back under the lock.
+    pub(crate) fn flush_delalloc_unlocked(&self, ino: Inode) -> Result<()> {
+        if !self.ordered.has_delalloc(ino) {
+            return Ok(());
+        }
+        let ss = self.disk.sectorsize() as u64;
+        let (d, bytenr, len) = {
+            let mut w = self.writer_keeping_ordered()?;
+            let Some(d) = self.ordered.begin_flush(ino) else {
+                return Ok(());
+            };
+            let len = (d.data.len() as u64).div_ceil(ss) * ss;
+            let at = w.alloc_data(len).and_then(|at| {
+                w.allocator.hold(at, len)?;
+                Ok(at)
+            });
+            let at = match at {
+                Ok(at) => at,
+                Err(e) => {
+                    self.ordered.untake_delalloc(ino, d);
+                    return match e {
+                        Error::NoSpace(_) => Ok(()),
+                        e => Err(e),
+                    };
+                }
+            };
+            self.ordered.flush_registered(ino, &d, at, len);
+            w.ordered_pending += 1;
+            (d, at, len)
+        };
+        // Should this thread unwind before the data is written, the waiters still get an end.
+        struct Unfinished<'a>(&'a crate::ordered::OrderedTrees, Inode, u64);
+        impl Drop for Unfinished<'_> {
+            fn drop(&mut self) {
+                self.0
+                    .flush_written(self.1, self.2, Err("the write-back was interrupted".into()));
+            }
+        }
+        let unfinished = Unfinished(&self.ordered, ino, bytenr);
+        let mut buf = d.data;
+        buf.resize(len as usize, 0);
+        let r = self.disk.write_logical(bytenr, &buf).map(|()| {
+            let ct = self.disk.sb.csum_type;
+            let mut sums = Vec::with_capacity(buf.len() / ss as usize * ct.size());
+            for s in buf.chunks(ss as usize) {
+                sums.extend_from_slice(&ct.compute(s)[..ct.size()]);
+            }
+            sums
+        });
+        let r = r.map_err(|e| {
+            let why = format!(
+                "writing back {} bytes appended at {} to inode {} (subvolume {}): {e}",
+                buf.len(),
+                d.start,
+                ino.ino,
+                ino.root
+            );
+            log::error!("{why}; the appends are lost, the file's next fsync fails");
+            why
+        });
+        let failed = r.is_err();
+        std::mem::forget(unfinished);
+        self.ordered.flush_written(ino, bytenr, r);
+        if failed {
+            // Its space goes back, and the error to the next fsync, under the writer lock.
+            let mut w = self.writer_keeping_ordered()?;
+            self.release_lost(&mut w);
+        }
+        Ok(())
+    }
+
+    /// Gives back the held space of buffers whose write-back failed without the writer lock,
+    /// and keeps their errors for their files' next fsync.
+    pub(crate) fn release_lost(&self, w: &mut Writer) {
+        for (ino, bytenr, len, why) in self.ordered.take_lost() {
+            w.allocator.release_held(bytenr, len);
+            w.ordered_pending = w.ordered_pending.saturating_sub(1);
+            self.ordered.note_write_error(ino, why);
+        }
     }
 
     /// A buffer whose data write failed: its appends are lost (the file keeps the size the
@@ -890,6 +981,7 @@ impl Fs {
     /// unrecorded: the transaction is aborted (the image keeps its last commit and the fsync
     /// log, which has what was fsynced), the rest are abandoned and the error returned.
     pub(crate) fn complete_ordered(&self, w: &mut Writer) -> Result<()> {
+        self.release_lost(w);
         let mut failed = None;
         for (ino, list) in self.ordered.take_pending() {
             w.ordered_pending = w.ordered_pending.saturating_sub(list.len());

@@ -594,6 +594,9 @@ impl Fs {
         // Pending ordered extents are logged as they are (seed 003), not completed first;
         // without the rule, or where the log would need the hole items their completion
         // inserts (a file system without NO_HOLES), they are completed first.
+        // Its buffered appends go to the device first, without the writer lock (other
+        // fsyncs and changes go on meanwhile).
+        self.flush_delalloc_unlocked(ino)?;
         let mut w = if self.fsync_completes_ordered() {
             self.writer()?
         } else {
@@ -604,6 +607,7 @@ impl Fs {
         };
         // Appends lost to a failed write-back since the last fsync: this fsync fails (once,
         // as a writeback error does on Linux).
+        self.release_lost(&mut w);
         if let Some(why) = self.ordered.take_write_error(ino) {
             return Err(Error::WriteLost(why));
         }

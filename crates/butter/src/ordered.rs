@@ -27,12 +27,15 @@
 //! extent range lock makes them; `ORDERED` marks ranges from allocation to completion and
 //! `WRITEBACK` ranges whose data is being written.
 //!
-//! Delayed allocation ([`Delalloc`]): an append at the sector-aligned end of a file (too big
-//! to be inline, with no write in progress and nothing pending) starts a buffer in memory,
-//! `DELALLOC` in the range-state tree, and the appends that follow it join the buffer without
-//! the writer lock; nothing is allocated. The file's fsync writes the buffer back as one
-//! extent that becomes a pending ordered extent (logged, not completed); everything else that
-//! completes pending extents writes buffers back and completes them too. A buffer starts only
+//! Delayed allocation ([`Delalloc`]): an append (of at most [`DELALLOC_APPEND_MAX`]) at the
+//! sector-aligned end of a file, too big to be inline, starts a buffer in memory, `DELALLOC`
+//! in the range-state tree, and the appends that follow it join the buffer without the
+//! writer lock; nothing is allocated. When the buffer is full, and at the file's fsync, it
+//! is written back with the writer lock held only to allocate its extent and register it as
+//! a pending ordered extent still `writing`; its data goes to the device without the lock,
+//! and whoever takes pending extents meanwhile waits for it. The fsync then logs it as a
+//! pending extent (not completed); everything else that completes pending extents writes
+//! the remaining buffers back (under the lock) and completes them too. A buffer starts only
 //! while the free data space holds all buffers plus [`DELALLOC_MARGIN`], so its allocation
 //! later does not fail. A buffer whose data write fails is dropped (nothing in the trees
 //! changed) and the file's next fsync fails ([`crate::Error::WriteLost`]), once.
@@ -74,10 +77,16 @@ pub struct OrderedTrees {
     /// fsync, with what failed: their next fsync reports it (EIO), as the kernel reports a
     /// writeback error.
     write_errors: Mutex<HashMap<Inode, String>>,
+    /// Signalled when a buffer's write-back without the writer lock ends.
+    flush_done: Condvar,
 }
 
 /// Most bytes one file gathers before its appends take the ordinary write path.
 pub const DELALLOC_MAX: u64 = 4 << 20;
+/// Appends longer than this take the ordinary write path (an ordered extent of their own,
+/// data written without the writer lock): they make long extents anyway, and copying them
+/// into a buffer costs more than it saves (1 MiB appends from 2 threads ran 1.6x slower).
+pub const DELALLOC_APPEND_MAX: u64 = 256 << 10;
 /// Most bytes all files gather.
 pub const DELALLOC_TOTAL_MAX: u64 = 64 << 20;
 /// Free data space that must remain beyond the gathered bytes (their allocation comes later
@@ -98,6 +107,10 @@ pub struct Pending {
     pub sums: Vec<u8>,
     /// When the write returned: the inode's mtime and ctime after the completion.
     pub stamp: Timespec,
+    /// A buffer's write-back whose data is on its way to the device without the writer lock
+    /// ([`OrderedTrees::flush_registered`]; `sums` empty until it is written): whoever takes
+    /// pending extents waits until it is.
+    pub writing: bool,
 }
 
 /// One inode being written: its range-state tree and the tickets of the writes holding a
@@ -112,6 +125,10 @@ struct InodeWrites {
     completing: usize,
     /// Appended data not yet allocated (delayed allocation).
     delalloc: Option<Delalloc>,
+    /// Buffers whose write-back failed (extent start, length, what failed): their held space
+    /// goes back, and their error to the file's next fsync, under the writer lock
+    /// ([`OrderedTrees::take_lost`]).
+    lost: Vec<(u64, u64, String)>,
 }
 
 /// Data appended to a file and not yet allocated (delayed allocation): consecutive appends
@@ -134,6 +151,7 @@ impl InodeWrites {
             pending: Vec::new(),
             completing: 0,
             delalloc: None,
+            lost: Vec::new(),
         }
     }
 }
@@ -218,7 +236,10 @@ impl OrderedTrees {
     /// no write to the file is in progress, and the limits allow): true when done.
     pub fn try_append(&self, ino: Inode, offset: u64, data: &[u8]) -> bool {
         let len = data.len() as u64;
-        if self.delalloc_off.load(Ordering::Relaxed) || !self.any_pending() {
+        if self.delalloc_off.load(Ordering::Relaxed)
+            || !self.any_pending()
+            || len > DELALLOC_APPEND_MAX
+        {
             return false;
         }
         let mut inodes = self.inodes();
@@ -363,6 +384,121 @@ impl OrderedTrees {
         self.pending_total.fetch_add(1, Ordering::SeqCst);
     }
 
+    /// Takes `ino`'s delayed-allocation buffer out for a write-back without the writer lock
+    /// (under it; [`OrderedTrees::flush_registered`] or [`OrderedTrees::untake_delalloc`]
+    /// follows). None if it has none, or an empty one.
+    pub fn begin_flush(&self, ino: Inode) -> Option<Delalloc> {
+        if !self.any_pending() {
+            return None;
+        }
+        let mut inodes = self.inodes();
+        let w = inodes.get_mut(&ino)?;
+        if w.delalloc.as_ref().is_none_or(|d| d.data.is_empty()) {
+            return None;
+        }
+        w.completing += 1;
+        w.delalloc.take()
+    }
+
+    /// The buffer `d` taken by [`OrderedTrees::begin_flush`] has its extent at `bytenr`
+    /// (`len` bytes, held): it becomes a pending ordered extent whose data is still to be
+    /// written (`writing`), under the writer lock, whose holder counts it. The caller writes
+    /// the data, then calls [`OrderedTrees::flush_written`].
+    pub fn flush_registered(&self, ino: Inode, d: &Delalloc, bytenr: u64, len: u64) {
+        let dlen = d.data.len() as u64;
+        self.delalloc_flushed.fetch_add(1, Ordering::Relaxed);
+        self.delalloc_bytes.fetch_sub(dlen, Ordering::SeqCst);
+        self.deferred.fetch_add(1, Ordering::Relaxed);
+        let mut inodes = self.inodes();
+        let w = inodes
+            .entry(ino)
+            .or_insert_with(|| InodeWrites::new(Arc::new(SharedExtentIoTree::new())));
+        w.completing = w.completing.saturating_sub(1);
+        w.tree
+            .clear_bits(d.start, d.start + dlen - 1, ExtentBits::DELALLOC);
+        w.tree.set_bits(
+            d.start,
+            d.start + len - 1,
+            ExtentBits::ORDERED | ExtentBits::WRITEBACK,
+        );
+        // (pending_total counted the buffer; it counts the pending extent now.)
+        w.pending.push(Pending {
+            file_off: d.start,
+            len,
+            reach: d.start + dlen,
+            bytenr,
+            sums: Vec::new(),
+            stamp: d.stamp,
+            writing: true,
+        });
+    }
+
+    /// The data of the pending extent at `bytenr` of `ino` is written (`Ok(checksums)`) or
+    /// failed (`Err(what)`: the extent is dropped, its appends lost; see
+    /// [`OrderedTrees::take_lost`]).
+    pub fn flush_written(&self, ino: Inode, bytenr: u64, r: std::result::Result<Vec<u8>, String>) {
+        let mut inodes = self.inodes();
+        if let Some(w) = inodes.get_mut(&ino) {
+            if let Some(i) = w
+                .pending
+                .iter()
+                .position(|p| p.bytenr == bytenr && p.writing)
+            {
+                let (start, len) = (w.pending[i].file_off, w.pending[i].len);
+                w.tree
+                    .clear_bits(start, start + len - 1, ExtentBits::WRITEBACK);
+                match r {
+                    Ok(sums) => {
+                        w.pending[i].sums = sums;
+                        w.pending[i].writing = false;
+                    }
+                    Err(why) => {
+                        w.pending.remove(i);
+                        w.tree
+                            .clear_bits(start, start + len - 1, ExtentBits::ORDERED);
+                        w.lost.push((bytenr, len, why));
+                    }
+                }
+            }
+        }
+        drop(inodes);
+        self.flush_done.notify_all();
+    }
+
+    /// Buffers whose write-back failed (inode, extent start, length, what failed), taken (under
+    /// the writer lock, whose holder gives their held space back).
+    pub fn take_lost(&self) -> Vec<(Inode, u64, u64, String)> {
+        if !self.any_pending() {
+            return Vec::new();
+        }
+        let mut out = Vec::new();
+        let mut inodes = self.inodes();
+        let inos: Vec<Inode> = inodes
+            .iter()
+            .filter(|(_, w)| !w.lost.is_empty())
+            .map(|(i, _)| *i)
+            .collect();
+        for ino in inos {
+            if let Some(w) = inodes.get_mut(&ino) {
+                for (b, l, why) in std::mem::take(&mut w.lost) {
+                    self.pending_total.fetch_sub(1, Ordering::SeqCst);
+                    out.push((ino, b, l, why));
+                }
+            }
+            Self::forget_if_idle(&mut inodes, ino, 1);
+        }
+        out
+    }
+
+    /// Whether `ino` has a delayed-allocation buffer.
+    pub fn has_delalloc(&self, ino: Inode) -> bool {
+        self.any_pending()
+            && self
+                .inodes()
+                .get(&ino)
+                .is_some_and(|w| w.delalloc.is_some())
+    }
+
     /// Forgets `ino`'s tree when nothing is left in it and `refs` references to it remain
     /// (the map's, and the caller's if it holds one).
     fn forget_if_idle(inodes: &mut HashMap<Inode, InodeWrites>, ino: Inode, refs: usize) {
@@ -371,6 +507,7 @@ impl OrderedTrees {
                 && w.pending.is_empty()
                 && w.completing == 0
                 && w.delalloc.is_none()
+                && w.lost.is_empty()
                 && Arc::strong_count(&w.tree) == refs
                 && w.tree.with(|t| t.is_empty())
             {
@@ -388,21 +525,46 @@ impl OrderedTrees {
     /// completed: its reader must wait for the writer lock too).
     pub fn has_pending(&self, ino: Inode) -> bool {
         self.any_pending()
-            && self
-                .inodes()
-                .get(&ino)
-                .is_some_and(|w| !w.pending.is_empty() || w.completing > 0 || w.delalloc.is_some())
+            && self.inodes().get(&ino).is_some_and(|w| {
+                !w.pending.is_empty()
+                    || w.completing > 0
+                    || w.delalloc.is_some()
+                    || !w.lost.is_empty()
+            })
     }
 
     /// The pending ordered extents of `ino`, oldest first (for the fsync log).
+    /// (A write-back on its way to the device is waited for.)
     pub fn pending_of(&self, ino: Inode) -> Vec<Pending> {
         if !self.any_pending() {
             return Vec::new();
         }
-        self.inodes()
+        let inodes = self.wait_flushes(self.inodes(), Some(ino));
+        inodes
             .get(&ino)
             .map(|w| w.pending.clone())
             .unwrap_or_default()
+    }
+
+    /// Waits (the map's lock given up meanwhile) until no pending extent of `ino`, or of any
+    /// inode, is still being written by [`OrderedTrees::flush_registered`]'s caller. Called
+    /// under the writer lock, which those writers do not need to finish.
+    fn wait_flushes<'a>(
+        &'a self,
+        mut inodes: std::sync::MutexGuard<'a, HashMap<Inode, InodeWrites>>,
+        ino: Option<Inode>,
+    ) -> std::sync::MutexGuard<'a, HashMap<Inode, InodeWrites>> {
+        let busy = |m: &HashMap<Inode, InodeWrites>| {
+            m.iter()
+                .any(|(i, w)| ino.is_none_or(|x| x == *i) && w.pending.iter().any(|p| p.writing))
+        };
+        while busy(&inodes) {
+            inodes = self
+                .flush_done
+                .wait(inodes)
+                .unwrap_or_else(|e| e.into_inner());
+        }
+        inodes
     }
 
     /// Takes every pending ordered extent out, for their completion (under the writer lock).
@@ -412,7 +574,7 @@ impl OrderedTrees {
             return Vec::new();
         }
         let mut out = Vec::new();
-        let mut inodes = self.inodes();
+        let mut inodes = self.wait_flushes(self.inodes(), None);
         for (ino, w) in inodes.iter_mut() {
             if !w.pending.is_empty() {
                 let list = std::mem::take(&mut w.pending);
@@ -485,6 +647,12 @@ impl crate::fs::Fs {
         };
         self.unlocked_writeback_above
             .store(above, Ordering::Relaxed);
+    }
+
+    /// Whether appends gather in memory (delayed allocation, the default). Off, every write
+    /// is allocated and written when it comes: for benchmarks that compare the two.
+    pub fn set_delayed_allocation(&self, on: bool) {
+        self.ordered.set_delalloc(on);
     }
 }
 
@@ -852,6 +1020,54 @@ mod tests {
         let after = checked_copy(ram.durable_bytes());
         let a3 = in_root(&after, b"a");
         assert_eq!(after.read(a3, 0, 4 << 20).unwrap(), want);
+    }
+
+    /// A buffer's write-back (here the fsync's) holds the writer lock only to allocate: while
+    /// its data is on its way to the device, another file is appended to and fsynced (the
+    /// fsync log takes the writer lock). Then both fsyncs' data survives a power cut.
+    #[test]
+    fn a_buffer_is_written_back_without_the_writer_lock() {
+        let (ram, fs, arrived, release) = gated();
+        fs.ordered.set_delalloc(true);
+        let root = fs.root_inode();
+        let a = fs.create(root, b"a", 0o644, Owner::default()).unwrap();
+        let b = fs.create(root, b"b", 0o644, Owner::default()).unwrap();
+        fs.commit().unwrap();
+        let mut first = vec![0x11; 65536];
+        first[..MARK.len()].copy_from_slice(MARK);
+        fs.write(a, 0, &first).unwrap();
+        fs.write(a, 65536, &[0x22; 65536]).unwrap();
+        assert!(fs.ordered.test(a, 0, 131072, ExtentBits::DELALLOC));
+        let fsync_a = {
+            let fs = fs.clone();
+            std::thread::spawn(move || fs.fsync(a, false).unwrap())
+        };
+        arrived.recv_timeout(Duration::from_secs(60)).unwrap();
+        // a's buffer is a pending extent whose data is being written.
+        assert!(fs.ordered.test(a, 0, 131072, ExtentBits::WRITEBACK));
+        assert!(!fs.ordered.test(a, 0, 131072, ExtentBits::DELALLOC));
+        let (done_tx, done) = mpsc::channel();
+        let fsync_b = {
+            let fs = fs.clone();
+            std::thread::spawn(move || {
+                fs.write(b, 0, &[0x33; 65536]).unwrap();
+                fs.fsync(b, false).unwrap();
+                done_tx.send(()).unwrap();
+            })
+        };
+        let b_finished = done.recv_timeout(Duration::from_secs(20)).is_ok();
+        release.send(()).unwrap();
+        assert!(b_finished, "b's append and fsync waited for a's write-back");
+        fsync_a.join().unwrap();
+        fsync_b.join().unwrap();
+        let after = checked_copy(ram.durable_bytes());
+        let mut want = first.clone();
+        want.extend_from_slice(&[0x22; 65536]);
+        assert_eq!(after.read(in_root(&after, b"a"), 0, 1 << 20).unwrap(), want);
+        assert_eq!(
+            after.read(in_root(&after, b"b"), 0, 1 << 20).unwrap(),
+            vec![0x33; 65536]
+        );
     }
 
     /// A file written from its start in 128 KiB appends (as `cp` through FUSE writes it)
