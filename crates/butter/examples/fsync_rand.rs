@@ -7,31 +7,16 @@
 //!
 //! `cargo run --release -p butter --example fsync_rand [DIR] [FILE_MIB]`
 
-use butter::device::FileDevice;
+mod common;
+
 use butter::fs::Fs;
 use butter::fs_write::Owner;
 use butter::log_write::LogTicket;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 fn fresh(dir: &Path) -> butter::Result<(PathBuf, Fs)> {
-    let size = 1u64 << 30;
-    let path = dir.join(format!("butter-fsync-rand-{}.img", std::process::id()));
-    let _ = std::fs::remove_file(&path);
-    let io = |e: std::io::Error| butter::Error::Invalid(format!("{}: {e}", path.display()));
-    std::fs::File::create(&path)
-        .and_then(|f| f.set_len(size))
-        .map_err(io)?;
-    let dev = Arc::new(FileDevice::open(&path, true).map_err(io)?);
-    let opts = butter::mkfs::MkfsOptions {
-        size,
-        fsid: Some([7; 16]),
-        time: Some(1_700_000_000),
-        ..Default::default()
-    };
-    butter::mkfs::mkfs(dev.as_ref(), &opts)?;
-    Ok((path, Fs::open_device_rw(dev)?))
+    common::fresh_image(dir, "fsync-rand", 1 << 30)
 }
 
 fn pct(v: &mut [Duration], p: f64) -> f64 {

@@ -20,7 +20,8 @@
 //!
 //! `cargo run --release -p butter --example ordered_writes [DIR] [MIB_PER_RUN]`
 
-use butter::device::FileDevice;
+mod common;
+
 use butter::fs::Fs;
 use butter::fs_write::Owner;
 use std::path::{Path, PathBuf};
@@ -31,22 +32,7 @@ use std::time::{Duration, Instant};
 const RUNS: usize = 3;
 
 fn fresh(dir: &Path, unlocked: bool) -> butter::Result<(PathBuf, Arc<Fs>)> {
-    let size = 2u64 << 30;
-    let path = dir.join(format!("butter-ordered-bench-{}.img", std::process::id()));
-    let _ = std::fs::remove_file(&path);
-    let io = |e: std::io::Error| butter::Error::Invalid(format!("{}: {e}", path.display()));
-    std::fs::File::create(&path)
-        .and_then(|f| f.set_len(size))
-        .map_err(io)?;
-    let dev = Arc::new(FileDevice::open(&path, true).map_err(io)?);
-    let opts = butter::mkfs::MkfsOptions {
-        size,
-        fsid: Some([7; 16]),
-        time: Some(1_700_000_000),
-        ..Default::default()
-    };
-    butter::mkfs::mkfs(dev.as_ref(), &opts)?;
-    let fs = Fs::open_device_rw(dev)?;
+    let (path, fs) = common::fresh_image(dir, "ordered-bench", 2 << 30)?;
     fs.set_unlocked_writeback(unlocked);
     Ok((path, Arc::new(fs)))
 }

@@ -987,20 +987,8 @@ impl Fs {
             w.ordered_pending = w.ordered_pending.saturating_sub(list.len());
             for p in &list {
                 if failed.is_none() {
-                    let range = (p.file_off, p.len, p.reach);
-                    match self.finish_ordered(
-                        w,
-                        ino,
-                        range,
-                        p.bytenr,
-                        &p.sums,
-                        false,
-                        Some(p.stamp),
-                    ) {
-                        Ok(()) => {
-                            w.allocator.claim_held(p.bytenr, p.len);
-                            continue;
-                        }
+                    match self.complete_pending(w, ino, p) {
+                        Ok(()) => continue,
                         Err(e) => {
                             w.abort(format!(
                                 "completing the write of {} bytes at {} of inode {} (subvolume \
@@ -1022,20 +1010,7 @@ impl Fs {
         for (ino, d) in self.ordered.take_delalloc(None) {
             if failed.is_none() {
                 let r = self.write_back_delalloc(w, &d, true).and_then(|p| match p {
-                    Ok(p) => {
-                        let range = (p.file_off, p.len, p.reach);
-                        self.finish_ordered(
-                            w,
-                            ino,
-                            range,
-                            p.bytenr,
-                            &p.sums,
-                            false,
-                            Some(p.stamp),
-                        )?;
-                        w.allocator.claim_held(p.bytenr, p.len);
-                        Ok(())
-                    }
+                    Ok(p) => self.complete_pending(w, ino, &p),
                     // Only the buffer is lost: nothing changed, the transaction goes on.
                     Err(e) => {
                         self.lose_delalloc(ino, &d, &e);
@@ -1055,6 +1030,20 @@ impl Fs {
             self.ordered.delalloc_done(ino, &d);
         }
         failed.map_or(Ok(()), Err)
+    }
+
+    /// A pending extent's completion ([`Self::finish_ordered`]), after which its space is an
+    /// ordinary allocation.
+    fn complete_pending(
+        &self,
+        w: &mut Writer,
+        ino: Inode,
+        p: &crate::ordered::Pending,
+    ) -> Result<()> {
+        let range = (p.file_off, p.len, p.reach);
+        self.finish_ordered(w, ino, range, p.bytenr, &p.sums, false, Some(p.stamp))?;
+        w.allocator.claim_held(p.bytenr, p.len);
+        Ok(())
     }
 
     /// An ordered extent's completion: its checksums and its file extent item go into the
