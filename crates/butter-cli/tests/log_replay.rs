@@ -481,6 +481,31 @@ fn rename_over_existing() {
     );
 }
 
+/// The atomic replace, across directories and within one: a temporary file fsynced,
+/// renamed over the target, the directory fsynced.
+#[test]
+fn atomic_replace_fsync_dir() {
+    run_scenario(
+        "atomic-replace",
+        &|m| {
+            fs::create_dir(m.join("d")).unwrap();
+            fs::create_dir(m.join("tmp")).unwrap();
+            write_file(&m.join("d/config"), 5000, 65);
+            write_file(&m.join("d/state"), 9000, 68);
+            write_file(&m.join("d/other"), 700, 66);
+        },
+        &|m| {
+            write_file(&m.join("d/config.tmp"), 5500, 67);
+            fsync(&m.join("d/config.tmp"));
+            fs::rename(m.join("d/config.tmp"), m.join("d/config")).unwrap();
+            write_file(&m.join("tmp/state"), 12000, 69);
+            fsync(&m.join("tmp/state"));
+            fs::rename(m.join("tmp/state"), m.join("d/state")).unwrap();
+            fsync(&m.join("d"));
+        },
+    );
+}
+
 /// Enough extents that the log tree needs more than one leaf.
 #[test]
 fn many_extents() {

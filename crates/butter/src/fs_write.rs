@@ -901,6 +901,11 @@ impl Fs {
             }
             self.remove_entry(w, from_dir, from, src.target)?;
             self.add_entry(w, to_dir, to, src.target, src.file_type)?;
+            if dst.is_some() && src.file_type != FT_DIR {
+                // Its new name was another inode's: its fsync logs `to_dir` whole, so replay
+                // drops that inode's entry before adding this one (crate::log_write).
+                w.log.note_name_change(src.target, Some(to_dir));
+            }
             let mut it = self.inode_item(src.target)?;
             Self::touch(w, &mut it, false);
             self.write_inode(w, src.target, &it)

@@ -31,15 +31,17 @@
 //! A file renamed, linked or unlinked in the running transaction is logged with all its
 //! names (INODE_REFs); the directories where it lost a name are logged whole with it (replay
 //! keeps the names in directories the log does not cover), as the kernel logs a renamed
-//! inode's old parent. A directory fsync that meets such a file (an entry, or a removed entry
+//! inode's old parent. So is a directory where it was renamed over another file: replay drops
+//! that file's entry (not in the log) before it adds the new one, where the kernel logs the
+//! replaced inode too. A directory fsync that meets such a file (an entry, or a removed entry
 //! that lives on) logs it the same way.
 //!
 //! Fsyncs fall back to a full commit where a log cannot be right or is not written yet:
 //! fsyncs of new or renamed directories, directories with subvolume entries or more than
 //! [`MAX_DIR_PLAN`] inodes to log, directories with an entry that is a directory renamed in
-//! the running transaction, inodes with extended refs or without links, inodes with a name that the last commit (or the log) gives another
-//! inode (replay would take it from that inode: the kernel logs the other inode too, butter
-//! commits; a rename over an existing file is such a case), inodes whose directory (or a
+//! the running transaction, inodes with extended refs or without links, inodes with a name that the log gives another inode, or the last
+//! commit does in a directory not logged whole with them (replay would take it from that
+//! inode: the kernel logs the other inode too, butter commits), inodes whose directory (or a
 //! directory they lost a name in) or subvolume is new in the transaction, and when log blocks
 //! cannot be allocated.
 //!
@@ -875,8 +877,17 @@ impl Fs {
                         return Ok(None);
                     }
                     let refs = InodeRef::parse_all(i.data()).map_err(|e| i.annotate(e))?;
+                    // A directory the file lost a name in, or took one over in, is logged
+                    // whole with it (Fs::plan_lost_names): replay drops the entries the log
+                    // lacks there first, so a name the last commit gives another inode is
+                    // free by the time the file's is added.
+                    let logged_whole = planned_parent.is_none()
+                        && w.log
+                            .names_changed
+                            .get(&ino)
+                            .is_some_and(|d| d.contains(&dir));
                     for r in refs {
-                        if self.name_taken(w, dir, &r.name, ino)? {
+                        if self.name_taken(w, dir, &r.name, ino, logged_whole)? {
                             return Ok(None);
                         }
                     }
@@ -1141,12 +1152,22 @@ impl Fs {
         Ok(())
     }
 
-    /// Whether `dir/name` names another inode than `ino` in the last commit or in the log.
-    fn name_taken(&self, w: &Writer, dir: Inode, name: &[u8], ino: Inode) -> Result<bool> {
-        if let Some(other) = w.log.logged_names.get(&(dir.root, dir.ino, name.to_vec())) {
-            if *other != ino.ino {
-                return Ok(true);
-            }
+    /// Whether `dir/name` names another inode than `ino` in the log, or in the last commit
+    /// unless `dir_logged_whole` (`dir` goes into the log with `ino`, all its entries under a
+    /// DIR_LOG_INDEX range). A name the log already gives `ino` is its own: it went in with
+    /// its directory logged whole, or the last commit gives it `ino` too.
+    fn name_taken(
+        &self,
+        w: &Writer,
+        dir: Inode,
+        name: &[u8],
+        ino: Inode,
+        dir_logged_whole: bool,
+    ) -> Result<bool> {
+        match w.log.logged_names.get(&(dir.root, dir.ino, name.to_vec())) {
+            Some(other) => return Ok(*other != ino.ino),
+            None if dir_logged_whole => return Ok(false),
+            None => {}
         }
         let Some(root) = w.committed_root(dir.root)? else {
             return Ok(false);
@@ -1569,6 +1590,44 @@ mod tests {
         fs.rename(root, b"x", root, b"y", 0).unwrap();
         fs.fsync(x, false).unwrap();
         assert_eq!(fs.log_stats().unwrap().fallbacks, 1);
+    }
+
+    /// A file renamed over another is logged with both directories whole: replay drops the
+    /// replaced file's entry and the file with it. A replaced file the log already names
+    /// still makes the fsync commit (its logged name would come back).
+    #[test]
+    fn a_file_renamed_over_another_is_logged() {
+        let (dev, fs) = fresh();
+        let root = fs.root_inode();
+        let d = dir_of_abc(&fs);
+        let (a, b) = (child(&fs, d, b"a"), child(&fs, d, b"b"));
+        fs.write(a, 0, &pattern(20_000, 9)).unwrap();
+        fs.rename(d, b"a", root, b"b", 0).unwrap();
+        fs.rename(root, b"b", d, b"b", 0).unwrap();
+        fs.fsync(a, false).unwrap();
+        let st = fs.log_stats().unwrap();
+        assert_eq!((st.logged, st.fallbacks), (1, 0), "{st:?}");
+        let after = after_cut(&dev);
+        let d2 = child(&after, after.root_inode(), b"d");
+        let b2 = child(&after, d2, b"b");
+        assert_eq!(b2.ino, a.ino);
+        assert_eq!(after.read(b2, 0, 30_000).unwrap(), pattern(20_000, 9));
+        assert_eq!(after.inode_item(b2).unwrap().nlink, 1);
+        assert!(after.lookup(d2, b"a").unwrap().is_none());
+        assert!(after.lookup(after.root_inode(), b"b").unwrap().is_none());
+        assert!(matches!(after.inode_item(b), Err(Error::NotFound(_))));
+        drop(after);
+        // The log names c: a file renamed over it commits.
+        let c = child(&fs, d, b"c");
+        fs.setxattr(c, b"user.k", b"v", 0).unwrap();
+        fs.fsync(c, false).unwrap();
+        fs.rename(d, b"b", d, b"c", 0).unwrap();
+        fs.fsync(a, false).unwrap();
+        assert_eq!(fs.log_stats().unwrap().fallbacks, 1);
+        let after = after_cut(&dev);
+        let d2 = child(&after, after.root_inode(), b"d");
+        assert_eq!(child(&after, d2, b"c").ino, a.ino);
+        assert!(after.lookup(d2, b"b").unwrap().is_none());
     }
 
     #[test]
