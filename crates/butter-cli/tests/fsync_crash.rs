@@ -106,6 +106,8 @@ impl MFile {
 struct Model {
     files: Vec<MFile>,
     next_name: u64,
+    /// Renames over another file so far.
+    renamed_over: u64,
 }
 
 impl Model {
@@ -394,21 +396,33 @@ fn step(
             fs.unlink(dirs[f.dir], &f.name)?;
             f.unlinked = true;
         }
-        // rename to a new name, in the same subvolume
+        // rename to a new name, or over another file, in the same subvolume
         66..=68 => {
             let Some(i) = pick(rng) else { return Ok(()) };
             let from = m.files[i].dir;
-            let to = if DIRS[from] == "sv" {
-                from
+            let in_sv = DIRS[from] == "sv";
+            let victims: Vec<usize> = live
+                .iter()
+                .copied()
+                .filter(|&j| j != i && (DIRS[m.files[j].dir] == "sv") == in_sv)
+                .collect();
+            let (to, name, replaced) = if !victims.is_empty() && rng.chance(1, 3) {
+                let j = *rng.pick(&victims);
+                (m.files[j].dir, m.files[j].name.clone(), Some(j))
             } else {
-                rng.below(3) as usize
+                let to = if in_sv { from } else { rng.below(3) as usize };
+                m.next_name += 1;
+                (to, format!("r{:04}", m.next_name).into_bytes(), None)
             };
-            m.next_name += 1;
-            let name = format!("r{:04}", m.next_name).into_bytes();
             fs.rename(dirs[from], &m.files[i].name, dirs[to], &name, 0)?;
             let mut moved = m.files[i].clone();
             (moved.dir, moved.name, moved.name_durable) = (to, name, false);
             m.files[i].unlinked = true;
+            if let Some(j) = replaced {
+                // Its name is the moved file's now: its unlink is durable with that name.
+                m.files[j].unlinked = true;
+                m.renamed_over += 1;
+            }
             m.files.push(moved);
         }
         // fsync or fdatasync of a file
@@ -423,9 +437,12 @@ fn step(
                 f.meta_durable();
             }
             f.name_durable = true;
-            // The names it had before a rename are gone for good.
-            let ino = f.ino;
-            for old in m.files.iter_mut().filter(|g| g.ino == ino && g.unlinked) {
+            // The names it had before a rename are gone for good, and so is a file it was
+            // renamed over (the name is its own now).
+            let (ino, dir, name) = (f.ino, f.dir, f.name.clone());
+            for old in m.files.iter_mut().filter(|g| {
+                g.unlinked && (g.ino == ino || (g.dir == dir && g.name == name && !g.fixed))
+            }) {
                 old.unlink_durable = true;
             }
         }
@@ -609,56 +626,82 @@ fn describe(c: &[u8]) -> String {
     format!("{} bytes ({nz} nonzero)", c.len())
 }
 
-/// The model's rules on one view; the problems found.
+/// The model's rules on one view; the problems found. A name may have several files of the
+/// model: the file that has it now and files that had it before (unlinked, or renamed over),
+/// which a view may still show until their removal is durable.
 fn check_model(m: &Model, v: &View) -> Vec<String> {
     let mut problems = Vec::new();
-    let mut known = BTreeSet::new();
+    let mut names: BTreeMap<(usize, Vec<u8>), Vec<&MFile>> = BTreeMap::new();
     for f in &m.files {
-        let key = (f.dir, f.name.clone());
-        known.insert(key.clone());
-        let got = v.get(&key);
-        match got {
+        names.entry((f.dir, f.name.clone())).or_default().push(f);
+    }
+    for (key, files) in &names {
+        let cur = files.iter().find(|f| !f.unlinked);
+        // Files the name may still show: its current one, earlier ones whose removal is not
+        // durable.
+        let allowed: Vec<&MFile> = files
+            .iter()
+            .copied()
+            .filter(|f| !f.unlinked || !f.unlink_durable)
+            .collect();
+        match v.get(key) {
             None => {
-                if !f.unlinked && f.name_durable {
+                if let Some(f) = cur.filter(|f| f.name_durable) {
                     problems.push(format!(
                         "{}: its name was made durable, but it is missing",
                         show(f)
                     ));
+                } else if let Some(f) = cur.and_then(|_| {
+                    files
+                        .iter()
+                        .find(|g| g.unlinked && g.name_durable && !g.unlink_durable)
+                }) {
+                    // Renamed over, neither side durable: one of them must be there.
+                    problems.push(format!(
+                        "{}: renamed over, but neither it nor the file that took its name is \
+                         there",
+                        show(f)
+                    ));
                 }
             }
-            Some(_) if f.unlinked && f.unlink_durable => {
+            Some(_) if allowed.is_empty() => {
                 problems.push(format!(
                     "{}: its unlink was made durable, but it exists",
-                    show(f)
+                    show(files[files.len() - 1])
                 ));
             }
             Some(s) => {
-                if !f.content.contains(&s.content) {
-                    problems.push(format!(
-                        "{}: content {} is none of the {} allowed since its last fsync: {}",
-                        show(f),
-                        describe(&s.content),
-                        f.content.len(),
-                        f.content
-                            .iter()
-                            .map(|c| describe(c))
-                            .collect::<Vec<_>>()
-                            .join(", ")
-                    ));
-                }
-                if !f.xattr.contains(&s.xattr) {
-                    problems.push(format!(
-                        "{}: xattr {:?} is none of the {} allowed since its last fsync",
-                        show(f),
-                        s.xattr.as_ref().map(|x| x.len()),
-                        f.xattr.len()
-                    ));
+                let fits = |f: &MFile| f.content.contains(&s.content) && f.xattr.contains(&s.xattr);
+                if !allowed.iter().any(|f| fits(f)) {
+                    for f in &allowed {
+                        if !f.content.contains(&s.content) {
+                            problems.push(format!(
+                                "{}: content {} is none of the {} allowed since its last \
+                                 fsync: {}",
+                                show(f),
+                                describe(&s.content),
+                                f.content.len(),
+                                f.content
+                                    .iter()
+                                    .map(|c| describe(c))
+                                    .collect::<Vec<_>>()
+                                    .join(", ")
+                            ));
+                        } else {
+                            problems.push(format!(
+                                "{}: xattr {:?} is none of the {} allowed since its last fsync",
+                                show(f),
+                                s.xattr.as_ref().map(|x| x.len()),
+                                f.xattr.len()
+                            ));
+                        }
+                    }
                 }
             }
         }
     }
     for (d, name) in v.keys() {
-        if !known.contains(&(*d, name.clone())) {
+        if !names.contains_key(&(*d, name.clone())) {
             problems.push(format!(
                 "{}/{}: exists, but the workload never made it",
                 DIRS[*d],
@@ -691,6 +734,10 @@ struct Stats {
     ordered_logged: u64,
     /// Delayed-allocation buffers the dry runs wrote back.
     delalloc: u64,
+    /// The dry runs' renames over another file, and their fsyncs that committed instead of
+    /// logging.
+    renamed_over: u64,
+    fallbacks: u64,
 }
 
 /// One round; panics with `what` (seed and round) on any problem.
@@ -711,6 +758,8 @@ fn round(base: &Base, scratch: &ScratchDir, seed: u64, r: u64, torn: bool, st: &
         }
         st.ordered_logged += fs.log_stats().map(|l| l.ordered_logged).unwrap_or(0);
         st.delalloc += fs.ordered_stats().delalloc_flushed;
+        st.renamed_over += end.model.renamed_over;
+        st.fallbacks += fs.log_stats().map(|l| l.fallbacks).unwrap_or(0);
         drop(fs);
         dev.write_count() - start
     };
@@ -859,7 +908,8 @@ fn crash_loop(name: &str, torn: bool, seed_mix: u64) {
     eprintln!(
         "{name}: {rounds} rounds in {:.1} s: {} power cuts, {} ran to the end, {} crash images \
          with an fsync log, {} kernel replays, {} unflushed writes kept; the dry runs' fsyncs \
-         logged {} ordered extents before their completion; {} delayed allocations written back",
+         logged {} ordered extents before their completion; {} delayed allocations written back; \
+         {} renames over a file; {} fsyncs committed instead of logging",
         t.elapsed().as_secs_f64(),
         st.cuts,
         st.completed,
@@ -867,7 +917,9 @@ fn crash_loop(name: &str, torn: bool, seed_mix: u64) {
         st.kernel,
         st.torn_writes,
         st.ordered_logged,
-        st.delalloc
+        st.delalloc,
+        st.renamed_over,
+        st.fallbacks
     );
     if only.is_none() && rounds >= 10 {
         // The workload's writes leave pending ordered extents that its fsyncs log.
@@ -880,6 +932,7 @@ fn crash_loop(name: &str, torn: bool, seed_mix: u64) {
             st.delalloc > 0,
             "{name}: no delayed allocation was written back"
         );
+        assert!(st.renamed_over > 0, "{name}: no rename over a file");
     }
 }
 
