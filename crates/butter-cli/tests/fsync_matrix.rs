@@ -668,6 +668,53 @@ fn unlink_then_create_fsync_file() {
     });
 }
 
+/// A name unlinked and given to a new file, and another to a new link, in one transaction:
+/// the directory is logged whole with them (replay drops the old files' entries first).
+#[test]
+fn unlink_then_reuse_the_name() {
+    run(Scenario {
+        name: "unlink-reuse",
+        setup: vec![Step::Mounted(&|m| {
+            fs::create_dir(m.join("d")).unwrap();
+            for (i, n) in ["a", "b", "c"].iter().enumerate() {
+                write_file(&m.join("d").join(n), 4000, 70 + i as u8);
+            }
+        })],
+        ops: &|c| {
+            fs::remove_file(c.p("d/b")).unwrap();
+            write_file(&c.p("d/b"), 6000, 73);
+            c.fsync("d/b");
+            fs::remove_file(c.p("d/c")).unwrap();
+            fs::hard_link(c.p("d/a"), c.p("d/c")).unwrap();
+            c.fsync("d/a");
+            c.note("d/c");
+        },
+        fast_log: true,
+    });
+}
+
+/// Two files in two directories swap names (RENAME_EXCHANGE): the fsync of one logs both
+/// files and both directories.
+#[test]
+fn exchange_fsync_file() {
+    run(Scenario {
+        name: "exchange",
+        setup: vec![Step::Mounted(&|m| {
+            fs::create_dir(m.join("d")).unwrap();
+            fs::create_dir(m.join("e")).unwrap();
+            write_file(&m.join("d/a"), 5000, 74);
+            write_file(&m.join("e/b"), 9000, 75);
+            write_file(&m.join("e/keep"), 300, 76);
+        })],
+        ops: &|c| {
+            exchange(&c.p("d/a"), &c.p("e/b"));
+            c.fsync("d/a");
+            c.note("e/b");
+        },
+        fast_log: true,
+    });
+}
+
 #[test]
 fn rmdir_fsync_parent() {
     run(Scenario {

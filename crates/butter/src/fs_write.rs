@@ -300,6 +300,9 @@ impl Fs {
         let index =
             self.add_dir_items(w, dir, name, Key::new(target.ino, INODE_ITEM_KEY, 0), ft)?;
         self.add_inode_ref(w, target, dir.ino, index, name)?;
+        if ft != FT_DIR {
+            w.log.note_new_name(target, dir, name);
+        }
         Ok(index)
     }
 
@@ -442,7 +445,7 @@ impl Fs {
     /// Removes the entry `name` from `dir` (DIR_ITEM entry, DIR_INDEX, INODE_REF) and shrinks
     /// the directory.
     fn remove_entry(&self, w: &mut Writer, dir: Inode, name: &[u8], target: Inode) -> Result<()> {
-        w.log.note_removed(dir, target);
+        w.log.note_removed(dir, target, name);
         let dkey = Key::new(dir.ino, DIR_ITEM_KEY, hash::name_hash(name));
         let body = w
             .read_item(dir.root, &dkey)?
@@ -901,11 +904,6 @@ impl Fs {
             }
             self.remove_entry(w, from_dir, from, src.target)?;
             self.add_entry(w, to_dir, to, src.target, src.file_type)?;
-            if dst.is_some() && src.file_type != FT_DIR {
-                // Its new name was another inode's: its fsync logs `to_dir` whole, so replay
-                // drops that inode's entry before adding this one (crate::log_write).
-                w.log.note_name_change(src.target, Some(to_dir));
-            }
             let mut it = self.inode_item(src.target)?;
             Self::touch(w, &mut it, false);
             self.write_inode(w, src.target, &it)

@@ -31,9 +31,10 @@
 //! A file renamed, linked or unlinked in the running transaction is logged with all its
 //! names (INODE_REFs); the directories where it lost a name are logged whole with it (replay
 //! keeps the names in directories the log does not cover), as the kernel logs a renamed
-//! inode's old parent. So is a directory where it was renamed over another file: replay drops
-//! that file's entry (not in the log) before it adds the new one, where the kernel logs the
-//! replaced inode too. A directory fsync that meets such a file (an entry, or a removed entry
+//! inode's old parent. So is a directory where it took a name another inode lost in the
+//! transaction (a rename over a file, an exchange, a create or link after an unlink): replay
+//! drops the last commit's entry for the name (not in the log) before it adds the new one,
+//! where the kernel logs the other inode too. A directory fsync that meets such a file (an entry, or a removed entry
 //! that lives on) logs it the same way.
 //!
 //! Fsyncs fall back to a full commit where a log cannot be right or is not written yet:
@@ -254,8 +255,9 @@ pub struct LogState {
     new_trees: HashSet<u64>,
     /// Inodes logged in the running transaction.
     logged: HashSet<Inode>,
-    /// Per directory: inodes whose name in it was removed in the running transaction.
-    removed: HashMap<Inode, Vec<Inode>>,
+    /// Per directory: inodes whose name in it was removed in the running transaction, with
+    /// the name.
+    removed: HashMap<Inode, Vec<(Inode, Vec<u8>)>>,
     /// Non-directories renamed, linked or unlinked in the running transaction, with the
     /// directories where they lost a name: their fsync logs those directories too.
     names_changed: HashMap<Inode, BTreeSet<Inode>>,
@@ -320,9 +322,26 @@ impl LogState {
         self.needs_commit.insert(ino);
     }
 
-    /// `target` lost its name in `dir`.
-    pub(crate) fn note_removed(&mut self, dir: Inode, target: Inode) {
-        self.removed.entry(dir).or_default().push(target);
+    /// `target` lost its name `name` in `dir`.
+    pub(crate) fn note_removed(&mut self, dir: Inode, target: Inode, name: &[u8]) {
+        self.removed
+            .entry(dir)
+            .or_default()
+            .push((target, name.to_vec()));
+    }
+
+    /// Non-directory `ino` got `name` in `dir`. Where another inode lost that name in the
+    /// transaction (a rename over it, an exchange, a create or link after an unlink), `dir` is
+    /// logged whole with `ino`, as a directory it lost a name in is: replay then drops the
+    /// last commit's entry for the name before it adds the new one.
+    pub(crate) fn note_new_name(&mut self, ino: Inode, dir: Inode, name: &[u8]) {
+        let reused = self
+            .removed
+            .get(&dir)
+            .is_some_and(|r| r.iter().any(|(t, n)| *t != ino && n == name));
+        if reused {
+            self.note_name_change(ino, Some(dir));
+        }
     }
 
     /// Non-directory `ino` got a new name (`lost_in` `None`) or lost its name in `lost_in`.
@@ -664,7 +683,7 @@ impl Fs {
             if let Some(dirs) = w.log.names_changed.remove(&t) {
                 for d in dirs {
                     if let Some(r) = w.log.removed.get_mut(&d) {
-                        r.retain(|x| *x != t);
+                        r.retain(|(x, _)| *x != t);
                     }
                 }
             }
@@ -877,8 +896,8 @@ impl Fs {
                         return Ok(None);
                     }
                     let refs = InodeRef::parse_all(i.data()).map_err(|e| i.annotate(e))?;
-                    // A directory the file lost a name in, or took one over in, is logged
-                    // whole with it (Fs::plan_lost_names): replay drops the entries the log
+                    // A directory the file lost a name in, or took another's removed name in
+                    // (LogState::note_new_name), is logged whole with it (Fs::plan_lost_names): replay drops the entries the log
                     // lacks there first, so a name the last commit gives another inode is
                     // free by the time the file's is added.
                     let logged_whole = planned_parent.is_none()
@@ -931,7 +950,7 @@ impl Fs {
         }
         let mut adopt = Vec::new();
         if let Some(removed) = w.log.removed.get(&dir) {
-            for t in removed.iter().filter(|t| !b.adopted.contains(*t)) {
+            for (t, _) in removed.iter().filter(|(t, _)| !b.adopted.contains(t)) {
                 match self.inode_item_raw(*t) {
                     // Lives on under another name: logged with all its names.
                     Ok(it) if it.nlink > 0 => {

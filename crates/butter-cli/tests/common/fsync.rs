@@ -83,6 +83,29 @@ fn cstr(p: &Path) -> CString {
     CString::new(p.as_os_str().as_bytes()).expect("path without NUL")
 }
 
+/// renameat2(2) with RENAME_EXCHANGE: `a` and `b` swap names.
+pub fn exchange(a: &Path, b: &Path) {
+    let (ca, cb) = (cstr(a), cstr(b));
+    // SAFETY: valid C strings.
+    let r = unsafe {
+        libc::renameat2(
+            libc::AT_FDCWD,
+            ca.as_ptr(),
+            libc::AT_FDCWD,
+            cb.as_ptr(),
+            libc::RENAME_EXCHANGE,
+        )
+    };
+    assert_eq!(
+        r,
+        0,
+        "exchange {} and {}: {}",
+        a.display(),
+        b.display(),
+        std::io::Error::last_os_error()
+    );
+}
+
 pub fn setxattr(p: &Path, name: &str, value: &[u8]) {
     let n = CString::new(name).expect("name");
     // SAFETY: valid C strings and a buffer of the given length.
