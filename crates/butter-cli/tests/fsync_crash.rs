@@ -80,6 +80,9 @@ struct MFile {
     /// In a subdirectory tree (`name` is a path below the workload directory; directories
     /// show as [`DIR_MARK`]): no operation touches it after it was made.
     fixed: bool,
+    /// The file renamed over it: while that file keeps the name, the name never shows
+    /// neither of them.
+    replaced_by: Option<Inode>,
 }
 
 /// The content a view records for a directory.
@@ -106,8 +109,9 @@ impl MFile {
 struct Model {
     files: Vec<MFile>,
     next_name: u64,
-    /// Renames over another file so far.
+    /// Renames over another file so far, and files created with an unlinked file's name.
     renamed_over: u64,
+    reused_names: u64,
 }
 
 impl Model {
@@ -174,6 +178,7 @@ fn make_base() -> Base {
                 unlinked: false,
                 unlink_durable: false,
                 fixed: false,
+                replaced_by: None,
             });
         }
     }
@@ -290,9 +295,30 @@ fn step(
                 return Ok(());
             }
             let dir = rng.below(DIRS.len() as u64) as usize;
-            m.next_name += 1;
-            let name =
-                format!("f{:04}{}", m.next_name, "n".repeat(rng.below(30) as usize)).into_bytes();
+            // Sometimes the name of a file unlinked (or renamed away) from that directory.
+            let free: Vec<&MFile> = m
+                .files
+                .iter()
+                .filter(|f| f.dir == dir && f.unlinked && !f.fixed)
+                .filter(|f| {
+                    !m.files
+                        .iter()
+                        .any(|g| !g.unlinked && g.dir == dir && g.name == f.name)
+                })
+                .collect();
+            let reused =
+                (!free.is_empty() && rng.chance(1, 4)).then(|| rng.pick(&free).name.clone());
+            let name = match reused {
+                Some(n) => {
+                    m.reused_names += 1;
+                    n
+                }
+                None => {
+                    m.next_name += 1;
+                    format!("f{:04}{}", m.next_name, "n".repeat(rng.below(30) as usize))
+                        .into_bytes()
+                }
+            };
             let ino = fs.create(dirs[dir], &name, 0o644, OWNER)?;
             m.files.push(MFile {
                 dir,
@@ -304,6 +330,7 @@ fn step(
                 unlinked: false,
                 unlink_durable: false,
                 fixed: false,
+                replaced_by: None,
             });
             if rng.chance(2, 3) {
                 let i = m.files.len() - 1;
@@ -421,6 +448,7 @@ fn step(
             if let Some(j) = replaced {
                 // Its name is the moved file's now: its unlink is durable with that name.
                 m.files[j].unlinked = true;
+                m.files[j].replaced_by = Some(m.files[i].ino);
                 m.renamed_over += 1;
             }
             m.files.push(moved);
@@ -463,6 +491,7 @@ fn step(
                     unlinked: false,
                     unlink_durable: false,
                     fixed: true,
+                    replaced_by: None,
                 });
             };
             let (_, len) = write_range(rng, 0);
@@ -651,10 +680,10 @@ fn check_model(m: &Model, v: &View) -> Vec<String> {
                         "{}: its name was made durable, but it is missing",
                         show(f)
                     ));
-                } else if let Some(f) = cur.and_then(|_| {
-                    files
-                        .iter()
-                        .find(|g| g.unlinked && g.name_durable && !g.unlink_durable)
+                } else if let Some(f) = cur.and_then(|c| {
+                    files.iter().find(|g| {
+                        g.replaced_by == Some(c.ino) && g.name_durable && !g.unlink_durable
+                    })
                 }) {
                     // Renamed over, neither side durable: one of them must be there.
                     problems.push(format!(
@@ -737,6 +766,7 @@ struct Stats {
     /// The dry runs' renames over another file, and their fsyncs that committed instead of
     /// logging.
     renamed_over: u64,
+    reused_names: u64,
     fallbacks: u64,
 }
 
@@ -759,6 +789,7 @@ fn round(base: &Base, scratch: &ScratchDir, seed: u64, r: u64, torn: bool, st: &
         st.ordered_logged += fs.log_stats().map(|l| l.ordered_logged).unwrap_or(0);
         st.delalloc += fs.ordered_stats().delalloc_flushed;
         st.renamed_over += end.model.renamed_over;
+        st.reused_names += end.model.reused_names;
         st.fallbacks += fs.log_stats().map(|l| l.fallbacks).unwrap_or(0);
         drop(fs);
         dev.write_count() - start
@@ -909,7 +940,8 @@ fn crash_loop(name: &str, torn: bool, seed_mix: u64) {
         "{name}: {rounds} rounds in {:.1} s: {} power cuts, {} ran to the end, {} crash images \
          with an fsync log, {} kernel replays, {} unflushed writes kept; the dry runs' fsyncs \
          logged {} ordered extents before their completion; {} delayed allocations written back; \
-         {} renames over a file; {} fsyncs committed instead of logging",
+         {} renames over a file; {} files created with an unlinked file's name; {} fsyncs \
+         committed instead of logging",
         t.elapsed().as_secs_f64(),
         st.cuts,
         st.completed,
@@ -919,6 +951,7 @@ fn crash_loop(name: &str, torn: bool, seed_mix: u64) {
         st.ordered_logged,
         st.delalloc,
         st.renamed_over,
+        st.reused_names,
         st.fallbacks
     );
     if only.is_none() && rounds >= 10 {
@@ -933,6 +966,7 @@ fn crash_loop(name: &str, torn: bool, seed_mix: u64) {
             "{name}: no delayed allocation was written back"
         );
         assert!(st.renamed_over > 0, "{name}: no rename over a file");
+        assert!(st.reused_names > 0, "{name}: no name reused");
     }
 }
 
