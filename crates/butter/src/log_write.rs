@@ -255,9 +255,10 @@ pub struct LogState {
     new_trees: HashSet<u64>,
     /// Inodes logged in the running transaction.
     logged: HashSet<Inode>,
-    /// Per directory: inodes whose name in it was removed in the running transaction, with
-    /// the name.
-    removed: HashMap<Inode, Vec<(Inode, Vec<u8>)>>,
+    /// Per directory: inodes whose name in it was removed in the running transaction.
+    removed: HashMap<Inode, Vec<Inode>>,
+    /// The names removed in the running transaction: (directory, name).
+    removed_names: HashSet<(Inode, Vec<u8>)>,
     /// Non-directories renamed, linked or unlinked in the running transaction, with the
     /// directories where they lost a name: their fsync logs those directories too.
     names_changed: HashMap<Inode, BTreeSet<Inode>>,
@@ -324,22 +325,17 @@ impl LogState {
 
     /// `target` lost its name `name` in `dir`.
     pub(crate) fn note_removed(&mut self, dir: Inode, target: Inode, name: &[u8]) {
-        self.removed
-            .entry(dir)
-            .or_default()
-            .push((target, name.to_vec()));
+        self.removed.entry(dir).or_default().push(target);
+        self.removed_names.insert((dir, name.to_vec()));
     }
 
-    /// Non-directory `ino` got `name` in `dir`. Where another inode lost that name in the
-    /// transaction (a rename over it, an exchange, a create or link after an unlink), `dir` is
-    /// logged whole with `ino`, as a directory it lost a name in is: replay then drops the
-    /// last commit's entry for the name before it adds the new one.
+    /// Non-directory `ino` got `name` in `dir`. Where the name was removed in the transaction
+    /// (from another inode: a rename over it, an exchange, a create or link after an unlink),
+    /// `dir` is logged whole with `ino`, as a directory it lost a name in is: replay then drops
+    /// the last commit's entry for the name before it adds the new one. A set lookup: every
+    /// create passes here, and a directory may have lost many names.
     pub(crate) fn note_new_name(&mut self, ino: Inode, dir: Inode, name: &[u8]) {
-        let reused = self
-            .removed
-            .get(&dir)
-            .is_some_and(|r| r.iter().any(|(t, n)| *t != ino && n == name));
-        if reused {
+        if !self.removed_names.is_empty() && self.removed_names.contains(&(dir, name.to_vec())) {
             self.note_name_change(ino, Some(dir));
         }
     }
@@ -364,6 +360,7 @@ impl LogState {
         self.logged.clear();
         self.logged_names.clear();
         self.removed.clear();
+        self.removed_names.clear();
         self.names_changed.clear();
         self.synced_seq = self.seq;
         self.broken = false;
@@ -683,7 +680,7 @@ impl Fs {
             if let Some(dirs) = w.log.names_changed.remove(&t) {
                 for d in dirs {
                     if let Some(r) = w.log.removed.get_mut(&d) {
-                        r.retain(|(x, _)| *x != t);
+                        r.retain(|x| *x != t);
                     }
                 }
             }
@@ -950,7 +947,7 @@ impl Fs {
         }
         let mut adopt = Vec::new();
         if let Some(removed) = w.log.removed.get(&dir) {
-            for (t, _) in removed.iter().filter(|(t, _)| !b.adopted.contains(t)) {
+            for t in removed.iter().filter(|t| !b.adopted.contains(*t)) {
                 match self.inode_item_raw(*t) {
                     // Lives on under another name: logged with all its names.
                     Ok(it) if it.nlink > 0 => {
