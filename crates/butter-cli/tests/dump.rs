@@ -34,6 +34,10 @@ fn image(dir: &Path, args: &[&str]) -> PathBuf {
         std::fs::write(src.join(format!("a/f{i}")), vec![b'x'; (i * 37) % 9000]).unwrap();
     }
     std::os::unix::fs::symlink("a/b", src.join("l")).unwrap();
+    // Names dump-tree escapes (space, backslash, control characters, bytes past ASCII).
+    for name in ["with space", "back\\slash", "tab\tnl\n", "ünïcødé-名前"] {
+        std::fs::write(src.join("a/b").join(name), b"n").unwrap();
+    }
     let img = dir.join("t.img");
     std::fs::File::create(&img)
         .unwrap()
@@ -57,6 +61,7 @@ fn dump_tree_and_dump_super_match_btrfs_progs() {
         ("d", vec![]),
         ("n4k", vec!["--nodesize", "4096"]),
         ("x", vec!["--csum", "xxhash"]),
+        ("bgt", vec!["-O", "block-group-tree"]),
     ] {
         let dir = std::env::temp_dir().join(format!("butter-dump-{n}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);

@@ -318,21 +318,24 @@ pub fn check_tree_block(
         }
         _ => {}
     }
-    if let (Some(want), Some(got)) = (expect.owner, Some(h.owner)) {
-        // Log trees and relocation trees legitimately carry other owners; check fs trees loosely.
-        let strict = want < FIRST_FREE_OBJECTID && want != TREE_LOG_OBJECTID;
-        if strict && want != got && h.flags & HEADER_FLAG_RELOC == 0 {
-            return Err(Error::corrupt(
-                loc(None),
-                format!(
-                    "owner {} but expected {}",
-                    objectid_name(got),
-                    objectid_name(want)
-                ),
-            ));
-        }
+    if let Some(m) = owner_mismatch(expect, &h) {
+        return Err(Error::corrupt(loc(None), m));
     }
     Ok(h)
+}
+
+/// Why a block's owner does not fit what its reader expects, if it does not.
+fn owner_mismatch(expect: &Expect, h: &Header) -> Option<String> {
+    let want = expect.owner?;
+    // Log trees and relocation trees legitimately carry other owners; check fs trees loosely.
+    let strict = want < FIRST_FREE_OBJECTID && want != TREE_LOG_OBJECTID;
+    (strict && want != h.owner && h.flags & HEADER_FLAG_RELOC == 0).then(|| {
+        format!(
+            "owner {} but expected {}",
+            objectid_name(h.owner),
+            objectid_name(want)
+        )
+    })
 }
 
 /// A small bounded block cache (FIFO with second chance).
@@ -663,6 +666,10 @@ impl Disk {
 
     fn recheck(&self, b: &TreeBlock, expect: &Expect) -> Result<()> {
         let loc = || Location::block(expect.owner, b.bytenr);
+        // A block cached for one tree may be named by another's pointer (a damaged root).
+        if let Some(m) = owner_mismatch(expect, &b.header) {
+            return Err(Error::corrupt(loc(), m));
+        }
         if let Some(l) = expect.level {
             if b.level() != l {
                 return Err(Error::corrupt(

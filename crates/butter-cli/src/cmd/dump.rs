@@ -227,7 +227,7 @@ pub fn dump_tree(a: DumpTreeArgs) -> CliResult {
         dfs: a.dfs,
         out: std::io::stdout().lock(),
     };
-    d.emit("btrfs-progs v6.2 compatible output (butter)\n")?;
+    d.emit("btrfs-progs v6.14 compatible output (butter)\n")?;
     if !a.blocks.is_empty() {
         for b in &a.blocks {
             let root = Root {

@@ -123,7 +123,7 @@ mod tests {
                 if let Some(l) = t.strip_prefix("location key (") {
                     cur.location = l.split_whitespace().next().unwrap().parse().unwrap();
                 } else if let Some(n) = t.strip_prefix("name: ") {
-                    cur.names.push((cur.location, n.to_string()));
+                    cur.names.push((cur.location, unescape(n)));
                 }
             } else if cur.kind == "INODE_EXTREF" {
                 // index N parent P namelen L name: NAME
@@ -134,11 +134,45 @@ mod tests {
                         .unwrap()
                         .parse()
                         .unwrap();
-                    cur.names.push((parent, t[n + 6..].to_string()));
+                    cur.names.push((parent, unescape(&t[n + 6..])));
                 }
             }
         }
         items
+    }
+
+    /// Undoes dump-tree's escaping of names (btrfs-progs 6.14: `\ `, `\\`, C escapes, octal).
+    fn unescape(s: &str) -> String {
+        let b = s.as_bytes();
+        let mut out = Vec::new();
+        let mut i = 0;
+        while i < b.len() {
+            if b[i] != b'\\' || i + 1 == b.len() {
+                out.push(b[i]);
+                i += 1;
+                continue;
+            }
+            let c = b[i + 1];
+            if c.is_ascii_digit() && i + 3 < b.len() {
+                let oct = std::str::from_utf8(&b[i + 1..i + 4]).unwrap();
+                out.push(u8::from_str_radix(oct, 8).unwrap());
+                i += 4;
+                continue;
+            }
+            out.push(match c {
+                b'a' => 7,
+                b'b' => 8,
+                b't' => b'\t',
+                b'n' => b'\n',
+                b'v' => 11,
+                b'f' => 12,
+                b'r' => b'\r',
+                b'e' => 27,
+                c => c,
+            });
+            i += 2;
+        }
+        String::from_utf8(out).unwrap()
     }
 
     /// Creates files in a kernel-mounted image and checks the DIR_ITEM key offsets; then

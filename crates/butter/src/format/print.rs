@@ -85,10 +85,29 @@ fn corrupt_body(out: &mut String, e: impl Display) {
 
 /// A name or string the way `printf("%.*s")` shows it: at most 255 bytes (progs' buffer), cut
 /// at the first NUL byte. Bytes that are not UTF-8 become U+FFFD.
+/// A name (or xattr value) escaped as btrfs-progs 6.14 prints it: C escapes for the usual
+/// control characters, a backslash before space and backslash, octal for other bytes outside
+/// printable ASCII.
 fn name_str(b: &[u8]) -> String {
     let b = &b[..b.len().min(NAME_LEN)];
-    let end = b.iter().position(|&c| c == 0).unwrap_or(b.len());
-    String::from_utf8_lossy(&b[..end]).into_owned()
+    let mut s = String::with_capacity(b.len());
+    for &c in b {
+        match c {
+            0x07 => s.push_str("\\a"),
+            0x08 => s.push_str("\\b"),
+            b'\t' => s.push_str("\\t"),
+            b'\n' => s.push_str("\\n"),
+            0x0b => s.push_str("\\v"),
+            0x0c => s.push_str("\\f"),
+            b'\r' => s.push_str("\\r"),
+            0x1b => s.push_str("\\e"),
+            b' ' => s.push_str("\\ "),
+            b'\\' => s.push_str("\\\\"),
+            0x21..=0x7e => s.push(c as char),
+            _ => s.push_str(&format!("\\{c:03o}")),
+        }
+    }
+    s
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -906,7 +925,27 @@ fn print_extent_item(out: &mut String, key: &Key, data: &[u8]) {
         outln!(out, "\t\ttree block {} level {}", dump_key(k), level);
     }
     for r in &ei.inline_refs {
-        print_backref(out, r);
+        // btrfs-progs 6.14 prefixes an inline ref with its type and offset field (for a data
+        // ref, the hash its keyed form would have).
+        let (ty, off) = match *r {
+            BackRef::TreeBlock { root } => (TREE_BLOCK_REF_KEY, root),
+            BackRef::SharedBlock { parent } => (SHARED_BLOCK_REF_KEY, parent),
+            BackRef::ExtentData {
+                root,
+                objectid,
+                offset,
+                ..
+            } => (
+                EXTENT_DATA_REF_KEY,
+                crate::format::hash::extent_data_ref_hash(root, objectid, offset),
+            ),
+            BackRef::SharedData { parent, .. } => (SHARED_DATA_REF_KEY, parent),
+            BackRef::Owner { root } => (EXTENT_OWNER_REF_KEY, root),
+        };
+        out.push_str(&format!("\t\t({ty} {off:#x}) "));
+        let mut line = String::new();
+        print_backref(&mut line, r);
+        out.push_str(line.trim_start_matches('\t'));
     }
 }
 
@@ -1537,14 +1576,14 @@ fn print_super_view(out: &mut String, v: &SuperView, full: bool) {
             "[DON'T MATCH]"
         }
     );
-    let has_metadata_uuid = v.incompat & INCOMPAT_METADATA_UUID != 0;
-    let metadata_fsid = if has_metadata_uuid {
+    // btrfs-progs 6.14 prints the field as stored (zeros without METADATA_UUID).
+    let metadata_fsid = if v.incompat & INCOMPAT_METADATA_UUID != 0 {
         v.metadata_uuid
     } else {
         v.fsid
     };
     outln!(out, "fsid\t\t\t{}", fmt_uuid(&v.fsid));
-    outln!(out, "metadata_uuid\t\t{}", fmt_uuid(&metadata_fsid));
+    outln!(out, "metadata_uuid\t\t{}", fmt_uuid(&v.metadata_uuid));
     outln!(out, "label\t\t\t{}", printable(&v.label));
     outln!(out, "generation\t\t{}", v.generation);
     outln!(out, "root\t\t\t{}", v.root);
@@ -2499,13 +2538,13 @@ mod tests {
             "\t\tuuid 11111111-1111-1111-1111-111111111111",
             "\t\troot ref key dirid 256 sequence 6 name sv",
             "\t\trefs 1 gen 7 flags DATA",
-            "\t\textent data backref root FS_TREE objectid 257 offset 0 count 1",
-            "\t\tshared data backref parent 30000000 count 2",
+            ") extent data backref root FS_TREE objectid 257 offset 0 count 1",
+            "\t\t(184 0x1c9c380) shared data backref parent 30000000 count 2",
             "\t\trefs 1 gen 7 flags TREE_BLOCK|FULL_BACKREF",
             "\t\ttree block key (256 INODE_ITEM 0) level 0",
-            "\t\tshared block backref parent 30000000",
+            "\t\t(182 0x1c9c380) shared block backref parent 30000000",
             "\t\ttree block skinny level 1",
-            "\t\ttree block backref root FS_TREE",
+            "\t\t(176 0x5) tree block backref root FS_TREE",
             "\t\ttree block backref",
             "\t\tshared data backref count 3",
             "\t\trange start 13631488 end 13647872 length 16384",
