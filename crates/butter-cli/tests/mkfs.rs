@@ -339,8 +339,7 @@ fn cli_behaviour() {
         "Metadata:         DUP",
         "Data:             single",
         "System:           DUP",
-        "extref, skinny-metadata, no-holes",
-        "Runtime features:   free-space-tree",
+        "Features:           extref, skinny-metadata, no-holes, free-space-tree, block-group-tree",
         "Checksum:           crc32c",
     ] {
         assert!(out.contains(want), "summary lacks {want:?}:\n{out}");

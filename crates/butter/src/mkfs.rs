@@ -53,7 +53,7 @@
 //! but inside the device are zeroed, then every copy of every tree block, a flush, the
 //! superblock mirrors (the primary last) and a flush.
 
-use crate::ctree_ops::{LeafMut, NewHeader};
+use crate::ctree_ops::{LeafMut, NewHeader, NodeMut};
 use crate::device::BlockDevice;
 use crate::error::{Error, Result};
 use crate::format::csum::CsumType;
@@ -134,6 +134,9 @@ pub struct MkfsOptions {
     pub skinny_metadata: bool,
     /// compat_ro FREE_SPACE_TREE (+ _VALID) and the free space tree.
     pub free_space_tree: bool,
+    /// compat_ro BLOCK_GROUP_TREE: block group items in a tree of their own (tree 11) rather
+    /// than among the extent items; mkfs.btrfs's default since 6.19. Needs the free space tree.
+    pub block_group_tree: bool,
     /// At most 255 bytes, no NUL.
     pub label: String,
     /// The filesystem uuid; random when `None`.
@@ -155,6 +158,7 @@ impl Default for MkfsOptions {
             no_holes: true,
             skinny_metadata: true,
             free_space_tree: true,
+            block_group_tree: true,
             label: String::new(),
             fsid: None,
             time: None,
@@ -176,11 +180,14 @@ impl MkfsOptions {
     }
     /// The superblock compat_ro flags these options give.
     pub fn compat_ro_flags(&self) -> u64 {
+        let mut f = 0;
         if self.free_space_tree {
-            COMPAT_RO_FREE_SPACE_TREE | COMPAT_RO_FREE_SPACE_TREE_VALID
-        } else {
-            0
+            f |= COMPAT_RO_FREE_SPACE_TREE | COMPAT_RO_FREE_SPACE_TREE_VALID;
         }
+        if self.block_group_tree {
+            f |= COMPAT_RO_BLOCK_GROUP_TREE;
+        }
+        f
     }
 }
 
@@ -314,6 +321,12 @@ fn check_options(opts: &MkfsOptions) -> Result<()> {
     if opts.label.contains('\0') {
         return Err(invalid("label contains a NUL byte"));
     }
+    if opts.block_group_tree && !opts.free_space_tree {
+        return Err(invalid(
+            "block-group-tree needs the free space tree: turn both off \
+             (-O ^block-group-tree,^free-space-tree) or leave free-space-tree on",
+        ));
+    }
     Ok(())
 }
 
@@ -407,6 +420,12 @@ impl Leaf {
     fn first_key(&self) -> Key {
         self.items.first().map(|(k, _)| *k).unwrap_or_default()
     }
+}
+
+/// Whether items fit in one leaf of `nodesize` bytes.
+fn leaf_fits(items: &[(Key, Vec<u8>)], nodesize: u32) -> bool {
+    let need: usize = items.iter().map(|(_, d)| d.len() + ITEM_SIZE).sum();
+    need + HEADER_SIZE <= nodesize as usize
 }
 
 /// The INODE_ITEM mkfs.btrfs embeds in the ROOT_ITEMs of the trees it creates first
@@ -570,8 +589,13 @@ pub fn mkfs(dev: &dyn BlockDevice, opts: &MkfsOptions) -> Result<MkfsReport> {
     } else {
         None
     };
+    let bg_bytenr = if opts.block_group_tree {
+        Some(alloc(meta)?)
+    } else {
+        None
+    };
     let reloc_bytenr = alloc(meta)?;
-    let meta_blocks: Vec<u64> = [
+    let mut meta_blocks: Vec<u64> = [
         Some(root_bytenr),
         Some(extent_bytenr),
         Some(dev_bytenr),
@@ -579,14 +603,12 @@ pub fn mkfs(dev: &dyn BlockDevice, opts: &MkfsOptions) -> Result<MkfsReport> {
         Some(csum_bytenr),
         Some(uuid_bytenr),
         fst_bytenr,
+        bg_bytenr,
         Some(reloc_bytenr),
     ]
     .into_iter()
     .flatten()
     .collect();
-    chunks[sys].used = ns;
-    chunks[meta].used = ns * meta_blocks.len() as u64;
-    let bytes_used: u64 = chunks.iter().map(|c| c.used).sum();
     let dev_bytes_used: u64 = chunks
         .iter()
         .map(|c| c.length * c.stripes.len() as u64)
@@ -761,6 +783,14 @@ pub fn mkfs(dev: &dyn BlockDevice, opts: &MkfsOptions) -> Result<MkfsReport> {
                 .to_vec(),
         ));
     }
+    if let Some(b) = bg_bytenr {
+        root_items.push((
+            Key::new(BLOCK_GROUP_TREE_OBJECTID, ROOT_ITEM_KEY, 0),
+            root_item(b, nodesize, 0, ri_inode.clone())
+                .to_bytes()
+                .to_vec(),
+        ));
+    }
     root_items.push((
         Key::new(DATA_RELOC_TREE_OBJECTID, ROOT_ITEM_KEY, 0),
         root_item(
@@ -772,6 +802,19 @@ pub fn mkfs(dev: &dyn BlockDevice, opts: &MkfsOptions) -> Result<MkfsReport> {
         .to_bytes()
         .to_vec(),
     ));
+
+    // A root tree too big for one leaf (small nodes with every tree present) becomes a node
+    // over two leaves, as mkfs.btrfs makes it; the leaves take the next metadata blocks.
+    let root_leaves = if leaf_fits(&root_items, nodesize) {
+        None
+    } else {
+        let pair = [alloc(meta)?, alloc(meta)?];
+        meta_blocks.extend(pair);
+        Some(pair)
+    };
+    chunks[sys].used = ns;
+    chunks[meta].used = ns * meta_blocks.len() as u64;
+    let bytes_used: u64 = chunks.iter().map(|c| c.used).sum();
 
     // ---- fs tree, data reloc tree, csum tree, uuid tree ----
     let fs_items = root_dir_items(InodeItem {
@@ -855,11 +898,6 @@ pub fn mkfs(dev: &dyn BlockDevice, opts: &MkfsOptions) -> Result<MkfsReport> {
             items: chunk_items,
         },
         Leaf {
-            bytenr: root_bytenr,
-            owner: ROOT_TREE_OBJECTID,
-            items: root_items,
-        },
-        Leaf {
             bytenr: dev_bytenr,
             owner: DEV_TREE_OBJECTID,
             items: dev_items,
@@ -893,29 +931,43 @@ pub fn mkfs(dev: &dyn BlockDevice, opts: &MkfsOptions) -> Result<MkfsReport> {
         });
     }
 
-    // ---- extent tree ----
-    // Keys first: the extent tree's own extent item needs the extent tree's first key.
-    let extent_key = |bytenr: u64| {
-        if opts.skinny_metadata {
-            Key::new(bytenr, METADATA_ITEM_KEY, 0)
-        } else {
-            Key::new(bytenr, EXTENT_ITEM_KEY, ns)
+    // Internal nodes: (bytenr, owner, level, [(first key, child)]).
+    let mut nodes: Vec<(u64, u64, u8, Vec<(Key, u64)>)> = Vec::new();
+    match root_leaves {
+        None => leaves.push(Leaf {
+            bytenr: root_bytenr,
+            owner: ROOT_TREE_OBJECTID,
+            items: root_items,
+        }),
+        Some([a, b]) => {
+            let total: usize = root_items.iter().map(|(_, d)| d.len() + ITEM_SIZE).sum();
+            let mut acc = 0;
+            let at = root_items
+                .iter()
+                .position(|(_, d)| {
+                    acc += d.len() + ITEM_SIZE;
+                    acc > total / 2
+                })
+                .unwrap_or(root_items.len() / 2)
+                .max(1);
+            let right = root_items.split_off(at);
+            let (ka, kb) = (root_items[0].0, right[0].0);
+            leaves.push(Leaf {
+                bytenr: a,
+                owner: ROOT_TREE_OBJECTID,
+                items: root_items,
+            });
+            leaves.push(Leaf {
+                bytenr: b,
+                owner: ROOT_TREE_OBJECTID,
+                items: right,
+            });
+            nodes.push((root_bytenr, ROOT_TREE_OBJECTID, 1, vec![(ka, a), (kb, b)]));
         }
-    };
-    let mut extent_keys: Vec<Key> = chunks
-        .iter()
-        .map(|c| Key::new(c.logical, BLOCK_GROUP_ITEM_KEY, c.length))
-        .collect();
-    extent_keys.extend(leaves.iter().map(|l| extent_key(l.bytenr)));
-    extent_keys.push(extent_key(extent_bytenr));
-    extent_keys.sort_unstable();
-    let extent_first_key = extent_keys.first().copied().unwrap_or_default();
-    let mut blocks: Vec<(u64, u64, Key)> = leaves
-        .iter()
-        .map(|l| (l.bytenr, l.owner, l.first_key()))
-        .collect();
-    blocks.push((extent_bytenr, EXTENT_TREE_OBJECTID, extent_first_key));
-    let mut extent_items: Vec<(Key, Vec<u8>)> = chunks
+    }
+
+    // ---- block group items: in the block group tree, or among the extent items ----
+    let bg_items: Vec<(Key, Vec<u8>)> = chunks
         .iter()
         .map(|c| {
             let bg = BlockGroupItem {
@@ -929,7 +981,42 @@ pub fn mkfs(dev: &dyn BlockDevice, opts: &MkfsOptions) -> Result<MkfsReport> {
             )
         })
         .collect();
-    for &(bytenr, owner, first_key) in &blocks {
+    let mut extent_items = Vec::new();
+    match bg_bytenr {
+        Some(b) => leaves.push(Leaf {
+            bytenr: b,
+            owner: BLOCK_GROUP_TREE_OBJECTID,
+            items: bg_items,
+        }),
+        None => extent_items = bg_items,
+    }
+
+    // ---- extent tree ----
+    // Keys first: the extent tree's own extent item needs the extent tree's first key.
+    let extent_key = |bytenr: u64, level: u8| {
+        if opts.skinny_metadata {
+            Key::new(bytenr, METADATA_ITEM_KEY, u64::from(level))
+        } else {
+            Key::new(bytenr, EXTENT_ITEM_KEY, ns)
+        }
+    };
+    // Every tree block: (bytenr, owner, level, first key).
+    let mut blocks: Vec<(u64, u64, u8, Key)> = leaves
+        .iter()
+        .map(|l| (l.bytenr, l.owner, 0, l.first_key()))
+        .collect();
+    blocks.extend(
+        nodes
+            .iter()
+            .map(|(b, o, lvl, ptrs)| (*b, *o, *lvl, ptrs.first().map(|p| p.0).unwrap_or_default())),
+    );
+    let mut extent_keys: Vec<Key> = extent_items.iter().map(|(k, _)| *k).collect();
+    extent_keys.extend(blocks.iter().map(|b| extent_key(b.0, b.2)));
+    extent_keys.push(extent_key(extent_bytenr, 0));
+    extent_keys.sort_unstable();
+    let extent_first_key = extent_keys.first().copied().unwrap_or_default();
+    blocks.push((extent_bytenr, EXTENT_TREE_OBJECTID, 0, extent_first_key));
+    for &(bytenr, owner, level, first_key) in &blocks {
         let ei = ExtentItem {
             refs: 1,
             generation: GENERATION,
@@ -937,11 +1024,11 @@ pub fn mkfs(dev: &dyn BlockDevice, opts: &MkfsOptions) -> Result<MkfsReport> {
             tree_block_info: if opts.skinny_metadata {
                 None
             } else {
-                Some((first_key, 0))
+                Some((first_key, level))
             },
             inline_refs: vec![BackRef::TreeBlock { root: owner }],
         };
-        extent_items.push((extent_key(bytenr), ei.to_bytes()));
+        extent_items.push((extent_key(bytenr, level), ei.to_bytes()));
     }
     extent_items.sort_by_key(|(k, _)| *k);
     leaves.push(Leaf {
@@ -976,12 +1063,32 @@ pub fn mkfs(dev: &dyn BlockDevice, opts: &MkfsOptions) -> Result<MkfsReport> {
         leaf.finalize(opts.csum)?;
         encoded.push((l.bytenr, buf));
     }
+    for (bytenr, owner, level, ptrs) in &nodes {
+        let mut buf = vec![0u8; nodesize as usize];
+        let header = NewHeader {
+            bytenr: *bytenr,
+            owner: *owner,
+            generation: GENERATION,
+            fsid,
+            chunk_tree_uuid,
+            flags: HEADER_FLAG_WRITTEN,
+            backref_rev: MIXED_BACKREF_REV as u8,
+        };
+        let mut node = NodeMut::init(&mut buf, *level, &header)?;
+        for (slot, (key, child)) in ptrs.iter().enumerate() {
+            node.insert_ptr(slot, *key, *child, GENERATION)?;
+        }
+        node.finalize(opts.csum)?;
+        encoded.push((*bytenr, buf));
+    }
+    let root_level = if root_leaves.is_some() { 1 } else { 0 };
     encoded.sort_by_key(|(b, _)| *b);
 
     // ---- superblock ----
     let backup = BackupRoot {
         tree_root: root_bytenr,
         tree_root_gen: GENERATION,
+        tree_root_level: root_level,
         chunk_root: chunk_bytenr,
         chunk_root_gen: GENERATION,
         extent_root: extent_bytenr,
@@ -1021,7 +1128,7 @@ pub fn mkfs(dev: &dyn BlockDevice, opts: &MkfsOptions) -> Result<MkfsReport> {
         incompat_flags: opts.incompat_flags(),
         csum_type_raw: opts.csum.to_disk(),
         csum_type: opts.csum,
-        root_level: 0,
+        root_level,
         chunk_root_level: 0,
         log_root_level: 0,
         dev_item,
@@ -1225,7 +1332,8 @@ mod tests {
         assert_eq!(r.total_bytes, 128 << 20);
         assert_eq!(r.superblocks, vec![64 << 10, 64 << 20]);
         assert_eq!(r.incompat_flags, 0x341);
-        assert_eq!(r.compat_ro_flags, 0x3);
+        // free space tree (+ valid) and block group tree, as mkfs.btrfs 6.19 makes by default
+        assert_eq!(r.compat_ro_flags, 0xb);
         // mkfs.btrfs 6.2 on 128 MiB: system DUP 8 MiB, metadata DUP 32 MiB, data 8 MiB.
         let lens: Vec<(u64, u64, usize)> = r
             .chunks
@@ -1240,14 +1348,14 @@ mod tests {
                 (BLOCK_GROUP_DATA, 8 << 20, 1),
             ]
         );
-        // 9 tree blocks, like mkfs.btrfs: 147456 bytes.
-        assert_eq!(r.bytes_used, 9 * 16384);
+        // 10 tree blocks, like mkfs.btrfs -O block-group-tree: 163840 bytes.
+        assert_eq!(r.bytes_used, 10 * 16384);
 
         let sb = read_superblock(&dev).unwrap();
         assert_eq!(sb.generation, 1);
         assert_eq!(sb.fsid, [0x42; 16]);
         assert_eq!(sb.incompat_flags, 0x341);
-        assert_eq!(sb.bytes_used, 9 * 16384);
+        assert_eq!(sb.bytes_used, 10 * 16384);
         assert_eq!(sb.dev_item.bytes_used, (16 + 64 + 8) << 20);
         assert_eq!(sb.sys_chunk_array.len(), 129);
         assert_eq!(sb.backup_roots[0].tree_root, sb.root);
@@ -1273,15 +1381,14 @@ mod tests {
                 ROOT_ITEM_KEY,
                 ROOT_ITEM_KEY,
                 ROOT_ITEM_KEY,
+                ROOT_ITEM_KEY,
                 ROOT_ITEM_KEY
             ]
         );
         let ext = ty(EXTENT_TREE_OBJECTID);
-        assert_eq!(ext.iter().filter(|&&t| t == METADATA_ITEM_KEY).count(), 9);
-        assert_eq!(
-            ext.iter().filter(|&&t| t == BLOCK_GROUP_ITEM_KEY).count(),
-            3
-        );
+        assert_eq!(ext.iter().filter(|&&t| t == METADATA_ITEM_KEY).count(), 10);
+        assert!(!ext.contains(&BLOCK_GROUP_ITEM_KEY));
+        assert_eq!(ty(BLOCK_GROUP_TREE_OBJECTID), vec![BLOCK_GROUP_ITEM_KEY; 3]);
         assert_eq!(ty(DEV_TREE_OBJECTID), vec![DEV_EXTENT_KEY; 5]);
         assert_eq!(ty(FS_TREE_OBJECTID), vec![INODE_ITEM_KEY, INODE_REF_KEY]);
         assert_eq!(
@@ -1305,9 +1412,9 @@ mod tests {
                 ),
                 Key::new(c[1].logical, FREE_SPACE_INFO_KEY, 32 << 20),
                 Key::new(
-                    c[1].logical + 8 * 16384,
+                    c[1].logical + 9 * 16384,
                     FREE_SPACE_EXTENT_KEY,
-                    (32 << 20) - 8 * 16384
+                    (32 << 20) - 9 * 16384
                 ),
                 Key::new(c[2].logical, FREE_SPACE_INFO_KEY, 8 << 20),
                 Key::new(c[2].logical, FREE_SPACE_EXTENT_KEY, 8 << 20),
@@ -1379,6 +1486,7 @@ mod tests {
                 128 << 20,
                 MkfsOptions {
                     free_space_tree: false,
+                    block_group_tree: false,
                     ..Default::default()
                 },
             ),
@@ -1412,7 +1520,10 @@ mod tests {
             assert_eq!(sb.label, opts.label, "{what}");
             let fs = assert_opens_clean(Arc::new(dev), what);
             let ext = keys(&fs, EXTENT_TREE_OBJECTID);
-            let blocks = if opts.free_space_tree { 9 } else { 8 };
+            // A 4 KiB root tree with every tree in it is a node over two leaves.
+            let split = if fs.tree_root().level > 0 { 2 } else { 0 };
+            let blocks =
+                8 + usize::from(opts.free_space_tree) + usize::from(opts.block_group_tree) + split;
             let want_ty = if opts.skinny_metadata {
                 METADATA_ITEM_KEY
             } else {

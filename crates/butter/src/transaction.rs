@@ -325,23 +325,31 @@ impl Writer {
         let mut groups: Vec<BlockGroup> = Vec::new();
         let mut it = TreeIter::new(self.disk.clone(), extent_root, Key::MIN, Readahead::Forward)?;
         let mut used_ranges: Vec<(u64, u64)> = Vec::new();
+        let mut group_item = |item: &crate::ctree::ItemRef| -> Result<()> {
+            let bgi = BlockGroupItem::parse(item.data()).map_err(|e| item.annotate(e))?;
+            let mut bg = BlockGroup::new(item.key.objectid, item.key.offset, bgi.flags);
+            bg.used = bgi.used;
+            groups.push(bg);
+            Ok(())
+        };
+        let bg_tree = self.block_group_tree();
         while let Some(item) = it.next_item()? {
             match item.key.ty {
-                BLOCK_GROUP_ITEM_KEY => {
-                    let bgi = BlockGroupItem::parse(item.data()).map_err(|e| item.annotate(e))?;
-                    let mut bg = BlockGroup::new(item.key.objectid, item.key.offset, bgi.flags);
-                    bg.used = bgi.used;
-                    groups.push(bg);
-                }
+                BLOCK_GROUP_ITEM_KEY if bg_tree == EXTENT_TREE_OBJECTID => group_item(&item)?,
                 EXTENT_ITEM_KEY => used_ranges.push((item.key.objectid, item.key.offset)),
                 METADATA_ITEM_KEY => used_ranges.push((item.key.objectid, ns)),
                 _ => {}
             }
         }
-        if self.disk.sb.has_compat_ro(COMPAT_RO_BLOCK_GROUP_TREE) {
-            return Err(Error::Unsupported(
-                "block-group-tree feature: writing is not supported yet".into(),
-            ));
+        if bg_tree != EXTENT_TREE_OBJECTID {
+            // block-group-tree: the items live in a tree of their own (tree 11).
+            let root = self.current_root(bg_tree)?;
+            let mut it = TreeIter::new(self.disk.clone(), root, Key::MIN, Readahead::Forward)?;
+            while let Some(item) = it.next_item()? {
+                if item.key.ty == BLOCK_GROUP_ITEM_KEY {
+                    group_item(&item)?;
+                }
+            }
         }
         let chunks: Vec<(u64, ChunkItem)> = self
             .disk
@@ -375,6 +383,16 @@ impl Writer {
             }
         }
         Ok(())
+    }
+
+    /// The tree that holds the block group items: the extent tree, or with the
+    /// block-group-tree feature (compat_ro bit 3) a tree of their own.
+    pub(crate) fn block_group_tree(&self) -> u64 {
+        if self.disk.sb.has_compat_ro(COMPAT_RO_BLOCK_GROUP_TREE) {
+            BLOCK_GROUP_TREE_OBJECTID
+        } else {
+            EXTENT_TREE_OBJECTID
+        }
     }
 
     /// Allocates a tree block for `tree`.
@@ -779,8 +797,9 @@ impl Writer {
                 flags,
             }
             .to_bytes();
-            if self.read_item(EXTENT_TREE_OBJECTID, &key)?.as_deref() != Some(&body[..]) {
-                self.replace_item(EXTENT_TREE_OBJECTID, key, &body)?;
+            let tree = self.block_group_tree();
+            if self.read_item(tree, &key)?.as_deref() != Some(&body[..]) {
+                self.replace_item(tree, key, &body)?;
                 changed = true;
             }
             if fst {

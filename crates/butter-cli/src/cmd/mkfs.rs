@@ -37,10 +37,10 @@ pub struct MkfsArgs {
     #[arg(short = 'd', long = "data", value_parser = parse_profile)]
     pub data: Option<Profile>,
     /// Features, comma separated, `^` turns one off: no-holes, skinny-metadata,
-    /// free-space-tree; `list-all` lists them.
+    /// free-space-tree, block-group-tree (on by default); `list-all` lists them.
     #[arg(short = 'O', long = "features")]
     pub features: Vec<String>,
-    /// Runtime features (mkfs.btrfs 6.2 puts free-space-tree here); same syntax as -O.
+    /// Runtime features (older mkfs.btrfs put free-space-tree here); same syntax as -O.
     #[arg(short = 'R', long = "runtime-features")]
     pub runtime_features: Vec<String>,
     /// Filesystem label (at most 255 bytes).
@@ -183,6 +183,11 @@ const FEATURES: &[(&str, &str)] = &[
         "free-space-tree",
         "free space tree, space_cache=v2 (compat_ro FREE_SPACE_TREE)",
     ),
+    (
+        "block-group-tree",
+        "block group items in a tree of their own, faster mounts (compat_ro BLOCK_GROUP_TREE; \
+         on by default, as in mkfs.btrfs 6.19)",
+    ),
 ];
 
 /// Applies one comma-separated feature list; `Ok(true)` when `list-all` asked for the list.
@@ -197,6 +202,7 @@ fn apply_features(list: &str, opts: &mut MkfsOptions) -> Result<bool, CliError> 
             "no-holes" | "no_holes" => opts.no_holes = on,
             "skinny-metadata" | "skinny_metadata" => opts.skinny_metadata = on,
             "free-space-tree" | "free_space_tree" | "fst" => opts.free_space_tree = on,
+            "block-group-tree" | "block_group_tree" | "bgt" => opts.block_group_tree = on,
             "extref" | "mixed-backref" if on => {} // always on
             other => {
                 return Err(CliError(format!(
@@ -254,6 +260,21 @@ fn options(a: &MkfsArgs) -> Result<Option<MkfsOptions>, CliError> {
         if apply_features(l, &mut o)? {
             return Ok(None);
         }
+    }
+    // The block group tree needs the free space tree: turning the latter off takes the
+    // default block group tree with it (asking for both is refused by mkfs itself).
+    let named = |f: &str| {
+        a.features
+            .iter()
+            .chain(&a.runtime_features)
+            .flat_map(|l| l.split(','))
+            .any(|x| {
+                let x = x.trim().trim_start_matches('^').to_ascii_lowercase();
+                x == f || x == f.replace('-', "_")
+            })
+    };
+    if !o.free_space_tree && !named("block-group-tree") && !named("bgt") {
+        o.block_group_tree = false;
     }
     if let Some(l) = &a.label {
         o.label = l.clone();
@@ -367,20 +388,28 @@ fn print_summary(out: &mut impl Write, r: &MkfsReport, image: &Path) -> std::io:
             )?;
         }
     }
-    let mut incompat = vec!["extref"];
-    if r.incompat_flags & INCOMPAT_SKINNY_METADATA != 0 {
-        incompat.push("skinny-metadata");
+    // One line of features, as mkfs.btrfs 6.14 prints them.
+    let mut features = vec!["extref"];
+    for (set, name) in [
+        (
+            r.incompat_flags & INCOMPAT_SKINNY_METADATA != 0,
+            "skinny-metadata",
+        ),
+        (r.incompat_flags & INCOMPAT_NO_HOLES != 0, "no-holes"),
+        (
+            r.compat_ro_flags & COMPAT_RO_FREE_SPACE_TREE != 0,
+            "free-space-tree",
+        ),
+        (
+            r.compat_ro_flags & COMPAT_RO_BLOCK_GROUP_TREE != 0,
+            "block-group-tree",
+        ),
+    ] {
+        if set {
+            features.push(name);
+        }
     }
-    if r.incompat_flags & INCOMPAT_NO_HOLES != 0 {
-        incompat.push("no-holes");
-    }
-    writeln!(out, "Incompat features:  {}", incompat.join(", "))?;
-    let runtime = if r.compat_ro_flags & COMPAT_RO_FREE_SPACE_TREE != 0 {
-        "free-space-tree"
-    } else {
-        "none"
-    };
-    writeln!(out, "Runtime features:   {runtime}")?;
+    writeln!(out, "Features:           {}", features.join(", "))?;
     writeln!(out, "Checksum:           {}", r.csum.name())?;
     writeln!(out, "Number of devices:  1")?;
     writeln!(out, "Devices:")?;
@@ -1055,6 +1084,10 @@ mod tests {
         assert!(apply_features("list-all", &mut o).unwrap());
         assert!(apply_features("raid56", &mut o).is_err());
         assert!(apply_features("^extref", &mut o).is_err());
+        assert!(!apply_features("^block-group-tree", &mut o).unwrap());
+        assert!(!o.block_group_tree);
+        assert!(!apply_features("block_group_tree", &mut o).unwrap());
+        assert!(o.block_group_tree);
     }
 
     #[test]
