@@ -142,10 +142,13 @@ struct Base {
 /// Held around every kernel mount (see its use).
 static KERNEL_MOUNT: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
-fn make_base() -> Base {
+/// The base image; `block_group_tree` picks where its block group items live (butter mkfs's
+/// default, the block group tree, or the extent tree).
+fn make_base(block_group_tree: bool) -> Base {
     let dev = Arc::new(RamDevice::new(vec![0u8; IMAGE_SIZE as usize]));
     let opts = MkfsOptions {
         size: IMAGE_SIZE,
+        block_group_tree,
         ..MkfsOptions::default()
     };
     mkfs(dev.as_ref(), &opts).expect("mkfs");
@@ -928,7 +931,9 @@ fn crash_loop(name: &str, torn: bool, seed_mix: u64) {
     eprintln!("{name}: {rounds} rounds, BUTTER_FSYNC_CRASH_SEED={seed}");
     let scratch = ScratchDir::new(name);
     let t = Instant::now();
-    let base = make_base();
+    // The plain loop runs on a block-group-tree image, the torn one on block group items in
+    // the extent tree: both layouts meet power cuts.
+    let base = make_base(!torn);
     let mut st = Stats::default();
     for r in 0..rounds {
         if only.is_some_and(|o| o != r) {

@@ -176,11 +176,16 @@ fn check_synced(expected: &BTreeMap<PathBuf, Entry>, replayed: &Manifest, what: 
 }
 
 fn run(s: Scenario) {
+    run_on(s, &[]);
+}
+
+/// [`run`] on an image mkfs.btrfs makes with `mkfs_args`.
+fn run_on(s: Scenario, mkfs_args: &[&str]) {
     let name = s.name;
     require_or_fail(&format!("fsync_matrix {name}"), true);
     let scratch = ScratchDir::new(&format!("fsync-matrix-{name}"));
     let img = scratch.join("img");
-    mkfs_btrfs::<&str>(&img, IMAGE_SIZE, &[]);
+    mkfs_btrfs(&img, IMAGE_SIZE, mkfs_args);
     let mnt = scratch.dir("bmnt");
     for (i, step) in s.setup.iter().enumerate() {
         match step {
@@ -823,41 +828,55 @@ fn subvolume_and_snapshot() {
 /// files may share one log commit).
 #[test]
 fn many_files_concurrently() {
+    many_files("many", &[]);
+}
+
+/// The same on a block-group-tree image (mkfs.btrfs's default since 6.19): the log commit and
+/// the kernel's replay meet block group items in tree 11.
+#[test]
+fn many_files_concurrently_block_group_tree() {
+    many_files("many-bgt", &["-O", "block-group-tree"]);
+}
+
+fn many_files(name: &str, mkfs_args: &[&str]) {
     const THREADS: usize = 4;
     const FILES: usize = 40;
-    run(Scenario {
-        name: "many",
-        setup: vec![Step::Mounted(&|m| {
-            fs::create_dir(m.join("d")).unwrap();
-            fs::create_dir(m.join("e")).unwrap();
-            write_file(&m.join("e/old"), 70000, 99);
-        })],
-        ops: &|c| {
-            std::thread::scope(|s| {
-                for t in 0..THREADS {
-                    s.spawn(move || {
-                        for i in 0..FILES {
-                            let rel = format!("d/t{t}-file-with-a-longer-name-{i:03}");
-                            let n = (t * FILES + i) as u8;
-                            write_file(&c.p(&rel), 300 + (t * FILES + i) * 531, n);
-                            if i % 3 == 0 {
-                                c.fdatasync(&rel);
-                            } else {
-                                c.fsync(&rel);
+    run_on(
+        Scenario {
+            name,
+            setup: vec![Step::Mounted(&|m| {
+                fs::create_dir(m.join("d")).unwrap();
+                fs::create_dir(m.join("e")).unwrap();
+                write_file(&m.join("e/old"), 70000, 99);
+            })],
+            ops: &|c| {
+                std::thread::scope(|s| {
+                    for t in 0..THREADS {
+                        s.spawn(move || {
+                            for i in 0..FILES {
+                                let rel = format!("d/t{t}-file-with-a-longer-name-{i:03}");
+                                let n = (t * FILES + i) as u8;
+                                write_file(&c.p(&rel), 300 + (t * FILES + i) * 531, n);
+                                if i % 3 == 0 {
+                                    c.fdatasync(&rel);
+                                } else {
+                                    c.fsync(&rel);
+                                }
                             }
+                        });
+                    }
+                    // Meanwhile, overwrites of one older file, fsynced each time.
+                    s.spawn(|| {
+                        let f = open_rw(&c.p("e/old"));
+                        for i in 0..20u64 {
+                            f.write_all_at(&pattern(3000, i as u8), i * 3000).unwrap();
+                            c.fsync_file(&f, "e/old");
                         }
                     });
-                }
-                // Meanwhile, overwrites of one older file, fsynced each time.
-                s.spawn(|| {
-                    let f = open_rw(&c.p("e/old"));
-                    for i in 0..20u64 {
-                        f.write_all_at(&pattern(3000, i as u8), i * 3000).unwrap();
-                        c.fsync_file(&f, "e/old");
-                    }
                 });
-            });
+            },
+            fast_log: true,
         },
-        fast_log: true,
-    });
+        mkfs_args,
+    );
 }

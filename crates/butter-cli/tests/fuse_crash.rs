@@ -414,13 +414,32 @@ struct RoundResult {
 
 #[test]
 fn sigkill_rounds_keep_what_was_fsynced() {
+    crash_rounds("fuse-crash", &[], rounds_from_env() * 3 / 5);
+}
+
+/// The same on a block-group-tree image (mkfs.btrfs's default since 6.19); the rounds are
+/// shared between the two layouts.
+#[test]
+fn sigkill_rounds_on_block_group_tree() {
+    crash_rounds(
+        "fuse-crash-bgt",
+        &["-O", "block-group-tree"],
+        rounds_from_env() * 2 / 5,
+    );
+}
+
+fn rounds_from_env() -> u64 {
+    std::env::var("BUTTER_CRASH_ROUNDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(DEFAULT_ROUNDS)
+}
+
+fn crash_rounds(name: &str, mkfs_args: &[&str], rounds: u64) {
     if !fuse_mount::require("fuse_crash", &[]) {
         return;
     }
-    let rounds: u64 = std::env::var("BUTTER_CRASH_ROUNDS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(DEFAULT_ROUNDS);
+    let rounds = rounds.max(2);
     let seed: u64 = std::env::var("BUTTER_CRASH_SEED")
         .ok()
         .and_then(|v| v.parse().ok())
@@ -430,10 +449,10 @@ fn sigkill_rounds_keep_what_was_fsynced() {
                 .map(|d| d.as_nanos() as u64)
                 .unwrap_or(1)
         });
-    eprintln!("fuse_crash: {rounds} rounds, BUTTER_CRASH_SEED={seed}");
-    let scratch = ScratchDir::new("fuse-crash");
+    eprintln!("{name}: {rounds} rounds, BUTTER_CRASH_SEED={seed}");
+    let scratch = ScratchDir::new(name);
     let img = scratch.join("crash.img");
-    fuse_mount::fresh_image(&img, IMAGE_SIZE);
+    common::kernel::mkfs_btrfs(&img, IMAGE_SIZE, mkfs_args);
     let mnt = scratch.dir("bmnt");
     let kmnt = scratch.dir("kmnt");
     let mut rng = Rng::new(seed);
@@ -532,7 +551,7 @@ fn sigkill_rounds_keep_what_was_fsynced() {
     bm.unmount();
     fuse_mount::verify_image(&img, &kmnt, Some(&seen), "after the crash rounds");
     eprintln!(
-        "fuse_crash: {rounds} rounds in {:.1} s",
+        "{name}: {rounds} rounds in {:.1} s",
         t_all.elapsed().as_secs_f64()
     );
 }

@@ -109,16 +109,27 @@ fn env_u64(name: &str, default: u64) -> u64 {
 
 #[test]
 fn fsx_on_butter_mount() {
+    let ops = env_u64("BUTTER_FSX_OPS", SUITE_OPS);
+    fsx_run("fuse-fsx", &[], ops);
+}
+
+/// The same on a block-group-tree image (mkfs.btrfs's default since 6.19), a third as long.
+#[test]
+fn fsx_on_block_group_tree() {
+    let ops = env_u64("BUTTER_FSX_OPS", SUITE_OPS) / 3;
+    fsx_run("fuse-fsx-bgt", &["-O", "block-group-tree"], ops);
+}
+
+fn fsx_run(name: &str, mkfs_args: &[&str], ops: u64) {
     if !fuse_mount::require("fuse_fsx", &["fsx"]) {
         return;
     }
-    let ops = env_u64("BUTTER_FSX_OPS", SUITE_OPS);
     let seed = env_u64("BUTTER_FSX_SEED", SEED);
-    let scratch = ScratchDir::new("fuse-fsx");
+    let scratch = ScratchDir::new(name);
     let cfg = scratch.join("fsx.toml");
     std::fs::write(&cfg, FSX_CONFIG).unwrap();
     let img = scratch.join("butter.img");
-    fuse_mount::fresh_image(&img, IMAGE_SIZE);
+    common::kernel::mkfs_btrfs(&img, IMAGE_SIZE, mkfs_args);
     let bm = ButterMount::start(
         &img,
         &scratch.join("bmnt"),

@@ -29,18 +29,19 @@ use std::path::{Path, PathBuf};
 /// Builds the crash image: `setup` runs and is synced, then `ops` (which fsyncs) runs and the
 /// image is copied while mounted. Returns the crash image path.
 fn crash_image(scratch: &ScratchDir, setup: &dyn Fn(&Path), ops: &dyn Fn(&Path)) -> PathBuf {
-    crash_image_opts(scratch, "", setup, ops)
+    crash_image_opts(scratch, &[], "", setup, ops)
 }
 
 fn crash_image_opts(
     scratch: &ScratchDir,
+    mkfs_args: &[&str],
     extra: &str,
     setup: &dyn Fn(&Path),
     ops: &dyn Fn(&Path),
 ) -> PathBuf {
     let opts = format!("commit=600,noatime{extra}");
     let img = scratch.join("img");
-    mkfs_btrfs(&img, 256 << 20, &[] as &[&str]);
+    mkfs_btrfs(&img, 256 << 20, mkfs_args);
     let crash = scratch.join("crash");
     {
         let m = LoopMount::btrfs(&img, &scratch.dir("m0"), &opts);
@@ -70,11 +71,22 @@ fn run_scenario(name: &str, setup: &dyn Fn(&Path), ops: &dyn Fn(&Path)) {
 
 /// `extra`: more mount options for the kernel's writes (",compress=zstd").
 fn run_scenario_opts(name: &str, extra: &str, setup: &dyn Fn(&Path), ops: &dyn Fn(&Path)) {
+    run_scenario_on(name, &[], extra, setup, ops)
+}
+
+/// [`run_scenario_opts`] on an image mkfs.btrfs makes with `mkfs_args`.
+fn run_scenario_on(
+    name: &str,
+    mkfs_args: &[&str],
+    extra: &str,
+    setup: &dyn Fn(&Path),
+    ops: &dyn Fn(&Path),
+) {
     if !require_privileges() {
         return;
     }
     let scratch = ScratchDir::new(&format!("logreplay-{name}"));
-    let crash = crash_image_opts(&scratch, extra, setup, ops);
+    let crash = crash_image_opts(&scratch, mkfs_args, extra, setup, ops);
     let a = scratch.join("a.img");
     let b = scratch.join("b.img");
     copy_sparse(&crash, &a);
@@ -415,15 +427,34 @@ fn subvolume_and_snapshot() {
     );
 }
 
+fn many_files_ops(m: &Path) {
+    for i in 0..150 {
+        let p = m.join(format!("d/file-with-a-longer-name-{i:04}"));
+        write_file(&p, 500 + i * 37, i as u8);
+        fsync(&p);
+    }
+}
+
 #[test]
 fn many_files() {
-    run_scenario("many", &|m| fs::create_dir(m.join("d")).unwrap(), &|m| {
-        for i in 0..150 {
-            let p = m.join(format!("d/file-with-a-longer-name-{i:04}"));
-            write_file(&p, 500 + i * 37, i as u8);
-            fsync(&p);
-        }
-    });
+    run_scenario(
+        "many",
+        &|m| fs::create_dir(m.join("d")).unwrap(),
+        &many_files_ops,
+    );
+}
+
+/// The same on a block-group-tree image (mkfs.btrfs's default since 6.19): butter's replay
+/// and its writes after it keep the block group items in tree 11.
+#[test]
+fn many_files_block_group_tree() {
+    run_scenario_on(
+        "many-bgt",
+        &["-O", "block-group-tree"],
+        "",
+        &|m| fs::create_dir(m.join("d")).unwrap(),
+        &many_files_ops,
+    );
 }
 
 #[test]

@@ -222,4 +222,5 @@ variants! {
     no_holes_off => "holes",
     skinny_off => "fat-metadata",
     free_space_tree_off => "no-fst",
+    block_group_tree => "block-group-tree",
 }

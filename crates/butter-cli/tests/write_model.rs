@@ -161,7 +161,22 @@ fn model_rounds_holes_fat_metadata() {
     rounds_with("holes", &mkfs, 0x7772_6974_6535, 1200, 400, 2, kernel);
 }
 
-/// The same rounds on an image `butter mkfs` made (4 KiB nodes for deep trees).
+/// mkfs.btrfs's block-group-tree (the default since btrfs-progs 6.19): block group items in
+/// tree 11, kept in step by butter's commits and the kernel's alike.
+#[test]
+fn model_rounds_block_group_tree() {
+    rounds(
+        "bgt",
+        &["-O", "block-group-tree", "-n", "4096"],
+        0x7772_6974_6537,
+        1200,
+        400,
+        2,
+    );
+}
+
+/// The same rounds on an image `butter mkfs` made (4 KiB nodes for deep trees; block group
+/// tree, butter mkfs's default).
 #[test]
 fn model_rounds_butter_mkfs() {
     rounds(

@@ -135,7 +135,8 @@ pub struct MkfsOptions {
     /// compat_ro FREE_SPACE_TREE (+ _VALID) and the free space tree.
     pub free_space_tree: bool,
     /// compat_ro BLOCK_GROUP_TREE: block group items in a tree of their own (tree 11) rather
-    /// than among the extent items; mkfs.btrfs's default since 6.19. Needs the free space tree.
+    /// than among the extent items; mkfs.btrfs's default since 6.19. Needs the free space tree
+    /// and NO_HOLES (the kernel refuses it without them).
     pub block_group_tree: bool,
     /// At most 255 bytes, no NUL.
     pub label: String,
@@ -321,10 +322,11 @@ fn check_options(opts: &MkfsOptions) -> Result<()> {
     if opts.label.contains('\0') {
         return Err(invalid("label contains a NUL byte"));
     }
-    if opts.block_group_tree && !opts.free_space_tree {
+    if opts.block_group_tree && !(opts.free_space_tree && opts.no_holes) {
+        // The kernel refuses to mount such a filesystem.
         return Err(invalid(
-            "block-group-tree needs the free space tree: turn both off \
-             (-O ^block-group-tree,^free-space-tree) or leave free-space-tree on",
+            "block-group-tree needs free-space-tree and no-holes: leave those on, or turn \
+             block-group-tree off too (-O ^block-group-tree)",
         ));
     }
     Ok(())
@@ -1477,6 +1479,7 @@ mod tests {
                 MkfsOptions {
                     skinny_metadata: false,
                     no_holes: false,
+                    block_group_tree: false,
                     label: "fat extents".into(),
                     ..Default::default()
                 },

@@ -261,8 +261,8 @@ fn options(a: &MkfsArgs) -> Result<Option<MkfsOptions>, CliError> {
             return Ok(None);
         }
     }
-    // The block group tree needs the free space tree: turning the latter off takes the
-    // default block group tree with it (asking for both is refused by mkfs itself).
+    // The block group tree needs the free space tree and no-holes: turning either off takes
+    // the default block group tree with it (asking for both is refused by mkfs itself).
     let named = |f: &str| {
         a.features
             .iter()
@@ -273,7 +273,7 @@ fn options(a: &MkfsArgs) -> Result<Option<MkfsOptions>, CliError> {
                 x == f || x == f.replace('-', "_")
             })
     };
-    if !o.free_space_tree && !named("block-group-tree") && !named("bgt") {
+    if !(o.free_space_tree && o.no_holes) && !named("block-group-tree") && !named("bgt") {
         o.block_group_tree = false;
     }
     if let Some(l) = &a.label {

@@ -1,6 +1,6 @@
 //! The mkfs.btrfs variants the oracle suite covers, and building a populated image of each.
 //!
-//! An image is made by `mkfs.btrfs` (btrfs-progs 6.2) on a sparse file of [`IMAGE_SIZE`],
+//! An image is made by `mkfs.btrfs` (btrfs-progs 6.14) on a sparse file of [`IMAGE_SIZE`],
 //! loop-mounted by the kernel with `noatime` plus the variant's mount options, filled by
 //! [`populate`], and unmounted cleanly (so it has no log tree).
 
@@ -68,6 +68,12 @@ pub const VARIANTS: &[Variant] = &[
     Variant {
         name: "fat-metadata",
         mkfs_args: &["-O", "^skinny-metadata"],
+        mount_opts: "",
+    },
+    // Block group items in their own tree (tree 11): mkfs.btrfs's default since 6.19.
+    Variant {
+        name: "block-group-tree",
+        mkfs_args: &["-O", "block-group-tree"],
         mount_opts: "",
     },
     // Without a free space tree the kernel keeps using the v1 space cache (it does not convert
