@@ -297,7 +297,7 @@ pub struct Allocator {
     /// (kind, free bytes, group start): groups ordered by free space per kind.
     index: BTreeSet<(SpaceKind, u64, u64)>,
     /// Last group that satisfied an allocation, per kind (locality).
-    hint: [u64; 3],
+    hint: [Option<u64>; 3],
 }
 
 fn kind_slot(k: SpaceKind) -> usize {
@@ -370,10 +370,17 @@ impl Allocator {
     /// Allocates `len` bytes aligned to `align` from a group of `kind`. `None` when no group
     /// has room (the caller may add a chunk, or commit to release pinned space).
     pub fn alloc(&mut self, kind: SpaceKind, len: u64, align: u64) -> Option<u64> {
+        // No address is a sentinel: a group may start at logical 0 (old mkfs put the system
+        // chunk there), so "no hint yet" is None, and a hint is only taken for its own kind.
         let hint = self.hint[kind_slot(kind)];
         let mut order: Vec<u64> = Vec::new();
-        if self.groups.contains_key(&hint) {
-            order.push(hint);
+        if let Some(h) = hint.filter(|h| {
+            self.groups.get(h).is_some_and(|g| {
+                let flags = g.lock().unwrap_or_else(|e| e.into_inner()).flags;
+                SpaceKind::of_flags(flags) == Some(kind)
+            })
+        }) {
+            order.push(h);
         }
         // Then the groups with the most free space first.
         for (_, free, start) in self
@@ -384,13 +391,13 @@ impl Allocator {
             if *free < len {
                 break;
             }
-            if *start != hint {
+            if Some(*start) != hint {
                 order.push(*start);
             }
         }
         for start in order {
             if let Some(Some(at)) = self.with_group(start, |g| g.alloc(len, align)) {
-                self.hint[kind_slot(kind)] = start;
+                self.hint[kind_slot(kind)] = Some(start);
                 return Some(at);
             }
         }

@@ -448,11 +448,8 @@ impl Disk {
     /// [`Disk::load_chunk_tree`].
     pub fn open(dev: Arc<dyn BlockDevice>) -> Result<Arc<Disk>> {
         let sb = read_superblock(dev.as_ref())?;
-        let unsupported = sb.incompat_flags & !INCOMPAT_SUPPORTED;
-        if unsupported != 0 {
-            return Err(Error::Unsupported(format!(
-                "superblock incompat feature bits {unsupported:#x}"
-            )));
+        if let Some(why) = crate::format::features::refuse_read(&sb) {
+            return Err(Error::Unsupported(why));
         }
         if sb.num_devices != 1 {
             return Err(Error::Unsupported(format!(

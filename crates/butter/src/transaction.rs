@@ -125,6 +125,11 @@ impl Writer {
     /// names an fsync log; the caller replays it before anything else allocates.
     pub(crate) fn open_with_log(disk: Arc<Disk>, live: LiveRoots) -> Result<Writer> {
         let sb = disk.sb.clone();
+        // Every feature bit is either kept correct by this engine or refused here, by name,
+        // before anything (a log replay included) is written.
+        if let Some(why) = crate::format::features::refuse_write(&sb) {
+            return Err(Error::Unsupported(why));
+        }
         let mut raw = vec![0u8; SUPER_INFO_SIZE];
         disk.dev
             .read_at(&mut raw, sb.bytenr)
@@ -1037,6 +1042,12 @@ const STRIPE: u64 = alloc::STRIPE_LEN;
 
 /// Carves the superblock copies out of a group's free space.
 fn exclude_supers(bg: &mut BlockGroup, chunk: &ChunkItem) {
+    // Logical space below the first superblock is never handed out (as the kernel excludes
+    // it): old mkfs put the system chunk at logical 0, and no tree block may live at 0.
+    let below = crate::format::SUPER_INFO_OFFSET;
+    if bg.start < below {
+        bg.exclude(bg.start, (below - bg.start).min(bg.len));
+    }
     for m in alloc::super_mirror_offsets() {
         for s in &chunk.stripes {
             if m >= s.offset && m < s.offset + chunk.length {

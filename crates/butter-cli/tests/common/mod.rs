@@ -26,6 +26,7 @@
 #![allow(dead_code)]
 
 pub mod butter_target;
+pub mod corpus;
 pub mod fsync;
 pub mod fuse_mount;
 pub mod gen;

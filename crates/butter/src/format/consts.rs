@@ -116,18 +116,17 @@ pub const COMPAT_RO_FREE_SPACE_TREE_VALID: u64 = 1 << 1;
 pub const COMPAT_RO_VERITY: u64 = 1 << 2;
 pub const COMPAT_RO_BLOCK_GROUP_TREE: u64 = 1 << 3;
 
-/// Incompat bits butter knows how to read.
-pub const INCOMPAT_SUPPORTED: u64 = INCOMPAT_MIXED_BACKREF
-    | INCOMPAT_DEFAULT_SUBVOL
-    | INCOMPAT_MIXED_GROUPS
-    | INCOMPAT_COMPRESS_LZO
-    | INCOMPAT_COMPRESS_ZSTD
-    | INCOMPAT_BIG_METADATA
-    | INCOMPAT_EXTENDED_IREF
-    | INCOMPAT_SKINNY_METADATA
-    | INCOMPAT_NO_HOLES
-    | INCOMPAT_METADATA_UUID
-    | INCOMPAT_RAID1C34;
+// ---- superblock flags (beside the header flags WRITTEN and RELOC) ----
+pub const SUPER_FLAG_SEEDING: u64 = 1 << 32;
+pub const SUPER_FLAG_METADUMP: u64 = 1 << 33;
+pub const SUPER_FLAG_METADUMP_V2: u64 = 1 << 34;
+pub const SUPER_FLAG_CHANGING_FSID: u64 = 1 << 35;
+pub const SUPER_FLAG_CHANGING_FSID_V2: u64 = 1 << 36;
+pub const SUPER_FLAG_CHANGING_BG_TREE: u64 = 1 << 38;
+/// Either of the two checksum conversion flags (data 39, metadata 40).
+pub const SUPER_FLAG_CHANGING_CSUM: u64 = (1 << 39) | (1 << 40);
+
+// (Which feature bits butter reads and writes: crate::format::features.)
 
 // ---- extent item flags ----
 pub const EXTENT_FLAG_DATA: u64 = 1 << 0;

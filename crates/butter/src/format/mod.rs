@@ -8,6 +8,7 @@ pub mod compress;
 pub mod consts;
 pub mod csum;
 pub mod encode;
+pub mod features;
 pub mod hash;
 pub mod header;
 pub mod items;

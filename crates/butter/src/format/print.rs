@@ -1430,11 +1430,6 @@ impl SuperView {
     }
 }
 
-const SUPER_FLAG_SEEDING: u64 = 1 << 32;
-const SUPER_FLAG_METADUMP: u64 = 1 << 33;
-const SUPER_FLAG_METADUMP_V2: u64 = 1 << 34;
-const SUPER_FLAG_CHANGING_FSID: u64 = 1 << 35;
-
 const SUPER_FLAG_NAMES: [(u64, &str); 6] = [
     (HEADER_FLAG_WRITTEN, "WRITTEN"),
     (HEADER_FLAG_RELOC, "RELOC"),
