@@ -1730,7 +1730,22 @@ pub fn serve(
 
     let bf = ButterFuse::new(fs.clone(), root);
     let shared = bf.shared();
-    let session = Session::new(bf, dir, &config)?;
+    // Open to this user or not, as its own error (fuser would say a bare "Permission denied").
+    fuse_device_access()?;
+    let session = Session::new(bf, dir, &config).map_err(|e| {
+        if e.kind() == std::io::ErrorKind::PermissionDenied {
+            std::io::Error::new(
+                e.kind(),
+                format!(
+                    "{e}: the kernel refused the FUSE mount (as a regular user, the mount \
+                     point must be a directory you own and fusermount3 must be installed \
+                     setuid root; or run butter mount as root)"
+                ),
+            )
+        } else {
+            e
+        }
+    })?;
     let mountpoint: PathBuf = dir.canonicalize().unwrap_or_else(|_| dir.to_path_buf());
     log::info!(
         "mounted on {} ({})",
@@ -1828,8 +1843,40 @@ pub fn serve(
     }
 }
 
+/// Checks that this process can open /dev/fuse, and says exactly what to do when it cannot.
+/// (When it can, a regular user's mount goes through the setuid fusermount3, which fuser
+/// runs when mount(2) is not permitted; fusermount3 too opens /dev/fuse as the user.)
+fn fuse_device_access() -> std::io::Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    const DEV: &str = "/dev/fuse";
+    match std::fs::OpenOptions::new().read(true).write(true).open(DEV) {
+        Ok(_) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(std::io::Error::new(
+            e.kind(),
+            "/dev/fuse does not exist: load the fuse module (modprobe fuse), or in a container \
+             pass the device in (docker run --device /dev/fuse)",
+        )),
+        Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => {
+            let mode = std::fs::metadata(DEV)
+                .map(|m| format!("mode {:04o}, owner uid {}", m.mode() & 0o7777, m.uid()))
+                .unwrap_or_else(|_| "unknown mode".into());
+            Err(std::io::Error::new(
+                e.kind(),
+                format!(
+                    "cannot open /dev/fuse ({mode}): regular users can mount FUSE filesystems \
+                     only where /dev/fuse is open to them, as distributions set it up (mode \
+                     0666). Ask an administrator to run `chmod 0666 /dev/fuse` (or add the udev \
+                     rule KERNEL==\"fuse\", MODE=\"0666\"), or run butter mount as root; to \
+                     read the image without mounting, use butter ls, cat or restore"
+                ),
+            ))
+        }
+        Err(e) => Err(std::io::Error::new(e.kind(), format!("opening {DEV}: {e}"))),
+    }
+}
+
 /// Unmounts `dir` (detaches it if `lazy`): umount2 as root, else the setuid fusermount3.
-fn unmount(dir: &Path, lazy: bool) -> Result<(), String> {
+pub(crate) fn unmount(dir: &Path, lazy: bool) -> Result<(), String> {
     let c = std::ffi::CString::new(dir.as_os_str().as_bytes()).map_err(|e| e.to_string())?;
     let flags = if lazy { libc::MNT_DETACH } else { 0 };
     // SAFETY: a valid NUL-terminated path; umount2 does not keep the pointer.

@@ -38,6 +38,8 @@ enum Command {
     Restore(cmd::restore::RestoreArgs),
     /// Mount an image through FUSE.
     Mount(cmd::mount::MountArgs),
+    /// Unmount a butter mount; returns once its final commit is on disk.
+    Unmount(cmd::unmount::UnmountArgs),
     /// Check an image read-only; exit 1 when errors are found.
     Check(cmd::check::CheckArgs),
     /// Make a new, empty btrfs filesystem on an image file or device.
@@ -58,6 +60,7 @@ fn main() -> ExitCode {
         Command::Subvolume(a) => cmd::subvol::subvolume(a),
         Command::Restore(a) => cmd::restore::restore(a),
         Command::Mount(a) => cmd::mount::mount(a),
+        Command::Unmount(a) => cmd::unmount::unmount(a),
         Command::Check(a) => cmd::check::check(a),
         Command::Mkfs(a) => cmd::mkfs::mkfs(a),
     };

@@ -67,15 +67,34 @@ impl FileDevice {
                 )));
             }
             let dev = FileDevice::open(path, true)?;
-            match dev.file.try_lock() {
-                Ok(()) => Ok(dev),
-                Err(std::fs::TryLockError::WouldBlock) => Err(busy(
-                    "the image is already open read-write in another butter process (a \
-                     `butter mount` or another writer): unmount that first (fusermount3 -u \
-                     MOUNTPOINT) or wait for it to finish, or open it read-only"
-                        .into(),
-                )),
-                Err(std::fs::TryLockError::Error(e)) => Err(e),
+            // A writer that is finishing (a mount's final commit after its unmount) lets go
+            // within moments: wait a little for it before giving up.
+            let deadline = std::time::Instant::now() + LOCK_WAIT;
+            let mut told = false;
+            loop {
+                match dev.file.try_lock() {
+                    Ok(()) => return Ok(dev),
+                    Err(std::fs::TryLockError::WouldBlock) => {}
+                    Err(std::fs::TryLockError::Error(e)) => return Err(e),
+                }
+                let who = lock_holder(meta.dev(), meta.ino());
+                if std::time::Instant::now() >= deadline {
+                    return Err(busy(format!(
+                        "the image is open read-write in {}: unmount it first (butter unmount \
+                         MOUNTPOINT waits for its last commit), wait for it to finish, or open \
+                         the image read-only",
+                        who.unwrap_or_else(|| "another butter process".into())
+                    )));
+                }
+                if !told && deadline - std::time::Instant::now() < LOCK_WAIT / 2 {
+                    log::info!(
+                        "waiting for {} to let go of {}",
+                        who.unwrap_or_else(|| "another butter process".into()),
+                        path.display()
+                    );
+                    told = true;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(50));
             }
         } else {
             /// Linux O_EXCL: on a block device, fail with EBUSY while it is mounted or opened
@@ -104,6 +123,40 @@ impl FileDevice {
             Ok(FileDevice { file, len })
         }
     }
+}
+
+/// How long a read-write open waits for another writer to let go of an image.
+const LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Who holds the write lock (`flock`) on the file with this device and inode number: "butter
+/// process PID (`COMMAND LINE`)", from /proc/locks and /proc/PID/cmdline.
+pub fn lock_holder(dev: u64, ino: u64) -> Option<String> {
+    // Linux's encoding of a dev_t into major and minor numbers.
+    let major = ((dev >> 8) & 0xfff) | ((dev >> 32) & !0xfff);
+    let minor = (dev & 0xff) | ((dev >> 12) & !0xff);
+    let want = format!("{major:02x}:{minor:02x}:{ino}");
+    let locks = std::fs::read_to_string("/proc/locks").ok()?;
+    let pid = locks.lines().find_map(|l| {
+        let f: Vec<&str> = l.split_whitespace().collect();
+        // N: FLOCK ADVISORY WRITE PID MAJ:MIN:INO START END
+        (f.len() >= 6 && f[1] == "FLOCK" && f[3] == "WRITE" && f[5] == want)
+            .then(|| f[4].parse::<u32>().ok())
+            .flatten()
+    })?;
+    let cmd = std::fs::read(format!("/proc/{pid}/cmdline"))
+        .map(|b| {
+            b.split(|&c| c == 0)
+                .filter(|a| !a.is_empty())
+                .map(|a| String::from_utf8_lossy(a).into_owned())
+                .collect::<Vec<_>>()
+                .join(" ")
+        })
+        .unwrap_or_default();
+    Some(if cmd.is_empty() {
+        format!("process {pid}")
+    } else {
+        format!("process {pid} (`{cmd}`)")
+    })
 }
 
 /// The loop device (`/dev/loopN`) whose backing file is the file with this device and inode

@@ -72,6 +72,24 @@ impl Fs {
         w.replace_item(UUID_TREE_OBJECTID, key, &body)
     }
 
+    /// With quotas on, a new subvolume gets its level-0 qgroup (QGROUP_INFO and QGROUP_LIMIT
+    /// items, as the kernel adds them). Its numbers start at zero: the commit marks the
+    /// qgroup status inconsistent, so a rescan computes them.
+    fn qgroup_add(&self, w: &mut Writer, id: u64) -> Result<()> {
+        if self.find_root_item(QUOTA_TREE_OBJECTID)?.is_none() {
+            return Ok(());
+        }
+        let mut info = [0u8; 40];
+        info[..8].copy_from_slice(&w.transid.to_le_bytes());
+        for (ty, body) in [(QGROUP_INFO_KEY, info), (QGROUP_LIMIT_KEY, [0u8; 40])] {
+            let key = Key::new(0, ty, id);
+            if w.read_item(QUOTA_TREE_OBJECTID, &key)?.is_none() {
+                w.insert_item(QUOTA_TREE_OBJECTID, key, &body)?;
+            }
+        }
+        Ok(())
+    }
+
     /// Checks that `dir/name` can be created and returns a new subvolume id.
     fn prepare_subvol_entry(&self, dir: Inode, name: &[u8]) -> Result<()> {
         check_name(name)?;
@@ -232,6 +250,7 @@ impl Fs {
             w.insert_item(ROOT_TREE_OBJECTID, item_key, &ri.to_bytes())?;
             self.link_subvol(w, dir, name, id, 0)?;
             self.uuid_tree_add(w, &uuid, UUID_KEY_SUBVOL, id)?;
+            self.qgroup_add(w, id)?;
             Ok(Inode {
                 root: id,
                 ino: FIRST_FREE_OBJECTID,
@@ -354,6 +373,7 @@ impl Fs {
             w.insert_item(ROOT_TREE_OBJECTID, item_key, &ri.to_bytes())?;
             self.link_subvol(w, dir, name, id, u64::MAX)?;
             self.uuid_tree_add(w, &uuid, UUID_KEY_SUBVOL, id)?;
+            self.qgroup_add(w, id)?;
             Ok(Inode {
                 root: id,
                 ino: src_item.root_dirid,

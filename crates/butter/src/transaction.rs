@@ -99,6 +99,8 @@ pub struct Writer {
     /// run while there are any: their data would be in no tree and, if an fsync logged them,
     /// the commit would drop the log that has them.
     pub(crate) ordered_pending: usize,
+    /// The qgroup status is INCONSISTENT on disk, or there are no quotas (checked once).
+    qgroups_marked: bool,
 }
 
 fn is_fs_tree(id: u64) -> bool {
@@ -164,6 +166,7 @@ impl Writer {
             combined_replace: true,
             log: Default::default(),
             ordered_pending: 0,
+            qgroups_marked: false,
             disk,
         };
         w.trees.insert(
@@ -736,6 +739,9 @@ impl Writer {
                     "engine bug: commit does not converge".into(),
                 ));
             }
+            if passes == 1 {
+                self.mark_qgroups_inconsistent()?;
+            }
             let mut changed = self.run_delayed_refs()?;
             changed |= self.update_block_groups()?;
             changed |= self.update_root_items()?;
@@ -769,6 +775,54 @@ impl Writer {
         self.stats.commits += 1;
         self.state = TransState::Completed;
         self.transid += 1;
+        Ok(())
+    }
+
+    /// butter does not account qgroups. A filesystem with quotas on that this transaction
+    /// changes gets its qgroup status marked INCONSISTENT (with this generation), as the
+    /// kernel marks it when it cannot account a change: `btrfs check` then expects differences
+    /// in the counts, and `btrfs quota rescan` recomputes them. Simple quotas are refused at
+    /// open (crate::format::features).
+    fn mark_qgroups_inconsistent(&mut self) -> Result<()> {
+        if self.qgroups_marked || !self.has_changes() {
+            return Ok(());
+        }
+        match self.tree_state(QUOTA_TREE_OBJECTID) {
+            Ok(_) => {}
+            Err(Error::NotFound(_)) => {
+                self.qgroups_marked = true;
+                return Ok(());
+            }
+            Err(e) => return Err(e),
+        }
+        let key = Key::new(0, QGROUP_STATUS_KEY, 0);
+        let Some(body) = self.read_item(QUOTA_TREE_OBJECTID, &key)? else {
+            self.qgroups_marked = true;
+            return Ok(());
+        };
+        // version, generation, flags, rescan progress (u64 each; newer kernels append one).
+        if body.len() < 32 {
+            return Err(Error::corrupt(
+                Location::what("qgroup status item")
+                    .with_tree(QUOTA_TREE_OBJECTID)
+                    .with_key(key),
+                format!("item is {} bytes, expected at least 32", body.len()),
+            ));
+        }
+        let flags = u64::from_le_bytes(body[16..24].try_into().unwrap());
+        if flags & QGROUP_STATUS_FLAG_ON != 0 && flags & QGROUP_STATUS_FLAG_INCONSISTENT == 0 {
+            let transid = self.transid;
+            self.update_item(QUOTA_TREE_OBJECTID, &key, |b| {
+                b[8..16].copy_from_slice(&transid.to_le_bytes());
+                b[16..24].copy_from_slice(&(flags | QGROUP_STATUS_FLAG_INCONSISTENT).to_le_bytes());
+                Ok(())
+            })?;
+            log::info!(
+                "quotas are on: qgroup numbers marked inconsistent (butter does not account \
+                 them; `btrfs quota rescan` recomputes them)"
+            );
+        }
+        self.qgroups_marked = true;
         Ok(())
     }
 

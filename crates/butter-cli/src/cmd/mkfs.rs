@@ -454,6 +454,15 @@ pub fn mkfs(a: MkfsArgs) -> CliResult {
             size = Some(rootdir::fitting_size(dir, min)?);
         }
     }
+    // One writer: an image that a butter process has open read-write (or that backs a loop
+    // device) is refused, -f or not, before a byte changes; the lock is held until mkfs ends.
+    let _sole_writer = match std::fs::metadata(&a.image) {
+        Ok(_) => Some(
+            FileDevice::open_exclusive(&a.image)
+                .map_err(|e| CliError(format!("{} is in use: {e}", a.image.display())))?,
+        ),
+        Err(_) => None,
+    };
     // After the mount check: a mounted image is never extended.
     let created = prepare_image(&a.image, size)?;
     let result = make(&a, opts);

@@ -6,6 +6,7 @@ pub mod mkfs;
 pub mod mount;
 pub mod restore;
 pub mod subvol;
+pub mod unmount;
 
 /// Errors shown to the user: a message, with what to do next where we know it.
 pub type CliResult = Result<(), CliError>;

@@ -129,6 +129,24 @@ impl ButterMount {
     /// Starts butter (stdout and stderr to `log`) and waits up to 30 s until `dir` is a FUSE
     /// mount. Panics with butter's log if it exits first or the mount does not appear.
     pub fn start(image: &Path, dir: &Path, args: &[&str], log: &Path) -> ButterMount {
+        match Self::try_start(image, dir, args, log) {
+            Ok(m) => m,
+            Err((st, text)) => panic!(
+                "butter mount {} {} {args:?} exited ({st}) before mounting:\n{text}",
+                image.display(),
+                dir.display(),
+            ),
+        }
+    }
+
+    /// As [`ButterMount::start`], but when butter exits before mounting, returns its exit
+    /// status and log instead of panicking (a refusal is an answer too).
+    pub fn try_start(
+        image: &Path,
+        dir: &Path,
+        args: &[&str],
+        log: &Path,
+    ) -> Result<ButterMount, (ExitStatus, String)> {
         fs::create_dir_all(dir).unwrap_or_else(|e| panic!("mkdir {}: {e}", dir.display()));
         let dir = fs::canonicalize(dir).unwrap_or_else(|_| dir.to_path_buf());
         assert!(
@@ -158,17 +176,12 @@ impl ButterMount {
         loop {
             if let Some(t) = mounted_type(&me.dir) {
                 if t.starts_with("fuse") {
-                    return me;
+                    return Ok(me);
                 }
             }
             if let Some(st) = me.child.as_mut().and_then(|c| c.try_wait().ok().flatten()) {
                 me.child = None;
-                panic!(
-                    "butter mount {} {} {args:?} exited ({st}) before mounting:\n{}",
-                    image.display(),
-                    me.dir.display(),
-                    me.log_text()
-                );
+                return Err((st, me.log_text()));
             }
             if Instant::now() > deadline {
                 panic!(

@@ -66,6 +66,11 @@ pub const QGROUP_STATUS_KEY: u8 = 240;
 pub const QGROUP_INFO_KEY: u8 = 242;
 pub const QGROUP_LIMIT_KEY: u8 = 244;
 pub const QGROUP_RELATION_KEY: u8 = 246;
+
+/// QGROUP_STATUS flags.
+pub const QGROUP_STATUS_FLAG_ON: u64 = 1 << 0;
+pub const QGROUP_STATUS_FLAG_RESCAN: u64 = 1 << 1;
+pub const QGROUP_STATUS_FLAG_INCONSISTENT: u64 = 1 << 2;
 pub const TEMPORARY_ITEM_KEY: u8 = 248;
 pub const PERSISTENT_ITEM_KEY: u8 = 249;
 pub const DEV_REPLACE_KEY: u8 = 250;

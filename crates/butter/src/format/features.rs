@@ -143,7 +143,7 @@ pub const FEATURES: &[Feature] = &[
         false,
         INCOMPAT_SIMPLE_QUOTA,
         "squota",
-        None,
+        ReadOnly,
         "simple quotas record owners in extent items, which butter does not maintain",
     ),
     f(
