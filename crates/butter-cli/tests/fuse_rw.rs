@@ -695,8 +695,11 @@ fn one_writer_per_image() {
             .unwrap();
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success(), "second read-write mount was allowed");
+        // Says who holds it and what to do.
         assert!(
-            err.contains("already open read-write") && err.contains("fusermount3 -u"),
+            err.contains("open read-write in process")
+                && err.contains(&format!("process {}", b.pid()))
+                && err.contains("butter unmount"),
             "{err}"
         );
         assert!(!kernel::is_mountpoint(&d2));
