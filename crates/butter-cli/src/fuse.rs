@@ -379,7 +379,9 @@ fn fs_err(e: Error) -> OpError {
         | Error::IsDir(_)
         | Error::NotDir(_)
         | Error::NameTooLong(_)
-        | Error::NoSpace(_) => OpError::Quiet(e.errno()),
+        | Error::NoSpace(_)
+        | Error::ReadOnlySubvol(_)
+        | Error::NotPermitted(_) => OpError::Quiet(e.errno()),
         _ => OpError::Fs(e),
     }
 }
@@ -1061,6 +1063,17 @@ impl Filesystem for ButterFuse {
         let writing = flags.acc_mode() != OpenAccMode::O_RDONLY || flags.0 & libc::O_TRUNC != 0;
         let run = || {
             let i = self.inode(ino.0)?;
+            if writing {
+                // A read-only subvolume (EROFS), an immutable or append-only file (EPERM):
+                // the kernel refuses the open, not the first write.
+                self.fs
+                    .check_open_for_write(
+                        i,
+                        flags.0 & libc::O_APPEND != 0,
+                        flags.0 & libc::O_TRUNC != 0,
+                    )
+                    .map_err(fs_err)?;
+            }
             if flags.0 & libc::O_TRUNC != 0 && self.fs.inode_item(i)?.size != 0 {
                 self.fs.truncate(i, 0).map_err(fs_err)?;
             }
@@ -1429,15 +1442,81 @@ impl Filesystem for ButterFuse {
     fn ioctl(
         &self,
         _req: &Request,
-        _ino: INodeNo,
+        ino: INodeNo,
         _fh: FileHandle,
         _flags: fuser::IoctlFlags,
-        _cmd: u32,
-        _in_data: &[u8],
-        _out_size: u32,
+        cmd: u32,
+        in_data: &[u8],
+        out_size: u32,
         reply: fuser::ReplyIoctl,
     ) {
-        reply.error(Errno::from_i32(libc::ENOTTY));
+        // The inode flags of chattr/lsattr. The kernel sends these itself (fileattr_get/set)
+        // after its own checks (owner, CAP_LINUX_IMMUTABLE), always with a 4-byte flags
+        // word or a struct fsxattr.
+        const FS_IOC_GETFLAGS: u32 = 0x8008_6601;
+        const FS_IOC_SETFLAGS: u32 = 0x4008_6602;
+        const FS_IOC32_GETFLAGS: u32 = 0x8004_6601;
+        const FS_IOC32_SETFLAGS: u32 = 0x4004_6602;
+        const FS_IOC_FSGETXATTR: u32 = 0x801c_581f;
+        const FS_IOC_FSSETXATTR: u32 = 0x401c_5820;
+        const FSXATTR_SIZE: usize = 28;
+        use butter::inode_flags as fl;
+        let word =
+            |d: &[u8]| -> Option<u32> { Some(u32::from_le_bytes(d.get(..4)?.try_into().ok()?)) };
+        let set_err = |e: Error| match e {
+            Error::Unsupported(_) => OpError::Quiet(libc::EOPNOTSUPP),
+            Error::Invalid(_) => OpError::Quiet(libc::EINVAL),
+            e => fs_err(e),
+        };
+        let r: Result<Vec<u8>, Errno> = match cmd {
+            FS_IOC_GETFLAGS | FS_IOC32_GETFLAGS => self.read_op("getflags", ino.0, || {
+                let f = self.fs.get_fsflags(self.inode(ino.0)?)?;
+                let n = (out_size as usize).min(8);
+                Ok(u64::from(f).to_le_bytes()[..n].to_vec())
+            }),
+            FS_IOC_SETFLAGS | FS_IOC32_SETFLAGS => self.write_op("setflags", ino.0, || {
+                let f = word(in_data).ok_or(OpError::Quiet(libc::EINVAL))?;
+                self.fs
+                    .set_fsflags(self.inode(ino.0)?, f)
+                    .map_err(set_err)?;
+                Ok(Vec::new())
+            }),
+            FS_IOC_FSGETXATTR => self.read_op("fsgetxattr", ino.0, || {
+                let f = self.fs.get_fsflags(self.inode(ino.0)?)?;
+                let mut out = vec![0u8; FSXATTR_SIZE];
+                out[..4].copy_from_slice(&fl::fsflags_to_xflags(f).to_le_bytes());
+                out.truncate(out_size as usize);
+                Ok(out)
+            }),
+            FS_IOC_FSSETXATTR => self.write_op("fssetxattr", ino.0, || {
+                if in_data.len() < 16 {
+                    return Err(OpError::Quiet(libc::EINVAL));
+                }
+                let x = word(in_data).ok_or(OpError::Quiet(libc::EINVAL))?;
+                // extsize, projid, cowextsize: btrfs has none of them.
+                let extra = [4usize, 12, 16]
+                    .iter()
+                    .any(|&o| word(&in_data[o.min(in_data.len())..]).is_some_and(|v| v != 0));
+                let mapped = fl::xflags_to_fsflags(x).filter(|_| !extra);
+                let mapped = mapped.ok_or(OpError::Quiet(libc::EOPNOTSUPP))?;
+                let i = self.inode(ino.0)?;
+                let common = fl::FS_IMMUTABLE_FL
+                    | fl::FS_APPEND_FL
+                    | fl::FS_SYNC_FL
+                    | fl::FS_NOATIME_FL
+                    | fl::FS_NODUMP_FL;
+                let old = self.fs.get_fsflags(i)?;
+                self.fs
+                    .set_fsflags(i, (old & !common) | mapped)
+                    .map_err(set_err)?;
+                Ok(Vec::new())
+            }),
+            _ => Err(Errno::from_i32(libc::ENOTTY)),
+        };
+        match r {
+            Ok(data) => reply.ioctl(0, &data),
+            Err(e) => reply.error(e),
+        }
     }
 
     fn poll(

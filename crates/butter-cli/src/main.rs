@@ -34,6 +34,8 @@ enum Command {
     Subvolumes(cmd::ls::SubvolArgs),
     /// Create, snapshot and list subvolumes.
     Subvolume(cmd::subvol::SubvolumeArgs),
+    /// Get and set properties (read-only state of a subvolume), like `btrfs property`.
+    Property(cmd::property::PropertyArgs),
     /// Extract a subvolume (with subvolumes below it) into a directory.
     Restore(cmd::restore::RestoreArgs),
     /// Mount an image through FUSE.
@@ -58,6 +60,7 @@ fn main() -> ExitCode {
         Command::Cat(a) => cmd::ls::cat(a),
         Command::Subvolumes(a) => cmd::ls::subvolumes(a),
         Command::Subvolume(a) => cmd::subvol::subvolume(a),
+        Command::Property(a) => cmd::property::property(a),
         Command::Restore(a) => cmd::restore::restore(a),
         Command::Mount(a) => cmd::mount::mount(a),
         Command::Unmount(a) => cmd::unmount::unmount(a),

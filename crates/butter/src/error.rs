@@ -122,6 +122,10 @@ pub enum Error {
     Range(String),
     #[error("read-only filesystem")]
     ReadOnly,
+    /// A change inside a read-only subvolume or snapshot (root item flag RDONLY): EROFS, as
+    /// the kernel gives.
+    #[error("read-only subvolume: {0}")]
+    ReadOnlySubvol(String),
     #[error("already exists: {0}")]
     Exists(String),
     #[error("no space left on device: {0}")]
@@ -194,7 +198,7 @@ impl Error {
             Error::Invalid(_) => libc_consts::EINVAL,
             Error::NoXattr(_) => libc_consts::ENODATA,
             Error::Range(_) => libc_consts::ERANGE,
-            Error::ReadOnly | Error::Aborted(_) => libc_consts::EROFS,
+            Error::ReadOnly | Error::ReadOnlySubvol(_) | Error::Aborted(_) => libc_consts::EROFS,
             Error::Exists(_) => libc_consts::EEXIST,
             Error::NoSpace(_) => libc_consts::ENOSPC,
             Error::NotEmpty(_) => libc_consts::ENOTEMPTY,

@@ -271,6 +271,36 @@ impl Writer {
         }))
     }
 
+    /// Whether the data extent at `bytenr` belongs to `owner` (one file's reference) alone,
+    /// the kernel's test before a nodatacow write in place (btrfs_cross_ref_exist): every
+    /// reference, on disk and queued, is `owner`'s, none is a keyed item, and the extent was
+    /// made after the subvolume's last snapshot (`last_snapshot`; an older extent may be
+    /// shared through the snapshot's tree blocks).
+    pub(crate) fn data_extent_exclusive(
+        &mut self,
+        bytenr: u64,
+        owner: RefKey,
+        last_snapshot: u64,
+    ) -> Result<bool> {
+        let queued = match self.refs.map.get(&bytenr) {
+            Some(p) => {
+                if p.deltas.iter().any(|(k, d)| *d != 0 && *k != owner) {
+                    return Ok(false);
+                }
+                true
+            }
+            None => false,
+        };
+        let Some(rec) = self.read_extent_record(bytenr)? else {
+            // Made in this transaction: only the queued references exist.
+            return Ok(queued);
+        };
+        if rec.generation <= last_snapshot || !rec.keyed.is_empty() {
+            return Ok(false);
+        }
+        Ok(rec.refs.len() == 1 && rec.refs.contains_key(&owner))
+    }
+
     /// Reference count and flags of a tree block, counting what is queued.
     pub(crate) fn extent_refs_and_flags(&mut self, bytenr: u64, _level: u8) -> Result<(u64, u64)> {
         let (delta, flags_set) = self.refs.pending(bytenr);

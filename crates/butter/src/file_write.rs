@@ -508,6 +508,7 @@ impl Fs {
         if data.is_empty() {
             return Ok(0);
         }
+        self.require_rw_subvol(ino.root)?;
         if self.ordered.try_append(ino, offset, data)
             || self.try_start_delalloc(ino, offset, data)?
         {
@@ -531,6 +532,11 @@ impl Fs {
                     "write to inode {} that is not a regular file",
                     ino.ino
                 )));
+            }
+            if item.flags & INODE_IMMUTABLE != 0
+                || (item.flags & INODE_APPEND != 0 && offset != item.size)
+            {
+                crate::inode_flags::require_changeable(&item, ino)?;
             }
             if offset > item.size && item.size % ss != 0 && !tail_zeroed {
                 // Zeroing the stale tail of the last sector is a write of its own, and its
@@ -585,8 +591,139 @@ impl Fs {
         }
         let o = (offset - a) as usize;
         buf[o..o + data.len()].copy_from_slice(data);
-        self.write_extents(ino, a, &buf, end, has_inline, Some(&guard))?;
+        let nosum = item.flags & INODE_NODATASUM != 0;
+        if item.flags & INODE_NODATACOW != 0 && nosum && !has_inline {
+            // In place where the file alone owns the extent; the rest copied on write.
+            for (s, e) in self.write_nocow(ino, a, &buf, end)? {
+                let sub = &buf[(s - a) as usize..(e - a) as usize];
+                self.write_extents(ino, s, sub, end.min(e), false, Some(&guard), true)?;
+            }
+            return Ok(data.len());
+        }
+        self.write_extents(ino, a, &buf, end, has_inline, Some(&guard), nosum)?;
         Ok(data.len())
+    }
+
+    /// A write to a NODATACOW (and NODATASUM) file, as the kernel's run_delalloc_nocow does
+    /// it: sector-aligned `buf` at file offset `a` goes in place into the extents the file
+    /// alone owns ([`Fs::can_nocow`]); a preallocated part written becomes a regular extent
+    /// (the item split as needed). Returns the file ranges left for copy on write (holes,
+    /// shared extents, ...). The file grows to at most `size_to` with what went in place.
+    fn write_nocow(&self, ino: Inode, a: u64, buf: &[u8], size_to: u64) -> Result<Vec<(u64, u64)>> {
+        let ss = self.disk.sectorsize() as u64;
+        let b = a + buf.len() as u64;
+        self.op(true, |w| {
+            let last_snapshot = w.tree_state(ino.root)?.last_snapshot;
+            let mut item = self.inode_item_raw(ino)?;
+            let mut cow: Vec<(u64, u64)> = Vec::new();
+            let mut push_cow = |s: u64, e: u64| match cow.last_mut() {
+                Some(l) if l.1 == s => l.1 = e,
+                _ => cow.push((s, e)),
+            };
+            let mut pos = a;
+            let mut grown_to = 0;
+            let mut in_place = false;
+            for x in self.file_extents(ino, a, b)? {
+                let xs = x.start.max(pos);
+                let xe = x.end(ss).min(b);
+                if xs >= xe {
+                    continue;
+                }
+                if xs > pos {
+                    push_cow(pos, xs);
+                }
+                pos = xe;
+                let FileExtentBody::Extent {
+                    disk_bytenr,
+                    disk_num_bytes,
+                    offset,
+                    ..
+                } = x.item.body
+                else {
+                    push_cow(xs, xe);
+                    continue;
+                };
+                if !self.can_nocow(w, ino, &x, last_snapshot)? {
+                    push_cow(xs, xe);
+                    continue;
+                }
+                let phys = disk_bytenr + offset + (xs - x.start);
+                self.disk
+                    .write_logical(phys, &buf[(xs - a) as usize..(xe - a) as usize])?;
+                in_place = true;
+                grown_to = grown_to.max(xe.min(size_to));
+                if x.item.ty == FILE_EXTENT_PREALLOC {
+                    let mut fe = x.item.clone();
+                    fe.ty = FILE_EXTENT_REG;
+                    fe.generation = w.transid;
+                    fe.body = FileExtentBody::Extent {
+                        disk_bytenr,
+                        disk_num_bytes,
+                        offset: offset + (xs - x.start),
+                        num_bytes: xe - xs,
+                    };
+                    let (removed, added) =
+                        self.replace_extents(w, ino, xs, xe, Some((xs, fe.clone())))?;
+                    self.add_data_ref(w, ino, xs, &fe, false);
+                    item.nbytes = item.nbytes - removed.min(item.nbytes) + added;
+                } else {
+                    w.log.note_change(ino, xs, xe);
+                }
+            }
+            if pos < b {
+                push_cow(pos, b);
+            }
+            if in_place {
+                if grown_to > item.size {
+                    w.log.note_change(ino, item.size, grown_to);
+                    item.size = grown_to;
+                }
+                Self::touch(w, &mut item, true);
+                self.write_inode(w, ino, &item)?;
+            }
+            Ok(cow)
+        })
+    }
+
+    /// Whether file extent `x` of `ino` (NODATACOW) can be written in place, the kernel's
+    /// can_nocow_file_extent: a regular or preallocated extent, not a hole, not compressed
+    /// or encoded, whose file extent item and extent are newer than the subvolume's last
+    /// snapshot, referenced by this file alone, without checksums.
+    fn can_nocow(
+        &self,
+        w: &mut Writer,
+        ino: Inode,
+        x: &FileExtent,
+        last_snapshot: u64,
+    ) -> Result<bool> {
+        let FileExtentBody::Extent {
+            disk_bytenr,
+            offset,
+            num_bytes,
+            ..
+        } = x.item.body
+        else {
+            return Ok(false);
+        };
+        if !(x.item.ty == FILE_EXTENT_REG || x.item.ty == FILE_EXTENT_PREALLOC)
+            || disk_bytenr == 0
+            || x.item.compression != 0
+            || x.item.encryption != 0
+            || x.item.other_encoding != 0
+            || x.item.generation <= last_snapshot
+        {
+            return Ok(false);
+        }
+        let owner = RefKey::Data {
+            root: ino.root,
+            ino: ino.ino,
+            offset: x.start.wrapping_sub(offset),
+        };
+        if !w.data_extent_exclusive(disk_bytenr, owner, last_snapshot)? {
+            return Ok(false);
+        }
+        let sums = self.data_csums(disk_bytenr + offset, num_bytes)?;
+        Ok(sums.iter().all(|c| c.is_none()))
     }
 
     /// Replaces the whole (small) content with one inline extent.
@@ -631,11 +768,16 @@ impl Fs {
         size_to: u64,
         had_inline: bool,
         guard: Option<&crate::ordered::RangeGuard<'_>>,
+        nosum: bool,
     ) -> Result<()> {
         let ss = self.disk.sectorsize() as u64;
         let ct = self.disk.sb.csum_type;
         let writeback = |bytenr: u64, chunk: &[u8]| -> Result<Vec<u8>> {
             self.disk.write_logical(bytenr, chunk)?;
+            if nosum {
+                // NODATASUM: no checksums, none logged or stored.
+                return Ok(Vec::new());
+            }
             let mut sums = Vec::with_capacity(chunk.len() / ss as usize * ct.size());
             for s in chunk.chunks(ss as usize) {
                 sums.extend_from_slice(&ct.compute(s)[..ct.size()]);
@@ -789,7 +931,8 @@ impl Fs {
             self.writer_keeping_ordered()?
         };
         let item = self.inode_item_raw(ino)?;
-        if item.mode & 0o170000 != 0o100000 || item.size != offset {
+        let special = INODE_NODATASUM | INODE_NODATACOW | INODE_IMMUTABLE | INODE_APPEND;
+        if item.mode & 0o170000 != 0o100000 || item.size != offset || item.flags & special != 0 {
             return Ok(false);
         }
         let free = self.data_space_left(&mut w)?;
@@ -1063,7 +1206,9 @@ impl Fs {
     ) -> Result<()> {
         let ss = self.disk.sectorsize() as u64;
         w.delete_csums(bytenr, len)?;
-        w.insert_csums(bytenr, sums)?;
+        if !sums.is_empty() {
+            w.insert_csums(bytenr, sums)?;
+        }
         let fe = FileExtentItem::regular(w.transid, bytenr, len);
         let mut item = self.inode_item_raw(ino)?;
         if drop_inline {
@@ -1188,7 +1333,7 @@ impl Fs {
 
     /// truncate(2).
     pub fn truncate(&self, ino: Inode, size: u64) -> Result<()> {
-        let item = self.inode_item(ino)?;
+        let item = self.require_inode_changeable(ino)?;
         if item.mode & 0o170000 != 0o100000 {
             return Err(Error::Invalid(format!(
                 "truncate of inode {} that is not a regular file",
@@ -1231,7 +1376,13 @@ impl Fs {
     /// fallocate(2): default (preallocate, grows the size unless KEEP_SIZE), PUNCH_HOLE
     /// (with KEEP_SIZE) and ZERO_RANGE.
     pub fn fallocate(&self, ino: Inode, mode: u32, offset: u64, len: u64) -> Result<()> {
+        self.require_rw_subvol(ino.root)?;
         let item = self.inode_item(ino)?;
+        if item.flags & INODE_IMMUTABLE != 0
+            || (item.flags & INODE_APPEND != 0 && mode & !FALLOC_FL_KEEP_SIZE != 0)
+        {
+            crate::inode_flags::require_changeable(&item, ino)?;
+        }
         if item.mode & 0o170000 != 0o100000 {
             return Err(Error::Invalid("fallocate of a non-regular file".into()));
         }
@@ -1269,7 +1420,15 @@ impl Fs {
             let content = self.read_range(ino, 0, item.size)?;
             let mut buf = content;
             buf.resize((item.size.div_ceil(ss) * ss) as usize, 0);
-            self.write_extents(ino, 0, &buf, item.size, true, None)?;
+            self.write_extents(
+                ino,
+                0,
+                &buf,
+                item.size,
+                true,
+                None,
+                item.flags & INODE_NODATASUM != 0,
+            )?;
         }
         let mut holes: Vec<(u64, u64)> = Vec::new();
         let mut pos = a;

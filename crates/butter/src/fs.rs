@@ -267,6 +267,12 @@ impl Fs {
         Ok(self.subvol(id)?.0)
     }
 
+    /// The root item of a subvolume tree (cached; [`Fs::forget_subvol`] drops it when the
+    /// write engine changes it).
+    pub(crate) fn subvol_item(&self, id: u64) -> Result<RootItem> {
+        Ok(self.subvol(id)?.1)
+    }
+
     fn subvol(&self, id: u64) -> Result<(Root, RootItem)> {
         if let Some(live) = self.live_root(id) {
             let cached = self

@@ -489,11 +489,13 @@ impl Fs {
     fn new_inode(
         &self,
         w: &mut Writer,
-        root: u64,
+        dir: Inode,
         mode: u32,
         rdev: u64,
         owner: Owner,
     ) -> Result<(Inode, InodeItem)> {
+        let root = dir.root;
+        let flags = crate::inode_flags::inherited_flags(self.inode_item(dir)?.flags, mode);
         let ino = self.next_objectid(w, root)?;
         let t = now();
         let item = InodeItem {
@@ -507,7 +509,7 @@ impl Fs {
             gid: owner.gid,
             mode,
             rdev,
-            flags: 0,
+            flags,
             sequence: 1,
             atime: t,
             ctime: t,
@@ -541,6 +543,7 @@ impl Fs {
     ) -> Result<Inode> {
         check_name(name)?;
         self.require_dir(dir)?;
+        self.require_dir_changeable(dir, true)?;
         if self.lookup(dir, name)?.is_some() {
             return Err(Error::Exists(String::from_utf8_lossy(name).into_owned()));
         }
@@ -554,7 +557,7 @@ impl Fs {
             0
         };
         self.op(true, |w| {
-            let (ino, _) = self.new_inode(w, dir.root, mode, rdev, owner)?;
+            let (ino, _) = self.new_inode(w, dir, mode, rdev, owner)?;
             self.add_entry(w, dir, name, ino, ft)?;
             Ok(ino)
         })
@@ -571,6 +574,7 @@ impl Fs {
     pub fn symlink(&self, dir: Inode, name: &[u8], target: &[u8], owner: Owner) -> Result<Inode> {
         check_name(name)?;
         self.require_dir(dir)?;
+        self.require_dir_changeable(dir, true)?;
         if target.is_empty()
             || target.len() >= self.disk.sectorsize() as usize
             || target.len() > crate::file_write::max_inline(&self.disk)
@@ -584,7 +588,7 @@ impl Fs {
             return Err(Error::Exists(String::from_utf8_lossy(name).into_owned()));
         }
         self.op(true, |w| {
-            let (ino, mut item) = self.new_inode(w, dir.root, 0o120777, 0, owner)?;
+            let (ino, mut item) = self.new_inode(w, dir, 0o120777, 0, owner)?;
             let fe = FileExtentItem {
                 generation: w.transid,
                 ram_bytes: target.len() as u64,
@@ -611,10 +615,12 @@ impl Fs {
     pub fn link(&self, ino: Inode, dir: Inode, name: &[u8]) -> Result<()> {
         check_name(name)?;
         self.require_dir(dir)?;
+        self.require_dir_changeable(dir, true)?;
         if ino.root != dir.root {
             return Err(Error::Invalid("hard link across subvolumes (EXDEV)".into()));
         }
         let mut item = self.inode_item(ino)?;
+        crate::inode_flags::require_changeable(&item, ino)?;
         if item.mode & 0o170000 == 0o040000 {
             return Err(Error::NotPermitted("hard link to a directory".into()));
         }
@@ -642,6 +648,8 @@ impl Fs {
         if e.file_type == FT_DIR {
             return Err(Error::IsDir(String::from_utf8_lossy(name).into_owned()));
         }
+        self.require_dir_changeable(dir, false)?;
+        crate::inode_flags::require_changeable(&self.inode_item(e.target)?, e.target)?;
         self.op(false, |w| {
             self.remove_entry(w, dir, name, e.target)?;
             self.drop_link(w, e.target)
@@ -760,10 +768,12 @@ impl Fs {
         if e.file_type != FT_DIR {
             return Err(Error::NotDir(String::from_utf8_lossy(name).into_owned()));
         }
+        self.require_dir_changeable(dir, false)?;
         if e.target.root != dir.root {
             return Err(Error::NotPermitted("rmdir of a subvolume".into()));
         }
         let item = self.inode_item(e.target)?;
+        crate::inode_flags::require_changeable(&item, e.target)?;
         if item.size != 0 {
             return Err(Error::NotEmpty(String::from_utf8_lossy(name).into_owned()));
         }
@@ -818,6 +828,10 @@ impl Fs {
         }
         self.require_dir(from_dir)?;
         self.require_dir(to_dir)?;
+        // Into or out of a read-only subvolume: EROFS before EXDEV, as the VFS checks the
+        // directories' permission first.
+        self.require_dir_changeable(from_dir, false)?;
+        self.require_dir_changeable(to_dir, flags & RENAME_EXCHANGE == 0)?;
         if from_dir.root != to_dir.root {
             return Err(Error::Invalid("rename across subvolumes (EXDEV)".into()));
         }
@@ -827,6 +841,10 @@ impl Fs {
         let dst = self.lookup(to_dir, to)?;
         if src.target.root != from_dir.root {
             return Err(Error::Unsupported("renaming a subvolume".into()));
+        }
+        crate::inode_flags::require_changeable(&self.inode_item(src.target)?, src.target)?;
+        if let Some(d) = dst.as_ref().filter(|d| d.target.root == to_dir.root) {
+            crate::inode_flags::require_changeable(&self.inode_item(d.target)?, d.target)?;
         }
         if flags & RENAME_EXCHANGE != 0 && dst.is_none() {
             return Err(Error::NotFound(String::from_utf8_lossy(to).into_owned()));
@@ -912,6 +930,17 @@ impl Fs {
 
     /// chmod / chown / utimes / truncate.
     pub fn setattr(&self, ino: Inode, a: &SetAttr) -> Result<crate::fs::Stat> {
+        self.require_rw_subvol(ino.root)?;
+        let item = self.inode_item(ino)?;
+        let attrs = a.mode.is_some()
+            || a.uid.is_some()
+            || a.gid.is_some()
+            || a.size.is_some()
+            || a.atime.is_some()
+            || a.mtime.is_some();
+        if attrs {
+            crate::inode_flags::require_changeable(&item, ino)?;
+        }
         if let Some(size) = a.size {
             self.truncate(ino, size)?;
         }
@@ -943,6 +972,18 @@ impl Fs {
 
     /// setxattr(2); `flags`: 1 = XATTR_CREATE, 2 = XATTR_REPLACE.
     pub fn setxattr(&self, ino: Inode, name: &[u8], value: &[u8], flags: u32) -> Result<()> {
+        self.require_inode_changeable(ino)?;
+        self.setxattr_raw(ino, name, value, flags)
+    }
+
+    /// [`Fs::setxattr`] without the checks of the inode's flags and subvolume.
+    pub(crate) fn setxattr_raw(
+        &self,
+        ino: Inode,
+        name: &[u8],
+        value: &[u8],
+        flags: u32,
+    ) -> Result<()> {
         if name.is_empty() || name.len() > NAME_MAX {
             return Err(Error::Range(format!("xattr name of {} bytes", name.len())));
         }
@@ -989,6 +1030,12 @@ impl Fs {
     }
 
     pub fn removexattr(&self, ino: Inode, name: &[u8]) -> Result<()> {
+        self.require_inode_changeable(ino)?;
+        self.removexattr_raw(ino, name)
+    }
+
+    /// [`Fs::removexattr`] without the checks of the inode's flags and subvolume.
+    pub(crate) fn removexattr_raw(&self, ino: Inode, name: &[u8]) -> Result<()> {
         if self.getxattr(ino, name)?.is_none() {
             return Err(Error::NoXattr(String::from_utf8_lossy(name).into_owned()));
         }

@@ -24,6 +24,7 @@ pub mod fs;
 pub mod fs_seek;
 pub mod fs_stat;
 pub mod fs_write;
+pub mod inode_flags;
 pub mod log_write;
 pub mod mkfs;
 pub mod ordered;

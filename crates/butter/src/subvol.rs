@@ -90,10 +90,37 @@ impl Fs {
         Ok(())
     }
 
+    /// Removes `id` from the uuid tree's entry for `uuid` (the item goes with its last id).
+    fn uuid_tree_remove(&self, w: &mut Writer, uuid: &[u8; 16], ty: u8, id: u64) -> Result<()> {
+        if !self.has_uuid_tree()? {
+            return Ok(());
+        }
+        let key = uuid_key(uuid, ty);
+        let Some(body) = w.read_item(UUID_TREE_OBJECTID, &key)? else {
+            return Ok(());
+        };
+        let rest: Vec<u8> = body
+            .chunks(8)
+            .filter(|c| *c != id.to_le_bytes())
+            .flatten()
+            .copied()
+            .collect();
+        if rest.len() == body.len() {
+            return Ok(());
+        }
+        if rest.is_empty() {
+            w.delete_item(UUID_TREE_OBJECTID, &key)?;
+            Ok(())
+        } else {
+            w.replace_item(UUID_TREE_OBJECTID, key, &rest)
+        }
+    }
+
     /// Checks that `dir/name` can be created and returns a new subvolume id.
     fn prepare_subvol_entry(&self, dir: Inode, name: &[u8]) -> Result<()> {
         check_name(name)?;
         self.require_dir(dir)?;
+        self.require_dir_changeable(dir, true)?;
         if self.lookup(dir, name)?.is_some() {
             return Err(Error::Exists(String::from_utf8_lossy(name).into_owned()));
         }
@@ -381,13 +408,17 @@ impl Fs {
         })
     }
 
-    /// Makes subvolume `id` read-only or writable (the ROOT_ITEM's RDONLY flag).
+    /// Makes subvolume `id` read-only or writable (the ROOT_ITEM's RDONLY flag), as the
+    /// kernel's SUBVOL_SETFLAGS ioctl does: only the flag changes (no times, no transids;
+    /// nothing at all when it already has the wanted state). A received subvolume keeps its
+    /// received uuid: `btrfs property set -f` clears it afterwards
+    /// ([`Fs::clear_received_uuid`]).
     pub fn set_subvolume_readonly(&self, id: u64, readonly: bool) -> Result<()> {
+        if self.subvol_is_readonly(id)? == readonly {
+            return Ok(());
+        }
         self.op(false, |w| {
-            let key = w
-                .tree_state(id)?
-                .item_key
-                .ok_or_else(|| Error::NotFound(format!("root item of subvolume {id}")))?;
+            let key = self.root_item_key(w, id)?;
             w.update_item(ROOT_TREE_OBJECTID, &key, |b| {
                 if b.len() < 216 {
                     return Err(Error::corrupt(
@@ -411,6 +442,52 @@ impl Fs {
             self.forget_subvol(id);
             Ok(())
         })
+    }
+
+    /// The received uuid of subvolume `id` (None when unset, as on anything not made by
+    /// receive).
+    pub fn received_uuid(&self, id: u64) -> Result<Option<[u8; 16]>> {
+        let u = self.subvol_item(id)?.received_uuid;
+        Ok((u != [0; 16]).then_some(u))
+    }
+
+    /// What the kernel's SET_RECEIVED_SUBVOL ioctl does with an all-zero argument (`btrfs
+    /// property set -f ... ro false` on a received subvolume): the subvolume must be
+    /// writable (else EROFS); its uuid tree entry of type RECEIVED_SUBVOL goes, received_uuid,
+    /// stransid and stime become zero, rtransid and rtime the running transaction and now.
+    pub fn clear_received_uuid(&self, id: u64) -> Result<()> {
+        self.require_rw_subvol(id)?;
+        let old = self.subvol_item(id)?.received_uuid;
+        self.op(false, |w| {
+            let key = self.root_item_key(w, id)?;
+            if old != [0; 16] {
+                self.uuid_tree_remove(w, &old, UUID_KEY_RECEIVED_SUBVOL, id)?;
+            }
+            let transid = w.transid;
+            let t = now();
+            w.update_item(ROOT_TREE_OBJECTID, &key, |b| {
+                if b.len() < RootItem::SIZE {
+                    // An old root item without the received fields: nothing to clear.
+                    return Ok(());
+                }
+                b[279..295].fill(0);
+                b[311..319].fill(0);
+                b[319..327].copy_from_slice(&transid.to_le_bytes());
+                b[351..363].fill(0);
+                b[363..371].copy_from_slice(&t.sec.to_le_bytes());
+                b[371..375].copy_from_slice(&t.nsec.to_le_bytes());
+                Ok(())
+            })?;
+            self.forget_subvol(id);
+            Ok(())
+        })
+    }
+
+    /// The key of subvolume `id`'s ROOT_ITEM.
+    fn root_item_key(&self, w: &mut Writer, id: u64) -> Result<Key> {
+        w.tree_state(id)?
+            .item_key
+            .ok_or_else(|| Error::NotFound(format!("root item of subvolume {id}")))
     }
 }
 

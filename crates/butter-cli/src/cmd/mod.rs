@@ -4,6 +4,7 @@ pub mod dump;
 pub mod ls;
 pub mod mkfs;
 pub mod mount;
+pub mod property;
 pub mod restore;
 pub mod subvol;
 pub mod unmount;

@@ -41,7 +41,7 @@ pub struct SubvolumeArgs {
     pub cmd: SubvolCmd,
 }
 
-fn open_rw(image: &Path) -> Result<Fs, CliError> {
+pub(crate) fn open_rw(image: &Path) -> Result<Fs, CliError> {
     Fs::open_rw(image).map_err(|e| {
         CliError(format!(
             "cannot open {} read-write: {}",
