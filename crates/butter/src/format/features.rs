@@ -217,8 +217,9 @@ pub fn refuse_read(sb: &Superblock) -> Option<String> {
         .collect();
     (!bad.is_empty()).then(|| {
         format!(
-            "this filesystem uses features butter cannot read: {}; use the kernel's btrfs or \
-             btrfs-progs to read it",
+            "this filesystem uses features butter cannot read (superblock incompat flags \
+             {:#x}): {}; use the kernel's btrfs or btrfs-progs to read it",
+            sb.incompat_flags,
             bad.join("; ")
         )
     })
