@@ -128,9 +128,7 @@ fn imports(src: &str) -> BTreeSet<String> {
                         }
                         at_start = true;
                     }
-                    c if depth == 1 && at_start && (c.is_alphanumeric() || c == '_') => {
-                        seg.push(c)
-                    }
+                    c if depth == 1 && at_start && (c.is_alphanumeric() || c == '_') => seg.push(c),
                     c if depth == 1 && !seg.is_empty() && !(c.is_alphanumeric() || c == '_') => {
                         out.insert(std::mem::take(&mut seg));
                         at_start = false;
