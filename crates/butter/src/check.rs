@@ -141,6 +141,27 @@ pub enum FindingKind {
     /// Without NO_HOLES, a file's extent items (holes included) do not cover [0, isize)
     /// (`btrfs check`: "file extent discount").
     FileExtentGap,
+    /// A generation newer than the superblock's (+1): an inode, root item or extent item.
+    GenerationInvalid,
+    /// Inode flags that cannot be (IMMUTABLE/APPEND on a symlink).
+    InodeFlagsBad,
+    /// An extent lies in a block group of the wrong type (data in metadata or vice versa).
+    ExtentTypeMismatch,
+    /// A METADATA_ITEM/tree block backref level differs from the block's level.
+    MetadataLevelMismatch,
+    /// Two EXTENT_CSUM items cover the same bytes.
+    CsumOverlap,
+    /// An EXTENT_CSUM covers data used only by NODATASUM inodes ("odd csum item").
+    CsumOnNodatasum,
+    /// Data read back does not match its checksum (`--check-data-csum`).
+    DataCsumMismatch,
+    /// The device size in the superblock/dev item differs from the image, or a chunk or dev
+    /// extent lies past the end of the image.
+    DeviceSizeMismatch,
+    /// Quota group numbers differ from the extents the subvolumes reference.
+    QgroupMismatch,
+    /// A file extent logged in the fsync log has no csum in the log.
+    LogCsumMissing,
 }
 
 #[derive(Debug, Clone)]
@@ -234,6 +255,8 @@ struct ExtentRec {
     len: u64,
     refs: u64,
     flags: u64,
+    /// Tree blocks: the level the extent item records.
+    level: Option<u64>,
     refs_list: Vec<BackRef>,
     loc: Location,
 }
@@ -242,6 +265,33 @@ struct ExtentRec {
 enum DataRefKey {
     Data { root: u64, ino: u64, offset: u64 },
     Shared { parent: u64 },
+}
+
+/// Reach-set tag of a relocation tree: this bit pattern in the top two bits, the relocated
+/// subvolume's id below (no real tree id has the top bits 01).
+const RELOC_TAG: u64 = 1 << 62;
+const RELOC_TAG_MASK: u64 = 3 << 62;
+
+fn is_reloc_tag(t: u64) -> bool {
+    t & RELOC_TAG_MASK == RELOC_TAG
+}
+
+/// The tree id behind a reach-set tag.
+fn tag_tree(t: u64) -> u64 {
+    if is_reloc_tag(t) {
+        TREE_RELOC_OBJECTID
+    } else {
+        t
+    }
+}
+
+/// "tree N", or "relocation tree of N".
+fn tag_name(t: u64) -> String {
+    if is_reloc_tag(t) {
+        format!("relocation tree of {}", t & !RELOC_TAG_MASK)
+    } else {
+        format!("tree {t}")
+    }
 }
 
 /// Largest data extent btrfs creates (128 MiB).
@@ -294,6 +344,8 @@ struct Checker<'a> {
     root_backrefs: Vec<RootRefRec>,
     /// Directory entries naming subvolumes (phase 5).
     subvol_entries: Vec<SubvolEntry>,
+    /// Trees being deleted (drop_progress set): walked in part, their fs items not checked.
+    dropping: HashSet<u64>,
 }
 
 /// Runs every check. `progress` receives one line per phase.
@@ -310,6 +362,7 @@ pub fn check(fs: &Fs, progress: &mut dyn FnMut(&str)) -> Result<Report> {
         root_refs: Vec::new(),
         root_backrefs: Vec::new(),
         subvol_entries: Vec::new(),
+        dropping: HashSet::new(),
     };
     let n0 = c.report.findings.len();
     c.phase_trees()?;
@@ -421,8 +474,8 @@ impl Checker<'_> {
                 ),
             );
         }
-        self.walk(chunk);
-        self.walk(tree_root);
+        self.walk(chunk, CHUNK_TREE_OBJECTID, None);
+        self.walk(tree_root, ROOT_TREE_OBJECTID, None);
         // Every ROOT_ITEM in the root tree.
         let mut roots = Vec::new();
         match TreeIter::new(self.fs.disk.clone(), tree_root, Key::MIN, Readahead::None) {
@@ -461,7 +514,7 @@ impl Checker<'_> {
                                     item.key.objectid,
                                     (ri.clone(), item_loc(&item, ROOT_TREE_OBJECTID)),
                                 );
-                                roots.push((item.key.objectid, ri))
+                                roots.push((item.key.objectid, item.key.offset, ri))
                             }
                             Err(e) => self.report.err(
                                 FindingKind::RootItemBad,
@@ -479,21 +532,24 @@ impl Checker<'_> {
             },
             Err(e) => self.unreadable(e, Some(ROOT_TREE_OBJECTID)),
         }
-        for (id, ri) in roots {
+        for (id, offset, ri) in roots {
             if id == TREE_LOG_OBJECTID || ri.bytenr == 0 {
                 continue;
             }
-            if ri.drop_progress.objectid != 0 || ri.drop_level != 0 {
-                self.report.add(
-                    Severity::Warning,
-                    FindingKind::RootItemBad,
-                    Location::what(format!("root item of tree {id}")),
+            let gen_limit = self.fs.disk.sb.generation.saturating_add(1);
+            if ri.generation > gen_limit {
+                self.report.err(
+                    FindingKind::GenerationInvalid,
+                    self.root_items
+                        .get(&id)
+                        .map(|r| r.1.clone())
+                        .unwrap_or_else(|| Location::what(format!("root item of tree {id}"))),
                     format!(
-                        "tree {id} is being deleted (drop progress {}); its blocks are not checked",
-                        ri.drop_progress
+                        "root {id}: generation {}, but the superblock generation is {}",
+                        ri.generation,
+                        gen_limit - 1
                     ),
                 );
-                continue;
             }
             let root = Root {
                 id,
@@ -501,7 +557,30 @@ impl Checker<'_> {
                 level: ri.level,
                 generation: ri.generation,
             };
-            self.walk(root);
+            // Each relocation tree (one per subvolume being relocated, all with objectid
+            // TREE_RELOC) is a tree of its own for the one-path rule.
+            let tag = if id == TREE_RELOC_OBJECTID {
+                RELOC_TAG | (offset & !RELOC_TAG_MASK)
+            } else {
+                id
+            };
+            if ri.drop_progress.objectid != 0 || ri.drop_level != 0 {
+                // A tree being deleted: the subtrees left of drop_progress (at drop_level and
+                // above) are already freed; the rest is still accounted in the extent tree.
+                self.report.add(
+                    Severity::Warning,
+                    FindingKind::RootItemBad,
+                    Location::what(format!("root item of tree {id}")),
+                    format!(
+                        "tree {id} is being deleted (drop progress {} level {}); only its remaining blocks are checked",
+                        ri.drop_progress, ri.drop_level
+                    ),
+                );
+                self.dropping.insert(id);
+                self.walk(root, tag, Some(ri.drop_progress));
+                continue;
+            }
+            self.walk(root, tag, None);
         }
         // Propagate reaching trees down, highest level first.
         let mut order: Vec<(u8, u64)> = self.blocks.iter().map(|(b, r)| (r.level, *b)).collect();
@@ -550,7 +629,7 @@ impl Checker<'_> {
             let dups: Vec<String> = per_tree
                 .iter()
                 .filter(|(_, v)| v.len() > 1)
-                .map(|(t, v)| format!("tree {t} via {v:?}"))
+                .map(|(t, v)| format!("{} via {v:?}", tag_name(*t)))
                 .collect();
             if !dups.is_empty() {
                 let loc = Location::block(Some(rec.owner), b);
@@ -587,15 +666,18 @@ impl Checker<'_> {
         );
     }
 
-    /// Depth-first walk of one tree; blocks already visited get the new edge only.
-    fn walk(&mut self, root: Root) {
+    /// Depth-first walk of one tree; blocks already visited get the new edge only. `tag` names
+    /// the tree in edges and reach sets (the tree id, or a [`RELOC_TAG`] for a relocation
+    /// tree); with `drop`, subtrees entirely left of that key are skipped (already freed).
+    fn walk(&mut self, root: Root, tag: u64, drop: Option<Key>) {
         self.report.counts.trees += 1;
         self.trees.push(root);
         let disk = self.fs.disk.clone();
-        // (bytenr, edge, expect)
+        // (bytenr, edge, expect, end of the key range below the pointer)
         let mut stack = vec![(
             root.bytenr,
-            Edge::Root(root.id),
+            Edge::Root(tag),
+            None::<Key>,
             Expect {
                 owner: None,
                 level: Some(root.level),
@@ -603,7 +685,7 @@ impl Checker<'_> {
                 first_key: None,
             },
         )];
-        while let Some((bytenr, edge, expect)) = stack.pop() {
+        while let Some((bytenr, edge, end, expect)) = stack.pop() {
             if let Some(r) = self.blocks.get_mut(&bytenr) {
                 if r.edges.contains(&edge) {
                     continue;
@@ -630,7 +712,11 @@ impl Checker<'_> {
             );
             if b.is_leaf() {
                 // The root tree holds the v1 free space cache inodes and their extents.
-                if is_fs_tree(root.id) || is_fs_tree(b.owner()) || root.id == ROOT_TREE_OBJECTID {
+                if is_fs_tree(root.id)
+                    || is_fs_tree(b.owner())
+                    || root.id == ROOT_TREE_OBJECTID
+                    || root.id == TREE_RELOC_OBJECTID
+                {
                     self.collect_file_extents(&b);
                 }
                 continue;
@@ -646,12 +732,23 @@ impl Checker<'_> {
                     );
                     continue;
                 }
+                let child_end = if slot + 1 < b.nritems() {
+                    Some(b.ptr(slot + 1).key)
+                } else {
+                    end
+                };
+                if let (Some(dp), Some(ce)) = (drop, child_end) {
+                    if ce <= dp {
+                        continue; // freed by the interrupted deletion
+                    }
+                }
                 stack.push((
                     p.blockptr,
                     Edge::Node {
                         parent: bytenr,
                         slot,
                     },
+                    child_end,
                     Expect {
                         // Owners are not checked here: shared blocks keep their first owner;
                         // the back references say which trees may hold a block (phase 2).
@@ -761,12 +858,29 @@ impl Checker<'_> {
                         } else {
                             k.offset
                         };
+                        let gen_limit = self.fs.disk.sb.generation.saturating_add(1);
+                        if ei.generation == 0 || ei.generation > gen_limit {
+                            self.report.err(
+                                FindingKind::GenerationInvalid,
+                                loc.clone(),
+                                format!(
+                                    "extent {}: generation {}, valid is 1..={gen_limit} (superblock generation + 1)",
+                                    k.objectid, ei.generation
+                                ),
+                            );
+                        }
+                        let level = if k.ty == METADATA_ITEM_KEY {
+                            Some(k.offset)
+                        } else {
+                            ei.tree_block_info.map(|(_, l)| l as u64)
+                        };
                         self.extents.insert(
                             k.objectid,
                             ExtentRec {
                                 len,
                                 refs: ei.refs,
                                 flags: ei.flags,
+                                level,
                                 refs_list: ei.inline_refs,
                                 loc,
                             },
@@ -845,6 +959,16 @@ impl Checker<'_> {
                 );
                 continue;
             }
+            if let Some(l) = ext.level.filter(|l| *l != rec.level as u64) {
+                self.report.err(
+                    FindingKind::MetadataLevelMismatch,
+                    ext.loc.clone(),
+                    format!(
+                        "tree block {b}: its extent item says level {l}, the block is level {}",
+                        rec.level
+                    ),
+                );
+            }
             let mut tree_refs = HashSet::new();
             let mut shared_refs = HashSet::new();
             let mut n = 0u64;
@@ -853,7 +977,7 @@ impl Checker<'_> {
                     BackRef::TreeBlock { root } => {
                         n += 1;
                         tree_refs.insert(*root);
-                        if !rec.reach.contains(root) {
+                        if !rec.reach.iter().any(|t| tag_tree(*t) == *root) {
                             self.report.err(
                                 FindingKind::MetadataBackrefExtra,
                                 ext.loc.clone(),
@@ -864,10 +988,11 @@ impl Checker<'_> {
                     BackRef::SharedBlock { parent } => {
                         n += 1;
                         shared_refs.insert(*parent);
-                        let ok = rec
-                            .edges
-                            .iter()
-                            .any(|e| matches!(e, Edge::Node { parent: p, .. } if p == parent));
+                        // The root block of a relocation tree is its own parent.
+                        let ok = rec.edges.iter().any(|e| match e {
+                            Edge::Node { parent: p, .. } => p == parent,
+                            Edge::Root(t) => is_reloc_tag(*t) && *parent == b,
+                        });
                         if !ok {
                             self.report.err(
                                 FindingKind::MetadataBackrefExtra,
@@ -888,18 +1013,20 @@ impl Checker<'_> {
             }
             for e in &rec.edges {
                 let explained = match e {
-                    Edge::Root(t) => tree_refs.contains(t),
+                    Edge::Root(t) => {
+                        tree_refs.contains(&tag_tree(*t))
+                            || (is_reloc_tag(*t) && shared_refs.contains(&b))
+                    }
                     Edge::Node { parent, .. } => {
                         shared_refs.contains(parent)
-                            || self
-                                .blocks
-                                .get(parent)
-                                .is_some_and(|p| p.reach.iter().any(|t| tree_refs.contains(t)))
+                            || self.blocks.get(parent).is_some_and(|p| {
+                                p.reach.iter().any(|t| tree_refs.contains(&tag_tree(*t)))
+                            })
                     }
                 };
                 if !explained {
                     let (what, loc) = match e {
-                        Edge::Root(t) => (format!("root of tree {t}"), bloc.clone()),
+                        Edge::Root(t) => (format!("root of {}", tag_name(*t)), bloc.clone()),
                         Edge::Node { parent, slot } => (
                             format!("pointer in block {parent} slot {slot}"),
                             Location::block(self.blocks.get(parent).map(|p| p.owner), *parent)
@@ -1095,6 +1222,25 @@ impl Checker<'_> {
         let mut covered = 0u64;
         for (start, len, bg, loc) in &groups {
             let end = start.saturating_add(*len);
+            for (b, e) in self.extents.range(*start..end) {
+                let tree = e.flags & EXTENT_FLAG_TREE_BLOCK != 0;
+                let fits = if tree {
+                    bg.flags & (BLOCK_GROUP_METADATA | BLOCK_GROUP_SYSTEM) != 0
+                } else {
+                    bg.flags & BLOCK_GROUP_DATA != 0
+                };
+                if !fits {
+                    self.report.err(
+                        FindingKind::ExtentTypeMismatch,
+                        e.loc.clone(),
+                        format!(
+                            "{} extent {b} lies in block group {start} of type {:#x}",
+                            if tree { "tree block" } else { "data" },
+                            bg.flags
+                        ),
+                    );
+                }
+            }
             let sum = self
                 .extents
                 .range(*start..end)
@@ -1297,7 +1443,10 @@ impl Checker<'_> {
         let mut prev: Option<(u64, u64)> = None; // (devid, end)
         for ((devid, phys), (d, dloc, matched)) in &dexts {
             if !matched {
-                self.report.err(
+                // Space reserved on the device for nothing: wasted, not damage (the kernel and
+                // `btrfs check` accept it); overlaps and bytes_used are still checked.
+                self.report.add(
+                    Severity::Warning,
                     FindingKind::DevExtentMismatch,
                     dloc.clone(),
                     format!(
@@ -1424,7 +1573,10 @@ impl Checker<'_> {
                 {
                     j += 1;
                 }
-                if !overlaps {
+                // mkfs's leftovers lie below the last block group; an info past every group
+                // is damage.
+                let below_last = groups.iter().any(|g| end <= g.start.saturating_add(g.len));
+                if !overlaps && below_last {
                     self.report.add(
                         Severity::Warning,
                         FindingKind::FreeSpaceOutsideBlockGroup,
@@ -1558,7 +1710,7 @@ impl Checker<'_> {
         let trees: Vec<Root> = self
             .trees
             .iter()
-            .filter(|r| is_fs_tree(r.id))
+            .filter(|r| is_fs_tree(r.id) && !self.dropping.contains(&r.id))
             .copied()
             .collect();
         for root in trees {
@@ -1643,22 +1795,36 @@ impl Checker<'_> {
                     }
                     _ => false,
                 };
-            if !copied_by_snapshot
-                && !refs.contains(&(e.tree, e.child, e.dir, e.index, e.name.clone()))
+            if copied_by_snapshot
+                || refs.contains(&(e.tree, e.child, e.dir, e.index, e.name.clone()))
             {
-                self.report.err(
-                    FindingKind::SubvolEntryMismatch,
-                    e.loc.clone(),
-                    format!(
-                        "tree {} directory {} DIR_INDEX {} {:?} names subvolume {}, which has no matching ROOT_REF",
-                        e.tree,
-                        e.dir,
-                        e.index,
-                        String::from_utf8_lossy(&e.name),
-                        e.child
-                    ),
-                );
+                continue;
             }
+            // With a ROOT_BACKREF from this tree the ROOT_REF is missing for sure; without one
+            // the entry may be a stale copy in a snapshot made by a kernel that recorded no
+            // parent uuid (`btrfs check` does not look at such entries): a warning.
+            let backref = self
+                .root_backrefs
+                .iter()
+                .any(|b| b.parent == e.tree && b.child == e.child);
+            self.report.add(
+                if backref {
+                    Severity::Error
+                } else {
+                    Severity::Warning
+                },
+                FindingKind::SubvolEntryMismatch,
+                e.loc.clone(),
+                format!(
+                    "tree {} directory {} DIR_INDEX {} {:?} names subvolume {}, which has no matching ROOT_REF{}",
+                    e.tree,
+                    e.dir,
+                    e.index,
+                    String::from_utf8_lossy(&e.name),
+                    e.child,
+                    if backref { "" } else { " (a stale entry copied by a snapshot?)" }
+                ),
+            );
         }
         let with_backref: HashSet<u64> = self.root_backrefs.iter().map(|b| b.child).collect();
         for (id, (ri, rloc)) in &self.root_items {
@@ -1690,7 +1856,8 @@ impl Checker<'_> {
             dir_index: Vec<(u64, Vec<u8>, Key, Location)>,
             nbytes: u64,
             first_loc: Option<Location>,
-            extents: Vec<(u64, u64, bool)>,
+            /// (logical, length, regular, compressed, location)
+            extents: Vec<(u64, u64, bool, bool, Location)>,
             /// First file offset with an extent item and where the last item ends.
             file_start: Option<u64>,
             file_end: Option<u64>,
@@ -1702,6 +1869,9 @@ impl Checker<'_> {
         let ss = self.fs.disk.sectorsize() as u64;
         let no_holes = self.fs.disk.sb.has_incompat(INCOMPAT_NO_HOLES);
         let mut inodes: BTreeMap<u64, Ino> = BTreeMap::new();
+        // Inodes with an ORPHAN_ITEM: unlinked, their deletion pending.
+        let mut orphans: HashSet<u64> = HashSet::new();
+        let gen_limit = self.fs.disk.sb.generation.saturating_add(1);
         let mut it = match TreeIter::new(self.fs.disk.clone(), root, Key::MIN, Readahead::None) {
             Ok(it) => it,
             Err(e) => {
@@ -1719,8 +1889,20 @@ impl Checker<'_> {
                 }
             };
             let k = item.key;
+            if k.objectid == ORPHAN_OBJECTID && k.ty == ORPHAN_ITEM_KEY {
+                orphans.insert(k.offset);
+                continue;
+            }
+            if k.objectid == FREE_INO_OBJECTID && k.ty == INODE_ITEM_KEY {
+                self.report.err(
+                    FindingKind::FsItemBad,
+                    item_loc(&item, tid),
+                    format!("tree {tid}: the deprecated free inode cache (inode_cache mount option, removed in Linux 5.11) is still there"),
+                );
+                continue;
+            }
             if k.objectid < FIRST_FREE_OBJECTID || k.objectid > LAST_FREE_OBJECTID {
-                continue; // orphan items, free-ino cache, ...
+                continue; // free space cache inodes of the root tree, ...
             }
             let loc = item_loc(&item, tid);
             let ino = inodes.entry(k.objectid).or_default();
@@ -1806,8 +1988,13 @@ impl Checker<'_> {
                                     } else {
                                         (disk_bytenr.saturating_add(offset), num_bytes)
                                     };
-                                    ino.extents
-                                        .push((range.0, range.1, fe.ty == FILE_EXTENT_REG));
+                                    ino.extents.push((
+                                        range.0,
+                                        range.1,
+                                        fe.ty == FILE_EXTENT_REG,
+                                        fe.compression != COMPRESS_NONE,
+                                        loc.clone(),
+                                    ));
                                 }
                             }
                         }
@@ -1821,6 +2008,21 @@ impl Checker<'_> {
             }
         }
         self.report.counts.inodes += inodes.len() as u64;
+        let root_dir_ok = inodes
+            .get(&FIRST_FREE_OBJECTID)
+            .and_then(|i| i.item.as_ref())
+            .is_some_and(|(ii, _)| ii.mode & 0o170000 == 0o040000);
+        if !root_dir_ok {
+            self.report.err(
+                FindingKind::DanglingInode,
+                Location {
+                    tree: Some(tid),
+                    bytenr: Some(root.bytenr),
+                    ..Default::default()
+                },
+                format!("tree {tid}: no root directory (inode {FIRST_FREE_OBJECTID} is missing or not a directory)"),
+            );
+        }
         // Directory entries by (dir, index) and (dir, name).
         for (&n, ino) in &inodes {
             let Some((ii, iloc)) = &ino.item else {
@@ -1834,6 +2036,50 @@ impl Checker<'_> {
             let is_dir = ii.mode & 0o170000 == 0o040000;
             let is_reg = ii.mode & 0o170000 == 0o100000;
             let is_lnk = ii.mode & 0o170000 == 0o120000;
+            if ii.generation > gen_limit || ii.transid > gen_limit {
+                self.report.err(
+                    FindingKind::GenerationInvalid,
+                    iloc.clone(),
+                    format!(
+                        "inode {n}: generation {} transid {}, but the superblock generation is {} (at most one more is valid)",
+                        ii.generation,
+                        ii.transid,
+                        gen_limit - 1
+                    ),
+                );
+            }
+            if is_lnk && ii.flags & (INODE_IMMUTABLE | INODE_APPEND) != 0 {
+                self.report.err(
+                    FindingKind::InodeFlagsBad,
+                    iloc.clone(),
+                    format!(
+                        "inode {n}: a symlink with flags {:#x} (IMMUTABLE/APPEND cannot be set on symlinks)",
+                        ii.flags
+                    ),
+                );
+            }
+            if is_dir && ii.nlink >= 2 {
+                self.report.err(
+                    FindingKind::NlinkMismatch,
+                    iloc.clone(),
+                    format!(
+                        "directory {n}: nlink {} (a directory has one link)",
+                        ii.nlink
+                    ),
+                );
+            }
+            if ii.nlink == 0 {
+                if !orphans.contains(&n) {
+                    self.report.err(
+                        FindingKind::NlinkMismatch,
+                        iloc.clone(),
+                        format!("inode {n}: nlink 0 but no ORPHAN_ITEM"),
+                    );
+                }
+                // Unlinked, its deletion pending (perhaps half done): names, sizes and
+                // entries are not checked; its extents still are, through the extent tree.
+                continue;
+            }
             for (loc, msg) in &ino.overlaps {
                 self.report
                     .err(FindingKind::FileExtentOverlap, loc.clone(), msg.clone());
@@ -1894,10 +2140,19 @@ impl Checker<'_> {
                     ),
                 );
             }
-            if is_reg && ii.flags & INODE_NODATASUM == 0 {
-                for &(b, l, reg) in &ino.extents {
-                    if reg {
-                        csum.entry((b, l)).or_insert_with(|| iloc.clone());
+            if is_reg {
+                let nodatasum = ii.flags & INODE_NODATASUM != 0;
+                for (b, l, reg, compressed, floc) in &ino.extents {
+                    // Compressed data always has csums, whatever the inode's flags say.
+                    if *reg && (!nodatasum || *compressed) {
+                        csum.entry((*b, *l)).or_insert_with(|| iloc.clone());
+                    }
+                    if *compressed && nodatasum {
+                        self.report.err(
+                            FindingKind::FsItemBad,
+                            floc.clone(),
+                            format!("inode {n}: compressed extent at {b} in a NODATASUM inode (compression needs csums)"),
+                        );
                     }
                 }
             }

@@ -167,6 +167,8 @@ pub const INODE_NODATACOW: u64 = 1 << 1;
 pub const INODE_READONLY: u64 = 1 << 2;
 pub const INODE_NOCOMPRESS: u64 = 1 << 3;
 pub const INODE_PREALLOC: u64 = 1 << 4;
+pub const INODE_IMMUTABLE: u64 = 1 << 6;
+pub const INODE_APPEND: u64 = 1 << 7;
 pub const INODE_COMPRESS: u64 = 1 << 11;
 
 // ---- free space info flags ----
