@@ -193,6 +193,8 @@ pub struct Counts {
     pub block_groups: u64,
     pub inodes: u64,
     pub csum_sectors: u64,
+    /// Data bytes read and compared with their csums (`--check-data-csum`).
+    pub data_bytes_verified: u64,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -248,6 +250,8 @@ struct FileExtRef {
     disk_bytenr: u64,
     disk_num_bytes: u64,
     offset: u64,
+    num_bytes: u64,
+    compressed: bool,
     loc: Location,
 }
 
@@ -346,10 +350,34 @@ struct Checker<'a> {
     subvol_entries: Vec<SubvolEntry>,
     /// Trees being deleted (drop_progress set): walked in part, their fs items not checked.
     dropping: HashSet<u64>,
+    /// Data ranges of NODATASUM inodes that must not have csums (phase 5 -> 6).
+    nodatasum: Vec<NodatasumRange>,
 }
 
-/// Runs every check. `progress` receives one line per phase.
+/// A regular, uncompressed extent of a NODATASUM inode.
+struct NodatasumRange {
+    logical: u64,
+    len: u64,
+    tree: u64,
+    ino: u64,
+    file_off: u64,
+    loc: Location,
+}
+
+/// What to check beyond the default (metadata) checks.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Options {
+    /// Read every data sector that has a checksum and compare (`--check-data-csum`).
+    pub check_data_csum: bool,
+}
+
+/// Runs every metadata check. `progress` receives one line per phase.
 pub fn check(fs: &Fs, progress: &mut dyn FnMut(&str)) -> Result<Report> {
+    check_with(fs, Options::default(), progress)
+}
+
+/// Runs the checks `opts` asks for. `progress` receives one line per phase.
+pub fn check_with(fs: &Fs, opts: Options, progress: &mut dyn FnMut(&str)) -> Result<Report> {
     let mut c = Checker {
         fs,
         report: Report::default(),
@@ -363,6 +391,7 @@ pub fn check(fs: &Fs, progress: &mut dyn FnMut(&str)) -> Result<Report> {
         root_backrefs: Vec::new(),
         subvol_entries: Vec::new(),
         dropping: HashSet::new(),
+        nodatasum: Vec::new(),
     };
     let n0 = c.report.findings.len();
     c.phase_trees()?;
@@ -409,6 +438,15 @@ pub fn check(fs: &Fs, progress: &mut dyn FnMut(&str)) -> Result<Report> {
         c.report.counts.csum_sectors,
         c.report.findings.len() - n0
     ));
+    if opts.check_data_csum {
+        let n0 = c.report.findings.len();
+        c.phase_data_read();
+        progress(&format!(
+            "[7/7] data read and compared with csums: {} bytes, {} findings",
+            c.report.counts.data_bytes_verified,
+            c.report.findings.len() - n0
+        ));
+    }
     Ok(c.report)
 }
 
@@ -775,7 +813,7 @@ impl Checker<'_> {
                 disk_bytenr,
                 disk_num_bytes,
                 offset,
-                ..
+                num_bytes,
             } = fe.body
             {
                 if disk_bytenr == 0 {
@@ -789,6 +827,8 @@ impl Checker<'_> {
                     disk_bytenr,
                     disk_num_bytes,
                     offset,
+                    num_bytes,
+                    compressed: fe.compression != COMPRESS_NONE,
                     loc: b.loc(Some(slot)),
                 });
             }
@@ -1403,6 +1443,47 @@ impl Checker<'_> {
                 Err(e) => self.report.err(FindingKind::DevItemBad, loc, e.to_string()),
             }
         }
+        // The device against the image's real size.
+        let image_len = self.fs.disk.dev.len();
+        let this_dev = self.fs.disk.devid;
+        let sb = &self.fs.disk.sb;
+        let sum: u64 = devs
+            .values()
+            .fold(0u64, |a, (d, _)| a.saturating_add(d.total_bytes));
+        if !devs.is_empty() && sb.total_bytes < sum {
+            self.report.err(
+                FindingKind::DeviceSizeMismatch,
+                Location::what("superblock total_bytes"),
+                format!(
+                    "superblock total_bytes {} is smaller than its devices' total_bytes {sum}",
+                    sb.total_bytes
+                ),
+            );
+        }
+        let mut dev_size_reported = false;
+        for (what, size, loc) in [
+            (
+                "superblock dev_item",
+                sb.dev_item.total_bytes,
+                Location::what("superblock dev_item"),
+            ),
+            (
+                "dev item",
+                devs.get(&this_dev).map_or(0, |d| d.0.total_bytes),
+                devs.get(&this_dev).map(|d| d.1.clone()).unwrap_or_default(),
+            ),
+        ] {
+            if size > image_len && !dev_size_reported {
+                dev_size_reported = true;
+                self.report.err(
+                    FindingKind::DeviceSizeMismatch,
+                    loc,
+                    format!(
+                        "the {what} says device {this_dev} is {size} bytes, but the image is only {image_len} bytes (truncated?)"
+                    ),
+                );
+            }
+        }
         for (logical, c, cloc) in &chunks {
             let n = c.num_stripes as u64;
             let data_stripes = match c.ty & BLOCK_GROUP_PROFILE_MASK {
@@ -1414,6 +1495,17 @@ impl Checker<'_> {
             };
             let stripe_len = c.length / data_stripes.max(1);
             for (i, st) in c.stripes.iter().enumerate() {
+                let st_end = st.offset.saturating_add(stripe_len);
+                if st.devid == this_dev && st_end > image_len {
+                    self.report.err(
+                        FindingKind::DeviceSizeMismatch,
+                        cloc.clone(),
+                        format!(
+                            "chunk {logical} stripe {i} lies at device bytes {}..{st_end}, past the end of the image ({image_len} bytes)",
+                            st.offset
+                        ),
+                    );
+                }
                 match dexts.get_mut(&(st.devid, st.offset)) {
                     None => self.report.err(
                         FindingKind::DevExtentMissing,
@@ -1442,6 +1534,16 @@ impl Checker<'_> {
         let mut used: BTreeMap<u64, u64> = BTreeMap::new();
         let mut prev: Option<(u64, u64)> = None; // (devid, end)
         for ((devid, phys), (d, dloc, matched)) in &dexts {
+            if !matched && *devid == this_dev && phys.saturating_add(d.length) > image_len {
+                self.report.err(
+                    FindingKind::DeviceSizeMismatch,
+                    dloc.clone(),
+                    format!(
+                        "dev extent at devid {devid} offset {phys} length {} lies past the end of the image ({image_len} bytes)",
+                        d.length
+                    ),
+                );
+            }
             if !matched {
                 // Space reserved on the device for nothing: wasted, not damage (the kernel and
                 // `btrfs check` accept it); overlaps and bytes_used are still checked.
@@ -1856,8 +1958,8 @@ impl Checker<'_> {
             dir_index: Vec<(u64, Vec<u8>, Key, Location)>,
             nbytes: u64,
             first_loc: Option<Location>,
-            /// (logical, length, regular, compressed, location)
-            extents: Vec<(u64, u64, bool, bool, Location)>,
+            /// (logical, length, regular, compressed, file offset, location)
+            extents: Vec<(u64, u64, bool, bool, u64, Location)>,
             /// First file offset with an extent item and where the last item ends.
             file_start: Option<u64>,
             file_end: Option<u64>,
@@ -1993,6 +2095,7 @@ impl Checker<'_> {
                                         range.1,
                                         fe.ty == FILE_EXTENT_REG,
                                         fe.compression != COMPRESS_NONE,
+                                        k.offset,
                                         loc.clone(),
                                     ));
                                 }
@@ -2142,10 +2245,20 @@ impl Checker<'_> {
             }
             if is_reg {
                 let nodatasum = ii.flags & INODE_NODATASUM != 0;
-                for (b, l, reg, compressed, floc) in &ino.extents {
+                for (b, l, reg, compressed, foff, floc) in &ino.extents {
                     // Compressed data always has csums, whatever the inode's flags say.
                     if *reg && (!nodatasum || *compressed) {
                         csum.entry((*b, *l)).or_insert_with(|| iloc.clone());
+                    }
+                    if *reg && nodatasum && !*compressed {
+                        self.nodatasum.push(NodatasumRange {
+                            logical: *b,
+                            len: *l,
+                            tree: tid,
+                            ino: n,
+                            file_off: *foff,
+                            loc: floc.clone(),
+                        });
                     }
                     if *compressed && nodatasum {
                         self.report.err(
@@ -2274,6 +2387,34 @@ impl Checker<'_> {
 
     fn phase_csums(&mut self, extents: &[(u64, u64, Location)]) -> Result<()> {
         let ss = self.fs.disk.sectorsize() as u64;
+        self.check_csum_items();
+        let nodatasum = std::mem::take(&mut self.nodatasum);
+        for r in &nodatasum {
+            if r.len > MAX_DATA_EXTENT {
+                continue;
+            }
+            match self.fs.data_csums(r.logical, r.len) {
+                Ok(v) => {
+                    if let Some(i) = v.iter().position(|c| c.is_some()) {
+                        let n = v.iter().filter(|c| c.is_some()).count();
+                        self.report.err(
+                            FindingKind::CsumOnNodatasum,
+                            r.loc.clone(),
+                            format!(
+                                "odd csum item: tree {} inode {} is NODATASUM, but {n} sectors of its data at file offset {} (logical {}..{}) have csums, first at logical {}",
+                                r.tree,
+                                r.ino,
+                                r.file_off,
+                                r.logical,
+                                r.logical.saturating_add(r.len),
+                                r.logical.saturating_add(i as u64 * ss)
+                            ),
+                        );
+                    }
+                }
+                Err(e) => self.unreadable(e, Some(CSUM_TREE_OBJECTID)),
+            }
+        }
         for (b, l, loc) in extents {
             // Phase 3 matched the length with the extent item; still, a data extent is at most
             // 128 MiB, and a damaged length must not make us allocate for billions of sectors.
@@ -2312,5 +2453,193 @@ impl Checker<'_> {
             }
         }
         Ok(())
+    }
+
+    /// Csum tree items: whole csums, and no two items covering the same sector.
+    fn check_csum_items(&mut self) {
+        let Some(root) = self.tree(CSUM_TREE_OBJECTID) else {
+            return;
+        };
+        let ss = self.fs.disk.sectorsize() as u64;
+        let csize = self.fs.disk.sb.csum_type.size() as u64;
+        let mut prev: Option<(u64, Location)> = None; // (end, where)
+        for item in self.collect_items(root, |k| k.ty == EXTENT_CSUM_KEY) {
+            let loc = item_loc(&item, CSUM_TREE_OBJECTID);
+            let k = item.key;
+            let size = item.data().len() as u64;
+            if k.objectid != EXTENT_CSUM_OBJECTID || size == 0 || size % csize != 0 {
+                self.report.err(
+                    FindingKind::FsItemBad,
+                    loc,
+                    format!("csum item {k}: size {size} is not a positive multiple of the csum size {csize}"),
+                );
+                continue;
+            }
+            let start = k.offset;
+            let end = start.saturating_add(size / csize * ss);
+            if let Some((pend, ploc)) = &prev {
+                if start < *pend {
+                    self.report.err(
+                        FindingKind::CsumOverlap,
+                        loc.clone(),
+                        format!(
+                            "csum item for {start}..{end} overlaps the previous one, which ends at {pend} ({ploc})"
+                        ),
+                    );
+                }
+            }
+            if prev.as_ref().is_none_or(|p| end > p.0) {
+                prev = Some((end, loc));
+            }
+        }
+    }
+
+    // ---------------------------------------------------------------------------------------
+    // Phase 7 (--check-data-csum)
+
+    /// Reads every data sector that has a csum and compares.
+    fn phase_data_read(&mut self) {
+        let Some(root) = self.tree(CSUM_TREE_OBJECTID) else {
+            return;
+        };
+        let ss = self.fs.disk.sectorsize() as u64;
+        let ct = self.fs.disk.sb.csum_type;
+        let csize = ct.size() as u64;
+        // File extents by the data extent they use, for naming files.
+        let mut by_extent: BTreeMap<u64, Vec<usize>> = BTreeMap::new();
+        for (i, fe) in self.file_exts.iter().enumerate() {
+            by_extent.entry(fe.disk_bytenr).or_default().push(i);
+        }
+        let items = self.collect_items(root, |k| {
+            k.objectid == EXTENT_CSUM_OBJECTID && k.ty == EXTENT_CSUM_KEY
+        });
+        // At most this many mismatches are named one by one.
+        const MAX_REPORTED: usize = 100;
+        let mut reported = 0usize;
+        let mut suppressed = 0u64;
+        const CHUNK_SECTORS: u64 = 256;
+        for item in items {
+            let d = item.data();
+            let n = d.len() as u64 / csize;
+            let mut i = 0u64;
+            while i < n {
+                let cnt = (n - i).min(CHUNK_SECTORS);
+                let Some(logical) = item.key.offset.checked_add(i * ss) else {
+                    break;
+                };
+                let len = (cnt * ss) as usize;
+                let sums = &d[(i * csize) as usize..((i + cnt) * csize) as usize];
+                let all_ok = |buf: &[u8]| {
+                    buf.chunks(ss as usize)
+                        .zip(sums.chunks(csize as usize))
+                        .all(|(b, c)| ct.verify(b, c))
+                };
+                let res = self
+                    .fs
+                    .disk
+                    .read_data(logical, len, &all_ok)
+                    .and_then(|r| match r {
+                        Some(_) => Ok(None),
+                        // No copy matches everywhere: the first copy, to name the bad sectors.
+                        None => self.fs.disk.read_data(logical, len, &|_| true),
+                    });
+                match res {
+                    Ok(None) => {}
+                    Ok(Some(buf)) => {
+                        for (j, (b, c)) in buf
+                            .chunks(ss as usize)
+                            .zip(sums.chunks(csize as usize))
+                            .enumerate()
+                        {
+                            if ct.verify(b, c) {
+                                continue;
+                            }
+                            if reported >= MAX_REPORTED {
+                                suppressed += 1;
+                                continue;
+                            }
+                            reported += 1;
+                            let at = logical + j as u64 * ss;
+                            let who = self.name_data(at, &by_extent);
+                            self.report.err(
+                                FindingKind::DataCsumMismatch,
+                                item_loc(&item, CSUM_TREE_OBJECTID),
+                                format!(
+                                    "data checksum mismatch at logical {at} ({ss} bytes): {who}"
+                                ),
+                            );
+                        }
+                    }
+                    Err(e) => self.report.err(
+                        FindingKind::DataCsumMismatch,
+                        item_loc(&item, CSUM_TREE_OBJECTID),
+                        format!(
+                            "data at logical {logical}..{} cannot be read: {e}",
+                            logical + len as u64
+                        ),
+                    ),
+                }
+                self.report.counts.data_bytes_verified += len as u64;
+                i += cnt;
+            }
+        }
+        if suppressed > 0 {
+            self.report.err(
+                FindingKind::DataCsumMismatch,
+                Location::what("data"),
+                format!("{suppressed} more data sectors do not match their checksums"),
+            );
+        }
+    }
+
+    /// Which files use the data sector at `logical`: "file PATH (tree T inode I) offset F",
+    /// for each file extent item that covers it (or "no file uses it").
+    fn name_data(&self, logical: u64, by_extent: &BTreeMap<u64, Vec<usize>>) -> String {
+        let Some((&start, ext)) = self.extents.range(..=logical).next_back() else {
+            return "no extent item covers it".into();
+        };
+        if logical >= start.saturating_add(ext.len) {
+            return "no extent item covers it".into();
+        }
+        let mut names = Vec::new();
+        for &i in by_extent.get(&start).map(|v| v.as_slice()).unwrap_or(&[]) {
+            let fe = &self.file_exts[i];
+            let within = logical - start;
+            let off = if fe.compressed {
+                // Compressed: the sector lies somewhere in the item's compressed data.
+                Some(fe.file_off)
+            } else if within >= fe.offset && within - fe.offset < fe.num_bytes {
+                Some(fe.file_off + (within - fe.offset))
+            } else {
+                None
+            };
+            let Some(off) = off else { continue };
+            let path = self
+                .fs
+                .inode_path(crate::fs::Inode {
+                    root: fe.owner,
+                    ino: fe.ino,
+                })
+                .map(|p| format!("file /{p} "))
+                .unwrap_or_default();
+            names.push(format!(
+                "{path}(tree {} inode {}) {}offset {off}",
+                fe.owner,
+                fe.ino,
+                if fe.compressed {
+                    "compressed extent at file "
+                } else {
+                    "file "
+                }
+            ));
+            if names.len() >= 4 {
+                break;
+            }
+        }
+        if names.is_empty() {
+            format!("in data extent {start}, which no file extent uses there")
+        } else {
+            format!("data extent {start}, used by {}", names.join("; "))
+        }
     }
 }
