@@ -214,25 +214,46 @@ fn disk_bytenr_of(dump: &str, ino: u64) -> u64 {
 
 /// Rewrites the key offset of the csum tree's only item to `logical` (and reseals the leaf).
 fn move_csum_item(img: &Path, logical: u64) {
+    use butter::format::*;
+    patch_first_item(
+        img,
+        CSUM_TREE_OBJECTID,
+        |k| k.ty == EXTENT_CSUM_KEY,
+        |block, hdr, _| block[hdr + 9..hdr + 17].copy_from_slice(&logical.to_le_bytes()),
+    );
+}
+
+/// Lets `edit(block, item header offset, item data offset)` change the first item of tree `id`
+/// matching `pred`, reseals the block and writes every copy.
+fn patch_first_item(
+    img: &Path,
+    id: u64,
+    pred: impl Fn(&butter::format::Key) -> bool,
+    edit: impl FnOnce(&mut [u8], usize, usize),
+) {
     use butter::ctree::{Root, TreeIter};
     use butter::disk_io::Readahead;
     use butter::format::csum::CSUM_SLOT;
     use butter::format::*;
     let fs = butter::fs::Fs::open(img).unwrap();
-    let ri = fs.find_root_item(CSUM_TREE_OBJECTID).unwrap().unwrap();
+    let ri = fs.find_root_item(id).unwrap().unwrap();
     let root = Root {
-        id: CSUM_TREE_OBJECTID,
+        id,
         bytenr: ri.bytenr,
         level: ri.level,
         generation: ri.generation,
     };
     let mut it = TreeIter::new(fs.disk.clone(), root, Key::MIN, Readahead::None).unwrap();
-    let item = it.next_item().unwrap().expect("a csum item");
-    assert_eq!(item.slot, 0);
+    let item = loop {
+        let item = it.next_item().unwrap().expect("item to patch not found");
+        if pred(&item.key) {
+            break item;
+        }
+    };
     let mut block = item.block.data.to_vec();
-    // Key offset of slot 0: header, then objectid (8) and type (1).
-    let at = HEADER_SIZE + 9;
-    block[at..at + 8].copy_from_slice(&logical.to_le_bytes());
+    let hdr = HEADER_SIZE + item.slot * ITEM_SIZE;
+    let data = HEADER_SIZE + item.block.item(item.slot).offset as usize;
+    edit(&mut block, hdr, data);
     let c = fs.disk.sb.csum_type.compute(&block[CSUM_SLOT..]);
     let n = fs.disk.sb.csum_type.size();
     block[..n].copy_from_slice(&c[..n]);
@@ -246,6 +267,57 @@ fn move_csum_item(img: &Path, logical: u64) {
         f.write_all_at(&block, c.physical).unwrap();
     }
     f.sync_all().unwrap();
+}
+
+#[test]
+fn qgroup_numbers_are_checked() {
+    if !kernel::require_privileges() {
+        return;
+    }
+    let scratch = ScratchDir::new("check-qgroup");
+    let img = scratch.join("q.img");
+    kernel::mkfs_btrfs(&img, 256 * MIB, &["--nodesize", "4096"]);
+    {
+        let m = LoopMount::btrfs(&img, &scratch.join("mnt"), "");
+        let p = m.path().display().to_string();
+        kernel::sh(
+            "sh",
+            &[
+                "-c",
+                &format!(
+                    "cd {p} && btrfs -q quota enable . && btrfs -q subvolume create sv \
+                     && for i in $(seq 1 200); do head -c $((i*100)) /dev/urandom > sv/f$i; done \
+                     && btrfs -q subvolume snapshot sv snap && btrfs -q qgroup create 1/1 . \
+                     && (btrfs -q qgroup assign 0/256 1/1 . || true) && (btrfs -q qgroup assign 0/257 1/1 . || true) \
+                     && for i in $(seq 1 50); do echo x >> snap/f$i; done && cp --reflink=always sv/f100 r \
+                     && sync && btrfs -q quota rescan -w . && for i in $(seq 60 80); do rm sv/f$i; done && sync"
+                ),
+            ],
+        );
+        m.unmount();
+    }
+    let (rc, out) = butter(&["check"], &img);
+    assert_eq!(rc, 0, "kernel quota image:\n{out}");
+    kernel::assert_btrfs_check(&img);
+    // 0/256 referenced one sector more than its subvolume holds.
+    patch_first_item(
+        &img,
+        butter::format::QUOTA_TREE_OBJECTID,
+        |k| k.ty == butter::format::QGROUP_INFO_KEY && k.offset == 256,
+        |b, _, d| {
+            let v = u64::from_le_bytes(b[d + 8..d + 16].try_into().unwrap()) + 4096;
+            b[d + 8..d + 16].copy_from_slice(&v.to_le_bytes());
+        },
+    );
+    let (rc, out) = butter(&["check"], &img);
+    assert_ne!(rc, 0, "{out}");
+    assert!(
+        out.lines()
+            .any(|l| l.contains("QgroupMismatch") && l.contains("qgroup 0/256")),
+        "{out}"
+    );
+    let (ok, text) = kernel::btrfs_check(&img);
+    assert!(!ok, "btrfs check should see it too:\n{text}");
 }
 
 #[test]
