@@ -507,7 +507,7 @@ impl Checker<'_> {
                 FindingKind::RootItemBad,
                 Location::what("superblock log_root"),
                 format!(
-                    "the image has an unreplayed fsync log at {}; it is not checked",
+                    "the image has an unreplayed fsync log at {}; only its file extents' csums are checked",
                     sb.log_root
                 ),
             );
@@ -2389,6 +2389,7 @@ impl Checker<'_> {
     fn phase_csums(&mut self, extents: &[(u64, u64, Location)]) -> Result<()> {
         let ss = self.fs.disk.sectorsize() as u64;
         self.check_csum_items();
+        self.check_log_csums();
         let nodatasum = std::mem::take(&mut self.nodatasum);
         for r in &nodatasum {
             if r.len > MAX_DATA_EXTENT {
@@ -2777,6 +2778,106 @@ impl Checker<'_> {
                         q & ((1 << 48) - 1)
                     ),
                 );
+            }
+        }
+    }
+
+    /// An unreplayed fsync log: every regular extent it logs for an inode with data csums has
+    /// its csums in the log or, for data committed before, in the csum tree (replay takes them
+    /// from there).
+    fn check_log_csums(&mut self) {
+        if self.fs.disk.sb.log_root == 0 {
+            return;
+        }
+        let log = match crate::tree_log::read_log(&self.fs.disk) {
+            Ok(Some(l)) => l,
+            Ok(None) => return,
+            Err(e) => {
+                self.unreadable(e, Some(TREE_LOG_OBJECTID));
+                return;
+            }
+        };
+        let ss = self.fs.disk.sectorsize() as u64;
+        let csize = self.fs.disk.sb.csum_type.size() as u64;
+        for t in &log.trees {
+            let mut ranges: Vec<(u64, u64)> = t
+                .items
+                .iter()
+                .filter(|(k, _)| k.objectid == EXTENT_CSUM_OBJECTID && k.ty == EXTENT_CSUM_KEY)
+                .map(|(k, d)| {
+                    (
+                        k.offset,
+                        k.offset.saturating_add(d.len() as u64 / csize * ss),
+                    )
+                })
+                .collect();
+            ranges.sort_unstable();
+            let covered = |a: u64, len: u64| {
+                let end = a.saturating_add(len);
+                let mut cur = a;
+                for &(s, e) in &ranges {
+                    if s > cur {
+                        break;
+                    }
+                    cur = cur.max(e);
+                    if cur >= end {
+                        return true;
+                    }
+                }
+                cur >= end
+            };
+            let mut csum_inode = None;
+            for (k, d) in &t.items {
+                if k.ty == INODE_ITEM_KEY {
+                    csum_inode = InodeItem::parse(d)
+                        .ok()
+                        .filter(|ii| ii.flags & INODE_NODATASUM == 0)
+                        .map(|_| k.objectid);
+                    continue;
+                }
+                if k.ty != EXTENT_DATA_KEY || csum_inode != Some(k.objectid) {
+                    continue;
+                }
+                let Ok(fe) = FileExtentItem::parse(d) else {
+                    continue;
+                };
+                let FileExtentBody::Extent {
+                    disk_bytenr,
+                    disk_num_bytes,
+                    offset,
+                    num_bytes,
+                } = fe.body
+                else {
+                    continue;
+                };
+                if fe.ty != FILE_EXTENT_REG || disk_bytenr == 0 {
+                    continue;
+                }
+                let (a, len) = if fe.compression != COMPRESS_NONE {
+                    (disk_bytenr, disk_num_bytes)
+                } else {
+                    (disk_bytenr.saturating_add(offset), num_bytes)
+                };
+                // Csums of data committed earlier are in the csum tree already.
+                let in_csum_tree = || {
+                    len <= MAX_DATA_EXTENT
+                        && self
+                            .fs
+                            .data_csums(a, len)
+                            .is_ok_and(|v| v.iter().all(|c| c.is_some()))
+                };
+                if !covered(a, len) && !in_csum_tree() {
+                    self.report.err(
+                        FindingKind::LogCsumMissing,
+                        Location::what(format!("fsync log of tree {}", t.subvol))
+                            .with_tree(TREE_LOG_OBJECTID)
+                            .with_key(*k),
+                        format!(
+                            "csum missing in the log: tree {} inode {} file offset {} logs data at logical {a} ({len} bytes) without its csums",
+                            t.subvol, k.objectid, k.offset
+                        ),
+                    );
+                }
             }
         }
     }
