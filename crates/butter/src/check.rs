@@ -2469,7 +2469,7 @@ impl Checker<'_> {
             let loc = item_loc(&item, CSUM_TREE_OBJECTID);
             let k = item.key;
             let size = item.data().len() as u64;
-            if k.objectid != EXTENT_CSUM_OBJECTID || size == 0 || size % csize != 0 {
+            if k.objectid != EXTENT_CSUM_OBJECTID || size == 0 || !size.is_multiple_of(csize) {
                 self.report.err(
                     FindingKind::FsItemBad,
                     loc,
