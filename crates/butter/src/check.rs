@@ -141,6 +141,27 @@ pub enum FindingKind {
     /// Without NO_HOLES, a file's extent items (holes included) do not cover [0, isize)
     /// (`btrfs check`: "file extent discount").
     FileExtentGap,
+    /// A generation newer than the superblock's (+1): an inode, root item or extent item.
+    GenerationInvalid,
+    /// Inode flags that cannot be (IMMUTABLE/APPEND on a symlink).
+    InodeFlagsBad,
+    /// An extent lies in a block group of the wrong type (data in metadata or vice versa).
+    ExtentTypeMismatch,
+    /// A METADATA_ITEM/tree block backref level differs from the block's level.
+    MetadataLevelMismatch,
+    /// Two EXTENT_CSUM items cover the same bytes.
+    CsumOverlap,
+    /// An EXTENT_CSUM covers data used only by NODATASUM inodes ("odd csum item").
+    CsumOnNodatasum,
+    /// Data read back does not match its checksum (`--check-data-csum`).
+    DataCsumMismatch,
+    /// The device size in the superblock/dev item differs from the image, or a chunk or dev
+    /// extent lies past the end of the image.
+    DeviceSizeMismatch,
+    /// Quota group numbers differ from the extents the subvolumes reference.
+    QgroupMismatch,
+    /// A file extent logged in the fsync log has no csum in the log.
+    LogCsumMissing,
 }
 
 #[derive(Debug, Clone)]
@@ -172,6 +193,8 @@ pub struct Counts {
     pub block_groups: u64,
     pub inodes: u64,
     pub csum_sectors: u64,
+    /// Data bytes read and compared with their csums (`--check-data-csum`).
+    pub data_bytes_verified: u64,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -227,6 +250,8 @@ struct FileExtRef {
     disk_bytenr: u64,
     disk_num_bytes: u64,
     offset: u64,
+    num_bytes: u64,
+    compressed: bool,
     loc: Location,
 }
 
@@ -234,6 +259,8 @@ struct ExtentRec {
     len: u64,
     refs: u64,
     flags: u64,
+    /// Tree blocks: the level the extent item records.
+    level: Option<u64>,
     refs_list: Vec<BackRef>,
     loc: Location,
 }
@@ -242,6 +269,33 @@ struct ExtentRec {
 enum DataRefKey {
     Data { root: u64, ino: u64, offset: u64 },
     Shared { parent: u64 },
+}
+
+/// Reach-set tag of a relocation tree: this bit pattern in the top two bits, the relocated
+/// subvolume's id below (no real tree id has the top bits 01).
+const RELOC_TAG: u64 = 1 << 62;
+const RELOC_TAG_MASK: u64 = 3 << 62;
+
+fn is_reloc_tag(t: u64) -> bool {
+    t & RELOC_TAG_MASK == RELOC_TAG
+}
+
+/// The tree id behind a reach-set tag.
+fn tag_tree(t: u64) -> u64 {
+    if is_reloc_tag(t) {
+        TREE_RELOC_OBJECTID
+    } else {
+        t
+    }
+}
+
+/// "tree N", or "relocation tree of N".
+fn tag_name(t: u64) -> String {
+    if is_reloc_tag(t) {
+        format!("relocation tree of {}", t & !RELOC_TAG_MASK)
+    } else {
+        format!("tree {t}")
+    }
 }
 
 /// Largest data extent btrfs creates (128 MiB).
@@ -294,10 +348,36 @@ struct Checker<'a> {
     root_backrefs: Vec<RootRefRec>,
     /// Directory entries naming subvolumes (phase 5).
     subvol_entries: Vec<SubvolEntry>,
+    /// Trees being deleted (drop_progress set): walked in part, their fs items not checked.
+    dropping: HashSet<u64>,
+    /// Data ranges of NODATASUM inodes that must not have csums (phase 5 -> 6).
+    nodatasum: Vec<NodatasumRange>,
 }
 
-/// Runs every check. `progress` receives one line per phase.
+/// A regular, uncompressed extent of a NODATASUM inode.
+struct NodatasumRange {
+    logical: u64,
+    len: u64,
+    tree: u64,
+    ino: u64,
+    file_off: u64,
+    loc: Location,
+}
+
+/// What to check beyond the default (metadata) checks.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Options {
+    /// Read every data sector that has a checksum and compare (`--check-data-csum`).
+    pub check_data_csum: bool,
+}
+
+/// Runs every metadata check. `progress` receives one line per phase.
 pub fn check(fs: &Fs, progress: &mut dyn FnMut(&str)) -> Result<Report> {
+    check_with(fs, Options::default(), progress)
+}
+
+/// Runs the checks `opts` asks for. `progress` receives one line per phase.
+pub fn check_with(fs: &Fs, opts: Options, progress: &mut dyn FnMut(&str)) -> Result<Report> {
     let mut c = Checker {
         fs,
         report: Report::default(),
@@ -310,6 +390,8 @@ pub fn check(fs: &Fs, progress: &mut dyn FnMut(&str)) -> Result<Report> {
         root_refs: Vec::new(),
         root_backrefs: Vec::new(),
         subvol_entries: Vec::new(),
+        dropping: HashSet::new(),
+        nodatasum: Vec::new(),
     };
     let n0 = c.report.findings.len();
     c.phase_trees()?;
@@ -356,6 +438,15 @@ pub fn check(fs: &Fs, progress: &mut dyn FnMut(&str)) -> Result<Report> {
         c.report.counts.csum_sectors,
         c.report.findings.len() - n0
     ));
+    if opts.check_data_csum {
+        let n0 = c.report.findings.len();
+        c.phase_data_read();
+        progress(&format!(
+            "[7/7] data read and compared with csums: {} bytes, {} findings",
+            c.report.counts.data_bytes_verified,
+            c.report.findings.len() - n0
+        ));
+    }
     Ok(c.report)
 }
 
@@ -416,13 +507,13 @@ impl Checker<'_> {
                 FindingKind::RootItemBad,
                 Location::what("superblock log_root"),
                 format!(
-                    "the image has an unreplayed fsync log at {}; it is not checked",
+                    "the image has an unreplayed fsync log at {}; only its file extents' csums are checked",
                     sb.log_root
                 ),
             );
         }
-        self.walk(chunk);
-        self.walk(tree_root);
+        self.walk(chunk, CHUNK_TREE_OBJECTID, None);
+        self.walk(tree_root, ROOT_TREE_OBJECTID, None);
         // Every ROOT_ITEM in the root tree.
         let mut roots = Vec::new();
         match TreeIter::new(self.fs.disk.clone(), tree_root, Key::MIN, Readahead::None) {
@@ -461,7 +552,7 @@ impl Checker<'_> {
                                     item.key.objectid,
                                     (ri.clone(), item_loc(&item, ROOT_TREE_OBJECTID)),
                                 );
-                                roots.push((item.key.objectid, ri))
+                                roots.push((item.key.objectid, item.key.offset, ri))
                             }
                             Err(e) => self.report.err(
                                 FindingKind::RootItemBad,
@@ -479,21 +570,24 @@ impl Checker<'_> {
             },
             Err(e) => self.unreadable(e, Some(ROOT_TREE_OBJECTID)),
         }
-        for (id, ri) in roots {
+        for (id, offset, ri) in roots {
             if id == TREE_LOG_OBJECTID || ri.bytenr == 0 {
                 continue;
             }
-            if ri.drop_progress.objectid != 0 || ri.drop_level != 0 {
-                self.report.add(
-                    Severity::Warning,
-                    FindingKind::RootItemBad,
-                    Location::what(format!("root item of tree {id}")),
+            let gen_limit = self.fs.disk.sb.generation.saturating_add(1);
+            if ri.generation > gen_limit {
+                self.report.err(
+                    FindingKind::GenerationInvalid,
+                    self.root_items
+                        .get(&id)
+                        .map(|r| r.1.clone())
+                        .unwrap_or_else(|| Location::what(format!("root item of tree {id}"))),
                     format!(
-                        "tree {id} is being deleted (drop progress {}); its blocks are not checked",
-                        ri.drop_progress
+                        "root {id}: generation {}, but the superblock generation is {}",
+                        ri.generation,
+                        gen_limit - 1
                     ),
                 );
-                continue;
             }
             let root = Root {
                 id,
@@ -501,7 +595,30 @@ impl Checker<'_> {
                 level: ri.level,
                 generation: ri.generation,
             };
-            self.walk(root);
+            // Each relocation tree (one per subvolume being relocated, all with objectid
+            // TREE_RELOC) is a tree of its own for the one-path rule.
+            let tag = if id == TREE_RELOC_OBJECTID {
+                RELOC_TAG | (offset & !RELOC_TAG_MASK)
+            } else {
+                id
+            };
+            if ri.drop_progress.objectid != 0 || ri.drop_level != 0 {
+                // A tree being deleted: the subtrees left of drop_progress (at drop_level and
+                // above) are already freed; the rest is still accounted in the extent tree.
+                self.report.add(
+                    Severity::Warning,
+                    FindingKind::RootItemBad,
+                    Location::what(format!("root item of tree {id}")),
+                    format!(
+                        "tree {id} is being deleted (drop progress {} level {}); only its remaining blocks are checked",
+                        ri.drop_progress, ri.drop_level
+                    ),
+                );
+                self.dropping.insert(id);
+                self.walk(root, tag, Some(ri.drop_progress));
+                continue;
+            }
+            self.walk(root, tag, None);
         }
         // Propagate reaching trees down, highest level first.
         let mut order: Vec<(u8, u64)> = self.blocks.iter().map(|(b, r)| (r.level, *b)).collect();
@@ -550,7 +667,7 @@ impl Checker<'_> {
             let dups: Vec<String> = per_tree
                 .iter()
                 .filter(|(_, v)| v.len() > 1)
-                .map(|(t, v)| format!("tree {t} via {v:?}"))
+                .map(|(t, v)| format!("{} via {v:?}", tag_name(*t)))
                 .collect();
             if !dups.is_empty() {
                 let loc = Location::block(Some(rec.owner), b);
@@ -587,15 +704,18 @@ impl Checker<'_> {
         );
     }
 
-    /// Depth-first walk of one tree; blocks already visited get the new edge only.
-    fn walk(&mut self, root: Root) {
+    /// Depth-first walk of one tree; blocks already visited get the new edge only. `tag` names
+    /// the tree in edges and reach sets (the tree id, or a [`RELOC_TAG`] for a relocation
+    /// tree); with `drop`, subtrees entirely left of that key are skipped (already freed).
+    fn walk(&mut self, root: Root, tag: u64, drop: Option<Key>) {
         self.report.counts.trees += 1;
         self.trees.push(root);
         let disk = self.fs.disk.clone();
-        // (bytenr, edge, expect)
+        // (bytenr, edge, expect, end of the key range below the pointer)
         let mut stack = vec![(
             root.bytenr,
-            Edge::Root(root.id),
+            Edge::Root(tag),
+            None::<Key>,
             Expect {
                 owner: None,
                 level: Some(root.level),
@@ -603,7 +723,7 @@ impl Checker<'_> {
                 first_key: None,
             },
         )];
-        while let Some((bytenr, edge, expect)) = stack.pop() {
+        while let Some((bytenr, edge, end, expect)) = stack.pop() {
             if let Some(r) = self.blocks.get_mut(&bytenr) {
                 if r.edges.contains(&edge) {
                     continue;
@@ -630,7 +750,11 @@ impl Checker<'_> {
             );
             if b.is_leaf() {
                 // The root tree holds the v1 free space cache inodes and their extents.
-                if is_fs_tree(root.id) || is_fs_tree(b.owner()) || root.id == ROOT_TREE_OBJECTID {
+                if is_fs_tree(root.id)
+                    || is_fs_tree(b.owner())
+                    || root.id == ROOT_TREE_OBJECTID
+                    || root.id == TREE_RELOC_OBJECTID
+                {
                     self.collect_file_extents(&b);
                 }
                 continue;
@@ -646,12 +770,23 @@ impl Checker<'_> {
                     );
                     continue;
                 }
+                let child_end = if slot + 1 < b.nritems() {
+                    Some(b.ptr(slot + 1).key)
+                } else {
+                    end
+                };
+                if let (Some(dp), Some(ce)) = (drop, child_end) {
+                    if ce <= dp {
+                        continue; // freed by the interrupted deletion
+                    }
+                }
                 stack.push((
                     p.blockptr,
                     Edge::Node {
                         parent: bytenr,
                         slot,
                     },
+                    child_end,
                     Expect {
                         // Owners are not checked here: shared blocks keep their first owner;
                         // the back references say which trees may hold a block (phase 2).
@@ -678,7 +813,7 @@ impl Checker<'_> {
                 disk_bytenr,
                 disk_num_bytes,
                 offset,
-                ..
+                num_bytes,
             } = fe.body
             {
                 if disk_bytenr == 0 {
@@ -692,6 +827,8 @@ impl Checker<'_> {
                     disk_bytenr,
                     disk_num_bytes,
                     offset,
+                    num_bytes,
+                    compressed: fe.compression != COMPRESS_NONE,
                     loc: b.loc(Some(slot)),
                 });
             }
@@ -761,12 +898,29 @@ impl Checker<'_> {
                         } else {
                             k.offset
                         };
+                        let gen_limit = self.fs.disk.sb.generation.saturating_add(1);
+                        if ei.generation == 0 || ei.generation > gen_limit {
+                            self.report.err(
+                                FindingKind::GenerationInvalid,
+                                loc.clone(),
+                                format!(
+                                    "extent {}: generation {}, valid is 1..={gen_limit} (superblock generation + 1)",
+                                    k.objectid, ei.generation
+                                ),
+                            );
+                        }
+                        let level = if k.ty == METADATA_ITEM_KEY {
+                            Some(k.offset)
+                        } else {
+                            ei.tree_block_info.map(|(_, l)| l as u64)
+                        };
                         self.extents.insert(
                             k.objectid,
                             ExtentRec {
                                 len,
                                 refs: ei.refs,
                                 flags: ei.flags,
+                                level,
                                 refs_list: ei.inline_refs,
                                 loc,
                             },
@@ -845,6 +999,16 @@ impl Checker<'_> {
                 );
                 continue;
             }
+            if let Some(l) = ext.level.filter(|l| *l != rec.level as u64) {
+                self.report.err(
+                    FindingKind::MetadataLevelMismatch,
+                    ext.loc.clone(),
+                    format!(
+                        "tree block {b}: its extent item says level {l}, the block is level {}",
+                        rec.level
+                    ),
+                );
+            }
             let mut tree_refs = HashSet::new();
             let mut shared_refs = HashSet::new();
             let mut n = 0u64;
@@ -853,7 +1017,7 @@ impl Checker<'_> {
                     BackRef::TreeBlock { root } => {
                         n += 1;
                         tree_refs.insert(*root);
-                        if !rec.reach.contains(root) {
+                        if !rec.reach.iter().any(|t| tag_tree(*t) == *root) {
                             self.report.err(
                                 FindingKind::MetadataBackrefExtra,
                                 ext.loc.clone(),
@@ -864,10 +1028,11 @@ impl Checker<'_> {
                     BackRef::SharedBlock { parent } => {
                         n += 1;
                         shared_refs.insert(*parent);
-                        let ok = rec
-                            .edges
-                            .iter()
-                            .any(|e| matches!(e, Edge::Node { parent: p, .. } if p == parent));
+                        // The root block of a relocation tree is its own parent.
+                        let ok = rec.edges.iter().any(|e| match e {
+                            Edge::Node { parent: p, .. } => p == parent,
+                            Edge::Root(t) => is_reloc_tag(*t) && *parent == b,
+                        });
                         if !ok {
                             self.report.err(
                                 FindingKind::MetadataBackrefExtra,
@@ -888,18 +1053,20 @@ impl Checker<'_> {
             }
             for e in &rec.edges {
                 let explained = match e {
-                    Edge::Root(t) => tree_refs.contains(t),
+                    Edge::Root(t) => {
+                        tree_refs.contains(&tag_tree(*t))
+                            || (is_reloc_tag(*t) && shared_refs.contains(&b))
+                    }
                     Edge::Node { parent, .. } => {
                         shared_refs.contains(parent)
-                            || self
-                                .blocks
-                                .get(parent)
-                                .is_some_and(|p| p.reach.iter().any(|t| tree_refs.contains(t)))
+                            || self.blocks.get(parent).is_some_and(|p| {
+                                p.reach.iter().any(|t| tree_refs.contains(&tag_tree(*t)))
+                            })
                     }
                 };
                 if !explained {
                     let (what, loc) = match e {
-                        Edge::Root(t) => (format!("root of tree {t}"), bloc.clone()),
+                        Edge::Root(t) => (format!("root of {}", tag_name(*t)), bloc.clone()),
                         Edge::Node { parent, slot } => (
                             format!("pointer in block {parent} slot {slot}"),
                             Location::block(self.blocks.get(parent).map(|p| p.owner), *parent)
@@ -1095,6 +1262,25 @@ impl Checker<'_> {
         let mut covered = 0u64;
         for (start, len, bg, loc) in &groups {
             let end = start.saturating_add(*len);
+            for (b, e) in self.extents.range(*start..end) {
+                let tree = e.flags & EXTENT_FLAG_TREE_BLOCK != 0;
+                let fits = if tree {
+                    bg.flags & (BLOCK_GROUP_METADATA | BLOCK_GROUP_SYSTEM) != 0
+                } else {
+                    bg.flags & BLOCK_GROUP_DATA != 0
+                };
+                if !fits {
+                    self.report.err(
+                        FindingKind::ExtentTypeMismatch,
+                        e.loc.clone(),
+                        format!(
+                            "{} extent {b} lies in block group {start} of type {:#x}",
+                            if tree { "tree block" } else { "data" },
+                            bg.flags
+                        ),
+                    );
+                }
+            }
             let sum = self
                 .extents
                 .range(*start..end)
@@ -1257,6 +1443,47 @@ impl Checker<'_> {
                 Err(e) => self.report.err(FindingKind::DevItemBad, loc, e.to_string()),
             }
         }
+        // The device against the image's real size.
+        let image_len = self.fs.disk.dev.len();
+        let this_dev = self.fs.disk.devid;
+        let sb = &self.fs.disk.sb;
+        let sum: u64 = devs
+            .values()
+            .fold(0u64, |a, (d, _)| a.saturating_add(d.total_bytes));
+        if !devs.is_empty() && sb.total_bytes < sum {
+            self.report.err(
+                FindingKind::DeviceSizeMismatch,
+                Location::what("superblock total_bytes"),
+                format!(
+                    "superblock total_bytes {} is smaller than its devices' total_bytes {sum}",
+                    sb.total_bytes
+                ),
+            );
+        }
+        let mut dev_size_reported = false;
+        for (what, size, loc) in [
+            (
+                "superblock dev_item",
+                sb.dev_item.total_bytes,
+                Location::what("superblock dev_item"),
+            ),
+            (
+                "dev item",
+                devs.get(&this_dev).map_or(0, |d| d.0.total_bytes),
+                devs.get(&this_dev).map(|d| d.1.clone()).unwrap_or_default(),
+            ),
+        ] {
+            if size > image_len && !dev_size_reported {
+                dev_size_reported = true;
+                self.report.err(
+                    FindingKind::DeviceSizeMismatch,
+                    loc,
+                    format!(
+                        "the {what} says device {this_dev} is {size} bytes, but the image is only {image_len} bytes (truncated?)"
+                    ),
+                );
+            }
+        }
         for (logical, c, cloc) in &chunks {
             let n = c.num_stripes as u64;
             let data_stripes = match c.ty & BLOCK_GROUP_PROFILE_MASK {
@@ -1268,6 +1495,17 @@ impl Checker<'_> {
             };
             let stripe_len = c.length / data_stripes.max(1);
             for (i, st) in c.stripes.iter().enumerate() {
+                let st_end = st.offset.saturating_add(stripe_len);
+                if st.devid == this_dev && st_end > image_len {
+                    self.report.err(
+                        FindingKind::DeviceSizeMismatch,
+                        cloc.clone(),
+                        format!(
+                            "chunk {logical} stripe {i} lies at device bytes {}..{st_end}, past the end of the image ({image_len} bytes)",
+                            st.offset
+                        ),
+                    );
+                }
                 match dexts.get_mut(&(st.devid, st.offset)) {
                     None => self.report.err(
                         FindingKind::DevExtentMissing,
@@ -1296,8 +1534,21 @@ impl Checker<'_> {
         let mut used: BTreeMap<u64, u64> = BTreeMap::new();
         let mut prev: Option<(u64, u64)> = None; // (devid, end)
         for ((devid, phys), (d, dloc, matched)) in &dexts {
-            if !matched {
+            if !matched && *devid == this_dev && phys.saturating_add(d.length) > image_len {
                 self.report.err(
+                    FindingKind::DeviceSizeMismatch,
+                    dloc.clone(),
+                    format!(
+                        "dev extent at devid {devid} offset {phys} length {} lies past the end of the image ({image_len} bytes)",
+                        d.length
+                    ),
+                );
+            }
+            if !matched {
+                // Space reserved on the device for nothing: wasted, not damage (the kernel and
+                // `btrfs check` accept it); overlaps and bytes_used are still checked.
+                self.report.add(
+                    Severity::Warning,
                     FindingKind::DevExtentMismatch,
                     dloc.clone(),
                     format!(
@@ -1424,7 +1675,10 @@ impl Checker<'_> {
                 {
                     j += 1;
                 }
-                if !overlaps {
+                // mkfs's leftovers lie below the last block group; an info past every group
+                // is damage.
+                let below_last = groups.iter().any(|g| end <= g.start.saturating_add(g.len));
+                if !overlaps && below_last {
                     self.report.add(
                         Severity::Warning,
                         FindingKind::FreeSpaceOutsideBlockGroup,
@@ -1558,13 +1812,14 @@ impl Checker<'_> {
         let trees: Vec<Root> = self
             .trees
             .iter()
-            .filter(|r| is_fs_tree(r.id))
+            .filter(|r| is_fs_tree(r.id) && !self.dropping.contains(&r.id))
             .copied()
             .collect();
         for root in trees {
             self.check_fs_tree(root, &mut csum);
         }
         self.check_root_refs();
+        self.check_qgroups();
         Ok(csum.into_iter().map(|((b, l), loc)| (b, l, loc)).collect())
     }
 
@@ -1643,22 +1898,36 @@ impl Checker<'_> {
                     }
                     _ => false,
                 };
-            if !copied_by_snapshot
-                && !refs.contains(&(e.tree, e.child, e.dir, e.index, e.name.clone()))
+            if copied_by_snapshot
+                || refs.contains(&(e.tree, e.child, e.dir, e.index, e.name.clone()))
             {
-                self.report.err(
-                    FindingKind::SubvolEntryMismatch,
-                    e.loc.clone(),
-                    format!(
-                        "tree {} directory {} DIR_INDEX {} {:?} names subvolume {}, which has no matching ROOT_REF",
-                        e.tree,
-                        e.dir,
-                        e.index,
-                        String::from_utf8_lossy(&e.name),
-                        e.child
-                    ),
-                );
+                continue;
             }
+            // With a ROOT_BACKREF from this tree the ROOT_REF is missing for sure; without one
+            // the entry may be a stale copy in a snapshot made by a kernel that recorded no
+            // parent uuid (`btrfs check` does not look at such entries): a warning.
+            let backref = self
+                .root_backrefs
+                .iter()
+                .any(|b| b.parent == e.tree && b.child == e.child);
+            self.report.add(
+                if backref {
+                    Severity::Error
+                } else {
+                    Severity::Warning
+                },
+                FindingKind::SubvolEntryMismatch,
+                e.loc.clone(),
+                format!(
+                    "tree {} directory {} DIR_INDEX {} {:?} names subvolume {}, which has no matching ROOT_REF{}",
+                    e.tree,
+                    e.dir,
+                    e.index,
+                    String::from_utf8_lossy(&e.name),
+                    e.child,
+                    if backref { "" } else { " (a stale entry copied by a snapshot?)" }
+                ),
+            );
         }
         let with_backref: HashSet<u64> = self.root_backrefs.iter().map(|b| b.child).collect();
         for (id, (ri, rloc)) in &self.root_items {
@@ -1690,7 +1959,8 @@ impl Checker<'_> {
             dir_index: Vec<(u64, Vec<u8>, Key, Location)>,
             nbytes: u64,
             first_loc: Option<Location>,
-            extents: Vec<(u64, u64, bool)>,
+            /// (logical, length, regular, compressed, file offset, location)
+            extents: Vec<(u64, u64, bool, bool, u64, Location)>,
             /// First file offset with an extent item and where the last item ends.
             file_start: Option<u64>,
             file_end: Option<u64>,
@@ -1702,6 +1972,9 @@ impl Checker<'_> {
         let ss = self.fs.disk.sectorsize() as u64;
         let no_holes = self.fs.disk.sb.has_incompat(INCOMPAT_NO_HOLES);
         let mut inodes: BTreeMap<u64, Ino> = BTreeMap::new();
+        // Inodes with an ORPHAN_ITEM: unlinked, their deletion pending.
+        let mut orphans: HashSet<u64> = HashSet::new();
+        let gen_limit = self.fs.disk.sb.generation.saturating_add(1);
         let mut it = match TreeIter::new(self.fs.disk.clone(), root, Key::MIN, Readahead::None) {
             Ok(it) => it,
             Err(e) => {
@@ -1719,8 +1992,20 @@ impl Checker<'_> {
                 }
             };
             let k = item.key;
+            if k.objectid == ORPHAN_OBJECTID && k.ty == ORPHAN_ITEM_KEY {
+                orphans.insert(k.offset);
+                continue;
+            }
+            if k.objectid == FREE_INO_OBJECTID && k.ty == INODE_ITEM_KEY {
+                self.report.err(
+                    FindingKind::FsItemBad,
+                    item_loc(&item, tid),
+                    format!("tree {tid}: the deprecated free inode cache (inode_cache mount option, removed in Linux 5.11) is still there"),
+                );
+                continue;
+            }
             if k.objectid < FIRST_FREE_OBJECTID || k.objectid > LAST_FREE_OBJECTID {
-                continue; // orphan items, free-ino cache, ...
+                continue; // free space cache inodes of the root tree, ...
             }
             let loc = item_loc(&item, tid);
             let ino = inodes.entry(k.objectid).or_default();
@@ -1806,8 +2091,14 @@ impl Checker<'_> {
                                     } else {
                                         (disk_bytenr.saturating_add(offset), num_bytes)
                                     };
-                                    ino.extents
-                                        .push((range.0, range.1, fe.ty == FILE_EXTENT_REG));
+                                    ino.extents.push((
+                                        range.0,
+                                        range.1,
+                                        fe.ty == FILE_EXTENT_REG,
+                                        fe.compression != COMPRESS_NONE,
+                                        k.offset,
+                                        loc.clone(),
+                                    ));
                                 }
                             }
                         }
@@ -1821,6 +2112,21 @@ impl Checker<'_> {
             }
         }
         self.report.counts.inodes += inodes.len() as u64;
+        let root_dir_ok = inodes
+            .get(&FIRST_FREE_OBJECTID)
+            .and_then(|i| i.item.as_ref())
+            .is_some_and(|(ii, _)| ii.mode & 0o170000 == 0o040000);
+        if !root_dir_ok {
+            self.report.err(
+                FindingKind::DanglingInode,
+                Location {
+                    tree: Some(tid),
+                    bytenr: Some(root.bytenr),
+                    ..Default::default()
+                },
+                format!("tree {tid}: no root directory (inode {FIRST_FREE_OBJECTID} is missing or not a directory)"),
+            );
+        }
         // Directory entries by (dir, index) and (dir, name).
         for (&n, ino) in &inodes {
             let Some((ii, iloc)) = &ino.item else {
@@ -1834,6 +2140,50 @@ impl Checker<'_> {
             let is_dir = ii.mode & 0o170000 == 0o040000;
             let is_reg = ii.mode & 0o170000 == 0o100000;
             let is_lnk = ii.mode & 0o170000 == 0o120000;
+            if ii.generation > gen_limit || ii.transid > gen_limit {
+                self.report.err(
+                    FindingKind::GenerationInvalid,
+                    iloc.clone(),
+                    format!(
+                        "inode {n}: generation {} transid {}, but the superblock generation is {} (at most one more is valid)",
+                        ii.generation,
+                        ii.transid,
+                        gen_limit - 1
+                    ),
+                );
+            }
+            if is_lnk && ii.flags & (INODE_IMMUTABLE | INODE_APPEND) != 0 {
+                self.report.err(
+                    FindingKind::InodeFlagsBad,
+                    iloc.clone(),
+                    format!(
+                        "inode {n}: a symlink with flags {:#x} (IMMUTABLE/APPEND cannot be set on symlinks)",
+                        ii.flags
+                    ),
+                );
+            }
+            if is_dir && ii.nlink >= 2 {
+                self.report.err(
+                    FindingKind::NlinkMismatch,
+                    iloc.clone(),
+                    format!(
+                        "directory {n}: nlink {} (a directory has one link)",
+                        ii.nlink
+                    ),
+                );
+            }
+            if ii.nlink == 0 {
+                if !orphans.contains(&n) {
+                    self.report.err(
+                        FindingKind::NlinkMismatch,
+                        iloc.clone(),
+                        format!("inode {n}: nlink 0 but no ORPHAN_ITEM"),
+                    );
+                }
+                // Unlinked, its deletion pending (perhaps half done): names, sizes and
+                // entries are not checked; its extents still are, through the extent tree.
+                continue;
+            }
             for (loc, msg) in &ino.overlaps {
                 self.report
                     .err(FindingKind::FileExtentOverlap, loc.clone(), msg.clone());
@@ -1894,10 +2244,29 @@ impl Checker<'_> {
                     ),
                 );
             }
-            if is_reg && ii.flags & INODE_NODATASUM == 0 {
-                for &(b, l, reg) in &ino.extents {
-                    if reg {
-                        csum.entry((b, l)).or_insert_with(|| iloc.clone());
+            if is_reg {
+                let nodatasum = ii.flags & INODE_NODATASUM != 0;
+                for (b, l, reg, compressed, foff, floc) in &ino.extents {
+                    // Compressed data always has csums, whatever the inode's flags say.
+                    if *reg && (!nodatasum || *compressed) {
+                        csum.entry((*b, *l)).or_insert_with(|| iloc.clone());
+                    }
+                    if *reg && nodatasum && !*compressed {
+                        self.nodatasum.push(NodatasumRange {
+                            logical: *b,
+                            len: *l,
+                            tree: tid,
+                            ino: n,
+                            file_off: *foff,
+                            loc: floc.clone(),
+                        });
+                    }
+                    if *compressed && nodatasum {
+                        self.report.err(
+                            FindingKind::FsItemBad,
+                            floc.clone(),
+                            format!("inode {n}: compressed extent at {b} in a NODATASUM inode (compression needs csums)"),
+                        );
                     }
                 }
             }
@@ -2019,6 +2388,35 @@ impl Checker<'_> {
 
     fn phase_csums(&mut self, extents: &[(u64, u64, Location)]) -> Result<()> {
         let ss = self.fs.disk.sectorsize() as u64;
+        self.check_csum_items();
+        self.check_log_csums();
+        let nodatasum = std::mem::take(&mut self.nodatasum);
+        for r in &nodatasum {
+            if r.len > MAX_DATA_EXTENT {
+                continue;
+            }
+            match self.fs.data_csums(r.logical, r.len) {
+                Ok(v) => {
+                    if let Some(i) = v.iter().position(|c| c.is_some()) {
+                        let n = v.iter().filter(|c| c.is_some()).count();
+                        self.report.err(
+                            FindingKind::CsumOnNodatasum,
+                            r.loc.clone(),
+                            format!(
+                                "odd csum item: tree {} inode {} is NODATASUM, but {n} sectors of its data at file offset {} (logical {}..{}) have csums, first at logical {}",
+                                r.tree,
+                                r.ino,
+                                r.file_off,
+                                r.logical,
+                                r.logical.saturating_add(r.len),
+                                r.logical.saturating_add(i as u64 * ss)
+                            ),
+                        );
+                    }
+                }
+                Err(e) => self.unreadable(e, Some(CSUM_TREE_OBJECTID)),
+            }
+        }
         for (b, l, loc) in extents {
             // Phase 3 matched the length with the extent item; still, a data extent is at most
             // 128 MiB, and a damaged length must not make us allocate for billions of sectors.
@@ -2057,5 +2455,430 @@ impl Checker<'_> {
             }
         }
         Ok(())
+    }
+
+    /// Csum tree items: whole csums, and no two items covering the same sector.
+    fn check_csum_items(&mut self) {
+        let Some(root) = self.tree(CSUM_TREE_OBJECTID) else {
+            return;
+        };
+        let ss = self.fs.disk.sectorsize() as u64;
+        let csize = self.fs.disk.sb.csum_type.size() as u64;
+        let mut prev: Option<(u64, Location)> = None; // (end, where)
+        for item in self.collect_items(root, |k| k.ty == EXTENT_CSUM_KEY) {
+            let loc = item_loc(&item, CSUM_TREE_OBJECTID);
+            let k = item.key;
+            let size = item.data().len() as u64;
+            if k.objectid != EXTENT_CSUM_OBJECTID || size == 0 || !size.is_multiple_of(csize) {
+                self.report.err(
+                    FindingKind::FsItemBad,
+                    loc,
+                    format!("csum item {k}: size {size} is not a positive multiple of the csum size {csize}"),
+                );
+                continue;
+            }
+            let start = k.offset;
+            let end = start.saturating_add(size / csize * ss);
+            if let Some((pend, ploc)) = &prev {
+                if start < *pend {
+                    self.report.err(
+                        FindingKind::CsumOverlap,
+                        loc.clone(),
+                        format!(
+                            "csum item for {start}..{end} overlaps the previous one, which ends at {pend} ({ploc})"
+                        ),
+                    );
+                }
+            }
+            if prev.as_ref().is_none_or(|p| end > p.0) {
+                prev = Some((end, loc));
+            }
+        }
+    }
+
+    // ---------------------------------------------------------------------------------------
+    // Phase 7 (--check-data-csum)
+
+    /// Reads every data sector that has a csum and compares.
+    fn phase_data_read(&mut self) {
+        let Some(root) = self.tree(CSUM_TREE_OBJECTID) else {
+            return;
+        };
+        let ss = self.fs.disk.sectorsize() as u64;
+        let ct = self.fs.disk.sb.csum_type;
+        let csize = ct.size() as u64;
+        // File extents by the data extent they use, for naming files.
+        let mut by_extent: BTreeMap<u64, Vec<usize>> = BTreeMap::new();
+        for (i, fe) in self.file_exts.iter().enumerate() {
+            by_extent.entry(fe.disk_bytenr).or_default().push(i);
+        }
+        let items = self.collect_items(root, |k| {
+            k.objectid == EXTENT_CSUM_OBJECTID && k.ty == EXTENT_CSUM_KEY
+        });
+        // At most this many mismatches are named one by one.
+        const MAX_REPORTED: usize = 100;
+        let mut reported = 0usize;
+        let mut suppressed = 0u64;
+        const CHUNK_SECTORS: u64 = 256;
+        for item in items {
+            let d = item.data();
+            let n = d.len() as u64 / csize;
+            let mut i = 0u64;
+            while i < n {
+                let cnt = (n - i).min(CHUNK_SECTORS);
+                let Some(logical) = item.key.offset.checked_add(i * ss) else {
+                    break;
+                };
+                let len = (cnt * ss) as usize;
+                let sums = &d[(i * csize) as usize..((i + cnt) * csize) as usize];
+                let all_ok = |buf: &[u8]| {
+                    buf.chunks(ss as usize)
+                        .zip(sums.chunks(csize as usize))
+                        .all(|(b, c)| ct.verify(b, c))
+                };
+                let res = self
+                    .fs
+                    .disk
+                    .read_data(logical, len, &all_ok)
+                    .and_then(|r| match r {
+                        Some(_) => Ok(None),
+                        // No copy matches everywhere: the first copy, to name the bad sectors.
+                        None => self.fs.disk.read_data(logical, len, &|_| true),
+                    });
+                match res {
+                    Ok(None) => {}
+                    Ok(Some(buf)) => {
+                        for (j, (b, c)) in buf
+                            .chunks(ss as usize)
+                            .zip(sums.chunks(csize as usize))
+                            .enumerate()
+                        {
+                            if ct.verify(b, c) {
+                                continue;
+                            }
+                            if reported >= MAX_REPORTED {
+                                suppressed += 1;
+                                continue;
+                            }
+                            reported += 1;
+                            let at = logical + j as u64 * ss;
+                            let who = self.name_data(at, &by_extent);
+                            self.report.err(
+                                FindingKind::DataCsumMismatch,
+                                item_loc(&item, CSUM_TREE_OBJECTID),
+                                format!(
+                                    "data checksum mismatch at logical {at} ({ss} bytes): {who}"
+                                ),
+                            );
+                        }
+                    }
+                    Err(e) => self.report.err(
+                        FindingKind::DataCsumMismatch,
+                        item_loc(&item, CSUM_TREE_OBJECTID),
+                        format!(
+                            "data at logical {logical}..{} cannot be read: {e}",
+                            logical + len as u64
+                        ),
+                    ),
+                }
+                self.report.counts.data_bytes_verified += len as u64;
+                i += cnt;
+            }
+        }
+        if suppressed > 0 {
+            self.report.err(
+                FindingKind::DataCsumMismatch,
+                Location::what("data"),
+                format!("{suppressed} more data sectors do not match their checksums"),
+            );
+        }
+    }
+
+    /// Which files use the data sector at `logical`: "file PATH (tree T inode I) offset F",
+    /// for each file extent item that covers it (or "no file uses it").
+    fn name_data(&self, logical: u64, by_extent: &BTreeMap<u64, Vec<usize>>) -> String {
+        let Some((&start, ext)) = self.extents.range(..=logical).next_back() else {
+            return "no extent item covers it".into();
+        };
+        if logical >= start.saturating_add(ext.len) {
+            return "no extent item covers it".into();
+        }
+        let mut names = Vec::new();
+        for &i in by_extent.get(&start).map(|v| v.as_slice()).unwrap_or(&[]) {
+            let fe = &self.file_exts[i];
+            let within = logical - start;
+            let off = if fe.compressed {
+                // Compressed: the sector lies somewhere in the item's compressed data.
+                Some(fe.file_off)
+            } else if within >= fe.offset && within - fe.offset < fe.num_bytes {
+                Some(fe.file_off + (within - fe.offset))
+            } else {
+                None
+            };
+            let Some(off) = off else { continue };
+            let path = self
+                .fs
+                .inode_path(crate::fs::Inode {
+                    root: fe.owner,
+                    ino: fe.ino,
+                })
+                .map(|p| format!("file /{p} "))
+                .unwrap_or_default();
+            names.push(format!(
+                "{path}(tree {} inode {}) {}offset {off}",
+                fe.owner,
+                fe.ino,
+                if fe.compressed {
+                    "compressed extent at file "
+                } else {
+                    "file "
+                }
+            ));
+            if names.len() >= 4 {
+                break;
+            }
+        }
+        if names.is_empty() {
+            format!("in data extent {start}, which no file extent uses there")
+        } else {
+            format!("data extent {start}, used by {}", names.join("; "))
+        }
+    }
+
+    /// Quota groups: each QGROUP_INFO's referenced and exclusive bytes against the extents its
+    /// subvolumes reach (tree blocks through the trees that reach them, data through the file
+    /// extent items of those trees' leaves). Skipped while a rescan is pending or the numbers
+    /// are flagged inconsistent (the kernel recomputes them), and for simple quotas.
+    fn check_qgroups(&mut self) {
+        const STATUS_RESCAN: u64 = 1 << 1;
+        const STATUS_INCONSISTENT: u64 = 1 << 2;
+        const STATUS_SIMPLE: u64 = 1 << 3;
+        let Some(root) = self.tree(QUOTA_TREE_OBJECTID) else {
+            return;
+        };
+        let items = self.collect_items(root, |k| {
+            matches!(
+                k.ty,
+                QGROUP_STATUS_KEY | QGROUP_INFO_KEY | QGROUP_RELATION_KEY
+            )
+        });
+        let mut status = None;
+        let mut infos: Vec<(u64, [u64; 4], Location)> = Vec::new();
+        // parent -> children
+        let mut children: BTreeMap<u64, Vec<u64>> = BTreeMap::new();
+        for it in &items {
+            let loc = item_loc(it, QUOTA_TREE_OBJECTID);
+            let d = it.data();
+            match it.key.ty {
+                QGROUP_STATUS_KEY if d.len() >= 32 => status = Some(le_u64(d, 16)),
+                QGROUP_INFO_KEY if d.len() >= 40 => infos.push((
+                    it.key.offset,
+                    [le_u64(d, 8), le_u64(d, 16), le_u64(d, 24), le_u64(d, 32)],
+                    loc,
+                )),
+                QGROUP_RELATION_KEY if d.is_empty() => {
+                    // Both directions are stored; (child, parent) has child < parent.
+                    if it.key.objectid < it.key.offset {
+                        children
+                            .entry(it.key.offset)
+                            .or_default()
+                            .push(it.key.objectid);
+                    }
+                }
+                _ => self.report.err(
+                    FindingKind::QgroupMismatch,
+                    loc,
+                    format!("quota item {} has a bad size {}", it.key, d.len()),
+                ),
+            }
+        }
+        let Some(flags) = status else {
+            if !infos.is_empty() {
+                self.report.err(
+                    FindingKind::QgroupMismatch,
+                    Location::what("quota tree"),
+                    "quota groups without a QGROUP_STATUS item".into(),
+                );
+            }
+            return;
+        };
+        if flags & (STATUS_RESCAN | STATUS_INCONSISTENT | STATUS_SIMPLE) != 0
+            || self.fs.disk.sb.has_incompat(INCOMPAT_SIMPLE_QUOTA)
+            || !self.dropping.is_empty()
+        {
+            return;
+        }
+        // Subvolume trees (relocation trees' tags lie in the same number range: not them).
+        let subvol = |t: u64| {
+            !is_reloc_tag(t)
+                && (t == FS_TREE_OBJECTID
+                    || (FIRST_FREE_OBJECTID..=LAST_FREE_OBJECTID).contains(&t))
+        };
+        // Subvolumes reaching each extent, and its size.
+        let mut per_extent: Vec<(u64, Vec<u64>)> = Vec::new();
+        for rec in self.blocks.values() {
+            let mut roots: Vec<u64> = rec.reach.iter().copied().filter(|t| subvol(*t)).collect();
+            roots.sort_unstable();
+            roots.dedup();
+            if !roots.is_empty() {
+                per_extent.push((self.fs.disk.nodesize() as u64, roots));
+            }
+        }
+        let mut data_roots: BTreeMap<u64, Vec<u64>> = BTreeMap::new();
+        for fe in &self.file_exts {
+            if let Some(l) = self.blocks.get(&fe.leaf) {
+                data_roots
+                    .entry(fe.disk_bytenr)
+                    .or_default()
+                    .extend(l.reach.iter().copied().filter(|t| subvol(*t)));
+            }
+        }
+        for (b, mut roots) in data_roots {
+            let Some(e) = self.extents.get(&b) else {
+                continue;
+            };
+            roots.sort_unstable();
+            roots.dedup();
+            if !roots.is_empty() {
+                per_extent.push((e.len, roots));
+            }
+        }
+        // Level-0 members of each qgroup (a level-0 group is its own member).
+        fn members(q: u64, children: &BTreeMap<u64, Vec<u64>>, out: &mut HashSet<u64>, depth: u32) {
+            if q >> 48 == 0 {
+                out.insert(q);
+                return;
+            }
+            if depth > 8 {
+                return;
+            }
+            for c in children.get(&q).map(|v| v.as_slice()).unwrap_or(&[]) {
+                members(*c, children, out, depth + 1);
+            }
+        }
+        for (q, [rfer, rfer_c, excl, excl_c], loc) in infos {
+            let mut m = HashSet::new();
+            members(q, &children, &mut m, 0);
+            let (mut want_rfer, mut want_excl) = (0u64, 0u64);
+            for (len, roots) in &per_extent {
+                if roots.iter().any(|r| m.contains(r)) {
+                    want_rfer += len;
+                    if roots.iter().all(|r| m.contains(r)) {
+                        want_excl += len;
+                    }
+                }
+            }
+            if (rfer, rfer_c, excl, excl_c) != (want_rfer, want_rfer, want_excl, want_excl) {
+                self.report.err(
+                    FindingKind::QgroupMismatch,
+                    loc,
+                    format!(
+                        "qgroup {}/{}: referenced {rfer} (compressed {rfer_c}), exclusive {excl} (compressed {excl_c}), but its subvolumes reach {want_rfer} referenced and {want_excl} exclusive bytes",
+                        q >> 48,
+                        q & ((1 << 48) - 1)
+                    ),
+                );
+            }
+        }
+    }
+
+    /// An unreplayed fsync log: every regular extent it logs for an inode with data csums has
+    /// its csums in the log or, for data committed before, in the csum tree (replay takes them
+    /// from there).
+    fn check_log_csums(&mut self) {
+        if self.fs.disk.sb.log_root == 0 {
+            return;
+        }
+        let log = match crate::tree_log::read_log(&self.fs.disk) {
+            Ok(Some(l)) => l,
+            Ok(None) => return,
+            Err(e) => {
+                self.unreadable(e, Some(TREE_LOG_OBJECTID));
+                return;
+            }
+        };
+        let ss = self.fs.disk.sectorsize() as u64;
+        let csize = self.fs.disk.sb.csum_type.size() as u64;
+        for t in &log.trees {
+            let mut ranges: Vec<(u64, u64)> = t
+                .items
+                .iter()
+                .filter(|(k, _)| k.objectid == EXTENT_CSUM_OBJECTID && k.ty == EXTENT_CSUM_KEY)
+                .map(|(k, d)| {
+                    (
+                        k.offset,
+                        k.offset.saturating_add(d.len() as u64 / csize * ss),
+                    )
+                })
+                .collect();
+            ranges.sort_unstable();
+            let covered = |a: u64, len: u64| {
+                let end = a.saturating_add(len);
+                let mut cur = a;
+                for &(s, e) in &ranges {
+                    if s > cur {
+                        break;
+                    }
+                    cur = cur.max(e);
+                    if cur >= end {
+                        return true;
+                    }
+                }
+                cur >= end
+            };
+            let mut csum_inode = None;
+            for (k, d) in &t.items {
+                if k.ty == INODE_ITEM_KEY {
+                    csum_inode = InodeItem::parse(d)
+                        .ok()
+                        .filter(|ii| ii.flags & INODE_NODATASUM == 0)
+                        .map(|_| k.objectid);
+                    continue;
+                }
+                if k.ty != EXTENT_DATA_KEY || csum_inode != Some(k.objectid) {
+                    continue;
+                }
+                let Ok(fe) = FileExtentItem::parse(d) else {
+                    continue;
+                };
+                let FileExtentBody::Extent {
+                    disk_bytenr,
+                    disk_num_bytes,
+                    offset,
+                    num_bytes,
+                } = fe.body
+                else {
+                    continue;
+                };
+                if fe.ty != FILE_EXTENT_REG || disk_bytenr == 0 {
+                    continue;
+                }
+                let (a, len) = if fe.compression != COMPRESS_NONE {
+                    (disk_bytenr, disk_num_bytes)
+                } else {
+                    (disk_bytenr.saturating_add(offset), num_bytes)
+                };
+                // Csums of data committed earlier are in the csum tree already.
+                let in_csum_tree = || {
+                    len <= MAX_DATA_EXTENT
+                        && self
+                            .fs
+                            .data_csums(a, len)
+                            .is_ok_and(|v| v.iter().all(|c| c.is_some()))
+                };
+                if !covered(a, len) && !in_csum_tree() {
+                    self.report.err(
+                        FindingKind::LogCsumMissing,
+                        Location::what(format!("fsync log of tree {}", t.subvol))
+                            .with_tree(TREE_LOG_OBJECTID)
+                            .with_key(*k),
+                        format!(
+                            "csum missing in the log: tree {} inode {} file offset {} logs data at logical {a} ({len} bytes) without its csums",
+                            t.subvol, k.objectid, k.offset
+                        ),
+                    );
+                }
+            }
+        }
     }
 }

@@ -400,9 +400,84 @@ pub struct Disk {
     overlay: RwLock<HashMap<u64, Arc<TreeBlock>>>,
 }
 
+/// Whether the device holds btrfs at all: `Some(Error::NotBtrfs)` when no superblock copy that
+/// fits on it (64 KiB, 64 MiB, 256 GiB) carries the btrfs magic, naming what the content looks
+/// like; `None` when some copy has the magic (it may still be damaged).
+pub fn probe_not_btrfs(dev: &dyn BlockDevice) -> Option<Error> {
+    let len = dev.len();
+    for m in 0..SUPER_MIRROR_MAX {
+        let off = super_offset(m) + 64;
+        if off + 8 > len {
+            break;
+        }
+        let mut magic = [0u8; 8];
+        match dev.read_at(&mut magic, off) {
+            Ok(()) if u64::from_le_bytes(magic) == MAGIC => return None,
+            Ok(()) => {}
+            // Cannot tell: let the superblock read report the I/O error.
+            Err(_) => return None,
+        }
+    }
+    Some(Error::NotBtrfs(format!(
+        "{} (no btrfs magic in any superblock copy within its {len} bytes)",
+        describe_content(dev)
+    )))
+}
+
+/// A short description of what a device that is not btrfs holds.
+fn describe_content(dev: &dyn BlockDevice) -> String {
+    let len = dev.len();
+    if len == 0 {
+        return "the file is empty".into();
+    }
+    let mut head = vec![0u8; len.min(4096) as usize];
+    if dev.read_at(&mut head, 0).is_err() {
+        return "unreadable at byte 0".into();
+    }
+    if head.len() >= 1082 && head[1080..1082] == [0x53, 0xEF] {
+        return "it looks like ext2/ext3/ext4 (magic 0xEF53 at byte 1080)".into();
+    }
+    if head.starts_with(b"XFSB") {
+        return "it looks like XFS (\"XFSB\" at byte 0)".into();
+    }
+    if len >= 4096 + 16 {
+        let mut sw = [0u8; 10];
+        if dev.read_at(&mut sw, 4096 - 10).is_ok()
+            && (&sw == b"SWAPSPACE2" || &sw[..] == b"SWAP-SPACE")
+        {
+            return "it looks like Linux swap space".into();
+        }
+    }
+    // All zeroes? Look at up to 256 MiB.
+    const LIMIT: u64 = 256 << 20;
+    let mut buf = vec![0u8; 1 << 20];
+    let mut off = 0u64;
+    let end = len.min(LIMIT);
+    while off < end {
+        let n = (end - off).min(buf.len() as u64) as usize;
+        if dev.read_at(&mut buf[..n], off).is_err() {
+            break;
+        }
+        if let Some(i) = buf[..n].iter().position(|&b| b != 0) {
+            let at = off + i as u64;
+            return format!("some other content (first non-zero byte at {at})");
+        }
+        off += n as u64;
+    }
+    if len > LIMIT {
+        format!("the first {LIMIT} bytes are all zeroes")
+    } else {
+        "all zeroes".into()
+    }
+}
+
 /// Reads every superblock copy that fits on the device and returns the valid one with the
-/// newest generation, or the primary's error if none is valid.
+/// newest generation, or the primary's error if none is valid. A device with no btrfs magic in
+/// any copy is [`Error::NotBtrfs`].
 pub fn read_superblock(dev: &dyn BlockDevice) -> Result<Superblock> {
+    if let Some(e) = probe_not_btrfs(dev) {
+        return Err(e);
+    }
     let mut best: Option<Superblock> = None;
     let mut first_err = None;
     for m in 0..SUPER_MIRROR_MAX {

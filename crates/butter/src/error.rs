@@ -146,6 +146,10 @@ pub enum Error {
     /// file's next fsync (EIO).
     #[error("appended data was lost: {0}; what was appended since the file's last fsync is not on the device (write it again)")]
     WriteLost(String),
+    /// No superblock copy that fits on the device has the btrfs magic: the image is not btrfs
+    /// (not a damaged btrfs). The text says what it looks like (empty, zeroes, ext4, xfs...).
+    #[error("not a btrfs filesystem: {0}")]
+    NotBtrfs(String),
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -195,7 +199,7 @@ impl Error {
             Error::NotFound(_) => libc_consts::ENOENT,
             Error::NotDir(_) => libc_consts::ENOTDIR,
             Error::IsDir(_) => libc_consts::EISDIR,
-            Error::Invalid(_) => libc_consts::EINVAL,
+            Error::Invalid(_) | Error::NotBtrfs(_) => libc_consts::EINVAL,
             Error::NoXattr(_) => libc_consts::ENODATA,
             Error::Range(_) => libc_consts::ERANGE,
             Error::ReadOnly | Error::ReadOnlySubvol(_) | Error::Aborted(_) => libc_consts::EROFS,

@@ -9,15 +9,21 @@ use std::path::PathBuf;
 pub struct CheckArgs {
     /// Image file or block device.
     pub image: PathBuf,
+    /// Also read every data block that has a checksum and compare (slow: reads all data).
+    #[arg(long = "check-data-csum")]
+    pub check_data_csum: bool,
 }
 
 pub fn check(a: CheckArgs) -> CliResult {
-    let fs = open_fs(&a.image)?;
+    let fs = open_fs(&a.image).map_err(|e| CliError(format!("{e}{}", size_hint(&a.image))))?;
     let mut err = std::io::stderr();
     let mut progress = |s: &str| {
         let _ = writeln!(std::io::stderr(), "{s}");
     };
-    let report = butter::check::check(&fs, &mut progress)?;
+    let opts = butter::check::Options {
+        check_data_csum: a.check_data_csum,
+    };
+    let report = butter::check::check_with(&fs, opts, &mut progress)?;
     let mut out = std::io::stdout().lock();
     for f in &report.findings {
         writeln!(out, "{f}")?;
@@ -53,5 +59,25 @@ pub fn check(a: CheckArgs) -> CliResult {
             a.image.display(),
             e + x
         )))
+    }
+}
+
+/// When an image cannot be opened: a note if it is shorter than its superblock says.
+fn size_hint(image: &std::path::Path) -> String {
+    let Ok(dev) = butter::device::FileDevice::open(image, false) else {
+        return String::new();
+    };
+    use butter::device::BlockDevice;
+    let Ok(sb) = butter::disk_io::read_superblock(&dev) else {
+        return String::new();
+    };
+    let len = dev.len();
+    let size = sb.dev_item.total_bytes.max(sb.total_bytes);
+    if len < size {
+        format!(
+            "\n  the image is {len} bytes, but its superblock says the device is {size} bytes: it was truncated"
+        )
+    } else {
+        String::new()
     }
 }

@@ -55,6 +55,9 @@ fn open_dev(image: &std::path::Path) -> Result<Arc<dyn BlockDevice>, CliError> {
 
 pub fn dump_super(a: DumpSuperArgs) -> CliResult {
     let dev = open_dev(&a.image)?;
+    if let Some(e) = butter::disk_io::probe_not_btrfs(dev.as_ref()) {
+        return Err(CliError(format!("{}: {e}", a.image.display())));
+    }
     let mirrors: Vec<usize> = if a.all {
         (0..SUPER_MIRROR_MAX).collect()
     } else {
