@@ -261,7 +261,7 @@ fn snapshot_rounds(butter_makes_them: bool) {
         fs.commit().expect("commit");
         drop(fs);
         a = Runner::new(
-            0x736e_6170_01,
+            0x73_6e61_7001,
             Flavor::BTRFS,
             vec![Box::new(ButterTarget::open_at(&img, Path::new("sub")))],
         );
@@ -277,7 +277,7 @@ fn snapshot_rounds(butter_makes_them: bool) {
         butter_check(&img);
         kernel_check(&img, "after butter's snapshot");
         b = Runner::with_model(
-            0x736e_6170_02,
+            0x73_6e61_7002,
             a.model.clone(),
             vec![Box::new(ButterTarget::open_at(&img, Path::new("snap")))],
         );
@@ -308,7 +308,7 @@ fn snapshot_rounds(butter_makes_them: bool) {
         let snap = m.path().join("snap");
         sh(&["btrfs", "subvolume", "create", sub.to_str().unwrap()]);
         a = Runner::new(
-            0x736e_6170_01,
+            0x73_6e61_7001,
             Flavor::BTRFS,
             vec![Box::new(DirTarget::new(&sub, "kernel sub"))],
         );
@@ -322,7 +322,7 @@ fn snapshot_rounds(butter_makes_them: bool) {
             snap.to_str().unwrap(),
         ]);
         b = Runner::with_model(
-            0x736e_6170_02,
+            0x73_6e61_7002,
             a.model.clone(),
             vec![Box::new(DirTarget::new(&snap, "kernel snap"))],
         );

@@ -518,7 +518,7 @@ impl Writer {
             p => p,
         };
         match plan {
-            LeafSplit::NotNeeded => return Ok(()),
+            LeafSplit::NotNeeded => Ok(()),
             LeafSplit::One { at, .. } => {
                 let rfirst = if at < blk.nritems() { blk.key(at) } else { key };
                 let right = self.new_block(tree, 0, rfirst)?;

@@ -21,6 +21,9 @@ use crate::format::*;
 use crate::fs::{Fs, Inode};
 use crate::transaction::Writer;
 
+/// Writes a chunk of file data at a logical address and returns its checksums.
+type WritebackFn<'a> = dyn Fn(u64, &[u8]) -> Result<Vec<u8>> + 'a;
+
 /// Largest data extent butter writes (the kernel's limit for one extent).
 pub const MAX_EXTENT: u64 = 128 << 20;
 
@@ -760,6 +763,7 @@ impl Fs {
     /// twice. The file grows to at least `size_to` (its size when the last extent goes in, so
     /// a truncate that ran meanwhile counts as having come first). `guard`: the write's range
     /// lock, which gets the ordered-extent range bits.
+    #[allow(clippy::too_many_arguments)]
     fn write_extents(
         &self,
         ino: Inode,
@@ -877,7 +881,7 @@ impl Fs {
         chunk: &[u8],
         drop_inline: bool,
         defer: Option<&crate::ordered::RangeGuard<'_>>,
-        writeback: &dyn Fn(u64, &[u8]) -> Result<Vec<u8>>,
+        writeback: &WritebackFn<'_>,
     ) -> Result<bool> {
         let len = range.1;
         let bytenr = self.op(true, |w| w.alloc_data_held_or_commit(len))?;
@@ -915,7 +919,7 @@ impl Fs {
     fn try_start_delalloc(&self, ino: Inode, offset: u64, data: &[u8]) -> Result<bool> {
         let ss = self.disk.sectorsize() as u64;
         let mi = max_inline(&self.disk) as u64;
-        if offset % ss != 0
+        if !offset.is_multiple_of(ss)
             || (offset <= mi && data.len() as u64 <= mi)
             || data.len() as u64 > crate::ordered::DELALLOC_APPEND_MAX
             || !self.ordered.delalloc_enabled()
@@ -1309,7 +1313,7 @@ impl Fs {
             if ke <= cut_at {
                 continue; // a regular extent ending in the kept last sector
             }
-            let c = cut(x.start, &x.item, ke, cut_at, u64::MAX.max(ke));
+            let c = cut(x.start, &x.item, ke, cut_at, u64::MAX);
             let c = match c {
                 Cut::Split(h, _, _) => Cut::KeepHead(h),
                 Cut::KeepTail(..) => Cut::Delete,
@@ -1345,7 +1349,7 @@ impl Fs {
         if size > item.size {
             self.zero_eof_tail(ino, size)?;
         }
-        if size < item.size && size % ss != 0 {
+        if size < item.size && !size.is_multiple_of(ss) {
             // Zero the tail of the last sector so a later extension reads zeros there.
             let sector_end = (size.div_ceil(ss) * ss).min(item.size);
             if sector_end > size {

@@ -221,8 +221,8 @@ impl Fs {
                 fsflags & !known
             )));
         }
-        let bad = (fsflags & FS_NOCOMP_FL != 0 && fsflags & FS_COMPR_FL != 0)
-            || (fsflags & FS_COMPR_FL != 0 && fsflags & FS_NOCOW_FL != 0)
+        let bad = (fsflags & FS_COMPR_FL != 0
+            && (fsflags & FS_NOCOMP_FL != 0 || fsflags & FS_NOCOW_FL != 0))
             || (old & FS_NOCOW_FL != 0 && fsflags & (FS_COMPR_FL | FS_NOCOMP_FL) != 0)
             || (fsflags & FS_NOCOW_FL != 0 && old & (FS_COMPR_FL | FS_NOCOMP_FL) != 0);
         if bad {

@@ -75,6 +75,9 @@ use crate::transaction::Writer;
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::atomic::Ordering;
 
+/// Items with their keys, in key order.
+type KeyedItems = Vec<(Key, Vec<u8>)>;
+
 /// One subvolume's log tree (or the log root tree) in memory, laid out in leaves that are
 /// rewritten only when their items change.
 #[derive(Debug, Default)]
@@ -867,7 +870,7 @@ impl Fs {
         ino: Inode,
         names: bool,
         planned_parent: Option<Inode>,
-    ) -> Result<Option<Vec<(Key, Vec<u8>)>>> {
+    ) -> Result<Option<KeyedItems>> {
         let root = self.subvol_root(ino.root)?;
         let mut own: Vec<(Key, Vec<u8>)> = Vec::new();
         let mut it = TreeIter::new(
@@ -1399,7 +1402,7 @@ fn overlay_pending(
         Key::new(ino, EXTENT_DATA_KEY, start),
         FileExtentItem::regular(transid, p.bytenr, p.len).to_bytes(),
     ));
-    out.sort_by(|a, b| a.0.cmp(&b.0));
+    out.sort_by_key(|a| a.0);
     *items = out;
     Ok(Some((removed, p.len)))
 }

@@ -62,6 +62,9 @@ use crate::format::items::*;
 use crate::format::superblock::{BackupRoot, DevItem, Superblock};
 use crate::format::*;
 
+/// An internal node to build: (bytenr, owner, level, [(first key, child)]).
+type NodeSpec = (u64, u64, u8, Vec<(Key, u64)>);
+
 const KIB: u64 = 1024;
 const MIB: u64 = 1024 * KIB;
 const GIB: u64 = 1024 * MIB;
@@ -934,7 +937,7 @@ pub fn mkfs(dev: &dyn BlockDevice, opts: &MkfsOptions) -> Result<MkfsReport> {
     }
 
     // Internal nodes: (bytenr, owner, level, [(first key, child)]).
-    let mut nodes: Vec<(u64, u64, u8, Vec<(Key, u64)>)> = Vec::new();
+    let mut nodes: Vec<NodeSpec> = Vec::new();
     match root_leaves {
         None => leaves.push(Leaf {
             bytenr: root_bytenr,

@@ -1008,7 +1008,6 @@ impl Writer {
             let r = self.current_root(id)?;
             roots.insert(id, r);
         }
-        self.dev_item.bytes_used = self.dev_item.bytes_used.max(0);
         let b = &mut self.sb_raw;
         let put =
             |b: &mut Vec<u8>, off: usize, v: u64| b[off..off + 8].copy_from_slice(&v.to_le_bytes());

@@ -327,11 +327,11 @@ impl Cut<'_> {
                 return false;
             }
         }
-        if !self.unflushed.is_empty() && k % 3 == 0 {
+        if !self.unflushed.is_empty() && k.is_multiple_of(3) {
             let mut torn = self.durable.clone();
             let mut has_sb = false;
             for (off, data) in self.unflushed {
-                if rng.next() % 2 == 0 {
+                if rng.next().is_multiple_of(2) {
                     apply_write(&s.base, &mut torn, *off, data);
                     has_sb |= *off == PRIMARY_SB;
                 }
@@ -368,7 +368,7 @@ fn power_cut_at_every_commit_write() {
             }
             Op::Write { offset, data } => {
                 let in_commit = k >= s.commit_first_write;
-                if in_commit || k % 8 == 0 {
+                if in_commit || k.is_multiple_of(8) {
                     if !durable_checked_at_flush {
                         // Durable: same image for every cut in this flush interval.
                         if let Err(e) =

@@ -273,7 +273,8 @@ fn options(a: &MkfsArgs) -> Result<Option<MkfsOptions>, CliError> {
                 x == f || x == f.replace('-', "_")
             })
     };
-    if !(o.free_space_tree && o.no_holes) && !named("block-group-tree") && !named("bgt") {
+    let bgt_named = named("block-group-tree") || named("bgt");
+    if !(o.free_space_tree && o.no_holes || bgt_named) {
         o.block_group_tree = false;
     }
     if let Some(l) = &a.label {

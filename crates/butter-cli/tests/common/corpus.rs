@@ -59,11 +59,7 @@ fn cache_dir(archives: &[PathBuf]) -> PathBuf {
     let dir = corpus_dir();
     for a in archives {
         let len = fs::metadata(dir.join(a)).map(|m| m.len()).unwrap_or(0);
-        for b in a
-            .to_string_lossy()
-            .bytes()
-            .chain(len.to_le_bytes().into_iter())
-        {
+        for b in a.to_string_lossy().bytes().chain(len.to_le_bytes()) {
             h ^= b as u64;
             h = h.wrapping_mul(0x100000001b3);
         }
