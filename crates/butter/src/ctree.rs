@@ -9,6 +9,7 @@
 //! descent is at most 8 blocks deep and pointer cycles cannot recurse; iteration checks that keys
 //! keep increasing across leaves, so a subtree linked twice ends the walk with an error.
 
+use crate::device::BlockDevice;
 use crate::disk_io::{Disk, Expect, Readahead, TreeBlock};
 use crate::error::{Error, Location, Result};
 use crate::format::*;
@@ -438,4 +439,42 @@ impl TreeIter {
         self.last = Some(item.key);
         Ok(Some(item))
     }
+}
+
+/// Opens the metadata layer of a device: the superblock, then the chunk tree (through the
+/// system chunks the superblock carries), so that every logical address maps.
+pub fn open_disk(dev: Arc<dyn BlockDevice>) -> Result<Arc<Disk>> {
+    let disk = Disk::open_sys_chunks(dev)?;
+    load_chunk_tree(&disk)?;
+    Ok(disk)
+}
+
+/// Reads every CHUNK_ITEM of the chunk tree into the disk's chunk map.
+fn load_chunk_tree(disk: &Arc<Disk>) -> Result<()> {
+    let root = Root {
+        id: CHUNK_TREE_OBJECTID,
+        bytenr: disk.sb.chunk_root,
+        level: disk.sb.chunk_root_level,
+        generation: disk.sb.chunk_root_generation,
+    };
+    let mut found = Vec::new();
+    let mut it = TreeIter::new(
+        disk.clone(),
+        root,
+        Key::new(FIRST_CHUNK_TREE_OBJECTID, CHUNK_ITEM_KEY, 0),
+        Readahead::Forward,
+    )?;
+    while let Some(item) = it.next_item()? {
+        if item.key.ty != CHUNK_ITEM_KEY {
+            continue;
+        }
+        let (chunk, _) =
+            crate::format::items::ChunkItem::parse(item.data()).map_err(|e| item.annotate(e))?;
+        found.push((item.key, chunk, item.loc()));
+    }
+    for (key, chunk, loc) in found {
+        disk.insert_chunk(key.offset, chunk)
+            .map_err(|r| Error::corrupt(loc, r))?;
+    }
+    Ok(())
 }

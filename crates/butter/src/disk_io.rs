@@ -519,9 +519,10 @@ pub fn read_superblock(dev: &dyn BlockDevice) -> Result<Superblock> {
 }
 
 impl Disk {
-    /// Opens the metadata layer: superblock, sys_chunk_array. The chunk tree is loaded by
-    /// [`Disk::load_chunk_tree`].
-    pub fn open(dev: Arc<dyn BlockDevice>) -> Result<Arc<Disk>> {
+    /// Opens the metadata layer as far as the superblock takes it: the superblock and its
+    /// sys_chunk_array, enough to read the chunk tree. [`crate::ctree::open_disk`] opens it
+    /// whole, with the chunk tree loaded.
+    pub fn open_sys_chunks(dev: Arc<dyn BlockDevice>) -> Result<Arc<Disk>> {
         let sb = read_superblock(dev.as_ref())?;
         if let Some(why) = crate::format::features::refuse_read(&sb) {
             return Err(Error::Unsupported(why));
@@ -549,7 +550,6 @@ impl Disk {
             ra_tx: Mutex::new(None),
             overlay: RwLock::new(HashMap::default()),
         });
-        disk.load_chunk_tree()?;
         Ok(disk)
     }
 
@@ -564,34 +564,14 @@ impl Disk {
         self.chunks.read().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn load_chunk_tree(self: &Arc<Self>) -> Result<()> {
-        let root = crate::ctree::Root {
-            id: CHUNK_TREE_OBJECTID,
-            bytenr: self.sb.chunk_root,
-            level: self.sb.chunk_root_level,
-            generation: self.sb.chunk_root_generation,
-        };
-        let mut found = Vec::new();
-        let mut it = crate::ctree::TreeIter::new(
-            self.clone(),
-            root,
-            Key::new(FIRST_CHUNK_TREE_OBJECTID, CHUNK_ITEM_KEY, 0),
-            Readahead::Forward,
-        )?;
-        while let Some(item) = it.next_item()? {
-            if item.key.ty != CHUNK_ITEM_KEY {
-                continue;
-            }
-            let (chunk, _) = crate::format::items::ChunkItem::parse(item.data())
-                .map_err(|e| item.annotate(e))?;
-            found.push((item.key, chunk, item.loc()));
-        }
+    /// Adds a chunk read from the chunk tree to the chunk map (an error names the overlap).
+    pub(crate) fn insert_chunk(
+        &self,
+        logical: u64,
+        chunk: crate::format::items::ChunkItem,
+    ) -> std::result::Result<(), String> {
         let mut map = self.chunks.write().unwrap_or_else(|e| e.into_inner());
-        for (key, chunk, loc) in found {
-            map.insert(key.offset, chunk)
-                .map_err(|r| Error::corrupt(loc, r))?;
-        }
-        Ok(())
+        map.insert(logical, chunk)
     }
 
     /// Physical offsets of every copy of a logical range on this device.

@@ -27,10 +27,6 @@ type WritebackFn<'a> = dyn Fn(u64, &[u8]) -> Result<Vec<u8>> + 'a;
 /// Largest data extent butter writes (the kernel's limit for one extent).
 pub const MAX_EXTENT: u64 = 128 << 20;
 
-/// Extents up to this size are written under the writer lock (see `Fs::write_extents`;
-/// [`Fs::set_unlocked_writeback`] changes it).
-pub const SHORT_WRITEBACK: u64 = 64 << 10;
-
 /// Largest inline file: the kernel's default max_inline (2048), bounded by what fits in a leaf
 /// and below one sector.
 pub fn max_inline(disk: &Disk) -> usize {
@@ -758,7 +754,7 @@ impl Fs {
 
     /// Writes sector-aligned `buf` at file offset `a` into new extents, each an ordered extent
     /// (crate::ordered): allocated and held under the writer lock, its data written and
-    /// checksummed without it, then recorded under it. Extents up to [`SHORT_WRITEBACK`] take
+    /// checksummed without it, then recorded under it. Extents up to [`crate::ordered::SHORT_WRITEBACK`] take
     /// all three steps under one writer lock: their writeback is shorter than taking the lock
     /// twice. The file grows to at least `size_to` (its size when the last extent goes in, so
     /// a truncate that ran meanwhile counts as having come first). `guard`: the write's range
@@ -866,7 +862,7 @@ impl Fs {
             reach,
             bytenr,
             sums,
-            stamp: crate::fs_write::now(),
+            stamp: crate::format::items::Timespec::now(),
             writing: false,
         });
         w.ordered_pending += 1;
@@ -1250,7 +1246,7 @@ impl Fs {
             w,
             &mut item,
             true,
-            stamp.unwrap_or_else(crate::fs_write::now),
+            stamp.unwrap_or_else(crate::format::items::Timespec::now),
         );
         self.write_inode(w, ino, &item)
     }

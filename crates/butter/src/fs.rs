@@ -169,7 +169,7 @@ impl Fs {
     }
 
     fn open_device_nolog(dev: Arc<dyn BlockDevice>) -> Result<Fs> {
-        let disk = Disk::open(dev)?;
+        let disk = crate::ctree::open_disk(dev)?;
         let sb = &disk.sb;
         let tree_root = Root {
             id: ROOT_TREE_OBJECTID,
@@ -197,7 +197,7 @@ impl Fs {
             fsync_log: std::sync::atomic::AtomicBool::new(true),
             ordered: Default::default(),
             unlocked_writeback_above: std::sync::atomic::AtomicU64::new(
-                crate::file_write::SHORT_WRITEBACK,
+                crate::ordered::SHORT_WRITEBACK,
             ),
             fsync_waits_for_writes: std::sync::atomic::AtomicBool::new(false),
         };

@@ -48,22 +48,6 @@ pub struct SetAttr {
 pub const RENAME_NOREPLACE: u32 = 1;
 pub const RENAME_EXCHANGE: u32 = 2;
 
-pub(crate) fn now() -> Timespec {
-    if let Some(t) = std::env::var("BUTTER_FIXED_TIME")
-        .ok()
-        .and_then(|v| v.parse::<i64>().ok())
-    {
-        return Timespec { sec: t, nsec: 0 };
-    }
-    let d = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap_or_default();
-    Timespec {
-        sec: d.as_secs() as i64,
-        nsec: d.subsec_nanos(),
-    }
-}
-
 fn mode_to_ft(mode: u32) -> u8 {
     match mode & 0o170000 {
         0o100000 => FT_REG_FILE,
@@ -227,7 +211,7 @@ impl Fs {
 
     /// Bumps the change fields (transid, sequence, ctime) of an inode item.
     pub(crate) fn touch(w: &Writer, item: &mut InodeItem, mtime: bool) {
-        Self::touch_at(w, item, mtime, now())
+        Self::touch_at(w, item, mtime, Timespec::now())
     }
 
     /// [`Fs::touch`] with the time of the change `t`.
@@ -497,7 +481,7 @@ impl Fs {
         let root = dir.root;
         let flags = crate::inode_flags::inherited_flags(self.inode_item(dir)?.flags, mode);
         let ino = self.next_objectid(w, root)?;
-        let t = now();
+        let t = Timespec::now();
         let item = InodeItem {
             generation: w.transid,
             transid: w.transid,

@@ -5,7 +5,7 @@
 //! 1. under the writer lock: allocate the extent, held (crate::alloc::BlockGroup::held), so a
 //!    commit in the meantime leaves it free on disk;
 //! 2. the writeback: write the data and compute its checksums (without the writer lock for
-//!    extents longer than [`crate::file_write::SHORT_WRITEBACK`]);
+//!    extents longer than [`SHORT_WRITEBACK`]);
 //! 3. under the writer lock: the extent becomes a *pending* ordered extent (its data and
 //!    checksums written, its file extent item, checksum items, size and mtime in memory
 //!    here), and the write returns.
@@ -51,6 +51,10 @@ use crate::fs::Inode;
 use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
+
+/// Extents up to this size are written under the writer lock (see `Fs::write_extents`;
+/// `Fs::set_unlocked_writeback` changes it).
+pub const SHORT_WRITEBACK: u64 = 64 << 10;
 
 /// The range-state trees of the inodes being written.
 #[derive(Default)]
@@ -257,7 +261,7 @@ impl OrderedTrees {
             return false;
         }
         d.data.extend_from_slice(data);
-        d.stamp = crate::fs_write::now();
+        d.stamp = crate::format::items::Timespec::now();
         w.tree
             .set_bits(offset, offset + len - 1, ExtentBits::DELALLOC);
         self.delalloc_bytes.fetch_add(len, Ordering::SeqCst);
@@ -296,7 +300,7 @@ impl OrderedTrees {
         w.delalloc = Some(Delalloc {
             start: offset,
             data: data.to_vec(),
-            stamp: crate::fs_write::now(),
+            stamp: crate::format::items::Timespec::now(),
         });
         w.tree
             .set_bits(offset, offset + len - 1, ExtentBits::DELALLOC);
@@ -640,11 +644,7 @@ impl crate::fs::Fs {
     /// write's data goes to the device under the lock, as before ordered extents: for
     /// benchmarks that compare the two.
     pub fn set_unlocked_writeback(&self, on: bool) {
-        let above = if on {
-            crate::file_write::SHORT_WRITEBACK
-        } else {
-            u64::MAX
-        };
+        let above = if on { SHORT_WRITEBACK } else { u64::MAX };
         self.unlocked_writeback_above
             .store(above, Ordering::Relaxed);
     }

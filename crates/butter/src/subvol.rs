@@ -27,7 +27,7 @@ use crate::error::{Error, Location, Result};
 use crate::format::items::*;
 use crate::format::*;
 use crate::fs::{Fs, Inode};
-use crate::fs_write::{check_name, now, Owner};
+use crate::fs_write::{check_name, Owner};
 use crate::transaction::Writer;
 use std::sync::Arc;
 
@@ -190,7 +190,7 @@ impl Fs {
         self.op(true, |w| {
             let id = self.new_tree_id(w)?;
             let transid = w.transid;
-            let t = now();
+            let t = Timespec::now();
             let bytenr = w.new_block(id, 0, Key::MIN)?;
             let item_key = Key::new(id, ROOT_ITEM_KEY, 0);
             w.add_new_tree(id, bytenr, 0, item_key, 0);
@@ -324,7 +324,7 @@ impl Fs {
             })?;
             let id = self.new_tree_id(w)?;
             let transid = w.transid;
-            let t = now();
+            let t = Timespec::now();
 
             // The copy of the source's root block, owned by the snapshot.
             let blk = w.block(
@@ -464,7 +464,7 @@ impl Fs {
                 self.uuid_tree_remove(w, &old, UUID_KEY_RECEIVED_SUBVOL, id)?;
             }
             let transid = w.transid;
-            let t = now();
+            let t = Timespec::now();
             w.update_item(ROOT_TREE_OBJECTID, &key, |b| {
                 if b.len() < RootItem::SIZE {
                     // An old root item without the received fields: nothing to clear.

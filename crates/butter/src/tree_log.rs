@@ -1191,7 +1191,7 @@ impl Replayer<'_> {
                 item.nlink = nlink;
                 item.nbytes = nbytes;
                 if restamp {
-                    item.ctime = crate::fs_write::now();
+                    item.ctime = crate::format::items::Timespec::now();
                     item.transid = w.transid;
                 }
                 w.replace_item(

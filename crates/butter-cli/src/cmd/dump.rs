@@ -212,7 +212,7 @@ impl Dumper<'_> {
 
 pub fn dump_tree(a: DumpTreeArgs) -> CliResult {
     let dev = open_dev(&a.image)?;
-    let disk = Disk::open(dev).map_err(|e| {
+    let disk = butter::ctree::open_disk(dev).map_err(|e| {
         CliError(format!(
             "cannot open {}: {}",
             a.image.display(),

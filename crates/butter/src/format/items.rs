@@ -27,6 +27,24 @@ pub struct Timespec {
 }
 
 impl Timespec {
+    /// The current time, as inode times take it; `BUTTER_FIXED_TIME` (seconds) fixes it, for
+    /// reproducible tests.
+    pub fn now() -> Timespec {
+        if let Some(t) = std::env::var("BUTTER_FIXED_TIME")
+            .ok()
+            .and_then(|v| v.parse::<i64>().ok())
+        {
+            return Timespec { sec: t, nsec: 0 };
+        }
+        let d = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default();
+        Timespec {
+            sec: d.as_secs() as i64,
+            nsec: d.subsec_nanos(),
+        }
+    }
+
     pub fn parse(b: &[u8]) -> Timespec {
         Timespec {
             sec: le_u64(b, 0) as i64,

@@ -136,7 +136,7 @@ fn ram(bytes: &[u8]) -> Arc<RamDevice> {
 
 /// Maps an undamaged image. Panics if the image does not open (it is the test's own input).
 pub fn map_image(bytes: &[u8]) -> ImageMap {
-    let disk = Disk::open(ram(bytes)).expect("undamaged image opens");
+    let disk = butter::ctree::open_disk(ram(bytes)).expect("undamaged image opens");
     let sb = disk.sb.clone();
     let mut m = ImageMap {
         nodesize: sb.nodesize as usize,
