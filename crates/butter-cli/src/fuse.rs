@@ -368,11 +368,11 @@ pub fn btrfs_rdev(rdev: u32) -> u64 {
     (major << 20) | minor
 }
 
-/// Engine errors whose message names EXDEV (hard link or rename across subvolumes).
+/// Errors that are an answer, not a failure (logged quietly), by variant; the rest are logged.
 fn fs_err(e: Error) -> OpError {
     match &e {
-        Error::Invalid(m) if m.contains("EXDEV") => OpError::Quiet(libc::EXDEV),
-        Error::NotFound(_)
+        Error::CrossSubvolume(_)
+        | Error::NotFound(_)
         | Error::Exists(_)
         | Error::NotEmpty(_)
         | Error::NoXattr(_)
@@ -479,7 +479,10 @@ impl ButterFuse {
         // abort: no more changes, no more commits; the image keeps its last commit.
         let why = match &r {
             Ok(Err(OpError::Fs(
-                e @ (Error::Io { .. } | Error::Corrupt { .. } | Error::BadChecksum { .. }),
+                e @ (Error::Io { .. }
+                | Error::Corrupt { .. }
+                | Error::BadChecksum { .. }
+                | Error::Internal(_)),
             ))) => Some(format!("{op} failed: {e}")),
             Err(_) => Some(format!("{op} panicked")),
             _ => None,

@@ -13,7 +13,7 @@
 //! The superblock copies (64 KiB, 64 MiB, 256 GiB on the device) are carved out of the groups
 //! whose stripes cover them, a whole 64 KiB stripe unit each, as the kernel does.
 
-use crate::error::{Error, Result};
+use crate::error::{Error, Location, Result};
 use crate::format::*;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Mutex;
@@ -321,10 +321,10 @@ impl Allocator {
             ))
         })?;
         if let Some(prev) = self.group_containing(bg.start) {
-            return Err(Error::Invalid(format!(
-                "block group at {} overlaps the one at {prev}",
-                bg.start
-            )));
+            return Err(Error::corrupt(
+                Location::what(format!("block group at {}", bg.start)),
+                format!("overlaps the block group at {prev}"),
+            ));
         }
         self.index.insert((kind, bg.free.total(), bg.start));
         self.groups.insert(bg.start, Mutex::new(bg));
@@ -416,10 +416,14 @@ impl Allocator {
             g.pinned.add(start, len)
         }) {
             Some(Ok(())) => Ok(()),
-            Some(Err(e)) => Err(Error::Invalid(format!("pinning freed extent: {e}"))),
-            None => Err(Error::Invalid(format!(
-                "freed extent {start}+{len} is in no block group"
-            ))),
+            Some(Err(e)) => Err(Error::corrupt(
+                Location::what(format!("freed extent {start}+{len}")),
+                format!("freed twice in one transaction: {e}"),
+            )),
+            None => Err(Error::corrupt(
+                Location::what("free space"),
+                format!("freed extent {start}+{len} is in no block group"),
+            )),
         }
     }
 
@@ -437,8 +441,8 @@ impl Allocator {
     pub fn hold(&mut self, start: u64, len: u64) -> Result<()> {
         match self.with_group(start, |g| g.held.add(start, len)) {
             Some(Ok(())) => Ok(()),
-            Some(Err(e)) => Err(Error::Invalid(format!("holding {start}+{len}: {e}"))),
-            None => Err(Error::Invalid(format!(
+            Some(Err(e)) => Err(Error::Internal(format!("holding {start}+{len}: {e}"))),
+            None => Err(Error::Internal(format!(
                 "held extent {start}+{len} is in no block group"
             ))),
         }
@@ -520,12 +524,14 @@ impl Allocator {
         });
         match r {
             Some(Ok(())) => Ok(()),
-            Some(Err(())) => Err(Error::Invalid(format!(
-                "block group used count would go negative freeing {bytenr}+{len}"
-            ))),
-            None => Err(Error::Invalid(format!(
-                "extent {bytenr}+{len} is in no block group"
-            ))),
+            Some(Err(())) => Err(Error::corrupt(
+                Location::what(format!("extent {bytenr}+{len}")),
+                "freeing it would take its block group's used count below zero",
+            )),
+            None => Err(Error::corrupt(
+                Location::what("free space"),
+                format!("extent {bytenr}+{len} is in no block group"),
+            )),
         }
     }
 

@@ -96,8 +96,8 @@ impl Writer {
     /// A block of the running transaction (must be in the overlay).
     pub(crate) fn dirty_block(&self, bytenr: u64) -> Result<Arc<TreeBlock>> {
         self.disk.overlay_get(bytenr).ok_or_else(|| {
-            Error::Invalid(format!(
-                "engine bug: block {bytenr} was expected to be COWed in this transaction"
+            Error::Internal(format!(
+                "block {bytenr} was expected to be COWed in this transaction"
             ))
         })
     }
@@ -109,8 +109,8 @@ impl Writer {
         f: impl FnOnce(&mut [u8]) -> Result<R>,
     ) -> Result<R> {
         self.disk.overlay_modify(bytenr, f).ok_or_else(|| {
-            Error::Invalid(format!(
-                "engine bug: changing block {bytenr}, which is not COWed in this transaction"
+            Error::Internal(format!(
+                "changing block {bytenr}, which is not COWed in this transaction"
             ))
         })?
     }
@@ -339,8 +339,8 @@ impl Writer {
             self.descents += 1;
             restarts += 1;
             if restarts > 64 {
-                return Err(Error::Invalid(format!(
-                    "engine bug: search in tree {tree} for {key} keeps restarting"
+                return Err(Error::Internal(format!(
+                    "search in tree {tree} for {key} keeps restarting"
                 )));
             }
             let (root, root_level) = self.cow_root(tree)?;

@@ -146,6 +146,13 @@ pub enum Error {
     /// file's next fsync (EIO).
     #[error("appended data was lost: {0}; what was appended since the file's last fsync is not on the device (write it again)")]
     WriteLost(String),
+    /// A hard link or rename between two subvolumes (EXDEV, as the kernel gives).
+    #[error("cross-subvolume {0} (EXDEV)")]
+    CrossSubvolume(String),
+    /// An invariant of the engine itself broke (a bug in butter, not damage on disk): EIO,
+    /// and the running transaction is aborted.
+    #[error("internal error (a bug in butter): {0}")]
+    Internal(String),
     /// No superblock copy that fits on the device has the btrfs magic: the image is not btrfs
     /// (not a damaged btrfs). The text says what it looks like (empty, zeroes, ext4, xfs...).
     #[error("not a btrfs filesystem: {0}")]
@@ -192,7 +199,8 @@ impl Error {
     /// Maps to the errno the FUSE front end reports.
     pub fn errno(&self) -> i32 {
         match self {
-            Error::Io { .. } | Error::WriteLost(_) => libc_consts::EIO,
+            Error::Io { .. } | Error::WriteLost(_) | Error::Internal(_) => libc_consts::EIO,
+            Error::CrossSubvolume(_) => libc_consts::EXDEV,
             Error::Corrupt { .. } => libc_consts::EUCLEAN,
             Error::BadChecksum { .. } | Error::DataChecksum { .. } => libc_consts::EIO,
             Error::Unsupported(_) => libc_consts::EOPNOTSUPP,
@@ -219,6 +227,7 @@ pub mod libc_consts {
     pub const ENOENT: i32 = 2;
     pub const EEXIST: i32 = 17;
     pub const ENOSPC: i32 = 28;
+    pub const EXDEV: i32 = 18;
     pub const EMLINK: i32 = 31;
     pub const ENAMETOOLONG: i32 = 36;
     pub const ENOTEMPTY: i32 = 39;

@@ -338,9 +338,7 @@ impl Writer {
                 self.apply_extent(bytenr, pe)?;
             }
         }
-        Err(Error::Invalid(
-            "engine bug: delayed references do not converge".into(),
-        ))
+        Err(Error::Internal("delayed references do not converge".into()))
     }
 
     fn apply_extent(&mut self, bytenr: u64, mut pe: PendingExtent) -> Result<()> {

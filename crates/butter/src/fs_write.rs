@@ -168,7 +168,12 @@ impl Fs {
     pub(crate) fn op<R>(&self, grows: bool, f: impl FnOnce(&mut Writer) -> Result<R>) -> Result<R> {
         let mut w = self.writer()?;
         w.reserve_metadata(grows)?;
-        f(&mut w)
+        let r = f(&mut w);
+        if let Err(Error::Internal(why)) = &r {
+            // The change may be half made: no more changes, no commit of it.
+            w.abort(format!("internal error: {why}"));
+        }
+        r
     }
 
     /// Makes every change so far durable.
@@ -601,7 +606,7 @@ impl Fs {
         self.require_dir(dir)?;
         self.require_dir_changeable(dir, true)?;
         if ino.root != dir.root {
-            return Err(Error::Invalid("hard link across subvolumes (EXDEV)".into()));
+            return Err(Error::CrossSubvolume("hard link".into()));
         }
         let mut item = self.inode_item(ino)?;
         crate::inode_flags::require_changeable(&item, ino)?;
@@ -817,7 +822,7 @@ impl Fs {
         self.require_dir_changeable(from_dir, false)?;
         self.require_dir_changeable(to_dir, flags & RENAME_EXCHANGE == 0)?;
         if from_dir.root != to_dir.root {
-            return Err(Error::Invalid("rename across subvolumes (EXDEV)".into()));
+            return Err(Error::CrossSubvolume("rename".into()));
         }
         let src = self
             .lookup(from_dir, from)?

@@ -168,8 +168,8 @@ impl LogTree {
             for (k, v) in range {
                 let need = ITEM_SIZE + v.len();
                 if need > cap {
-                    return Err(Error::Invalid(format!(
-                        "engine bug: log item {k} of {} bytes does not fit a leaf",
+                    return Err(Error::Internal(format!(
+                        "log item {k} of {} bytes does not fit a leaf",
                         v.len()
                     )));
                 }
@@ -217,7 +217,7 @@ impl LogTree {
         while level_ptrs.len() > 1 {
             level += 1;
             if level >= MAX_LEVEL {
-                return Err(Error::Invalid("engine bug: log tree too tall".into()));
+                return Err(Error::Internal("log tree too tall".into()));
             }
             let mut next = Vec::new();
             for chunk in level_ptrs.chunks(max_ptrs) {
@@ -512,7 +512,7 @@ fn write_log_trees(
     }
     root_tree
         .write(ns, out, new_block, ct)?
-        .ok_or_else(|| Error::Invalid("engine bug: empty fsync log".into()))
+        .ok_or_else(|| Error::Internal("empty fsync log".into()))
 }
 
 impl Writer {

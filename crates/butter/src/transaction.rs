@@ -257,7 +257,7 @@ impl Writer {
         let t = self
             .trees
             .get_mut(&id)
-            .ok_or_else(|| Error::Invalid("tree vanished".into()))?;
+            .ok_or_else(|| Error::Internal(format!("tree {id} vanished")))?;
         t.bytenr = bytenr;
         t.level = level;
         t.generation = transid;
@@ -721,8 +721,8 @@ impl Writer {
     /// filesystem completes them before it commits ([`crate::fs::Fs::writer`]).
     fn check_no_ordered(&self) -> Result<()> {
         if self.ordered_pending > 0 {
-            return Err(Error::Invalid(format!(
-                "engine bug: a commit with {} ordered extents not yet in the trees",
+            return Err(Error::Internal(format!(
+                "a commit with {} ordered extents not yet in the trees",
                 self.ordered_pending
             )));
         }
@@ -735,9 +735,7 @@ impl Writer {
         loop {
             passes += 1;
             if passes > 200 {
-                return Err(Error::Invalid(
-                    "engine bug: commit does not converge".into(),
-                ));
+                return Err(Error::Internal("commit does not converge".into()));
             }
             if passes == 1 {
                 self.mark_qgroups_inconsistent()?;
