@@ -18,12 +18,7 @@ use std::collections::HashMap;
 use std::path::Path as FsPath;
 use std::sync::{Arc, Mutex};
 
-/// An inode: the subvolume tree it lives in and its number there.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct Inode {
-    pub root: u64,
-    pub ino: u64,
-}
+pub use crate::ids::Inode;
 
 /// The subset of `struct stat` btrfs defines.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -157,6 +152,31 @@ impl Fs {
     /// written), so reads show what a kernel mount would.
     pub fn open_device(dev: Arc<dyn BlockDevice>) -> Result<Fs> {
         Self::open_device_opts(dev, OpenOpts::default())
+    }
+
+    /// Opens an image file or block device read-write, as its only writer: refused while
+    /// another process has it open read-write or the kernel may have it mounted (see
+    /// [`FileDevice::open_exclusive`]).
+    pub fn open_rw(path: &FsPath) -> Result<Fs> {
+        let dev = FileDevice::open_exclusive(path).map_err(|e| {
+            if e.kind() == std::io::ErrorKind::ResourceBusy {
+                Error::NotPermitted(format!(
+                    "{} cannot be opened read-write: {e}",
+                    path.display()
+                ))
+            } else {
+                Error::io(format!("opening {} read-write", path.display()), 0, e)
+            }
+        })?;
+        Self::open_device_rw(Arc::new(dev))
+    }
+
+    /// Opens a device read-write: starts the write engine.
+    pub fn open_device_rw(dev: Arc<dyn crate::device::BlockDevice>) -> Result<Fs> {
+        let mut fs = Fs::open_device_opts(dev, OpenOpts::nologreplay())?;
+        let w = crate::tree_log::start_writer(&fs)?;
+        fs.writer = Some(Mutex::new(w));
+        Ok(fs)
     }
 
     pub fn open_device_opts(dev: Arc<dyn BlockDevice>, opts: OpenOpts) -> Result<Fs> {

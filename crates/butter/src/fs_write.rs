@@ -8,15 +8,13 @@
 //! refs when a ref item would be too large, directory i_size = 2 x the sum of name lengths,
 //! directories with nlink 1, and inode transid / sequence / ctime updated on each change.
 
-use crate::device::FileDevice;
 use crate::disk_io::Disk;
 use crate::error::{Error, Result};
 use crate::format::items::*;
 use crate::format::*;
 use crate::fs::{Fs, Inode};
 use crate::transaction::Writer;
-use std::path::Path;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, MutexGuard};
 
 /// Longest name btrfs accepts.
 pub const NAME_MAX: usize = 255;
@@ -99,31 +97,6 @@ pub(crate) fn check_name(name: &[u8]) -> Result<()> {
 }
 
 impl Fs {
-    /// Opens an image file or block device read-write, as its only writer: refused while
-    /// another process has it open read-write or the kernel may have it mounted (see
-    /// [`FileDevice::open_exclusive`]).
-    pub fn open_rw(path: &Path) -> Result<Fs> {
-        let dev = FileDevice::open_exclusive(path).map_err(|e| {
-            if e.kind() == std::io::ErrorKind::ResourceBusy {
-                Error::NotPermitted(format!(
-                    "{} cannot be opened read-write: {e}",
-                    path.display()
-                ))
-            } else {
-                Error::io(format!("opening {} read-write", path.display()), 0, e)
-            }
-        })?;
-        Self::open_device_rw(Arc::new(dev))
-    }
-
-    /// Opens a device read-write: starts the write engine.
-    pub fn open_device_rw(dev: Arc<dyn crate::device::BlockDevice>) -> Result<Fs> {
-        let mut fs = Fs::open_device_opts(dev, crate::fs::OpenOpts::nologreplay())?;
-        let w = crate::tree_log::start_writer(&fs)?;
-        fs.writer = Some(Mutex::new(w));
-        Ok(fs)
-    }
-
     pub fn is_writable(&self) -> bool {
         self.writer.is_some()
     }

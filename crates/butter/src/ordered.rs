@@ -47,7 +47,7 @@
 
 use crate::extent_io::{ExtentBits, SharedExtentIoTree};
 use crate::format::items::Timespec;
-use crate::fs::Inode;
+use crate::ids::Inode;
 use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};

@@ -94,7 +94,7 @@ pub struct Writer {
     /// Seed 002: replace file extents in the leaf of one descent when possible.
     pub combined_replace: bool,
     /// The fsync log of the running transaction (crate::log_write).
-    pub(crate) log: crate::log_write::LogState,
+    pub(crate) log: crate::log_state::LogState,
     /// Ordered extents written but not yet in the trees (crate::ordered). A commit must not
     /// run while there are any: their data would be in no tree and, if an fsync logged them,
     /// the commit would drop the log that has them.

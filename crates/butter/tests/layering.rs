@@ -15,6 +15,7 @@ use std::path::Path;
 /// it. (A folder is one module: `format/` is `format`.)
 const ORDER: &[&str] = &[
     "error",
+    "ids",
     "extent_io",
     "format",
     "device",
@@ -24,6 +25,7 @@ const ORDER: &[&str] = &[
     "ctree_ops",
     "free_space_tree",
     "alloc",
+    "log_state",
     "extent_tree",
     "cow",
     "transaction",
@@ -52,12 +54,10 @@ const EXCEPTIONS: &[(&str, &str)] = &[
     ("fs_seek", "fs"),
     ("fs_stat", "fs"),
     ("fs_write", "fs"),
-    ("fs_write", "tree_log"),
     ("inode_flags", "fs"),
     ("log_write", "fs"),
     ("ordered", "fs"),
     ("subvol", "fs"),
-    ("transaction", "log_write"),
     ("tree_log", "fs"),
 ];
 
