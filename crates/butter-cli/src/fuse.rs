@@ -203,100 +203,6 @@ impl From<Error> for OpError {
 
 type OpResult<T> = Result<T, OpError>;
 
-/// State shared by the operations, the periodic commit thread and the end of the mount.
-#[derive(Default)]
-pub struct Shared {
-    /// Operations that change the filesystem (and commits) hold this exclusively, reads
-    /// shared: the engine changes trees block by block, so a read that ran during a change
-    /// could see half of it.
-    lock: RwLock<()>,
-    /// Taken before `lock` by changes and commits: a commit keeps it to its end but lets go
-    /// of `lock` once the trees are final, so reads run during its writes and flushes while
-    /// the next change waits here (not on `lock`, where it would hold readers back).
-    changes: Mutex<()>,
-    /// Why changes and commits stopped (an operation failed in a way that may have left
-    /// half of it in the running transaction).
-    stopped: Mutex<Option<String>>,
-}
-
-impl Shared {
-    /// Why changes stopped, if they did.
-    pub fn stopped(&self) -> Option<String> {
-        self.stopped
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
-    }
-
-    /// The shared lock, once no write's ordered extent waits for its completion (a reader
-    /// would complete it, changing trees under the other readers): pending ones are completed
-    /// under the exclusive lock first. Writes register pending ones only under the exclusive
-    /// lock, so none appear while it is held.
-    fn read_lock(&self, fs: &Fs) -> std::sync::RwLockReadGuard<'_, ()> {
-        loop {
-            let g = lock_read(&self.lock);
-            if !fs.has_pending_ordered() || self.stopped().is_some() {
-                return g;
-            }
-            drop(g);
-            let _c = self.changes.lock().unwrap_or_else(|e| e.into_inner());
-            let _w = lock_write(&self.lock);
-            if let Err(e) = fs.complete_ordered_extents() {
-                self.stop(format!("completing writes: {e}"));
-            }
-        }
-    }
-
-    fn stop(&self, why: String) {
-        let mut s = self.stopped.lock().unwrap_or_else(|e| e.into_inner());
-        if s.is_none() {
-            log::error!(
-                "{why}; the filesystem is read-only from now on and nothing more is committed: \
-                 the image keeps its last commit (unmount, then run `butter check`)"
-            );
-            *s = Some(why);
-        }
-    }
-
-    /// fsync of one inode: logs it (waiting for running changes, not for a commit in
-    /// progress), then writes the log, in one log commit with the fsyncs that logged
-    /// meanwhile. Commits instead where the engine cannot log the inode.
-    pub fn fsync(&self, fs: &Fs, ino: Inode) -> Result<(), String> {
-        let ticket = {
-            // Shared: the trees do not change under a reader; the engine's writer lock keeps
-            // other fsyncs out of the log meanwhile.
-            let _g = if fs.fsync_completes_ordered() {
-                self.read_lock(fs)
-            } else {
-                lock_read(&self.lock)
-            };
-            if let Some(why) = self.stopped() {
-                return Err(format!("not writing ({why})"));
-            }
-            fs.log_inode(ino)
-                .map_err(|e| format!("logging inode: {e}"))?
-        };
-        match ticket {
-            butter::log_write::LogTicket::Logged(seq) => fs
-                .sync_log(seq)
-                .map_err(|e| format!("writing the fsync log: {e}")),
-            butter::log_write::LogTicket::Durable => Ok(()),
-            butter::log_write::LogTicket::Commit => self.commit(fs),
-        }
-    }
-
-    /// Commits, after the running operations, unless changes were stopped.
-    pub fn commit(&self, fs: &Fs) -> Result<(), String> {
-        let _c = self.changes.lock().unwrap_or_else(|e| e.into_inner());
-        let g = lock_write(&self.lock);
-        if let Some(why) = self.stopped() {
-            return Err(format!("not committing ({why})"));
-        }
-        fs.commit_with(move || drop(g))
-            .map_err(|e| format!("commit failed: {e}"))
-    }
-}
-
 /// An open file.
 struct Handle {
     ino: Inode,
@@ -315,22 +221,12 @@ pub struct ButterFuse {
     /// Open files by handle.
     handles: Mutex<HashMap<u64, Handle>>,
     next_fh: AtomicU64,
-    /// The operation lock and the stop on commits, shared with the periodic commit thread.
-    shared: Arc<Shared>,
     writable: bool,
     /// How long the kernel may cache entries and attributes.
     ttl: Duration,
     /// POSIX ACLs negotiated (FUSE_POSIX_ACL): we apply umask and default ACLs on create and
     /// keep mode bits and access ACLs in step.
     acl: bool,
-}
-
-fn lock_read(l: &RwLock<()>) -> std::sync::RwLockReadGuard<'_, ()> {
-    l.read().unwrap_or_else(|e| e.into_inner())
-}
-
-fn lock_write(l: &RwLock<()>) -> std::sync::RwLockWriteGuard<'_, ()> {
-    l.write().unwrap_or_else(|e| e.into_inner())
 }
 
 /// A time from a fuser request. fuser 0.18 decodes a time before the epoch, (sec < 0,
@@ -399,16 +295,10 @@ impl ButterFuse {
             lookups: Mutex::new(HashMap::new()),
             handles: Mutex::new(HashMap::new()),
             next_fh: AtomicU64::new(1),
-            shared: Arc::new(Shared::default()),
             writable,
             ttl: if writable { TTL_RW } else { TTL },
             acl: false,
         }
-    }
-
-    /// What the commit thread and the end of [`serve`] share with the operations.
-    pub fn shared(&self) -> Arc<Shared> {
-        self.shared.clone()
     }
 
     /// Runs `f`, turning its failure or panic into an errno and a log line naming `op`.
@@ -438,7 +328,7 @@ impl ButterFuse {
 
     /// [`ButterFuse::guard`] for a reading operation (shared lock).
     fn read_op<T>(&self, op: &str, node: u64, f: impl FnOnce() -> OpResult<T>) -> Result<T, Errno> {
-        let _g = self.shared.read_lock(&self.fs);
+        let _g = self.fs.read_gate();
         self.guard(op, node, f)
     }
 
@@ -453,7 +343,7 @@ impl ButterFuse {
         node: u64,
         f: impl FnOnce() -> OpResult<T>,
     ) -> Result<T, Errno> {
-        let _g = lock_read(&self.shared.lock);
+        let _g = self.fs.read_gate_as_is();
         self.guard(op, node, f)
     }
 
@@ -464,31 +354,20 @@ impl ButterFuse {
         node: u64,
         f: impl FnOnce() -> OpResult<T>,
     ) -> Result<T, Errno> {
-        if !self.writable || self.shared.stopped().is_some() {
+        // The engine's gate: EROFS when read-only or once changes stopped.
+        let Ok(_g) = self.fs.change_gate() else {
             return Err(Errno::from_i32(libc::EROFS));
-        }
-        let _c = self
-            .shared
-            .changes
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        let _g = lock_write(&self.shared.lock);
+        };
         let r = catch_unwind(AssertUnwindSafe(f));
-        // A failure of the disk or of the engine may come after the operation changed some
-        // trees: the running transaction could hold half of it. Like the kernel's transaction
-        // abort: no more changes, no more commits; the image keeps its last commit.
+        // A failure that may have left half of the operation in the running transaction
+        // stops changes and commits (the engine's latch).
         let why = match &r {
-            Ok(Err(OpError::Fs(
-                e @ (Error::Io { .. }
-                | Error::Corrupt { .. }
-                | Error::BadChecksum { .. }
-                | Error::Internal(_)),
-            ))) => Some(format!("{op} failed: {e}")),
+            Ok(Err(OpError::Fs(e))) if e.stops_changes() => Some(format!("{op} failed: {e}")),
             Err(_) => Some(format!("{op} panicked")),
             _ => None,
         };
         if let Some(why) = why {
-            self.shared.stop(why);
+            self.fs.stop(why);
         }
         self.guard(op, node, || match r {
             Ok(r) => r,
@@ -710,8 +589,8 @@ impl ButterFuse {
                 return Ok(());
             }
             let i = self.inode(node)?;
-            self.shared
-                .fsync(&self.fs, i)
+            self.fs
+                .gated_fsync(i)
                 .map_err(|e| OpError::Edge(libc::EIO, format!("{op}: {e}")))
         })
     }
@@ -782,8 +661,8 @@ impl Filesystem for ButterFuse {
             return;
         }
         // The final commit; a failure (or changes stopped before) makes `serve` fail.
-        if let Err(e) = self.shared.commit(&self.fs) {
-            self.shared.stop(format!("final commit at unmount: {e}"));
+        if let Err(e) = self.fs.gated_commit() {
+            self.fs.stop(format!("final commit at unmount: {e}"));
         }
         if let Ok(st) = self.fs.log_stats() {
             log::info!(
@@ -1219,15 +1098,11 @@ impl Filesystem for ButterFuse {
         // The last handle of an unlinked file: its data goes now. Most releases change
         // nothing and must not wait for a commit in progress.
         let r = match self.read_op("release", ino.0, || Ok(self.fs.note_closed(h.ino)?)) {
-            Ok(true) => {
-                let _c = self
-                    .shared
-                    .changes
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner());
-                let _g = lock_write(&self.shared.lock);
-                self.guard("release", ino.0, || Ok(self.fs.delete_orphan(h.ino)?))
-            }
+            Ok(true) => match self.fs.change_gate() {
+                Ok(_g) => self.guard("release", ino.0, || Ok(self.fs.delete_orphan(h.ino)?)),
+                // Changes stopped: the orphan item stays, for the next read-write open.
+                Err(_) => Ok(()),
+            },
             Ok(false) => Ok(()),
             Err(e) => Err(e),
         };
@@ -1811,7 +1686,6 @@ pub fn serve(
     config.clone_fd = true;
 
     let bf = ButterFuse::new(fs.clone(), root);
-    let shared = bf.shared();
     // Open to this user or not, as its own error (fuser would say a bare "Permission denied").
     fuse_device_access()?;
     let session = Session::new(bf, dir, &config).map_err(|e| {
@@ -1838,7 +1712,7 @@ pub fn serve(
     let (stop_commits, stopped) = std::sync::mpsc::channel::<()>();
     let committer = match (writable, cfg.commit_interval) {
         (true, Some(every)) if !every.is_zero() => {
-            let (fs, shared) = (fs.clone(), shared.clone());
+            let fs = fs.clone();
             Some(
                 std::thread::Builder::new()
                     .name("butter-commit".into())
@@ -1846,7 +1720,7 @@ pub fn serve(
                         while let Err(std::sync::mpsc::RecvTimeoutError::Timeout) =
                             stopped.recv_timeout(every)
                         {
-                            if let Err(e) = shared.commit(&fs) {
+                            if let Err(e) = fs.gated_commit() {
                                 log::error!("periodic commit: {e}");
                             }
                         }
@@ -1863,7 +1737,7 @@ pub fn serve(
     let bg: &'static mut fuser::BackgroundSession = Box::leak(Box::new(session.spawn()?));
     let worker = std::mem::replace(&mut bg.guard, std::thread::spawn(|| Ok(())));
     let handle = signals.handle();
-    let watcher_shared = shared.clone();
+    let watcher_fs = fs.clone();
     let watcher = std::thread::Builder::new()
         .name("butter-signals".into())
         .spawn(move || {
@@ -1875,7 +1749,7 @@ pub fn serve(
                     );
                     if writable {
                         // Whatever the running operations leave: after them, commit.
-                        match watcher_shared.commit(&fs) {
+                        match watcher_fs.gated_commit() {
                             Ok(()) => eprintln!("butter: committed"),
                             Err(e) => eprintln!(
                                 "butter: the last commit failed ({e}); the image keeps the one before"
@@ -1917,7 +1791,7 @@ pub fn serve(
         }
         r => r?,
     }
-    match shared.stopped() {
+    match fs.stopped() {
         Some(why) => Err(std::io::Error::other(format!(
             "changes after the last commit were dropped: {why}"
         ))),

@@ -131,6 +131,8 @@ pub struct Fs {
     /// fsync waits for the inode's writes in progress (off: seed 003's rule; see
     /// [`Fs::set_fsync_skips_writes_in_progress`]).
     pub(crate) fsync_waits_for_writes: std::sync::atomic::AtomicBool,
+    /// The reader/writer gate and the abort latch for concurrent callers (crate::gate).
+    pub(crate) gate: crate::gate::Gate,
 }
 
 impl Fs {
@@ -220,6 +222,7 @@ impl Fs {
                 crate::ordered::SHORT_WRITEBACK,
             ),
             fsync_waits_for_writes: std::sync::atomic::AtomicBool::new(false),
+            gate: Default::default(),
         };
         fs.csum_root = match fs.find_root_item(CSUM_TREE_OBJECTID)? {
             Some(ri) => Some(Root {
@@ -1038,4 +1041,115 @@ fn copy_overlap(out: &mut [u8], lo: u64, hi: u64, data_off: u64, data: &[u8]) {
     let dst = (s - lo) as usize;
     let src = (s - data_off) as usize;
     out[dst..dst + n].copy_from_slice(&data[src..src + n]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The gate and the latch for concurrent callers (see crate::gate for the rules)
+// ---------------------------------------------------------------------------------------------
+
+impl Error {
+    /// Whether a change that failed with this error may have left half of itself in the
+    /// running transaction, so that nothing more may be changed or committed.
+    pub fn stops_changes(&self) -> bool {
+        matches!(
+            self,
+            Error::Io { .. }
+                | Error::Corrupt { .. }
+                | Error::BadChecksum { .. }
+                | Error::Internal(_)
+        )
+    }
+}
+
+impl Fs {
+    /// Passes the gate as a reader, after completing pending ordered extents (a reader would
+    /// complete them, changing trees under the other readers).
+    pub fn read_gate(&self) -> crate::gate::GateRead<'_> {
+        loop {
+            let g = self.gate.read();
+            if !self.has_pending_ordered() || self.stopped().is_some() {
+                return g;
+            }
+            drop(g);
+            let _c = self.gate.change();
+            if let Err(e) = self.complete_ordered_extents() {
+                self.stop(format!("completing writes: {e}"));
+            }
+        }
+    }
+
+    /// Passes the gate as a reader without completing pending ordered extents: for reads
+    /// they cannot change (xattrs), which must not write delayed appends back.
+    pub fn read_gate_as_is(&self) -> crate::gate::GateRead<'_> {
+        self.gate.read()
+    }
+
+    /// Passes the gate as a change: `ReadOnly` when opened read-only, `Aborted` once changes
+    /// stopped. A failure of the change that [`Error::stops_changes`] (or a panic) must then
+    /// be reported with [`Fs::stop`].
+    pub fn change_gate(&self) -> Result<crate::gate::GateChange<'_>> {
+        if !self.is_writable() {
+            return Err(Error::ReadOnly);
+        }
+        if let Some(why) = self.stopped() {
+            return Err(Error::Aborted(why));
+        }
+        Ok(self.gate.change())
+    }
+
+    /// Stops changes and commits for good (the latch); the first reason is kept.
+    pub fn stop(&self, why: String) {
+        if self.gate.latch(why.clone()) {
+            log::error!(
+                "{why}; the filesystem is read-only from now on and nothing more is committed: \
+                 the image keeps its last commit (unmount, then run `butter check`)"
+            );
+        }
+    }
+
+    /// Why changes stopped, if they did (the latch, or the write engine's abort).
+    pub fn stopped(&self) -> Option<String> {
+        if let Some(why) = self.gate.latched() {
+            return Some(why);
+        }
+        let w = self.writer.as_ref()?;
+        let w = w.lock().unwrap_or_else(|e| e.into_inner());
+        w.check_writable().err().map(|e| e.to_string())
+    }
+
+    /// fsync of one inode under the gate: logs it (waiting for running changes, not for a
+    /// commit in progress), then writes the log, in one log commit with the fsyncs that
+    /// logged meanwhile; commits instead where the engine cannot log the inode.
+    pub fn gated_fsync(&self, ino: Inode) -> Result<()> {
+        let ticket = {
+            // Shared: the trees do not change under a reader; the writer lock keeps other
+            // fsyncs out of the log meanwhile.
+            let _g = if self.fsync_completes_ordered() {
+                self.read_gate()
+            } else {
+                self.read_gate_as_is()
+            };
+            if let Some(why) = self.stopped() {
+                return Err(Error::Aborted(why));
+            }
+            self.log_inode(ino)?
+        };
+        match ticket {
+            crate::log_state::LogTicket::Logged(seq) => self.sync_log(seq),
+            crate::log_state::LogTicket::Durable => Ok(()),
+            crate::log_state::LogTicket::Commit => self.gated_commit(),
+        }
+    }
+
+    /// Commits after the running changes, unless changes stopped. Reads run again once the
+    /// trees are final, while the commit writes.
+    pub fn gated_commit(&self) -> Result<()> {
+        let g = self.gate.commit();
+        if let Some(why) = self.stopped() {
+            return Err(Error::Aborted(why));
+        }
+        let exclusive = g.exclusive;
+        let _changes = g.changes;
+        self.commit_with(move || drop(exclusive))
+    }
 }

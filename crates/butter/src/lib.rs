@@ -24,6 +24,7 @@ pub mod fs;
 pub mod fs_seek;
 pub mod fs_stat;
 pub mod fs_write;
+pub mod gate;
 pub mod ids;
 pub mod inode_flags;
 pub mod log_state;

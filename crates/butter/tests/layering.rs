@@ -16,6 +16,7 @@ use std::path::Path;
 const ORDER: &[&str] = &[
     "error",
     "ids",
+    "gate",
     "extent_io",
     "format",
     "device",
