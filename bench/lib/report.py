@@ -185,6 +185,7 @@ def main():
             md.append("%d. `%s`" % (i, n.replace("`", "'")))
         md.append("")
     md.extend(latency_table(rows, latency, cells))
+    md.extend(mixed_tables(work, results))
     md.append(chart_note + "\n")
 
     md.append("## Commands\n")
@@ -274,6 +275,162 @@ def latency_table(rows, latency, cells):
             line.append("%.2fx / %.2fx" % (a[0] / b[0], a[1] / b[1]) if ok else "n/a")
         md.append("| " + " | ".join(x.replace("|", "\\|") for x in line) + " |")
     md.append("")
+    return md
+
+
+def fmt_lat(ns):
+    """A latency for the small-operations table: microseconds below 1 ms, else milliseconds."""
+    if ns is None:
+        return "n/a"
+    if ns < 1e6:
+        return "%d µs" % round(ns / 1e3)
+    return "%.1f ms" % (ns / 1e6)
+
+
+def read_lat(path):
+    """The per-operation latencies (int64 ns) that bench/lib/mixed_io.py wrote, or None."""
+    import array
+
+    a = array.array("q")
+    try:
+        with open(path, "rb") as f:
+            a.frombytes(f.read())
+    except OSError:
+        return None
+    return a
+
+
+def nearest_rank(sorted_ns, p):
+    if not sorted_ns:
+        return None
+    k = max(1, -(-len(sorted_ns) * p // 100))
+    return sorted_ns[int(k) - 1]
+
+
+def mixed_tables(work, results):
+    """Markdown lines for workloads/mixed_io.sh: each system's small operations alone and with
+    the stream (latencies pooled over the runs), and the per-run values; also
+    RESULTS/latest-mixed.csv, one line per phase of a run."""
+    mixed = read_tsv(os.path.join(work, "mixed.tsv"), 13)
+    if not mixed:
+        return []
+    names = dict(SYSTEMS)
+    ops_label = {"read": "read 4 KiB, O_DIRECT", "create": "create + 4 KiB write + close"}
+    groups = {}  # (system, op, mode) -> [line]
+    for line in mixed:
+        groups.setdefault(tuple(line[0:3]), []).append(line)
+
+    def pooled(sysname, op, mode):
+        lines = groups.get((sysname, op, mode))
+        if not lines:
+            return None
+        lat = []
+        ok = True
+        for l in lines:
+            a = read_lat(os.path.join(work, "logs", "mixed-%s-%s-%s-%s.lat" % (op, mode, sysname, l[3])))
+            if a is None:
+                ok = False
+                break
+            lat.extend(a)
+        ops = sum(int(l[4]) for l in lines)
+        secs = sum(float(l[5]) for l in lines)
+        r = {"runs": len(lines), "ops_s": ops / secs if secs else 0.0}
+        if ok and lat:
+            lat.sort()
+            r.update(p50=nearest_rank(lat, 50), p99=nearest_rank(lat, 99), max=lat[-1], pooled=True)
+        else:  # no latency files: medians of the runs' percentiles, the largest max
+            r.update(
+                p50=statistics.median(int(l[6]) for l in lines),
+                p99=statistics.median(int(l[7]) for l in lines),
+                max=max(int(l[8]) for l in lines),
+                pooled=False,
+            )
+        r["mib_s"] = sum(float(l[9]) * float(l[5]) for l in lines) / secs if secs else 0.0
+        r["wp99"] = statistics.median(int(l[11]) for l in lines)
+        r["wmax"] = max(int(l[12]) for l in lines)
+        r["direct"] = sorted(set(l[10] for l in lines))
+        return r
+
+    md = ["## Small operations alone and with a streaming writer (mixed_io)\n"]
+    md.append(
+        "One job does small operations back to back; in the *with stream* phase a second process "
+        "writes 1 MiB buffers (no fsync) to one file on the same mount the whole time. Latency "
+        "percentiles are over every operation of all runs (nearest rank); ops/s is all operations "
+        "over all windows. **p99 with/alone** above 1.00x means the stream slows the small "
+        "operations down (within noise, 1.00x is the goal). Stream MiB/s is measured over the "
+        "small operations' window; the stream's own 1 MiB write latency is p99 (median of the "
+        "runs) / max.\n"
+    )
+    header = [
+        "system", "small operation", "alone p50 / p99 / max", "with stream p50 / p99 / max",
+        "p99 with/alone", "ops/s alone", "ops/s with stream", "stream MiB/s", "stream write p99 / max",
+    ]
+    md.append("| " + " | ".join(header) + " |")
+    md.append("|---|---|" + "---:|" * (len(header) - 2))
+    for op in ("read", "create"):
+        for s, label in SYSTEMS:
+            a, w = pooled(s, op, "alone"), pooled(s, op, "stream")
+            if not a and not w:
+                continue
+            trip = lambda r: "%s / %s / %s" % (fmt_lat(r["p50"]), fmt_lat(r["p99"]), fmt_lat(r["max"])) if r else "n/a"
+            ratio = "%.2fx" % (w["p99"] / a["p99"]) if a and w and a["p99"] else "n/a"
+            what = ops_label[op]
+            if op == "read" and a and "buffered" in a["direct"]:
+                what += " (buffered: O_DIRECT refused)"
+            md.append(
+                "| "
+                + " | ".join(
+                    [
+                        label,
+                        what,
+                        trip(a),
+                        trip(w),
+                        ratio,
+                        "{:,.0f}".format(a["ops_s"]) if a else "n/a",
+                        "{:,.0f}".format(w["ops_s"]) if w else "n/a",
+                        "%.1f" % w["mib_s"] if w else "n/a",
+                        "%s / %s" % (fmt_lat(w["wp99"]), fmt_lat(w["wmax"])) if w else "n/a",
+                    ]
+                )
+                + " |"
+            )
+    md.append("")
+
+    md.append("Per run (p99 and ops/s of each phase; the phase order alternates: odd runs alone first):\n")
+    md.append("| system | small operation | run | alone p99 | with stream p99 | p99 with/alone | ops/s alone | ops/s with stream | stream MiB/s |")
+    md.append("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    per_run = {}
+    for line in mixed:
+        per_run.setdefault((line[0], line[1], line[3]), {})[line[2]] = line
+    order = {s: i for i, (s, _) in enumerate(SYSTEMS)}
+    for (s, op, run), m in sorted(
+        per_run.items(), key=lambda kv: (kv[0][1] != "read", order.get(kv[0][0], 99), int(kv[0][2]))
+    ):
+        a, w = m.get("alone"), m.get("stream")
+        ratio = "%.2fx" % (int(w[7]) / int(a[7])) if a and w and int(a[7]) else "n/a"
+        md.append(
+            "| %s | %s | %s | %s | %s | %s | %s | %s | %s |"
+            % (
+                names.get(s, s),
+                op,
+                run,
+                fmt_lat(int(a[7])) if a else "n/a",
+                fmt_lat(int(w[7])) if w else "n/a",
+                ratio,
+                "{:,.0f}".format(int(a[4]) / float(a[5])) if a else "n/a",
+                "{:,.0f}".format(int(w[4]) / float(w[5])) if w else "n/a",
+                "%.1f" % float(w[9]) if w else "n/a",
+            )
+        )
+    md.append("")
+
+    with open(os.path.join(results, "latest-mixed.csv"), "w", newline="") as f:
+        wr = csv.writer(f)
+        wr.writerow(
+            ["system", "op", "mode", "run", "ops", "seconds", "p50_ns", "p99_ns", "max_ns",
+             "stream_mib_s", "read_io", "stream_write_p99_ns", "stream_write_max_ns"]
+        )
+        wr.writerows(mixed)
     return md
 
 
