@@ -178,6 +178,15 @@ impl Fs {
         let mut fs = Fs::open_device_opts(dev, OpenOpts::nologreplay())?;
         let w = crate::tree_log::start_writer(&fs)?;
         fs.writer = Some(Mutex::new(w));
+        // Files unlinked while open when the last writer stopped: their space comes back now,
+        // as the kernel gives it back at mount.
+        let n = fs.clean_orphans()?;
+        if n > 0 {
+            log::info!(
+                "deleted {n} orphan inodes (unlinked while open when the last writer stopped)"
+            );
+            fs.commit()?;
+        }
         Ok(fs)
     }
 
@@ -1041,6 +1050,42 @@ fn copy_overlap(out: &mut [u8], lo: u64, hi: u64, data_off: u64, data: &[u8]) {
     let dst = (s - lo) as usize;
     let src = (s - data_off) as usize;
     out[dst..dst + n].copy_from_slice(&data[src..src + n]);
+}
+
+impl Fs {
+    /// Deletes the inodes with no links that ORPHAN items name, in every writable subvolume
+    /// (a read-only snapshot keeps what it holds). Returns how many were deleted.
+    pub fn clean_orphans(&self) -> Result<usize> {
+        let mut roots = vec![FS_TREE_OBJECTID];
+        roots.extend(self.list_subvolumes()?.iter().map(|s| s.id));
+        let mut deleted = 0;
+        for root in roots {
+            let mut it = TreeIter::new(
+                self.disk.clone(),
+                self.subvol_root(root)?,
+                Key::new(ORPHAN_OBJECTID, ORPHAN_ITEM_KEY, 0),
+                Readahead::None,
+            )?;
+            let mut inos = Vec::new();
+            while let Some(i) = it.next_item()? {
+                if i.key.objectid != ORPHAN_OBJECTID || i.key.ty != ORPHAN_ITEM_KEY {
+                    break;
+                }
+                inos.push(i.key.offset);
+            }
+            for ino in inos {
+                let inode = Inode { root, ino };
+                if self.inode_item(inode).is_ok_and(|it| it.nlink == 0) {
+                    match self.release_orphan(inode) {
+                        Ok(()) => deleted += 1,
+                        Err(Error::ReadOnlySubvol(_)) => break,
+                        Err(e) => return Err(e),
+                    }
+                }
+            }
+        }
+        Ok(deleted)
+    }
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -273,18 +273,6 @@ pub fn mount(a: MountArgs) -> CliResult {
             root.root
         )));
     }
-    if fs.is_writable() {
-        // Files unlinked while open when a previous writer died: their space comes back now,
-        // as the kernel does at mount.
-        let n =
-            clean_orphans(&fs).map_err(|e| CliError(format!("cleaning up orphan inodes: {e}")))?;
-        if n > 0 {
-            log::info!(
-                "deleted {n} orphan inodes (unlinked while open when the last writer stopped)"
-            );
-            fs.commit()?;
-        }
-    }
     let ready = move || {
         if let Some(fd) = ready_pipe {
             detach(fd);
@@ -299,38 +287,6 @@ pub fn mount(a: MountArgs) -> CliResult {
     })?;
     // The session's end (fuse `destroy`) made the final commit, or logged why it could not.
     Ok(())
-}
-
-/// Deletes the inodes with no links that ORPHAN items name (in every subvolume). Returns how
-/// many were deleted.
-fn clean_orphans(fs: &Fs) -> butter::Result<usize> {
-    use butter::format::{Key, ORPHAN_ITEM_KEY, ORPHAN_OBJECTID};
-    let mut roots = vec![FS_TREE_OBJECTID];
-    roots.extend(fs.list_subvolumes()?.iter().map(|s| s.id));
-    let mut deleted = 0;
-    for root in roots {
-        let mut it = butter::ctree::TreeIter::new(
-            fs.disk.clone(),
-            fs.subvol_root(root)?,
-            Key::new(ORPHAN_OBJECTID, ORPHAN_ITEM_KEY, 0),
-            butter::disk_io::Readahead::None,
-        )?;
-        let mut inos = Vec::new();
-        while let Some(i) = it.next_item()? {
-            if i.key.objectid != ORPHAN_OBJECTID || i.key.ty != ORPHAN_ITEM_KEY {
-                break;
-            }
-            inos.push(i.key.offset);
-        }
-        for ino in inos {
-            let inode = Inode { root, ino };
-            if fs.inode_item(inode).is_ok_and(|it| it.nlink == 0) {
-                fs.release_orphan(inode)?;
-                deleted += 1;
-            }
-        }
-    }
-    Ok(deleted)
 }
 
 /// `--daemon`: forks. The parent waits until the child reports the mount usable (exit 0) or

@@ -1,0 +1,100 @@
+//! Rules the engine keeps by itself, tested without a mount:
+//! - a file unlinked while open is an orphan; if the writer stops before closing it, the next
+//!   read-write open deletes it and gives its space back (as the kernel does at mount);
+//! - the gate lets readers run together and keeps them out of a change, from many threads.
+
+use butter::device::RamDevice;
+use butter::fs::Fs;
+use butter::fs_write::Owner;
+use butter::mkfs::{mkfs, MkfsOptions};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+fn fresh(size: u64) -> Arc<RamDevice> {
+    std::env::set_var("BUTTER_FIXED_TIME", "1700000000");
+    let dev = Arc::new(RamDevice::new(vec![0u8; size as usize]));
+    let opts = MkfsOptions {
+        size,
+        fsid: Some(*b"butter-rules-tst"),
+        time: Some(1_700_000_000),
+        ..MkfsOptions::default()
+    };
+    mkfs(dev.as_ref(), &opts).unwrap();
+    dev
+}
+
+fn clean(dev: &RamDevice) {
+    let fs = Fs::open_device(Arc::new(RamDevice::new(dev.durable_bytes()))).unwrap();
+    let rep = butter::check::check(&fs, &mut |_| {}).unwrap();
+    assert!(rep.is_clean(), "butter check: {:?}", rep.findings);
+}
+
+#[test]
+fn orphans_left_by_a_stopped_writer_go_at_the_next_open() {
+    let dev = fresh(256 << 20);
+    let me = Owner { uid: 0, gid: 0 };
+    let used_before;
+    {
+        let fs = Fs::open_device_rw(dev.clone()).unwrap();
+        used_before = fs.statfs().unwrap().free;
+        let f = fs.create(fs.root_inode(), b"big", 0o644, me).unwrap();
+        fs.write(f, 0, &vec![7u8; 8 << 20]).unwrap();
+        fs.note_open(f);
+        fs.unlink(fs.root_inode(), b"big").unwrap();
+        fs.commit().unwrap();
+        // The writer stops here with the file still open: it stays an orphan on disk.
+        assert_eq!(fs.inode_item(f).unwrap().nlink, 0);
+    }
+    let fs = Fs::open_device_rw(dev.clone()).unwrap();
+    let free = fs.statfs().unwrap().free;
+    assert!(
+        free + (1 << 20) >= used_before,
+        "the orphan's 8 MiB did not come back: {free} bytes free, {used_before} before"
+    );
+    drop(fs);
+    clean(&dev);
+}
+
+#[test]
+fn readers_run_together_and_never_inside_a_change() {
+    let dev = fresh(256 << 20);
+    let fs = Arc::new(Fs::open_device_rw(dev.clone()).unwrap());
+    let me = Owner { uid: 0, gid: 0 };
+    let inside = Arc::new(AtomicUsize::new(0));
+    let threads: Vec<_> = (0..4)
+        .map(|t| {
+            let (fs, inside) = (fs.clone(), inside.clone());
+            std::thread::spawn(move || {
+                for i in 0..50 {
+                    if (i + t) % 3 == 0 {
+                        let _g = fs.change_gate().unwrap();
+                        assert_eq!(inside.swap(usize::MAX, Ordering::SeqCst), 0);
+                        fs.create(fs.root_inode(), format!("f{t}-{i}").as_bytes(), 0o644, me)
+                            .unwrap();
+                        inside.store(0, Ordering::SeqCst);
+                    } else {
+                        let _g = fs.read_gate();
+                        let n = inside.fetch_add(1, Ordering::SeqCst);
+                        assert_ne!(n, usize::MAX, "a reader ran inside a change");
+                        fs.readdir(fs.root_inode(), 0, usize::MAX).unwrap();
+                        inside.fetch_sub(1, Ordering::SeqCst);
+                    }
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    fs.gated_commit().unwrap();
+    let names = fs.readdir(fs.root_inode(), 0, usize::MAX).unwrap();
+    let made = (0..4usize)
+        .map(|t| (0..50usize).filter(|i| (i + t) % 3 == 0).count())
+        .sum::<usize>();
+    assert_eq!(
+        names.iter().filter(|e| e.name.starts_with(b"f")).count(),
+        made
+    );
+    drop(fs);
+    clean(&dev);
+}
