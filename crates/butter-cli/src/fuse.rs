@@ -661,29 +661,29 @@ impl Filesystem for ButterFuse {
             return;
         }
         // The final commit; a failure (or changes stopped before) makes `serve` fail.
-        if let Err(e) = self.fs.gated_commit() {
-            self.fs.stop(format!("final commit at unmount: {e}"));
+        match self.fs.close() {
+            Ok(r) => {
+                let (st, o) = (r.log, r.ordered);
+                log::info!(
+                    "fsync: {} logged ({} ordered extents before their completion), {} \
+                     committed instead, {} already durable; {} log commits",
+                    st.logged,
+                    st.ordered_logged,
+                    st.fallbacks,
+                    st.already_durable,
+                    st.log_commits
+                );
+                log::info!(
+                    "writes: {} ordered extents ({} completed after the write returned), {} \
+                     delayed allocations written back, {} writes waited for an overlapping one",
+                    o.started,
+                    o.deferred,
+                    o.delalloc_flushed,
+                    o.locked_waits
+                );
+            }
+            Err(e) => self.fs.stop(format!("final commit at unmount: {e}")),
         }
-        if let Ok(st) = self.fs.log_stats() {
-            log::info!(
-                "fsync: {} logged ({} ordered extents before their completion), {} committed \
-                 instead, {} already durable; {} log commits",
-                st.logged,
-                st.ordered_logged,
-                st.fallbacks,
-                st.already_durable,
-                st.log_commits
-            );
-        }
-        let o = self.fs.ordered_stats();
-        log::info!(
-            "writes: {} ordered extents ({} completed after the write returned), {} delayed \
-             allocations written back, {} writes waited for an overlapping one",
-            o.started,
-            o.deferred,
-            o.delalloc_flushed,
-            o.locked_waits
-        );
     }
 
     fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
@@ -1708,27 +1708,12 @@ pub fn serve(
         mountpoint.display(),
         if writable { "read-write" } else { "read-only" }
     );
-    // Periodic commits; the sender's drop at the end stops the thread.
-    let (stop_commits, stopped) = std::sync::mpsc::channel::<()>();
-    let committer = match (writable, cfg.commit_interval) {
-        (true, Some(every)) if !every.is_zero() => {
-            let fs = fs.clone();
-            Some(
-                std::thread::Builder::new()
-                    .name("butter-commit".into())
-                    .spawn(move || {
-                        while let Err(std::sync::mpsc::RecvTimeoutError::Timeout) =
-                            stopped.recv_timeout(every)
-                        {
-                            if let Err(e) = fs.gated_commit() {
-                                log::error!("periodic commit: {e}");
-                            }
-                        }
-                    })?,
-            )
+    // Periodic commits (the engine's scheduler; `close` at the session's end stops it).
+    if writable {
+        if let Some(every) = cfg.commit_interval {
+            fs.start_committer(every)?;
         }
-        _ => None,
-    };
+    }
     // fuser 0.18 unmounts the mount point again when its session ends, even after someone
     // else unmounted it (its is-still-mounted probe takes POLLERR for "mounted"): a spurious
     // warning, and with stacked mounts it would unmount the one below ours. So the session
@@ -1777,10 +1762,7 @@ pub fn serve(
         .unwrap_or_else(|_| Err(std::io::Error::other("the FUSE session thread panicked")));
     handle.close();
     let _ = watcher.join();
-    drop(stop_commits);
-    if let Some(c) = committer {
-        let _ = c.join();
-    }
+    fs.stop_committer();
     match r {
         // The kernel aborted the connection (`/sys/fs/fuse/connections/N/abort`, or the end
         // of a detached mount racing the last reads; fuser asks for FUSE_ABORT_ERROR, so the

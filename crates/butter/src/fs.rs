@@ -133,6 +133,8 @@ pub struct Fs {
     pub(crate) fsync_waits_for_writes: std::sync::atomic::AtomicBool,
     /// The reader/writer gate and the abort latch for concurrent callers (crate::gate).
     pub(crate) gate: crate::gate::Gate,
+    /// The periodic commit thread ([`Fs::start_committer`]): its stop signal and handle.
+    committer: Mutex<Option<(std::sync::mpsc::Sender<()>, std::thread::JoinHandle<()>)>>,
 }
 
 impl Fs {
@@ -232,6 +234,7 @@ impl Fs {
             ),
             fsync_waits_for_writes: std::sync::atomic::AtomicBool::new(false),
             gate: Default::default(),
+            committer: Mutex::new(None),
         };
         fs.csum_root = match fs.find_root_item(CSUM_TREE_OBJECTID)? {
             Some(ri) => Some(Root {
@@ -1196,5 +1199,71 @@ impl Fs {
         let exclusive = g.exclusive;
         let _changes = g.changes;
         self.commit_with(move || drop(exclusive))
+    }
+}
+
+/// What a filesystem did while it was open, as [`Fs::close`] reports it.
+#[derive(Debug, Clone)]
+pub struct CloseReport {
+    pub log: crate::log_state::LogStats,
+    pub ordered: crate::ordered::OrderedStats,
+}
+
+impl Fs {
+    /// Commits every `every` (the kernel's `commit=` mount option) on a thread of its own,
+    /// under the gate, until [`Fs::close`] or [`Fs::stop_committer`]. Nothing to do when
+    /// read-only or `every` is zero.
+    pub fn start_committer(self: &Arc<Self>, every: std::time::Duration) -> std::io::Result<()> {
+        if !self.is_writable() || every.is_zero() {
+            return Ok(());
+        }
+        self.stop_committer();
+        let (tx, rx) = std::sync::mpsc::channel::<()>();
+        let weak = Arc::downgrade(self);
+        let h = std::thread::Builder::new()
+            .name("butter-commit".into())
+            .spawn(move || {
+                while let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = rx.recv_timeout(every) {
+                    let Some(fs) = weak.upgrade() else { return };
+                    if let Err(e) = fs.gated_commit() {
+                        log::error!("periodic commit: {e}");
+                    }
+                }
+            })?;
+        *self.committer.lock().unwrap_or_else(|e| e.into_inner()) = Some((tx, h));
+        Ok(())
+    }
+
+    /// Stops the periodic commits (waiting for one in progress).
+    pub fn stop_committer(&self) {
+        let c = self
+            .committer
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        if let Some((tx, h)) = c {
+            drop(tx);
+            if h.thread().id() != std::thread::current().id() {
+                let _ = h.join();
+            }
+        }
+    }
+
+    /// Ends the session: stops the periodic commits, makes the final commit (read-write) and
+    /// reports what the filesystem did. An error says why the last changes are not on disk
+    /// (the image keeps its last commit).
+    pub fn close(&self) -> Result<CloseReport> {
+        self.stop_committer();
+        if self.is_writable() {
+            self.gated_commit()?;
+        }
+        Ok(CloseReport {
+            log: if self.is_writable() {
+                self.log_stats()?
+            } else {
+                Default::default()
+            },
+            ordered: self.ordered_stats(),
+        })
     }
 }

@@ -98,3 +98,43 @@ fn readers_run_together_and_never_inside_a_change() {
     drop(fs);
     clean(&dev);
 }
+
+#[test]
+fn the_commit_scheduler_and_close_make_changes_durable() {
+    let dev = fresh(256 << 20);
+    let fs = Arc::new(Fs::open_device_rw(dev.clone()).unwrap());
+    let me = Owner { uid: 0, gid: 0 };
+    fs.start_committer(std::time::Duration::from_millis(50))
+        .unwrap();
+    {
+        let _g = fs.change_gate().unwrap();
+        fs.create(fs.root_inode(), b"by-the-scheduler", 0o644, me)
+            .unwrap();
+    }
+    // No commit call: the scheduler's commit puts it on the device.
+    let on_disk = |name: &[u8]| {
+        let seen = Fs::open_device(Arc::new(RamDevice::new(dev.durable_bytes()))).unwrap();
+        seen.lookup(seen.root_inode(), name).unwrap().is_some()
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !on_disk(b"by-the-scheduler") {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no periodic commit within 10 s"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    {
+        let _g = fs.change_gate().unwrap();
+        let f = fs.create(fs.root_inode(), b"at-close", 0o644, me).unwrap();
+        fs.write(f, 0, &vec![3u8; 300 << 10]).unwrap();
+    }
+    let report = fs.close().unwrap();
+    assert!(
+        report.ordered.started + report.ordered.delalloc_flushed >= 1,
+        "the report does not count the write: {report:?}"
+    );
+    assert!(on_disk(b"at-close"), "close did not commit");
+    drop(fs);
+    clean(&dev);
+}
