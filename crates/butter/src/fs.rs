@@ -162,6 +162,11 @@ impl Fs {
     /// another process has it open read-write or the kernel may have it mounted (see
     /// [`FileDevice::open_exclusive`]).
     pub fn open_rw(path: &FsPath) -> Result<Fs> {
+        Self::open_rw_with(path, RwOptions::default())
+    }
+
+    /// [`Fs::open_rw`] with the write engine's options.
+    pub fn open_rw_with(path: &FsPath, opts: RwOptions) -> Result<Fs> {
         let dev = FileDevice::open_exclusive(path).map_err(|e| {
             if e.kind() == std::io::ErrorKind::ResourceBusy {
                 Error::NotPermitted(format!(
@@ -172,12 +177,25 @@ impl Fs {
                 Error::io(format!("opening {} read-write", path.display()), 0, e)
             }
         })?;
-        Self::open_device_rw(Arc::new(dev))
+        Self::open_device_rw_with(Arc::new(dev), opts)
     }
 
     /// Opens a device read-write: starts the write engine.
     pub fn open_device_rw(dev: Arc<dyn crate::device::BlockDevice>) -> Result<Fs> {
+        Self::open_device_rw_with(dev, RwOptions::default())
+    }
+
+    /// [`Fs::open_device_rw`] with the write engine's options, in force before anything is
+    /// written (the log replay and the orphan cleanup included).
+    pub fn open_device_rw_with(
+        dev: Arc<dyn crate::device::BlockDevice>,
+        opts: RwOptions,
+    ) -> Result<Fs> {
         let mut fs = Fs::open_device_opts(dev, OpenOpts::nologreplay())?;
+        fs.set_fsync_log(opts.fsync_log);
+        fs.set_fsync_skips_writes_in_progress(opts.fsync_skips_writes_in_progress);
+        fs.set_unlocked_writeback(opts.unlocked_writeback);
+        fs.set_delayed_allocation(opts.delayed_allocation);
         let w = crate::tree_log::start_writer(&fs)?;
         fs.writer = Some(Mutex::new(w));
         // Files unlinked while open when the last writer stopped: their space comes back now,
@@ -1199,6 +1217,30 @@ impl Fs {
         let exclusive = g.exclusive;
         let _changes = g.changes;
         self.commit_with(move || drop(exclusive))
+    }
+}
+
+/// The write engine's options, given at the read-write open ([`Fs::open_rw_with`]).
+#[derive(Debug, Clone, Copy)]
+pub struct RwOptions {
+    /// fsync writes the log tree (else it commits the transaction). Default on.
+    pub fsync_log: bool,
+    /// Seed 003's rule: an fsync does not wait for the inode's writes in progress. Default on.
+    pub fsync_skips_writes_in_progress: bool,
+    /// Extents longer than 64 KiB are written without the writer lock. Default on.
+    pub unlocked_writeback: bool,
+    /// Appends gather in memory (delayed allocation). Default on.
+    pub delayed_allocation: bool,
+}
+
+impl Default for RwOptions {
+    fn default() -> Self {
+        RwOptions {
+            fsync_log: true,
+            fsync_skips_writes_in_progress: true,
+            unlocked_writeback: true,
+            delayed_allocation: true,
+        }
     }
 }
 

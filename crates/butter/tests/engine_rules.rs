@@ -138,3 +138,34 @@ fn the_commit_scheduler_and_close_make_changes_durable() {
     drop(fs);
     clean(&dev);
 }
+
+#[test]
+fn options_given_at_open_decide_what_fsync_writes() {
+    let me = Owner { uid: 0, gid: 0 };
+    for fsync_log in [true, false] {
+        let dev = fresh(256 << 20);
+        let opts = butter::fs::RwOptions {
+            fsync_log,
+            ..Default::default()
+        };
+        let fs = Fs::open_device_rw_with(dev.clone(), opts).unwrap();
+        let f = fs.create(fs.root_inode(), b"f", 0o644, me).unwrap();
+        fs.write(f, 0, &vec![1u8; 200 << 10]).unwrap();
+        fs.gated_fsync(f).unwrap();
+        let st = fs.log_stats().unwrap();
+        if fsync_log {
+            assert_eq!((st.logged, st.fallbacks), (1, 0), "{st:?}");
+        } else {
+            assert_eq!(st.logged, 0, "{st:?}");
+        }
+        // Either way the file is on the device now.
+        let seen = Fs::open_device(Arc::new(RamDevice::new(dev.durable_bytes()))).unwrap();
+        let found = seen
+            .lookup(seen.root_inode(), b"f")
+            .unwrap()
+            .expect("fsynced file");
+        assert_eq!(seen.stat(found.target).unwrap().size, 200 << 10);
+        drop(fs);
+        clean(&dev);
+    }
+}

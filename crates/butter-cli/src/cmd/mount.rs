@@ -254,7 +254,12 @@ pub fn mount(a: MountArgs) -> CliResult {
     } else if p.ro {
         open_fs(&a.image)?
     } else {
-        Fs::open_rw(&a.image).map_err(|e| match e {
+        let opts = butter::fs::RwOptions {
+            fsync_log: p.fsync_log,
+            fsync_skips_writes_in_progress: p.fsync_rule,
+            ..Default::default()
+        };
+        Fs::open_rw_with(&a.image, opts).map_err(|e| match e {
             butter::Error::NotPermitted(msg) => CliError(msg),
             e => CliError(format!(
                 "cannot open {} read-write: {}; to mount it read-only use --ro",
@@ -263,8 +268,6 @@ pub fn mount(a: MountArgs) -> CliResult {
             )),
         })?
     };
-    fs.set_fsync_log(p.fsync_log);
-    fs.set_fsync_skips_writes_in_progress(p.fsync_rule);
     let fs = Arc::new(fs);
     let root = subvol_root(&fs, &p.subvol)?;
     if !fs.stat(root)?.is_dir() {
