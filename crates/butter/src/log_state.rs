@@ -209,6 +209,8 @@ pub struct LogState {
     pub(crate) blocks: HashSet<u64>,
     /// A log commit failed part way: its trees may name blocks never written, so fsyncs
     /// commit until the transaction does.
+    /// (Also set when a chunk is added: its extents and blocks would be in no chunk the log's
+    /// replay knows.)
     pub(crate) broken: bool,
     /// Blocks of committed logs, released once no log write is in flight.
     pub(crate) retired: Vec<u64>,

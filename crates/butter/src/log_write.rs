@@ -988,6 +988,13 @@ impl Fs {
                 w.log.stats.already_durable += 1;
                 return Ok(());
             }
+            if w.log.broken {
+                // A chunk was added since the inode was logged (or a log write failed): the
+                // log cannot be written now; a commit makes it all durable.
+                w.log.stats.fallbacks += 1;
+                self.complete_ordered(&mut w)?;
+                return w.commit();
+            }
             match w.log_prepare() {
                 Ok(Some(p)) => p,
                 Ok(None) => return Ok(()),

@@ -535,6 +535,11 @@ impl Writer {
     /// Adds a chunk (and its block group) of `kind`, at least `min_len` bytes when possible.
     pub fn alloc_chunk(&mut self, kind: SpaceKind, min_len: u64) -> Result<u64> {
         self.check_writable()?;
+        // The new chunk is in the chunk tree only once this transaction commits: a log that
+        // named an extent or a log block in it would not replay (its address maps nowhere
+        // before the commit). Until the commit, fsyncs commit instead of logging, as the
+        // kernel's do after a full-commit mark.
+        self.log.broken = true;
         // The profile of the existing groups of this kind.
         let mut profile = None;
         self.allocator.for_each(|g| {
