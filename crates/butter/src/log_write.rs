@@ -1575,6 +1575,7 @@ mod tests {
         let root = fs.root_inode();
         let a = fs.create(root, b"a", 0o644, Owner::default()).unwrap();
         let free = fs.statfs().unwrap().free;
+        let chunks_before = fs.disk.chunk_map().chunks().count() as u64;
         let chunk = 4 << 20;
         let size = (free / 3) & !(chunk as u64 - 1);
         let mut written = 0u64;
@@ -1592,7 +1593,13 @@ mod tests {
                 written += chunk as u64;
             }
         }
-        assert_eq!(fs.log_stats().unwrap().fallbacks, 0);
+        // Only an fsync right after a new chunk commits (the log could not name it).
+        let added = fs.disk.chunk_map().chunks().count() as u64 - chunks_before;
+        let fallbacks = fs.log_stats().unwrap().fallbacks;
+        assert!(
+            fallbacks <= added,
+            "{fallbacks} fsyncs committed, {added} chunks were added"
+        );
         let after = after_cut(&dev);
         let a2 = child(&after, after.root_inode(), b"a");
         assert_eq!(
