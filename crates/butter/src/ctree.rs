@@ -130,6 +130,34 @@ fn child_expect(root: &Root, parent: &TreeBlock, slot: usize) -> (u64, Expect) {
     )
 }
 
+/// Checks that a block's keys stay below `upper`, the key its parent (or the nearest ancestor
+/// with a next slot) gives the next block: a pointer to a block of another part of the tree
+/// (linked twice, or out of order) breaks it even when the first key matches.
+fn check_upper(root: &Root, b: &TreeBlock, upper: Option<Key>) -> Result<()> {
+    let (Some(upper), Some(last)) = (upper, b.nritems().checked_sub(1)) else {
+        return Ok(());
+    };
+    let k = b.key(last);
+    if k >= upper {
+        return Err(Error::corrupt(
+            Location::block(Some(root.id), b.bytenr),
+            format!(
+                "keys reach {k}, not below {upper}, the key the parent gives the next block \
+                 (tree blocks linked out of order or twice)"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// The upper bound of the child at `slot` of the block at `level`, from the path above it.
+fn upper_of(nodes: &[(Arc<TreeBlock>, usize)], level: usize) -> Option<Key> {
+    nodes[level..]
+        .iter()
+        .find(|(b, s)| s + 1 < b.nritems())
+        .map(|(b, s)| b.key(s + 1))
+}
+
 fn read_root(disk: &Disk, root: &Root) -> Result<Arc<TreeBlock>> {
     if root.level >= MAX_LEVEL {
         return Err(Error::corrupt(
@@ -184,7 +212,13 @@ pub fn search_slot(
         let slot = node_slot(&block, key);
         let (child, expect) = child_expect(root, &block, slot);
         nodes[level] = Some((block.clone(), slot));
+        let upper = nodes[level..]
+            .iter()
+            .flatten()
+            .find(|(b, s)| s + 1 < b.nritems())
+            .map(|(b, s)| b.key(s + 1));
         block = disk.read_tree_block(child, &expect)?;
+        check_upper(root, &block, upper)?;
     }
 }
 
@@ -257,6 +291,7 @@ pub fn next_leaf(disk: &Arc<Disk>, path: &mut Path) -> Result<bool> {
         let (child, expect) = child_expect(&path.root, &parent, slot);
         cached &= disk.is_cached(child);
         let b = disk.read_tree_block(child, &expect)?;
+        check_upper(&path.root, &b, upper_of(&path.nodes, level))?;
         level -= 1;
         path.nodes[level] = (b, 0);
     }
@@ -278,6 +313,7 @@ pub fn prev_leaf(disk: &Arc<Disk>, path: &mut Path) -> Result<bool> {
         let (parent, slot) = path.nodes[level].clone();
         let (child, expect) = child_expect(&path.root, &parent, slot);
         let b = disk.read_tree_block(child, &expect)?;
+        check_upper(&path.root, &b, upper_of(&path.nodes, level))?;
         level -= 1;
         let last = b.nritems().saturating_sub(1);
         path.nodes[level] = (b, last);
