@@ -150,10 +150,10 @@ fn check_upper(root: &Root, b: &TreeBlock, upper: Option<Key>) -> Result<()> {
     Ok(())
 }
 
-/// The upper bound of the child at `slot` of the block at `level`, from the path above it.
-fn upper_of(nodes: &[(Arc<TreeBlock>, usize)], level: usize) -> Option<Key> {
-    nodes[level..]
-        .iter()
+/// The upper bound of a child, from the path's (block, slot) pairs from its parent upward:
+/// the key after the slot of the first of them that has one.
+fn upper_of<'a>(mut above: impl Iterator<Item = &'a (Arc<TreeBlock>, usize)>) -> Option<Key> {
+    above
         .find(|(b, s)| s + 1 < b.nritems())
         .map(|(b, s)| b.key(s + 1))
 }
@@ -212,11 +212,7 @@ pub fn search_slot(
         let slot = node_slot(&block, key);
         let (child, expect) = child_expect(root, &block, slot);
         nodes[level] = Some((block.clone(), slot));
-        let upper = nodes[level..]
-            .iter()
-            .flatten()
-            .find(|(b, s)| s + 1 < b.nritems())
-            .map(|(b, s)| b.key(s + 1));
+        let upper = upper_of(nodes[level..].iter().flatten());
         block = disk.read_tree_block(child, &expect)?;
         check_upper(root, &block, upper)?;
     }
@@ -291,7 +287,7 @@ pub fn next_leaf(disk: &Arc<Disk>, path: &mut Path) -> Result<bool> {
         let (child, expect) = child_expect(&path.root, &parent, slot);
         cached &= disk.is_cached(child);
         let b = disk.read_tree_block(child, &expect)?;
-        check_upper(&path.root, &b, upper_of(&path.nodes, level))?;
+        check_upper(&path.root, &b, upper_of(path.nodes[level..].iter()))?;
         level -= 1;
         path.nodes[level] = (b, 0);
     }
@@ -313,7 +309,7 @@ pub fn prev_leaf(disk: &Arc<Disk>, path: &mut Path) -> Result<bool> {
         let (parent, slot) = path.nodes[level].clone();
         let (child, expect) = child_expect(&path.root, &parent, slot);
         let b = disk.read_tree_block(child, &expect)?;
-        check_upper(&path.root, &b, upper_of(&path.nodes, level))?;
+        check_upper(&path.root, &b, upper_of(path.nodes[level..].iter()))?;
         level -= 1;
         let last = b.nritems().saturating_sub(1);
         path.nodes[level] = (b, last);

@@ -142,9 +142,12 @@ impl Fs {
         let mut w = self.writer()?;
         w.reserve_metadata(grows)?;
         let r = f(&mut w);
-        if let Err(Error::Internal(why)) = &r {
-            // The change may be half made: no more changes, no commit of it.
-            w.abort(format!("internal error: {why}"));
+        if let Err(e) = &r {
+            if e.stops_changes() {
+                // The change may be half made: no more changes, no commit of it (the same
+                // rule the gate's latch applies to a front end's operations).
+                w.abort(e.to_string());
+            }
         }
         r
     }

@@ -812,7 +812,7 @@ impl Writer {
                 format!("item is {} bytes, expected at least 32", body.len()),
             ));
         }
-        let flags = u64::from_le_bytes(body[16..24].try_into().unwrap());
+        let flags = le_u64(&body, 16);
         if flags & QGROUP_STATUS_FLAG_ON != 0 && flags & QGROUP_STATUS_FLAG_INCONSISTENT == 0 {
             let transid = self.transid;
             self.update_item(QUOTA_TREE_OBJECTID, &key, |b| {
