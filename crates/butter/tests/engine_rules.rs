@@ -3,30 +3,27 @@
 //!   read-write open deletes it and gives its space back (as the kernel does at mount);
 //! - the gate lets readers run together and keeps them out of a change, from many threads.
 
+mod crash_support;
+
 use butter::device::RamDevice;
 use butter::fs::Fs;
 use butter::fs_write::Owner;
-use butter::mkfs::{mkfs, MkfsOptions};
+use butter::mkfs::Profile;
+use crash_support::{butter_check, fresh_image};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 fn fresh(size: u64) -> Arc<RamDevice> {
-    std::env::set_var("BUTTER_FIXED_TIME", "1700000000");
-    let dev = Arc::new(RamDevice::new(vec![0u8; size as usize]));
-    let opts = MkfsOptions {
+    Arc::new(RamDevice::new(fresh_image(
         size,
-        fsid: Some(*b"butter-rules-tst"),
-        time: Some(1_700_000_000),
-        ..MkfsOptions::default()
-    };
-    mkfs(dev.as_ref(), &opts).unwrap();
-    dev
+        Profile::Dup,
+        Profile::Single,
+    )))
 }
 
 fn clean(dev: &RamDevice) {
     let fs = Fs::open_device(Arc::new(RamDevice::new(dev.durable_bytes()))).unwrap();
-    let rep = butter::check::check(&fs, &mut |_| {}).unwrap();
-    assert!(rep.is_clean(), "butter check: {:?}", rep.findings);
+    butter_check(&fs).unwrap();
 }
 
 #[test]

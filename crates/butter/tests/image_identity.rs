@@ -7,32 +7,23 @@
 //! `IMAGE_IDENTITY_PRINT=1 cargo test --release --test image_identity -- --nocapture` prints
 //! the hashes.
 
+mod crash_support;
+
 use butter::device::RamDevice;
 use butter::format::items::Timespec;
 use butter::fs::{Fs, Inode};
 use butter::fs_write::{Owner, SetAttr};
-use butter::mkfs::{mkfs, MkfsOptions};
+use butter::mkfs::Profile;
+use crash_support::{btrfs_check, butter_check, content, fresh_image};
 use sha2::{Digest, Sha256};
 use std::sync::Arc;
 
 /// (after the fsyncs, with a log; after the first commit; after the close) as hex SHA-256.
 const GOLDEN: [&str; 3] = [
-    "da591123caba31d3a5583368ec9a17e8dbb4bd014f599653cb218981418aecf7",
-    "59dbe36cfd763fc7939b1c7974a3d69a46070c3ba768247a436e5e502a80632d",
-    "f4803255ac04e050f6789932c5f3e9215215ae947b2f60f9230ef08d2cc4c7b6",
+    "12ecbd9fc8cc9f28288f97a86c47d9cb54ecfd1609f8b2871a2675870ea373d7",
+    "85199891719a66c5683a67eb9412b72b0e48d1a3a5bdd68dc603266cb87dc6a6",
+    "3a256400f03d1b5ddfd0bff06b3ee9be6511345d997bd8a441f94bc11d1b5546",
 ];
-
-fn content(seed: u64, len: usize) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x >> 24) as u8
-        })
-        .collect()
-}
 
 fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
@@ -44,16 +35,11 @@ fn hash(dev: &RamDevice) -> String {
 
 /// The workload; returns the three hashes and the final image.
 fn run() -> ([String; 3], Vec<u8>) {
-    std::env::set_var("BUTTER_FIXED_TIME", "1700000000");
-    let size = 256u64 << 20;
-    let dev = Arc::new(RamDevice::new(vec![0u8; size as usize]));
-    let opts = MkfsOptions {
-        size,
-        fsid: Some(*b"butter-identity!"),
-        time: Some(1_700_000_000),
-        ..MkfsOptions::default()
-    };
-    mkfs(dev.as_ref(), &opts).expect("mkfs");
+    let dev = Arc::new(RamDevice::new(fresh_image(
+        256 << 20,
+        Profile::Dup,
+        Profile::Single,
+    )));
     let fs = Fs::open_device_rw(dev.clone()).expect("open");
     let me = Owner {
         uid: 1000,
@@ -135,22 +121,8 @@ fn the_scripted_workload_writes_the_same_bytes() {
     let (b, _) = run();
     // The image the workload leaves is sound, to both checkers.
     let fs = Fs::open_device(Arc::new(RamDevice::new(image.clone()))).unwrap();
-    let rep = butter::check::check(&fs, &mut |_| {}).unwrap();
-    assert!(rep.is_clean(), "butter check: {:?}", rep.findings);
-    let path = std::env::temp_dir().join(format!("image-identity-{}.img", std::process::id()));
-    std::fs::write(&path, &image).unwrap();
-    let out = std::process::Command::new("btrfs")
-        .args(["check", "--readonly"])
-        .arg(&path)
-        .output()
-        .expect("btrfs-progs must be installed (scripts/install-deps)");
-    let _ = std::fs::remove_file(&path);
-    assert!(
-        out.status.success(),
-        "btrfs check: {}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    butter_check(&fs).unwrap();
+    btrfs_check(&image, "image-identity").unwrap();
     assert_eq!(
         a, b,
         "the same workload wrote different bytes twice in one process"

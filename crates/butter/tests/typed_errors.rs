@@ -3,25 +3,23 @@
 //!   filesystem goes on;
 //! - the image afterwards is clean to the checker.
 
+mod crash_support;
+
 use butter::device::RamDevice;
 use butter::fs::Fs;
 use butter::fs_write::Owner;
-use butter::mkfs::{mkfs, MkfsOptions};
+use butter::mkfs::Profile;
 use butter::Error;
+use crash_support::{butter_check, fresh_image};
 use std::sync::Arc;
 
 #[test]
 fn link_and_rename_across_subvolumes_are_exdev() {
-    std::env::set_var("BUTTER_FIXED_TIME", "1700000000");
-    let size = 256u64 << 20;
-    let dev = Arc::new(RamDevice::new(vec![0u8; size as usize]));
-    let opts = MkfsOptions {
-        size,
-        fsid: Some(*b"butter-exdev-tst"),
-        time: Some(1_700_000_000),
-        ..MkfsOptions::default()
-    };
-    mkfs(dev.as_ref(), &opts).unwrap();
+    let dev = Arc::new(RamDevice::new(fresh_image(
+        256 << 20,
+        Profile::Dup,
+        Profile::Single,
+    )));
     let fs = Fs::open_device_rw(dev.clone()).unwrap();
     let me = Owner { uid: 0, gid: 0 };
     let top = fs.root_inode();
@@ -37,6 +35,5 @@ fn link_and_rename_across_subvolumes_are_exdev() {
     fs.commit().unwrap();
     drop(fs);
     let fs = Fs::open_device(Arc::new(RamDevice::new(dev.durable_bytes()))).unwrap();
-    let rep = butter::check::check(&fs, &mut |_| {}).unwrap();
-    assert!(rep.is_clean(), "butter check: {:?}", rep.findings);
+    butter_check(&fs).unwrap();
 }

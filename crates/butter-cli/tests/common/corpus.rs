@@ -70,18 +70,6 @@ fn cache_dir(archives: &[PathBuf]) -> PathBuf {
     base.join(format!("corpus-{h:016x}"))
 }
 
-fn run(cmd: &mut Command, what: &str) {
-    let out = cmd
-        .output()
-        .unwrap_or_else(|e| panic!("{what}: cannot run {cmd:?}: {e}"));
-    assert!(
-        out.status.success(),
-        "{what}: {cmd:?} failed: {}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
 fn tmp_name(p: &Path) -> PathBuf {
     let mut s = p.as_os_str().to_owned();
     s.push(format!(".tmp{}", std::process::id()));
@@ -99,10 +87,7 @@ fn restore_into(src: &Path, dst: &Path, what: &str) {
     if head.iter().all(|&b| b == 0) {
         fs::copy(src, &tmp).unwrap_or_else(|e| panic!("{what}: copy: {e}"));
     } else {
-        run(
-            Command::new("btrfs-image").arg("-r").arg(src).arg(&tmp),
-            what,
-        );
+        super::kernel::run(Command::new("btrfs-image").arg("-r").arg(src).arg(&tmp));
     }
     fs::rename(&tmp, dst).unwrap_or_else(|e| panic!("{what}: rename: {e}"));
 }
@@ -132,13 +117,12 @@ pub fn images() -> Vec<CorpusImage> {
                 let tmp = tmp_name(&tdir);
                 let _ = fs::remove_dir_all(&tmp);
                 fs::create_dir_all(&tmp).unwrap();
-                run(
+                super::kernel::run(
                     Command::new("tar")
                         .arg("-xJf")
                         .arg(&src)
                         .arg("-C")
                         .arg(&tmp),
-                    &what,
                 );
                 let mut members: Vec<PathBuf> = walk_files(&tmp);
                 members.sort();
@@ -213,11 +197,10 @@ fn walk_files(dir: &Path) -> Vec<PathBuf> {
 
 /// A private, writable copy of `img` at `dst` (sparse where the source is).
 pub fn copy_to(img: &CorpusImage, dst: &Path) {
-    run(
+    super::kernel::run(
         Command::new("cp")
             .arg("--sparse=always")
             .arg(&img.path)
             .arg(dst),
-        &format!("copy corpus {}", img.name),
     );
 }
