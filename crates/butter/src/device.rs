@@ -143,20 +143,23 @@ pub fn lock_holder(dev: u64, ino: u64) -> Option<String> {
             .then(|| f[4].parse::<u32>().ok())
             .flatten()
     })?;
-    let cmd = std::fs::read(format!("/proc/{pid}/cmdline"))
-        .map(|b| {
-            b.split(|&c| c == 0)
-                .filter(|a| !a.is_empty())
-                .map(|a| String::from_utf8_lossy(a).into_owned())
-                .collect::<Vec<_>>()
-                .join(" ")
-        })
-        .unwrap_or_default();
+    let cmd = process_cmdline(pid).unwrap_or_default().join(" ");
     Some(if cmd.is_empty() {
         format!("process {pid}")
     } else {
         format!("process {pid} (`{cmd}`)")
     })
+}
+
+/// The argument vector of process `pid` (from /proc/PID/cmdline), if it is readable.
+pub fn process_cmdline(pid: u32) -> Option<Vec<String>> {
+    let b = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+    Some(
+        b.split(|&c| c == 0)
+            .filter(|a| !a.is_empty())
+            .map(|a| String::from_utf8_lossy(a).into_owned())
+            .collect(),
+    )
 }
 
 /// The loop device (`/dev/loopN`) whose backing file is the file with this device and inode

@@ -59,17 +59,6 @@ fn mount_at(dir: &Path) -> Option<MountEntry> {
     })
 }
 
-/// The argument vector of a process.
-fn cmdline(pid: u32) -> Option<Vec<String>> {
-    let b = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
-    Some(
-        b.split(|&c| c == 0)
-            .filter(|a| !a.is_empty())
-            .map(|a| String::from_utf8_lossy(a).into_owned())
-            .collect(),
-    )
-}
-
 /// The butter processes serving `dir`: running `butter mount ... DIR ...` (the mount point
 /// compared after resolving it in the process's own working directory) with /dev/fuse open.
 fn servers_of(dir: &Path) -> Vec<u32> {
@@ -81,7 +70,9 @@ fn servers_of(dir: &Path) -> Vec<u32> {
         let Some(pid) = p.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
             continue;
         };
-        let Some(args) = cmdline(pid) else { continue };
+        let Some(args) = butter::device::process_cmdline(pid) else {
+            continue;
+        };
         let Some(m) = args.iter().position(|a| a == "mount") else {
             continue;
         };

@@ -185,12 +185,32 @@ pub const FEATURES: &[Feature] = &[
 
 /// The names of the bits set in `word` (incompat or compat_ro), unknown ones as `bit N`.
 pub fn names(word: u64, compat_ro: bool) -> Vec<String> {
-    (0..64)
-        .map(|b| 1u64 << b)
-        .filter(|bit| word & bit != 0)
+    set_bits(word)
         .map(|bit| match find(bit, compat_ro) {
             Some(f) => f.name.to_string(),
             Option::None => format!("unknown bit {}", bit.trailing_zeros()),
+        })
+        .collect()
+}
+
+fn set_bits(word: u64) -> impl Iterator<Item = u64> {
+    (0..64)
+        .map(|b| 1u64 << b)
+        .filter(move |bit| word & bit != 0)
+}
+
+/// The bits of `word` whose support falls short (`short` says which), described for the user:
+/// the feature's name and why, or the unknown bit.
+fn lacking(word: u64, compat_ro: bool, short: impl Fn(Support) -> bool) -> Vec<String> {
+    set_bits(word)
+        .filter_map(|bit| match find(bit, compat_ro) {
+            Some(f) if short(f.support) => Some(format!("{} ({})", f.name, f.note)),
+            Some(_) => Option::None,
+            Option::None => Some(format!(
+                "unknown {} bit {} (made by a newer btrfs)",
+                if compat_ro { "compat_ro" } else { "incompat" },
+                bit.trailing_zeros()
+            )),
         })
         .collect()
 }
@@ -203,18 +223,7 @@ fn find(bit: u64, compat_ro: bool) -> Option<&'static Feature> {
 
 /// Why butter cannot read a filesystem with these incompat bits, if it cannot.
 pub fn refuse_read(sb: &Superblock) -> Option<String> {
-    let bad: Vec<String> = (0..64)
-        .map(|b| 1u64 << b)
-        .filter(|bit| sb.incompat_flags & bit != 0)
-        .filter_map(|bit| match find(bit, false) {
-            Some(f) if f.support == None => Some(format!("{} ({})", f.name, f.note)),
-            Some(_) => Option::None,
-            Option::None => Some(format!(
-                "unknown incompat bit {} (made by a newer btrfs)",
-                bit.trailing_zeros()
-            )),
-        })
-        .collect();
+    let bad = lacking(sb.incompat_flags, false, |s| s == None);
     (!bad.is_empty()).then(|| {
         format!(
             "this filesystem uses features butter cannot read (superblock incompat flags \
@@ -228,20 +237,8 @@ pub fn refuse_read(sb: &Superblock) -> Option<String> {
 /// Why butter must not write a filesystem with this superblock, if it must not: a feature it
 /// does not keep correct, an unknown bit, or a superblock flag of an unfinished conversion.
 pub fn refuse_write(sb: &Superblock) -> Option<String> {
-    let mut bad = Vec::new();
-    for (word, compat_ro) in [(sb.incompat_flags, false), (sb.compat_ro_flags, true)] {
-        for bit in (0..64).map(|b| 1u64 << b).filter(|bit| word & bit != 0) {
-            match find(bit, compat_ro) {
-                Some(f) if f.support == ReadWrite => {}
-                Some(f) => bad.push(format!("{} ({})", f.name, f.note)),
-                Option::None => bad.push(format!(
-                    "unknown {} bit {} (made by a newer btrfs)",
-                    if compat_ro { "compat_ro" } else { "incompat" },
-                    bit.trailing_zeros()
-                )),
-            }
-        }
-    }
+    let mut bad = lacking(sb.incompat_flags, false, |s| s != ReadWrite);
+    bad.extend(lacking(sb.compat_ro_flags, true, |s| s != ReadWrite));
     if sb.compat_ro_flags & COMPAT_RO_FREE_SPACE_TREE != 0
         && sb.compat_ro_flags & COMPAT_RO_FREE_SPACE_TREE_VALID == 0
     {
