@@ -77,19 +77,19 @@ impl FileDevice {
                     Err(std::fs::TryLockError::WouldBlock) => {}
                     Err(std::fs::TryLockError::Error(e)) => return Err(e),
                 }
-                let who = lock_holder(meta.dev(), meta.ino());
+                let who = || lock_holder(meta.dev(), meta.ino());
                 if std::time::Instant::now() >= deadline {
                     return Err(busy(format!(
                         "the image is open read-write in {}: unmount it first (butter unmount \
                          MOUNTPOINT waits for its last commit), wait for it to finish, or open \
                          the image read-only",
-                        who.unwrap_or_else(|| "another butter process".into())
+                        who().unwrap_or_else(|| "another butter process".into())
                     )));
                 }
                 if !told && deadline - std::time::Instant::now() < LOCK_WAIT / 2 {
                     log::info!(
                         "waiting for {} to let go of {}",
-                        who.unwrap_or_else(|| "another butter process".into()),
+                        who().unwrap_or_else(|| "another butter process".into()),
                         path.display()
                     );
                     told = true;

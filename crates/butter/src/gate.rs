@@ -58,9 +58,11 @@ impl Gate {
 
     /// Exclusive passage, `changes` first.
     pub fn change(&self) -> GateChange<'_> {
-        let c = self.changes.lock().unwrap_or_else(|e| e.into_inner());
-        let g = self.lock.write().unwrap_or_else(|e| e.into_inner());
-        GateChange { _c: c, _g: g }
+        let GateCommit { changes, exclusive } = self.commit();
+        GateChange {
+            _c: changes,
+            _g: exclusive,
+        }
     }
 
     /// Exclusive passage whose parts a commit lets go of one after the other.
