@@ -231,42 +231,7 @@ fn patch_first_item(
     pred: impl Fn(&butter::format::Key) -> bool,
     edit: impl FnOnce(&mut [u8], usize, usize),
 ) {
-    use butter::ctree::{Root, TreeIter};
-    use butter::disk_io::Readahead;
-    use butter::format::csum::CSUM_SLOT;
-    use butter::format::*;
-    let fs = butter::fs::Fs::open(img).unwrap();
-    let ri = fs.find_root_item(id).unwrap().unwrap();
-    let root = Root {
-        id,
-        bytenr: ri.bytenr,
-        level: ri.level,
-        generation: ri.generation,
-    };
-    let mut it = TreeIter::new(fs.disk.clone(), root, Key::MIN, Readahead::None).unwrap();
-    let item = loop {
-        let item = it.next_item().unwrap().expect("item to patch not found");
-        if pred(&item.key) {
-            break item;
-        }
-    };
-    let mut block = item.block.data.to_vec();
-    let hdr = HEADER_SIZE + item.slot * ITEM_SIZE;
-    let data = HEADER_SIZE + item.block.item(item.slot).offset as usize;
-    edit(&mut block, hdr, data);
-    let c = fs.disk.sb.csum_type.compute(&block[CSUM_SLOT..]);
-    let n = fs.disk.sb.csum_type.size();
-    block[..n].copy_from_slice(&c[..n]);
-    let copies = fs
-        .disk
-        .chunk_map()
-        .map(item.block.bytenr, fs.disk.nodesize() as u64)
-        .unwrap();
-    let f = fs::OpenOptions::new().write(true).open(img).unwrap();
-    for c in copies {
-        f.write_all_at(&block, c.physical).unwrap();
-    }
-    f.sync_all().unwrap();
+    common::damage::patch_item(img, id, false, |k, _| pred(k), edit);
 }
 
 #[test]

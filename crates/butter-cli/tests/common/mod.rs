@@ -27,6 +27,7 @@
 
 pub mod butter_target;
 pub mod corpus;
+pub mod damage;
 pub mod fsync;
 pub mod fuse_mount;
 pub mod gen;
