@@ -203,6 +203,17 @@ impl From<Error> for OpError {
 
 type OpResult<T> = Result<T, OpError>;
 
+/// How a changing operation passes the engine's gate (node ids).
+#[derive(Clone, Copy)]
+enum Passage {
+    /// A change of names or attributes only.
+    Any,
+    /// A change of the node's data (truncate, fallocate, a write through another call).
+    Data(u64),
+    /// A write to the node, whose data goes to the device out of the gate.
+    Write(u64),
+}
+
 /// An open file.
 struct Handle {
     ino: Inode,
@@ -354,8 +365,35 @@ impl ButterFuse {
         node: u64,
         f: impl FnOnce() -> OpResult<T>,
     ) -> Result<T, Errno> {
+        self.change_op(op, node, Passage::Any, f)
+    }
+
+    /// [`ButterFuse::write_op`] through the engine's passage for a change of `node`'s data
+    /// (`Passage::Data`) or for a write to it (`Passage::Write`): see `Fs::change_gate_on`
+    /// and `Fs::write_gate`.
+    fn change_op<T>(
+        &self,
+        op: &str,
+        node: u64,
+        passage: Passage,
+        f: impl FnOnce() -> OpResult<T>,
+    ) -> Result<T, Errno> {
         // The engine's gate: EROFS when read-only or once changes stopped.
-        let Ok(_g) = self.fs.change_gate() else {
+        let gate = match passage {
+            Passage::Any => self.fs.change_gate(),
+            Passage::Data(n) | Passage::Write(n) => {
+                let i = match self.inode(n) {
+                    Ok(i) => i,
+                    Err(e) => return self.guard(op, node, || Err(e)),
+                };
+                if matches!(passage, Passage::Write(_)) {
+                    self.fs.write_gate(i)
+                } else {
+                    self.fs.change_gate_on(i)
+                }
+            }
+        };
+        let Ok(_g) = gate else {
             return Err(Errno::from_i32(libc::EROFS));
         };
         let r = catch_unwind(AssertUnwindSafe(f));
@@ -675,11 +713,13 @@ impl Filesystem for ButterFuse {
                 );
                 log::info!(
                     "writes: {} ordered extents ({} completed after the write returned), {} \
-                     delayed allocations written back, {} writes waited for an overlapping one",
+                     delayed allocations written back, {} writes waited for an overlapping one, \
+                     {} data writes out of the gate",
                     o.started,
                     o.deferred,
                     o.delalloc_flushed,
-                    o.locked_waits
+                    o.locked_waits,
+                    r.data_io_out_of_gate
                 );
             }
             Err(e) => self.fs.stop(format!("final commit at unmount: {e}")),
@@ -758,7 +798,7 @@ impl Filesystem for ButterFuse {
         _flags: Option<fuser::BsdFileFlags>,
         reply: ReplyAttr,
     ) {
-        let r = self.write_op("setattr", ino.0, || {
+        let r = self.change_op("setattr", ino.0, Passage::Data(ino.0), || {
             let i = self.inode(ino.0)?;
             let a = SetAttr {
                 mode,
@@ -962,7 +1002,7 @@ impl Filesystem for ButterFuse {
             Ok(self.open_handle(i, flags.0))
         };
         let r = if writing {
-            self.write_op("open", ino.0, run)
+            self.change_op("open", ino.0, Passage::Data(ino.0), run)
         } else {
             self.read_op("open", ino.0, run)
         };
@@ -1040,7 +1080,7 @@ impl Filesystem for ButterFuse {
         _lock_owner: Option<fuser::LockOwner>,
         reply: fuser::ReplyWrite,
     ) {
-        match self.write_op("write", ino.0, || {
+        match self.change_op("write", ino.0, Passage::Write(ino.0), || {
             let i = self.inode(ino.0)?;
             let append = flags.0 & libc::O_APPEND != 0
                 || self
@@ -1098,7 +1138,7 @@ impl Filesystem for ButterFuse {
         // The last handle of an unlinked file: its data goes now. Most releases change
         // nothing and must not wait for a commit in progress.
         let r = match self.read_op("release", ino.0, || Ok(self.fs.note_closed(h.ino)?)) {
-            Ok(true) => match self.fs.change_gate() {
+            Ok(true) => match self.fs.change_gate_on(h.ino) {
                 Ok(_g) => self.guard("release", ino.0, || Ok(self.fs.delete_orphan(h.ino)?)),
                 // Changes stopped: the orphan item stays, for the next read-write open.
                 Err(_) => Ok(()),
@@ -1421,7 +1461,7 @@ impl Filesystem for ButterFuse {
         mode: i32,
         reply: ReplyEmpty,
     ) {
-        match self.write_op("fallocate", ino.0, || {
+        match self.change_op("fallocate", ino.0, Passage::Data(ino.0), || {
             let known =
                 libc::FALLOC_FL_KEEP_SIZE | libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_ZERO_RANGE;
             if mode & !known != 0 {
@@ -1480,28 +1520,33 @@ impl Filesystem for ButterFuse {
         reply: fuser::ReplyWrite,
     ) {
         // Read and write in steps; the reply counts bytes in 32 bits.
-        match self.write_op("copy_file_range", ino_in.0, || {
-            let src = self.inode(ino_in.0)?;
-            let dst = self.inode(ino_out.0)?;
-            let len = len.min(1 << 30);
-            let mut done = 0u64;
-            while done < len {
-                let step = (len - done).min(u64::from(MAX_WRITE)) as usize;
-                let data = self.fs.read(src, offset_in + done, step)?;
-                if data.is_empty() {
-                    break;
+        match self.change_op(
+            "copy_file_range",
+            ino_in.0,
+            Passage::Data(ino_out.0),
+            || {
+                let src = self.inode(ino_in.0)?;
+                let dst = self.inode(ino_out.0)?;
+                let len = len.min(1 << 30);
+                let mut done = 0u64;
+                while done < len {
+                    let step = (len - done).min(u64::from(MAX_WRITE)) as usize;
+                    let data = self.fs.read(src, offset_in + done, step)?;
+                    if data.is_empty() {
+                        break;
+                    }
+                    let n = self
+                        .fs
+                        .write(dst, offset_out + done, &data)
+                        .map_err(fs_err)?;
+                    done += n as u64;
+                    if n < step {
+                        break;
+                    }
                 }
-                let n = self
-                    .fs
-                    .write(dst, offset_out + done, &data)
-                    .map_err(fs_err)?;
-                done += n as u64;
-                if n < step {
-                    break;
-                }
-            }
-            Ok(done as u32)
-        }) {
+                Ok(done as u32)
+            },
+        ) {
             Ok(n) => reply.written(n),
             Err(e) => reply.error(e),
         }

@@ -881,7 +881,9 @@ impl Fs {
     ) -> Result<bool> {
         let len = range.1;
         let bytenr = self.op(true, |w| w.alloc_data_held_or_commit(len))?;
-        let written = writeback(bytenr, chunk);
+        // The data goes out of the gate (crate::gate): nothing in the trees changes until
+        // the extent is recorded below.
+        let written = self.outside_gate(|| writeback(bytenr, chunk));
         let r = written.and_then(|sums| {
             self.op(true, |w| match defer {
                 Some(g) => {
@@ -1025,6 +1027,9 @@ impl Fs {
             }
         }
         let unfinished = Unfinished(&self.ordered, ino, bytenr);
+        // Out of the gate for the data I/O (crate::gate): the extent is pending and `writing`,
+        // and whoever completes it meanwhile waits for `flush_written`, which needs no lock.
+        let out = self.gate.step_out();
         let mut buf = d.data;
         buf.resize(len as usize, 0);
         let r = self.disk.write_logical(bytenr, &buf).map(|()| {
@@ -1049,6 +1054,10 @@ impl Fs {
         let failed = r.is_err();
         std::mem::forget(unfinished);
         self.ordered.flush_written(ino, bytenr, r);
+        drop(out);
+        if let Some(why) = self.gate.latched() {
+            return Err(Error::Aborted(why));
+        }
         if failed {
             // Its space goes back, and the error to the next fsync, under the writer lock.
             let mut w = self.writer_keeping_ordered()?;

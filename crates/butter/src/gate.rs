@@ -4,10 +4,17 @@
 //!
 //! - Changes (and commits) pass the gate exclusively, reads shared: the engine changes trees
 //!   block by block, so a read that ran during a change could see half of it.
-//! - A change or commit first takes the `changes` lock, then the gate. A commit keeps
+//! - A change or commit first takes the `changes` passage, then the gate. A commit keeps
 //!   `changes` to its end but lets go of the gate once the trees are final, so reads run
 //!   during its writes and flushes while the next change waits on `changes` (not on the gate,
 //!   where it would hold readers back).
+//! - The gate covers tree edits, not data I/O: a write that passes it as a *data write*
+//!   ([`GateChange::let_data_out`]) steps out of it ([`Gate::step_out`]) while its data goes
+//!   to the device between two edits (crate::file_write), so other files are read and
+//!   written meanwhile. Its range lock stays held. So that nothing holding the gate ever
+//!   waits for that range lock, every change that may take a file's range locks (writes,
+//!   truncates, fallocate, the deletion of an orphan) first takes the file's *inode passage*
+//!   ([`Gate::inode`]), before the gate: one data write or data change per file at a time.
 //! - A read passes only once no write's ordered extent waits for its completion (a reader
 //!   would complete it, changing trees under the other readers): pending ones are completed
 //!   under the exclusive gate first. Writes register pending ones only while they hold the
@@ -17,59 +24,185 @@
 //!   changes and commits; the image keeps its last commit, like the kernel's transaction
 //!   abort. The write engine's own abort (a failed commit) counts as stopped too.
 //!
-//! Lock order: `changes` -> gate -> the writer (crate::transaction) -> `log_sync`. The
-//! policies are methods of the facade (crate::fs); this module holds the locks and the latch.
+//! Lock order: inode passage -> range lock (crate::ordered) -> `changes` -> gate -> the
+//! writer (crate::transaction) -> `log_sync`. The policies are methods of the facade
+//! (crate::fs); this module holds the locks and the latch.
 
-use std::sync::{Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use crate::ids::Inode;
+use std::sync::{Condvar, Mutex, MutexGuard};
+use std::thread::ThreadId;
+
+/// Inode passages: files hash onto this many locks (a collision only serializes two files).
+const INODE_PASSAGES: usize = 64;
 
 /// The gate and the latch (one per filesystem; the policies that use them are
 /// `Fs::read_gate`, `Fs::change_gate`, `Fs::stop`, `Fs::gated_fsync` and `Fs::gated_commit`).
-#[derive(Default)]
 pub struct Gate {
-    lock: RwLock<()>,
-    changes: Mutex<()>,
+    state: Mutex<State>,
+    /// Signalled whenever a passage is let go of.
+    freed: Condvar,
+    inodes: Vec<Mutex<()>>,
     stopped: Mutex<Option<String>>,
+    /// Times a data write stepped out for its I/O.
+    steps_out: std::sync::atomic::AtomicU64,
+}
+
+#[derive(Default)]
+struct State {
+    readers: usize,
+    /// The gate is held exclusively (by a change, or a commit until its trees are final).
+    exclusive: bool,
+    /// Threads waiting for the exclusive gate: new readers wait behind them.
+    waiting: usize,
+    /// The `changes` passage is held (by a change, or a commit to its end).
+    changes: bool,
+    /// The data write holding both passages, which may step out of them for its data I/O.
+    data_writer: Option<ThreadId>,
+}
+
+impl Default for Gate {
+    fn default() -> Self {
+        Gate {
+            state: Mutex::default(),
+            freed: Condvar::new(),
+            inodes: (0..INODE_PASSAGES).map(|_| Mutex::new(())).collect(),
+            stopped: Mutex::default(),
+            steps_out: Default::default(),
+        }
+    }
 }
 
 /// Held by a reader: no change runs meanwhile.
 pub struct GateRead<'a> {
-    _g: RwLockReadGuard<'a, ()>,
+    gate: &'a Gate,
 }
 
-/// Held by a change: no reader and no other change runs meanwhile.
+/// Held by a change: no reader and no other change runs meanwhile (except while a data write
+/// has stepped out, see [`Gate::step_out`]). Fields drop in order: the gate, then the inode
+/// passage.
 pub struct GateChange<'a> {
-    _c: MutexGuard<'a, ()>,
-    _g: RwLockWriteGuard<'a, ()>,
+    _changes: ChangesHeld<'a>,
+    exclusive: ExclusiveHeld<'a>,
+    inode: Option<MutexGuard<'a, ()>>,
 }
 
 /// Held by a commit: `changes` to its end, and the gate until the trees are final.
 pub struct GateCommit<'a> {
-    pub changes: MutexGuard<'a, ()>,
-    pub exclusive: RwLockWriteGuard<'a, ()>,
+    pub changes: ChangesHeld<'a>,
+    pub exclusive: ExclusiveHeld<'a>,
+}
+
+/// The `changes` passage, let go of when dropped.
+pub struct ChangesHeld<'a> {
+    gate: &'a Gate,
+}
+
+/// The exclusive gate, let go of when dropped.
+pub struct ExclusiveHeld<'a> {
+    gate: &'a Gate,
+}
+
+/// A data write out of the gate ([`Gate::step_out`]); dropping it takes the gate back.
+pub struct SteppedOut<'a> {
+    gate: Option<&'a Gate>,
 }
 
 impl Gate {
-    /// Shared passage.
+    fn state(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn wait<'a>(&self, s: MutexGuard<'a, State>) -> MutexGuard<'a, State> {
+        self.freed.wait(s).unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Shared passage (after any change already waiting for the gate).
     pub fn read(&self) -> GateRead<'_> {
-        GateRead {
-            _g: self.lock.read().unwrap_or_else(|e| e.into_inner()),
+        let mut s = self.state();
+        while s.exclusive || s.waiting > 0 {
+            s = self.wait(s);
         }
+        s.readers += 1;
+        GateRead { gate: self }
+    }
+
+    /// Takes `changes`, then the gate.
+    fn take_both<'a>(&'a self, mut s: MutexGuard<'a, State>) -> MutexGuard<'a, State> {
+        while s.changes {
+            s = self.wait(s);
+        }
+        s.changes = true;
+        s.waiting += 1;
+        while s.exclusive || s.readers > 0 {
+            s = self.wait(s);
+        }
+        s.waiting -= 1;
+        s.exclusive = true;
+        s
     }
 
     /// Exclusive passage, `changes` first.
     pub fn change(&self) -> GateChange<'_> {
         let GateCommit { changes, exclusive } = self.commit();
         GateChange {
-            _c: changes,
-            _g: exclusive,
+            _changes: changes,
+            exclusive,
+            inode: None,
         }
+    }
+
+    /// The inode passage of `ino`, then the exclusive passage: for a change that may take
+    /// `ino`'s range locks.
+    pub fn change_inode(&self, ino: Inode) -> GateChange<'_> {
+        let inode = self.inode(ino);
+        let mut g = self.change();
+        g.inode = Some(inode);
+        g
+    }
+
+    /// The inode passage of `ino` alone (see the module doc).
+    pub fn inode(&self, ino: Inode) -> MutexGuard<'_, ()> {
+        let h = ino
+            .root
+            .wrapping_mul(0x9e37_79b9_7f4a_7c15)
+            .wrapping_add(ino.ino)
+            .wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        self.inodes[(h >> 58) as usize % INODE_PASSAGES]
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
     }
 
     /// Exclusive passage whose parts a commit lets go of one after the other.
     pub fn commit(&self) -> GateCommit<'_> {
-        let changes = self.changes.lock().unwrap_or_else(|e| e.into_inner());
-        let exclusive = self.lock.write().unwrap_or_else(|e| e.into_inner());
-        GateCommit { changes, exclusive }
+        drop(self.take_both(self.state()));
+        GateCommit {
+            changes: ChangesHeld { gate: self },
+            exclusive: ExclusiveHeld { gate: self },
+        }
+    }
+
+    /// Steps the calling thread out of the gate for data I/O, if it holds the gate as a data
+    /// write ([`GateChange::let_data_out`]); otherwise (no gate, a read, an ordinary change)
+    /// does nothing. The gate is taken back (`changes`, then the gate) when the result drops.
+    pub fn step_out(&self) -> SteppedOut<'_> {
+        let me = std::thread::current().id();
+        let mut s = self.state();
+        if s.data_writer != Some(me) || !s.exclusive || !s.changes {
+            return SteppedOut { gate: None };
+        }
+        s.exclusive = false;
+        s.changes = false;
+        s.data_writer = None;
+        drop(s);
+        self.freed.notify_all();
+        self.steps_out
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        SteppedOut { gate: Some(self) }
+    }
+
+    /// Times a data write stepped out of the gate for its I/O.
+    pub fn steps_out(&self) -> u64 {
+        self.steps_out.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Sets the latch; the first reason is kept. Returns whether this call set it.
@@ -89,6 +222,64 @@ impl Gate {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .clone()
+    }
+}
+
+impl GateChange<'_> {
+    /// Marks this change as a data write of the calling thread: it may step out of the gate
+    /// for its data I/O ([`Gate::step_out`]). Only for a change that holds its file's inode
+    /// passage.
+    pub fn let_data_out(&self) {
+        if self.inode.is_some() {
+            self.exclusive.gate.state().data_writer = Some(std::thread::current().id());
+        }
+    }
+}
+
+impl Drop for GateRead<'_> {
+    fn drop(&mut self) {
+        let mut s = self.gate.state();
+        s.readers -= 1;
+        let last = s.readers == 0;
+        drop(s);
+        if last {
+            self.gate.freed.notify_all();
+        }
+    }
+}
+
+impl Drop for ChangesHeld<'_> {
+    fn drop(&mut self) {
+        let mut s = self.gate.state();
+        s.changes = false;
+        s.data_writer = None;
+        drop(s);
+        self.gate.freed.notify_all();
+    }
+}
+
+impl Drop for ExclusiveHeld<'_> {
+    fn drop(&mut self) {
+        self.gate.state().exclusive = false;
+        self.gate.freed.notify_all();
+    }
+}
+
+impl SteppedOut<'_> {
+    /// Whether the caller had stepped out (and is now back in).
+    pub fn was_out(&self) -> bool {
+        self.gate.is_some()
+    }
+}
+
+impl Drop for SteppedOut<'_> {
+    fn drop(&mut self) {
+        if let Some(gate) = self.gate {
+            // Back in, as the data writer again.
+            let me = std::thread::current().id();
+            let mut s = gate.take_both(gate.state());
+            s.data_writer = Some(me);
+        }
     }
 }
 

@@ -849,6 +849,88 @@ mod tests {
         (ram, fs, arrived, release)
     }
 
+    /// Passes `f` on a thread of its own; whether it finished within `ms` milliseconds.
+    fn passes_within(
+        ms: u64,
+        f: impl FnOnce() + Send + 'static,
+    ) -> (bool, std::thread::JoinHandle<()>) {
+        let (tx, rx) = mpsc::channel();
+        let h = std::thread::spawn(move || {
+            f();
+            let _ = tx.send(());
+        });
+        (rx.recv_timeout(Duration::from_millis(ms)).is_ok(), h)
+    }
+
+    /// The gate covers tree edits, not data I/O (crate::gate): while a write that passed the
+    /// write gate has its data on the way to the device, other files are read and created,
+    /// and a change of the same file's data waits for the write. A write under the ordinary
+    /// change gate keeps everyone out, as every change did before.
+    #[test]
+    fn a_write_through_the_write_gate_lets_others_pass_during_its_data_io() {
+        for write_gate in [true, false] {
+            let (ram, fs, arrived, release) = gated();
+            let root = fs.root_inode();
+            let me = Owner::default();
+            let (a, b) = {
+                let _g = fs.change_gate().unwrap();
+                let a = fs.create(root, b"a", 0o644, me).unwrap();
+                let b = fs.create(root, b"b", 0o644, me).unwrap();
+                fs.write(b, 0, &[3u8; 8192]).unwrap();
+                (a, b)
+            };
+            fs.gated_commit().unwrap();
+            let mut data = vec![0x5a; 300_000];
+            data[..MARK.len()].copy_from_slice(MARK);
+            let writer = {
+                let (fs, data) = (fs.clone(), data.clone());
+                std::thread::spawn(move || {
+                    let _g = if write_gate {
+                        fs.write_gate(a).unwrap()
+                    } else {
+                        fs.change_gate_on(a).unwrap()
+                    };
+                    fs.write(a, 0, &data).unwrap()
+                })
+            };
+            arrived.recv_timeout(Duration::from_secs(60)).unwrap();
+            let fs2 = fs.clone();
+            let (read, r) = passes_within(300, move || {
+                let _r = fs2.read_gate();
+                assert_eq!(fs2.read(b, 0, 10_000).unwrap(), vec![3u8; 8192]);
+            });
+            let fs2 = fs.clone();
+            let (created, c) = passes_within(300, move || {
+                let _g = fs2.change_gate().unwrap();
+                fs2.create(fs2.root_inode(), b"c", 0o644, Owner::default())
+                    .unwrap();
+            });
+            let fs2 = fs.clone();
+            let (truncated, t) = passes_within(300, move || {
+                let _g = fs2.change_gate_on(a).unwrap();
+                fs2.truncate(a, 4096).unwrap();
+            });
+            assert_eq!(
+                (read, created),
+                (write_gate, write_gate),
+                "write gate: {write_gate}"
+            );
+            assert!(!truncated, "a change of the file's data passed its write");
+            release.send(()).unwrap();
+            assert_eq!(writer.join().unwrap(), 300_000);
+            for h in [r, c, t] {
+                h.join().unwrap();
+            }
+            {
+                let _r = fs.read_gate();
+                assert_eq!(fs.read(a, 0, 400_000).unwrap(), data[..4096]);
+                assert!(fs.lookup(root, b"c").unwrap().is_some());
+            }
+            fs.gated_commit().unwrap();
+            drop(checked_copy(ram.durable_bytes()));
+        }
+    }
+
     /// Seed 003's rule: an fsync does not wait for a write to the same file that is still in
     /// progress; without the rule it waits for that write to finish.
     #[test]

@@ -96,6 +96,120 @@ fn readers_run_together_and_never_inside_a_change() {
     clean(&dev);
 }
 
+/// Writes through the write gate step out of it for their data I/O (crate::gate): under many
+/// threads writing big and small, overwriting, appending, truncating, reading and committing
+/// at once, every file ends with what the last change of it made (each file has one thread
+/// changing it, as the model requires), and the image checks clean.
+#[test]
+fn data_writes_out_of_the_gate_keep_every_file_exact() {
+    let dev = fresh(512 << 20);
+    let fs = Arc::new(Fs::open_device_rw(dev.clone()).unwrap());
+    let me = Owner { uid: 0, gid: 0 };
+    fs.start_committer(std::time::Duration::from_millis(30))
+        .unwrap();
+    let writers: Vec<_> = (0..3u8)
+        .map(|t| {
+            let fs = fs.clone();
+            std::thread::spawn(move || {
+                let f = {
+                    let _g = fs.change_gate().unwrap();
+                    fs.create(fs.root_inode(), format!("w{t}").as_bytes(), 0o644, me)
+                        .unwrap()
+                };
+                let mut model: Vec<u8> = Vec::new();
+                let mut seed = u64::from(t) * 7919 + 1;
+                for i in 0..60u32 {
+                    seed = seed
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
+                    let pick = (seed >> 33) as usize;
+                    if i % 17 == 16 {
+                        let to = (pick % (model.len() + 1)) as u64;
+                        let _g = fs.change_gate_on(f).unwrap();
+                        fs.truncate(f, to).unwrap();
+                        model.truncate(to as usize);
+                        continue;
+                    }
+                    // Big (out-of-gate writeback) and small writes, overwrites and appends.
+                    let len = if pick.is_multiple_of(3) {
+                        4000 + pick % 9000
+                    } else {
+                        100_000 + pick % 700_000
+                    };
+                    let off = if pick.is_multiple_of(2) {
+                        model.len()
+                    } else {
+                        pick % (model.len() + 1)
+                    };
+                    let byte = (i as u8).wrapping_mul(31).wrapping_add(t);
+                    let data = vec![byte; len];
+                    {
+                        let _g = fs.write_gate(f).unwrap();
+                        assert_eq!(fs.write(f, off as u64, &data).unwrap(), len);
+                    }
+                    if model.len() < off + len {
+                        model.resize(off + len, 0);
+                    }
+                    model[off..off + len].copy_from_slice(&data);
+                }
+                (f, model)
+            })
+        })
+        .collect();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let others = {
+        let (fs, stop) = (fs.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let mut n = 0;
+            while !stop.load(Ordering::SeqCst) {
+                {
+                    let _g = fs.change_gate().unwrap();
+                    let f = fs
+                        .create(fs.root_inode(), format!("small{n}").as_bytes(), 0o644, me)
+                        .unwrap();
+                    fs.write(f, 0, &[9u8; 4096]).unwrap();
+                }
+                let _r = fs.read_gate();
+                for e in fs.readdir(fs.root_inode(), 0, usize::MAX).unwrap() {
+                    let st = fs.stat(e.target).unwrap();
+                    if e.name.starts_with(b"small") {
+                        assert_eq!(fs.read(e.target, 0, 8192).unwrap(), vec![9u8; 4096]);
+                    } else {
+                        assert!(
+                            fs.read(e.target, 0, 1 << 20).unwrap().len() as u64
+                                <= st.size.max(1 << 20)
+                        );
+                    }
+                }
+                n += 1;
+            }
+            n
+        })
+    };
+    let results: Vec<_> = writers.into_iter().map(|w| w.join().unwrap()).collect();
+    stop.store(true, Ordering::SeqCst);
+    assert!(others.join().unwrap() > 0);
+    {
+        let _r = fs.read_gate();
+        for (f, model) in &results {
+            assert_eq!(fs.inode_item(*f).unwrap().size, model.len() as u64);
+            assert!(
+                fs.read(*f, 0, model.len() + 1).unwrap() == *model,
+                "inode {} differs",
+                f.ino
+            );
+        }
+    }
+    let report = fs.close().unwrap();
+    assert!(report.data_io_out_of_gate > 0, "no write stepped out of the gate");
+    drop(fs);
+    clean(&dev);
+    let after = Fs::open_device(Arc::new(RamDevice::new(dev.durable_bytes()))).unwrap();
+    for (f, model) in &results {
+        assert!(after.read(*f, 0, model.len() + 1).unwrap() == *model);
+    }
+}
+
 #[test]
 fn the_commit_scheduler_and_close_make_changes_durable() {
     let dev = fresh(256 << 20);
