@@ -8,7 +8,7 @@
 //! - **Read-write mounts.** Each operation maps to one engine call (or a few, under one lock:
 //!   create + inherited ACLs). Changes are durable at a commit (every `commit_interval`, and
 //!   in `destroy` at the end of the session) and, for one inode, at its `fsync`, which writes
-//!   the fsync log (crate `butter::log_write`; directories and the cases the log cannot
+//!   the fsync log (crate `butter::tree_log::write`; directories and the cases the log cannot
 //!   express commit instead, as does every fsync with `fsync=commit`). Close (`flush`) is
 //!   not durable, as on the kernel's btrfs. SIGKILL leaves the image at its last commit plus
 //!   the log; the next read-write open replays it.
@@ -62,8 +62,8 @@ use crate::acl;
 use butter::format::items::{InodeItem, Timespec};
 use butter::format::{FT_BLKDEV, FT_CHRDEV, FT_DIR, FT_FIFO, FT_REG_FILE, FT_SOCK, FT_SYMLINK};
 use butter::fs::{Fs, Inode};
-use butter::fs_seek::Seek;
-use butter::fs_write::{Owner, SetAttr};
+use butter::inode::namespace::{Owner, SetAttr};
+use butter::inode::seek::Seek;
 use butter::{Error, Location};
 use fuser::{
     AccessFlags, Config, Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation,
@@ -343,6 +343,21 @@ impl ButterFuse {
         self.guard(op, node, f)
     }
 
+    /// [`ButterFuse::read_op`] for a read of `node` alone (its data or attributes): other
+    /// files' writes in flight are left to complete later (`Fs::read_gate_on`).
+    fn read_op_on<T>(
+        &self,
+        op: &str,
+        node: u64,
+        f: impl FnOnce() -> OpResult<T>,
+    ) -> Result<T, Errno> {
+        let _g = match self.map.inode(node) {
+            Some(i) => self.fs.read_gate_on(i),
+            None => self.fs.read_gate(),
+        };
+        self.guard(op, node, f)
+    }
+
     /// [`ButterFuse::guard`] for a reading operation that only reads xattr items: pending
     /// ordered extents and delayed-allocation buffers cannot change what it sees, and it
     /// never completes them, so it takes the shared lock as it is. (The kernel asks for
@@ -448,7 +463,7 @@ impl ButterFuse {
     /// Attributes of node `node` (engine inode `ino`).
     fn attr(&self, node: u64, ino: Inode) -> OpResult<FileAttr> {
         let item = self.fs.inode_item(ino)?;
-        let ss = u64::from(self.fs.disk.sectorsize().max(1));
+        let ss = u64::from(self.fs.disk().sectorsize().max(1));
         file_attr(self.map.st_ino(node), ino, &item, ss).map_err(OpError::Fs)
     }
 
@@ -774,7 +789,7 @@ impl Filesystem for ButterFuse {
     }
 
     fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
-        match self.read_op("getattr", ino.0, || self.attr(ino.0, self.inode(ino.0)?)) {
+        match self.read_op_on("getattr", ino.0, || self.attr(ino.0, self.inode(ino.0)?)) {
             Ok(attr) => reply.attr(&self.ttl, &attr),
             Err(e) => reply.error(e),
         }
@@ -830,7 +845,7 @@ impl Filesystem for ButterFuse {
     }
 
     fn readlink(&self, _req: &Request, ino: INodeNo, reply: ReplyData) {
-        match self.read_op("readlink", ino.0, || {
+        match self.read_op_on("readlink", ino.0, || {
             Ok(self.fs.readlink(self.inode(ino.0)?)?)
         }) {
             Ok(target) => reply.data(&target),
@@ -933,10 +948,10 @@ impl Filesystem for ButterFuse {
             let to_dir = self.inode(newparent.0)?;
             let mut f = 0;
             if flags.contains(RenameFlags::RENAME_NOREPLACE) {
-                f |= butter::fs_write::RENAME_NOREPLACE;
+                f |= butter::inode::namespace::RENAME_NOREPLACE;
             }
             if flags.contains(RenameFlags::RENAME_EXCHANGE) {
-                f |= butter::fs_write::RENAME_EXCHANGE;
+                f |= butter::inode::namespace::RENAME_EXCHANGE;
             }
             if flags.contains(RenameFlags::RENAME_WHITEOUT) {
                 return Err(OpError::Quiet(libc::EINVAL));
@@ -951,7 +966,7 @@ impl Filesystem for ButterFuse {
             if let Some(s) = src.filter(|s| s.file_type == FT_DIR) {
                 self.remember_parent(self.map.node_id(s.target), newparent.0);
             }
-            if f & butter::fs_write::RENAME_EXCHANGE != 0 {
+            if f & butter::inode::namespace::RENAME_EXCHANGE != 0 {
                 if let Some(d) = dst.filter(|d| d.file_type == FT_DIR) {
                     self.remember_parent(self.map.node_id(d.target), parent.0);
                 }
@@ -1060,7 +1075,7 @@ impl Filesystem for ButterFuse {
         _lock_owner: Option<fuser::LockOwner>,
         reply: ReplyData,
     ) {
-        match self.read_op("read", ino.0, || {
+        match self.read_op_on("read", ino.0, || {
             Ok(self.fs.read(self.inode(ino.0)?, offset, size as usize)?)
         }) {
             Ok(data) => reply.data(&data),
@@ -1378,7 +1393,7 @@ impl Filesystem for ButterFuse {
         const FS_IOC_FSGETXATTR: u32 = 0x801c_581f;
         const FS_IOC_FSSETXATTR: u32 = 0x401c_5820;
         const FSXATTR_SIZE: usize = 28;
-        use butter::inode_flags as fl;
+        use butter::inode::flags as fl;
         let word =
             |d: &[u8]| -> Option<u32> { Some(u32::from_le_bytes(d.get(..4)?.try_into().ok()?)) };
         let set_err = |e: Error| match e {
@@ -1387,7 +1402,7 @@ impl Filesystem for ButterFuse {
             e => fs_err(e),
         };
         let r: Result<Vec<u8>, Errno> = match cmd {
-            FS_IOC_GETFLAGS | FS_IOC32_GETFLAGS => self.read_op("getflags", ino.0, || {
+            FS_IOC_GETFLAGS | FS_IOC32_GETFLAGS => self.read_op_on("getflags", ino.0, || {
                 let f = self.fs.get_fsflags(self.inode(ino.0)?)?;
                 let n = (out_size as usize).min(8);
                 Ok(u64::from(f).to_le_bytes()[..n].to_vec())
@@ -1399,7 +1414,7 @@ impl Filesystem for ButterFuse {
                     .map_err(set_err)?;
                 Ok(Vec::new())
             }),
-            FS_IOC_FSGETXATTR => self.read_op("fsgetxattr", ino.0, || {
+            FS_IOC_FSGETXATTR => self.read_op_on("fsgetxattr", ino.0, || {
                 let f = self.fs.get_fsflags(self.inode(ino.0)?)?;
                 let mut out = vec![0u8; FSXATTR_SIZE];
                 out[..4].copy_from_slice(&fl::fsflags_to_xflags(f).to_le_bytes());
@@ -1488,7 +1503,7 @@ impl Filesystem for ButterFuse {
         whence: i32,
         reply: fuser::ReplyLseek,
     ) {
-        match self.read_op("lseek", ino.0, || {
+        match self.read_op_on("lseek", ino.0, || {
             let what = match whence {
                 libc::SEEK_DATA => Seek::Data,
                 libc::SEEK_HOLE => Seek::Hole,

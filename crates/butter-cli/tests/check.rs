@@ -332,8 +332,8 @@ fn damaged_csum_coverage() {
 /// Returns the original bytes of every copy (physical offset, bytes) to undo the damage.
 fn patch_block(img: &Path, bytenr: u64, edit: impl FnOnce(&mut [u8])) -> Vec<(u64, Vec<u8>)> {
     let fs = Fs::open(img).unwrap();
-    let ns = fs.disk.nodesize() as usize;
-    let copies = fs.disk.chunk_map().map(bytenr, ns as u64).unwrap();
+    let ns = fs.disk().nodesize() as usize;
+    let copies = fs.disk().chunk_map().map(bytenr, ns as u64).unwrap();
     let f = fs::OpenOptions::new()
         .read(true)
         .write(true)
@@ -347,8 +347,8 @@ fn patch_block(img: &Path, bytenr: u64, edit: impl FnOnce(&mut [u8])) -> Vec<(u6
     }
     let mut block = undo[0].1.clone();
     edit(&mut block);
-    let c = fs.disk.sb.csum_type.compute(&block[CSUM_SLOT..]);
-    let n = fs.disk.sb.csum_type.size();
+    let c = fs.disk().sb.csum_type.compute(&block[CSUM_SLOT..]);
+    let n = fs.disk().sb.csum_type.size();
     block[..n].copy_from_slice(&c[..n]);
     for c in copies {
         f.write_all_at(&block, c.physical).unwrap();
@@ -483,7 +483,7 @@ fn random_block_damage_never_panics() {
         let fs = Fs::open(&img).unwrap();
         let mut v = Vec::new();
         let mut it = TreeIter::new(
-            fs.disk.clone(),
+            fs.disk().clone(),
             tree_root(&fs, EXTENT_TREE_OBJECTID),
             Key::MIN,
             Readahead::None,

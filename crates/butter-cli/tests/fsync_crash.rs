@@ -37,9 +37,9 @@ mod common;
 
 use butter::device::{Faults, RamDevice};
 use butter::error::Error;
-use butter::file_write::{FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE};
 use butter::fs::{Fs, Inode};
-use butter::fs_write::Owner;
+use butter::inode::file::{FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE};
+use butter::inode::namespace::Owner;
 use butter::mkfs::{mkfs, MkfsOptions};
 use common::fsync::*;
 use common::gen::Rng;

@@ -129,7 +129,7 @@ fn run_scenario_on(
     // butter writes more after its replay: nothing may land on what the log referenced.
     {
         let fs = Fs::open_rw(&b).unwrap_or_else(|e| panic!("{name}: reopen read-write: {e}"));
-        let owner = butter::fs_write::Owner { uid: 0, gid: 0 };
+        let owner = butter::inode::namespace::Owner { uid: 0, gid: 0 };
         let ino = fs
             .create(fs.root_inode(), AFTER.as_bytes(), 0o644, owner)
             .unwrap();
@@ -647,7 +647,9 @@ fn corrupt_log_never_panics() {
     let (ns, ct, copies) = {
         let fs = Fs::open_opts(&crash, OpenOpts::nologreplay()).unwrap();
         let disk = fs.disk().clone();
-        let log = butter::tree_log::read_log(&disk).unwrap().expect("a log");
+        let log = butter::tree_log::replay::read_log(&disk)
+            .unwrap()
+            .expect("a log");
         let ns = disk.nodesize() as u64;
         let map = disk.chunk_map();
         let copies: Vec<Vec<u64>> = log

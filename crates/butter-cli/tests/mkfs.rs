@@ -360,9 +360,9 @@ fn cli_behaviour() {
     assert!(o.status.success(), "{}", text(&o));
     assert!(o.stdout.is_empty(), "{}", text(&o));
     let fs = Fs::open(&img).unwrap();
-    assert_eq!(fs.disk.sb.nodesize, 4096);
-    assert_eq!(fs.disk.sb.total_bytes, 300 << 20);
-    assert_ne!(butter::format::fmt_uuid(&fs.disk.sb.fsid), UUID);
+    assert_eq!(fs.disk().sb.nodesize, 4096);
+    assert_eq!(fs.disk().sb.total_bytes, 300 << 20);
+    assert_ne!(butter::format::fmt_uuid(&fs.disk().sb.fsid), UUID);
     drop(fs);
 
     // -b larger than a regular file extends it.
@@ -423,7 +423,7 @@ fn cli_behaviour() {
     );
     assert!(o.status.success(), "{}", text(&o));
     let fs = Fs::open(&img).unwrap();
-    let sb = &fs.disk.sb;
+    let sb = &fs.disk().sb;
     assert_eq!(sb.csum_type, butter::format::csum::CsumType::Blake2b);
     assert_eq!(sb.incompat_flags, 0x141);
     assert_eq!(sb.compat_ro_flags, 0);

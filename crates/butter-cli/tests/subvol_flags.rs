@@ -112,7 +112,7 @@ fn assert_library_refuses(img: &Path, path: &str) {
         fs.unlink(dir, b"f"),
         fs.setxattr(f, b"user.x", b"1", 0),
         fs.fallocate(f, 0, 0, 4096),
-        fs.set_fsflags(f, butter::inode_flags::FS_NOATIME_FL),
+        fs.set_fsflags(f, butter::inode::flags::FS_NOATIME_FL),
     ];
     for e in errs {
         match e {

@@ -254,7 +254,7 @@ fn snapshot_rounds(butter_makes_them: bool) {
             fs.root_inode(),
             b"sub",
             0o755,
-            butter::fs_write::Owner::default(),
+            butter::inode::namespace::Owner::default(),
             None,
         )
         .expect("create subvolume");

@@ -11,7 +11,7 @@
 
 use butter::device::RamDevice;
 use butter::fs::Fs;
-use butter::fs_write::Owner;
+use butter::inode::namespace::Owner;
 use std::sync::Arc;
 use std::time::Instant;
 

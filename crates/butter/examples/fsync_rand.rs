@@ -10,8 +10,8 @@
 mod common;
 
 use butter::fs::Fs;
-use butter::fs_write::Owner;
-use butter::log_write::LogTicket;
+use butter::inode::namespace::Owner;
+use butter::tree_log::write::LogTicket;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 

@@ -3,7 +3,7 @@
 //!
 //! `cargo run --release --example metadata_cost -- IMAGE [FILES]` on a scratch image.
 use butter::fs::Fs;
-use butter::fs_write::Owner;
+use butter::inode::namespace::Owner;
 use std::time::Instant;
 
 fn main() -> butter::Result<()> {

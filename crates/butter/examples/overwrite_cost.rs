@@ -4,7 +4,7 @@
 //! `cargo run --release --example overwrite_cost -- IMAGE [WRITES]` on a scratch image made by
 //! `butter mkfs` or mkfs.btrfs (its content is changed).
 use butter::fs::Fs;
-use butter::fs_write::Owner;
+use butter::inode::namespace::Owner;
 use std::time::Instant;
 
 fn main() -> butter::Result<()> {

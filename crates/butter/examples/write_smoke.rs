@@ -1,5 +1,5 @@
 use butter::fs::Fs;
-use butter::fs_write::Owner;
+use butter::inode::namespace::Owner;
 fn main() -> butter::Result<()> {
     let path = std::env::args().nth(1).expect("image");
     let n: usize = std::env::args()

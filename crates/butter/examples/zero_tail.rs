@@ -1,5 +1,5 @@
 use butter::fs::Fs;
-use butter::fs_write::Owner;
+use butter::inode::namespace::Owner;
 fn main() -> butter::Result<()> {
     let path = std::env::args().nth(1).expect("image");
     let fs = Fs::open_rw(std::path::Path::new(&path))?;
@@ -32,7 +32,7 @@ fn main() -> butter::Result<()> {
     fs.commit()?;
     fs.setattr(
         g,
-        &butter::fs_write::SetAttr {
+        &butter::inode::namespace::SetAttr {
             size: Some(493),
             ..Default::default()
         },

@@ -193,8 +193,8 @@ pub struct BlockGroup {
     pub pinned: RangeSet,
     /// Carved out for superblock copies; never free, never used.
     pub excluded: RangeSet,
-    /// Space taken but not recorded in the trees: blocks of the fsync log (crate::log_write),
-    /// and data extents being written (crate::ordered) until their file extent items go in.
+    /// Space taken but not recorded in the trees: blocks of the fsync log (crate::tree_log::write),
+    /// and data extents being written (crate::inode::ordered) until their file extent items go in.
     /// Free as far as the trees say (no extent item, free in the free space tree), so a commit
     /// meanwhile leaves them free on disk, but not allocatable: log blocks until the
     /// transaction that wrote them has committed and no log write is in flight, data extents

@@ -31,7 +31,7 @@ use crate::format::items::*;
 use crate::format::superblock::DevItem;
 use crate::format::*;
 use crate::free_space_tree as fst;
-use crate::fs::Fs;
+use crate::inode::core::Core;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt;
 
@@ -333,7 +333,7 @@ struct SubvolEntry {
 }
 
 struct Checker<'a> {
-    fs: &'a Fs,
+    fs: &'a Core,
     report: Report,
     blocks: HashMap<u64, BlockRec>,
     file_exts: Vec<FileExtRef>,
@@ -372,12 +372,12 @@ pub struct Options {
 }
 
 /// Runs every metadata check. `progress` receives one line per phase.
-pub fn check(fs: &Fs, progress: &mut dyn FnMut(&str)) -> Result<Report> {
+pub fn check(fs: &Core, progress: &mut dyn FnMut(&str)) -> Result<Report> {
     check_with(fs, Options::default(), progress)
 }
 
 /// Runs the checks `opts` asks for. `progress` receives one line per phase.
-pub fn check_with(fs: &Fs, opts: Options, progress: &mut dyn FnMut(&str)) -> Result<Report> {
+pub fn check_with(fs: &Core, opts: Options, progress: &mut dyn FnMut(&str)) -> Result<Report> {
     let mut c = Checker {
         fs,
         report: Report::default(),
@@ -2618,7 +2618,7 @@ impl Checker<'_> {
             let Some(off) = off else { continue };
             let path = self
                 .fs
-                .inode_path(crate::fs::Inode {
+                .inode_path(crate::ids::Inode {
                     root: fe.owner,
                     ino: fe.ino,
                 })
@@ -2789,7 +2789,7 @@ impl Checker<'_> {
         if self.fs.disk.sb.log_root == 0 {
             return;
         }
-        let log = match crate::tree_log::read_log(&self.fs.disk) {
+        let log = match crate::tree_log::replay::read_log(&self.fs.disk) {
             Ok(Some(l)) => l,
             Ok(None) => return,
             Err(e) => {

@@ -241,3 +241,16 @@ pub mod libc_consts {
     pub const EOPNOTSUPP: i32 = 95;
     pub const EUCLEAN: i32 = 117;
 }
+impl Error {
+    /// Whether a change that failed with this error may have left half of itself in the
+    /// running transaction, so that nothing more may be changed or committed.
+    pub fn stops_changes(&self) -> bool {
+        matches!(
+            self,
+            Error::Io { .. }
+                | Error::Corrupt { .. }
+                | Error::BadChecksum { .. }
+                | Error::Internal(_)
+        )
+    }
+}

@@ -1,17 +1,13 @@
-//! The filesystem facade: POSIX-style read operations on (subvolume, inode) pairs, shared by
-//! the CLI tools and the FUSE front end.
-//!
-//! Subvolumes and snapshots appear as directories: a directory entry whose location key is a
-//! ROOT_ITEM leads to the root directory (inode 256) of that subvolume's tree. File reads walk
-//! the EXTENT_DATA items: inline (maybe compressed), regular (maybe compressed, maybe referenced
-//! at an offset into a larger extent), prealloc (reads as zeros) and holes, with and without
-//! NO_HOLES (a range no item covers reads as zeros). Data is verified against the checksum
-//! tree; a mismatch on every copy is an `Error::DataChecksum` naming inode, offset and address.
+//! The filesystem facade, used by the CLI tools and the FUSE front end: opening (the
+//! superblock, the chunk tree, log replay, the writer, orphan cleanup), the gate policies of
+//! concurrent callers, fsync and commit under them, the commit scheduler and the close.
+//! Everything else is the inode layer's (crate::inode), reached through `Deref` to its
+//! [`Core`].
 
-use crate::ctree::{self, ItemRef, Root, TreeIter};
+use crate::ctree::{self, Root};
 use crate::device::{BlockDevice, FileDevice};
-use crate::disk_io::{Disk, Readahead};
-use crate::error::{Error, Location, Result};
+use crate::disk_io::Readahead;
+use crate::error::{Error, Result};
 use crate::format::items::*;
 use crate::format::*;
 use std::collections::HashMap;
@@ -19,67 +15,10 @@ use std::path::Path as FsPath;
 use std::sync::{Arc, Mutex};
 
 pub use crate::ids::Inode;
-
-/// The subset of `struct stat` btrfs defines.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Stat {
-    pub inode: Inode,
-    pub mode: u32,
-    pub nlink: u32,
-    pub uid: u32,
-    pub gid: u32,
-    pub rdev: u64,
-    pub size: u64,
-    /// 512-byte units, from the inode's nbytes.
-    pub blocks: u64,
-    pub blksize: u32,
-    pub atime: Timespec,
-    pub mtime: Timespec,
-    pub ctime: Timespec,
-    pub otime: Timespec,
-    pub flags: u64,
-    pub generation: u64,
-}
-
-impl Stat {
-    pub fn is_dir(&self) -> bool {
-        self.mode & 0o170000 == 0o040000
-    }
-    pub fn is_reg(&self) -> bool {
-        self.mode & 0o170000 == 0o100000
-    }
-    pub fn is_symlink(&self) -> bool {
-        self.mode & 0o170000 == 0o120000
-    }
-}
-
-/// A directory entry.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct DirEntry {
-    pub name: Vec<u8>,
-    /// DIR_INDEX sequence number (readdir cookie).
-    pub index: u64,
-    /// FT_* type.
-    pub file_type: u8,
-    pub target: Inode,
-}
-
-/// A subvolume or snapshot.
-#[derive(Debug, Clone)]
-pub struct SubvolInfo {
-    pub id: u64,
-    pub parent: u64,
-    /// Path from the top-level subvolume (id 5), e.g. "dir/sub".
-    pub path: String,
-    pub item: RootItem,
-}
-
-/// Inode number of the empty directory shown for a nested subvolume that a snapshot's
-/// directory names but that is not linked there.
-pub const EMPTY_SUBVOL_DIR_OBJECTID: u64 = 2;
-
-/// Maximum bytes of a compressed extent, before and after decompression (btrfs limit).
-pub const MAX_COMPRESSED: u64 = 128 * 1024;
+pub use crate::inode::core::Core;
+pub use crate::inode::namespace::{Owner, SetAttr};
+pub use crate::inode::read::{DirEntry, Stat, SubvolInfo, EMPTY_SUBVOL_DIR_OBJECTID};
+pub use crate::inode::seek::Seek;
 
 /// Options of a read-only open.
 #[derive(Debug, Clone, Copy)]
@@ -102,39 +41,19 @@ impl OpenOpts {
     }
 }
 
+/// An open filesystem: the [`Core`] of parts the inode layer works on, and the periodic
+/// committer.
 pub struct Fs {
-    pub disk: Arc<Disk>,
-    /// Root tree as opened; [`Fs::tree_root`] gives the current one.
-    opened_tree_root: Root,
-    csum_root: Option<Root>,
-    /// Roots the write engine moved in the running transaction (shared with it).
-    pub(crate) live: crate::transaction::LiveRoots,
-    /// The write engine, when opened read-write.
-    pub(crate) writer: Option<Mutex<crate::transaction::Writer>>,
-    /// Open handles per inode (an unlinked open file is kept as an orphan).
-    pub(crate) open_files: Mutex<HashMap<Inode, u32>>,
-    roots: Mutex<HashMap<u64, (Root, RootItem)>>,
-    /// The subvolume mounted by default (DEFAULT_SUBVOL dir item, else 5).
-    pub default_subvol: u64,
-    /// Readahead mode used by whole-tree walks (restore, find).
-    pub walk_readahead: Readahead,
-    /// Held by log commits and transaction commits (crate::log_write): one writes a
-    /// superblock at a time.
-    pub(crate) log_sync: Mutex<()>,
-    /// fsync writes the log tree (else it commits the transaction).
-    pub(crate) fsync_log: std::sync::atomic::AtomicBool,
-    /// Range locks and ordered extents of the writes in progress (crate::ordered).
-    pub(crate) ordered: crate::ordered::OrderedTrees,
-    /// Extents longer than this are written without the writer lock (crate::ordered);
-    /// `u64::MAX` turns that off (for the benchmark's comparison).
-    pub(crate) unlocked_writeback_above: std::sync::atomic::AtomicU64,
-    /// fsync waits for the inode's writes in progress (off: seed 003's rule; see
-    /// [`Fs::set_fsync_skips_writes_in_progress`]).
-    pub(crate) fsync_waits_for_writes: std::sync::atomic::AtomicBool,
-    /// The reader/writer gate and the abort latch for concurrent callers (crate::gate).
-    pub(crate) gate: crate::gate::Gate,
+    core: Core,
     /// The periodic commit thread ([`Fs::start_committer`]): its stop signal and handle.
     committer: Mutex<Option<(std::sync::mpsc::Sender<()>, std::thread::JoinHandle<()>)>>,
+}
+
+impl std::ops::Deref for Fs {
+    type Target = Core;
+    fn deref(&self) -> &Core {
+        &self.core
+    }
 }
 
 impl Fs {
@@ -196,8 +115,8 @@ impl Fs {
         fs.set_fsync_skips_writes_in_progress(opts.fsync_skips_writes_in_progress);
         fs.set_unlocked_writeback(opts.unlocked_writeback);
         fs.set_delayed_allocation(opts.delayed_allocation);
-        let w = crate::tree_log::start_writer(&fs)?;
-        fs.writer = Some(Mutex::new(w));
+        let w = crate::tree_log::replay::start_writer(&fs)?;
+        fs.core.writer = Some(Mutex::new(w));
         // Files unlinked while open when the last writer stopped: their space comes back now,
         // as the kernel gives it back at mount.
         let n = fs.clean_orphans()?;
@@ -213,7 +132,7 @@ impl Fs {
     pub fn open_device_opts(dev: Arc<dyn BlockDevice>, opts: OpenOpts) -> Result<Fs> {
         let fs = Self::open_device_nolog(dev)?;
         if opts.log_replay && fs.disk.sb.log_root != 0 {
-            crate::tree_log::replay_in_memory(&fs)?;
+            crate::tree_log::replay::replay_in_memory(&fs)?;
             fs.roots.lock().unwrap_or_else(|e| e.into_inner()).clear();
         }
         Ok(fs)
@@ -234,7 +153,7 @@ impl Fs {
                 sb.log_root
             );
         }
-        let mut fs = Fs {
+        let mut fs = Core {
             disk,
             opened_tree_root: tree_root,
             csum_root: None,
@@ -248,11 +167,10 @@ impl Fs {
             fsync_log: std::sync::atomic::AtomicBool::new(true),
             ordered: Default::default(),
             unlocked_writeback_above: std::sync::atomic::AtomicU64::new(
-                crate::ordered::SHORT_WRITEBACK,
+                crate::inode::ordered::SHORT_WRITEBACK,
             ),
             fsync_waits_for_writes: std::sync::atomic::AtomicBool::new(false),
             gate: Default::default(),
-            committer: Mutex::new(None),
         };
         fs.csum_root = match fs.find_root_item(CSUM_TREE_OBJECTID)? {
             Some(ri) => Some(Root {
@@ -277,855 +195,16 @@ impl Fs {
             }
         }
         fs.subvol_root(fs.default_subvol)?;
-        Ok(fs)
-    }
-
-    /// The root tree's current root.
-    pub fn tree_root(&self) -> Root {
-        self.live_root(ROOT_TREE_OBJECTID)
-            .unwrap_or(self.opened_tree_root)
-    }
-
-    /// A root the running transaction moved.
-    fn live_root(&self, id: u64) -> Option<Root> {
-        self.live
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(&id)
-            .copied()
-    }
-
-    /// The checksum tree's current root.
-    fn csum_root(&self) -> Option<Root> {
-        self.live_root(CSUM_TREE_OBJECTID).or(self.csum_root)
-    }
-
-    /// Finds the ROOT_ITEM of a tree in the root tree.
-    pub fn find_root_item(&self, id: u64) -> Result<Option<RootItem>> {
-        let it = ctree::lookup_le(
-            &self.disk,
-            &self.tree_root(),
-            &Key::new(id, ROOT_ITEM_KEY, u64::MAX),
-        )?;
-        match it {
-            Some(it) if it.key.objectid == id && it.key.ty == ROOT_ITEM_KEY => Ok(Some(
-                RootItem::parse(it.data()).map_err(|e| it.annotate(e))?,
-            )),
-            _ => Ok(None),
-        }
-    }
-
-    /// The root of a subvolume tree (cached).
-    pub fn subvol_root(&self, id: u64) -> Result<Root> {
-        Ok(self.subvol(id)?.0)
-    }
-
-    /// The root item of a subvolume tree (cached; [`Fs::forget_subvol`] drops it when the
-    /// write engine changes it).
-    pub(crate) fn subvol_item(&self, id: u64) -> Result<RootItem> {
-        Ok(self.subvol(id)?.1)
-    }
-
-    fn subvol(&self, id: u64) -> Result<(Root, RootItem)> {
-        if let Some(live) = self.live_root(id) {
-            let cached = self
-                .roots
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .get(&id)
-                .map(|r| r.1.clone());
-            // A tree the running transaction moved (or created): its ROOT_ITEM may still name
-            // an older root block; the live root is the current one.
-            let ri = match cached {
-                Some(ri) => ri,
-                None => {
-                    let ri = self
-                        .find_root_item(id)?
-                        .ok_or_else(|| Error::NotFound(format!("subvolume {id}")))?;
-                    // Cached with the live root: live roots are never dropped, so the cached
-                    // root is never used for this tree again, only its item.
-                    self.roots
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .insert(id, (live, ri.clone()));
-                    ri
-                }
-            };
-            return Ok((live, ri));
-        }
-        if let Some(r) = self
-            .roots
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(&id)
-        {
-            return Ok(r.clone());
-        }
-        let ri = self
-            .find_root_item(id)?
-            .ok_or_else(|| Error::NotFound(format!("subvolume {id}")))?;
-        let root = Root {
-            id,
-            bytenr: ri.bytenr,
-            level: ri.level,
-            generation: ri.generation,
-        };
-        self.roots
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(id, (root, ri.clone()));
-        Ok((root, ri))
-    }
-
-    /// Items of `ino` from its file extent item at or before `offset` (from its first one when
-    /// there is none before): the start of every walk over a range of a file's extents.
-    pub(crate) fn extent_items_from(&self, ino: Inode, offset: u64) -> Result<TreeIter> {
-        let root = self.subvol_root(ino.root)?;
-        let start_key = match ctree::lookup_le(
-            &self.disk,
-            &root,
-            &Key::new(ino.ino, EXTENT_DATA_KEY, offset),
-        )? {
-            Some(i) if i.key.objectid == ino.ino && i.key.ty == EXTENT_DATA_KEY => i.key,
-            _ => Key::new(ino.ino, EXTENT_DATA_KEY, 0),
-        };
-        TreeIter::new(self.disk.clone(), root, start_key, Readahead::None)
-    }
-
-    /// Drops the cached root item of subvolume `id` (after the write engine changed it).
-    pub(crate) fn forget_subvol(&self, id: u64) {
-        self.roots
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&id);
-    }
-
-    /// Root directory inode of the default subvolume.
-    pub fn root_inode(&self) -> Inode {
-        Inode {
-            root: self.default_subvol,
-            ino: FIRST_FREE_OBJECTID,
-        }
-    }
-
-    /// Root directory of subvolume `id`.
-    pub fn subvol_root_inode(&self, id: u64) -> Result<Inode> {
-        let (_, ri) = self.subvol(id)?;
-        Ok(Inode {
-            root: id,
-            ino: ri.root_dirid,
+        Ok(Fs {
+            core: fs,
+            committer: Mutex::new(None),
         })
-    }
-
-    /// The inode item of `ino`, after the completion of its pending ordered extents
-    /// (crate::ordered): its size and times count every write that returned.
-    pub fn inode_item(&self, ino: Inode) -> Result<InodeItem> {
-        if self.ordered.has_pending(ino) {
-            match self.complete_ordered_extents() {
-                // Changes stopped: what the trees have is all there is.
-                Ok(()) | Err(Error::Aborted(_)) => {}
-                Err(e) => return Err(e),
-            }
-        }
-        self.inode_item_raw(ino)
-    }
-
-    /// The inode item as the trees have it now (pending ordered extents not counted): for
-    /// the holders of the writer lock.
-    pub(crate) fn inode_item_raw(&self, ino: Inode) -> Result<InodeItem> {
-        if ino.ino == EMPTY_SUBVOL_DIR_OBJECTID {
-            return self.placeholder_dir(ino);
-        }
-        let root = self.subvol_root(ino.root)?;
-        let it = ctree::lookup(&self.disk, &root, &Key::new(ino.ino, INODE_ITEM_KEY, 0))?
-            .ok_or_else(|| {
-                Error::NotFound(format!("inode {} in subvolume {}", ino.ino, ino.root))
-            })?;
-        InodeItem::parse(it.data()).map_err(|e| it.annotate(e))
-    }
-
-    pub fn stat(&self, ino: Inode) -> Result<Stat> {
-        let i = self.inode_item(ino)?;
-        Ok(Stat {
-            inode: ino,
-            mode: i.mode,
-            nlink: i.nlink,
-            uid: i.uid,
-            gid: i.gid,
-            rdev: i.rdev,
-            size: i.size,
-            // Like the kernel: bytes rounded up to whole sectors, in 512-byte units.
-            blocks: i.nbytes.div_ceil(self.disk.sectorsize() as u64)
-                * (self.disk.sectorsize() as u64 / 512),
-            blksize: self.disk.sectorsize(),
-            atime: i.atime,
-            mtime: i.mtime,
-            ctime: i.ctime,
-            otime: i.otime,
-            flags: i.flags,
-            generation: i.generation,
-        })
-    }
-
-    fn entry_from(&self, dir: Inode, d: DirItem, index: u64) -> Result<DirEntry> {
-        let target = if d.location.ty == ROOT_ITEM_KEY {
-            let id = d.location.objectid;
-            if self.subvol_linked_here(dir, id, &d.name)? {
-                self.subvol_root_inode(id)?
-            } else {
-                // A snapshot keeps the entry of a subvolume nested in its source, but the
-                // subvolume is not linked there: it shows as an empty directory.
-                Inode {
-                    root: dir.root,
-                    ino: EMPTY_SUBVOL_DIR_OBJECTID,
-                }
-            }
-        } else {
-            Inode {
-                root: dir.root,
-                ino: d.location.objectid,
-            }
-        };
-        Ok(DirEntry {
-            name: d.name,
-            index,
-            file_type: d.file_type,
-            target,
-        })
-    }
-
-    /// Whether subvolume `id` is linked into directory `dir` under `name` (a ROOT_REF from
-    /// `dir.root` naming it).
-    fn subvol_linked_here(&self, dir: Inode, id: u64, name: &[u8]) -> Result<bool> {
-        let key = Key::new(dir.root, ROOT_REF_KEY, id);
-        let Some(it) = ctree::lookup(&self.disk, &self.tree_root(), &key)? else {
-            return Ok(false);
-        };
-        let r = RootRef::parse(it.data()).map_err(|e| it.annotate(e))?;
-        Ok(r.dirid == dir.ino && r.name == name)
-    }
-
-    /// The inode of the empty directory standing in for an unlinked nested subvolume.
-    fn placeholder_dir(&self, ino: Inode) -> Result<InodeItem> {
-        let parent = self.inode_item(Inode {
-            root: ino.root,
-            ino: FIRST_FREE_OBJECTID,
-        })?;
-        Ok(InodeItem {
-            mode: 0o040755,
-            nlink: 1,
-            size: 0,
-            nbytes: 0,
-            uid: 0,
-            gid: 0,
-            rdev: 0,
-            flags: 0,
-            ..parent
-        })
-    }
-
-    /// Looks up `name` in directory `dir` through its DIR_ITEM hash.
-    pub fn lookup(&self, dir: Inode, name: &[u8]) -> Result<Option<DirEntry>> {
-        let root = self.subvol_root(dir.root)?;
-        let key = Key::new(dir.ino, DIR_ITEM_KEY, hash::name_hash(name));
-        let Some(it) = ctree::lookup(&self.disk, &root, &key)? else {
-            return Ok(None);
-        };
-        for d in DirItem::parse_all(it.data()).map_err(|e| it.annotate(e))? {
-            if d.name == name {
-                return self.entry_from(dir, d, 0).map(Some);
-            }
-        }
-        Ok(None)
-    }
-
-    /// Directory entries with DIR_INDEX sequence number > `after`, in index order, at most
-    /// `max` of them (0 = no limit).
-    pub fn readdir(&self, dir: Inode, after: u64, max: usize) -> Result<Vec<DirEntry>> {
-        if dir.ino == EMPTY_SUBVOL_DIR_OBJECTID {
-            return Ok(Vec::new());
-        }
-        let root = self.subvol_root(dir.root)?;
-        let start = Key::new(dir.ino, DIR_INDEX_KEY, after.saturating_add(1));
-        let end = Key::new(dir.ino, DIR_INDEX_KEY, u64::MAX);
-        if after == u64::MAX {
-            return Ok(Vec::new());
-        }
-        let mut it = TreeIter::range(self.disk.clone(), root, start, end, Readahead::Forward)?;
-        let mut out = Vec::new();
-        while let Some(item) = it.next_item()? {
-            let ds = DirItem::parse_all(item.data()).map_err(|e| item.annotate(e))?;
-            if ds.len() != 1 {
-                return Err(Error::corrupt(
-                    item.loc(),
-                    format!("DIR_INDEX holds {} entries, expected 1", ds.len()),
-                ));
-            }
-            for d in ds {
-                out.push(self.entry_from(dir, d, item.key.offset)?);
-            }
-            if max != 0 && out.len() >= max {
-                break;
-            }
-        }
-        Ok(out)
-    }
-
-    /// Every xattr name of an inode.
-    pub fn listxattr(&self, ino: Inode) -> Result<Vec<Vec<u8>>> {
-        Ok(self.xattrs(ino)?.into_iter().map(|(n, _)| n).collect())
-    }
-
-    /// Every xattr (name, value) of an inode, in key order.
-    pub fn xattrs(&self, ino: Inode) -> Result<Vec<(Vec<u8>, Vec<u8>)>> {
-        if ino.ino == EMPTY_SUBVOL_DIR_OBJECTID {
-            return Ok(Vec::new());
-        }
-        let root = self.subvol_root(ino.root)?;
-        let mut it = TreeIter::range(
-            self.disk.clone(),
-            root,
-            Key::new(ino.ino, XATTR_ITEM_KEY, 0),
-            Key::new(ino.ino, XATTR_ITEM_KEY, u64::MAX),
-            Readahead::None,
-        )?;
-        let mut out = Vec::new();
-        while let Some(item) = it.next_item()? {
-            for d in DirItem::parse_all(item.data()).map_err(|e| item.annotate(e))? {
-                out.push((d.name, d.data));
-            }
-        }
-        Ok(out)
-    }
-
-    pub fn getxattr(&self, ino: Inode, name: &[u8]) -> Result<Option<Vec<u8>>> {
-        if ino.ino == EMPTY_SUBVOL_DIR_OBJECTID {
-            return Ok(None);
-        }
-        let root = self.subvol_root(ino.root)?;
-        let key = Key::new(ino.ino, XATTR_ITEM_KEY, hash::name_hash(name));
-        let Some(it) = ctree::lookup(&self.disk, &root, &key)? else {
-            return Ok(None);
-        };
-        for d in DirItem::parse_all(it.data()).map_err(|e| it.annotate(e))? {
-            if d.name == name {
-                return Ok(Some(d.data));
-            }
-        }
-        Ok(None)
-    }
-
-    pub fn readlink(&self, ino: Inode) -> Result<Vec<u8>> {
-        let st = self.stat(ino)?;
-        if !st.is_symlink() {
-            return Err(Error::Invalid(format!(
-                "inode {} is not a symlink",
-                ino.ino
-            )));
-        }
-        if st.size > 4096 {
-            return Err(Error::corrupt(
-                Location::what(format!(
-                    "symlink inode {} in subvolume {}",
-                    ino.ino, ino.root
-                )),
-                format!("target length {} exceeds 4096", st.size),
-            ));
-        }
-        self.read(ino, 0, st.size as usize)
-    }
-
-    /// Reads up to `len` bytes at `offset` (short at end of file).
-    pub fn read(&self, ino: Inode, offset: u64, len: usize) -> Result<Vec<u8>> {
-        let inode = self.inode_item(ino)?;
-        if offset >= inode.size || len == 0 {
-            return Ok(Vec::new());
-        }
-        let end = inode.size.min(offset.saturating_add(len as u64));
-        // The size comes from disk: a damaged one must give an error, not abort on allocation.
-        let want = usize::try_from(end - offset).unwrap_or(usize::MAX);
-        let mut out = Vec::new();
-        if out.try_reserve_exact(want).is_err() {
-            return Err(Error::corrupt(
-                Location::what(format!("inode {}", ino.ino)).with_tree(ino.root),
-                format!(
-                    "reading {want} bytes at {offset} of a file of size {} cannot be done in \
-                     memory: read it in smaller pieces (the size may be damaged; `butter check` \
-                     tells)",
-                    inode.size
-                ),
-            ));
-        }
-        out.resize(want, 0);
-        let root = self.subvol_root(ino.root)?;
-        // Start from the extent item at or before `offset`.
-        let first = ctree::lookup_le(
-            &self.disk,
-            &root,
-            &Key::new(ino.ino, EXTENT_DATA_KEY, offset),
-        )?;
-        let start_key = match first {
-            Some(it) if it.key.objectid == ino.ino && it.key.ty == EXTENT_DATA_KEY => it.key,
-            _ => Key::new(ino.ino, EXTENT_DATA_KEY, offset),
-        };
-        let mut it = TreeIter::range(
-            self.disk.clone(),
-            root,
-            start_key,
-            Key::new(ino.ino, EXTENT_DATA_KEY, u64::MAX),
-            Readahead::Forward,
-        )?;
-        let nodatasum = inode.flags & INODE_NODATASUM != 0;
-        while let Some(item) = it.next_item()? {
-            let foff = item.key.offset;
-            if foff >= end {
-                break;
-            }
-            self.read_extent(ino, &item, foff, offset, end, &mut out, nodatasum)
-                .map_err(|e| item.annotate(e))?;
-        }
-        Ok(out)
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn read_extent(
-        &self,
-        ino: Inode,
-        item: &ItemRef,
-        foff: u64,
-        offset: u64,
-        end: u64,
-        out: &mut [u8],
-        nodatasum: bool,
-    ) -> Result<()> {
-        let fe = FileExtentItem::parse(item.data())?;
-        if fe.encryption != 0 || fe.other_encoding != 0 {
-            return Err(Error::Unsupported(format!(
-                "encrypted/encoded extent in inode {}",
-                ino.ino
-            )));
-        }
-        let ss = self.disk.sectorsize() as u64;
-        match &fe.body {
-            FileExtentBody::Inline(raw) => {
-                let data = if fe.compression == COMPRESS_NONE {
-                    raw.clone()
-                } else {
-                    if fe.ram_bytes > MAX_COMPRESSED {
-                        return Err(Error::corrupt(
-                            Location::what("inline extent"),
-                            format!("ram_bytes {}", fe.ram_bytes),
-                        ));
-                    }
-                    compress::decompress(fe.compression, raw, fe.ram_bytes as usize, ss as u32)?
-                };
-                copy_overlap(out, offset, end, foff, &data);
-            }
-            FileExtentBody::Extent {
-                disk_bytenr,
-                disk_num_bytes,
-                offset: eoff,
-                num_bytes,
-            } => {
-                let ext_end = foff.saturating_add(*num_bytes);
-                if ext_end <= offset || *disk_bytenr == 0 || fe.ty == FILE_EXTENT_PREALLOC {
-                    return Ok(()); // before the range, a hole, or prealloc: zeros
-                }
-                let lo = offset.max(foff);
-                let hi = end.min(ext_end);
-                // Data extents are whole sectors; this also keeps every sum below in range.
-                if disk_bytenr % ss != 0
-                    || disk_num_bytes % ss != 0
-                    || disk_bytenr.checked_add(*disk_num_bytes).is_none()
-                {
-                    return Err(Error::corrupt(
-                        Location::what("file extent"),
-                        format!("data extent [{disk_bytenr}, +{disk_num_bytes}) is not sector aligned or overflows"),
-                    ));
-                }
-                if fe.compression == COMPRESS_NONE {
-                    // Read the sectors covering [lo, hi) of the extent, verify, copy.
-                    let rel_lo = eoff.checked_add(lo - foff).ok_or_else(|| {
-                        Error::corrupt(Location::what("file extent"), "extent offset overflows")
-                    })?;
-                    let rel_hi = rel_lo
-                        .checked_add(hi - lo)
-                        .filter(|&h| h <= *disk_num_bytes)
-                        .ok_or_else(|| {
-                            Error::corrupt(
-                                Location::what("file extent"),
-                                format!("offset {eoff} + length {num_bytes} beyond disk_num_bytes {disk_num_bytes}"),
-                            )
-                        })?;
-                    let a_lo = rel_lo / ss * ss;
-                    let a_hi = rel_hi.div_ceil(ss) * ss;
-                    let logical = disk_bytenr + a_lo;
-                    // File offset of the first sector read (for a checksum error message).
-                    let sector_foff = lo.saturating_sub(rel_lo - a_lo);
-                    let buf = self.read_verified(
-                        ino,
-                        sector_foff,
-                        ss,
-                        logical,
-                        (a_hi - a_lo) as usize,
-                        nodatasum,
-                    )?;
-                    let from = (rel_lo - a_lo) as usize;
-                    let dst = (lo - offset) as usize;
-                    let n = (hi - lo) as usize;
-                    out[dst..dst + n].copy_from_slice(&buf[from..from + n]);
-                } else {
-                    if *disk_num_bytes > MAX_COMPRESSED || fe.ram_bytes > MAX_COMPRESSED {
-                        return Err(Error::corrupt(
-                            Location::what("compressed extent"),
-                            format!(
-                                "disk_num_bytes {disk_num_bytes} ram_bytes {} exceed 128 KiB",
-                                fe.ram_bytes
-                            ),
-                        ));
-                    }
-                    let raw = self.read_verified(
-                        ino,
-                        foff,
-                        0,
-                        *disk_bytenr,
-                        *disk_num_bytes as usize,
-                        nodatasum,
-                    )?;
-                    let data = compress::decompress(
-                        fe.compression,
-                        &raw,
-                        fe.ram_bytes as usize,
-                        ss as u32,
-                    )?;
-                    // The file range maps to [eoff, eoff + num_bytes) of the decompressed data.
-                    let base = foff as i128 - *eoff as i128;
-                    let lo_d = lo as i128 - base;
-                    let hi_d = hi as i128 - base;
-                    if lo_d < 0 || hi_d > data.len() as i128 {
-                        return Err(Error::corrupt(
-                            Location::what("compressed extent"),
-                            format!(
-                                "reference [{lo_d}, {hi_d}) beyond decompressed length {}",
-                                data.len()
-                            ),
-                        ));
-                    }
-                    let (lo_d, hi_d) = (lo_d as usize, hi_d as usize);
-                    let dst = (lo - offset) as usize;
-                    out[dst..dst + (hi_d - lo_d)].copy_from_slice(&data[lo_d..hi_d]);
-                }
-            }
-        }
-        Ok(())
-    }
-
-    /// Reads `len` bytes at `logical` (sector aligned), verifying each sector's checksum when
-    /// the csum tree has one; tries every copy. For the error message, sector `i` is at file
-    /// offset `file_off + i * file_step` (step 0 for compressed extents: the extent's offset).
-    fn read_verified(
-        &self,
-        ino: Inode,
-        file_off: u64,
-        file_step: u64,
-        logical: u64,
-        len: usize,
-        nodatasum: bool,
-    ) -> Result<Vec<u8>> {
-        let ss = self.disk.sectorsize() as usize;
-        let csums = if nodatasum {
-            Vec::new()
-        } else {
-            self.data_csums(logical, len as u64)?
-        };
-        let ct = self.disk.sb.csum_type;
-        let csize = ct.size();
-        let bad_sector = std::cell::Cell::new(None);
-        let verify = |buf: &[u8]| -> bool {
-            for (i, c) in csums.iter().enumerate() {
-                if let Some(c) = c {
-                    let s = &buf[i * ss..(i + 1) * ss];
-                    if ct.compute(s)[..csize] != c[..csize] {
-                        bad_sector.set(Some(i));
-                        return false;
-                    }
-                }
-            }
-            true
-        };
-        match self.disk.read_data(logical, len, &verify)? {
-            Some(b) => Ok(b),
-            None => {
-                let i = bad_sector.get().unwrap_or(0) as u64;
-                let e = Error::DataChecksum {
-                    root: ino.root,
-                    ino: ino.ino,
-                    file_offset: file_off.saturating_add(i * file_step),
-                    logical: logical + i * ss as u64,
-                };
-                log::error!("{e}");
-                Err(e)
-            }
-        }
-    }
-
-    /// Per-sector data checksums for `[logical, logical + len)`; `None` where the csum tree has
-    /// none.
-    pub fn data_csums(&self, logical: u64, len: u64) -> Result<Vec<Option<[u8; 32]>>> {
-        let ss = self.disk.sectorsize() as u64;
-        let n = len.div_ceil(ss) as usize;
-        let mut out = vec![None; n];
-        let Some(root) = self.csum_root() else {
-            return Ok(out);
-        };
-        let csize = self.disk.sb.csum_type.size() as u64;
-        let start = ctree::lookup_le(
-            &self.disk,
-            &root,
-            &Key::new(EXTENT_CSUM_OBJECTID, EXTENT_CSUM_KEY, logical),
-        )?;
-        let start_key = match start {
-            Some(it) if it.key.objectid == EXTENT_CSUM_OBJECTID && it.key.ty == EXTENT_CSUM_KEY => {
-                it.key
-            }
-            _ => Key::new(EXTENT_CSUM_OBJECTID, EXTENT_CSUM_KEY, logical),
-        };
-        let mut it = TreeIter::range(
-            self.disk.clone(),
-            root,
-            start_key,
-            Key::new(
-                EXTENT_CSUM_OBJECTID,
-                EXTENT_CSUM_KEY,
-                logical.saturating_add(len.saturating_sub(1)),
-            ),
-            Readahead::None,
-        )?;
-        while let Some(item) = it.next_item()? {
-            let d = item.data();
-            let cstart = item.key.offset;
-            let count = d.len() as u64 / csize;
-            for k in 0..count {
-                // Both from disk: a csum item's key near u64::MAX must not overflow.
-                let Some(sec) = cstart.checked_add(k * ss) else {
-                    break;
-                };
-                if sec < logical || sec - logical >= len {
-                    continue;
-                }
-                let idx = ((sec - logical) / ss) as usize;
-                let mut c = [0u8; 32];
-                c[..csize as usize]
-                    .copy_from_slice(&d[(k * csize) as usize..((k + 1) * csize) as usize]);
-                out[idx] = Some(c);
-            }
-        }
-        Ok(out)
-    }
-
-    /// All subvolumes and snapshots (not the top level), with their paths.
-    pub fn list_subvolumes(&self) -> Result<Vec<SubvolInfo>> {
-        let mut it = TreeIter::new(
-            self.disk.clone(),
-            self.tree_root(),
-            Key::new(FIRST_FREE_OBJECTID, 0, 0),
-            Readahead::None,
-        )?;
-        let mut items = Vec::new();
-        let mut backrefs: HashMap<u64, (u64, RootRef)> = HashMap::new();
-        while let Some(item) = it.next_item()? {
-            if item.key.objectid > LAST_FREE_OBJECTID {
-                break;
-            }
-            match item.key.ty {
-                ROOT_ITEM_KEY => items.push((
-                    item.key.objectid,
-                    RootItem::parse(item.data()).map_err(|e| item.annotate(e))?,
-                )),
-                ROOT_BACKREF_KEY => {
-                    let r = RootRef::parse(item.data()).map_err(|e| item.annotate(e))?;
-                    backrefs.insert(item.key.objectid, (item.key.offset, r));
-                }
-                _ => {}
-            }
-        }
-        let mut out = Vec::new();
-        for (id, ri) in items {
-            let Some((parent, rr)) = backrefs.get(&id) else {
-                continue;
-            }; // deleted, not yet cleaned
-            let mut path = String::new();
-            // Walk up through parents, bounded by the number of subvolumes.
-            let mut chain = vec![(*parent, rr.clone())];
-            let mut cur = *parent;
-            for _ in 0..backrefs.len() {
-                if cur == FS_TREE_OBJECTID {
-                    break;
-                }
-                match backrefs.get(&cur) {
-                    Some((p, r)) => {
-                        chain.push((*p, r.clone()));
-                        cur = *p;
-                    }
-                    None => break,
-                }
-            }
-            for (p, r) in chain.iter().rev() {
-                let dir = self
-                    .inode_path(Inode {
-                        root: *p,
-                        ino: r.dirid,
-                    })
-                    .unwrap_or_default();
-                if !dir.is_empty() {
-                    path.push_str(&dir);
-                    path.push('/');
-                }
-                path.push_str(&String::from_utf8_lossy(&r.name));
-                path.push('/');
-            }
-            path.pop();
-            out.push(SubvolInfo {
-                id,
-                parent: *parent,
-                path,
-                item: ri,
-            });
-        }
-        Ok(out)
-    }
-
-    /// Path of an inode relative to its subvolume's root (first name found), e.g. "a/b".
-    pub fn inode_path(&self, ino: Inode) -> Result<String> {
-        let root = self.subvol_root(ino.root)?;
-        let mut parts: Vec<String> = Vec::new();
-        let mut cur = ino.ino;
-        for _ in 0..4096 {
-            if cur == FIRST_FREE_OBJECTID {
-                parts.reverse();
-                return Ok(parts.join("/"));
-            }
-            let mut it = TreeIter::range(
-                self.disk.clone(),
-                root,
-                Key::new(cur, INODE_REF_KEY, 0),
-                Key::new(cur, INODE_EXTREF_KEY, u64::MAX),
-                Readahead::None,
-            )?;
-            let Some(item) = it.next_item()? else {
-                return Err(Error::NotFound(format!(
-                    "no name for inode {cur} in subvolume {}",
-                    ino.root
-                )));
-            };
-            if item.key.ty == INODE_REF_KEY {
-                let r = InodeRef::parse_all(item.data()).map_err(|e| item.annotate(e))?;
-                let first = r
-                    .first()
-                    .ok_or_else(|| Error::corrupt(item.loc(), "empty inode ref"))?;
-                parts.push(String::from_utf8_lossy(&first.name).into_owned());
-                cur = item.key.offset;
-            } else {
-                let r = InodeExtref::parse_all(item.data()).map_err(|e| item.annotate(e))?;
-                let first = r
-                    .first()
-                    .ok_or_else(|| Error::corrupt(item.loc(), "empty inode extref"))?;
-                parts.push(String::from_utf8_lossy(&first.name).into_owned());
-                cur = first.parent;
-            }
-        }
-        Err(Error::corrupt(
-            Location::what(format!("inode {} in subvolume {}", ino.ino, ino.root)),
-            "directory parent chain too deep (loop?)",
-        ))
-    }
-
-    /// Resolves a slash-separated path from the default subvolume's root, following
-    /// subvolume boundaries but not symlinks.
-    pub fn resolve(&self, path: &str) -> Result<Inode> {
-        let mut cur = self.root_inode();
-        for comp in path.split('/').filter(|c| !c.is_empty() && *c != ".") {
-            let st = self.stat(cur)?;
-            if !st.is_dir() {
-                return Err(Error::NotDir(path.to_string()));
-            }
-            let e = self
-                .lookup(cur, comp.as_bytes())?
-                .ok_or_else(|| Error::NotFound(path.to_string()))?;
-            cur = e.target;
-        }
-        Ok(cur)
-    }
-}
-
-/// Copies the part of `data` (file bytes starting at `data_off`) that overlaps `[lo, hi)` into
-/// `out` (file bytes starting at `lo`).
-fn copy_overlap(out: &mut [u8], lo: u64, hi: u64, data_off: u64, data: &[u8]) {
-    let d_end = data_off.saturating_add(data.len() as u64);
-    let s = lo.max(data_off);
-    let e = hi.min(d_end);
-    if s >= e {
-        return;
-    }
-    let n = (e - s) as usize;
-    let dst = (s - lo) as usize;
-    let src = (s - data_off) as usize;
-    out[dst..dst + n].copy_from_slice(&data[src..src + n]);
-}
-
-impl Fs {
-    /// Deletes the inodes with no links that ORPHAN items name, in every writable subvolume
-    /// (a read-only snapshot keeps what it holds). Returns how many were deleted.
-    pub fn clean_orphans(&self) -> Result<usize> {
-        let mut roots = vec![FS_TREE_OBJECTID];
-        roots.extend(self.list_subvolumes()?.iter().map(|s| s.id));
-        let mut deleted = 0;
-        for root in roots {
-            let mut it = TreeIter::new(
-                self.disk.clone(),
-                self.subvol_root(root)?,
-                Key::new(ORPHAN_OBJECTID, ORPHAN_ITEM_KEY, 0),
-                Readahead::None,
-            )?;
-            let mut inos = Vec::new();
-            while let Some(i) = it.next_item()? {
-                if i.key.objectid != ORPHAN_OBJECTID || i.key.ty != ORPHAN_ITEM_KEY {
-                    break;
-                }
-                inos.push(i.key.offset);
-            }
-            for ino in inos {
-                let inode = Inode { root, ino };
-                if self.inode_item(inode).is_ok_and(|it| it.nlink == 0) {
-                    match self.release_orphan(inode) {
-                        Ok(()) => deleted += 1,
-                        Err(Error::ReadOnlySubvol(_)) => break,
-                        Err(e) => return Err(e),
-                    }
-                }
-            }
-        }
-        Ok(deleted)
     }
 }
 
 // ---------------------------------------------------------------------------------------------
-// The gate and the latch for concurrent callers (see crate::gate for the rules)
+// The gate policies for concurrent callers (see crate::gate for the rules)
 // ---------------------------------------------------------------------------------------------
-
-impl Error {
-    /// Whether a change that failed with this error may have left half of itself in the
-    /// running transaction, so that nothing more may be changed or committed.
-    pub fn stops_changes(&self) -> bool {
-        matches!(
-            self,
-            Error::Io { .. }
-                | Error::Corrupt { .. }
-                | Error::BadChecksum { .. }
-                | Error::Internal(_)
-        )
-    }
-}
 
 impl Fs {
     /// Passes the gate as a reader, after completing pending ordered extents (a reader would
@@ -1134,6 +213,24 @@ impl Fs {
         loop {
             let g = self.gate.read();
             if !self.has_pending_ordered() || self.stopped().is_some() {
+                return g;
+            }
+            drop(g);
+            let _c = self.gate.change();
+            if let Err(e) = self.complete_ordered_extents() {
+                self.stop(format!("completing writes: {e}"));
+            }
+        }
+    }
+
+    /// [`Fs::read_gate`] for a read of `ino` alone (its data, attributes, flags): completes
+    /// pending ordered extents only when `ino` has some, so reading one file does not wait
+    /// for the completion of another file's writes. (Pending extents and delayed appends
+    /// appear only under the exclusive gate, so none appear for `ino` while this is held.)
+    pub fn read_gate_on(&self, ino: Inode) -> crate::gate::GateRead<'_> {
+        loop {
+            let g = self.gate.read();
+            if !self.ordered.has_pending(ino) || self.stopped().is_some() {
                 return g;
             }
             drop(g);
@@ -1183,42 +280,6 @@ impl Fs {
             Some(why) => Err(Error::Aborted(why)),
             None => Ok(()),
         }
-    }
-
-    /// Runs `io` (data I/O that touches no tree) out of the gate when the calling thread
-    /// holds it as a data write ([`Fs::write_gate`]); as it is otherwise. Changes that
-    /// stopped meanwhile make it `Aborted` (the caller gives back what it allocated).
-    pub(crate) fn outside_gate<R>(&self, io: impl FnOnce() -> Result<R>) -> Result<R> {
-        let out = self.gate.step_out();
-        let r = io();
-        let was_out = out.was_out();
-        drop(out);
-        if was_out {
-            if let Some(why) = self.gate.latched() {
-                return Err(Error::Aborted(why));
-            }
-        }
-        r
-    }
-
-    /// Stops changes and commits for good (the latch); the first reason is kept.
-    pub fn stop(&self, why: String) {
-        if self.gate.latch(why.clone()) {
-            log::error!(
-                "{why}; the filesystem is read-only from now on and nothing more is committed: \
-                 the image keeps its last commit (unmount, then run `butter check`)"
-            );
-        }
-    }
-
-    /// Why changes stopped, if they did (the latch, or the write engine's abort).
-    pub fn stopped(&self) -> Option<String> {
-        if let Some(why) = self.gate.latched() {
-            return Some(why);
-        }
-        let w = self.writer.as_ref()?;
-        let w = w.lock().unwrap_or_else(|e| e.into_inner());
-        w.check_writable().err().map(|e| e.to_string())
     }
 
     /// fsync of one inode under the gate: logs it (waiting for running changes, not for a
@@ -1292,7 +353,7 @@ impl Default for RwOptions {
 #[derive(Debug, Clone)]
 pub struct CloseReport {
     pub log: crate::log_state::LogStats,
-    pub ordered: crate::ordered::OrderedStats,
+    pub ordered: crate::inode::ordered::OrderedStats,
     /// Times a write's data went to the device out of the gate (crate::gate).
     pub data_io_out_of_gate: u64,
 }

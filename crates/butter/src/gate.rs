@@ -10,7 +10,7 @@
 //!   where it would hold readers back).
 //! - The gate covers tree edits, not data I/O: a write that passes it as a *data write*
 //!   ([`GateChange::let_data_out`]) steps out of it ([`Gate::step_out`]) while its data goes
-//!   to the device between two edits (crate::file_write), so other files are read and
+//!   to the device between two edits (crate::inode::file), so other files are read and
 //!   written meanwhile. Its range lock stays held. So that nothing holding the gate ever
 //!   waits for that range lock, every change that may take a file's range locks (writes,
 //!   truncates, fallocate, the deletion of an orphan) first takes the file's *inode passage*
@@ -24,7 +24,7 @@
 //!   changes and commits; the image keeps its last commit, like the kernel's transaction
 //!   abort. The write engine's own abort (a failed commit) counts as stopped too.
 //!
-//! Lock order: inode passage -> range lock (crate::ordered) -> `changes` -> gate -> the
+//! Lock order: inode passage -> range lock (crate::inode::ordered) -> `changes` -> gate -> the
 //! writer (crate::transaction) -> `log_sync`. The policies are methods of the facade
 //! (crate::fs); this module holds the locks and the latch.
 
@@ -36,7 +36,7 @@ use std::thread::ThreadId;
 const INODE_PASSAGES: usize = 64;
 
 /// The gate and the latch (one per filesystem; the policies that use them are
-/// `Fs::read_gate`, `Fs::change_gate`, `Fs::stop`, `Fs::gated_fsync` and `Fs::gated_commit`).
+/// `Fs::read_gate`, `Fs::change_gate`, `Core::stop`, `Fs::gated_fsync` and `Fs::gated_commit`).
 pub struct Gate {
     state: Mutex<State>,
     /// Signalled whenever a passage is let go of.
@@ -286,7 +286,7 @@ impl Drop for SteppedOut<'_> {
 #[cfg(test)]
 mod tests {
     use crate::error::Error;
-    use crate::fs_write::Owner;
+    use crate::inode::namespace::Owner;
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::Arc;
     use std::time::Duration;

@@ -1,6 +1,6 @@
 //! The fsync log's state inside the running transaction: the log trees kept in memory (laid
 //! out in leaves that are rewritten only when their items change), what changed since each
-//! inode was last logged, and the log's sequence numbers and blocks. crate::log_write decides
+//! inode was last logged, and the log's sequence numbers and blocks. crate::tree_log::write decides
 //! what to log and writes it; the transaction owns this state and clears it at commit.
 
 use crate::ctree_ops::{LeafMut, NewHeader, NodeMut};
@@ -237,7 +237,7 @@ pub struct LogStats {
 /// What an fsync has to do after its inode is logged.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LogTicket {
-    /// The log holds the inode: make sequence number `seq` durable with [`Fs::sync_log`].
+    /// The log holds the inode: make sequence number `seq` durable with [`Core::sync_log`].
     Logged(u64),
     /// Nothing changed since the last commit.
     Durable,

@@ -93,9 +93,9 @@ pub struct Writer {
     pub(crate) next_index: HashMap<(u64, u64), u64>,
     /// Seed 002: replace file extents in the leaf of one descent when possible.
     pub combined_replace: bool,
-    /// The fsync log of the running transaction (crate::log_write).
+    /// The fsync log of the running transaction (crate::tree_log::write).
     pub(crate) log: crate::log_state::LogState,
-    /// Ordered extents written but not yet in the trees (crate::ordered). A commit must not
+    /// Ordered extents written but not yet in the trees (crate::inode::ordered). A commit must not
     /// run while there are any: their data would be in no tree and, if an fsync logged them,
     /// the commit would drop the log that has them.
     pub(crate) ordered_pending: usize,
@@ -123,7 +123,7 @@ impl Writer {
         Self::open_with_log(disk, live)
     }
 
-    /// [`Writer::open`] for log replay (crate::tree_log): accepts an image whose superblock
+    /// [`Writer::open`] for log replay (crate::tree_log::replay): accepts an image whose superblock
     /// names an fsync log; the caller replays it before anything else allocates.
     pub(crate) fn open_with_log(disk: Arc<Disk>, live: LiveRoots) -> Result<Writer> {
         let sb = disk.sb.clone();
@@ -723,7 +723,7 @@ impl Writer {
     }
 
     /// A commit with pending ordered extents would lose them (see `ordered_pending`): the
-    /// filesystem completes them before it commits ([`crate::fs::Fs::writer`]).
+    /// filesystem completes them before it commits ([`crate::inode::core::Core::writer`]).
     fn check_no_ordered(&self) -> Result<()> {
         if self.ordered_pending > 0 {
             return Err(Error::Internal(format!(

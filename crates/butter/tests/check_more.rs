@@ -120,9 +120,9 @@ fn tree_root(fs: &Fs, id: u64) -> Root {
         ROOT_TREE_OBJECTID => fs.tree_root(),
         CHUNK_TREE_OBJECTID => Root {
             id,
-            bytenr: fs.disk.sb.chunk_root,
-            level: fs.disk.sb.chunk_root_level,
-            generation: fs.disk.sb.chunk_root_generation,
+            bytenr: fs.disk().sb.chunk_root,
+            level: fs.disk().sb.chunk_root_level,
+            generation: fs.disk().sb.chunk_root_generation,
         },
         _ => {
             let ri = fs.find_root_item(id).unwrap().expect("tree exists");
@@ -149,7 +149,7 @@ struct At {
 fn find_all(img: &Path, id: u64, pred: impl Fn(&Key, &[u8]) -> bool) -> Vec<At> {
     let fs = Fs::open(img).unwrap();
     let root = tree_root(&fs, id);
-    let mut it = TreeIter::new(fs.disk.clone(), root, Key::MIN, Readahead::None).unwrap();
+    let mut it = TreeIter::new(fs.disk().clone(), root, Key::MIN, Readahead::None).unwrap();
     let mut out = Vec::new();
     while let Some(item) = it.next_item().unwrap() {
         if pred(&item.key, item.data()) {
@@ -175,8 +175,8 @@ fn find(img: &Path, id: u64, pred: impl Fn(&Key, &[u8]) -> bool) -> At {
 /// recomputes its checksum and writes every copy.
 fn patch(img: &Path, at: At, edit: impl FnOnce(&mut [u8], usize, usize)) {
     let fs = Fs::open(img).unwrap();
-    let ns = fs.disk.nodesize() as usize;
-    let copies = fs.disk.chunk_map().map(at.block, ns as u64).unwrap();
+    let ns = fs.disk().nodesize() as usize;
+    let copies = fs.disk().chunk_map().map(at.block, ns as u64).unwrap();
     let f = std::fs::OpenOptions::new()
         .read(true)
         .write(true)
@@ -188,8 +188,8 @@ fn patch(img: &Path, at: At, edit: impl FnOnce(&mut [u8], usize, usize)) {
     assert_eq!(Key::from_bytes(&block[hdr..hdr + DISK_KEY_SIZE]), at.key);
     let data = HEADER_SIZE + le_u32(&block, hdr + 17) as usize;
     edit(&mut block, hdr, data);
-    let c = fs.disk.sb.csum_type.compute(&block[CSUM_SLOT..]);
-    let n = fs.disk.sb.csum_type.size();
+    let c = fs.disk().sb.csum_type.compute(&block[CSUM_SLOT..]);
+    let n = fs.disk().sb.csum_type.size();
     block[..n].copy_from_slice(&c[..n]);
     for c in copies {
         f.write_all_at(&block, c.physical).unwrap();

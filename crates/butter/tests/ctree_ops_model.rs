@@ -1267,11 +1267,11 @@ fn rebuilt_mkfs_blocks_are_identical() {
             String::from_utf8_lossy(&out.stderr)
         );
         let fs = butter::fs::Fs::open(&img).unwrap();
-        let csum = fs.disk.sb.csum_type;
+        let csum = fs.disk().sb.csum_type;
         // Every tree in the root tree, plus the root tree itself.
         let mut roots = vec![fs.tree_root()];
         let mut it = butter::ctree::TreeIter::new(
-            fs.disk.clone(),
+            fs.disk().clone(),
             fs.tree_root(),
             Key::MIN,
             Readahead::None,
@@ -1291,7 +1291,7 @@ fn rebuilt_mkfs_blocks_are_identical() {
         assert!(roots.iter().any(|r| r.id == FS_TREE_OBJECTID));
         let mut seen = std::collections::HashSet::new();
         for root in roots {
-            let (mut path, _) = search_slot(&fs.disk, &root, &Key::MIN, Readahead::None).unwrap();
+            let (mut path, _) = search_slot(fs.disk(), &root, &Key::MIN, Readahead::None).unwrap();
             loop {
                 for (b, _) in &path.nodes {
                     let b: &Arc<TreeBlock> = b;
@@ -1326,7 +1326,7 @@ fn rebuilt_mkfs_blocks_are_identical() {
                         compared.1 += 1;
                     }
                 }
-                if !next_leaf(&fs.disk, &mut path).unwrap() {
+                if !next_leaf(fs.disk(), &mut path).unwrap() {
                     break;
                 }
             }

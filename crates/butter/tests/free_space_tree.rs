@@ -44,7 +44,7 @@ fn root_of(fs: &Fs, id: u64) -> Option<Root> {
 }
 
 fn items_of(fs: &Fs, root: Root) -> Vec<(Key, Vec<u8>)> {
-    let mut it = TreeIter::new(fs.disk.clone(), root, Key::MIN, Readahead::None).unwrap();
+    let mut it = TreeIter::new(fs.disk().clone(), root, Key::MIN, Readahead::None).unwrap();
     let mut v = Vec::new();
     while let Some(item) = it.next_item().unwrap() {
         v.push((item.key, item.data().to_vec()));
@@ -57,10 +57,10 @@ fn items_of(fs: &Fs, root: Root) -> Vec<(Key, Vec<u8>)> {
 /// temporary groups it removes).
 fn verify_image(img: &Path) -> (Vec<Group>, Vec<Key>) {
     let fs = Fs::open(img).unwrap();
-    let ss = fs.disk.sectorsize();
-    let nodesize = fs.disk.nodesize() as u64;
+    let ss = fs.disk().sectorsize();
+    let nodesize = fs.disk().nodesize() as u64;
     assert!(
-        fs.disk.sb.has_compat_ro(COMPAT_RO_FREE_SPACE_TREE),
+        fs.disk().sb.has_compat_ro(COMPAT_RO_FREE_SPACE_TREE),
         "image has no free space tree"
     );
     let extent = items_of(&fs, root_of(&fs, EXTENT_TREE_OBJECTID).unwrap());

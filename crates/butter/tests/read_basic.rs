@@ -160,7 +160,8 @@ fn reads_mkfs_rootdir_images_in_several_variants() {
 
 /// Collects (level of root) for every tree in the root tree.
 fn root_levels(fs: &Fs) -> BTreeMap<u64, u8> {
-    let mut it = TreeIter::new(fs.disk.clone(), fs.tree_root(), Key::MIN, Readahead::None).unwrap();
+    let mut it =
+        TreeIter::new(fs.disk().clone(), fs.tree_root(), Key::MIN, Readahead::None).unwrap();
     let mut m = BTreeMap::new();
     while let Some(item) = it.next_item().unwrap() {
         if item.key.ty == ROOT_ITEM_KEY {
@@ -207,15 +208,20 @@ fn deep_trees_and_forward_always_readahead() {
         generation: ri.generation,
     };
     let fresh = Fs::open(&img).unwrap();
-    let mut it =
-        TreeIter::new(fresh.disk.clone(), root, Key::MIN, Readahead::ForwardAlways).unwrap();
+    let mut it = TreeIter::new(
+        fresh.disk().clone(),
+        root,
+        Key::MIN,
+        Readahead::ForwardAlways,
+    )
+    .unwrap();
     let mut n = 0;
     while it.next_item().unwrap().is_some() {
         n += 1;
     }
     assert!(n > 12000 * 4);
     let ra = fresh
-        .disk
+        .disk()
         .stats
         .readahead_queued
         .load(std::sync::atomic::Ordering::Relaxed);
@@ -224,10 +230,10 @@ fn deep_trees_and_forward_always_readahead() {
     // Walking backwards with BACK readahead visits the same items in reverse order.
     let back = Fs::open(&img).unwrap();
     let (mut path, _) =
-        butter::ctree::search_slot(&back.disk, &root, &Key::MAX, Readahead::Back).unwrap();
+        butter::ctree::search_slot(back.disk(), &root, &Key::MAX, Readahead::Back).unwrap();
     let mut m = 0;
     let mut last: Option<Key> = None;
-    while butter::ctree::prev_item(&back.disk, &mut path).unwrap() {
+    while butter::ctree::prev_item(back.disk(), &mut path).unwrap() {
         let k = path.item().unwrap().key;
         assert!(
             last.is_none_or(|l| k < l),
@@ -238,7 +244,7 @@ fn deep_trees_and_forward_always_readahead() {
     }
     assert_eq!(m, n, "backward walk saw a different number of items");
     let ra = back
-        .disk
+        .disk()
         .stats
         .readahead_queued
         .load(std::sync::atomic::Ordering::Relaxed);
@@ -269,7 +275,7 @@ fn damaged_primary_copy_reads_the_dup_mirror() {
     let fs = Fs::open(&img).unwrap();
     // Damage copy 0 of the fs tree root block; copy 1 (metadata is DUP) must be used.
     let ri = fs.find_root_item(FS_TREE_OBJECTID).unwrap().unwrap();
-    let copies = fs.disk.chunk_map().map(ri.bytenr, 4096).unwrap();
+    let copies = fs.disk().chunk_map().map(ri.bytenr, 4096).unwrap();
     assert_eq!(copies.len(), 2, "metadata should be DUP");
     let mut bad = bytes.clone();
     bad[copies[0].physical as usize + 200] ^= 0xff;

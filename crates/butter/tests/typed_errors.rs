@@ -7,7 +7,7 @@ mod crash_support;
 
 use butter::device::RamDevice;
 use butter::fs::Fs;
-use butter::fs_write::Owner;
+use butter::inode::namespace::Owner;
 use butter::mkfs::Profile;
 use butter::Error;
 use crash_support::{butter_check, fresh_image};

@@ -5,7 +5,7 @@
 
 use butter::format::*;
 use butter::fs::{Fs, Inode};
-use butter::fs_write::{Owner, SetAttr};
+use butter::inode::namespace::{Owner, SetAttr};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -53,7 +53,9 @@ fn checks(img: &Path) {
 
 fn has_item(fs: &Fs, root: u64, key: Key) -> bool {
     let r = fs.subvol_root(root).unwrap();
-    butter::ctree::lookup(&fs.disk, &r, &key).unwrap().is_some()
+    butter::ctree::lookup(fs.disk(), &r, &key)
+        .unwrap()
+        .is_some()
 }
 
 #[test]

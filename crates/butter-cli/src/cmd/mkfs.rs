@@ -566,7 +566,7 @@ mod rootdir {
     use super::CliError;
     use butter::format::items::Timespec;
     use butter::fs::{Fs, Inode};
-    use butter::fs_write::{Owner, SetAttr};
+    use butter::inode::namespace::{Owner, SetAttr};
     use std::collections::HashMap;
     use std::ffi::{CString, OsString};
     use std::fs::{File, Metadata};

@@ -78,7 +78,7 @@ pub fn property(a: PropertyArgs) -> CliResult {
                 Ok(())
             };
             let show_compression = || -> CliResult {
-                if let Some(v) = fs.getxattr(ino, butter::inode_flags::COMPRESSION_PROP)? {
+                if let Some(v) = fs.getxattr(ino, butter::inode::flags::COMPRESSION_PROP)? {
                     println!("compression={}", String::from_utf8_lossy(&v));
                 }
                 Ok(())

@@ -390,7 +390,7 @@ impl<'a> Restorer<'a> {
             target,
             root_user,
             strip_acls,
-            sectorsize: u64::from(fs.disk.sectorsize()).max(512),
+            sectorsize: u64::from(fs.disk().sectorsize()).max(512),
             links: HashMap::new(),
             dirs_seen: HashSet::new(),
             c: Counts::default(),
@@ -926,7 +926,7 @@ impl<'a> Restorer<'a> {
     ) -> butter::Result<(Vec<(u64, u64)>, Vec<(u64, u64)>)> {
         let root = self.fs.subvol_root(ino.root)?;
         let mut it = TreeIter::range(
-            self.fs.disk.clone(),
+            self.fs.disk().clone(),
             root,
             Key::new(ino.ino, EXTENT_DATA_KEY, 0),
             Key::new(ino.ino, EXTENT_DATA_KEY, u64::MAX),

@@ -4,7 +4,7 @@
 
 use super::{CliError, CliResult};
 use butter::fs::{Fs, Inode};
-use butter::fs_write::Owner;
+use butter::inode::namespace::Owner;
 use std::path::{Path, PathBuf};
 
 #[derive(clap::Subcommand)]

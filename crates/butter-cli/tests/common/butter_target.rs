@@ -12,7 +12,7 @@ use super::manifest::{Entry, Kind, Manifest, Ts};
 use super::model::*;
 use butter::format::items::Timespec;
 use butter::fs::{Fs, Inode};
-use butter::fs_write::{Owner, SetAttr};
+use butter::inode::namespace::{Owner, SetAttr};
 use sha2::{Digest, Sha256};
 use std::collections::{BTreeMap, HashMap};
 use std::os::unix::ffi::OsStrExt;
@@ -234,8 +234,8 @@ impl ButterTarget {
                 }
                 let flags = match how {
                     RenameHow::Plain => 0,
-                    RenameHow::NoReplace => butter::fs_write::RENAME_NOREPLACE,
-                    RenameHow::Exchange => butter::fs_write::RENAME_EXCHANGE,
+                    RenameHow::NoReplace => butter::inode::namespace::RENAME_NOREPLACE,
+                    RenameHow::Exchange => butter::inode::namespace::RENAME_EXCHANGE,
                 };
                 fs.rename(fd, &fname, td, &tname, flags).map_err(Self::err)
             }

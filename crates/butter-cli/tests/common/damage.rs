@@ -37,7 +37,7 @@ pub fn patch_item(
     } else {
         tree_root(&fs, id)
     };
-    let mut it = TreeIter::new(fs.disk.clone(), root, Key::MIN, Readahead::None).unwrap();
+    let mut it = TreeIter::new(fs.disk().clone(), root, Key::MIN, Readahead::None).unwrap();
     let mut found = None;
     while let Some(item) = it.next_item().unwrap() {
         if pred(&item.key, item.data()) {
@@ -52,13 +52,13 @@ pub fn patch_item(
     let hdr = HEADER_SIZE + item.slot * ITEM_SIZE;
     let data = HEADER_SIZE + item.block.item(item.slot).offset as usize;
     edit(&mut block, hdr, data);
-    let c = fs.disk.sb.csum_type.compute(&block[CSUM_SLOT..]);
-    let n = fs.disk.sb.csum_type.size();
+    let c = fs.disk().sb.csum_type.compute(&block[CSUM_SLOT..]);
+    let n = fs.disk().sb.csum_type.size();
     block[..n].copy_from_slice(&c[..n]);
     let copies = fs
-        .disk
+        .disk()
         .chunk_map()
-        .map(item.block.bytenr, fs.disk.nodesize() as u64)
+        .map(item.block.bytenr, fs.disk().nodesize() as u64)
         .unwrap();
     let f = fs::OpenOptions::new().write(true).open(img).unwrap();
     for c in copies {

@@ -266,9 +266,9 @@ pub fn open_and_walk(
     let fs = Fs::open_device(dev)?;
     // Every chunk the image declares must map without trouble.
     {
-        let map = fs.disk.chunk_map();
+        let map = fs.disk().chunk_map();
         for c in map.chunks() {
-            if let Err(e) = map.map(c.logical, fs.disk.nodesize() as u64) {
+            if let Err(e) = map.map(c.logical, fs.disk().nodesize() as u64) {
                 let _ = e.to_string();
             }
         }

@@ -6,7 +6,7 @@
 
 use butter::device::{BlockDevice, RamDevice};
 use butter::fs::{Fs, Inode};
-use butter::fs_write::Owner;
+use butter::inode::namespace::Owner;
 use butter::mkfs::{mkfs, MkfsOptions, Profile};
 use std::collections::{BTreeMap, HashMap};
 use std::hash::{Hash, Hasher};

@@ -16,7 +16,7 @@
 //!   transaction that its entries name (so replay finds their inodes); new subdirectories
 //!   are logged the same way, with their names, recursively (as the kernel does).
 //!
-//! A log commit ([`Fs::sync_log`]) writes the leaves that changed since the last one (the log
+//! A log commit ([`Core::sync_log`]) writes the leaves that changed since the last one (the log
 //! tree's other leaves stay where they are), new upper nodes and a new log root tree, all in
 //! blocks held out of the allocator until the transaction commits; flushes; points the primary
 //! superblock's `log_root` at the log root tree; flushes again. The data was written by
@@ -46,7 +46,7 @@
 //! directory they lost a name in) or subvolume is new in the transaction, and when log blocks
 //! cannot be allocated.
 //!
-//! Ordered extents (crate::ordered): a write returns once its data and checksums are written
+//! Ordered extents (crate::inode::ordered): a write returns once its data and checksums are written
 //! (or, for an append, once it joined the file's delayed-allocation buffer, which the fsync
 //! writes back first); its extent may still wait, pending, for its completion (the tree
 //! updates). An fsync logs
@@ -55,7 +55,7 @@
 //! completion will leave them, and, by seed 003's rule, neither completes them nor waits for
 //! the file's writes still in progress: its first flush is its only wait for data. A
 //! transaction commit completes every pending extent first, so what the log had is in the
-//! commit. Without the rule ([`Fs::set_fsync_skips_writes_in_progress`], `-o fsync=log-wait`)
+//! commit. Without the rule ([`Core::set_fsync_skips_writes_in_progress`], `-o fsync=log-wait`)
 //! an fsync waits for the writes in progress and completes the pending extents, then logs from
 //! the trees; so it does on a file system without NO_HOLES, where the log would need the hole
 //! items the completion inserts.
@@ -70,7 +70,8 @@ use crate::extent_io::ExtentBits;
 use crate::format::csum::CsumType;
 use crate::format::items::*;
 use crate::format::*;
-use crate::fs::{Fs, Inode};
+use crate::ids::Inode;
+use crate::inode::core::Core;
 use crate::log_state::LogTree;
 pub use crate::log_state::{LogStats, LogTicket};
 use crate::transaction::Writer;
@@ -270,7 +271,7 @@ fn key_range_of(ino: u64, ty: u8) -> (Key, Key) {
     (Key::new(ino, ty, 0), Key::new(ino, ty, u64::MAX))
 }
 
-impl Fs {
+impl Core {
     /// Whether fsync writes the log tree (default) or commits the transaction (`false`, for
     /// comparison and as a fallback switch).
     pub fn set_fsync_log(&self, on: bool) {
@@ -286,7 +287,7 @@ impl Fs {
         self.fsync_waits_for_writes.store(!on, Ordering::Relaxed);
     }
 
-    /// Whether [`Fs::log_inode`] completes pending ordered extents (changing the trees)
+    /// Whether [`Core::log_inode`] completes pending ordered extents (changing the trees)
     /// rather than logging them as they are: without seed 003's rule, and on a file system
     /// without NO_HOLES.
     pub fn fsync_completes_ordered(&self) -> bool {
@@ -417,7 +418,7 @@ impl Fs {
     }
 
     /// A file whose names changed in the transaction, met while logging a directory: it is
-    /// logged with all its names and the directories it lost names in ([`Fs::plan_lost_names`]).
+    /// logged with all its names and the directories it lost names in ([`Core::plan_lost_names`]).
     fn adopt(&self, w: &Writer, t: Inode, b: &mut Batch) -> Result<bool> {
         if !b.adopted.insert(t) {
             return Ok(true);
@@ -468,7 +469,7 @@ impl Fs {
             // directly, not through the file write path).
             changed = vec![(0, u64::MAX)];
         }
-        // Writes that returned but whose extents are not in the trees yet (crate::ordered):
+        // Writes that returned but whose extents are not in the trees yet (crate::inode::ordered):
         // logged from memory, with the ranges their completion will mark changed.
         let pending = if fmt == 0o100000 {
             self.ordered.pending_of(ino)
@@ -596,7 +597,7 @@ impl Fs {
                     }
                     let refs = InodeRef::parse_all(i.data()).map_err(|e| i.annotate(e))?;
                     // A directory the file lost a name in, or took another's removed name in
-                    // (LogState::note_new_name), is logged whole with it (Fs::plan_lost_names): replay drops the entries the log
+                    // (LogState::note_new_name), is logged whole with it (Core::plan_lost_names): replay drops the entries the log
                     // lacks there first, so a name the last commit gives another inode is
                     // free by the time the file's is added.
                     let logged_whole = planned_parent.is_none()
@@ -632,7 +633,7 @@ impl Fs {
     ///
     /// `parent`: for a new subdirectory, its parent, logged with it. The plans go to `b`; a
     /// file met here whose names changed in the transaction (a removed entry that lives on, or
-    /// an entry) is adopted ([`Fs::adopt`]).
+    /// an entry) is adopted ([`Core::adopt`]).
     fn plan_dir_into(
         &self,
         w: &Writer,
@@ -1076,11 +1077,11 @@ impl Fs {
 fn overlay_pending(
     items: &mut Vec<(Key, Vec<u8>)>,
     ino: u64,
-    p: &crate::ordered::Pending,
+    p: &crate::inode::ordered::Pending,
     transid: u64,
     ss: u64,
 ) -> Result<Option<(u64, u64)>> {
-    use crate::file_write::{cut, nbytes_of, Cut};
+    use crate::inode::file::{cut, nbytes_of, Cut};
     let (start, end) = (p.file_off, p.file_off + p.len);
     let mut out = Vec::with_capacity(items.len() + 2);
     let mut removed = 0u64;
@@ -1188,7 +1189,8 @@ fn log_csums(log: &mut LogTree, start: u64, sums: &[u8], ss: u64, csize: usize, 
 mod tests {
     use super::*;
     use crate::device::RamDevice;
-    use crate::fs_write::Owner;
+    use crate::fs::Fs;
+    use crate::inode::namespace::Owner;
     use std::sync::Arc;
 
     fn fresh() -> (Arc<RamDevice>, Fs) {

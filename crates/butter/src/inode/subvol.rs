@@ -26,8 +26,9 @@ use crate::disk_io::TreeBlock;
 use crate::error::{Error, Location, Result};
 use crate::format::items::*;
 use crate::format::*;
-use crate::fs::{Fs, Inode};
-use crate::fs_write::{check_name, Owner};
+use crate::ids::Inode;
+use crate::inode::core::Core;
+use crate::inode::namespace::{check_name, Owner};
 use crate::transaction::Writer;
 use std::sync::Arc;
 
@@ -43,7 +44,7 @@ fn uuid_key(uuid: &[u8; 16], ty: u8) -> Key {
     Key::new(u64::from_le_bytes(a), ty, u64::from_le_bytes(b))
 }
 
-impl Fs {
+impl Core {
     /// Whether the image has a uuid tree (mkfs.btrfs and butter mkfs make one; very old
     /// images may not, and the kernel builds it at mount then).
     fn has_uuid_tree(&self) -> Result<bool> {
@@ -412,7 +413,7 @@ impl Fs {
     /// kernel's SUBVOL_SETFLAGS ioctl does: only the flag changes (no times, no transids;
     /// nothing at all when it already has the wanted state). A received subvolume keeps its
     /// received uuid: `btrfs property set -f` clears it afterwards
-    /// ([`Fs::clear_received_uuid`]).
+    /// ([`Core::clear_received_uuid`]).
     pub fn set_subvolume_readonly(&self, id: u64, readonly: bool) -> Result<()> {
         if self.subvol_is_readonly(id)? == readonly {
             return Ok(());

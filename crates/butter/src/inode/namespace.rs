@@ -1,9 +1,9 @@
 //! Write operations of the filesystem facade: namespace changes (create, mkdir, mknod,
 //! symlink, link, unlink, rmdir, rename), attributes and xattrs. File data lives in
-//! [`crate::file_write`].
+//! [`crate::inode::file`].
 //!
 //! Every operation runs inside the running transaction of the [`Writer`]; nothing is durable
-//! until [`Fs::commit`]. Items are kept the way the kernel keeps them: DIR_ITEM (by name hash)
+//! until [`Core::commit`]. Items are kept the way the kernel keeps them: DIR_ITEM (by name hash)
 //! and DIR_INDEX (by sequence, from 2) per entry, INODE_REF per (inode, parent) with extended
 //! refs when a ref item would be too large, directory i_size = 2 x the sum of name lengths,
 //! directories with nlink 1, and inode transid / sequence / ctime updated on each change.
@@ -12,7 +12,8 @@ use crate::disk_io::Disk;
 use crate::error::{Error, Result};
 use crate::format::items::*;
 use crate::format::*;
-use crate::fs::{Fs, Inode};
+use crate::ids::Inode;
+use crate::inode::core::Core;
 use crate::transaction::Writer;
 use std::sync::{Arc, MutexGuard};
 
@@ -30,7 +31,7 @@ pub struct Owner {
     pub gid: u32,
 }
 
-/// Attribute changes for [`Fs::setattr`].
+/// Attribute changes for [`Core::setattr`].
 #[derive(Debug, Clone, Default)]
 pub struct SetAttr {
     pub mode: Option<u32>,
@@ -96,13 +97,13 @@ pub(crate) fn check_name(name: &[u8]) -> Result<()> {
     Ok(())
 }
 
-impl Fs {
+impl Core {
     pub fn is_writable(&self) -> bool {
         self.writer.is_some()
     }
 
     /// The write engine (locked), with every pending ordered extent completed
-    /// (crate::ordered): its holder sees the trees as every returned write left them.
+    /// (crate::inode::ordered): its holder sees the trees as every returned write left them.
     pub fn writer(&self) -> Result<MutexGuard<'_, Writer>> {
         let mut g = self.writer_keeping_ordered()?;
         if self.ordered.any_pending() {
@@ -121,7 +122,7 @@ impl Fs {
         Ok(g)
     }
 
-    /// Completes every pending ordered extent now (crate::ordered). A caller that keeps
+    /// Completes every pending ordered extent now (crate::inode::ordered). A caller that keeps
     /// readers out while trees change (the FUSE mount) does this before letting them in.
     pub fn complete_ordered_extents(&self) -> Result<()> {
         if self.ordered.any_pending() {
@@ -130,8 +131,8 @@ impl Fs {
         Ok(())
     }
 
-    /// Whether some write returned whose extent is not in the trees yet (crate::ordered):
-    /// reading the trees completes it first, see [`Fs::complete_ordered_extents`].
+    /// Whether some write returned whose extent is not in the trees yet (crate::inode::ordered):
+    /// reading the trees completes it first, see [`Core::complete_ordered_extents`].
     pub fn has_pending_ordered(&self) -> bool {
         self.ordered.any_pending()
     }
@@ -158,7 +159,7 @@ impl Fs {
         self.writer()?.commit()
     }
 
-    /// [`Fs::commit`], calling `trees_final` when the trees reached their final state in
+    /// [`Core::commit`], calling `trees_final` when the trees reached their final state in
     /// memory and only the writing is left (see [`Writer::commit_with`]). Other changes wait
     /// for the whole commit; reads may run again from `trees_final` on.
     pub fn commit_with(&self, trees_final: impl FnOnce()) -> Result<()> {
@@ -195,7 +196,7 @@ impl Fs {
         Self::touch_at(w, item, mtime, Timespec::now())
     }
 
-    /// [`Fs::touch`] with the time of the change `t`.
+    /// [`Core::touch`] with the time of the change `t`.
     pub(crate) fn touch_at(w: &Writer, item: &mut InodeItem, mtime: bool, t: Timespec) {
         item.transid = w.transid;
         item.sequence += 1;
@@ -416,7 +417,7 @@ impl Fs {
             .read_item(dir.root, &dkey)?
             .ok_or_else(|| Error::NotFound(format!("{:?}", String::from_utf8_lossy(name))))?;
         let entries = DirItem::parse_all(&body)?;
-        // Its names changed: a file's fsync logs `dir` too (crate::log_write); a directory's
+        // Its names changed: a file's fsync logs `dir` too (crate::tree_log::write); a directory's
         // commits (logging it could bring the old name back next to a new one).
         if entries
             .iter()
@@ -460,7 +461,7 @@ impl Fs {
         owner: Owner,
     ) -> Result<(Inode, InodeItem)> {
         let root = dir.root;
-        let flags = crate::inode_flags::inherited_flags(self.inode_item(dir)?.flags, mode);
+        let flags = crate::inode::flags::inherited_flags(self.inode_item(dir)?.flags, mode);
         let ino = self.next_objectid(w, root)?;
         let t = Timespec::now();
         let item = InodeItem {
@@ -542,7 +543,7 @@ impl Fs {
         self.require_dir_changeable(dir, true)?;
         if target.is_empty()
             || target.len() >= self.disk.sectorsize() as usize
-            || target.len() > crate::file_write::max_inline(&self.disk)
+            || target.len() > crate::inode::file::max_inline(&self.disk)
         {
             return Err(Error::NameTooLong(format!(
                 "symlink target of {} bytes",
@@ -585,7 +586,7 @@ impl Fs {
             return Err(Error::CrossSubvolume("hard link".into()));
         }
         let mut item = self.inode_item(ino)?;
-        crate::inode_flags::require_changeable(&item, ino)?;
+        crate::inode::flags::require_changeable(&item, ino)?;
         if item.mode & 0o170000 == 0o040000 {
             return Err(Error::NotPermitted("hard link to a directory".into()));
         }
@@ -605,7 +606,7 @@ impl Fs {
     }
 
     /// Removes a non-directory entry; the inode goes when its last link does (or, if it is
-    /// open, when [`Fs::release_orphan`] is called: it is kept as an orphan until then).
+    /// open, when [`Core::release_orphan`] is called: it is kept as an orphan until then).
     pub fn unlink(&self, dir: Inode, name: &[u8]) -> Result<()> {
         let e = self
             .lookup(dir, name)?
@@ -614,7 +615,7 @@ impl Fs {
             return Err(Error::IsDir(String::from_utf8_lossy(name).into_owned()));
         }
         self.require_dir_changeable(dir, false)?;
-        crate::inode_flags::require_changeable(&self.inode_item(e.target)?, e.target)?;
+        crate::inode::flags::require_changeable(&self.inode_item(e.target)?, e.target)?;
         self.op(false, |w| {
             self.remove_entry(w, dir, name, e.target)?;
             self.drop_link(w, e.target)
@@ -691,7 +692,7 @@ impl Fs {
     }
 
     /// One handle on `ino` closed. Returns whether that was the last one of an unlinked inode
-    /// (then [`Fs::delete_orphan`] should follow). Changes nothing on disk, so a front end can
+    /// (then [`Core::delete_orphan`] should follow). Changes nothing on disk, so a front end can
     /// run it without keeping readers out.
     pub fn note_closed(&self, ino: Inode) -> Result<bool> {
         {
@@ -738,7 +739,7 @@ impl Fs {
             return Err(Error::NotPermitted("rmdir of a subvolume".into()));
         }
         let item = self.inode_item(e.target)?;
-        crate::inode_flags::require_changeable(&item, e.target)?;
+        crate::inode::flags::require_changeable(&item, e.target)?;
         if item.size != 0 {
             return Err(Error::NotEmpty(String::from_utf8_lossy(name).into_owned()));
         }
@@ -807,9 +808,9 @@ impl Fs {
         if src.target.root != from_dir.root {
             return Err(Error::Unsupported("renaming a subvolume".into()));
         }
-        crate::inode_flags::require_changeable(&self.inode_item(src.target)?, src.target)?;
+        crate::inode::flags::require_changeable(&self.inode_item(src.target)?, src.target)?;
         if let Some(d) = dst.as_ref().filter(|d| d.target.root == to_dir.root) {
-            crate::inode_flags::require_changeable(&self.inode_item(d.target)?, d.target)?;
+            crate::inode::flags::require_changeable(&self.inode_item(d.target)?, d.target)?;
         }
         if flags & RENAME_EXCHANGE != 0 && dst.is_none() {
             return Err(Error::NotFound(String::from_utf8_lossy(to).into_owned()));
@@ -894,7 +895,7 @@ impl Fs {
     }
 
     /// chmod / chown / utimes / truncate.
-    pub fn setattr(&self, ino: Inode, a: &SetAttr) -> Result<crate::fs::Stat> {
+    pub fn setattr(&self, ino: Inode, a: &SetAttr) -> Result<crate::inode::read::Stat> {
         self.require_rw_subvol(ino.root)?;
         let item = self.inode_item(ino)?;
         let attrs = a.mode.is_some()
@@ -904,7 +905,7 @@ impl Fs {
             || a.atime.is_some()
             || a.mtime.is_some();
         if attrs {
-            crate::inode_flags::require_changeable(&item, ino)?;
+            crate::inode::flags::require_changeable(&item, ino)?;
         }
         if let Some(size) = a.size {
             self.truncate(ino, size)?;
@@ -941,7 +942,7 @@ impl Fs {
         self.setxattr_raw(ino, name, value, flags)
     }
 
-    /// [`Fs::setxattr`] without the checks of the inode's flags and subvolume.
+    /// [`Core::setxattr`] without the checks of the inode's flags and subvolume.
     pub(crate) fn setxattr_raw(
         &self,
         ino: Inode,
@@ -999,7 +1000,7 @@ impl Fs {
         self.removexattr_raw(ino, name)
     }
 
-    /// [`Fs::removexattr`] without the checks of the inode's flags and subvolume.
+    /// [`Core::removexattr`] without the checks of the inode's flags and subvolume.
     pub(crate) fn removexattr_raw(&self, ino: Inode, name: &[u8]) -> Result<()> {
         if self.getxattr(ino, name)?.is_none() {
             return Err(Error::NoXattr(String::from_utf8_lossy(name).into_owned()));

@@ -9,7 +9,7 @@ use crate::alloc::SpaceKind;
 use crate::error::Result;
 use crate::format::items::DevExtent;
 use crate::format::*;
-use crate::fs::Fs;
+use crate::inode::core::Core;
 
 /// What statfs reports, in bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -22,7 +22,7 @@ pub struct StatFs {
     pub free: u64,
 }
 
-impl Fs {
+impl Core {
     pub fn statfs(&self) -> Result<StatFs> {
         let sb = &self.disk.sb;
         let bsize = sb.sectorsize.max(1);
@@ -71,7 +71,7 @@ impl Fs {
 
 #[cfg(test)]
 mod tests {
-    use crate::fs_write::Owner;
+    use crate::inode::namespace::Owner;
 
     #[test]
     fn free_space_shrinks_as_data_is_written_and_comes_back() {

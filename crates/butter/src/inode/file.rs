@@ -1,12 +1,12 @@
 //! File data writes: write, truncate, fallocate, and the file extent replace of seed 002.
 //!
 //! Data goes to newly allocated extents (copy on write), written to the device as ordered
-//! extents (crate::ordered: the data and its checksums without the writer lock) before the
+//! extents (crate::inode::ordered: the data and its checksums without the writer lock) before the
 //! write returns; the file extent items, data references and checksums that make it reachable
 //! are tree changes of the running transaction. Small files whose whole content fits under the inline
 //! limit live inline in their EXTENT_DATA item, as the kernel keeps them.
 //!
-//! Replacing a range ([`Fs::replace_extents`]) drops or trims the file extent items that
+//! Replacing a range ([`Core::replace_extents`]) drops or trims the file extent items that
 //! overlap it and inserts the new item. When every item concerned sits in the leaf where the
 //! new item goes, all of it happens in that leaf after one descent (seed 002's combined path);
 //! otherwise it falls back to one search per changed item. `Writer::descents` counts.
@@ -18,7 +18,8 @@ use crate::error::{Error, Result};
 use crate::extent_tree::RefKey;
 use crate::format::items::*;
 use crate::format::*;
-use crate::fs::{Fs, Inode};
+use crate::ids::Inode;
+use crate::inode::core::Core;
 use crate::transaction::Writer;
 
 /// Writes a chunk of file data at a logical address and returns its checksums.
@@ -129,7 +130,7 @@ pub(crate) fn cut(ks: u64, fe: &FileExtentItem, ke: u64, start: u64, end: u64) -
     }
 }
 
-impl Fs {
+impl Core {
     fn file_extents(&self, ino: Inode, from: u64, to: u64) -> Result<Vec<FileExtent>> {
         let ss = self.disk.sectorsize() as u64;
         let mut out = Vec::new();
@@ -500,7 +501,7 @@ impl Fs {
 
     /// Writes data at `offset`. Returns the bytes written.
     ///
-    /// The sectors written are range-locked for the whole write (crate::ordered), so
+    /// The sectors written are range-locked for the whole write (crate::inode::ordered), so
     /// overlapping writes to a file happen one after the other; regular extents are written
     /// as ordered extents, their data without the writer lock.
     pub fn write(&self, ino: Inode, offset: u64, data: &[u8]) -> Result<usize> {
@@ -535,7 +536,7 @@ impl Fs {
             if item.flags & INODE_IMMUTABLE != 0
                 || (item.flags & INODE_APPEND != 0 && offset != item.size)
             {
-                crate::inode_flags::require_changeable(&item, ino)?;
+                crate::inode::flags::require_changeable(&item, ino)?;
             }
             if offset > item.size && item.size % ss != 0 && !tail_zeroed {
                 // Zeroing the stale tail of the last sector is a write of its own, and its
@@ -605,7 +606,7 @@ impl Fs {
 
     /// A write to a NODATACOW (and NODATASUM) file, as the kernel's run_delalloc_nocow does
     /// it: sector-aligned `buf` at file offset `a` goes in place into the extents the file
-    /// alone owns ([`Fs::can_nocow`]); a preallocated part written becomes a regular extent
+    /// alone owns ([`Core::can_nocow`]); a preallocated part written becomes a regular extent
     /// (the item split as needed). Returns the file ranges left for copy on write (holes,
     /// shared extents, ...). The file grows to at most `size_to` with what went in place.
     fn write_nocow(&self, ino: Inode, a: u64, buf: &[u8], size_to: u64) -> Result<Vec<(u64, u64)>> {
@@ -753,8 +754,8 @@ impl Fs {
     }
 
     /// Writes sector-aligned `buf` at file offset `a` into new extents, each an ordered extent
-    /// (crate::ordered): allocated and held under the writer lock, its data written and
-    /// checksummed without it, then recorded under it. Extents up to [`crate::ordered::SHORT_WRITEBACK`] take
+    /// (crate::inode::ordered): allocated and held under the writer lock, its data written and
+    /// checksummed without it, then recorded under it. Extents up to [`crate::inode::ordered::SHORT_WRITEBACK`] take
     /// all three steps under one writer lock: their writeback is shorter than taking the lock
     /// twice. The file grows to at least `size_to` (its size when the last extent goes in, so
     /// a truncate that ran meanwhile counts as having come first). `guard`: the write's range
@@ -767,7 +768,7 @@ impl Fs {
         buf: &[u8],
         size_to: u64,
         had_inline: bool,
-        guard: Option<&crate::ordered::RangeGuard<'_>>,
+        guard: Option<&crate::inode::ordered::RangeGuard<'_>>,
         nosum: bool,
     ) -> Result<()> {
         let ss = self.disk.sectorsize() as u64;
@@ -797,7 +798,7 @@ impl Fs {
             };
             let range = (file_off, len, reach);
             let drop_inline = had_inline && done == 0;
-            // The completion waits (crate::ordered) unless an inline extent is folded in.
+            // The completion waits (crate::inode::ordered) unless an inline extent is folded in.
             let defer = guard.filter(|_| !drop_inline);
             if let Some(g) = guard {
                 g.start_ordered(file_off, file_off + len);
@@ -848,15 +849,15 @@ impl Fs {
     }
 
     /// The extent of `range` written at `bytenr` (held) becomes a pending ordered extent of
-    /// the write holding `g`: its completion comes later ([`Fs::complete_ordered`]).
+    /// the write holding `g`: its completion comes later ([`Core::complete_ordered`]).
     fn defer_ordered(
         w: &mut Writer,
-        g: &crate::ordered::RangeGuard<'_>,
+        g: &crate::inode::ordered::RangeGuard<'_>,
         (file_off, len, reach): (u64, u64, u64),
         bytenr: u64,
         sums: Vec<u8>,
     ) {
-        g.defer(crate::ordered::Pending {
+        g.defer(crate::inode::ordered::Pending {
             file_off,
             len,
             reach,
@@ -876,7 +877,7 @@ impl Fs {
         range: (u64, u64, u64),
         chunk: &[u8],
         drop_inline: bool,
-        defer: Option<&crate::ordered::RangeGuard<'_>>,
+        defer: Option<&crate::inode::ordered::RangeGuard<'_>>,
         writeback: &WritebackFn<'_>,
     ) -> Result<bool> {
         let len = range.1;
@@ -908,7 +909,7 @@ impl Fs {
         r
     }
 
-    /// Delayed allocation (crate::ordered::Delalloc): an append at a sector-aligned end of a
+    /// Delayed allocation (crate::inode::ordered::Delalloc): an append at a sector-aligned end of a
     /// regular file, too big to be inline, starts the file's buffer. The file's pending
     /// extents (a full buffer, an earlier write) are completed first, as any other write
     /// would: the buffer starts at the size the trees hold. The file is checked under the
@@ -919,7 +920,7 @@ impl Fs {
         let mi = max_inline(&self.disk) as u64;
         if !offset.is_multiple_of(ss)
             || (offset <= mi && data.len() as u64 <= mi)
-            || data.len() as u64 > crate::ordered::DELALLOC_APPEND_MAX
+            || data.len() as u64 > crate::inode::ordered::DELALLOC_APPEND_MAX
             || !self.ordered.delalloc_enabled()
         {
             return Ok(false);
@@ -948,9 +949,9 @@ impl Fs {
     fn write_back_delalloc(
         &self,
         w: &mut Writer,
-        d: &crate::ordered::Delalloc,
+        d: &crate::inode::ordered::Delalloc,
         commit_ok: bool,
-    ) -> Result<Result<crate::ordered::Pending>> {
+    ) -> Result<Result<crate::inode::ordered::Pending>> {
         let ss = self.disk.sectorsize() as u64;
         let ct = self.disk.sb.csum_type;
         let mut buf = d.data.clone();
@@ -972,7 +973,7 @@ impl Fs {
         for s in buf.chunks(ss as usize) {
             sums.extend_from_slice(&ct.compute(s)[..ct.size()]);
         }
-        Ok(Ok(crate::ordered::Pending {
+        Ok(Ok(crate::inode::ordered::Pending {
             file_off: d.start,
             len,
             reach: d.start + d.data.len() as u64,
@@ -1019,7 +1020,7 @@ impl Fs {
             (d, at, len)
         };
         // Should this thread unwind before the data is written, the waiters still get an end.
-        struct Unfinished<'a>(&'a crate::ordered::OrderedTrees, Inode, u64);
+        struct Unfinished<'a>(&'a crate::inode::ordered::OrderedTrees, Inode, u64);
         impl Drop for Unfinished<'_> {
             fn drop(&mut self) {
                 self.0
@@ -1079,7 +1080,7 @@ impl Fs {
     /// A buffer whose data write failed: its appends are lost (the file keeps the size the
     /// trees give it), and the file's next fsync reports the error. (The caller is done with
     /// the buffer.)
-    fn lose_delalloc(&self, ino: Inode, d: &crate::ordered::Delalloc, e: &Error) {
+    fn lose_delalloc(&self, ino: Inode, d: &crate::inode::ordered::Delalloc, e: &Error) {
         let why = format!(
             "writing back {} bytes appended at {} to inode {} (subvolume {}): {e}",
             d.data.len(),
@@ -1127,8 +1128,8 @@ impl Fs {
         Ok(())
     }
 
-    /// Completes every pending ordered extent (crate::ordered), oldest first per inode: each
-    /// goes into the trees as [`Fs::finish_ordered`] puts it, with the time its write
+    /// Completes every pending ordered extent (crate::inode::ordered), oldest first per inode: each
+    /// goes into the trees as [`Core::finish_ordered`] puts it, with the time its write
     /// returned. A failure may leave the trees half changed and writes that returned
     /// unrecorded: the transaction is aborted (the image keeps its last commit and the fsync
     /// log, which has what was fsynced), the rest are abandoned and the error returned.
@@ -1190,7 +1191,7 @@ impl Fs {
         &self,
         w: &mut Writer,
         ino: Inode,
-        p: &crate::ordered::Pending,
+        p: &crate::inode::ordered::Pending,
     ) -> Result<()> {
         let range = (p.file_off, p.len, p.reach);
         self.finish_ordered(w, ino, range, p.bytenr, &p.sums, false, Some(p.stamp))?;
@@ -1390,7 +1391,7 @@ impl Fs {
         if item.flags & INODE_IMMUTABLE != 0
             || (item.flags & INODE_APPEND != 0 && mode & !FALLOC_FL_KEEP_SIZE != 0)
         {
-            crate::inode_flags::require_changeable(&item, ino)?;
+            crate::inode::flags::require_changeable(&item, ino)?;
         }
         if item.mode & 0o170000 != 0o100000 {
             return Err(Error::Invalid("fallocate of a non-regular file".into()));
@@ -1572,4 +1573,30 @@ fn next_key_on_path(w: &mut Writer, path: &crate::cow::WPath) -> Result<Option<K
         }
     }
     Ok(None)
+}
+
+impl Core {
+    /// Counters of the ordered extents since the filesystem was opened.
+    pub fn ordered_stats(&self) -> crate::inode::ordered::OrderedStats {
+        self.ordered.stats()
+    }
+
+    /// Whether long extents are written without the writer lock (the default). Off, every
+    /// write's data goes to the device under the lock, as before ordered extents: for
+    /// benchmarks that compare the two.
+    pub fn set_unlocked_writeback(&self, on: bool) {
+        let above = if on {
+            crate::inode::ordered::SHORT_WRITEBACK
+        } else {
+            u64::MAX
+        };
+        self.unlocked_writeback_above
+            .store(above, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether appends gather in memory (delayed allocation, the default). Off, every write
+    /// is allocated and written when it comes: for benchmarks that compare the two.
+    pub fn set_delayed_allocation(&self, on: bool) {
+        self.ordered.set_delalloc(on);
+    }
 }

@@ -17,7 +17,8 @@
 use crate::error::{Error, Result};
 use crate::format::items::InodeItem;
 use crate::format::*;
-use crate::fs::{Fs, Inode};
+use crate::ids::Inode;
+use crate::inode::core::Core;
 
 /// FS_IOC_GETFLAGS / FS_IOC_SETFLAGS flags btrfs knows (include/uapi/linux/fs.h).
 pub const FS_COMPR_FL: u32 = 0x0000_0004;
@@ -131,7 +132,7 @@ pub(crate) fn require_changeable(item: &InodeItem, ino: Inode) -> Result<()> {
     Ok(())
 }
 
-impl Fs {
+impl Core {
     /// Whether subvolume `id` is read-only (its root item's RDONLY flag).
     pub fn subvol_is_readonly(&self, id: u64) -> Result<bool> {
         Ok(self.subvol_item(id)?.flags & ROOT_SUBVOL_RDONLY != 0)

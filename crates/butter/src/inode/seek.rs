@@ -9,7 +9,8 @@
 use crate::error::Result;
 use crate::format::items::{FileExtentBody, FileExtentItem};
 use crate::format::*;
-use crate::fs::{Fs, Inode};
+use crate::ids::Inode;
+use crate::inode::core::Core;
 
 /// Which lseek `whence`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -18,7 +19,7 @@ pub enum Seek {
     Hole,
 }
 
-impl Fs {
+impl Core {
     /// SEEK_DATA / SEEK_HOLE from `offset`. `None` when there is no such offset (the
     /// caller's ENXIO): `offset` is at or past the end of the file, or SEEK_DATA finds only
     /// holes up to the end.
@@ -84,8 +85,9 @@ fn data_range(key_offset: u64, fe: &FileExtentItem) -> Option<(u64, u64)> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::file_write::{FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE};
-    use crate::fs_write::Owner;
+    use crate::fs::Fs;
+    use crate::inode::file::{FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE};
+    use crate::inode::namespace::Owner;
 
     fn new_fs() -> Fs {
         crate::mkfs::test_fs(128 << 20).1

@@ -28,7 +28,8 @@ use crate::error::{Error, Location, Result};
 use crate::extent_tree::RefKey;
 use crate::format::items::*;
 use crate::format::*;
-use crate::fs::{Fs, Inode};
+use crate::ids::Inode;
+use crate::inode::core::Core;
 use crate::transaction::Writer;
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 
@@ -261,7 +262,7 @@ pub fn read_log(disk: &Disk) -> Result<Option<FsyncLog>> {
 
 /// Starts the write engine of a read-write open: replays and commits the fsync log first
 /// when the image has one.
-pub fn start_writer(fs: &Fs) -> Result<Writer> {
+pub fn start_writer(fs: &Core) -> Result<Writer> {
     let disk = fs.disk.clone();
     let log = read_log(&disk).map_err(|e| {
         with_hint(
@@ -293,7 +294,7 @@ pub fn start_writer(fs: &Fs) -> Result<Writer> {
 
 /// Read-only open of an image with a log: replays into memory only (the write engine's
 /// overlay), so reads show what a mount would, and nothing is written.
-pub fn replay_in_memory(fs: &Fs) -> Result<()> {
+pub fn replay_in_memory(fs: &Core) -> Result<()> {
     let disk = fs.disk.clone();
     let log = read_log(&disk).map_err(|e| {
         with_hint(
@@ -331,7 +332,7 @@ fn with_hint(e: Error, hint: &str) -> Error {
 }
 
 /// Replays `log` into the running transaction of `w`.
-pub fn replay(fs: &Fs, w: &mut Writer, log: &FsyncLog) -> Result<()> {
+pub fn replay(fs: &Core, w: &mut Writer, log: &FsyncLog) -> Result<()> {
     let ns = fs.disk.nodesize() as u64;
     // Nothing may be allocated over the log's blocks or its data before the commit is on
     // disk: they are in use, though the extent tree does not say so. The blocks become free
@@ -449,7 +450,7 @@ struct Name {
 }
 
 struct Replayer<'a> {
-    fs: &'a Fs,
+    fs: &'a Core,
     root: u64,
     log: &'a LogTree,
     /// Inodes whose link count must be recomputed.

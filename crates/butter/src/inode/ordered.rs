@@ -1,7 +1,7 @@
 //! Ordered extents: file data written to its new place on the device but not yet recorded in
 //! the trees.
 //!
-//! A write of a regular extent goes in three steps (crate::file_write):
+//! A write of a regular extent goes in three steps (crate::inode::file):
 //! 1. under the writer lock: allocate the extent, held (crate::alloc::BlockGroup::held), so a
 //!    commit in the meantime leaves it free on disk;
 //! 2. the writeback: write the data and compute its checksums (without the writer lock for
@@ -12,12 +12,12 @@
 //!
 //! The completion (inserting the checksums and the file extent item, taking the extent out of
 //! the held set, updating the inode) comes later, in one batch for every pending extent: the
-//! next time anything takes the writer lock to change the trees ([`crate::fs::Fs::writer`]),
-//! reads the inode ([`crate::fs::Fs::inode_item`]) or commits. Everything that looks at a
+//! next time anything takes the writer lock to change the trees ([`crate::inode::core::Core::writer`]),
+//! reads the inode ([`crate::inode::core::Core::inode_item`]) or commits. Everything that looks at a
 //! file therefore sees its returned writes; only the fsync log looks at pending extents
 //! directly. That is seed 003's split: an fsync waits for the writeback of its data (done
 //! before the write returned) and logs pending extents from here, with their checksums,
-//! without waiting for their completion (crate::log_write); a transaction commit completes
+//! without waiting for their completion (crate::tree_log::write); a transaction commit completes
 //! every pending extent first, so the extents an fsync logged are in the commit, and a power
 //! cut at any point loses only what was neither committed nor logged.
 //!
@@ -52,8 +52,8 @@ use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 
-/// Extents up to this size are written under the writer lock (see `Fs::write_extents`;
-/// `Fs::set_unlocked_writeback` changes it).
+/// Extents up to this size are written under the writer lock (see `Core::write_extents`;
+/// `Core::set_unlocked_writeback` changes it).
 pub const SHORT_WRITEBACK: u64 = 64 << 10;
 
 /// The range-state trees of the inodes being written.
@@ -634,28 +634,6 @@ impl OrderedTrees {
     }
 }
 
-impl crate::fs::Fs {
-    /// Counters of the ordered extents since the filesystem was opened.
-    pub fn ordered_stats(&self) -> OrderedStats {
-        self.ordered.stats()
-    }
-
-    /// Whether long extents are written without the writer lock (the default). Off, every
-    /// write's data goes to the device under the lock, as before ordered extents: for
-    /// benchmarks that compare the two.
-    pub fn set_unlocked_writeback(&self, on: bool) {
-        let above = if on { SHORT_WRITEBACK } else { u64::MAX };
-        self.unlocked_writeback_above
-            .store(above, Ordering::Relaxed);
-    }
-
-    /// Whether appends gather in memory (delayed allocation, the default). Off, every write
-    /// is allocated and written when it comes: for benchmarks that compare the two.
-    pub fn set_delayed_allocation(&self, on: bool) {
-        self.ordered.set_delalloc(on);
-    }
-}
-
 /// A write's range lock; unlocks (and forgets the inode's tree once nothing is left in it) on
 /// drop.
 pub struct RangeGuard<'a> {
@@ -731,7 +709,7 @@ mod tests {
     use super::*;
     use crate::device::{BlockDevice, RamDevice};
     use crate::fs::Fs;
-    use crate::fs_write::Owner;
+    use crate::inode::namespace::Owner;
     use std::sync::mpsc;
     use std::time::Duration;
 

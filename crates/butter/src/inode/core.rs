@@ -1,0 +1,238 @@
+//! The parts the inode layer works on: the disk, the roots as the running transaction left
+//! them, the transaction (the writer), the ordered extents of the writes in flight, the gate
+//! and the latch. The facade (crate::fs) opens a filesystem into a `Core` and adds the
+//! policies of concurrent callers, the commit scheduler and the close.
+
+use crate::ctree::{self, Root, TreeIter};
+use crate::disk_io::{Disk, Readahead};
+use crate::error::{Error, Result};
+use crate::format::items::*;
+use crate::format::*;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use crate::ids::Inode;
+
+/// The parts of an open filesystem (see the module doc).
+pub struct Core {
+    pub(crate) disk: Arc<Disk>,
+    /// Root tree as opened; [`Core::tree_root`] gives the current one.
+    pub(crate) opened_tree_root: Root,
+    pub(crate) csum_root: Option<Root>,
+    /// Roots the write engine moved in the running transaction (shared with it).
+    pub(crate) live: crate::transaction::LiveRoots,
+    /// The write engine, when opened read-write.
+    pub(crate) writer: Option<Mutex<crate::transaction::Writer>>,
+    /// Open handles per inode (an unlinked open file is kept as an orphan).
+    pub(crate) open_files: Mutex<HashMap<Inode, u32>>,
+    pub(crate) roots: Mutex<HashMap<u64, (Root, RootItem)>>,
+    /// The subvolume mounted by default (DEFAULT_SUBVOL dir item, else 5).
+    pub(crate) default_subvol: u64,
+    /// Readahead mode used by whole-tree walks (restore, find).
+    pub(crate) walk_readahead: Readahead,
+    /// Held by log commits and transaction commits (crate::tree_log::write): one writes a
+    /// superblock at a time.
+    pub(crate) log_sync: Mutex<()>,
+    /// fsync writes the log tree (else it commits the transaction).
+    pub(crate) fsync_log: std::sync::atomic::AtomicBool,
+    /// Range locks and ordered extents of the writes in progress (crate::inode::ordered).
+    pub(crate) ordered: crate::inode::ordered::OrderedTrees,
+    /// Extents longer than this are written without the writer lock (crate::inode::ordered);
+    /// `u64::MAX` turns that off (for the benchmark's comparison).
+    pub(crate) unlocked_writeback_above: std::sync::atomic::AtomicU64,
+    /// fsync waits for the inode's writes in progress (off: seed 003's rule; see
+    /// [`Core::set_fsync_skips_writes_in_progress`]).
+    pub(crate) fsync_waits_for_writes: std::sync::atomic::AtomicBool,
+    /// The reader/writer gate and the abort latch for concurrent callers (crate::gate).
+    pub(crate) gate: crate::gate::Gate,
+}
+
+impl Core {
+    /// The root tree's current root.
+    pub fn tree_root(&self) -> Root {
+        self.live_root(ROOT_TREE_OBJECTID)
+            .unwrap_or(self.opened_tree_root)
+    }
+
+    /// A root the running transaction moved.
+    pub(crate) fn live_root(&self, id: u64) -> Option<Root> {
+        self.live
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&id)
+            .copied()
+    }
+
+    /// The checksum tree's current root.
+    pub(crate) fn csum_root(&self) -> Option<Root> {
+        self.live_root(CSUM_TREE_OBJECTID).or(self.csum_root)
+    }
+
+    /// Finds the ROOT_ITEM of a tree in the root tree.
+    pub fn find_root_item(&self, id: u64) -> Result<Option<RootItem>> {
+        let it = ctree::lookup_le(
+            &self.disk,
+            &self.tree_root(),
+            &Key::new(id, ROOT_ITEM_KEY, u64::MAX),
+        )?;
+        match it {
+            Some(it) if it.key.objectid == id && it.key.ty == ROOT_ITEM_KEY => Ok(Some(
+                RootItem::parse(it.data()).map_err(|e| it.annotate(e))?,
+            )),
+            _ => Ok(None),
+        }
+    }
+
+    /// The root of a subvolume tree (cached).
+    pub fn subvol_root(&self, id: u64) -> Result<Root> {
+        Ok(self.subvol(id)?.0)
+    }
+
+    /// The root item of a subvolume tree (cached; [`Core::forget_subvol`] drops it when the
+    /// write engine changes it).
+    pub(crate) fn subvol_item(&self, id: u64) -> Result<RootItem> {
+        Ok(self.subvol(id)?.1)
+    }
+
+    pub(crate) fn subvol(&self, id: u64) -> Result<(Root, RootItem)> {
+        if let Some(live) = self.live_root(id) {
+            let cached = self
+                .roots
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .get(&id)
+                .map(|r| r.1.clone());
+            // A tree the running transaction moved (or created): its ROOT_ITEM may still name
+            // an older root block; the live root is the current one.
+            let ri = match cached {
+                Some(ri) => ri,
+                None => {
+                    let ri = self
+                        .find_root_item(id)?
+                        .ok_or_else(|| Error::NotFound(format!("subvolume {id}")))?;
+                    // Cached with the live root: live roots are never dropped, so the cached
+                    // root is never used for this tree again, only its item.
+                    self.roots
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .insert(id, (live, ri.clone()));
+                    ri
+                }
+            };
+            return Ok((live, ri));
+        }
+        if let Some(r) = self
+            .roots
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&id)
+        {
+            return Ok(r.clone());
+        }
+        let ri = self
+            .find_root_item(id)?
+            .ok_or_else(|| Error::NotFound(format!("subvolume {id}")))?;
+        let root = Root {
+            id,
+            bytenr: ri.bytenr,
+            level: ri.level,
+            generation: ri.generation,
+        };
+        self.roots
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(id, (root, ri.clone()));
+        Ok((root, ri))
+    }
+
+    /// Items of `ino` from its file extent item at or before `offset` (from its first one when
+    /// there is none before): the start of every walk over a range of a file's extents.
+    pub(crate) fn extent_items_from(&self, ino: Inode, offset: u64) -> Result<TreeIter> {
+        let root = self.subvol_root(ino.root)?;
+        let start_key = match ctree::lookup_le(
+            &self.disk,
+            &root,
+            &Key::new(ino.ino, EXTENT_DATA_KEY, offset),
+        )? {
+            Some(i) if i.key.objectid == ino.ino && i.key.ty == EXTENT_DATA_KEY => i.key,
+            _ => Key::new(ino.ino, EXTENT_DATA_KEY, 0),
+        };
+        TreeIter::new(self.disk.clone(), root, start_key, Readahead::None)
+    }
+
+    /// Drops the cached root item of subvolume `id` (after the write engine changed it).
+    pub(crate) fn forget_subvol(&self, id: u64) {
+        self.roots
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&id);
+    }
+
+    /// Root directory inode of the default subvolume.
+    pub fn root_inode(&self) -> Inode {
+        Inode {
+            root: self.default_subvol,
+            ino: FIRST_FREE_OBJECTID,
+        }
+    }
+
+    /// Root directory of subvolume `id`.
+    pub fn subvol_root_inode(&self, id: u64) -> Result<Inode> {
+        let (_, ri) = self.subvol(id)?;
+        Ok(Inode {
+            root: id,
+            ino: ri.root_dirid,
+        })
+    }
+
+    /// Runs `io` (data I/O that touches no tree) out of the gate when the calling thread
+    /// holds it as a data write ([`Core::write_gate`]); as it is otherwise. Changes that
+    /// stopped meanwhile make it `Aborted` (the caller gives back what it allocated).
+    pub(crate) fn outside_gate<R>(&self, io: impl FnOnce() -> Result<R>) -> Result<R> {
+        let out = self.gate.step_out();
+        let r = io();
+        let was_out = out.was_out();
+        drop(out);
+        if was_out {
+            if let Some(why) = self.gate.latched() {
+                return Err(Error::Aborted(why));
+            }
+        }
+        r
+    }
+
+    /// Stops changes and commits for good (the latch); the first reason is kept.
+    pub fn stop(&self, why: String) {
+        if self.gate.latch(why.clone()) {
+            log::error!(
+                "{why}; the filesystem is read-only from now on and nothing more is committed: \
+                 the image keeps its last commit (unmount, then run `butter check`)"
+            );
+        }
+    }
+
+    /// Why changes stopped, if they did (the latch, or the write engine's abort).
+    pub fn stopped(&self) -> Option<String> {
+        if let Some(why) = self.gate.latched() {
+            return Some(why);
+        }
+        let w = self.writer.as_ref()?;
+        let w = w.lock().unwrap_or_else(|e| e.into_inner());
+        w.check_writable().err().map(|e| e.to_string())
+    }
+
+    /// The subvolume mounted by default (DEFAULT_SUBVOL dir item, else 5).
+    pub fn default_subvol(&self) -> u64 {
+        self.default_subvol
+    }
+
+    /// Readahead mode of whole-tree walks (restore, find).
+    pub fn walk_readahead(&self) -> Readahead {
+        self.walk_readahead
+    }
+
+    /// Sets the readahead mode of whole-tree walks.
+    pub fn set_walk_readahead(&mut self, ra: Readahead) {
+        self.walk_readahead = ra;
+    }
+}
