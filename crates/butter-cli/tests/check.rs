@@ -10,10 +10,10 @@ mod common;
 
 use butter::check::{check, FindingKind, Report};
 use butter::ctree::TreeIter;
-use butter::disk_io::Readahead;
 use butter::format::csum::CSUM_SLOT;
 use butter::format::*;
 use butter::fs::Fs;
+use butter::io::disk_io::Readahead;
 use common::damage::{patch_item, tree_root};
 use common::kernel::{self, LoopMount, ScratchDir};
 use std::fs;

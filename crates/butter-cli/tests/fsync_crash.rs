@@ -35,11 +35,11 @@
 
 mod common;
 
-use butter::device::{Faults, RamDevice};
 use butter::error::Error;
 use butter::fs::{Fs, Inode};
 use butter::inode::file::{FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE};
 use butter::inode::namespace::Owner;
+use butter::io::device::{Faults, RamDevice};
 use butter::mkfs::{mkfs, MkfsOptions};
 use common::fsync::*;
 use common::gen::Rng;

@@ -9,9 +9,9 @@
 //!
 //! `cargo run --release -p butter --example descents [OVERWRITES]`
 
-use butter::device::RamDevice;
 use butter::fs::Fs;
 use butter::inode::namespace::Owner;
+use butter::io::device::RamDevice;
 use std::sync::Arc;
 use std::time::Instant;
 

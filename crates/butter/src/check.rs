@@ -24,14 +24,14 @@
 //! Nothing here writes. A block or item that cannot be decoded becomes a finding, not a panic.
 
 use crate::ctree::{ItemRef, Root, TreeIter};
-use crate::disk_io::{Expect, Readahead};
 use crate::error::{Error, Location, Result};
 use crate::format::hash::name_hash;
 use crate::format::items::*;
 use crate::format::superblock::DevItem;
 use crate::format::*;
-use crate::free_space_tree as fst;
 use crate::inode::core::Core;
+use crate::io::disk_io::{Expect, Readahead};
+use crate::space::free_space_tree as fst;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt;
 
@@ -800,7 +800,7 @@ impl Checker<'_> {
         }
     }
 
-    fn collect_file_extents(&mut self, b: &crate::disk_io::TreeBlock) {
+    fn collect_file_extents(&mut self, b: &crate::io::disk_io::TreeBlock) {
         for slot in 0..b.nritems() {
             let key = b.key(slot);
             if key.ty != EXTENT_DATA_KEY {

@@ -2,7 +2,7 @@
 //! reference updates shared blocks need), item insert / delete / extend / truncate, leaf and node
 //! split, merge, and tree growth and shrink.
 //!
-//! Blocks changed by the running transaction live in the [`Disk`](crate::disk_io::Disk)
+//! Blocks changed by the running transaction live in the [`Disk`](crate::io::disk_io::Disk)
 //! overlay, so readers see them. A block is COWed at most once per transaction: a block whose
 //! generation is the running transaction's id and that sits in the overlay is changed in place.
 //!
@@ -11,10 +11,10 @@
 //! descents so benchmarks can show what one operation cost.
 
 use crate::ctree_ops::{self, Growth, LeafMut, LeafSplit, NewHeader, NodeMut};
-use crate::disk_io::{Expect, TreeBlock};
 use crate::error::{Error, Location, Result};
 use crate::format::items::*;
 use crate::format::*;
+use crate::io::disk_io::{Expect, TreeBlock};
 use crate::transaction::Writer;
 use std::sync::Arc;
 
@@ -944,12 +944,16 @@ impl Writer {
 
 /// The first key >= `key` in a tree (read path).
 pub(crate) fn next_key_after(
-    disk: &Arc<crate::disk_io::Disk>,
+    disk: &Arc<crate::io::disk_io::Disk>,
     root: &crate::ctree::Root,
     key: &Key,
 ) -> Result<Option<Key>> {
-    let mut it =
-        crate::ctree::TreeIter::new(disk.clone(), *root, *key, crate::disk_io::Readahead::None)?;
+    let mut it = crate::ctree::TreeIter::new(
+        disk.clone(),
+        *root,
+        *key,
+        crate::io::disk_io::Readahead::None,
+    )?;
     Ok(it.next_item()?.map(|i| i.key))
 }
 

@@ -9,10 +9,10 @@
 //! descent is at most 8 blocks deep and pointer cycles cannot recurse; iteration checks that keys
 //! keep increasing across leaves, so a subtree linked twice ends the walk with an error.
 
-use crate::device::BlockDevice;
-use crate::disk_io::{Disk, Expect, Readahead, TreeBlock};
 use crate::error::{Error, Location, Result};
 use crate::format::*;
+use crate::io::device::BlockDevice;
+use crate::io::disk_io::{Disk, Expect, Readahead, TreeBlock};
 use std::sync::Arc;
 
 /// Where a tree starts.

@@ -40,7 +40,7 @@
 //! - Header fields other than `nritems` (and `level` on init) are never changed by the item and
 //!   pointer primitives; the caller sets bytenr, generation, owner, flags through the setters.
 //!
-//! These are the layout rules the tree checker ([`crate::disk_io::check_tree_block`]) enforces,
+//! These are the layout rules the tree checker ([`crate::io::disk_io::check_tree_block`]) enforces,
 //! and the ones the kernel's tree checker enforces. Rebuilt from their items alone, the leaves
 //! and nodes of mkfs.btrfs images come out byte for byte the same, apart from stale bytes
 //! mkfs leaves in some blocks' free space (see `tests/ctree_ops_model.rs`).
@@ -312,7 +312,7 @@ fn validate_leaf(buf: &[u8]) -> Result<()> {
         ));
     }
     let n = le_u32(buf, OFF_NRITEMS) as usize;
-    crate::disk_io::check_leaf_items(buf, n, &|slot| {
+    crate::io::disk_io::check_leaf_items(buf, n, &|slot| {
         let l = loc();
         match slot {
             Some(s) => l.with_slot(s),

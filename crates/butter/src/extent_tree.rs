@@ -14,10 +14,10 @@
 
 use crate::cow::Intent;
 use crate::ctree::{Root, TreeIter};
-use crate::disk_io::Readahead;
 use crate::error::{Error, Location, Result};
 use crate::format::items::*;
 use crate::format::*;
+use crate::io::disk_io::Readahead;
 use crate::transaction::Writer;
 use std::collections::BTreeMap;
 

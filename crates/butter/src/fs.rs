@@ -5,11 +5,11 @@
 //! [`Core`].
 
 use crate::ctree::{self, Root};
-use crate::device::{BlockDevice, FileDevice};
-use crate::disk_io::Readahead;
 use crate::error::{Error, Result};
 use crate::format::items::*;
 use crate::format::*;
+use crate::io::device::{BlockDevice, FileDevice};
+use crate::io::disk_io::Readahead;
 use std::collections::HashMap;
 use std::path::Path as FsPath;
 use std::sync::{Arc, Mutex};
@@ -100,14 +100,14 @@ impl Fs {
     }
 
     /// Opens a device read-write: starts the write engine.
-    pub fn open_device_rw(dev: Arc<dyn crate::device::BlockDevice>) -> Result<Fs> {
+    pub fn open_device_rw(dev: Arc<dyn crate::io::device::BlockDevice>) -> Result<Fs> {
         Self::open_device_rw_with(dev, RwOptions::default())
     }
 
     /// [`Fs::open_device_rw`] with the write engine's options, in force before anything is
     /// written (the log replay and the orphan cleanup included).
     pub fn open_device_rw_with(
-        dev: Arc<dyn crate::device::BlockDevice>,
+        dev: Arc<dyn crate::io::device::BlockDevice>,
         opts: RwOptions,
     ) -> Result<Fs> {
         let mut fs = Fs::open_device_opts(dev, OpenOpts::nologreplay())?;

@@ -54,13 +54,13 @@
 //! superblock mirrors (the primary last) and a flush.
 
 use crate::ctree_ops::{LeafMut, NewHeader, NodeMut};
-use crate::device::BlockDevice;
 use crate::error::{Error, Result};
 use crate::format::csum::CsumType;
 use crate::format::hash::name_hash;
 use crate::format::items::*;
 use crate::format::superblock::{BackupRoot, DevItem, Superblock};
 use crate::format::*;
+use crate::io::device::BlockDevice;
 
 /// An internal node to build: (bytenr, owner, level, [(first key, child)]).
 type NodeSpec = (u64, u64, u8, Vec<(Key, u64)>);
@@ -1228,8 +1228,8 @@ pub fn mkfs(dev: &dyn BlockDevice, opts: &MkfsOptions) -> Result<MkfsReport> {
 /// For tests: a fresh filesystem of `size` bytes on a RAM device (fixed fsid and time, so
 /// runs are reproducible), opened read-write.
 #[cfg(test)]
-pub(crate) fn test_fs(size: u64) -> (std::sync::Arc<crate::device::RamDevice>, crate::fs::Fs) {
-    let dev = std::sync::Arc::new(crate::device::RamDevice::new(vec![0u8; size as usize]));
+pub(crate) fn test_fs(size: u64) -> (std::sync::Arc<crate::io::device::RamDevice>, crate::fs::Fs) {
+    let dev = std::sync::Arc::new(crate::io::device::RamDevice::new(vec![0u8; size as usize]));
     let opts = MkfsOptions {
         size,
         fsid: Some([7; 16]),
@@ -1245,9 +1245,9 @@ pub(crate) fn test_fs(size: u64) -> (std::sync::Arc<crate::device::RamDevice>, c
 mod tests {
     use super::*;
     use crate::ctree::{Root, TreeIter};
-    use crate::device::{Faults, FileDevice, RamDevice};
-    use crate::disk_io::{read_superblock, Readahead};
     use crate::fs::Fs;
+    use crate::io::device::{Faults, FileDevice, RamDevice};
+    use crate::io::disk_io::{read_superblock, Readahead};
     use std::path::PathBuf;
     use std::sync::Arc;
 

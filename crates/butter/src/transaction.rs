@@ -18,14 +18,14 @@
 //! the image keeps its last committed state, which nothing in the transaction overwrote
 //! (allocation never hands out space the committed trees use, nor space freed since).
 
-use crate::alloc::{self, Allocator, BlockGroup, RangeSet, SpaceKind};
 use crate::ctree::{Root, TreeIter};
-use crate::disk_io::{Disk, Readahead};
 use crate::error::{Error, Location, Result};
 use crate::extent_tree::DelayedRefs;
 use crate::format::items::*;
 use crate::format::superblock::DevItem;
 use crate::format::*;
+use crate::io::disk_io::{Disk, Readahead};
+use crate::space::alloc::{self, Allocator, BlockGroup, RangeSet, SpaceKind};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, RwLock};
 
@@ -138,7 +138,7 @@ impl Writer {
             .map_err(|e| Error::io("reading superblock", sb.bytenr, e))?;
         let root_block = disk.read_tree_block(
             sb.root,
-            &crate::disk_io::Expect {
+            &crate::io::disk_io::Expect {
                 level: Some(sb.root_level),
                 generation: Some(sb.generation),
                 ..Default::default()
@@ -454,7 +454,7 @@ impl Writer {
         }
     }
 
-    /// [`Writer::alloc_data_or_commit`], the range held (see [`crate::alloc::BlockGroup::held`])
+    /// [`Writer::alloc_data_or_commit`], the range held (see [`crate::space::alloc::BlockGroup::held`])
     /// for an ordered extent: its data is written without the writer lock, and until its file
     /// extent item goes in, a commit leaves the range free on disk.
     pub(crate) fn alloc_data_held_or_commit(&mut self, len: u64) -> Result<u64> {
@@ -866,12 +866,12 @@ impl Writer {
             }
             if fst {
                 let ss = self.disk.sectorsize();
-                let fsp = crate::free_space_tree::BgFreeSpace {
+                let fsp = crate::space::free_space_tree::BgFreeSpace {
                     start,
                     len,
                     extents: free.iter().collect(),
                 };
-                let (use_bitmaps, want) = crate::free_space_tree::encode(&fsp, ss, bitmaps);
+                let (use_bitmaps, want) = crate::space::free_space_tree::encode(&fsp, ss, bitmaps);
                 self.allocator
                     .with_group(start, |g| g.fst_bitmaps = use_bitmaps);
                 changed |= self.sync_fst_items(start, len, want)?;

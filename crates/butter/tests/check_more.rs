@@ -10,10 +10,10 @@ mod oracle_support;
 
 use butter::check::{check, FindingKind, Report, Severity};
 use butter::ctree::{Root, TreeIter};
-use butter::disk_io::Readahead;
 use butter::format::csum::CSUM_SLOT;
 use butter::format::*;
 use butter::fs::Fs;
+use butter::io::disk_io::Readahead;
 use oracle_support::*;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};

@@ -40,8 +40,9 @@ struct Subject {
 
 fn make_subject(name: &'static str, per_level: usize, img: Arc<Vec<u8>>) -> Subject {
     let map = map_image(&img);
-    let fs = butter::fs::Fs::open_device(Arc::new(butter::device::RamDevice::new(img.to_vec())))
-        .expect("undamaged image opens");
+    let fs =
+        butter::fs::Fs::open_device(Arc::new(butter::io::device::RamDevice::new(img.to_vec())))
+            .expect("undamaged image opens");
     let base = walk_everything(&fs).expect("undamaged image walks without error");
     Subject {
         name,
@@ -1956,7 +1957,7 @@ fn fault_cases(s: &Subject) -> Cases<'_> {
         ),
     ] {
         let mut case = Case::new(format!("{}: {name}", s.name), |_| {}, want);
-        case.faults = Some(butter::device::Faults {
+        case.faults = Some(butter::io::device::Faults {
             bad_read_ranges: ranges,
             ..Default::default()
         });

@@ -21,9 +21,9 @@
 
 mod crash_support;
 
-use butter::device::{BlockDevice, Faults, RamDevice};
 use butter::error::Error;
 use butter::fs::{Fs, Inode};
+use butter::io::device::{BlockDevice, Faults, RamDevice};
 use butter::mkfs::Profile;
 use crash_support::*;
 use std::collections::HashMap;

@@ -13,9 +13,9 @@
 //! expects the very same bytes (skipped when mkfs.btrfs is missing, an error under CI).
 
 use butter::ctree_ops::*;
-use butter::disk_io::{check_tree_block, Expect, TreeBlock};
 use butter::format::csum::CsumType;
 use butter::format::{Key, HEADER_SIZE, ITEM_SIZE};
+use butter::io::disk_io::{check_tree_block, Expect, TreeBlock};
 use butter::Error;
 use proptest::prelude::*;
 use std::collections::BTreeMap;
@@ -1227,8 +1227,8 @@ fn rebuild(tb: &TreeBlock, csum: CsumType) -> Vec<u8> {
 #[test]
 fn rebuilt_mkfs_blocks_are_identical() {
     use butter::ctree::{next_leaf, search_slot, Root};
-    use butter::disk_io::Readahead;
     use butter::format::{FS_TREE_OBJECTID, ROOT_ITEM_KEY};
+    use butter::io::disk_io::Readahead;
     use std::sync::Arc;
     if !require_mkfs() {
         return;

@@ -5,9 +5,9 @@
 
 mod crash_support;
 
-use butter::device::RamDevice;
 use butter::fs::Fs;
 use butter::inode::namespace::Owner;
+use butter::io::device::RamDevice;
 use butter::mkfs::Profile;
 use crash_support::{butter_check, fresh_image};
 use std::sync::atomic::{AtomicUsize, Ordering};

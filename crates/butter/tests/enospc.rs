@@ -8,9 +8,9 @@
 
 mod crash_support;
 
-use butter::device::{BlockDevice, RamDevice};
 use butter::error::Error;
 use butter::fs::{Fs, Inode};
+use butter::io::device::{BlockDevice, RamDevice};
 use butter::mkfs::{min_device_size, Profile};
 use crash_support::*;
 use std::sync::Arc;

@@ -1,4 +1,4 @@
-//! The free space tree codec (`butter::free_space_tree`) against the kernel's own trees.
+//! The free space tree codec (`butter::space::free_space_tree`) against the kernel's own trees.
 //!
 //! A kernel-mounted image is fragmented one file deletion per transaction (the filesystem is
 //! frozen after each step so the image file holds one committed state). After every step, for
@@ -16,11 +16,11 @@
 mod oracle_support;
 
 use butter::ctree::{Root, TreeIter};
-use butter::disk_io::Readahead;
 use butter::format::items::BlockGroupItem;
 use butter::format::*;
-use butter::free_space_tree::{self as fst, BgFreeSpace};
 use butter::fs::Fs;
+use butter::io::disk_io::Readahead;
+use butter::space::free_space_tree::{self as fst, BgFreeSpace};
 use oracle_support::*;
 use std::collections::BTreeMap;
 use std::path::Path;

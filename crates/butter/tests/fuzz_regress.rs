@@ -17,8 +17,8 @@
 
 mod corrupt_support;
 
-use butter::device::RamDevice;
 use butter::format::csum::CsumType;
+use butter::io::device::RamDevice;
 use corrupt_support::alloc_track;
 use corrupt_support::fuzz_logic::*;
 use std::path::{Path, PathBuf};

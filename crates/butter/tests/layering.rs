@@ -20,13 +20,15 @@ const ORDER: &[&str] = &[
     "gate",
     "extent_io",
     "format",
-    "device",
-    "volumes",
-    "disk_io",
+    "io/device",
+    "io/volumes",
+    "io/disk_io",
+    "io",
     "ctree",
     "ctree_ops",
-    "free_space_tree",
-    "alloc",
+    "space/free_space_tree",
+    "space/alloc",
+    "space",
     "log_state",
     "extent_tree",
     "cow",
@@ -78,7 +80,7 @@ fn module_of(rel: &Path) -> Option<String> {
 
 /// Folders whose files are modules of their own in `ORDER` (`inode/core`), so that the layers
 /// inside them are held too; any other folder is one module (`format`).
-const SPLIT: &[&str] = &["inode", "tree_log"];
+const SPLIT: &[&str] = &["io", "space", "inode", "tree_log"];
 
 /// The modules a file names through `crate::` paths, also inside `use crate::{a, b::c}`.
 /// A file's unit tests (from `#[cfg(test)]` on) are not part of its layer: they may use the

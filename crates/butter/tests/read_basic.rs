@@ -2,10 +2,10 @@
 //! file with its source; checks tree shape, readahead and DUP fallback on the engine directly.
 
 use butter::ctree::{Root, TreeIter};
-use butter::device::{BlockDevice, RamDevice};
-use butter::disk_io::Readahead;
 use butter::format::*;
 use butter::fs::{Fs, Inode};
+use butter::io::device::{BlockDevice, RamDevice};
+use butter::io::disk_io::Readahead;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;

@@ -22,7 +22,7 @@ fn image(name: &str, nodesize: u32) -> PathBuf {
         .unwrap();
     f.set_len(256 << 20).unwrap();
     drop(f);
-    let dev = butter::device::FileDevice::open(&p, true).unwrap();
+    let dev = butter::io::device::FileDevice::open(&p, true).unwrap();
     let opts = butter::mkfs::MkfsOptions {
         size: 256 << 20,
         nodesize,

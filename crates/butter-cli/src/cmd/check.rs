@@ -64,11 +64,11 @@ pub fn check(a: CheckArgs) -> CliResult {
 
 /// When an image cannot be opened: a note if it is shorter than its superblock says.
 fn size_hint(image: &std::path::Path) -> String {
-    let Ok(dev) = butter::device::FileDevice::open(image, false) else {
+    let Ok(dev) = butter::io::device::FileDevice::open(image, false) else {
         return String::new();
     };
-    use butter::device::BlockDevice;
-    let Ok(sb) = butter::disk_io::read_superblock(&dev) else {
+    use butter::io::device::BlockDevice;
+    let Ok(sb) = butter::io::disk_io::read_superblock(&dev) else {
         return String::new();
     };
     let len = dev.len();

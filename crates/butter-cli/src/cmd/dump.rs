@@ -3,11 +3,11 @@
 
 use super::{CliError, CliResult};
 use butter::ctree::Root;
-use butter::device::{BlockDevice, FileDevice};
-use butter::disk_io::{Disk, Expect};
 use butter::format::items::RootItem;
 use butter::format::print::{dump_key, print_block, print_superblock_bytes, PrintOpts};
 use butter::format::*;
+use butter::io::device::{BlockDevice, FileDevice};
+use butter::io::disk_io::{Disk, Expect};
 use std::collections::VecDeque;
 use std::io::Write;
 use std::path::PathBuf;
@@ -55,7 +55,7 @@ fn open_dev(image: &std::path::Path) -> Result<Arc<dyn BlockDevice>, CliError> {
 
 pub fn dump_super(a: DumpSuperArgs) -> CliResult {
     let dev = open_dev(&a.image)?;
-    if let Some(e) = butter::disk_io::probe_not_btrfs(dev.as_ref()) {
+    if let Some(e) = butter::io::disk_io::probe_not_btrfs(dev.as_ref()) {
         return Err(CliError(format!("{}: {e}", a.image.display())));
     }
     let mirrors: Vec<usize> = if a.all {
@@ -293,7 +293,7 @@ pub fn dump_tree(a: DumpTreeArgs) -> CliResult {
             disk.clone(),
             tree_root,
             Key::MIN,
-            butter::disk_io::Readahead::None,
+            butter::io::disk_io::Readahead::None,
         )?;
         while let Some(item) = it.next_item()? {
             if item.key.ty != ROOT_ITEM_KEY {

@@ -6,9 +6,9 @@
 //! the other uuids from the fsid, so the same options and `-U` give a byte-identical image.
 
 use super::{CliError, CliResult};
-use butter::device::FileDevice;
 use butter::format::csum::CsumType;
 use butter::format::*;
+use butter::io::device::FileDevice;
 use butter::mkfs::{MkfsOptions, MkfsReport, Profile};
 use std::io::Write;
 use std::path::{Path, PathBuf};

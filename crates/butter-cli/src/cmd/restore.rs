@@ -25,10 +25,10 @@
 
 use super::{open_fs, CliError, CliResult};
 use butter::ctree::TreeIter;
-use butter::disk_io::Readahead;
 use butter::format::items::{FileExtentBody, FileExtentItem, Timespec};
 use butter::format::{Key, EXTENT_DATA_KEY, FILE_EXTENT_PREALLOC, FS_TREE_OBJECTID};
 use butter::fs::{DirEntry, Fs, Inode, Stat, EMPTY_SUBVOL_DIR_OBJECTID};
+use butter::io::disk_io::Readahead;
 use std::collections::{HashMap, HashSet};
 use std::ffi::{CString, OsStr};
 use std::fmt::Display;

@@ -70,7 +70,7 @@ fn servers_of(dir: &Path) -> Vec<u32> {
         let Some(pid) = p.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
             continue;
         };
-        let Some(args) = butter::device::process_cmdline(pid) else {
+        let Some(args) = butter::io::device::process_cmdline(pid) else {
             continue;
         };
         let Some(m) = args.iter().position(|a| a == "mount") else {

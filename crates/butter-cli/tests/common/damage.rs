@@ -2,10 +2,10 @@
 //! reseal its block and write every copy.
 
 use butter::ctree::{Root, TreeIter};
-use butter::disk_io::Readahead;
 use butter::format::csum::CSUM_SLOT;
 use butter::format::*;
 use butter::fs::Fs;
+use butter::io::disk_io::Readahead;
 use std::fs;
 use std::os::unix::fs::FileExt;
 use std::path::Path;

@@ -1,7 +1,7 @@
 //! What the benchmark examples share: a fresh image file to write through the library.
 
-use butter::device::FileDevice;
 use butter::fs::Fs;
+use butter::io::device::FileDevice;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 

@@ -4,10 +4,10 @@
 //! policies of concurrent callers, the commit scheduler and the close.
 
 use crate::ctree::{self, Root, TreeIter};
-use crate::disk_io::{Disk, Readahead};
 use crate::error::{Error, Result};
 use crate::format::items::*;
 use crate::format::*;
+use crate::io::disk_io::{Disk, Readahead};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 

@@ -13,13 +13,13 @@
 
 use crate::cow::Intent;
 use crate::ctree_ops::LeafMut;
-use crate::disk_io::Disk;
 use crate::error::{Error, Result};
 use crate::extent_tree::RefKey;
 use crate::format::items::*;
 use crate::format::*;
 use crate::ids::Inode;
 use crate::inode::core::Core;
+use crate::io::disk_io::Disk;
 use crate::transaction::Writer;
 
 /// Writes a chunk of file data at a logical address and returns its checksums.

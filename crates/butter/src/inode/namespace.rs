@@ -8,12 +8,12 @@
 //! refs when a ref item would be too large, directory i_size = 2 x the sum of name lengths,
 //! directories with nlink 1, and inode transid / sequence / ctime updated on each change.
 
-use crate::disk_io::Disk;
 use crate::error::{Error, Result};
 use crate::format::items::*;
 use crate::format::*;
 use crate::ids::Inode;
 use crate::inode::core::Core;
+use crate::io::disk_io::Disk;
 use crate::transaction::Writer;
 use std::sync::{Arc, MutexGuard};
 

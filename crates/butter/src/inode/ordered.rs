@@ -2,7 +2,7 @@
 //! the trees.
 //!
 //! A write of a regular extent goes in three steps (crate::inode::file):
-//! 1. under the writer lock: allocate the extent, held (crate::alloc::BlockGroup::held), so a
+//! 1. under the writer lock: allocate the extent, held (crate::space::alloc::BlockGroup::held), so a
 //!    commit in the meantime leaves it free on disk;
 //! 2. the writeback: write the data and compute its checksums (without the writer lock for
 //!    extents longer than [`SHORT_WRITEBACK`]);
@@ -707,9 +707,9 @@ impl Drop for RangeGuard<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::device::{BlockDevice, RamDevice};
     use crate::fs::Fs;
     use crate::inode::namespace::Owner;
+    use crate::io::device::{BlockDevice, RamDevice};
     use std::sync::mpsc;
     use std::time::Duration;
 

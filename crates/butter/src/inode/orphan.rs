@@ -2,11 +2,11 @@
 //! (crate::inode::namespace) or, when the writer stopped first, at the next read-write open.
 
 use crate::ctree::TreeIter;
-use crate::disk_io::Readahead;
 use crate::error::{Error, Result};
 use crate::format::*;
 use crate::ids::Inode;
 use crate::inode::core::Core;
+use crate::io::disk_io::Readahead;
 
 impl Core {
     /// Deletes the inodes with no links that ORPHAN items name, in every writable subvolume

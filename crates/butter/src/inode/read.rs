@@ -10,10 +10,10 @@
 //! tree; a mismatch on every copy is an `Error::DataChecksum` naming inode, offset and address.
 
 use crate::ctree::{self, ItemRef, TreeIter};
-use crate::disk_io::Readahead;
 use crate::error::{Error, Location, Result};
 use crate::format::items::*;
 use crate::format::*;
+use crate::io::disk_io::Readahead;
 use std::collections::HashMap;
 
 use crate::ids::Inode;

@@ -5,11 +5,11 @@
 //! no chunk uses yet (a new data chunk can take it; data is single-copy here). Read-only:
 //! the superblock's `total_bytes - bytes_used`, as of the last commit.
 
-use crate::alloc::SpaceKind;
 use crate::error::Result;
 use crate::format::items::DevExtent;
 use crate::format::*;
 use crate::inode::core::Core;
+use crate::space::alloc::SpaceKind;
 
 /// What statfs reports, in bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -55,7 +55,7 @@ impl Core {
             self.disk.clone(),
             root,
             Key::new(devid, DEV_EXTENT_KEY, 0),
-            crate::disk_io::Readahead::None,
+            crate::io::disk_io::Readahead::None,
         )?;
         while let Some(item) = it.next_item()? {
             if item.key.objectid != devid || item.key.ty != DEV_EXTENT_KEY {

@@ -22,13 +22,13 @@
 //! snapshot's transaction and is copied before the source changes it again.
 
 use crate::ctree_ops;
-use crate::disk_io::TreeBlock;
 use crate::error::{Error, Location, Result};
 use crate::format::items::*;
 use crate::format::*;
 use crate::ids::Inode;
 use crate::inode::core::Core;
 use crate::inode::namespace::{check_name, Owner};
+use crate::io::disk_io::TreeBlock;
 use crate::transaction::Writer;
 use std::sync::Arc;
 
@@ -330,7 +330,7 @@ impl Core {
             // The copy of the source's root block, owned by the snapshot.
             let blk = w.block(
                 src_root.bytenr,
-                &crate::disk_io::Expect {
+                &crate::io::disk_io::Expect {
                     level: Some(src_root.level),
                     generation: Some(src_root.generation),
                     ..Default::default()

@@ -23,13 +23,13 @@
 //! pointer is cleared at the commit that ends the replay.
 
 use crate::ctree::TreeIter;
-use crate::disk_io::{Disk, Expect, Readahead};
 use crate::error::{Error, Location, Result};
 use crate::extent_tree::RefKey;
 use crate::format::items::*;
 use crate::format::*;
 use crate::ids::Inode;
 use crate::inode::core::Core;
+use crate::io::disk_io::{Disk, Expect, Readahead};
 use crate::transaction::Writer;
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 
@@ -386,8 +386,8 @@ pub fn replay(fs: &Core, w: &mut Writer, log: &FsyncLog) -> Result<()> {
                     let fits = group.and_then(|g| {
                         w.allocator.with_group(g, |bg| {
                             end.is_some_and(|e| e <= bg.end())
-                                && crate::alloc::SpaceKind::of_flags(bg.flags)
-                                    == Some(crate::alloc::SpaceKind::Data)
+                                && crate::space::alloc::SpaceKind::of_flags(bg.flags)
+                                    == Some(crate::space::alloc::SpaceKind::Data)
                         })
                     });
                     if fits != Some(true) {

@@ -60,11 +60,9 @@
 //! the trees; so it does on a file system without NO_HOLES, where the log would need the hole
 //! items the completion inserts.
 
-use crate::alloc::SpaceKind;
 use crate::ctree;
 use crate::ctree::TreeIter;
 use crate::ctree_ops::NewHeader;
-use crate::disk_io::Readahead;
 use crate::error::{Error, Result};
 use crate::extent_io::ExtentBits;
 use crate::format::csum::CsumType;
@@ -72,8 +70,10 @@ use crate::format::items::*;
 use crate::format::*;
 use crate::ids::Inode;
 use crate::inode::core::Core;
+use crate::io::disk_io::Readahead;
 use crate::log_state::LogTree;
 pub use crate::log_state::{LogStats, LogTicket};
+use crate::space::alloc::SpaceKind;
 use crate::transaction::Writer;
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::sync::atomic::Ordering;
@@ -1188,9 +1188,9 @@ fn log_csums(log: &mut LogTree, start: u64, sums: &[u8], ss: u64, csize: usize, 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::device::RamDevice;
     use crate::fs::Fs;
     use crate::inode::namespace::Owner;
+    use crate::io::device::RamDevice;
     use std::sync::Arc;
 
     fn fresh() -> (Arc<RamDevice>, Fs) {

@@ -19,15 +19,15 @@
 #![allow(dead_code)]
 
 use super::walk::{walk_tolerant, Walk, WalkError, WalkLimits};
-use butter::device::RamDevice;
-use butter::disk_io::{check_tree_block, Expect, TreeBlock};
 use butter::format::csum::CsumType;
 use butter::format::header::Header;
 use butter::format::items::*;
 use butter::format::superblock::{DevItem, Superblock};
 use butter::format::*;
 use butter::fs::Fs;
-use butter::volumes::ChunkMap;
+use butter::io::device::RamDevice;
+use butter::io::disk_io::{check_tree_block, Expect, TreeBlock};
+use butter::io::volumes::ChunkMap;
 use std::sync::Arc;
 
 /// Largest device an `open_image` input may ask for (keeps each run fast).

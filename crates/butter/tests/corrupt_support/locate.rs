@@ -10,12 +10,12 @@
 #![allow(dead_code)]
 
 use butter::ctree::{Root, TreeIter};
-use butter::device::RamDevice;
-use butter::disk_io::{Disk, Expect, Readahead};
 use butter::format::csum::CsumType;
 use butter::format::header::KeyPtr;
 use butter::format::items::{FileExtentBody, FileExtentItem, RootItem};
 use butter::format::*;
+use butter::io::device::RamDevice;
+use butter::io::disk_io::{Disk, Expect, Readahead};
 use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
 

@@ -5,8 +5,8 @@
 
 use super::alloc_track::{self, AllocReport};
 use super::walk::{walk_tolerant, Walk, WalkError, WalkLimits};
-use butter::device::{BlockDevice, Faults, RamDevice};
 use butter::fs::Fs;
+use butter::io::device::{BlockDevice, Faults, RamDevice};
 use butter::Error;
 use std::sync::mpsc;
 use std::sync::Arc;

@@ -4,9 +4,9 @@
 
 #![allow(dead_code)]
 
-use butter::device::{BlockDevice, RamDevice};
 use butter::fs::{Fs, Inode};
 use butter::inode::namespace::Owner;
+use butter::io::device::{BlockDevice, RamDevice};
 use butter::mkfs::{mkfs, MkfsOptions, Profile};
 use std::collections::{BTreeMap, HashMap};
 use std::hash::{Hash, Hasher};

@@ -11,12 +11,12 @@
 //! had to be read from disk; `ForwardAlways` reads ahead every remaining sibling, nodes too, even
 //! when the current block was cached — for operations that visit a whole tree in key order.
 
-use crate::device::BlockDevice;
 use crate::error::{Error, Location, Result};
 use crate::format::header::{Header, ItemHeader, KeyPtr};
 use crate::format::superblock::Superblock;
 use crate::format::*;
-use crate::volumes::ChunkMap;
+use crate::io::device::BlockDevice;
+use crate::io::volumes::ChunkMap;
 use rustc_hash::FxHashMap as HashMap;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
