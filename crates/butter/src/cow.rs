@@ -958,7 +958,7 @@ pub(crate) fn tree_ref(tree: u64) -> RefKey {
     RefKey::TreeBlock(tree)
 }
 
-pub use crate::extent_tree::RefKey;
+pub use crate::delayed_refs::RefKey;
 
 #[allow(dead_code)]
 fn _loc(_: Location) {}

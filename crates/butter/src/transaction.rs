@@ -20,9 +20,9 @@
 
 use crate::alloc::{self, Allocator, BlockGroup, RangeSet, SpaceKind};
 use crate::ctree::{Root, TreeIter};
+use crate::delayed_refs::DelayedRefs;
 use crate::disk_io::{Disk, Readahead};
 use crate::error::{Error, Location, Result};
-use crate::extent_tree::DelayedRefs;
 use crate::format::items::*;
 use crate::format::superblock::DevItem;
 use crate::format::*;

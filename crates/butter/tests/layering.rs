@@ -27,6 +27,7 @@ const ORDER: &[&str] = &[
     "free_space_tree",
     "alloc",
     "log_state",
+    "delayed_refs",
     "extent_tree",
     "cow",
     "transaction",
