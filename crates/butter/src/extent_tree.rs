@@ -13,10 +13,11 @@
 //! orders them and its tree checker demands.
 
 use crate::cow::Intent;
-use crate::ctree::{Root, TreeIter};
+use crate::ctree::TreeIter;
 use crate::delayed_refs::PendingExtent;
 use crate::disk_io::Readahead;
 use crate::error::{Error, Location, Result};
+use crate::extent_record::{read_extent_record, ExtentRecord};
 use crate::format::items::*;
 use crate::format::*;
 use crate::transaction::Writer;
@@ -24,172 +25,30 @@ use std::collections::BTreeMap;
 
 pub use crate::delayed_refs::RefKey;
 
-/// An extent item with all its references (inline and keyed), as read from the extent tree.
-#[derive(Debug, Clone)]
-struct ExtentRecord {
-    key: Key,
-    generation: u64,
-    flags: u64,
-    tree_block_info: Option<(Key, u8)>,
-    refs: BTreeMap<RefKey, u64>,
-    /// Keyed reference items present now (their keys).
-    keyed: Vec<Key>,
-}
-
 impl Writer {
-    fn extent_root(&mut self) -> Result<Root> {
-        self.current_root(EXTENT_TREE_OBJECTID)
-    }
-
-    /// Finds an extent item (skinny or not) at `bytenr`.
-    fn find_extent_item(&mut self, bytenr: u64) -> Result<Option<(Key, Vec<u8>)>> {
-        let root = self.extent_root()?;
-        let mut it = TreeIter::new(
-            self.disk.clone(),
-            root,
-            Key::new(bytenr, EXTENT_ITEM_KEY, 0),
-            Readahead::None,
-        )?;
-        while let Some(item) = it.next_item()? {
-            if item.key.objectid != bytenr {
-                break;
-            }
-            if item.key.ty == EXTENT_ITEM_KEY || item.key.ty == METADATA_ITEM_KEY {
-                return Ok(Some((item.key, item.data().to_vec())));
-            }
-            if item.key.ty > METADATA_ITEM_KEY {
-                break;
-            }
-        }
-        Ok(None)
-    }
-
-    fn read_extent_record(&mut self, bytenr: u64) -> Result<Option<ExtentRecord>> {
-        let Some((key, body)) = self.find_extent_item(bytenr)? else {
-            return Ok(None);
-        };
-        let loc = || {
-            Location::what("extent item")
-                .with_tree(EXTENT_TREE_OBJECTID)
-                .with_key(key)
-        };
-        let ei = ExtentItem::parse(&body, key.ty).map_err(|e| match e {
-            Error::Corrupt { reason, .. } => Error::corrupt(loc(), reason),
-            e => e,
-        })?;
-        let mut refs = BTreeMap::new();
-        for r in &ei.inline_refs {
-            if let Some((k, c)) = RefKey::from_backref(r) {
-                *refs.entry(k).or_insert(0) += c;
-            }
-        }
-        let mut keyed = Vec::new();
-        let root = self.extent_root()?;
-        let mut it = TreeIter::new(
-            self.disk.clone(),
-            root,
-            Key::new(bytenr, TREE_BLOCK_REF_KEY, 0),
-            Readahead::None,
-        )?;
-        while let Some(item) = it.next_item()? {
-            if item.key.objectid != bytenr || item.key.ty > SHARED_DATA_REF_KEY {
-                break;
-            }
-            let r = match item.key.ty {
-                TREE_BLOCK_REF_KEY => Some((RefKey::TreeBlock(item.key.offset), 1)),
-                SHARED_BLOCK_REF_KEY => Some((RefKey::SharedBlock(item.key.offset), 1)),
-                EXTENT_DATA_REF_KEY => {
-                    let b = parse_extent_data_ref(item.data()).map_err(|e| item.annotate(e))?;
-                    RefKey::from_backref(&b)
-                }
-                SHARED_DATA_REF_KEY => {
-                    let d = item.data();
-                    if d.len() < 4 {
-                        return Err(Error::corrupt(
-                            item.loc(),
-                            "shared data ref shorter than 4 bytes",
-                        ));
-                    }
-                    Some((RefKey::SharedData(item.key.offset), le_u32(d, 0) as u64))
-                }
-                _ => None,
-            };
-            if let Some((k, c)) = r {
-                *refs.entry(k).or_insert(0) += c;
-                keyed.push(item.key);
-            }
-        }
-        let total: u64 = refs.values().sum();
-        if total != ei.refs {
-            return Err(Error::corrupt(
-                loc(),
-                format!(
-                    "extent item says {} references but {} were found",
-                    ei.refs, total
-                ),
-            ));
-        }
-        Ok(Some(ExtentRecord {
-            key,
-            generation: ei.generation,
-            flags: ei.flags,
-            tree_block_info: ei.tree_block_info,
-            refs,
-            keyed,
-        }))
-    }
-
-    /// Whether the data extent at `bytenr` belongs to `owner` (one file's reference) alone,
-    /// the kernel's test before a nodatacow write in place (btrfs_cross_ref_exist): every
-    /// reference, on disk and queued, is `owner`'s, none is a keyed item, and the extent was
-    /// made after the subvolume's last snapshot (`last_snapshot`; an older extent may be
-    /// shared through the snapshot's tree blocks).
+    /// Whether the data extent at `bytenr` belongs to `owner` alone (see
+    /// [`crate::extent_record::data_extent_exclusive`]).
     pub(crate) fn data_extent_exclusive(
         &mut self,
         bytenr: u64,
         owner: RefKey,
         last_snapshot: u64,
     ) -> Result<bool> {
-        let queued = match self.refs.map.get(&bytenr) {
-            Some(p) => {
-                if p.deltas.iter().any(|(k, d)| *d != 0 && *k != owner) {
-                    return Ok(false);
-                }
-                true
-            }
-            None => false,
-        };
-        let Some(rec) = self.read_extent_record(bytenr)? else {
-            // Made in this transaction: only the queued references exist.
-            return Ok(queued);
-        };
-        if rec.generation <= last_snapshot || !rec.keyed.is_empty() {
-            return Ok(false);
-        }
-        Ok(rec.refs.len() == 1 && rec.refs.contains_key(&owner))
+        let root = self.current_root(EXTENT_TREE_OBJECTID)?;
+        crate::extent_record::data_extent_exclusive(
+            &self.disk,
+            root,
+            &self.refs,
+            bytenr,
+            owner,
+            last_snapshot,
+        )
     }
 
     /// Reference count and flags of a tree block, counting what is queued.
     pub(crate) fn extent_refs_and_flags(&mut self, bytenr: u64, _level: u8) -> Result<(u64, u64)> {
-        let (delta, flags_set) = self.refs.pending(bytenr);
-        let (refs, flags) = match self.read_extent_record(bytenr)? {
-            Some(r) => (r.refs.values().sum::<u64>(), r.flags),
-            None if delta > 0 => (0, 0),
-            None => {
-                return Err(Error::corrupt(
-                    Location::what(format!("tree block {bytenr}")).with_tree(EXTENT_TREE_OBJECTID),
-                    "shared tree block has no extent item",
-                ))
-            }
-        };
-        let n = refs as i64 + delta;
-        if n < 0 {
-            return Err(Error::corrupt(
-                Location::what(format!("tree block {bytenr}")).with_tree(EXTENT_TREE_OBJECTID),
-                "reference count would drop below zero",
-            ));
-        }
-        Ok((n as u64, flags | flags_set))
+        let root = self.current_root(EXTENT_TREE_OBJECTID)?;
+        crate::extent_record::tree_block_refs_and_flags(&self.disk, root, &self.refs, bytenr)
     }
 
     /// Applies every queued reference change; repeats while applying queues more. Returns
@@ -213,13 +72,10 @@ impl Writer {
         pe.deltas.retain(|_, d| *d != 0);
         let skinny = self.disk.sb.has_incompat(INCOMPAT_SKINNY_METADATA);
         let loc = || Location::what(format!("extent {bytenr}")).with_tree(EXTENT_TREE_OBJECTID);
-        let existing = if pe.is_new {
-            // A new extent may still meet an item when its address was reused after a free in
-            // an earlier pass of this commit; read to be sure.
-            self.read_extent_record(bytenr)?
-        } else {
-            self.read_extent_record(bytenr)?
-        };
+        // A new extent may still meet an item when its address was reused after a free in an
+        // earlier pass of this commit; read to be sure.
+        let extent_root = self.current_root(EXTENT_TREE_OBJECTID)?;
+        let existing = read_extent_record(&self.disk, extent_root, bytenr)?;
         if pe.deltas.is_empty() && pe.flags_set == 0 {
             if pe.is_new && existing.is_none() {
                 // Allocated and freed in this transaction: nothing on disk, space pinned, and

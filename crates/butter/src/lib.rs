@@ -18,6 +18,7 @@ mod delayed_refs;
 pub mod device;
 pub mod disk_io;
 pub mod extent_io;
+mod extent_record;
 pub mod extent_tree;
 pub mod file_write;
 pub mod free_space_tree;

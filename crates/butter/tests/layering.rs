@@ -28,6 +28,7 @@ const ORDER: &[&str] = &[
     "alloc",
     "log_state",
     "delayed_refs",
+    "extent_record",
     "extent_tree",
     "cow",
     "transaction",
