@@ -1,7 +1,8 @@
 //! Extent items and their back references, changed through delayed references.
 //!
 //! Tree changes do not touch the extent tree directly: they queue reference deltas per extent
-//! ([`DelayedRefs`](crate::delayed_refs::DelayedRefs)), and the commit applies them ([`Writer::run_delayed_refs`]), which changes
+//! ([`DelayedRefs`](crate::delayed_refs::DelayedRefs)), and the commit applies them
+//! ([`CowCtx::run_delayed_refs`], on the context the transaction lends), which changes
 //! the extent tree and so queues more (for the extent tree's own COWed blocks) until nothing is
 //! left. An extent whose references drop to zero is deleted, its checksums too (data), and its
 //! space is pinned until the commit is on disk.
@@ -13,6 +14,7 @@
 //! orders them and its tree checker demands.
 
 use crate::cow::Intent;
+use crate::cow_ctx::CowCtx;
 use crate::ctree::TreeIter;
 use crate::delayed_refs::PendingExtent;
 use crate::disk_io::Readahead;
@@ -20,37 +22,11 @@ use crate::error::{Error, Location, Result};
 use crate::extent_record::{read_extent_record, ExtentRecord};
 use crate::format::items::*;
 use crate::format::*;
-use crate::transaction::Writer;
 use std::collections::BTreeMap;
 
 pub use crate::delayed_refs::RefKey;
 
-impl Writer {
-    /// Whether the data extent at `bytenr` belongs to `owner` alone (see
-    /// [`crate::extent_record::data_extent_exclusive`]).
-    pub(crate) fn data_extent_exclusive(
-        &mut self,
-        bytenr: u64,
-        owner: RefKey,
-        last_snapshot: u64,
-    ) -> Result<bool> {
-        let root = self.current_root(EXTENT_TREE_OBJECTID)?;
-        crate::extent_record::data_extent_exclusive(
-            &self.disk,
-            root,
-            &self.refs,
-            bytenr,
-            owner,
-            last_snapshot,
-        )
-    }
-
-    /// Reference count and flags of a tree block, counting what is queued.
-    pub(crate) fn extent_refs_and_flags(&mut self, bytenr: u64, _level: u8) -> Result<(u64, u64)> {
-        let root = self.current_root(EXTENT_TREE_OBJECTID)?;
-        crate::extent_record::tree_block_refs_and_flags(&self.disk, root, &self.refs, bytenr)
-    }
-
+impl CowCtx {
     /// Applies every queued reference change; repeats while applying queues more. Returns
     /// whether anything was applied.
     pub(crate) fn run_delayed_refs(&mut self) -> Result<bool> {

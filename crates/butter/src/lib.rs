@@ -14,6 +14,7 @@ pub mod check;
 pub mod cow;
 pub mod ctree;
 pub mod ctree_ops;
+mod cow_ctx;
 mod delayed_refs;
 pub mod device;
 pub mod disk_io;
