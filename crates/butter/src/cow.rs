@@ -7,15 +7,18 @@
 //! generation is the running transaction's id and that sits in the overlay is changed in place.
 //!
 //! Structure changes restart the descent: a search that has to split a node or a leaf, or merge
-//! an underfull node, does so and descends again from the root. `Writer::descents` counts the
+//! an underfull node, does so and descends again from the root. `CowCtx::descents` counts the
 //! descents so benchmarks can show what one operation cost.
+//!
+//! Everything here works on the [`CowCtx`] the transaction lends (crate::cow_ctx), never on the
+//! transaction itself.
 
+use crate::cow_ctx::CowCtx;
 use crate::ctree_ops::{self, Growth, LeafMut, LeafSplit, NewHeader, NodeMut};
 use crate::error::{Error, Location, Result};
 use crate::format::items::*;
 use crate::format::*;
 use crate::io::disk_io::{Expect, TreeBlock};
-use crate::transaction::Writer;
 use std::sync::Arc;
 
 /// What a search intends to do at the leaf.
@@ -82,7 +85,7 @@ fn leaf_used(b: &TreeBlock) -> usize {
     b.data.len() - HEADER_SIZE - b.leaf_free_space()
 }
 
-impl Writer {
+impl CowCtx {
     /// A block by address: the overlay's copy, or read and validated from disk.
     pub(crate) fn block(&self, bytenr: u64, expect: &Expect) -> Result<Arc<TreeBlock>> {
         // A block of this transaction may be briefly empty (the middle leaf of a double split
@@ -962,7 +965,7 @@ pub(crate) fn tree_ref(tree: u64) -> RefKey {
     RefKey::TreeBlock(tree)
 }
 
-pub use crate::extent_tree::RefKey;
+pub use crate::delayed_refs::RefKey;
 
 #[allow(dead_code)]
 fn _loc(_: Location) {}

@@ -1,7 +1,8 @@
 //! Extent items and their back references, changed through delayed references.
 //!
 //! Tree changes do not touch the extent tree directly: they queue reference deltas per extent
-//! ([`DelayedRefs`]), and the commit applies them ([`Writer::run_delayed_refs`]), which changes
+//! ([`DelayedRefs`](crate::delayed_refs::DelayedRefs)), and the commit applies them
+//! ([`CowCtx::run_delayed_refs`], on the context the transaction lends), which changes
 //! the extent tree and so queues more (for the extent tree's own COWed blocks) until nothing is
 //! left. An extent whose references drop to zero is deleted, its checksums too (data), and its
 //! space is pinned until the commit is on disk.
@@ -13,317 +14,19 @@
 //! orders them and its tree checker demands.
 
 use crate::cow::Intent;
-use crate::ctree::{Root, TreeIter};
+use crate::cow_ctx::CowCtx;
+use crate::ctree::TreeIter;
+use crate::delayed_refs::PendingExtent;
 use crate::error::{Error, Location, Result};
+use crate::extent_record::{read_extent_record, ExtentRecord};
 use crate::format::items::*;
 use crate::format::*;
 use crate::io::disk_io::Readahead;
-use crate::transaction::Writer;
 use std::collections::BTreeMap;
 
-/// One back reference, without its count.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum RefKey {
-    /// TREE_BLOCK_REF: tree `root` points at the block from one of its own blocks.
-    TreeBlock(u64),
-    /// SHARED_BLOCK_REF: the block at `parent` points at it (full back reference).
-    SharedBlock(u64),
-    /// EXTENT_DATA_REF: file extent items of `ino` in `root` at file offset - extent offset.
-    Data { root: u64, ino: u64, offset: u64 },
-    /// SHARED_DATA_REF: file extent items in the leaf at `parent`.
-    SharedData(u64),
-}
+pub use crate::delayed_refs::RefKey;
 
-impl RefKey {
-    fn to_backref(self, count: u64) -> BackRef {
-        match self {
-            RefKey::TreeBlock(root) => BackRef::TreeBlock { root },
-            RefKey::SharedBlock(parent) => BackRef::SharedBlock { parent },
-            RefKey::Data { root, ino, offset } => BackRef::ExtentData {
-                root,
-                objectid: ino,
-                offset,
-                count: count as u32,
-            },
-            RefKey::SharedData(parent) => BackRef::SharedData {
-                parent,
-                count: count as u32,
-            },
-        }
-    }
-    fn from_backref(b: &BackRef) -> Option<(RefKey, u64)> {
-        Some(match b {
-            BackRef::TreeBlock { root } => (RefKey::TreeBlock(*root), 1),
-            BackRef::SharedBlock { parent } => (RefKey::SharedBlock(*parent), 1),
-            BackRef::ExtentData {
-                root,
-                objectid,
-                offset,
-                count,
-            } => (
-                RefKey::Data {
-                    root: *root,
-                    ino: *objectid,
-                    offset: *offset,
-                },
-                *count as u64,
-            ),
-            BackRef::SharedData { parent, count } => (RefKey::SharedData(*parent), *count as u64),
-            BackRef::Owner { .. } => return None,
-        })
-    }
-}
-
-/// Queued changes to one extent.
-#[derive(Debug, Clone)]
-pub struct PendingExtent {
-    pub num_bytes: u64,
-    /// Tree blocks: level and first key (for non-skinny extent items).
-    pub meta: Option<(u8, Key)>,
-    /// Allocated in this transaction: the extent item does not exist yet.
-    pub is_new: bool,
-    /// Extent flags to set (FULL_BACKREF).
-    pub flags_set: u64,
-    pub deltas: BTreeMap<RefKey, i64>,
-}
-
-/// Reference deltas waiting for the commit, by extent address.
-#[derive(Debug, Default)]
-pub struct DelayedRefs {
-    pub map: BTreeMap<u64, PendingExtent>,
-}
-
-impl DelayedRefs {
-    fn entry(
-        &mut self,
-        bytenr: u64,
-        num_bytes: u64,
-        meta: Option<(u8, Key)>,
-    ) -> &mut PendingExtent {
-        self.map.entry(bytenr).or_insert_with(|| PendingExtent {
-            num_bytes,
-            meta,
-            is_new: false,
-            flags_set: 0,
-            deltas: BTreeMap::new(),
-        })
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    pub fn add_tree_ref(
-        &mut self,
-        bytenr: u64,
-        num_bytes: u64,
-        level: u8,
-        key: Key,
-        is_new: bool,
-        r: RefKey,
-        delta: i64,
-    ) {
-        let e = self.entry(bytenr, num_bytes, Some((level, key)));
-        e.is_new |= is_new;
-        *e.deltas.entry(r).or_insert(0) += delta;
-    }
-
-    pub fn add_data_ref(
-        &mut self,
-        bytenr: u64,
-        num_bytes: u64,
-        is_new: bool,
-        r: RefKey,
-        delta: i64,
-    ) {
-        let e = self.entry(bytenr, num_bytes, None);
-        e.is_new |= is_new;
-        *e.deltas.entry(r).or_insert(0) += delta;
-    }
-
-    pub fn set_flags(&mut self, bytenr: u64, num_bytes: u64, level: u8, flags: u64) {
-        let e = self.entry(bytenr, num_bytes, Some((level, Key::MIN)));
-        e.flags_set |= flags;
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.map.is_empty()
-    }
-
-    /// Net queued change of an extent's reference count, and flags queued to be set.
-    pub fn pending(&self, bytenr: u64) -> (i64, u64) {
-        match self.map.get(&bytenr) {
-            Some(e) => (e.deltas.values().sum(), e.flags_set),
-            None => (0, 0),
-        }
-    }
-}
-
-/// An extent item with all its references (inline and keyed), as read from the extent tree.
-#[derive(Debug, Clone)]
-struct ExtentRecord {
-    key: Key,
-    generation: u64,
-    flags: u64,
-    tree_block_info: Option<(Key, u8)>,
-    refs: BTreeMap<RefKey, u64>,
-    /// Keyed reference items present now (their keys).
-    keyed: Vec<Key>,
-}
-
-impl Writer {
-    fn extent_root(&mut self) -> Result<Root> {
-        self.current_root(EXTENT_TREE_OBJECTID)
-    }
-
-    /// Finds an extent item (skinny or not) at `bytenr`.
-    fn find_extent_item(&mut self, bytenr: u64) -> Result<Option<(Key, Vec<u8>)>> {
-        let root = self.extent_root()?;
-        let mut it = TreeIter::new(
-            self.disk.clone(),
-            root,
-            Key::new(bytenr, EXTENT_ITEM_KEY, 0),
-            Readahead::None,
-        )?;
-        while let Some(item) = it.next_item()? {
-            if item.key.objectid != bytenr {
-                break;
-            }
-            if item.key.ty == EXTENT_ITEM_KEY || item.key.ty == METADATA_ITEM_KEY {
-                return Ok(Some((item.key, item.data().to_vec())));
-            }
-            if item.key.ty > METADATA_ITEM_KEY {
-                break;
-            }
-        }
-        Ok(None)
-    }
-
-    fn read_extent_record(&mut self, bytenr: u64) -> Result<Option<ExtentRecord>> {
-        let Some((key, body)) = self.find_extent_item(bytenr)? else {
-            return Ok(None);
-        };
-        let loc = || {
-            Location::what("extent item")
-                .with_tree(EXTENT_TREE_OBJECTID)
-                .with_key(key)
-        };
-        let ei = ExtentItem::parse(&body, key.ty).map_err(|e| match e {
-            Error::Corrupt { reason, .. } => Error::corrupt(loc(), reason),
-            e => e,
-        })?;
-        let mut refs = BTreeMap::new();
-        for r in &ei.inline_refs {
-            if let Some((k, c)) = RefKey::from_backref(r) {
-                *refs.entry(k).or_insert(0) += c;
-            }
-        }
-        let mut keyed = Vec::new();
-        let root = self.extent_root()?;
-        let mut it = TreeIter::new(
-            self.disk.clone(),
-            root,
-            Key::new(bytenr, TREE_BLOCK_REF_KEY, 0),
-            Readahead::None,
-        )?;
-        while let Some(item) = it.next_item()? {
-            if item.key.objectid != bytenr || item.key.ty > SHARED_DATA_REF_KEY {
-                break;
-            }
-            let r = match item.key.ty {
-                TREE_BLOCK_REF_KEY => Some((RefKey::TreeBlock(item.key.offset), 1)),
-                SHARED_BLOCK_REF_KEY => Some((RefKey::SharedBlock(item.key.offset), 1)),
-                EXTENT_DATA_REF_KEY => {
-                    let b = parse_extent_data_ref(item.data()).map_err(|e| item.annotate(e))?;
-                    RefKey::from_backref(&b)
-                }
-                SHARED_DATA_REF_KEY => {
-                    let d = item.data();
-                    if d.len() < 4 {
-                        return Err(Error::corrupt(
-                            item.loc(),
-                            "shared data ref shorter than 4 bytes",
-                        ));
-                    }
-                    Some((RefKey::SharedData(item.key.offset), le_u32(d, 0) as u64))
-                }
-                _ => None,
-            };
-            if let Some((k, c)) = r {
-                *refs.entry(k).or_insert(0) += c;
-                keyed.push(item.key);
-            }
-        }
-        let total: u64 = refs.values().sum();
-        if total != ei.refs {
-            return Err(Error::corrupt(
-                loc(),
-                format!(
-                    "extent item says {} references but {} were found",
-                    ei.refs, total
-                ),
-            ));
-        }
-        Ok(Some(ExtentRecord {
-            key,
-            generation: ei.generation,
-            flags: ei.flags,
-            tree_block_info: ei.tree_block_info,
-            refs,
-            keyed,
-        }))
-    }
-
-    /// Whether the data extent at `bytenr` belongs to `owner` (one file's reference) alone,
-    /// the kernel's test before a nodatacow write in place (btrfs_cross_ref_exist): every
-    /// reference, on disk and queued, is `owner`'s, none is a keyed item, and the extent was
-    /// made after the subvolume's last snapshot (`last_snapshot`; an older extent may be
-    /// shared through the snapshot's tree blocks).
-    pub(crate) fn data_extent_exclusive(
-        &mut self,
-        bytenr: u64,
-        owner: RefKey,
-        last_snapshot: u64,
-    ) -> Result<bool> {
-        let queued = match self.refs.map.get(&bytenr) {
-            Some(p) => {
-                if p.deltas.iter().any(|(k, d)| *d != 0 && *k != owner) {
-                    return Ok(false);
-                }
-                true
-            }
-            None => false,
-        };
-        let Some(rec) = self.read_extent_record(bytenr)? else {
-            // Made in this transaction: only the queued references exist.
-            return Ok(queued);
-        };
-        if rec.generation <= last_snapshot || !rec.keyed.is_empty() {
-            return Ok(false);
-        }
-        Ok(rec.refs.len() == 1 && rec.refs.contains_key(&owner))
-    }
-
-    /// Reference count and flags of a tree block, counting what is queued.
-    pub(crate) fn extent_refs_and_flags(&mut self, bytenr: u64, _level: u8) -> Result<(u64, u64)> {
-        let (delta, flags_set) = self.refs.pending(bytenr);
-        let (refs, flags) = match self.read_extent_record(bytenr)? {
-            Some(r) => (r.refs.values().sum::<u64>(), r.flags),
-            None if delta > 0 => (0, 0),
-            None => {
-                return Err(Error::corrupt(
-                    Location::what(format!("tree block {bytenr}")).with_tree(EXTENT_TREE_OBJECTID),
-                    "shared tree block has no extent item",
-                ))
-            }
-        };
-        let n = refs as i64 + delta;
-        if n < 0 {
-            return Err(Error::corrupt(
-                Location::what(format!("tree block {bytenr}")).with_tree(EXTENT_TREE_OBJECTID),
-                "reference count would drop below zero",
-            ));
-        }
-        Ok((n as u64, flags | flags_set))
-    }
-
+impl CowCtx {
     /// Applies every queued reference change; repeats while applying queues more. Returns
     /// whether anything was applied.
     pub(crate) fn run_delayed_refs(&mut self) -> Result<bool> {
@@ -345,13 +48,10 @@ impl Writer {
         pe.deltas.retain(|_, d| *d != 0);
         let skinny = self.disk.sb.has_incompat(INCOMPAT_SKINNY_METADATA);
         let loc = || Location::what(format!("extent {bytenr}")).with_tree(EXTENT_TREE_OBJECTID);
-        let existing = if pe.is_new {
-            // A new extent may still meet an item when its address was reused after a free in
-            // an earlier pass of this commit; read to be sure.
-            self.read_extent_record(bytenr)?
-        } else {
-            self.read_extent_record(bytenr)?
-        };
+        // A new extent may still meet an item when its address was reused after a free in an
+        // earlier pass of this commit; read to be sure.
+        let extent_root = self.current_root(EXTENT_TREE_OBJECTID)?;
+        let existing = read_extent_record(&self.disk, extent_root, bytenr)?;
         if pe.deltas.is_empty() && pe.flags_set == 0 {
             if pe.is_new && existing.is_none() {
                 // Allocated and freed in this transaction: nothing on disk, space pinned, and

@@ -18,16 +18,19 @@
 //! the image keeps its last committed state, which nothing in the transaction overwrote
 //! (allocation never hands out space the committed trees use, nor space freed since).
 
-use crate::ctree::{Root, TreeIter};
+use crate::cow_ctx::{is_fs_tree, CowCtx};
+use crate::ctree::TreeIter;
+use crate::delayed_refs::DelayedRefs;
 use crate::error::{Error, Location, Result};
-use crate::extent_tree::DelayedRefs;
 use crate::format::items::*;
 use crate::format::superblock::DevItem;
 use crate::format::*;
 use crate::io::disk_io::{Disk, Readahead};
 use crate::space::alloc::{self, Allocator, BlockGroup, RangeSet, SpaceKind};
 use std::collections::{BTreeMap, HashMap};
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
+
+pub use crate::cow_ctx::{LiveRoots, TreeState};
 
 /// Transaction states, as the kernel names them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -39,25 +42,6 @@ pub enum TransState {
     Completed,
 }
 
-/// What the write engine knows about one tree.
-#[derive(Debug, Clone)]
-pub struct TreeState {
-    pub id: u64,
-    pub bytenr: u64,
-    pub level: u8,
-    pub generation: u64,
-    /// Subvolume trees: blocks can be shared with snapshots.
-    pub shareable: bool,
-    pub last_snapshot: u64,
-    /// Key of its ROOT_ITEM in the root tree (None for the root and chunk trees).
-    pub item_key: Option<Key>,
-    /// Root moved or contents changed in the running transaction.
-    pub dirty: bool,
-}
-
-/// Roots as the running transaction sees them, shared with readers.
-pub type LiveRoots = Arc<RwLock<HashMap<u64, Root>>>;
-
 /// Counters for tests and benchmarks.
 #[derive(Debug, Default, Clone)]
 pub struct WriteStats {
@@ -65,28 +49,22 @@ pub struct WriteStats {
     pub blocks_written: u64,
 }
 
+/// The running transaction and the commit. What copy-on-write edits need (disk, transid,
+/// tree states, delayed references, allocator, live roots) is its [`CowCtx`], which it lends
+/// to the B-tree code (crate::cow) and the reference runner (crate::extent_tree); `Writer`
+/// dereferences to it, so `w.insert_item(..)` and `w.transid` read as before.
 pub struct Writer {
-    pub disk: Arc<Disk>,
-    /// Id of the running transaction (last committed generation + 1).
-    pub transid: u64,
+    ctx: CowCtx,
     pub state: TransState,
-    pub(crate) trees: BTreeMap<u64, TreeState>,
-    pub(crate) refs: DelayedRefs,
-    pub allocator: Allocator,
-    pub(crate) chunk_tree_uuid: [u8; 16],
     /// The superblock as last written (raw), patched at each commit.
     pub(crate) sb_raw: Vec<u8>,
-    pub(crate) sb_bytes_used: u64,
     dev_item: DevItem,
     sys_chunk_array: Vec<u8>,
     sys_array_dirty: bool,
-    pub live: LiveRoots,
-    /// B-tree descents made (search_mut calls and their restarts).
-    pub descents: u64,
-    /// Of those, the descents of file extent replacement (seed 002's benchmark).
+    /// Of the descents (`CowCtx::descents`), those of file extent replacement (seed 002's
+    /// benchmark).
     pub replace_descents: u64,
     pub stats: WriteStats,
-    aborted: Option<String>,
     /// Next free inode number per subvolume.
     pub(crate) next_ino: HashMap<u64, u64>,
     /// Next DIR_INDEX sequence per (subvolume, directory).
@@ -103,10 +81,17 @@ pub struct Writer {
     qgroups_marked: bool,
 }
 
-fn is_fs_tree(id: u64) -> bool {
-    id == FS_TREE_OBJECTID
-        || id == DATA_RELOC_TREE_OBJECTID
-        || (FIRST_FREE_OBJECTID..=LAST_FREE_OBJECTID).contains(&id)
+impl std::ops::Deref for Writer {
+    type Target = CowCtx;
+    fn deref(&self) -> &CowCtx {
+        &self.ctx
+    }
+}
+
+impl std::ops::DerefMut for Writer {
+    fn deref_mut(&mut self) -> &mut CowCtx {
+        &mut self.ctx
+    }
 }
 
 impl Writer {
@@ -145,29 +130,31 @@ impl Writer {
             },
         )?;
         let mut w = Writer {
-            transid: sb.generation + 1,
+            ctx: CowCtx {
+                transid: sb.generation + 1,
+                trees: BTreeMap::new(),
+                refs: DelayedRefs::default(),
+                allocator: Allocator::new(),
+                chunk_tree_uuid: root_block.header.chunk_tree_uuid,
+                sb_bytes_used: sb.bytes_used,
+                live,
+                descents: 0,
+                aborted: None,
+                disk,
+            },
             state: TransState::Running,
-            trees: BTreeMap::new(),
-            refs: DelayedRefs::default(),
-            allocator: Allocator::new(),
-            chunk_tree_uuid: root_block.header.chunk_tree_uuid,
             sb_raw: raw,
-            sb_bytes_used: sb.bytes_used,
             dev_item: sb.dev_item.clone(),
             sys_chunk_array: sb.sys_chunk_array.clone(),
             sys_array_dirty: false,
-            live,
-            descents: 0,
             replace_descents: 0,
             stats: WriteStats::default(),
-            aborted: None,
             next_ino: HashMap::new(),
             next_index: HashMap::new(),
             combined_replace: true,
             log: Default::default(),
             ordered_pending: 0,
             qgroups_marked: false,
-            disk,
         };
         w.trees.insert(
             ROOT_TREE_OBJECTID,
@@ -197,86 +184,6 @@ impl Writer {
         );
         w.load_block_groups()?;
         Ok(w)
-    }
-
-    pub fn check_writable(&self) -> Result<()> {
-        match &self.aborted {
-            Some(r) => Err(Error::Aborted(r.clone())),
-            None => Ok(()),
-        }
-    }
-
-    /// The state of a tree, loading its root item on first use.
-    pub(crate) fn tree_state(&mut self, id: u64) -> Result<&TreeState> {
-        if !self.trees.contains_key(&id) {
-            let root = self.current_root(ROOT_TREE_OBJECTID)?;
-            let it =
-                crate::ctree::lookup_le(&self.disk, &root, &Key::new(id, ROOT_ITEM_KEY, u64::MAX))?;
-            let it = match it {
-                Some(it) if it.key.objectid == id && it.key.ty == ROOT_ITEM_KEY => it,
-                _ => {
-                    return Err(Error::NotFound(format!(
-                        "root item of tree {}",
-                        tree_name(id)
-                    )))
-                }
-            };
-            let ri = RootItem::parse(it.data()).map_err(|e| it.annotate(e))?;
-            self.trees.insert(
-                id,
-                TreeState {
-                    id,
-                    bytenr: ri.bytenr,
-                    level: ri.level,
-                    generation: ri.generation,
-                    shareable: is_fs_tree(id),
-                    last_snapshot: ri.last_snapshot,
-                    item_key: Some(it.key),
-                    dirty: false,
-                },
-            );
-        }
-        Ok(&self.trees[&id])
-    }
-
-    /// Root of a tree as the running transaction sees it.
-    pub fn current_root(&mut self, id: u64) -> Result<Root> {
-        let t = self.tree_state(id)?;
-        Ok(Root {
-            id,
-            bytenr: t.bytenr,
-            level: t.level,
-            generation: t.generation,
-        })
-    }
-
-    /// Points a tree at a new root block (after COW, growth or shrink).
-    pub(crate) fn set_root(&mut self, id: u64, bytenr: u64, level: u8) -> Result<()> {
-        let transid = self.transid;
-        self.tree_state(id)?;
-        let t = self
-            .trees
-            .get_mut(&id)
-            .ok_or_else(|| Error::Internal(format!("tree {id} vanished")))?;
-        t.bytenr = bytenr;
-        t.level = level;
-        t.generation = transid;
-        t.dirty = true;
-        self.publish_root(id, bytenr, level);
-        Ok(())
-    }
-
-    /// Lets readers see the tree's root as the running transaction has it.
-    fn publish_root(&self, id: u64, bytenr: u64, level: u8) {
-        self.live.write().unwrap_or_else(|e| e.into_inner()).insert(
-            id,
-            Root {
-                id,
-                bytenr,
-                level,
-                generation: self.transid,
-            },
-        );
     }
 
     /// Registers a tree created in the running transaction; the caller inserts its ROOT_ITEM
@@ -400,27 +307,6 @@ impl Writer {
             BLOCK_GROUP_TREE_OBJECTID
         } else {
             EXTENT_TREE_OBJECTID
-        }
-    }
-
-    /// Allocates a tree block for `tree`.
-    pub(crate) fn alloc_tree_block(&mut self, tree: u64) -> Result<u64> {
-        self.check_writable()?;
-        let ns = self.disk.nodesize() as u64;
-        let kind = if tree == CHUNK_TREE_OBJECTID {
-            SpaceKind::System
-        } else {
-            SpaceKind::Metadata
-        };
-        match self.allocator.alloc(kind, ns, ns) {
-            Some(b) => Ok(b),
-            None => Err(Error::NoSpace(format!(
-                "no free {kind:?} space for a tree block of {} ({} bytes free, {} pinned until \
-                 the commit ends)",
-                tree_name(tree),
-                self.allocator.free_bytes(kind),
-                self.allocator.pinned_bytes(kind)
-            ))),
         }
     }
 
@@ -763,7 +649,7 @@ impl Writer {
         // The superblock no longer names a log: its blocks go back once no log write is in
         // flight.
         let ns = self.disk.nodesize() as u64;
-        self.log.committed(&mut self.allocator, ns);
+        self.log.committed(&mut self.ctx.allocator, ns);
         // The transaction is on disk.
         self.allocator.unpin_all();
         self.allocator.for_each(|g| {
@@ -1017,7 +903,7 @@ impl Writer {
         put(b, 72, transid);
         put(b, 80, root.bytenr);
         put(b, 88, chunk.bytenr);
-        put(b, 120, self.sb_bytes_used);
+        put(b, 120, self.ctx.sb_bytes_used);
         // Any fsync log was replayed before this commit (tree_log).
         put(b, 96, 0);
         put(b, 104, 0);
@@ -1059,7 +945,7 @@ impl Writer {
         w(&mut br, 80, roots[&CSUM_TREE_OBJECTID].bytenr);
         w(&mut br, 88, roots[&CSUM_TREE_OBJECTID].generation);
         w(&mut br, 96, le_u64(b, 112));
-        w(&mut br, 104, self.sb_bytes_used);
+        w(&mut br, 104, self.ctx.sb_bytes_used);
         w(&mut br, 112, le_u64(b, 136));
         br[152] = root.level;
         br[153] = chunk.level;
