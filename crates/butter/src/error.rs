@@ -4,7 +4,7 @@
 //! key) so that a damaged image gives a message a person can act on. Errors become errno only at
 //! the FUSE edge ([`Error::errno`]) and text only in the CLI.
 
-use crate::format::Key;
+use crate::ids::Key;
 use std::fmt;
 
 /// Where a problem was found. Every field is optional; display prints what is known.
@@ -59,7 +59,7 @@ impl fmt::Display for Location {
             parts.push(w.clone());
         }
         if let Some(t) = self.tree {
-            parts.push(format!("tree {}", crate::format::tree_name(t)));
+            parts.push(format!("tree {}", crate::ids::tree_name(t)));
         }
         if let Some(b) = self.bytenr {
             parts.push(format!("block {b}"));

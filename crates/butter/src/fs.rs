@@ -306,9 +306,9 @@ impl Fs {
             self.log_inode(ino)?
         };
         match ticket {
-            crate::log_state::LogTicket::Logged(seq) => self.sync_log(seq),
-            crate::log_state::LogTicket::Durable => Ok(()),
-            crate::log_state::LogTicket::Commit => self.gated_commit(),
+            crate::transaction::log_state::LogTicket::Logged(seq) => self.sync_log(seq),
+            crate::transaction::log_state::LogTicket::Durable => Ok(()),
+            crate::transaction::log_state::LogTicket::Commit => self.gated_commit(),
         }
     }
 
@@ -352,7 +352,7 @@ impl Default for RwOptions {
 /// What a filesystem did while it was open, as [`Fs::close`] reports it.
 #[derive(Debug, Clone)]
 pub struct CloseReport {
-    pub log: crate::log_state::LogStats,
+    pub log: crate::transaction::log_state::LogStats,
     pub ordered: crate::inode::ordered::OrderedStats,
     /// Times a write's data went to the device out of the gate (crate::gate).
     pub data_io_out_of_gate: u64,

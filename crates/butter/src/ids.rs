@@ -1,8 +1,95 @@
-//! Identities every layer names: an inode is a subvolume tree and a number in it.
+//! Identities every layer names: an inode is a subvolume tree and a number in it; a key is
+//! (objectid, type, offset), ordered in that order (its byte form and names are in
+//! crate::format); trees are known by their root objectids.
 
 /// An inode: the subvolume tree it lives in and its number there.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Inode {
     pub root: u64,
     pub ino: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub struct Key {
+    pub objectid: u64,
+    pub ty: u8,
+    pub offset: u64,
+}
+
+impl Key {
+    pub const MIN: Key = Key {
+        objectid: 0,
+        ty: 0,
+        offset: 0,
+    };
+    pub const MAX: Key = Key {
+        objectid: u64::MAX,
+        ty: u8::MAX,
+        offset: u64::MAX,
+    };
+
+    pub const fn new(objectid: u64, ty: u8, offset: u64) -> Key {
+        Key {
+            objectid,
+            ty,
+            offset,
+        }
+    }
+
+    /// The smallest key strictly greater than this one.
+    pub fn successor(&self) -> Option<Key> {
+        if self.offset < u64::MAX {
+            Some(Key {
+                offset: self.offset + 1,
+                ..*self
+            })
+        } else if self.ty < u8::MAX {
+            Some(Key {
+                ty: self.ty + 1,
+                offset: 0,
+                ..*self
+            })
+        } else if self.objectid < u64::MAX {
+            Some(Key {
+                objectid: self.objectid + 1,
+                ty: 0,
+                offset: 0,
+            })
+        } else {
+            None
+        }
+    }
+}
+
+// Root objectids of the trees (re-exported by crate::format).
+pub const ROOT_TREE_OBJECTID: u64 = 1;
+pub const EXTENT_TREE_OBJECTID: u64 = 2;
+pub const CHUNK_TREE_OBJECTID: u64 = 3;
+pub const DEV_TREE_OBJECTID: u64 = 4;
+pub const FS_TREE_OBJECTID: u64 = 5;
+pub const CSUM_TREE_OBJECTID: u64 = 7;
+pub const QUOTA_TREE_OBJECTID: u64 = 8;
+pub const UUID_TREE_OBJECTID: u64 = 9;
+pub const FREE_SPACE_TREE_OBJECTID: u64 = 10;
+pub const BLOCK_GROUP_TREE_OBJECTID: u64 = 11;
+pub const TREE_LOG_OBJECTID: u64 = -6i64 as u64;
+pub const DATA_RELOC_TREE_OBJECTID: u64 = -9i64 as u64;
+
+/// Human name of a tree by its root objectid.
+pub fn tree_name(id: u64) -> String {
+    match id {
+        ROOT_TREE_OBJECTID => "root".into(),
+        EXTENT_TREE_OBJECTID => "extent".into(),
+        CHUNK_TREE_OBJECTID => "chunk".into(),
+        DEV_TREE_OBJECTID => "dev".into(),
+        FS_TREE_OBJECTID => "fs".into(),
+        CSUM_TREE_OBJECTID => "csum".into(),
+        QUOTA_TREE_OBJECTID => "quota".into(),
+        UUID_TREE_OBJECTID => "uuid".into(),
+        FREE_SPACE_TREE_OBJECTID => "free-space".into(),
+        BLOCK_GROUP_TREE_OBJECTID => "block-group".into(),
+        DATA_RELOC_TREE_OBJECTID => "data-reloc".into(),
+        TREE_LOG_OBJECTID => "log".into(),
+        id => format!("subvol {id}"),
+    }
 }

@@ -53,7 +53,7 @@
 //! but inside the device are zeroed, then every copy of every tree block, a flush, the
 //! superblock mirrors (the primary last) and a flush.
 
-use crate::ctree_ops::{LeafMut, NewHeader, NodeMut};
+use crate::ctree::ops::{LeafMut, NewHeader, NodeMut};
 use crate::error::{Error, Result};
 use crate::format::csum::CsumType;
 use crate::format::hash::name_hash;

@@ -1,4 +1,4 @@
-//! Model tests of the tree block mutation primitives (`butter::ctree_ops`).
+//! Model tests of the tree block mutation primitives (`butter::ctree::ops`).
 //!
 //! Random operation sequences run on a row of sibling blocks (the leaf level, or one node
 //! level, of a tree) and on a `BTreeMap` model side by side. After every operation each block
@@ -12,7 +12,7 @@
 //! A last test rebuilds every leaf and node of mkfs.btrfs images from their items alone and
 //! expects the very same bytes (skipped when mkfs.btrfs is missing, an error under CI).
 
-use butter::ctree_ops::*;
+use butter::ctree::ops::*;
 use butter::format::csum::CsumType;
 use butter::format::{Key, HEADER_SIZE, ITEM_SIZE};
 use butter::io::disk_io::{check_tree_block, Expect, TreeBlock};

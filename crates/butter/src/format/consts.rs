@@ -1,26 +1,20 @@
 //! Numeric constants of the btrfs on-disk format (objectids, item types, flags).
 //! Values are facts from the format documentation (btrfs_tree.h / On-disk-format.rst).
 
+pub use crate::ids::{
+    BLOCK_GROUP_TREE_OBJECTID, CHUNK_TREE_OBJECTID, CSUM_TREE_OBJECTID, DATA_RELOC_TREE_OBJECTID,
+    DEV_TREE_OBJECTID, EXTENT_TREE_OBJECTID, FREE_SPACE_TREE_OBJECTID, FS_TREE_OBJECTID,
+    QUOTA_TREE_OBJECTID, ROOT_TREE_OBJECTID, TREE_LOG_OBJECTID, UUID_TREE_OBJECTID,
+};
+
 // ---- tree and special objectids ----
-pub const ROOT_TREE_OBJECTID: u64 = 1;
-pub const EXTENT_TREE_OBJECTID: u64 = 2;
-pub const CHUNK_TREE_OBJECTID: u64 = 3;
-pub const DEV_TREE_OBJECTID: u64 = 4;
-pub const FS_TREE_OBJECTID: u64 = 5;
 pub const ROOT_TREE_DIR_OBJECTID: u64 = 6;
-pub const CSUM_TREE_OBJECTID: u64 = 7;
-pub const QUOTA_TREE_OBJECTID: u64 = 8;
-pub const UUID_TREE_OBJECTID: u64 = 9;
-pub const FREE_SPACE_TREE_OBJECTID: u64 = 10;
-pub const BLOCK_GROUP_TREE_OBJECTID: u64 = 11;
 pub const RAID_STRIPE_TREE_OBJECTID: u64 = 12;
 pub const DEV_STATS_OBJECTID: u64 = 0;
 pub const BALANCE_OBJECTID: u64 = -4i64 as u64;
 pub const ORPHAN_OBJECTID: u64 = -5i64 as u64;
-pub const TREE_LOG_OBJECTID: u64 = -6i64 as u64;
 pub const TREE_LOG_FIXUP_OBJECTID: u64 = -7i64 as u64;
 pub const TREE_RELOC_OBJECTID: u64 = -8i64 as u64;
-pub const DATA_RELOC_TREE_OBJECTID: u64 = -9i64 as u64;
 pub const EXTENT_CSUM_OBJECTID: u64 = -10i64 as u64;
 pub const FREE_SPACE_OBJECTID: u64 = -11i64 as u64;
 pub const FREE_INO_OBJECTID: u64 = -12i64 as u64;

@@ -3,33 +3,9 @@
 use super::consts::*;
 use std::fmt;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
-pub struct Key {
-    pub objectid: u64,
-    pub ty: u8,
-    pub offset: u64,
-}
+pub use crate::ids::Key;
 
 impl Key {
-    pub const MIN: Key = Key {
-        objectid: 0,
-        ty: 0,
-        offset: 0,
-    };
-    pub const MAX: Key = Key {
-        objectid: u64::MAX,
-        ty: u8::MAX,
-        offset: u64::MAX,
-    };
-
-    pub const fn new(objectid: u64, ty: u8, offset: u64) -> Key {
-        Key {
-            objectid,
-            ty,
-            offset,
-        }
-    }
-
     /// Decodes a disk key from exactly 17 bytes (caller checked the length).
     pub fn from_bytes(b: &[u8]) -> Key {
         Key {
@@ -45,30 +21,6 @@ impl Key {
         out[8] = self.ty;
         out[9..17].copy_from_slice(&self.offset.to_le_bytes());
         out
-    }
-
-    /// The smallest key strictly greater than this one.
-    pub fn successor(&self) -> Option<Key> {
-        if self.offset < u64::MAX {
-            Some(Key {
-                offset: self.offset + 1,
-                ..*self
-            })
-        } else if self.ty < u8::MAX {
-            Some(Key {
-                ty: self.ty + 1,
-                offset: 0,
-                ..*self
-            })
-        } else if self.objectid < u64::MAX {
-            Some(Key {
-                objectid: self.objectid + 1,
-                ty: 0,
-                offset: 0,
-            })
-        } else {
-            None
-        }
     }
 }
 

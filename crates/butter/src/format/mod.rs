@@ -16,6 +16,7 @@ pub mod key;
 pub mod print;
 pub mod superblock;
 
+pub use crate::ids::tree_name;
 pub use consts::*;
 pub use key::{key_type_name, objectid_name, Key};
 
@@ -59,23 +60,4 @@ pub fn fmt_uuid(u: &[u8; 16]) -> String {
         h[8..10].concat(),
         h[10..16].concat()
     )
-}
-
-/// Human name of a tree by its root objectid.
-pub fn tree_name(id: u64) -> String {
-    match id {
-        ROOT_TREE_OBJECTID => "root".into(),
-        EXTENT_TREE_OBJECTID => "extent".into(),
-        CHUNK_TREE_OBJECTID => "chunk".into(),
-        DEV_TREE_OBJECTID => "dev".into(),
-        FS_TREE_OBJECTID => "fs".into(),
-        CSUM_TREE_OBJECTID => "csum".into(),
-        QUOTA_TREE_OBJECTID => "quota".into(),
-        UUID_TREE_OBJECTID => "uuid".into(),
-        FREE_SPACE_TREE_OBJECTID => "free-space".into(),
-        BLOCK_GROUP_TREE_OBJECTID => "block-group".into(),
-        DATA_RELOC_TREE_OBJECTID => "data-reloc".into(),
-        TREE_LOG_OBJECTID => "log".into(),
-        id => format!("subvol {id}"),
-    }
 }

@@ -11,15 +11,15 @@
 //! new item goes, all of it happens in that leaf after one descent (seed 002's combined path);
 //! otherwise it falls back to one search per changed item. `Writer::descents` counts.
 
-use crate::cow::Intent;
-use crate::ctree_ops::LeafMut;
+use crate::ctree::cow::Intent;
+use crate::ctree::ops::LeafMut;
 use crate::error::{Error, Result};
-use crate::extent_tree::RefKey;
 use crate::format::items::*;
 use crate::format::*;
 use crate::ids::Inode;
 use crate::inode::core::Core;
 use crate::io::disk_io::Disk;
+use crate::transaction::extent_refs::RefKey;
 use crate::transaction::Writer;
 
 /// Writes a chunk of file data at a logical address and returns its checksums.
@@ -32,7 +32,7 @@ pub const MAX_EXTENT: u64 = 128 << 20;
 /// and below one sector.
 pub fn max_inline(disk: &Disk) -> usize {
     let ns = disk.nodesize() as usize;
-    let leaf_max = crate::ctree_ops::max_item_size(ns) - FileExtentItem::INLINE_HEADER;
+    let leaf_max = crate::ctree::ops::max_item_size(ns) - FileExtentItem::INLINE_HEADER;
     2048.min(leaf_max).min(disk.sectorsize() as usize - 1)
 }
 
@@ -1555,7 +1555,7 @@ impl Core {
 /// The fast path of extent replacement does not apply: leave the tree as a search would find
 /// it. The search for room may have split the leaf at its end, leaving a new empty leaf that
 /// the fast path would have filled; remove it (an empty leaf other than the root is invalid).
-fn give_up(w: &mut Writer, tree: u64, path: &crate::cow::WPath) -> Result<Option<u64>> {
+fn give_up(w: &mut Writer, tree: u64, path: &crate::ctree::cow::WPath) -> Result<Option<u64>> {
     if path.nodes.len() > 1 && w.dirty_block(path.leaf())?.nritems() == 0 {
         w.delete_at(tree, path, 0, 0)?;
     }
@@ -1565,7 +1565,7 @@ fn give_up(w: &mut Writer, tree: u64, path: &crate::cow::WPath) -> Result<Option
 /// A lower bound of the first key after the leaf of `path`: the key of the next pointer in the
 /// lowest node on the path that has one (node keys are their children's first keys, or lower).
 /// `None` when the leaf is the tree's last.
-fn next_key_on_path(w: &mut Writer, path: &crate::cow::WPath) -> Result<Option<Key>> {
+fn next_key_on_path(w: &mut Writer, path: &crate::ctree::cow::WPath) -> Result<Option<Key>> {
     for &(node, slot) in path.nodes.iter().skip(1) {
         let blk = w.dirty_block(node)?;
         if slot + 1 < blk.nritems() {

@@ -299,7 +299,7 @@ impl Core {
                 let p = w.resize_item(dir.root, &dkey, body.len())?;
                 let slot = p.slot();
                 w.modify(p.leaf(), |buf| {
-                    crate::ctree_ops::LeafMut::trusted(buf)?
+                    crate::ctree::ops::LeafMut::trusted(buf)?
                         .item_data_mut(slot)?
                         .copy_from_slice(&body);
                     Ok(())
@@ -332,7 +332,7 @@ impl Core {
             name: name.to_vec(),
         };
         let key = Key::new(ino.ino, INODE_REF_KEY, parent);
-        let max = crate::ctree_ops::max_item_size(self.disk.nodesize() as usize);
+        let max = crate::ctree::ops::max_item_size(self.disk.nodesize() as usize);
         match w.read_item(ino.root, &key)? {
             Some(existing) if existing.len() + r.encoded_len() <= max => {
                 let mut body = existing;
@@ -340,7 +340,7 @@ impl Core {
                 let p = w.resize_item(ino.root, &key, body.len())?;
                 let slot = p.slot();
                 w.modify(p.leaf(), |buf| {
-                    crate::ctree_ops::LeafMut::trusted(buf)?
+                    crate::ctree::ops::LeafMut::trusted(buf)?
                         .item_data_mut(slot)?
                         .copy_from_slice(&body);
                     Ok(())
@@ -953,7 +953,7 @@ impl Core {
         if name.is_empty() || name.len() > NAME_MAX {
             return Err(Error::Range(format!("xattr name of {} bytes", name.len())));
         }
-        let max = crate::ctree_ops::max_item_size(self.disk.nodesize() as usize);
+        let max = crate::ctree::ops::max_item_size(self.disk.nodesize() as usize);
         if DirItem::HEADER + name.len() + value.len() > max {
             return Err(Error::NoSpace(format!(
                 "xattr value of {} bytes is too large for one item",

@@ -21,7 +21,7 @@
 //! (id, ROOT_ITEM, u64::MAX). The source is committed first, so every block of it predates the
 //! snapshot's transaction and is copied before the source changes it again.
 
-use crate::ctree_ops;
+use crate::ctree::ops as ctree_ops;
 use crate::error::{Error, Location, Result};
 use crate::format::items::*;
 use crate::format::*;
@@ -357,7 +357,7 @@ impl Core {
                 copy.level(),
                 first,
                 true,
-                crate::cow::tree_ref(id),
+                crate::ctree::cow::tree_ref(id),
                 1,
             );
             w.change_child_refs(id, &copy, false, 1)?;

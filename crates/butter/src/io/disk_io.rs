@@ -126,7 +126,7 @@ impl TreeBlock {
 /// with no gap or overlap (item 0 ends at the block end, each next item ends where the previous
 /// one starts) and clear of the item array, and keys strictly increase. Returns the first key.
 /// `data` is the whole block; `loc(slot)` names the block for errors. Shared by the reader's
-/// tree checker and the write-side primitives ([`crate::ctree_ops`]).
+/// tree checker and the write-side primitives ([`crate::ctree::ops`]).
 pub fn check_leaf_items(
     data: &[u8],
     n: usize,

@@ -24,12 +24,12 @@
 
 use crate::ctree::TreeIter;
 use crate::error::{Error, Location, Result};
-use crate::extent_tree::RefKey;
 use crate::format::items::*;
 use crate::format::*;
 use crate::ids::Inode;
 use crate::inode::core::Core;
 use crate::io::disk_io::{Disk, Expect, Readahead};
+use crate::transaction::extent_refs::RefKey;
 use crate::transaction::Writer;
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 
@@ -792,7 +792,7 @@ impl Replayer<'_> {
         w.insert_item(self.root, ik, &di.to_bytes())?;
         // The target's back reference.
         let rk = Key::new(target, INODE_REF_KEY, dir);
-        let max = crate::ctree_ops::max_item_size(self.fs.disk.nodesize() as usize);
+        let max = crate::ctree::ops::max_item_size(self.fs.disk.nodesize() as usize);
         let r = InodeRef {
             index,
             name: name.to_vec(),

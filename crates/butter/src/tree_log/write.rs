@@ -1,7 +1,7 @@
 //! Writing the fsync log (seed 003): fsync and fdatasync without a transaction commit.
 //!
 //! An fsync copies what the inode needs to survive a power cut into its subvolume's log tree,
-//! kept in memory for the running transaction ([`crate::log_state::LogState`]):
+//! kept in memory for the running transaction ([`crate::transaction::log_state::LogState`]):
 //!
 //! - its INODE_ITEM, INODE_REFs and XATTR_ITEMs, as they are now (replay makes the inode's
 //!   names in the logged directories and its xattrs exactly these);
@@ -61,8 +61,8 @@
 //! items the completion inserts.
 
 use crate::ctree;
+use crate::ctree::ops::NewHeader;
 use crate::ctree::TreeIter;
-use crate::ctree_ops::NewHeader;
 use crate::error::{Error, Result};
 use crate::extent_io::ExtentBits;
 use crate::format::csum::CsumType;
@@ -71,9 +71,9 @@ use crate::format::*;
 use crate::ids::Inode;
 use crate::inode::core::Core;
 use crate::io::disk_io::Readahead;
-use crate::log_state::LogTree;
-pub use crate::log_state::{LogStats, LogTicket};
 use crate::space::alloc::SpaceKind;
+use crate::transaction::log_state::LogTree;
+pub use crate::transaction::log_state::{LogStats, LogTicket};
 use crate::transaction::Writer;
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::sync::atomic::Ordering;

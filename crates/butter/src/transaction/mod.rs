@@ -18,19 +18,22 @@
 //! the image keeps its last committed state, which nothing in the transaction overwrote
 //! (allocation never hands out space the committed trees use, nor space freed since).
 
-use crate::cow_ctx::{is_fs_tree, CowCtx};
+pub mod extent_refs;
+pub mod log_state;
+
+use crate::ctree::cow_ctx::{is_fs_tree, CowCtx};
 use crate::ctree::TreeIter;
-use crate::delayed_refs::DelayedRefs;
 use crate::error::{Error, Location, Result};
 use crate::format::items::*;
 use crate::format::superblock::DevItem;
 use crate::format::*;
 use crate::io::disk_io::{Disk, Readahead};
 use crate::space::alloc::{self, Allocator, BlockGroup, RangeSet, SpaceKind};
+use crate::space::delayed_refs::DelayedRefs;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
-pub use crate::cow_ctx::{LiveRoots, TreeState};
+pub use crate::ctree::cow_ctx::{LiveRoots, TreeState};
 
 /// Transaction states, as the kernel names them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -51,7 +54,7 @@ pub struct WriteStats {
 
 /// The running transaction and the commit. What copy-on-write edits need (disk, transid,
 /// tree states, delayed references, allocator, live roots) is its [`CowCtx`], which it lends
-/// to the B-tree code (crate::cow) and the reference runner (crate::extent_tree); `Writer`
+/// to the B-tree code (crate::ctree::cow) and the reference runner (crate::transaction::extent_refs); `Writer`
 /// dereferences to it, so `w.insert_item(..)` and `w.transid` read as before.
 pub struct Writer {
     ctx: CowCtx,
@@ -72,7 +75,7 @@ pub struct Writer {
     /// Seed 002: replace file extents in the leaf of one descent when possible.
     pub combined_replace: bool,
     /// The fsync log of the running transaction (crate::tree_log::write).
-    pub(crate) log: crate::log_state::LogState,
+    pub(crate) log: crate::transaction::log_state::LogState,
     /// Ordered extents written but not yet in the trees (crate::inode::ordered). A commit must not
     /// run while there are any: their data would be in no tree and, if an fsync logged them,
     /// the commit would drop the log that has them.
@@ -850,9 +853,9 @@ impl Writer {
         let ct = self.disk.sb.csum_type;
         for bytenr in self.disk.overlay_addresses() {
             let data = self.modify(bytenr, |buf| {
-                let flags = crate::ctree_ops::read_header(buf)?.flags | HEADER_FLAG_WRITTEN;
-                crate::ctree_ops::set_flags(buf, flags)?;
-                crate::ctree_ops::finalize(buf, ct)?;
+                let flags = crate::ctree::ops::read_header(buf)?.flags | HEADER_FLAG_WRITTEN;
+                crate::ctree::ops::set_flags(buf, flags)?;
+                crate::ctree::ops::finalize(buf, ct)?;
                 Ok(buf.to_vec())
             })?;
             self.disk.write_logical(bytenr, &data)?;

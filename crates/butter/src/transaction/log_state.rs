@@ -3,7 +3,7 @@
 //! inode was last logged, and the log's sequence numbers and blocks. crate::tree_log::write decides
 //! what to log and writes it; the transaction owns this state and clears it at commit.
 
-use crate::ctree_ops::{LeafMut, NewHeader, NodeMut};
+use crate::ctree::ops::{LeafMut, NewHeader, NodeMut};
 use crate::error::{Error, Result};
 use crate::extent_io::{ExtentBits, ExtentIoTree};
 use crate::format::csum::CsumType;
@@ -128,7 +128,7 @@ impl LogTree {
                         leaf.item_data_mut(slot)?.copy_from_slice(v);
                     }
                 }
-                crate::ctree_ops::finalize(&mut buf, csum_type)?;
+                crate::ctree::ops::finalize(&mut buf, csum_type)?;
                 bounds.push(g[0].0);
                 written.push(Some(bytenr));
                 out.push((bytenr, buf));
@@ -162,7 +162,7 @@ impl LogTree {
                         node.insert_ptr(slot, *k, *ptr, h.generation)?;
                     }
                 }
-                crate::ctree_ops::finalize(&mut buf, csum_type)?;
+                crate::ctree::ops::finalize(&mut buf, csum_type)?;
                 self.nodes.push(bytenr);
                 next.push((chunk[0].0, bytenr));
                 out.push((bytenr, buf));

@@ -1,7 +1,7 @@
 //! Extent items and their back references, changed through delayed references.
 //!
 //! Tree changes do not touch the extent tree directly: they queue reference deltas per extent
-//! ([`DelayedRefs`](crate::delayed_refs::DelayedRefs)), and the commit applies them
+//! ([`DelayedRefs`](crate::space::delayed_refs::DelayedRefs)), and the commit applies them
 //! ([`CowCtx::run_delayed_refs`], on the context the transaction lends), which changes
 //! the extent tree and so queues more (for the extent tree's own COWed blocks) until nothing is
 //! left. An extent whose references drop to zero is deleted, its checksums too (data), and its
@@ -13,18 +13,18 @@
 //! then by the keyed offset, largest first (root, parent or data ref hash), as the kernel
 //! orders them and its tree checker demands.
 
-use crate::cow::Intent;
-use crate::cow_ctx::CowCtx;
+use crate::ctree::cow::Intent;
+use crate::ctree::cow_ctx::CowCtx;
+use crate::ctree::extent_record::{read_extent_record, ExtentRecord};
 use crate::ctree::TreeIter;
-use crate::delayed_refs::PendingExtent;
 use crate::error::{Error, Location, Result};
-use crate::extent_record::{read_extent_record, ExtentRecord};
 use crate::format::items::*;
 use crate::format::*;
 use crate::io::disk_io::Readahead;
+use crate::space::delayed_refs::PendingExtent;
 use std::collections::BTreeMap;
 
-pub use crate::delayed_refs::RefKey;
+pub use crate::space::delayed_refs::RefKey;
 
 impl CowCtx {
     /// Applies every queued reference change; repeats while applying queues more. Returns
@@ -254,7 +254,7 @@ impl CowCtx {
                     let slot = p.slot();
                     let new_key = Key::new(EXTENT_CSUM_OBJECTID, EXTENT_CSUM_KEY, end);
                     self.modify(p.leaf(), |buf| {
-                        let mut l = crate::ctree_ops::LeafMut::trusted(buf)?;
+                        let mut l = crate::ctree::ops::LeafMut::trusted(buf)?;
                         l.truncate_item(slot, data.len() - skip, false)?;
                         l.set_key(slot, new_key)
                     })?;
@@ -305,7 +305,7 @@ impl CowCtx {
                 let p = self.resize_item(CSUM_TREE_OBJECTID, &key, cur + take)?;
                 let slot = p.slot();
                 self.modify(p.leaf(), |buf| {
-                    let mut l = crate::ctree_ops::LeafMut::trusted(buf)?;
+                    let mut l = crate::ctree::ops::LeafMut::trusted(buf)?;
                     l.item_data_mut(slot)?[cur..].copy_from_slice(&sums[..take]);
                     Ok(())
                 })?;

@@ -10,11 +10,11 @@
 //! an underfull node, does so and descends again from the root. `CowCtx::descents` counts the
 //! descents so benchmarks can show what one operation cost.
 //!
-//! Everything here works on the [`CowCtx`] the transaction lends (crate::cow_ctx), never on the
+//! Everything here works on the [`CowCtx`] the transaction lends (crate::ctree::cow_ctx), never on the
 //! transaction itself.
 
-use crate::cow_ctx::CowCtx;
-use crate::ctree_ops::{self, Growth, LeafMut, LeafSplit, NewHeader, NodeMut};
+use crate::ctree::cow_ctx::CowCtx;
+use crate::ctree::ops::{self as ctree_ops, Growth, LeafMut, LeafSplit, NewHeader, NodeMut};
 use crate::error::{Error, Location, Result};
 use crate::format::items::*;
 use crate::format::*;
@@ -965,7 +965,7 @@ pub(crate) fn tree_ref(tree: u64) -> RefKey {
     RefKey::TreeBlock(tree)
 }
 
-pub use crate::delayed_refs::RefKey;
+pub use crate::space::delayed_refs::RefKey;
 
 #[allow(dead_code)]
 fn _loc(_: Location) {}

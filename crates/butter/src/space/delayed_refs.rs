@@ -1,8 +1,8 @@
 //! Delayed references: the queue of reference changes a transaction makes to extents, kept
-//! in memory until the commit applies them to the extent tree (crate::extent_tree).
+//! in memory until the commit applies them to the extent tree (crate::transaction::extent_refs).
 //!
 //! Data only: the queue knows extent addresses, sizes and per-reference deltas, nothing of
-//! trees or disks, so the copy-on-write code (crate::cow) can queue into it from below the
+//! trees or disks, so the copy-on-write code (crate::ctree::cow) can queue into it from below the
 //! code that runs it.
 
 use crate::format::items::*;

@@ -1,16 +1,16 @@
 //! Reading the extent tree: an extent item with all its back references, and what the
-//! running transaction's delayed references (crate::delayed_refs) add to it.
+//! running transaction's delayed references (crate::space::delayed_refs) add to it.
 //!
 //! Read-only, over a disk and the extent tree's root as the running transaction has it: the
-//! copy-on-write code (crate::cow) asks whether a tree block is shared before it copies it,
-//! and the reference runner (crate::extent_tree) reads the record it rewrites.
+//! copy-on-write code (crate::ctree::cow) asks whether a tree block is shared before it copies it,
+//! and the reference runner (crate::transaction::extent_refs) reads the record it rewrites.
 
 use crate::ctree::{Root, TreeIter};
-use crate::delayed_refs::{DelayedRefs, RefKey};
 use crate::error::{Error, Location, Result};
 use crate::format::items::*;
 use crate::format::*;
 use crate::io::disk_io::{Disk, Readahead};
+use crate::space::delayed_refs::{DelayedRefs, RefKey};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 

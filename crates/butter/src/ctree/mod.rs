@@ -9,6 +9,11 @@
 //! descent is at most 8 blocks deep and pointer cycles cannot recurse; iteration checks that keys
 //! keep increasing across leaves, so a subtree linked twice ends the walk with an error.
 
+pub mod cow;
+pub mod cow_ctx;
+pub mod extent_record;
+pub mod ops;
+
 use crate::error::{Error, Location, Result};
 use crate::format::*;
 use crate::io::device::BlockDevice;

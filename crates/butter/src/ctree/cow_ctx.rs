@@ -4,17 +4,17 @@
 //! It holds the disk (whose overlay keeps the blocks the transaction changed), the running
 //! transaction's id, the state of every tree it touched (root, level, snapshot generation),
 //! the delayed reference queue, the allocator, the roots readers see, the abort latch and the
-//! descent counter. The B-tree edits (crate::cow) and the reference runner
-//! (crate::extent_tree) are methods on it; the commit, chunk allocation and the fsync log
+//! descent counter. The B-tree edits (crate::ctree::cow) and the reference runner
+//! (crate::transaction::extent_refs) are methods on it; the commit, chunk allocation and the fsync log
 //! stay with the transaction above.
 
 use crate::ctree::Root;
-use crate::delayed_refs::{DelayedRefs, RefKey};
 use crate::error::{Error, Result};
 use crate::format::items::*;
 use crate::format::*;
 use crate::io::disk_io::Disk;
 use crate::space::alloc::{Allocator, SpaceKind};
+use crate::space::delayed_refs::{DelayedRefs, RefKey};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, RwLock};
 
@@ -166,11 +166,11 @@ impl CowCtx {
     /// Reference count and flags of a tree block, counting what is queued.
     pub(crate) fn extent_refs_and_flags(&mut self, bytenr: u64, _level: u8) -> Result<(u64, u64)> {
         let root = self.current_root(EXTENT_TREE_OBJECTID)?;
-        crate::extent_record::tree_block_refs_and_flags(&self.disk, root, &self.refs, bytenr)
+        crate::ctree::extent_record::tree_block_refs_and_flags(&self.disk, root, &self.refs, bytenr)
     }
 
     /// Whether the data extent at `bytenr` belongs to `owner` alone (see
-    /// [`crate::extent_record::data_extent_exclusive`]).
+    /// [`crate::ctree::extent_record::data_extent_exclusive`]).
     pub(crate) fn data_extent_exclusive(
         &mut self,
         bytenr: u64,
@@ -178,7 +178,7 @@ impl CowCtx {
         last_snapshot: u64,
     ) -> Result<bool> {
         let root = self.current_root(EXTENT_TREE_OBJECTID)?;
-        crate::extent_record::data_extent_exclusive(
+        crate::ctree::extent_record::data_extent_exclusive(
             &self.disk,
             root,
             &self.refs,
