@@ -1150,18 +1150,8 @@ impl Filesystem for ButterFuse {
         let Some(h) = h else {
             return reply.ok();
         };
-        // The last handle of an unlinked file: its data goes now. Most releases change
-        // nothing and must not wait for a commit in progress.
-        let r = match self.read_op("release", ino.0, || Ok(self.fs.note_closed(h.ino)?)) {
-            Ok(true) => match self.fs.change_gate_on(h.ino) {
-                Ok(_g) => self.guard("release", ino.0, || Ok(self.fs.delete_orphan(h.ino)?)),
-                // Changes stopped: the orphan item stays, for the next read-write open.
-                Err(_) => Ok(()),
-            },
-            Ok(false) => Ok(()),
-            Err(e) => Err(e),
-        };
-        match r {
+        // The engine deletes the last handle's unlinked file (Fs::release).
+        match self.guard("release", ino.0, || Ok(self.fs.release(h.ino)?)) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(e),
         }

@@ -241,6 +241,32 @@ impl Fs {
         }
     }
 
+    /// One handle on `ino` closed (a front end's release). The last handle of an unlinked
+    /// file deletes it now, under the gate; most releases change nothing and pass as readers.
+    /// Once changes stopped, the orphan item stays for the next read-write open.
+    pub fn release(&self, ino: Inode) -> Result<()> {
+        let last = {
+            let _r = self.read_gate_on(ino);
+            self.note_closed(ino)?
+        };
+        if !last {
+            return Ok(());
+        }
+        let Ok(_g) = self.change_gate_on(ino) else {
+            return Ok(());
+        };
+        let r = self.delete_orphan(ino);
+        if let Err(e) = &r {
+            if e.stops_changes() {
+                self.stop(format!(
+                    "deleting unlinked inode {} at its last close: {e}",
+                    ino.ino
+                ));
+            }
+        }
+        r
+    }
+
     /// Passes the gate as a reader without completing pending ordered extents: for reads
     /// they cannot change (xattrs), which must not write delayed appends back.
     pub fn read_gate_as_is(&self) -> crate::gate::GateRead<'_> {

@@ -257,6 +257,38 @@ fn reading_one_file_leaves_another_files_writes_pending() {
     clean(&dev);
 }
 
+/// `Fs::release`: closing one of two handles of an unlinked file keeps it; closing the last
+/// deletes it under the gate.
+#[test]
+fn the_last_release_of_an_unlinked_file_deletes_it() {
+    let dev = fresh(256 << 20);
+    let fs = Fs::open_device_rw(dev.clone()).unwrap();
+    let me = Owner { uid: 0, gid: 0 };
+    let f = {
+        let _g = fs.change_gate().unwrap();
+        let f = fs.create(fs.root_inode(), b"open", 0o644, me).unwrap();
+        fs.write(f, 0, &vec![5u8; 1 << 20]).unwrap();
+        fs.note_open(f);
+        fs.note_open(f);
+        fs.unlink(fs.root_inode(), b"open").unwrap();
+        f
+    };
+    fs.release(f).unwrap();
+    {
+        let _r = fs.read_gate_on(f);
+        assert_eq!(fs.inode_item(f).unwrap().nlink, 0);
+        assert_eq!(fs.read(f, 0, 8).unwrap(), vec![5u8; 8]);
+    }
+    fs.release(f).unwrap();
+    {
+        let _r = fs.read_gate();
+        assert!(fs.inode_item(f).is_err(), "the unlinked file outlived its last handle");
+    }
+    fs.close().unwrap();
+    drop(fs);
+    clean(&dev);
+}
+
 #[test]
 fn the_commit_scheduler_and_close_make_changes_durable() {
     let dev = fresh(256 << 20);
