@@ -9,7 +9,6 @@ use crate::error::{Error, Result};
 use crate::format::items::*;
 use crate::format::*;
 use crate::io::device::{BlockDevice, FileDevice};
-use crate::io::disk_io::Readahead;
 use std::collections::HashMap;
 use std::path::Path as FsPath;
 use std::sync::{Arc, Mutex};
@@ -162,7 +161,6 @@ impl Fs {
             open_files: Mutex::new(HashMap::new()),
             roots: Mutex::new(HashMap::new()),
             default_subvol: FS_TREE_OBJECTID,
-            walk_readahead: Readahead::ForwardAlways,
             log_sync: Mutex::new(()),
             fsync_log: std::sync::atomic::AtomicBool::new(true),
             ordered: Default::default(),

@@ -28,8 +28,6 @@ pub struct Core {
     pub(crate) roots: Mutex<HashMap<u64, (Root, RootItem)>>,
     /// The subvolume mounted by default (DEFAULT_SUBVOL dir item, else 5).
     pub(crate) default_subvol: u64,
-    /// Readahead mode used by whole-tree walks (restore, find).
-    pub(crate) walk_readahead: Readahead,
     /// Held by log commits and transaction commits (crate::tree_log::write): one writes a
     /// superblock at a time.
     pub(crate) log_sync: Mutex<()>,
@@ -219,20 +217,5 @@ impl Core {
         let w = self.writer.as_ref()?;
         let w = w.lock().unwrap_or_else(|e| e.into_inner());
         w.check_writable().err().map(|e| e.to_string())
-    }
-
-    /// The subvolume mounted by default (DEFAULT_SUBVOL dir item, else 5).
-    pub fn default_subvol(&self) -> u64 {
-        self.default_subvol
-    }
-
-    /// Readahead mode of whole-tree walks (restore, find).
-    pub fn walk_readahead(&self) -> Readahead {
-        self.walk_readahead
-    }
-
-    /// Sets the readahead mode of whole-tree walks.
-    pub fn set_walk_readahead(&mut self, ra: Readahead) {
-        self.walk_readahead = ra;
     }
 }
