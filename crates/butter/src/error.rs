@@ -38,15 +38,15 @@ impl Location {
             ..Default::default()
         }
     }
-    pub fn with_slot(mut self, slot: usize) -> Self {
+    pub(crate) fn with_slot(mut self, slot: usize) -> Self {
         self.slot = Some(slot);
         self
     }
-    pub fn with_key(mut self, key: Key) -> Self {
+    pub(crate) fn with_key(mut self, key: Key) -> Self {
         self.key = Some(key);
         self
     }
-    pub fn with_tree(mut self, tree: u64) -> Self {
+    pub(crate) fn with_tree(mut self, tree: u64) -> Self {
         self.tree = Some(tree);
         self
     }
@@ -168,7 +168,7 @@ impl Error {
             reason: reason.into(),
         }
     }
-    pub fn bad_csum(loc: Location, reason: impl Into<String>) -> Self {
+    pub(crate) fn bad_csum(loc: Location, reason: impl Into<String>) -> Self {
         Error::BadChecksum {
             loc: Box::new(loc),
             reason: reason.into(),
@@ -182,7 +182,7 @@ impl Error {
         }
     }
     /// Adds tree/block context to a corruption error raised by a lower layer.
-    pub fn in_block(self, tree: Option<u64>, bytenr: u64) -> Self {
+    pub(crate) fn in_block(self, tree: Option<u64>, bytenr: u64) -> Self {
         match self {
             Error::Corrupt { mut loc, reason } => {
                 if loc.tree.is_none() {
@@ -239,7 +239,7 @@ pub mod libc_consts {
     pub const ERANGE: i32 = 34;
     pub const ENODATA: i32 = 61;
     pub const EOPNOTSUPP: i32 = 95;
-    pub const EUCLEAN: i32 = 117;
+    pub(crate) const EUCLEAN: i32 = 117;
 }
 impl Error {
     /// Whether a change that failed with this error may have left half of itself in the

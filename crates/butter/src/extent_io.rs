@@ -75,20 +75,20 @@ impl ExtentBits {
     /// Data is being written back to disk.
     pub const WRITEBACK: Self = Self(1 << 4);
     /// The range was written since the inode was created (no old extents to look up).
-    pub const NEW: Self = Self(1 << 5);
+    pub(crate) const NEW: Self = Self(1 << 5);
     /// Marked for defragmentation.
-    pub const DEFRAG: Self = Self(1 << 6);
+    pub(crate) const DEFRAG: Self = Self(1 << 6);
     /// Data written without data checksums.
     pub const NODATASUM: Self = Self(1 << 7);
     /// An ordered extent covers the range (data written, not yet in the trees).
-    pub const ORDERED: Self = Self(1 << 8);
+    pub(crate) const ORDERED: Self = Self(1 << 8);
 
     /// No bits.
     pub const EMPTY: Self = Self(0);
     /// Every bit, named or not: `clear_bits(s, e, ExtentBits::ALL)` empties the range.
     pub const ALL: Self = Self(u32::MAX);
     /// Bits that keep a record from merging with an identical neighbour.
-    pub const NO_MERGE: Self = Self::LOCKED;
+    pub(crate) const NO_MERGE: Self = Self::LOCKED;
 
     const NAMES: [(Self, &'static str); 9] = [
         (Self::DIRTY, "DIRTY"),
@@ -123,11 +123,11 @@ impl ExtentBits {
         self.0 & other.0 != 0
     }
     /// `self | other`.
-    pub const fn union(self, other: Self) -> Self {
+    pub(crate) const fn union(self, other: Self) -> Self {
         Self(self.0 | other.0)
     }
     /// `self & other`.
-    pub const fn intersection(self, other: Self) -> Self {
+    pub(crate) const fn intersection(self, other: Self) -> Self {
         Self(self.0 & other.0)
     }
     /// `self & !other`.

@@ -128,7 +128,7 @@ impl Fs {
         Ok(fs)
     }
 
-    pub fn open_device_opts(dev: Arc<dyn BlockDevice>, opts: OpenOpts) -> Result<Fs> {
+    pub(crate) fn open_device_opts(dev: Arc<dyn BlockDevice>, opts: OpenOpts) -> Result<Fs> {
         let fs = Self::open_device_nolog(dev)?;
         if opts.log_replay && fs.disk.sb.log_root != 0 {
             crate::tree_log::replay::replay_in_memory(&fs)?;

@@ -37,7 +37,7 @@ const INODE_PASSAGES: usize = 64;
 
 /// The gate and the latch (one per filesystem; the policies that use them are
 /// `Fs::read_gate`, `Fs::change_gate`, `Core::stop`, `Fs::gated_fsync` and `Fs::gated_commit`).
-pub struct Gate {
+pub(crate) struct Gate {
     state: Mutex<State>,
     /// Signalled whenever a passage is let go of.
     freed: Condvar,
@@ -103,7 +103,7 @@ pub struct ExclusiveHeld<'a> {
 }
 
 /// A data write out of the gate ([`Gate::step_out`]); dropping it takes the gate back.
-pub struct SteppedOut<'a> {
+pub(crate) struct SteppedOut<'a> {
     gate: Option<&'a Gate>,
 }
 
@@ -153,7 +153,7 @@ impl Gate {
 
     /// The inode passage of `ino`, then the exclusive passage: for a change that may take
     /// `ino`'s range locks.
-    pub fn change_inode(&self, ino: Inode) -> GateChange<'_> {
+    pub(crate) fn change_inode(&self, ino: Inode) -> GateChange<'_> {
         let inode = self.inode(ino);
         let mut g = self.change();
         g.inode = Some(inode);
@@ -184,7 +184,7 @@ impl Gate {
     /// Steps the calling thread out of the gate for data I/O, if it holds the gate as a data
     /// write ([`GateChange::let_data_out`]); otherwise (no gate, a read, an ordinary change)
     /// does nothing. The gate is taken back (`changes`, then the gate) when the result drops.
-    pub fn step_out(&self) -> SteppedOut<'_> {
+    pub(crate) fn step_out(&self) -> SteppedOut<'_> {
         let me = std::thread::current().id();
         let mut s = self.state();
         if s.data_writer != Some(me) || !s.exclusive || !s.changes {
@@ -201,7 +201,7 @@ impl Gate {
     }
 
     /// Times a data write stepped out of the gate for its I/O.
-    pub fn steps_out(&self) -> u64 {
+    pub(crate) fn steps_out(&self) -> u64 {
         self.steps_out.load(std::sync::atomic::Ordering::Relaxed)
     }
 
@@ -217,7 +217,7 @@ impl Gate {
     }
 
     /// Why the latch is set, if it is.
-    pub fn latched(&self) -> Option<String> {
+    pub(crate) fn latched(&self) -> Option<String> {
         self.stopped
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -229,7 +229,7 @@ impl GateChange<'_> {
     /// Marks this change as a data write of the calling thread: it may step out of the gate
     /// for its data I/O ([`Gate::step_out`]). Only for a change that holds its file's inode
     /// passage.
-    pub fn let_data_out(&self) {
+    pub(crate) fn let_data_out(&self) {
         if self.inode.is_some() {
             self.exclusive.gate.state().data_writer = Some(std::thread::current().id());
         }
@@ -267,7 +267,7 @@ impl Drop for ExclusiveHeld<'_> {
 
 impl SteppedOut<'_> {
     /// Whether the caller had stepped out (and is now back in).
-    pub fn was_out(&self) -> bool {
+    pub(crate) fn was_out(&self) -> bool {
         self.gate.is_some()
     }
 }

@@ -353,7 +353,7 @@ fn as_uuid_v4(mut b: [u8; 16]) -> [u8; 16] {
 }
 
 /// A random version 4 uuid.
-pub fn random_uuid() -> Result<[u8; 16]> {
+pub(crate) fn random_uuid() -> Result<[u8; 16]> {
     Ok(as_uuid_v4(random_bytes::<16>()?))
 }
 

@@ -282,7 +282,10 @@ fn the_last_release_of_an_unlinked_file_deletes_it() {
     fs.release(f).unwrap();
     {
         let _r = fs.read_gate();
-        assert!(fs.inode_item(f).is_err(), "the unlinked file outlived its last handle");
+        assert!(
+            fs.inode_item(f).is_err(),
+            "the unlinked file outlived its last handle"
+        );
     }
     fs.close().unwrap();
     drop(fs);

@@ -23,7 +23,7 @@ use std::sync::Arc;
 
 /// What a search intends to do at the leaf.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Intent {
+pub(crate) enum Intent {
     /// Only read, but COW the path (to change an item in place).
     Modify,
     /// Insert `items` items with `data_len` bytes of data in total at the key's slot.
@@ -36,7 +36,7 @@ pub enum Intent {
 
 /// A path from the root to a leaf: per level (0 = leaf) the block address and slot.
 #[derive(Debug, Clone, Default)]
-pub struct WPath {
+pub(crate) struct WPath {
     pub nodes: Vec<(u64, usize)>,
     /// The key was found at the leaf slot.
     pub found: bool,
@@ -334,7 +334,7 @@ impl CowCtx {
 
     /// Descends from the root of `tree` to the leaf where `key` is or would be, COWing every
     /// block on the way and making room for `intent`.
-    pub fn search_mut(&mut self, tree: u64, key: &Key, intent: Intent) -> Result<WPath> {
+    pub(crate) fn search_mut(&mut self, tree: u64, key: &Key, intent: Intent) -> Result<WPath> {
         let ns = self.disk.nodesize() as usize;
         let max_ptrs = ctree_ops::max_node_ptrs(ns);
         let mut restarts = 0;
@@ -733,13 +733,13 @@ impl CowCtx {
     }
 
     /// Looks an item up with the path COWed so it can be changed in place.
-    pub fn lookup_mut(&mut self, tree: u64, key: &Key) -> Result<Option<WPath>> {
+    pub(crate) fn lookup_mut(&mut self, tree: u64, key: &Key) -> Result<Option<WPath>> {
         let p = self.search_mut(tree, key, Intent::Modify)?;
         Ok(p.found.then_some(p))
     }
 
     /// Changes an item's body in place.
-    pub fn update_item(
+    pub(crate) fn update_item(
         &mut self,
         tree: u64,
         key: &Key,
@@ -756,7 +756,7 @@ impl CowCtx {
     }
 
     /// Replaces an item's body (any size), inserting it if missing.
-    pub fn replace_item(&mut self, tree: u64, key: Key, data: &[u8]) -> Result<()> {
+    pub(crate) fn replace_item(&mut self, tree: u64, key: Key, data: &[u8]) -> Result<()> {
         let p = self.search_mut(tree, &key, Intent::Modify)?;
         if p.found {
             let cur = self.dirty_block(p.leaf())?.item(p.slot()).size as usize;
@@ -776,7 +776,7 @@ impl CowCtx {
 
     /// Resizes an item (growing adds zeros at the end, shrinking cuts the end) and returns a
     /// path to it.
-    pub fn resize_item(&mut self, tree: u64, key: &Key, new_size: usize) -> Result<WPath> {
+    pub(crate) fn resize_item(&mut self, tree: u64, key: &Key, new_size: usize) -> Result<WPath> {
         let p = self.search_mut(tree, key, Intent::Modify)?;
         if !p.found {
             return Err(Error::NotFound(format!(
@@ -810,13 +810,13 @@ impl CowCtx {
     }
 
     /// Reads an item's body through the write path (sees the running transaction).
-    pub fn read_item(&mut self, tree: u64, key: &Key) -> Result<Option<Vec<u8>>> {
+    pub(crate) fn read_item(&mut self, tree: u64, key: &Key) -> Result<Option<Vec<u8>>> {
         let root = self.current_root(tree)?;
         Ok(crate::ctree::lookup(&self.disk, &root, key)?.map(|it| it.data().to_vec()))
     }
 
     /// Deletes one item. Returns whether it was there.
-    pub fn delete_item(&mut self, tree: u64, key: &Key) -> Result<bool> {
+    pub(crate) fn delete_item(&mut self, tree: u64, key: &Key) -> Result<bool> {
         let p = self.search_mut(tree, key, Intent::Delete)?;
         if !p.found {
             return Ok(false);
@@ -827,7 +827,13 @@ impl CowCtx {
 
     /// Deletes `count` items from `slot` of the leaf of `path` (found with [`Intent::Delete`]),
     /// then removes the leaf if it is empty or merges it with a neighbour if it is light.
-    pub fn delete_at(&mut self, tree: u64, path: &WPath, slot: usize, count: usize) -> Result<()> {
+    pub(crate) fn delete_at(
+        &mut self,
+        tree: u64,
+        path: &WPath,
+        slot: usize,
+        count: usize,
+    ) -> Result<()> {
         let leaf = path.leaf();
         self.modify(leaf, |buf| LeafMut::trusted(buf)?.delete_items(slot, count))?;
         let blk = self.dirty_block(leaf)?;
@@ -914,7 +920,7 @@ impl CowCtx {
     }
 
     /// Deletes every item with a key in `[from, to]`. Returns how many were deleted.
-    pub fn delete_range(&mut self, tree: u64, from: Key, to: Key) -> Result<usize> {
+    pub(crate) fn delete_range(&mut self, tree: u64, from: Key, to: Key) -> Result<usize> {
         let mut total = 0;
         loop {
             let p = self.search_mut(tree, &from, Intent::Delete)?;

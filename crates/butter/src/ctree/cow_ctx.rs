@@ -62,7 +62,7 @@ pub struct CowCtx {
 }
 
 impl CowCtx {
-    pub fn check_writable(&self) -> Result<()> {
+    pub(crate) fn check_writable(&self) -> Result<()> {
         match &self.aborted {
             Some(r) => Err(Error::Aborted(r.clone())),
             None => Ok(()),
@@ -103,7 +103,7 @@ impl CowCtx {
     }
 
     /// Root of a tree as the running transaction sees it.
-    pub fn current_root(&mut self, id: u64) -> Result<Root> {
+    pub(crate) fn current_root(&mut self, id: u64) -> Result<Root> {
         let t = self.tree_state(id)?;
         Ok(Root {
             id,

@@ -301,7 +301,7 @@ pub fn next_leaf(disk: &Arc<Disk>, path: &mut Path) -> Result<bool> {
 }
 
 /// Moves the path to the last slot of the previous leaf. Returns false at the start.
-pub fn prev_leaf(disk: &Arc<Disk>, path: &mut Path) -> Result<bool> {
+pub(crate) fn prev_leaf(disk: &Arc<Disk>, path: &mut Path) -> Result<bool> {
     let mut level = 1;
     while level < path.nodes.len() && path.nodes[level].1 == 0 {
         level += 1;
@@ -374,7 +374,7 @@ pub fn lookup(disk: &Arc<Disk>, root: &Root, key: &Key) -> Result<Option<ItemRef
 }
 
 /// The item with the greatest key `<= key`, if any.
-pub fn lookup_le(disk: &Arc<Disk>, root: &Root, key: &Key) -> Result<Option<ItemRef>> {
+pub(crate) fn lookup_le(disk: &Arc<Disk>, root: &Root, key: &Key) -> Result<Option<ItemRef>> {
     let (mut path, found) = search_slot(disk, root, key, Readahead::None)?;
     if found {
         return Ok(path.item());

@@ -71,7 +71,7 @@ use crate::format::{
 use std::ops::Range;
 
 /// Largest tree block btrfs allows (and the largest buffer these primitives accept).
-pub const MAX_NODESIZE: usize = 65536;
+pub(crate) const MAX_NODESIZE: usize = 65536;
 
 // Header field offsets.
 const OFF_FSID: usize = 32;
@@ -92,7 +92,7 @@ pub const fn max_item_size(nodesize: usize) -> usize {
 }
 
 /// Most key pointers a node of `nodesize` bytes holds.
-pub const fn max_node_ptrs(nodesize: usize) -> usize {
+pub(crate) const fn max_node_ptrs(nodesize: usize) -> usize {
     nodesize.saturating_sub(HEADER_SIZE) / KEY_PTR_SIZE
 }
 
@@ -133,21 +133,21 @@ pub fn read_header(buf: &[u8]) -> Result<Header> {
 }
 
 /// Sets the logical address the block claims to live at.
-pub fn set_bytenr(buf: &mut [u8], bytenr: u64) -> Result<()> {
+pub(crate) fn set_bytenr(buf: &mut [u8], bytenr: u64) -> Result<()> {
     need_header(buf)?;
     put_u64(buf, OFF_BYTENR, bytenr);
     Ok(())
 }
 
 /// Sets the transaction generation that wrote the block.
-pub fn set_generation(buf: &mut [u8], generation: u64) -> Result<()> {
+pub(crate) fn set_generation(buf: &mut [u8], generation: u64) -> Result<()> {
     need_header(buf)?;
     put_u64(buf, OFF_GENERATION, generation);
     Ok(())
 }
 
 /// Sets the owner (tree id) of the block.
-pub fn set_owner(buf: &mut [u8], owner: u64) -> Result<()> {
+pub(crate) fn set_owner(buf: &mut [u8], owner: u64) -> Result<()> {
     need_header(buf)?;
     put_u64(buf, OFF_OWNER, owner);
     Ok(())
@@ -169,7 +169,7 @@ pub fn set_chunk_tree_uuid(buf: &mut [u8], uuid: &[u8; 16]) -> Result<()> {
 
 /// Sets the low 56 flag bits (`HEADER_FLAG_WRITTEN`, `HEADER_FLAG_RELOC`), keeping the backref
 /// revision. Flags with any of the top 8 bits set are [`Error::Invalid`].
-pub fn set_flags(buf: &mut [u8], flags: u64) -> Result<()> {
+pub(crate) fn set_flags(buf: &mut [u8], flags: u64) -> Result<()> {
     need_header(buf)?;
     if flags & !FLAGS_MASK != 0 {
         return Err(invalid(
@@ -183,7 +183,7 @@ pub fn set_flags(buf: &mut [u8], flags: u64) -> Result<()> {
 }
 
 /// Sets the backref revision (top byte of the flags word; 1 = mixed backrefs).
-pub fn set_backref_rev(buf: &mut [u8], rev: u8) -> Result<()> {
+pub(crate) fn set_backref_rev(buf: &mut [u8], rev: u8) -> Result<()> {
     need_header(buf)?;
     let old = le_u64(buf, OFF_FLAGS);
     put_u64(buf, OFF_FLAGS, (old & FLAGS_MASK) | ((rev as u64) << 56));
@@ -253,7 +253,7 @@ fn check_block_len(buf: &[u8]) -> Result<()> {
 
 /// Zeroes the whole buffer and writes a header for an empty block (`nritems` 0) at `level`.
 /// The checksum is left zero until [`finalize`].
-pub fn init_empty(buf: &mut [u8], level: u8, h: &NewHeader) -> Result<()> {
+pub(crate) fn init_empty(buf: &mut [u8], level: u8, h: &NewHeader) -> Result<()> {
     check_block_len(buf)?;
     if level >= MAX_LEVEL {
         return Err(Error::Invalid(format!(
@@ -282,7 +282,7 @@ pub fn init_empty(buf: &mut [u8], level: u8, h: &NewHeader) -> Result<()> {
 /// Checks the layout of a whole block (leaf or node) as a view would, without making one.
 /// A node with no pointers passes here (it is a legal intermediate state), although the tree
 /// checker rejects it on disk.
-pub fn check_layout(buf: &[u8]) -> Result<()> {
+pub(crate) fn check_layout(buf: &[u8]) -> Result<()> {
     check_block_len(buf)?;
     if buf[OFF_LEVEL] == 0 {
         validate_leaf(buf)
@@ -606,12 +606,6 @@ impl<'a> LeafMut<'a> {
     /// First key, if the leaf has items.
     pub fn first_key(&self) -> Option<Key> {
         (self.nritems() > 0).then(|| self.key_at(0))
-    }
-
-    /// Last key, if the leaf has items.
-    pub fn last_key(&self) -> Option<Key> {
-        let n = self.nritems();
-        (n > 0).then(|| self.key_at(n - 1))
     }
 
     /// Item record `slot` (key, data offset relative to the end of the header, size).
@@ -1162,7 +1156,7 @@ impl<'a> NodeMut<'a> {
     }
 
     /// Most pointers this node holds.
-    pub fn max_ptrs(&self) -> usize {
+    pub(crate) fn max_ptrs(&self) -> usize {
         max_node_ptrs(self.buf.len())
     }
 

@@ -35,13 +35,13 @@
 use crate::{Error, Location, Result};
 
 /// On-disk `compression` code of a file extent item: not compressed.
-pub const COMPRESS_NONE: u8 = 0;
+pub(crate) const COMPRESS_NONE: u8 = 0;
 /// On-disk `compression` code: zlib.
-pub const COMPRESS_ZLIB: u8 = 1;
+pub(crate) const COMPRESS_ZLIB: u8 = 1;
 /// On-disk `compression` code: LZO (btrfs framing, see the module docs).
-pub const COMPRESS_LZO: u8 = 2;
+pub(crate) const COMPRESS_LZO: u8 = 2;
 /// On-disk `compression` code: zstd.
-pub const COMPRESS_ZSTD: u8 = 3;
+pub(crate) const COMPRESS_ZSTD: u8 = 3;
 
 /// Largest decompressed size of one compressed extent the kernel writes (128 KiB).
 pub const MAX_UNCOMPRESSED: usize = 128 * 1024;
@@ -81,7 +81,7 @@ fn corrupt(codec: &str, reason: impl Into<String>) -> Error {
 /// from disk, so callers bound it first (a regular compressed extent never exceeds
 /// [`MAX_UNCOMPRESSED`]; an inline one never exceeds a sector). Code 0 (none) copies the
 /// input, truncated or zero-padded to `ram_bytes`. Codes above 3 are corrupt.
-pub fn decompress(
+pub(crate) fn decompress(
     compression: u8,
     input: &[u8],
     ram_bytes: usize,
@@ -528,7 +528,7 @@ pub(crate) mod oracle {
     }
 
     /// mkfs.btrfs and btrfs are installed.
-    pub fn mkfs_available() -> bool {
+    pub(crate) fn mkfs_available() -> bool {
         for tool in ["mkfs.btrfs", "btrfs"] {
             if !on_path(tool) {
                 return unavailable(&format!("{tool} not found"));
@@ -538,7 +538,7 @@ pub(crate) mod oracle {
     }
 
     /// Additionally: running as root, loop devices and kernel btrfs present.
-    pub fn loop_mount_available() -> bool {
+    pub(crate) fn loop_mount_available() -> bool {
         if !mkfs_available() {
             return false;
         }
@@ -1335,7 +1335,7 @@ mod tests {
         }
 
         /// Returns (inode -> name from INODE_REF, file extents).
-        pub fn fs_tree(dump: &str) -> (Vec<(u64, String)>, Vec<Extent>) {
+        pub(crate) fn fs_tree(dump: &str) -> (Vec<(u64, String)>, Vec<Extent>) {
             let mut names = Vec::new();
             let mut extents: Vec<Extent> = Vec::new();
             let mut leaf = 0u64;

@@ -38,7 +38,7 @@ impl CsumType {
     }
 
     /// The superblock `csum_type` code of this algorithm.
-    pub fn to_disk(self) -> u16 {
+    pub(crate) fn to_disk(self) -> u16 {
         match self {
             CsumType::Crc32c => 0,
             CsumType::Xxhash64 => 1,

@@ -62,7 +62,7 @@ impl InodeExtref {
 
 impl BackRef {
     /// The inline type byte.
-    pub fn type_key(&self) -> u8 {
+    pub(crate) fn type_key(&self) -> u8 {
         match self {
             BackRef::TreeBlock { .. } => TREE_BLOCK_REF_KEY,
             BackRef::SharedBlock { .. } => SHARED_BLOCK_REF_KEY,
@@ -72,7 +72,7 @@ impl BackRef {
         }
     }
     /// The offset this reference has as a keyed item (and its order among inline refs).
-    pub fn key_offset(&self) -> u64 {
+    pub(crate) fn key_offset(&self) -> u64 {
         match self {
             BackRef::TreeBlock { root } => *root,
             BackRef::SharedBlock { parent } => *parent,
@@ -94,7 +94,7 @@ impl BackRef {
         }
     }
     /// Size inline (type byte included).
-    pub fn inline_len(&self) -> usize {
+    pub(crate) fn inline_len(&self) -> usize {
         1 + match self {
             BackRef::ExtentData { .. } => 28,
             BackRef::SharedData { .. } => 12,
@@ -102,7 +102,7 @@ impl BackRef {
         }
     }
     /// Body without the type byte (inline), or the keyed item's body.
-    pub fn write_body(&self, b: &mut Vec<u8>) {
+    pub(crate) fn write_body(&self, b: &mut Vec<u8>) {
         match self {
             BackRef::TreeBlock { root } | BackRef::Owner { root } => put_u64(b, *root),
             BackRef::SharedBlock { parent } => put_u64(b, *parent),
@@ -125,7 +125,7 @@ impl BackRef {
     }
     /// Body of the keyed item form (TREE_BLOCK_REF and SHARED_BLOCK_REF items are empty;
     /// SHARED_DATA_REF holds only the count).
-    pub fn keyed_body(&self) -> Vec<u8> {
+    pub(crate) fn keyed_body(&self) -> Vec<u8> {
         let mut b = Vec::new();
         match self {
             BackRef::TreeBlock { .. } | BackRef::SharedBlock { .. } | BackRef::Owner { .. } => {}
@@ -137,7 +137,7 @@ impl BackRef {
 }
 
 /// Patches the fields of a ROOT_ITEM body the write engine changes.
-pub fn patch_root_item(b: &mut [u8], bytenr: u64, level: u8, generation: u64) {
+pub(crate) fn patch_root_item(b: &mut [u8], bytenr: u64, level: u8, generation: u64) {
     b[160..168].copy_from_slice(&generation.to_le_bytes());
     b[176..184].copy_from_slice(&bytenr.to_le_bytes());
     b[238] = level;

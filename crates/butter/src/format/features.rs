@@ -48,9 +48,9 @@ const fn f(
 }
 
 /// incompat bit 15: encryption (btrfs-progs' experimental builds).
-pub const INCOMPAT_ENCRYPT: u64 = 1 << 15;
+pub(crate) const INCOMPAT_ENCRYPT: u64 = 1 << 15;
 /// incompat bit 17: the remap tree (kernel 7.0).
-pub const INCOMPAT_REMAP_TREE: u64 = 1 << 17;
+pub(crate) const INCOMPAT_REMAP_TREE: u64 = 1 << 17;
 
 use Support::*;
 
@@ -222,7 +222,7 @@ fn find(bit: u64, compat_ro: bool) -> Option<&'static Feature> {
 }
 
 /// Why butter cannot read a filesystem with these incompat bits, if it cannot.
-pub fn refuse_read(sb: &Superblock) -> Option<String> {
+pub(crate) fn refuse_read(sb: &Superblock) -> Option<String> {
     let bad = lacking(sb.incompat_flags, false, |s| s == None);
     (!bad.is_empty()).then(|| {
         format!(
@@ -236,7 +236,7 @@ pub fn refuse_read(sb: &Superblock) -> Option<String> {
 
 /// Why butter must not write a filesystem with this superblock, if it must not: a feature it
 /// does not keep correct, an unknown bit, or a superblock flag of an unfinished conversion.
-pub fn refuse_write(sb: &Superblock) -> Option<String> {
+pub(crate) fn refuse_write(sb: &Superblock) -> Option<String> {
     let mut bad = lacking(sb.incompat_flags, false, |s| s != ReadWrite);
     bad.extend(lacking(sb.compat_ro_flags, true, |s| s != ReadWrite));
     if sb.compat_ro_flags & COMPAT_RO_FREE_SPACE_TREE != 0

@@ -16,21 +16,21 @@ fn crc32c_raw(seed: u32, data: &[u8]) -> u32 {
 }
 
 /// Key offset of DIR_ITEM / XATTR_ITEM for a name (crc32c Castagnoli seeded 0xFFFFFFFE, no final xor).
-pub fn name_hash(name: &[u8]) -> u64 {
+pub(crate) fn name_hash(name: &[u8]) -> u64 {
     u64::from(crc32c_raw(0xFFFF_FFFE, name))
 }
 
 /// Key offset of INODE_EXTREF: crc32c of the name seeded with the parent inode number (as btrfs does).
 ///
 /// Only the low 32 bits of `parent_ino` take part (the seed is a 32-bit CRC register).
-pub fn extref_hash(parent_ino: u64, name: &[u8]) -> u64 {
+pub(crate) fn extref_hash(parent_ino: u64, name: &[u8]) -> u64 {
     u64::from(crc32c_raw(parent_ino as u32, name))
 }
 
 /// Key offset of a keyed EXTENT_DATA_REF (and the order of inline ones): two raw CRC-32C
 /// registers preset to all ones, one over the root id, one over the inode number and the
 /// file offset (little endian), combined as `high << 31 ^ low`.
-pub fn extent_data_ref_hash(root: u64, objectid: u64, offset: u64) -> u64 {
+pub(crate) fn extent_data_ref_hash(root: u64, objectid: u64, offset: u64) -> u64 {
     let high = crc32c_raw(!0, &root.to_le_bytes());
     let mut low = crc32c_raw(!0, &objectid.to_le_bytes());
     low = crc32c_raw(low, &offset.to_le_bytes());

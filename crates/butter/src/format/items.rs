@@ -112,7 +112,7 @@ pub struct DirItem {
 }
 
 impl DirItem {
-    pub const HEADER: usize = 30;
+    pub(crate) const HEADER: usize = 30;
     /// Decodes every entry packed in one item body. `max_data` bounds xattr values.
     pub fn parse_all(b: &[u8]) -> Result<Vec<DirItem>> {
         let mut out = Vec::new();
@@ -228,7 +228,7 @@ pub enum FileExtentBody {
 }
 
 impl FileExtentItem {
-    pub const INLINE_HEADER: usize = 21;
+    pub(crate) const INLINE_HEADER: usize = 21;
     pub const SIZE: usize = 53;
     pub fn parse(b: &[u8]) -> Result<FileExtentItem> {
         need(b, Self::INLINE_HEADER, "file extent")?;
@@ -294,7 +294,7 @@ pub struct RootItem {
 
 impl RootItem {
     pub const SIZE: usize = 439;
-    pub const LEGACY_SIZE: usize = 239;
+    pub(crate) const LEGACY_SIZE: usize = 239;
     pub fn parse(b: &[u8]) -> Result<RootItem> {
         need(b, Self::LEGACY_SIZE, "root item")?;
         let mut r = RootItem {
@@ -381,8 +381,8 @@ pub struct ChunkItem {
 }
 
 impl ChunkItem {
-    pub const BASE: usize = 48;
-    pub const STRIPE: usize = 32;
+    pub(crate) const BASE: usize = 48;
+    pub(crate) const STRIPE: usize = 32;
     /// Decodes a chunk item; returns it and the number of bytes it used.
     pub fn parse(b: &[u8]) -> Result<(ChunkItem, usize)> {
         need(b, Self::BASE, "chunk item")?;
@@ -897,7 +897,7 @@ impl FreeSpaceInfo {
 
 impl BackRef {
     /// The inline form inside an extent item: the type byte, then the body.
-    pub fn inline_bytes(&self) -> Vec<u8> {
+    pub(crate) fn inline_bytes(&self) -> Vec<u8> {
         let mut b = Vec::with_capacity(29);
         match self {
             BackRef::TreeBlock { root } => {

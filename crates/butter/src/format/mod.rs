@@ -43,7 +43,7 @@ pub fn le_u64(b: &[u8], off: usize) -> u64 {
 }
 /// 16 bytes at `off` (uuids). The caller has checked the length.
 #[inline]
-pub fn uuid_at(b: &[u8], off: usize) -> [u8; 16] {
+pub(crate) fn uuid_at(b: &[u8], off: usize) -> [u8; 16] {
     let mut a = [0u8; 16];
     a.copy_from_slice(&b[off..off + 16]);
     a

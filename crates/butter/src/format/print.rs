@@ -125,7 +125,7 @@ fn qgroup_str(id: u64) -> String {
 
 /// An objectid as dump-tree prints it; the item type picks between names that share a value
 /// (1 is ROOT_TREE or DEV_ITEMS, 256 is FIRST_CHUNK_TREE only for chunk items, ...).
-pub fn objectid_str(objectid: u64, ty: u8) -> String {
+pub(crate) fn objectid_str(objectid: u64, ty: u8) -> String {
     match ty {
         PERSISTENT_ITEM_KEY => {
             return if objectid == DEV_STATS_OBJECTID {
@@ -171,7 +171,7 @@ pub fn objectid_str(objectid: u64, ty: u8) -> String {
 }
 
 /// An item type name as dump-tree prints it (`UNKNOWN.N` for unknown types).
-pub fn key_type_str(objectid: u64, ty: u8) -> String {
+pub(crate) fn key_type_str(objectid: u64, ty: u8) -> String {
     if ty == 0 && objectid == FREE_SPACE_OBJECTID {
         return "UNTYPED".into();
     }
@@ -203,7 +203,7 @@ pub fn dump_key(k: &Key) -> String {
 /// Block group / chunk type flags as dump-tree prints them: `DATA|single`, `METADATA|DUP`,
 /// `SYSTEM|RAID1`. Kept byte-identical to progs 6.2, including its oddities (only DATA counts
 /// as "something before" for the `|` separator, and the profile always gets one).
-pub fn block_group_flags_str(flags: u64) -> String {
+pub(crate) fn block_group_flags_str(flags: u64) -> String {
     let mut s = String::new();
     let data = flags & BLOCK_GROUP_DATA != 0;
     if data {
@@ -525,7 +525,13 @@ fn corrupt_item_line(out: &mut String, slot: usize, ih: &ItemHeader, data_size: 
 /// Appends the `\titem N key (...) itemoff O itemsize S` line and the body lines of one leaf
 /// item. `data` is the item body (`item.size` bytes). A body that does not decode gets a
 /// `\t\tcorrupt ...` line naming what is wrong.
-pub fn print_item(out: &mut String, slot: usize, item: &ItemHeader, data: &[u8], opts: &PrintOpts) {
+pub(crate) fn print_item(
+    out: &mut String,
+    slot: usize,
+    item: &ItemHeader,
+    data: &[u8],
+    opts: &PrintOpts,
+) {
     outln!(
         out,
         "\titem {slot} {} itemoff {} itemsize {}",

@@ -278,7 +278,7 @@ impl Superblock {
         }
     }
 
-    pub fn has_incompat(&self, f: u64) -> bool {
+    pub(crate) fn has_incompat(&self, f: u64) -> bool {
         self.incompat_flags & f != 0
     }
     pub fn has_compat_ro(&self, f: u64) -> bool {

@@ -26,7 +26,7 @@ use crate::transaction::Writer;
 type WritebackFn<'a> = dyn Fn(u64, &[u8]) -> Result<Vec<u8>> + 'a;
 
 /// Largest data extent butter writes (the kernel's limit for one extent).
-pub const MAX_EXTENT: u64 = 128 << 20;
+pub(crate) const MAX_EXTENT: u64 = 128 << 20;
 
 /// Largest inline file: the kernel's default max_inline (2048), bounded by what fits in a leaf
 /// and below one sector.

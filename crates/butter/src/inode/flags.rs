@@ -21,22 +21,22 @@ use crate::ids::Inode;
 use crate::inode::core::Core;
 
 /// FS_IOC_GETFLAGS / FS_IOC_SETFLAGS flags btrfs knows (include/uapi/linux/fs.h).
-pub const FS_COMPR_FL: u32 = 0x0000_0004;
+pub(crate) const FS_COMPR_FL: u32 = 0x0000_0004;
 pub const FS_SYNC_FL: u32 = 0x0000_0008;
 pub const FS_IMMUTABLE_FL: u32 = 0x0000_0010;
 pub const FS_APPEND_FL: u32 = 0x0000_0020;
 pub const FS_NODUMP_FL: u32 = 0x0000_0040;
 pub const FS_NOATIME_FL: u32 = 0x0000_0080;
-pub const FS_NOCOMP_FL: u32 = 0x0000_0400;
-pub const FS_DIRSYNC_FL: u32 = 0x0001_0000;
+pub(crate) const FS_NOCOMP_FL: u32 = 0x0000_0400;
+pub(crate) const FS_DIRSYNC_FL: u32 = 0x0001_0000;
 pub const FS_NOCOW_FL: u32 = 0x0080_0000;
 
 /// FS_IOC_FSGETXATTR / FS_IOC_FSSETXATTR xflags that mean one of the flags above.
-pub const FS_XFLAG_IMMUTABLE: u32 = 0x0000_0008;
-pub const FS_XFLAG_APPEND: u32 = 0x0000_0010;
-pub const FS_XFLAG_SYNC: u32 = 0x0000_0020;
-pub const FS_XFLAG_NOATIME: u32 = 0x0000_0040;
-pub const FS_XFLAG_NODUMP: u32 = 0x0000_0080;
+pub(crate) const FS_XFLAG_IMMUTABLE: u32 = 0x0000_0008;
+pub(crate) const FS_XFLAG_APPEND: u32 = 0x0000_0010;
+pub(crate) const FS_XFLAG_SYNC: u32 = 0x0000_0020;
+pub(crate) const FS_XFLAG_NOATIME: u32 = 0x0000_0040;
+pub(crate) const FS_XFLAG_NODUMP: u32 = 0x0000_0080;
 
 /// The xattr that carries the compression property.
 pub const COMPRESSION_PROP: &[u8] = b"btrfs.compression";
@@ -59,7 +59,7 @@ const XFLAGS: [(u32, u32); 5] = [
 ];
 
 /// The FS_*_FL flags of btrfs inode flags (what lsattr shows).
-pub fn inode_flags_to_fsflags(flags: u64) -> u32 {
+pub(crate) fn inode_flags_to_fsflags(flags: u64) -> u32 {
     let mut f = 0;
     for (b, x) in SIMPLE {
         if flags & b != 0 {

@@ -20,9 +20,9 @@ use std::sync::{Arc, MutexGuard};
 /// Longest name btrfs accepts.
 pub const NAME_MAX: usize = 255;
 /// Most hard links to one inode (btrfs limit).
-pub const LINK_MAX: u32 = 65535;
+pub(crate) const LINK_MAX: u32 = 65535;
 /// XATTR item type.
-pub const FT_XATTR: u8 = 8;
+pub(crate) const FT_XATTR: u8 = 8;
 
 /// Who creates a file: owner and group of the new inode.
 #[derive(Debug, Clone, Copy, Default)]
@@ -124,7 +124,7 @@ impl Core {
 
     /// Completes every pending ordered extent now (crate::inode::ordered). A caller that keeps
     /// readers out while trees change (the FUSE mount) does this before letting them in.
-    pub fn complete_ordered_extents(&self) -> Result<()> {
+    pub(crate) fn complete_ordered_extents(&self) -> Result<()> {
         if self.ordered.any_pending() {
             drop(self.writer()?);
         }
@@ -133,7 +133,7 @@ impl Core {
 
     /// Whether some write returned whose extent is not in the trees yet (crate::inode::ordered):
     /// reading the trees completes it first, see [`Core::complete_ordered_extents`].
-    pub fn has_pending_ordered(&self) -> bool {
+    pub(crate) fn has_pending_ordered(&self) -> bool {
         self.ordered.any_pending()
     }
 
@@ -162,7 +162,7 @@ impl Core {
     /// [`Core::commit`], calling `trees_final` when the trees reached their final state in
     /// memory and only the writing is left (see [`Writer::commit_with`]). Other changes wait
     /// for the whole commit; reads may run again from `trees_final` on.
-    pub fn commit_with(&self, trees_final: impl FnOnce()) -> Result<()> {
+    pub(crate) fn commit_with(&self, trees_final: impl FnOnce()) -> Result<()> {
         let _l = self.log_sync.lock().unwrap_or_else(|e| e.into_inner());
         self.writer()?.commit_with(trees_final)
     }
@@ -694,7 +694,7 @@ impl Core {
     /// One handle on `ino` closed. Returns whether that was the last one of an unlinked inode
     /// (then [`Core::delete_orphan`] should follow). Changes nothing on disk, so a front end can
     /// run it without keeping readers out.
-    pub fn note_closed(&self, ino: Inode) -> Result<bool> {
+    pub(crate) fn note_closed(&self, ino: Inode) -> Result<bool> {
         {
             let mut m = self.open_files.lock().unwrap_or_else(|e| e.into_inner());
             if let Some(c) = m.get_mut(&ino) {
@@ -712,7 +712,7 @@ impl Core {
     }
 
     /// Deletes an unlinked inode no handle holds (again checked here).
-    pub fn delete_orphan(&self, ino: Inode) -> Result<()> {
+    pub(crate) fn delete_orphan(&self, ino: Inode) -> Result<()> {
         if self
             .open_files
             .lock()

@@ -54,11 +54,11 @@ use std::sync::{Arc, Condvar, Mutex};
 
 /// Extents up to this size are written under the writer lock (see `Core::write_extents`;
 /// `Core::set_unlocked_writeback` changes it).
-pub const SHORT_WRITEBACK: u64 = 64 << 10;
+pub(crate) const SHORT_WRITEBACK: u64 = 64 << 10;
 
 /// The range-state trees of the inodes being written.
 #[derive(Default)]
-pub struct OrderedTrees {
+pub(crate) struct OrderedTrees {
     inodes: Mutex<HashMap<Inode, InodeWrites>>,
     /// Signalled when a write ends while someone waits in [`OrderedTrees::wait_for_writes`].
     write_done: Condvar,
@@ -86,16 +86,16 @@ pub struct OrderedTrees {
 }
 
 /// Most bytes one file gathers before its appends take the ordinary write path.
-pub const DELALLOC_MAX: u64 = 4 << 20;
+pub(crate) const DELALLOC_MAX: u64 = 4 << 20;
 /// Appends longer than this take the ordinary write path (an ordered extent of their own,
 /// data written without the writer lock): they make long extents anyway, and copying them
 /// into a buffer costs more than it saves (1 MiB appends from 2 threads ran 1.6x slower).
-pub const DELALLOC_APPEND_MAX: u64 = 256 << 10;
+pub(crate) const DELALLOC_APPEND_MAX: u64 = 256 << 10;
 /// Most bytes all files gather.
-pub const DELALLOC_TOTAL_MAX: u64 = 64 << 20;
+pub(crate) const DELALLOC_TOTAL_MAX: u64 = 64 << 20;
 /// Free data space that must remain beyond the gathered bytes (their allocation comes later
 /// and must not fail).
-pub const DELALLOC_MARGIN: u64 = 32 << 20;
+pub(crate) const DELALLOC_MARGIN: u64 = 32 << 20;
 
 /// A pending ordered extent: written, checksummed, not yet in the trees.
 #[derive(Debug, Clone)]
@@ -139,7 +139,7 @@ struct InodeWrites {
 /// gather here and go to the device as one extent when the buffer is written back (by the
 /// file's fsync, as a pending ordered extent), or are completed with the pending extents.
 #[derive(Debug, Clone)]
-pub struct Delalloc {
+pub(crate) struct Delalloc {
     /// File offset (sector aligned: the file's size when the first append came).
     pub start: u64,
     pub data: Vec<u8>,
@@ -227,18 +227,18 @@ impl OrderedTrees {
     }
 
     /// Whether appends may gather in memory (delayed allocation; on by default).
-    pub fn set_delalloc(&self, on: bool) {
+    pub(crate) fn set_delalloc(&self, on: bool) {
         self.delalloc_off.store(!on, Ordering::Relaxed);
     }
 
     /// Whether delayed allocation is on.
-    pub fn delalloc_enabled(&self) -> bool {
+    pub(crate) fn delalloc_enabled(&self) -> bool {
         !self.delalloc_off.load(Ordering::Relaxed)
     }
 
     /// Appends `data` at `offset` to `ino`'s delayed-allocation buffer if it ends there (and
     /// no write to the file is in progress, and the limits allow): true when done.
-    pub fn try_append(&self, ino: Inode, offset: u64, data: &[u8]) -> bool {
+    pub(crate) fn try_append(&self, ino: Inode, offset: u64, data: &[u8]) -> bool {
         let len = data.len() as u64;
         if self.delalloc_off.load(Ordering::Relaxed)
             || !self.any_pending()
@@ -277,7 +277,13 @@ impl OrderedTrees {
     /// Starts `ino`'s delayed-allocation buffer with `data` at `offset`, the file's size (the
     /// caller holds the writer lock and checked the file: `data_free` is the free data space
     /// now). False when the file has writes in progress or pending extents, or no room.
-    pub fn start_buffer(&self, ino: Inode, offset: u64, data: &[u8], data_free: u64) -> bool {
+    pub(crate) fn start_buffer(
+        &self,
+        ino: Inode,
+        offset: u64,
+        data: &[u8],
+        data_free: u64,
+    ) -> bool {
         let len = data.len() as u64;
         if self.delalloc_off.load(Ordering::Relaxed) || len > DELALLOC_MAX {
             return false;
@@ -311,7 +317,7 @@ impl OrderedTrees {
 
     /// Takes the delayed-allocation buffers out (of `ino` only, or of every file) for their
     /// write-back; each counts as being completed until [`OrderedTrees::delalloc_done`].
-    pub fn take_delalloc(&self, ino: Option<Inode>) -> Vec<(Inode, Delalloc)> {
+    pub(crate) fn take_delalloc(&self, ino: Option<Inode>) -> Vec<(Inode, Delalloc)> {
         if !self.any_pending() {
             return Vec::new();
         }
@@ -330,7 +336,7 @@ impl OrderedTrees {
     }
 
     /// `ino`'s buffer `d` (taken by [`OrderedTrees::take_delalloc`]) is written back.
-    pub fn delalloc_done(&self, ino: Inode, d: &Delalloc) {
+    pub(crate) fn delalloc_done(&self, ino: Inode, d: &Delalloc) {
         let len = d.data.len() as u64;
         self.delalloc_flushed.fetch_add(1, Ordering::Relaxed);
         self.delalloc_bytes.fetch_sub(len, Ordering::SeqCst);
@@ -348,7 +354,7 @@ impl OrderedTrees {
     }
 
     /// `ino`'s buffered appends were lost: the data write failed (`why`).
-    pub fn note_write_error(&self, ino: Inode, why: String) {
+    pub(crate) fn note_write_error(&self, ino: Inode, why: String) {
         self.write_errors
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -356,7 +362,7 @@ impl OrderedTrees {
     }
 
     /// The write error of `ino` noted since its last fsync, if any (taken: reported once).
-    pub fn take_write_error(&self, ino: Inode) -> Option<String> {
+    pub(crate) fn take_write_error(&self, ino: Inode) -> Option<String> {
         self.write_errors
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -365,7 +371,7 @@ impl OrderedTrees {
 
     /// Puts a buffer taken by [`OrderedTrees::take_delalloc`] back (its write-back could not
     /// get space).
-    pub fn untake_delalloc(&self, ino: Inode, d: Delalloc) {
+    pub(crate) fn untake_delalloc(&self, ino: Inode, d: Delalloc) {
         let mut inodes = self.inodes();
         let w = inodes
             .entry(ino)
@@ -376,7 +382,7 @@ impl OrderedTrees {
 
     /// Adds a pending ordered extent to `ino` outside a write (an fsync writing back its
     /// buffer); under the writer lock, whose holder counts it.
-    pub fn add_pending(&self, ino: Inode, p: Pending) {
+    pub(crate) fn add_pending(&self, ino: Inode, p: Pending) {
         let mut inodes = self.inodes();
         let w = inodes
             .entry(ino)
@@ -391,7 +397,7 @@ impl OrderedTrees {
     /// Takes `ino`'s delayed-allocation buffer out for a write-back without the writer lock
     /// (under it; [`OrderedTrees::flush_registered`] or [`OrderedTrees::untake_delalloc`]
     /// follows). None if it has none, or an empty one.
-    pub fn begin_flush(&self, ino: Inode) -> Option<Delalloc> {
+    pub(crate) fn begin_flush(&self, ino: Inode) -> Option<Delalloc> {
         if !self.any_pending() {
             return None;
         }
@@ -408,7 +414,7 @@ impl OrderedTrees {
     /// (`len` bytes, held): it becomes a pending ordered extent whose data is still to be
     /// written (`writing`), under the writer lock, whose holder counts it. The caller writes
     /// the data, then calls [`OrderedTrees::flush_written`].
-    pub fn flush_registered(&self, ino: Inode, d: &Delalloc, bytenr: u64, len: u64) {
+    pub(crate) fn flush_registered(&self, ino: Inode, d: &Delalloc, bytenr: u64, len: u64) {
         let dlen = d.data.len() as u64;
         self.delalloc_flushed.fetch_add(1, Ordering::Relaxed);
         self.delalloc_bytes.fetch_sub(dlen, Ordering::SeqCst);
@@ -440,7 +446,12 @@ impl OrderedTrees {
     /// The data of the pending extent at `bytenr` of `ino` is written (`Ok(checksums)`) or
     /// failed (`Err(what)`: the extent is dropped, its appends lost; see
     /// [`OrderedTrees::take_lost`]).
-    pub fn flush_written(&self, ino: Inode, bytenr: u64, r: std::result::Result<Vec<u8>, String>) {
+    pub(crate) fn flush_written(
+        &self,
+        ino: Inode,
+        bytenr: u64,
+        r: std::result::Result<Vec<u8>, String>,
+    ) {
         let mut inodes = self.inodes();
         if let Some(w) = inodes.get_mut(&ino) {
             if let Some(i) = w
@@ -471,7 +482,7 @@ impl OrderedTrees {
 
     /// Buffers whose write-back failed (inode, extent start, length, what failed), taken (under
     /// the writer lock, whose holder gives their held space back).
-    pub fn take_lost(&self) -> Vec<(Inode, u64, u64, String)> {
+    pub(crate) fn take_lost(&self) -> Vec<(Inode, u64, u64, String)> {
         if !self.any_pending() {
             return Vec::new();
         }
@@ -495,7 +506,7 @@ impl OrderedTrees {
     }
 
     /// Whether `ino` has a delayed-allocation buffer.
-    pub fn has_delalloc(&self, ino: Inode) -> bool {
+    pub(crate) fn has_delalloc(&self, ino: Inode) -> bool {
         self.any_pending()
             && self
                 .inodes()
@@ -521,13 +532,13 @@ impl OrderedTrees {
     }
 
     /// Whether any inode has a pending ordered extent.
-    pub fn any_pending(&self) -> bool {
+    pub(crate) fn any_pending(&self) -> bool {
         self.pending_total.load(Ordering::SeqCst) > 0
     }
 
     /// Whether `ino` has a pending ordered extent or delayed-allocation buffer (or one being
     /// completed: its reader must wait for the writer lock too).
-    pub fn has_pending(&self, ino: Inode) -> bool {
+    pub(crate) fn has_pending(&self, ino: Inode) -> bool {
         self.any_pending()
             && self.inodes().get(&ino).is_some_and(|w| {
                 !w.pending.is_empty()
@@ -539,7 +550,7 @@ impl OrderedTrees {
 
     /// The pending ordered extents of `ino`, oldest first (for the fsync log).
     /// (A write-back on its way to the device is waited for.)
-    pub fn pending_of(&self, ino: Inode) -> Vec<Pending> {
+    pub(crate) fn pending_of(&self, ino: Inode) -> Vec<Pending> {
         if !self.any_pending() {
             return Vec::new();
         }
@@ -573,7 +584,7 @@ impl OrderedTrees {
 
     /// Takes every pending ordered extent out, for their completion (under the writer lock).
     /// Their ranges keep `ORDERED` until [`OrderedTrees::completed`].
-    pub fn take_pending(&self) -> Vec<(Inode, Vec<Pending>)> {
+    pub(crate) fn take_pending(&self) -> Vec<(Inode, Vec<Pending>)> {
         if !self.any_pending() {
             return Vec::new();
         }
@@ -610,7 +621,7 @@ impl OrderedTrees {
 
     /// Waits until the writes to `ino` that hold their range lock now have finished (writes
     /// that start meanwhile are not waited for).
-    pub fn wait_for_writes(&self, ino: Inode) {
+    pub(crate) fn wait_for_writes(&self, ino: Inode) {
         let upto = self.next_ticket.load(Ordering::Relaxed);
         let mut inodes = self.inodes();
         self.waiters.fetch_add(1, Ordering::SeqCst);
@@ -627,6 +638,7 @@ impl OrderedTrees {
         self.waiters.fetch_sub(1, Ordering::SeqCst);
     }
 
+    #[cfg(test)]
     /// Whether any byte of `[start, end)` of `ino` has `bits` now.
     pub fn test(&self, ino: Inode, start: u64, end: u64, bits: ExtentBits) -> bool {
         let tree = self.inodes().get(&ino).map(|w| w.tree.clone());
@@ -636,7 +648,7 @@ impl OrderedTrees {
 
 /// A write's range lock; unlocks (and forgets the inode's tree once nothing is left in it) on
 /// drop.
-pub struct RangeGuard<'a> {
+pub(crate) struct RangeGuard<'a> {
     owner: &'a OrderedTrees,
     ino: Inode,
     tree: Arc<SharedExtentIoTree>,
@@ -646,33 +658,28 @@ pub struct RangeGuard<'a> {
 }
 
 impl RangeGuard<'_> {
-    /// The locked range as `[start, end)`.
-    pub fn range(&self) -> (u64, u64) {
-        (self.start, self.last + 1)
-    }
-
     /// An ordered extent over `[start, end)` (inside the locked range) begins: allocated, its
     /// data about to be written.
-    pub fn start_ordered(&self, start: u64, end: u64) {
+    pub(crate) fn start_ordered(&self, start: u64, end: u64) {
         self.owner.started.fetch_add(1, Ordering::Relaxed);
         self.tree
             .set_bits(start, end - 1, ExtentBits::ORDERED | ExtentBits::WRITEBACK);
     }
 
     /// Its data is written (or failed to be).
-    pub fn writeback_done(&self, start: u64, end: u64) {
+    pub(crate) fn writeback_done(&self, start: u64, end: u64) {
         self.tree.clear_bits(start, end - 1, ExtentBits::WRITEBACK);
     }
 
     /// Completed: in the trees, or abandoned after an error.
-    pub fn finish_ordered(&self, start: u64, end: u64) {
+    pub(crate) fn finish_ordered(&self, start: u64, end: u64) {
         self.tree
             .clear_bits(start, end - 1, ExtentBits::ORDERED | ExtentBits::WRITEBACK);
     }
 
     /// Written: the extent waits for its completion as `p` (the range keeps `ORDERED`). Only
     /// under the writer lock, whose holder counts it (`Writer::ordered_pending`).
-    pub fn defer(&self, p: Pending) {
+    pub(crate) fn defer(&self, p: Pending) {
         self.writeback_done(p.file_off, p.file_off + p.len);
         self.owner.deferred.fetch_add(1, Ordering::Relaxed);
         let mut inodes = self.owner.inodes();

@@ -11,7 +11,7 @@ use crate::io::disk_io::Readahead;
 impl Core {
     /// Deletes the inodes with no links that ORPHAN items name, in every writable subvolume
     /// (a read-only snapshot keeps what it holds). Returns how many were deleted.
-    pub fn clean_orphans(&self) -> Result<usize> {
+    pub(crate) fn clean_orphans(&self) -> Result<usize> {
         let mut roots = vec![FS_TREE_OBJECTID];
         roots.extend(self.list_subvolumes()?.iter().map(|s| s.id));
         let mut deleted = 0;

@@ -78,7 +78,7 @@ pub struct SubvolInfo {
 pub const EMPTY_SUBVOL_DIR_OBJECTID: u64 = 2;
 
 /// Maximum bytes of a compressed extent, before and after decompression (btrfs limit).
-pub const MAX_COMPRESSED: u64 = 128 * 1024;
+pub(crate) const MAX_COMPRESSED: u64 = 128 * 1024;
 
 impl Core {
     /// The inode item of `ino`, after the completion of its pending ordered extents
@@ -535,7 +535,7 @@ impl Core {
 
     /// Per-sector data checksums for `[logical, logical + len)`; `None` where the csum tree has
     /// none.
-    pub fn data_csums(&self, logical: u64, len: u64) -> Result<Vec<Option<[u8; 32]>>> {
+    pub(crate) fn data_csums(&self, logical: u64, len: u64) -> Result<Vec<Option<[u8; 32]>>> {
         let ss = self.disk.sectorsize() as u64;
         let n = len.div_ceil(ss) as usize;
         let mut out = vec![None; n];

@@ -130,7 +130,7 @@ const LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// Who holds the write lock (`flock`) on the file with this device and inode number: "butter
 /// process PID (`COMMAND LINE`)", from /proc/locks and /proc/PID/cmdline.
-pub fn lock_holder(dev: u64, ino: u64) -> Option<String> {
+pub(crate) fn lock_holder(dev: u64, ino: u64) -> Option<String> {
     // Linux's encoding of a dev_t into major and minor numbers.
     let major = ((dev >> 8) & 0xfff) | ((dev >> 32) & !0xfff);
     let minor = (dev & 0xff) | ((dev >> 12) & !0xff);

@@ -52,7 +52,7 @@ pub struct TreeBlock {
 
 impl TreeBlock {
     /// Wraps a block the write engine built or changed (its header is re-read from `data`).
-    pub fn from_parts(bytenr: u64, data: Box<[u8]>) -> TreeBlock {
+    pub(crate) fn from_parts(bytenr: u64, data: Box<[u8]>) -> TreeBlock {
         let header = Header::parse(&data);
         TreeBlock {
             bytenr,
@@ -127,7 +127,7 @@ impl TreeBlock {
 /// one starts) and clear of the item array, and keys strictly increase. Returns the first key.
 /// `data` is the whole block; `loc(slot)` names the block for errors. Shared by the reader's
 /// tree checker and the write-side primitives ([`crate::ctree::ops`]).
-pub fn check_leaf_items(
+pub(crate) fn check_leaf_items(
     data: &[u8],
     n: usize,
     loc: &dyn Fn(Option<usize>) -> Location,
@@ -522,7 +522,7 @@ impl Disk {
     /// Opens the metadata layer as far as the superblock takes it: the superblock and its
     /// sys_chunk_array, enough to read the chunk tree. [`crate::ctree::open_disk`] opens it
     /// whole, with the chunk tree loaded.
-    pub fn open_sys_chunks(dev: Arc<dyn BlockDevice>) -> Result<Arc<Disk>> {
+    pub(crate) fn open_sys_chunks(dev: Arc<dyn BlockDevice>) -> Result<Arc<Disk>> {
         let sb = read_superblock(dev.as_ref())?;
         if let Some(why) = crate::format::features::refuse_read(&sb) {
             return Err(Error::Unsupported(why));
@@ -611,7 +611,7 @@ impl Disk {
     }
 
     /// A block of the running transaction, if `bytenr` is one.
-    pub fn overlay_get(&self, bytenr: u64) -> Option<Arc<TreeBlock>> {
+    pub(crate) fn overlay_get(&self, bytenr: u64) -> Option<Arc<TreeBlock>> {
         self.overlay
             .read()
             .unwrap_or_else(|e| e.into_inner())
@@ -620,7 +620,7 @@ impl Disk {
     }
 
     /// Adds or replaces a block of the running transaction.
-    pub fn overlay_put(&self, b: Arc<TreeBlock>) {
+    pub(crate) fn overlay_put(&self, b: Arc<TreeBlock>) {
         self.overlay
             .write()
             .unwrap_or_else(|e| e.into_inner())
@@ -629,7 +629,11 @@ impl Disk {
 
     /// Changes a block of the running transaction in place (copying it first if a reader
     /// still holds it). `None` if `bytenr` is not in the overlay.
-    pub fn overlay_modify<R>(&self, bytenr: u64, f: impl FnOnce(&mut [u8]) -> R) -> Option<R> {
+    pub(crate) fn overlay_modify<R>(
+        &self,
+        bytenr: u64,
+        f: impl FnOnce(&mut [u8]) -> R,
+    ) -> Option<R> {
         let mut ov = self.overlay.write().unwrap_or_else(|e| e.into_inner());
         let arc = ov.get_mut(&bytenr)?;
         let blk = Arc::make_mut(arc);
@@ -639,7 +643,7 @@ impl Disk {
     }
 
     /// Drops a block from the running transaction (it was freed before being written).
-    pub fn overlay_remove(&self, bytenr: u64) -> Option<Arc<TreeBlock>> {
+    pub(crate) fn overlay_remove(&self, bytenr: u64) -> Option<Arc<TreeBlock>> {
         self.overlay
             .write()
             .unwrap_or_else(|e| e.into_inner())
@@ -647,7 +651,7 @@ impl Disk {
     }
 
     /// Addresses of all blocks of the running transaction.
-    pub fn overlay_addresses(&self) -> Vec<u64> {
+    pub(crate) fn overlay_addresses(&self) -> Vec<u64> {
         let mut v: Vec<u64> = self
             .overlay
             .read()
@@ -660,7 +664,7 @@ impl Disk {
     }
 
     /// After a commit wrote them: the overlay's blocks become ordinary cached blocks.
-    pub fn overlay_retire(&self) {
+    pub(crate) fn overlay_retire(&self) {
         let blocks: Vec<Arc<TreeBlock>> = {
             let mut ov = self.overlay.write().unwrap_or_else(|e| e.into_inner());
             ov.drain().map(|(_, b)| b).collect()
@@ -673,7 +677,7 @@ impl Disk {
     }
 
     /// Forgets a cached block whose space was freed (it may be reused for another block).
-    pub fn cache_forget(&self, bytenr: u64) {
+    pub(crate) fn cache_forget(&self, bytenr: u64) {
         self.cache
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -682,7 +686,7 @@ impl Disk {
     }
 
     /// Writes `data` at a logical address to every copy.
-    pub fn write_logical(&self, logical: u64, data: &[u8]) -> Result<()> {
+    pub(crate) fn write_logical(&self, logical: u64, data: &[u8]) -> Result<()> {
         for phys in self.copies(logical, data.len() as u64)? {
             self.dev
                 .write_at(data, phys)
@@ -692,7 +696,11 @@ impl Disk {
     }
 
     /// Adds a chunk created by the write engine to the logical-to-physical map.
-    pub fn add_chunk(&self, logical: u64, chunk: crate::format::items::ChunkItem) -> Result<()> {
+    pub(crate) fn add_chunk(
+        &self,
+        logical: u64,
+        chunk: crate::format::items::ChunkItem,
+    ) -> Result<()> {
         self.chunks
             .write()
             .unwrap_or_else(|e| e.into_inner())
@@ -708,7 +716,7 @@ impl Disk {
     }
 
     /// Whether a block is in the cache (readahead uses this).
-    pub fn is_cached(&self, bytenr: u64) -> bool {
+    pub(crate) fn is_cached(&self, bytenr: u64) -> bool {
         self.cache
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -809,7 +817,7 @@ impl Disk {
 
     /// Reads `len` bytes of data at a logical address, trying each copy until `verify` accepts
     /// it (`verify` returns false on a checksum mismatch).
-    pub fn read_data(
+    pub(crate) fn read_data(
         &self,
         logical: u64,
         len: usize,

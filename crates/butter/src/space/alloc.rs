@@ -19,16 +19,16 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Mutex;
 
 /// Unit that excluded superblock ranges are rounded to (the kernel's stripe length).
-pub const STRIPE_LEN: u64 = 64 * 1024;
+pub(crate) const STRIPE_LEN: u64 = 64 * 1024;
 
 /// Offsets of the superblock copies on a device.
-pub fn super_mirror_offsets() -> [u64; 3] {
+pub(crate) fn super_mirror_offsets() -> [u64; 3] {
     [64 * 1024, 64 << 20, 256 << 30]
 }
 
 /// A sorted set of disjoint, non-adjacent byte ranges (start -> length).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct RangeSet {
+pub(crate) struct RangeSet {
     map: BTreeMap<u64, u64>,
     total: u64,
 }
@@ -40,14 +40,8 @@ impl RangeSet {
     pub fn total(&self) -> u64 {
         self.total
     }
-    pub fn is_empty(&self) -> bool {
-        self.map.is_empty()
-    }
     pub fn iter(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
         self.map.iter().map(|(s, l)| (*s, *l))
-    }
-    pub fn len(&self) -> usize {
-        self.map.len()
     }
     /// Adds `[start, start + len)`, merging with neighbours. Overlap with what is there is an
     /// engine bug (double free) and is refused.
@@ -119,6 +113,7 @@ impl RangeSet {
             None => false,
         }
     }
+    #[cfg(test)]
     /// Whether any byte of `[start, start + len)` is in the set.
     pub fn intersects(&self, start: u64, len: u64) -> bool {
         self.map
@@ -154,7 +149,7 @@ impl RangeSet {
         None
     }
     /// The union of two sets.
-    pub fn union(&self, other: &RangeSet) -> RangeSet {
+    pub(crate) fn union(&self, other: &RangeSet) -> RangeSet {
         let mut v: Vec<(u64, u64)> = self.iter().chain(other.iter()).collect();
         v.sort_unstable();
         let mut out = RangeSet::new();
@@ -180,7 +175,7 @@ impl RangeSet {
 
 /// One block group: a chunk's logical range and what is free in it.
 #[derive(Debug)]
-pub struct BlockGroup {
+pub(crate) struct BlockGroup {
     pub start: u64,
     pub len: u64,
     /// BLOCK_GROUP_* type and profile bits.
@@ -232,9 +227,6 @@ impl BlockGroup {
     pub fn end(&self) -> u64 {
         self.start + self.len
     }
-    pub fn kind(&self) -> u64 {
-        self.flags & (BLOCK_GROUP_DATA | BLOCK_GROUP_METADATA | BLOCK_GROUP_SYSTEM)
-    }
     /// Marks a range as excluded (superblock copy).
     pub fn exclude(&mut self, start: u64, len: u64) {
         let s = start.max(self.start);
@@ -247,7 +239,7 @@ impl BlockGroup {
     /// What the free space tree must say is free: free plus pinned, plus the superblock
     /// ranges (the kernel describes a new group as wholly free and keeps supers out of its
     /// allocator in memory only).
-    pub fn on_disk_free(&self) -> RangeSet {
+    pub(crate) fn on_disk_free(&self) -> RangeSet {
         self.free
             .union(&self.pinned)
             .union(&self.excluded)
@@ -277,7 +269,7 @@ impl SpaceKind {
             SpaceKind::System => BLOCK_GROUP_SYSTEM,
         }
     }
-    pub fn of_flags(flags: u64) -> Option<SpaceKind> {
+    pub(crate) fn of_flags(flags: u64) -> Option<SpaceKind> {
         if flags & BLOCK_GROUP_SYSTEM != 0 {
             Some(SpaceKind::System)
         } else if flags & BLOCK_GROUP_METADATA != 0 {
@@ -313,7 +305,7 @@ impl Allocator {
         Allocator::default()
     }
 
-    pub fn add_group(&mut self, bg: BlockGroup) -> Result<()> {
+    pub(crate) fn add_group(&mut self, bg: BlockGroup) -> Result<()> {
         let kind = SpaceKind::of_flags(bg.flags).ok_or_else(|| {
             Error::Unsupported(format!(
                 "block group at {} has type flags {:#x}",
@@ -332,14 +324,14 @@ impl Allocator {
     }
 
     /// Start of the group containing `bytenr`.
-    pub fn group_containing(&self, bytenr: u64) -> Option<u64> {
+    pub(crate) fn group_containing(&self, bytenr: u64) -> Option<u64> {
         let (s, g) = self.groups.range(..=bytenr).next_back()?;
         let g = g.lock().unwrap_or_else(|e| e.into_inner());
         (bytenr < g.end()).then_some(*s)
     }
 
     /// Runs `f` on the group containing `bytenr` (under its lock), keeping the index in step.
-    pub fn with_group<R>(
+    pub(crate) fn with_group<R>(
         &mut self,
         bytenr: u64,
         f: impl FnOnce(&mut BlockGroup) -> R,
@@ -429,7 +421,7 @@ impl Allocator {
 
     /// Allocates a block for the fsync log: taken from the free space and held (see
     /// [`BlockGroup::held`]) without touching the group's used count or its on-disk items.
-    pub fn alloc_held(&mut self, kind: SpaceKind, len: u64, align: u64) -> Option<u64> {
+    pub(crate) fn alloc_held(&mut self, kind: SpaceKind, len: u64, align: u64) -> Option<u64> {
         let at = self.alloc(kind, len, align)?;
         match self.with_group(at, |g| g.held.add(at, len)) {
             Some(Ok(())) => Some(at),
@@ -450,12 +442,12 @@ impl Allocator {
 
     /// A held range becomes an ordinary allocation: the caller has just recorded it in the
     /// trees (its extent item and used count come with the commit's delayed references).
-    pub fn claim_held(&mut self, start: u64, len: u64) {
+    pub(crate) fn claim_held(&mut self, start: u64, len: u64) {
         self.with_group(start, |g| g.held.remove(start, len));
     }
 
     /// Gives held log blocks back to the free space.
-    pub fn release_held(&mut self, start: u64, len: u64) {
+    pub(crate) fn release_held(&mut self, start: u64, len: u64) {
         self.with_group(start, |g| {
             if g.held.contains(start, len) {
                 g.held.remove(start, len);
@@ -465,7 +457,7 @@ impl Allocator {
     }
 
     /// After a commit: pinned space becomes allocatable.
-    pub fn unpin_all(&mut self) {
+    pub(crate) fn unpin_all(&mut self) {
         for s in self.starts() {
             self.with_group(s, |g| {
                 let pinned = std::mem::take(&mut g.pinned);
@@ -477,7 +469,7 @@ impl Allocator {
     }
 
     /// Pinned bytes of one kind (space a commit would release).
-    pub fn pinned_bytes(&self, kind: SpaceKind) -> u64 {
+    pub(crate) fn pinned_bytes(&self, kind: SpaceKind) -> u64 {
         self.groups
             .values()
             .map(|m| m.lock().unwrap_or_else(|e| e.into_inner()))
@@ -487,7 +479,7 @@ impl Allocator {
     }
 
     /// Free bytes of one kind.
-    pub fn free_bytes(&self, kind: SpaceKind) -> u64 {
+    pub(crate) fn free_bytes(&self, kind: SpaceKind) -> u64 {
         self.index
             .range((kind, 0, 0)..=(kind, u64::MAX, u64::MAX))
             .map(|(_, f, _)| *f)
@@ -509,7 +501,7 @@ impl Allocator {
     }
 
     /// Adds `delta` to the used count of the group holding `bytenr`.
-    pub fn account_used(&mut self, bytenr: u64, len: u64, add: bool) -> Result<()> {
+    pub(crate) fn account_used(&mut self, bytenr: u64, len: u64, add: bool) -> Result<()> {
         let r = self.with_group(bytenr, |g| {
             g.dirty = true;
             if add {
@@ -536,7 +528,7 @@ impl Allocator {
     }
 
     /// Runs `f` on every group in address order.
-    pub fn for_each(&mut self, mut f: impl FnMut(&mut BlockGroup)) {
+    pub(crate) fn for_each(&mut self, mut f: impl FnMut(&mut BlockGroup)) {
         for s in self.starts() {
             self.with_group(s, &mut f);
         }
@@ -551,7 +543,7 @@ impl Allocator {
     }
 
     /// Highest end of any group (the next chunk's logical address goes at or above it).
-    pub fn logical_end(&self) -> u64 {
+    pub(crate) fn logical_end(&self) -> u64 {
         self.groups
             .values()
             .map(|g| g.lock().unwrap_or_else(|e| e.into_inner()).end())

@@ -35,11 +35,11 @@ use crate::format::items::FreeSpaceInfo;
 use crate::format::*;
 
 /// Bytes in the body of a full FREE_SPACE_BITMAP item.
-pub const BITMAP_BYTES: u64 = 256;
+pub(crate) const BITMAP_BYTES: u64 = 256;
 /// Sectors one full bitmap item covers.
-pub const BITMAP_BITS: u64 = BITMAP_BYTES * 8;
+pub(crate) const BITMAP_BITS: u64 = BITMAP_BYTES * 8;
 /// The low threshold sits this many extents below the high one (when the high one is above it).
-pub const THRESHOLD_GAP: u32 = 100;
+pub(crate) const THRESHOLD_GAP: u32 = 100;
 
 /// The free space of one block group.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -96,14 +96,14 @@ impl BgFreeSpace {
     }
 
     /// Total free bytes.
-    pub fn free_bytes(&self) -> u64 {
+    pub(crate) fn free_bytes(&self) -> u64 {
         self.extents
             .iter()
             .fold(0u64, |a, &(_, l)| a.saturating_add(l))
     }
 
     /// The same free space with the extents clipped to the group, sorted and merged.
-    pub fn normalized(&self) -> BgFreeSpace {
+    pub(crate) fn normalized(&self) -> BgFreeSpace {
         let end = self.end();
         let mut v: Vec<(u64, u64)> = self
             .extents
@@ -137,13 +137,13 @@ impl BgFreeSpace {
 }
 
 /// Bytes of a block group one full bitmap item covers: `sectorsize * 2048`.
-pub fn bitmap_range(sectorsize: u32) -> u64 {
+pub(crate) fn bitmap_range(sectorsize: u32) -> u64 {
     sectorsize as u64 * BITMAP_BITS
 }
 
 /// Body size of a bitmap item covering `len` bytes: one bit per whole sector, rounded up to
 /// bytes.
-pub fn bitmap_body_len(len: u64, sectorsize: u32) -> u64 {
+pub(crate) fn bitmap_body_len(len: u64, sectorsize: u32) -> u64 {
     (len / (sectorsize.max(1) as u64)).div_ceil(8)
 }
 
@@ -165,7 +165,7 @@ pub fn thresholds(bg_len: u64, sectorsize: u32) -> (u32, u32) {
 
 /// The format a group with `extent_count` free extents ends up in after the kernel's next
 /// update, given its current format.
-pub fn use_bitmaps(
+pub(crate) fn use_bitmaps(
     extent_count: u64,
     bg_len: u64,
     sectorsize: u32,
@@ -181,7 +181,7 @@ pub fn use_bitmaps(
 
 /// A block group's free space items as found, before their extent count and flags are judged.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Decoded {
+pub(crate) struct Decoded {
     /// The free space the EXTENT or BITMAP items describe.
     pub space: BgFreeSpace,
     /// The FREE_SPACE_INFO body as stored.
@@ -193,13 +193,13 @@ pub struct Decoded {
 
 impl Decoded {
     /// True when the info's flags say bitmaps.
-    pub fn flag_bitmaps(&self) -> bool {
+    pub(crate) fn flag_bitmaps(&self) -> bool {
         self.info.flags & FREE_SPACE_USING_BITMAPS != 0
     }
 
     /// Why the info disagrees with the items, if it does: unknown flag bits, a format flag that
     /// does not match the item type, or an extent count that is not the number of free extents.
-    pub fn info_problem(&self) -> Option<String> {
+    pub(crate) fn info_problem(&self) -> Option<String> {
         let unknown = self.info.flags & !FREE_SPACE_USING_BITMAPS;
         if unknown != 0 {
             return Some(format!(
@@ -214,7 +214,7 @@ impl Decoded {
     }
 
     /// The format flag disagrees with the type of the items.
-    pub fn flags_problem(&self) -> Option<String> {
+    pub(crate) fn flags_problem(&self) -> Option<String> {
         match (self.flag_bitmaps(), self.item_type) {
             (true, Some(FREE_SPACE_EXTENT_KEY)) => Some(format!(
                 "free space info flags {:#x} say bitmaps, but the group has FREE_SPACE_EXTENT items",
@@ -233,7 +233,7 @@ impl Decoded {
     }
 
     /// The extent count is not the number of free extents.
-    pub fn count_problem(&self) -> Option<String> {
+    pub(crate) fn count_problem(&self) -> Option<String> {
         let n = self.space.extents.len() as u64;
         (self.info.extent_count as u64 != n).then(|| {
             format!(
@@ -258,7 +258,7 @@ fn fst_loc(bg_start: u64, key: Option<Key>) -> Location {
 /// sector aligned, in order, not overlapping; extents with empty bodies that do not touch;
 /// bitmaps of the right size tiling the group with no bits past their range. The extent count
 /// and flags are returned as stored, not judged (see [`Decoded::info_problem`]).
-pub fn decode_items(
+pub(crate) fn decode_items(
     items: &[(Key, &[u8])],
     bg_start: u64,
     bg_len: u64,

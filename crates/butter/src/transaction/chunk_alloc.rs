@@ -47,7 +47,7 @@ impl Writer {
     }
 
     /// Adds a chunk (and its block group) of `kind`, at least `min_len` bytes when possible.
-    pub fn alloc_chunk(&mut self, kind: SpaceKind, min_len: u64) -> Result<u64> {
+    pub(crate) fn alloc_chunk(&mut self, kind: SpaceKind, min_len: u64) -> Result<u64> {
         self.check_writable()?;
         // The new chunk is in the chunk tree only once this transaction commits: a log that
         // named an extent or a log block in it would not replay (its address maps nowhere

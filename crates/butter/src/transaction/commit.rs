@@ -41,7 +41,7 @@ impl Writer {
     /// commit reads the trees but does not change them: a caller that keeps readers out while
     /// trees change can let them in again there (the FUSE mount does, so a slow fsync does
     /// not stall reads).
-    pub fn commit_with(&mut self, trees_final: impl FnOnce()) -> Result<()> {
+    pub(crate) fn commit_with(&mut self, trees_final: impl FnOnce()) -> Result<()> {
         self.check_writable()?;
         self.check_no_ordered()?;
         if !self.has_changes() {

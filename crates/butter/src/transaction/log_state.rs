@@ -177,7 +177,7 @@ impl LogTree {
 
 /// The fsync log of the running transaction (part of the [`Writer`]).
 #[derive(Debug, Default)]
-pub struct LogState {
+pub(crate) struct LogState {
     /// Log trees by subvolume.
     pub(crate) trees: BTreeMap<u64, LogTree>,
     /// The log root tree: one ROOT_ITEM per log tree.

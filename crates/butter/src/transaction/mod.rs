@@ -230,12 +230,12 @@ impl Writer {
     }
 
     /// Whether the running transaction changed anything.
-    pub fn has_changes(&self) -> bool {
+    pub(crate) fn has_changes(&self) -> bool {
         !self.refs.is_empty() || !self.disk.overlay_addresses().is_empty()
     }
 
     /// Allocates `len` bytes of data space (sector aligned), adding a data chunk if needed.
-    pub fn alloc_data(&mut self, len: u64) -> Result<u64> {
+    pub(crate) fn alloc_data(&mut self, len: u64) -> Result<u64> {
         self.check_writable()?;
         let ss = self.disk.sectorsize() as u64;
         if let Some(b) = self.allocator.alloc(SpaceKind::Data, len, ss) {
@@ -276,7 +276,7 @@ impl Writer {
     /// Before an operation: make sure metadata and system space will not run out in the middle
     /// of it (adding chunks here, where no tree is being changed). Errors with ENOSPC when the
     /// device is full and `for_growth`.
-    pub fn reserve_metadata(&mut self, for_growth: bool) -> Result<()> {
+    pub(crate) fn reserve_metadata(&mut self, for_growth: bool) -> Result<()> {
         self.check_writable()?;
         let ns = self.disk.nodesize() as u64;
         let want = (ns * 256).max(4 << 20);

@@ -262,7 +262,7 @@ pub fn read_log(disk: &Disk) -> Result<Option<FsyncLog>> {
 
 /// Starts the write engine of a read-write open: replays and commits the fsync log first
 /// when the image has one.
-pub fn start_writer(fs: &Core) -> Result<Writer> {
+pub(crate) fn start_writer(fs: &Core) -> Result<Writer> {
     let disk = fs.disk.clone();
     let log = read_log(&disk).map_err(|e| {
         with_hint(
@@ -294,7 +294,7 @@ pub fn start_writer(fs: &Core) -> Result<Writer> {
 
 /// Read-only open of an image with a log: replays into memory only (the write engine's
 /// overlay), so reads show what a mount would, and nothing is written.
-pub fn replay_in_memory(fs: &Core) -> Result<()> {
+pub(crate) fn replay_in_memory(fs: &Core) -> Result<()> {
     let disk = fs.disk.clone();
     let log = read_log(&disk).map_err(|e| {
         with_hint(

@@ -265,7 +265,7 @@ fn log_root_item(bytenr: u64, level: u8, transid: u64, nodesize: usize) -> Vec<u
 
 /// Most inodes one directory fsync logs (new subdirectories included) before it commits
 /// instead.
-pub const MAX_DIR_PLAN: usize = 4096;
+pub(crate) const MAX_DIR_PLAN: usize = 4096;
 
 fn key_range_of(ino: u64, ty: u8) -> (Key, Key) {
     (Key::new(ino, ty, 0), Key::new(ino, ty, u64::MAX))
@@ -290,7 +290,7 @@ impl Core {
     /// Whether [`Core::log_inode`] completes pending ordered extents (changing the trees)
     /// rather than logging them as they are: without seed 003's rule, and on a file system
     /// without NO_HOLES.
-    pub fn fsync_completes_ordered(&self) -> bool {
+    pub(crate) fn fsync_completes_ordered(&self) -> bool {
         self.fsync_waits_for_writes.load(Ordering::Relaxed)
             || !self.disk.sb.has_incompat(INCOMPAT_NO_HOLES)
     }
