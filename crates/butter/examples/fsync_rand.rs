@@ -1,9 +1,10 @@
-//! Where an fsync's time goes for seed 003's random workload, through the library: 4 KiB writes
-//! at random offsets of a file, an fsync after every 16, with the fsync log (the default) and
-//! with a full commit per fsync (`Fs::set_fsync_log(false)`), on an image file in DIR (default
-//! /dev/shm, so device time is the page cache's and flushes are nearly free: the numbers are
-//! the engine's CPU). Prints the fsync latency p50/p99 and, for the log, how it splits into
-//! logging the inode (under the writer lock) and the log commit.
+//! Where an fsync's time goes for the random workload of seed 003 (fast fsync through the log
+//! tree), through the library: 4 KiB writes at random offsets of a file, an fsync after every
+//! 16, with the fsync log (the default) and with a full commit per fsync
+//! (`Fs::set_fsync_log(false)`), on an image file in DIR (default /dev/shm, so device time is
+//! the page cache's and flushes are nearly free: the numbers are the engine's CPU). Prints the
+//! fsync latency p50/p99 and, for the log, how it splits into logging the inode (under the
+//! writer lock) and the log commit.
 //!
 //! `cargo run --release -p butter --example fsync_rand [DIR] [FILE_MIB]`
 

@@ -145,8 +145,8 @@ fn creates_beside_writer(dir: &Path, unlocked: bool, mib: u64) -> butter::Result
 }
 
 /// (p50, p99) in µs of fsyncs of the stream's file: every 2 ms a 4 KiB write past the
-/// stream's range, then an fsync. `rule`: seed 003's rule (the fsync does not wait for the
-/// writes in progress).
+/// stream's range, then an fsync. `rule`: the fsync rule that skips writes in progress (the
+/// fsync does not wait for them).
 fn fsync_beside_writer(dir: &Path, rule: bool, mib: u64) -> butter::Result<(f64, f64)> {
     beside_stream(dir, true, rule, mib, |fs, f| {
         let mut lat = Vec::new();
@@ -225,8 +225,8 @@ fn main() -> butter::Result<()> {
         );
     }
     println!(
-        "\nSeed 003's rule: an fsync does not wait for the file's writes in progress (with) or \
-         waits for them first (without).\n"
+        "\nThe fsync rule that skips writes in progress: an fsync does not wait for the file's \
+         writes in progress (with) or waits for them first (without).\n"
     );
     println!("| workload | with the rule | without | with/without |");
     println!("|---|---:|---:|---:|");

@@ -321,9 +321,9 @@ impl ExtentIoTree {
         }
     }
 
-    /// Turns the seed's trim-in-place optimization of [`clear_bits`](Self::clear_bits) on
-    /// (the default) or off. Off, the edge records are split and the inner half deleted, as
-    /// before the seed; the resulting records are identical either way. For benchmarks.
+    /// Turns the trim-in-place optimization of [`clear_bits`](Self::clear_bits) on (the
+    /// default) or off. Off, the edge records are split and the inner half deleted, as before
+    /// the optimization; the resulting records are identical either way. For benchmarks.
     pub fn set_trim_in_place(&mut self, on: bool) {
         self.trim_in_place = on;
     }

@@ -310,8 +310,9 @@ impl Fs {
     /// commit in progress), then writes the log, in one log commit with the fsyncs that
     /// logged meanwhile; commits instead where the engine cannot log the inode.
     pub fn gated_fsync(&self, ino: Inode) -> Result<()> {
-        // Waiting for the inode's writes in progress (without seed 003's rule) means waiting
-        // for their range locks: the inode passage does that before the gate (crate::gate).
+        // Waiting for the inode's writes in progress (without the fsync rule that skips them)
+        // means waiting for their range locks: the inode passage does that before the gate
+        // (crate::gate).
         let _inode = self
             .fsync_waits_for_writes
             .load(std::sync::atomic::Ordering::Relaxed)
@@ -354,7 +355,8 @@ impl Fs {
 pub struct RwOptions {
     /// fsync writes the log tree (else it commits the transaction). Default on.
     pub fsync_log: bool,
-    /// Seed 003's rule: an fsync does not wait for the inode's writes in progress. Default on.
+    /// The fsync rule that skips writes in progress: an fsync does not wait for the inode's
+    /// writes in progress. Default on.
     pub fsync_skips_writes_in_progress: bool,
     /// Extents longer than 64 KiB are written without the writer lock. Default on.
     pub unlocked_writeback: bool,

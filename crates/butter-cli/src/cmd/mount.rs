@@ -33,10 +33,10 @@ pub struct MountArgs {
     /// fsync log, show the last commit), commit=SECONDS (read-write: commit
     /// this often, default 30, 0 = only at fsync/unmount), fsync=log|log-wait|commit (what an
     /// fsync writes: the fsync log, the default; the fsync log after waiting for the file's
-    /// writes in progress and completing its ordered extents, i.e. without seed 003's rule,
-    /// for comparison; or a full commit), allow_other, allow_root,
-    /// fsname=NAME, subtype=NAME, subvol=PATH, subvolid=N, dev, nodev, suid, nosuid, exec,
-    /// noexec, atime, noatime.
+    /// writes in progress and completing its ordered extents, i.e. without the fsync rule
+    /// that skips writes in progress, for comparison; or a full commit), allow_other,
+    /// allow_root, fsname=NAME, subtype=NAME, subvol=PATH, subvolid=N, dev, nodev, suid,
+    /// nosuid, exec, noexec, atime, noatime.
     #[arg(short = 'o', value_name = "OPTIONS")]
     pub options: Vec<String>,
     /// Mount this subvolume (path from the top-level subvolume) instead of the default one.
@@ -75,7 +75,8 @@ struct Plan {
     nologreplay: bool,
     /// fsync writes the log tree (else commits).
     fsync_log: bool,
-    /// fsync logs pending ordered extents as they are (seed 003's rule; off: `fsync=log-wait`).
+    /// fsync logs pending ordered extents as they are (the fsync rule that skips writes in
+    /// progress; off: `fsync=log-wait`).
     fsync_rule: bool,
     subvol: Subvol,
     cfg: MountConfig,

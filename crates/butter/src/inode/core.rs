@@ -38,8 +38,8 @@ pub struct Core {
     /// Extents longer than this are written without the writer lock (crate::inode::ordered);
     /// `u64::MAX` turns that off (for the benchmark's comparison).
     pub(crate) unlocked_writeback_above: std::sync::atomic::AtomicU64,
-    /// fsync waits for the inode's writes in progress (off: seed 003's rule; see
-    /// [`Core::set_fsync_skips_writes_in_progress`]).
+    /// fsync waits for the inode's writes in progress (off: the fsync rule that skips them;
+    /// see [`Core::set_fsync_skips_writes_in_progress`]).
     pub(crate) fsync_waits_for_writes: std::sync::atomic::AtomicBool,
     /// The reader/writer gate and the abort latch for concurrent callers (crate::gate).
     pub(crate) gate: crate::gate::Gate,

@@ -153,7 +153,8 @@ impl Core {
 
     /// Drops `[start, end)` from the file's extent items (sector aligned, non-inline items),
     /// then inserts `new` (key offset, body) if given. Returns the change of nbytes (removed,
-    /// added). Seed 002: one descent when everything is in one leaf.
+    /// added). When everything is in one leaf, this takes a single descent (one-descent
+    /// extent replace).
     pub(crate) fn replace_extents(
         &self,
         w: &mut Writer,
@@ -296,9 +297,9 @@ impl Core {
         }
     }
 
-    /// Seed 002's path: one descent to the leaf where the new item goes; if every overlapping
-    /// item is in that leaf and the results fit, change them there. `None` when it does not
-    /// apply (the caller falls back).
+    /// The path of one-descent extent replace: one descent to the leaf where the new item
+    /// goes; if every overlapping item is in that leaf and the results fit, change them there.
+    /// `None` when it does not apply (the caller falls back).
     fn replace_in_one_leaf(
         &self,
         w: &mut Writer,
@@ -985,11 +986,11 @@ impl Core {
     }
 
     /// Writes `ino`'s delayed-allocation buffer back with the writer lock held only to
-    /// allocate its extent and register it as a pending ordered extent (seed 003: writeback
-    /// does not stop other operations): the data goes to the device without it, as an
-    /// ordinary write's does. Whoever needs the extent meanwhile (a completion, the fsync
-    /// log) waits for its data. When the space cannot be had without a commit, the buffer
-    /// stays for a write-back under the lock.
+    /// allocate its extent and register it as a pending ordered extent (writeback split from
+    /// ordered extent completion: writeback does not stop other operations): the data goes to
+    /// the device without it, as an ordinary write's does. Whoever needs the extent meanwhile
+    /// (a completion, the fsync log) waits for its data. When the space cannot be had without
+    /// a commit, the buffer stays for a write-back under the lock.
     pub(crate) fn flush_delalloc_unlocked(&self, ino: Inode) -> Result<()> {
         if !self.ordered.has_delalloc(ino) {
             return Ok(());

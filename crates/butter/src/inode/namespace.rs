@@ -113,7 +113,7 @@ impl Core {
     }
 
     /// The write engine (locked), pending ordered extents left as they are: for the fsync
-    /// log, which logs them without waiting for their completion (seed 003), and never
+    /// log, which logs them without waiting for their completion (fast fsync), and never
     /// commits without completing them.
     pub(crate) fn writer_keeping_ordered(&self) -> Result<MutexGuard<'_, Writer>> {
         let w = self.writer.as_ref().ok_or(Error::ReadOnly)?;

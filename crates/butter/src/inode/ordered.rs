@@ -916,8 +916,8 @@ mod tests {
         }
     }
 
-    /// Seed 003's rule: an fsync does not wait for a write to the same file that is still in
-    /// progress; without the rule it waits for that write to finish.
+    /// The fsync rule that skips writes in progress: an fsync does not wait for a write to the
+    /// same file that is still in progress; without the rule it waits for that write to finish.
     #[test]
     fn fsync_waits_for_writes_in_progress_only_without_the_rule() {
         for rule in [true, false] {
@@ -956,7 +956,7 @@ mod tests {
         }
     }
 
-    /// Seed 003: an fsync logs the file's pending ordered extents as they are, with their
+    /// Fast fsync: an fsync logs the file's pending ordered extents as they are, with their
     /// checksums and the size and times their completion will give the inode, without
     /// completing them; a power cut then leaves an image whose replay has every write. A
     /// commit completes them first. Writes: a new extent over the middle of a committed one
@@ -1156,7 +1156,8 @@ mod tests {
         assert_eq!(after.read(a2, 0, 11 << 20).unwrap(), want);
     }
 
-    /// Without seed 003's rule an fsync completes the pending extents before it logs.
+    /// Without the fsync rule that skips writes in progress, an fsync completes the pending
+    /// extents before it logs.
     #[test]
     fn without_the_rule_fsync_completes_pending_extents() {
         let (ram, fs) = crate::mkfs::test_fs(128 << 20);

@@ -182,7 +182,7 @@ pub(crate) struct LogState {
     pub(crate) trees: BTreeMap<u64, LogTree>,
     /// The log root tree: one ROOT_ITEM per log tree.
     pub(crate) root_tree: LogTree,
-    /// Per inode: file ranges changed since it was last logged (seed 000's range-state tree,
+    /// Per inode: file ranges changed since it was last logged (the range-state tree,
     /// `DIRTY`).
     pub(crate) changed: HashMap<Inode, ExtentIoTree>,
     /// Inodes and directories whose fsync must commit (see the module documentation).
@@ -230,7 +230,7 @@ pub struct LogStats {
     pub log_commits: u64,
     /// Fsyncs that found their changes already durable.
     pub already_durable: u64,
-    /// Pending ordered extents logged from memory, before their completion (seed 003).
+    /// Pending ordered extents logged from memory, before their completion (fast fsync).
     pub ordered_logged: u64,
 }
 

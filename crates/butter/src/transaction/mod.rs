@@ -65,15 +65,16 @@ pub struct Writer {
     dev_item: DevItem,
     sys_chunk_array: Vec<u8>,
     sys_array_dirty: bool,
-    /// Of the descents (`CowCtx::descents`), those of file extent replacement (seed 002's
-    /// benchmark).
+    /// Of the descents (`CowCtx::descents`), those of file extent replacement (for the
+    /// benchmark of one-descent extent replace).
     pub replace_descents: u64,
     pub stats: WriteStats,
     /// Next free inode number per subvolume.
     pub(crate) next_ino: HashMap<u64, u64>,
     /// Next DIR_INDEX sequence per (subvolume, directory).
     pub(crate) next_index: HashMap<(u64, u64), u64>,
-    /// Seed 002: replace file extents in the leaf of one descent when possible.
+    /// One-descent extent replace: file extents are replaced in the leaf of one descent when
+    /// possible.
     pub combined_replace: bool,
     /// The fsync log of the running transaction (crate::tree_log::write).
     pub(crate) log: crate::transaction::log_state::LogState,

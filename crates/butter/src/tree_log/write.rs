@@ -278,18 +278,18 @@ impl Core {
         self.fsync_log.store(on, Ordering::Relaxed);
     }
 
-    /// Seed 003's rule, on by default: an fsync does not wait for the inode's writes in
-    /// progress (their ordered extents); it logs what the writes that returned before it
-    /// recorded. Off, an fsync first waits until no write to the inode is in progress, as the
-    /// kernel's fsync waited for every ordered extent in its range before the rule (for
-    /// benchmarks; the result is the same, only later).
+    /// The fsync rule that skips writes in progress, on by default: an fsync does not wait for
+    /// the inode's writes in progress (their ordered extents); it logs what the writes that
+    /// returned before it recorded. Off, an fsync first waits until no write to the inode is in
+    /// progress, as the kernel's fsync waited for every ordered extent in its range before the
+    /// rule (for benchmarks; the result is the same, only later).
     pub fn set_fsync_skips_writes_in_progress(&self, on: bool) {
         self.fsync_waits_for_writes.store(!on, Ordering::Relaxed);
     }
 
     /// Whether [`Core::log_inode`] completes pending ordered extents (changing the trees)
-    /// rather than logging them as they are: without seed 003's rule, and on a file system
-    /// without NO_HOLES.
+    /// rather than logging them as they are: without the fsync rule that skips writes in
+    /// progress, and on a file system without NO_HOLES.
     pub(crate) fn fsync_completes_ordered(&self) -> bool {
         self.fsync_waits_for_writes.load(Ordering::Relaxed)
             || !self.disk.sb.has_incompat(INCOMPAT_NO_HOLES)
@@ -312,9 +312,10 @@ impl Core {
         if waits {
             self.ordered.wait_for_writes(ino);
         }
-        // Pending ordered extents are logged as they are (seed 003), not completed first;
-        // without the rule, or where the log would need the hole items their completion
-        // inserts (a file system without NO_HOLES), they are completed first.
+        // Pending ordered extents are logged as they are (the fsync rule that skips writes in
+        // progress), not completed first; without the rule, or where the log would need the
+        // hole items their completion inserts (a file system without NO_HOLES), they are
+        // completed first.
         // Its buffered appends go to the device first, without the writer lock (other
         // fsyncs and changes go on meanwhile).
         self.flush_delalloc_unlocked(ino)?;
