@@ -114,6 +114,9 @@ pub enum Error {
     NotDir(String),
     #[error("is a directory: {0}")]
     IsDir(String),
+    /// A caller's mistake (an argument the operation cannot take: a mode mknod does not
+    /// know, rename flags, a directory moved into itself): EINVAL. Damage on disk is
+    /// `Corrupt`, a broken engine invariant `Internal`.
     #[error("invalid argument: {0}")]
     Invalid(String),
     #[error("no data available (xattr): {0}")]

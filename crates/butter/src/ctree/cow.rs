@@ -426,7 +426,7 @@ impl CowCtx {
         };
         let level = old.level() + 1;
         if level >= MAX_LEVEL {
-            return Err(Error::Invalid(format!(
+            return Err(Error::Internal(format!(
                 "tree {tree} would exceed {MAX_LEVEL} levels"
             )));
         }
@@ -470,7 +470,7 @@ impl CowCtx {
         };
         self.put(bytenr, lbuf)?;
         self.put(right, rbuf)?;
-        let rkey = rkey.ok_or_else(|| Error::Invalid("split node gave an empty right".into()))?;
+        let rkey = rkey.ok_or_else(|| Error::Internal("split node gave an empty right".into()))?;
         let transid = self.transid;
         self.modify(parent, |buf| {
             NodeMut::trusted(buf)?.insert_ptr(pslot + 1, rkey, right, transid)

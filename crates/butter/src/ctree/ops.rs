@@ -109,7 +109,7 @@ fn put_u32(buf: &mut [u8], off: usize, v: u32) {
 
 fn need_header(buf: &[u8]) -> Result<()> {
     if buf.len() < HEADER_SIZE {
-        return Err(Error::Invalid(format!(
+        return Err(Error::Internal(format!(
             "tree block buffer of {} bytes is shorter than the {HEADER_SIZE}-byte header",
             buf.len()
         )));
@@ -122,8 +122,10 @@ fn header_loc(buf: &[u8]) -> Location {
     Location::block(Some(le_u64(buf, OFF_OWNER)), le_u64(buf, OFF_BYTENR))
 }
 
-fn invalid(loc: Location, reason: impl std::fmt::Display) -> Error {
-    Error::Invalid(format!("{loc}: {reason}"))
+/// A block edit the engine should never ask for (a slot out of range, an item that does not
+/// fit, a block of the wrong shape): an engine bug, `Internal`, which stops changes.
+fn misuse(loc: Location, reason: impl std::fmt::Display) -> Error {
+    Error::Internal(format!("{loc}: {reason}"))
 }
 
 /// Decodes the header of a buffer (at least [`HEADER_SIZE`] bytes).
@@ -172,7 +174,7 @@ pub fn set_chunk_tree_uuid(buf: &mut [u8], uuid: &[u8; 16]) -> Result<()> {
 pub(crate) fn set_flags(buf: &mut [u8], flags: u64) -> Result<()> {
     need_header(buf)?;
     if flags & !FLAGS_MASK != 0 {
-        return Err(invalid(
+        return Err(misuse(
             header_loc(buf),
             format!("flags {flags:#x} reach into the backref revision byte"),
         ));
@@ -203,7 +205,7 @@ pub fn set_nritems(buf: &mut [u8], nritems: u32) -> Result<()> {
 pub fn set_level(buf: &mut [u8], level: u8) -> Result<()> {
     need_header(buf)?;
     if level >= MAX_LEVEL {
-        return Err(invalid(
+        return Err(misuse(
             header_loc(buf),
             format!("level {level} >= {MAX_LEVEL}"),
         ));
@@ -242,7 +244,7 @@ impl Default for NewHeader {
 
 fn check_block_len(buf: &[u8]) -> Result<()> {
     if buf.len() <= HEADER_SIZE || buf.len() > MAX_NODESIZE {
-        return Err(Error::Invalid(format!(
+        return Err(Error::Internal(format!(
             "tree block buffer of {} bytes: must be more than {HEADER_SIZE} and at most \
              {MAX_NODESIZE}",
             buf.len()
@@ -256,13 +258,13 @@ fn check_block_len(buf: &[u8]) -> Result<()> {
 pub(crate) fn init_empty(buf: &mut [u8], level: u8, h: &NewHeader) -> Result<()> {
     check_block_len(buf)?;
     if level >= MAX_LEVEL {
-        return Err(Error::Invalid(format!(
+        return Err(Error::Internal(format!(
             "new tree block at {}: level {level} >= {MAX_LEVEL}",
             h.bytenr
         )));
     }
     if h.flags & !FLAGS_MASK != 0 {
-        return Err(Error::Invalid(format!(
+        return Err(Error::Internal(format!(
             "new tree block at {}: flags {:#x} reach into the backref revision byte",
             h.bytenr, h.flags
         )));
@@ -306,7 +308,7 @@ fn validate_leaf(buf: &[u8]) -> Result<()> {
     check_block_len(buf)?;
     let loc = || header_loc(buf);
     if buf[OFF_LEVEL] != 0 {
-        return Err(invalid(
+        return Err(misuse(
             loc(),
             format!("level {} is not a leaf", buf[OFF_LEVEL]),
         ));
@@ -327,7 +329,7 @@ fn validate_node(buf: &[u8]) -> Result<()> {
     let loc = || header_loc(buf);
     let level = buf[OFF_LEVEL];
     if level == 0 || level >= MAX_LEVEL {
-        return Err(invalid(
+        return Err(misuse(
             loc(),
             format!("level {level} is not a node level (1..{MAX_LEVEL})"),
         ));
@@ -472,7 +474,7 @@ impl<'a> LeafMut<'a> {
     pub fn trusted(buf: &'a mut [u8]) -> Result<LeafMut<'a>> {
         check_block_len(buf)?;
         if buf[OFF_LEVEL] != 0 {
-            return Err(invalid(
+            return Err(misuse(
                 header_loc(buf),
                 format!("level {} is not a leaf", buf[OFF_LEVEL]),
             ));
@@ -481,7 +483,7 @@ impl<'a> LeafMut<'a> {
         if n.checked_mul(ITEM_SIZE)
             .is_none_or(|s| s > buf.len() - HEADER_SIZE)
         {
-            return Err(invalid(
+            return Err(misuse(
                 header_loc(buf),
                 format!("leaf claims {n} items, more than fit"),
             ));
@@ -538,7 +540,7 @@ impl<'a> LeafMut<'a> {
 
     fn check_slot(&self, slot: usize) -> Result<()> {
         if slot >= self.nritems() {
-            return Err(invalid(
+            return Err(misuse(
                 self.loc_slot(slot),
                 format!("slot out of range, leaf has {} items", self.nritems()),
             ));
@@ -555,7 +557,7 @@ impl<'a> LeafMut<'a> {
     pub fn used_bytes(&self, slots: Range<usize>) -> Result<usize> {
         let n = self.nritems();
         if slots.start > slots.end || slots.end > n {
-            return Err(invalid(
+            return Err(misuse(
                 self.loc(),
                 format!("slot range {slots:?} out of [0, {n})"),
             ));
@@ -636,7 +638,7 @@ impl<'a> LeafMut<'a> {
         if slot > 0 {
             let prev = self.key_at(slot - 1);
             if first <= prev {
-                return Err(invalid(
+                return Err(misuse(
                     self.loc_slot(slot).with_key(first),
                     format!("key not greater than the previous key {prev}"),
                 ));
@@ -645,7 +647,7 @@ impl<'a> LeafMut<'a> {
         if slot < self.nritems() {
             let next = self.key_at(slot);
             if last >= next {
-                return Err(invalid(
+                return Err(misuse(
                     self.loc_slot(slot).with_key(last),
                     format!("key not less than the next key {next}"),
                 ));
@@ -658,11 +660,11 @@ impl<'a> LeafMut<'a> {
         let free = self.free_space();
         match need {
             Some(need) if need <= free => Ok(need),
-            Some(need) => Err(invalid(
+            Some(need) => Err(misuse(
                 self.loc_slot(slot),
                 format!("{what} needs {need} bytes, the leaf has {free} free"),
             )),
-            None => Err(invalid(self.loc_slot(slot), format!("{what} is too large"))),
+            None => Err(misuse(self.loc_slot(slot), format!("{what} is too large"))),
         }
     }
 
@@ -701,7 +703,7 @@ impl<'a> LeafMut<'a> {
     pub fn insert_items(&mut self, slot: usize, items: &[(Key, usize)]) -> Result<()> {
         let n = self.nritems();
         if slot > n {
-            return Err(invalid(
+            return Err(misuse(
                 self.loc_slot(slot),
                 format!("insert slot beyond the {n} items"),
             ));
@@ -711,7 +713,7 @@ impl<'a> LeafMut<'a> {
         };
         for (i, w) in items.windows(2).enumerate() {
             if w[1].0 <= w[0].0 {
-                return Err(invalid(
+                return Err(misuse(
                     self.loc_slot(slot + i + 1).with_key(w[1].0),
                     format!("new keys not increasing (previous {})", w[0].0),
                 ));
@@ -742,7 +744,7 @@ impl<'a> LeafMut<'a> {
     pub fn delete_items(&mut self, slot: usize, count: usize) -> Result<()> {
         let n = self.nritems();
         if slot.checked_add(count).is_none_or(|e| e > n) {
-            return Err(invalid(
+            return Err(misuse(
                 self.loc_slot(slot),
                 format!("delete of {count} items beyond the {n} items"),
             ));
@@ -799,7 +801,7 @@ impl<'a> LeafMut<'a> {
         self.check_slot(slot)?;
         let s = self.size(slot);
         if new_size > s {
-            return Err(invalid(
+            return Err(misuse(
                 self.loc_slot(slot).with_key(self.key_at(slot)),
                 format!("truncate to {new_size} bytes of an item of {s} bytes"),
             ));
@@ -827,7 +829,7 @@ impl<'a> LeafMut<'a> {
     pub fn set_key(&mut self, slot: usize, key: Key) -> Result<()> {
         self.check_slot(slot)?;
         if slot > 0 && key <= self.key_at(slot - 1) {
-            return Err(invalid(
+            return Err(misuse(
                 self.loc_slot(slot).with_key(key),
                 format!(
                     "key not greater than the previous key {}",
@@ -836,7 +838,7 @@ impl<'a> LeafMut<'a> {
             ));
         }
         if slot + 1 < self.nritems() && key >= self.key_at(slot + 1) {
-            return Err(invalid(
+            return Err(misuse(
                 self.loc_slot(slot).with_key(key),
                 format!("key not less than the next key {}", self.key_at(slot + 1)),
             ));
@@ -851,7 +853,7 @@ impl<'a> LeafMut<'a> {
     fn splice_in(&mut self, slot: usize, src: &LeafMut<'_>, range: Range<usize>) -> Result<()> {
         let count = range.len();
         if range.end > src.nritems() || slot > self.nritems() {
-            return Err(invalid(
+            return Err(misuse(
                 self.loc_slot(slot),
                 format!(
                     "moving items {range:?} of {} into a leaf of {}",
@@ -912,7 +914,7 @@ impl<'a> LeafMut<'a> {
         let (need, is_insert) = match growth {
             Growth::Insert { items, data_len } => {
                 if slot > n {
-                    return Err(invalid(
+                    return Err(misuse(
                         self.loc_slot(slot),
                         format!("insert slot beyond the {n} items"),
                     ));
@@ -922,7 +924,7 @@ impl<'a> LeafMut<'a> {
                     .and_then(|r| r.checked_add(data_len))
                     .filter(|&need| need <= space)
                     .ok_or_else(|| {
-                        invalid(
+                        misuse(
                             self.loc_slot(slot),
                             format!(
                                 "{items} new items with {data_len} bytes of data cannot fit in \
@@ -937,7 +939,7 @@ impl<'a> LeafMut<'a> {
                 self.check_slot(slot)?;
                 let alone = self.size(slot) + ITEM_SIZE;
                 if extra > space - alone {
-                    return Err(invalid(
+                    return Err(misuse(
                         self.loc_slot(slot).with_key(self.key_at(slot)),
                         format!(
                             "item of {} bytes grown by {extra} cannot fit in a leaf of {} bytes",
@@ -1020,7 +1022,7 @@ pub fn push_leaf_right(
 ) -> Result<Option<Key>> {
     let nl = left.nritems();
     if count > nl {
-        return Err(invalid(
+        return Err(misuse(
             left.loc(),
             format!("push of {count} items right, the leaf has {nl}"),
         ));
@@ -1039,7 +1041,7 @@ pub fn push_leaf_left(
 ) -> Result<Option<Key>> {
     let nr = right.nritems();
     if count > nr {
-        return Err(invalid(
+        return Err(misuse(
             right.loc(),
             format!("push of {count} items left, the leaf has {nr}"),
         ));
@@ -1058,14 +1060,14 @@ pub fn split_leaf(
     at: usize,
 ) -> Result<Option<Key>> {
     if right.nritems() != 0 {
-        return Err(invalid(
+        return Err(misuse(
             right.loc(),
             format!("split target has {} items, must be empty", right.nritems()),
         ));
     }
     let nl = left.nritems();
     if at > nl {
-        return Err(invalid(
+        return Err(misuse(
             left.loc_slot(at),
             format!("split point beyond the {nl} items"),
         ));
@@ -1104,14 +1106,14 @@ impl<'a> NodeMut<'a> {
         check_block_len(buf)?;
         let level = buf[OFF_LEVEL];
         if level == 0 || level >= MAX_LEVEL {
-            return Err(invalid(
+            return Err(misuse(
                 header_loc(buf),
                 format!("level {level} is not a node level (1..{MAX_LEVEL})"),
             ));
         }
         let n = le_u32(buf, OFF_NRITEMS) as usize;
         if n > max_node_ptrs(buf.len()) {
-            return Err(invalid(
+            return Err(misuse(
                 header_loc(buf),
                 format!("node claims {n} pointers, more than fit"),
             ));
@@ -1122,7 +1124,7 @@ impl<'a> NodeMut<'a> {
     /// Initializes `buf` as an empty node at `level` (1..8) and returns a view.
     pub fn init(buf: &'a mut [u8], level: u8, h: &NewHeader) -> Result<NodeMut<'a>> {
         if level == 0 {
-            return Err(Error::Invalid(format!(
+            return Err(Error::Internal(format!(
                 "new node at {}: level 0 is a leaf",
                 h.bytenr
             )));
@@ -1142,7 +1144,7 @@ impl<'a> NodeMut<'a> {
     }
     fn check_slot(&self, slot: usize) -> Result<()> {
         if slot >= self.nritems() {
-            return Err(invalid(
+            return Err(misuse(
                 self.loc_slot(slot),
                 format!("slot out of range, node has {} pointers", self.nritems()),
             ));
@@ -1187,7 +1189,7 @@ impl<'a> NodeMut<'a> {
         if slot > 0 {
             let prev = self.key_at(slot - 1);
             if first <= prev {
-                return Err(invalid(
+                return Err(misuse(
                     self.loc_slot(slot).with_key(first),
                     format!("key not greater than the previous key {prev}"),
                 ));
@@ -1196,7 +1198,7 @@ impl<'a> NodeMut<'a> {
         if slot < self.nritems() {
             let next = self.key_at(slot);
             if last >= next {
-                return Err(invalid(
+                return Err(misuse(
                     self.loc_slot(slot).with_key(last),
                     format!("key not less than the next key {next}"),
                 ));
@@ -1207,7 +1209,7 @@ impl<'a> NodeMut<'a> {
 
     fn check_room(&self, slot: usize, count: usize) -> Result<()> {
         if count > self.free_ptrs() {
-            return Err(invalid(
+            return Err(misuse(
                 self.loc_slot(slot),
                 format!(
                     "{count} pointers do not fit, the node has room for {}",
@@ -1236,7 +1238,7 @@ impl<'a> NodeMut<'a> {
     ) -> Result<()> {
         let n = self.nritems();
         if slot > n {
-            return Err(invalid(
+            return Err(misuse(
                 self.loc_slot(slot),
                 format!("insert slot beyond the {n} pointers"),
             ));
@@ -1254,7 +1256,7 @@ impl<'a> NodeMut<'a> {
     pub fn delete_ptrs(&mut self, slot: usize, count: usize) -> Result<()> {
         let n = self.nritems();
         if slot.checked_add(count).is_none_or(|e| e > n) {
-            return Err(invalid(
+            return Err(misuse(
                 self.loc_slot(slot),
                 format!("delete of {count} pointers beyond the {n} pointers"),
             ));
@@ -1280,7 +1282,7 @@ impl<'a> NodeMut<'a> {
     pub fn set_key(&mut self, slot: usize, key: Key) -> Result<()> {
         self.check_slot(slot)?;
         if slot > 0 && key <= self.key_at(slot - 1) {
-            return Err(invalid(
+            return Err(misuse(
                 self.loc_slot(slot).with_key(key),
                 format!(
                     "key not greater than the previous key {}",
@@ -1289,7 +1291,7 @@ impl<'a> NodeMut<'a> {
             ));
         }
         if slot + 1 < self.nritems() && key >= self.key_at(slot + 1) {
-            return Err(invalid(
+            return Err(misuse(
                 self.loc_slot(slot).with_key(key),
                 format!("key not less than the next key {}", self.key_at(slot + 1)),
             ));
@@ -1302,7 +1304,7 @@ impl<'a> NodeMut<'a> {
     fn splice_in(&mut self, slot: usize, src: &NodeMut<'_>, range: Range<usize>) -> Result<()> {
         let count = range.len();
         if range.end > src.nritems() || slot > self.nritems() {
-            return Err(invalid(
+            return Err(misuse(
                 self.loc_slot(slot),
                 format!(
                     "moving pointers {range:?} of {} into a node of {}",
@@ -1315,7 +1317,7 @@ impl<'a> NodeMut<'a> {
             return Ok(());
         }
         if src.level() != self.level() {
-            return Err(invalid(
+            return Err(misuse(
                 self.loc(),
                 format!(
                     "moving pointers from a level {} node into a level {} node",
@@ -1345,7 +1347,7 @@ pub fn push_node_right(
 ) -> Result<Option<Key>> {
     let nl = left.nritems();
     if count > nl {
-        return Err(invalid(
+        return Err(misuse(
             left.loc(),
             format!("push of {count} pointers right, the node has {nl}"),
         ));
@@ -1364,7 +1366,7 @@ pub fn push_node_left(
 ) -> Result<Option<Key>> {
     let nr = right.nritems();
     if count > nr {
-        return Err(invalid(
+        return Err(misuse(
             right.loc(),
             format!("push of {count} pointers left, the node has {nr}"),
         ));
@@ -1383,7 +1385,7 @@ pub fn split_node(
     at: usize,
 ) -> Result<Option<Key>> {
     if right.nritems() != 0 {
-        return Err(invalid(
+        return Err(misuse(
             right.loc(),
             format!(
                 "split target has {} pointers, must be empty",
@@ -1393,7 +1395,7 @@ pub fn split_node(
     }
     let nl = left.nritems();
     if at > nl {
-        return Err(invalid(
+        return Err(misuse(
             left.loc_slot(at),
             format!("split point beyond the {nl} pointers"),
         ));
@@ -1467,33 +1469,42 @@ mod tests {
         l.insert_item(0, k(10), 10).unwrap();
         l.insert_item(1, k(20), 10).unwrap();
         let before = l.as_bytes().to_vec();
-        assert!(matches!(l.insert_item(1, k(10), 1), Err(Error::Invalid(_))));
-        assert!(matches!(l.insert_item(1, k(25), 1), Err(Error::Invalid(_))));
-        assert!(matches!(l.insert_item(3, k(30), 1), Err(Error::Invalid(_))));
+        assert!(matches!(
+            l.insert_item(1, k(10), 1),
+            Err(Error::Internal(_))
+        ));
+        assert!(matches!(
+            l.insert_item(1, k(25), 1),
+            Err(Error::Internal(_))
+        ));
+        assert!(matches!(
+            l.insert_item(3, k(30), 1),
+            Err(Error::Internal(_))
+        ));
         assert!(matches!(
             l.insert_item(2, k(30), 4000),
-            Err(Error::Invalid(_))
+            Err(Error::Internal(_))
         ));
         assert!(matches!(
             l.insert_items(2, &[(k(30), 1), (k(30), 1)]),
-            Err(Error::Invalid(_))
+            Err(Error::Internal(_))
         ));
         assert!(matches!(
             l.insert_items(2, &[(k(30), usize::MAX), (k(31), 2)]),
-            Err(Error::Invalid(_))
+            Err(Error::Internal(_))
         ));
-        assert!(matches!(l.delete_items(1, 2), Err(Error::Invalid(_))));
+        assert!(matches!(l.delete_items(1, 2), Err(Error::Internal(_))));
         assert!(matches!(
             l.delete_items(usize::MAX, 2),
-            Err(Error::Invalid(_))
+            Err(Error::Internal(_))
         ));
-        assert!(matches!(l.extend_item(0, 5000), Err(Error::Invalid(_))));
+        assert!(matches!(l.extend_item(0, 5000), Err(Error::Internal(_))));
         assert!(matches!(
             l.truncate_item(0, 11, true),
-            Err(Error::Invalid(_))
+            Err(Error::Internal(_))
         ));
-        assert!(matches!(l.set_key(0, k(20)), Err(Error::Invalid(_))));
-        assert!(matches!(l.item_data(2), Err(Error::Invalid(_))));
+        assert!(matches!(l.set_key(0, k(20)), Err(Error::Internal(_))));
+        assert!(matches!(l.item_data(2), Err(Error::Internal(_))));
         assert_eq!(l.as_bytes(), &before[..]);
         let e = l.insert_item(1, k(10), 1).unwrap_err().to_string();
         assert!(e.contains("block 4096") && e.contains("slot 1"), "{e}");
@@ -1506,10 +1517,10 @@ mod tests {
         assert!(LeafMut::new(&mut vec![0u8; MAX_NODESIZE + 1]).is_err());
         let mut b = leaf_buf(4096);
         b[OFF_LEVEL] = 1;
-        assert!(matches!(LeafMut::new(&mut b), Err(Error::Invalid(_))));
+        assert!(matches!(LeafMut::new(&mut b), Err(Error::Internal(_))));
         assert!(NodeMut::new(&mut b).is_ok());
         b[OFF_LEVEL] = 0;
-        assert!(matches!(NodeMut::new(&mut b), Err(Error::Invalid(_))));
+        assert!(matches!(NodeMut::new(&mut b), Err(Error::Internal(_))));
         // Too many items; an item off the end; an unpacked item; keys out of order.
         let mut b = leaf_buf(4096);
         set_nritems(&mut b, 1000).unwrap();

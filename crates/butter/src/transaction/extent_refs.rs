@@ -249,7 +249,7 @@ impl CowCtx {
                     // the next item, which starts at or after this one's end).
                     let p = self.search_mut(CSUM_TREE_OBJECTID, &k, Intent::Modify)?;
                     if !p.found {
-                        return Err(Error::Invalid(format!("csum item {k} vanished")));
+                        return Err(Error::Internal(format!("csum item {k} vanished")));
                     }
                     let slot = p.slot();
                     let new_key = Key::new(EXTENT_CSUM_OBJECTID, EXTENT_CSUM_KEY, end);

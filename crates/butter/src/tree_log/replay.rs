@@ -1119,7 +1119,7 @@ impl Replayer<'_> {
         while let Some(ino) = self.touched.pop_first() {
             rounds += 1;
             if rounds > 1_000_000 {
-                return Err(Error::Invalid("log replay fix-ups do not converge".into()));
+                return Err(Error::Internal("log replay fix-ups do not converge".into()));
             }
             let Some(mut item) = self.inode_exists(w, ino)? else {
                 continue;
