@@ -14,6 +14,7 @@
 //! transaction itself.
 
 use crate::ctree::cow_ctx::CowCtx;
+use crate::ctree::{leaf_slot, node_slot};
 use crate::ctree::ops::{self as ctree_ops, Growth, LeafMut, LeafSplit, NewHeader, NodeMut};
 use crate::error::{Error, Location, Result};
 use crate::format::items::*;
@@ -49,36 +50,6 @@ impl WPath {
     pub fn slot(&self) -> usize {
         self.nodes[0].1
     }
-}
-
-/// Slot in a node for `key`: the last pointer whose key is <= `key` (0 if none).
-fn node_slot(b: &TreeBlock, key: &Key) -> usize {
-    let n = b.nritems();
-    let (mut lo, mut hi) = (0usize, n);
-    while lo < hi {
-        let mid = (lo + hi) / 2;
-        if b.key(mid) <= *key {
-            lo = mid + 1;
-        } else {
-            hi = mid;
-        }
-    }
-    lo.saturating_sub(1)
-}
-
-/// Slot in a leaf: (slot, found) with the btrfs_search_slot contract.
-fn leaf_slot(b: &TreeBlock, key: &Key) -> (usize, bool) {
-    let n = b.nritems();
-    let (mut lo, mut hi) = (0usize, n);
-    while lo < hi {
-        let mid = (lo + hi) / 2;
-        match b.key(mid).cmp(key) {
-            std::cmp::Ordering::Less => lo = mid + 1,
-            std::cmp::Ordering::Greater => hi = mid,
-            std::cmp::Ordering::Equal => return (mid, true),
-        }
-    }
-    (lo, false)
 }
 
 fn leaf_used(b: &TreeBlock) -> usize {
@@ -384,7 +355,7 @@ impl CowCtx {
                     level -= 1;
                     continue;
                 }
-                let (slot, found) = leaf_slot(&blk, key);
+                let (found, slot) = leaf_slot(&blk, key);
                 path.nodes[0] = (bytenr, slot);
                 path.found = found;
                 let growth = match intent {

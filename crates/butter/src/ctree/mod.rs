@@ -95,7 +95,7 @@ impl ItemRef {
 }
 
 /// Index of the last key `<= key` in a node (0 if `key` is smaller than every key).
-fn node_slot(b: &TreeBlock, key: &Key) -> usize {
+pub(crate) fn node_slot(b: &TreeBlock, key: &Key) -> usize {
     let (mut lo, mut hi) = (0usize, b.nritems());
     while lo < hi {
         let mid = (lo + hi) / 2;
@@ -108,8 +108,8 @@ fn node_slot(b: &TreeBlock, key: &Key) -> usize {
     lo.saturating_sub(1)
 }
 
-/// Leaf binary search: (found, slot).
-fn leaf_slot(b: &TreeBlock, key: &Key) -> (bool, usize) {
+/// Leaf binary search: (found, slot), the slot where `key` is or would be inserted.
+pub(crate) fn leaf_slot(b: &TreeBlock, key: &Key) -> (bool, usize) {
     let (mut lo, mut hi) = (0usize, b.nritems());
     while lo < hi {
         let mid = (lo + hi) / 2;
