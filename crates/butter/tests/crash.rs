@@ -633,7 +633,7 @@ fn failed_data_write_then_commit() {
 /// over leaf A = [csum item at 84934656, 400 bytes] and leaf B = [csum item at 93323264 of
 /// 16228 bytes, the largest csum item: B is full]. Freeing the first 4 KiB extent deletes the
 /// item in A (A empties) and inserts the rest (396 bytes) at 84938752; the commit then fails
-/// with `Invalid("tree csum block N slot 1 key (EXTENT_CSUM EXTENT_CSUM 93323264): key not
+/// with `Internal("tree csum block N slot 1 key (EXTENT_CSUM EXTENT_CSUM 93323264): key not
 /// greater than the previous key (... 93323264)")`: a leaf holds the big item twice. The
 /// transaction aborts.
 #[test]

@@ -4,7 +4,7 @@
 //! level, of a tree) and on a `BTreeMap` model side by side. After every operation each block
 //! is finalized and must pass the real tree checker (`disk_io::check_tree_block`), the items read
 //! back through the read side's `TreeBlock` must equal the model, and neighbouring blocks must
-//! keep their keys in order. Requests that cannot be met must fail with `Error::Invalid` and
+//! keep their keys in order. Requests that cannot be met must fail with `Error::Internal` and
 //! leave the bytes unchanged.
 //!
 //! `BUTTER_PROPTEST_CASES` raises the number of cases per test (default 48).
@@ -78,11 +78,11 @@ fn pair(v: &mut [Vec<u8>], i: usize) -> (&mut Vec<u8>, &mut Vec<u8>) {
     (&mut a[i], &mut b[0])
 }
 
-/// Asserts `r` is `Error::Invalid` and the bytes did not change.
+/// Asserts `r` is `Error::Internal` and the bytes did not change.
 fn assert_refused<T: std::fmt::Debug>(r: butter::Result<T>, before: &[u8], after: &[u8]) {
     match r {
-        Err(Error::Invalid(_)) => {}
-        other => panic!("expected Error::Invalid, got {other:?}"),
+        Err(Error::Internal(_)) => {}
+        other => panic!("expected Error::Internal, got {other:?}"),
     }
     assert!(before == after, "a refused request changed the block");
 }
@@ -253,7 +253,7 @@ impl LeafRow {
             let l = LeafMut::new(&mut self.blocks[leaf]).unwrap();
             match l.plan_split(slot, growth) {
                 Ok(p) => p,
-                Err(Error::Invalid(_)) => {
+                Err(Error::Internal(_)) => {
                     let alone = match growth {
                         Growth::Insert { items, data_len } => items * ITEM_SIZE + data_len,
                         Growth::Extend { extra } => {
@@ -503,7 +503,7 @@ impl LeafRow {
                 if max < right.nritems() {
                     let (lb, rb) = (left.as_bytes().to_vec(), right.as_bytes().to_vec());
                     let r = push_leaf_left(&mut left, &mut right, max + 1);
-                    assert!(matches!(r, Err(Error::Invalid(_))), "{r:?}");
+                    assert!(matches!(r, Err(Error::Internal(_))), "{r:?}");
                     assert!(lb == left.as_bytes() && rb == right.as_bytes());
                 }
                 let count = frac as usize % (max + 1);
@@ -528,7 +528,7 @@ impl LeafRow {
                 if max < left.nritems() {
                     let (lb, rb) = (left.as_bytes().to_vec(), right.as_bytes().to_vec());
                     let r = push_leaf_right(&mut left, &mut right, max + 1);
-                    assert!(matches!(r, Err(Error::Invalid(_))), "{r:?}");
+                    assert!(matches!(r, Err(Error::Internal(_))), "{r:?}");
                     assert!(lb == left.as_bytes() && rb == right.as_bytes());
                 }
                 let count = frac as usize % (max + 1);
@@ -560,7 +560,7 @@ impl LeafRow {
                     let (lb, rb) = (left.as_bytes().to_vec(), right.as_bytes().to_vec());
                     let r = merge_leaves(&mut left, &mut right);
                     count(|s| s.merge_refused += 1);
-                    assert!(matches!(r, Err(Error::Invalid(_))), "{r:?}");
+                    assert!(matches!(r, Err(Error::Internal(_))), "{r:?}");
                     assert!(lb == left.as_bytes() && rb == right.as_bytes());
                 }
             }
@@ -579,7 +579,7 @@ impl LeafRow {
                 // A second split into a non-empty leaf is refused.
                 let (lb, rb) = (l.as_bytes().to_vec(), r.as_bytes().to_vec());
                 let e = split_leaf(&mut l, &mut r, 0);
-                assert!(matches!(e, Err(Error::Invalid(_))));
+                assert!(matches!(e, Err(Error::Internal(_))));
                 assert!(lb == l.as_bytes() && rb == r.as_bytes());
                 self.blocks.insert(i + 1, right);
             }
@@ -961,7 +961,7 @@ impl NodeRow {
                 if max < right.nritems() {
                     let (lb, rb) = (left.as_bytes().to_vec(), right.as_bytes().to_vec());
                     let r = push_node_left(&mut left, &mut right, max + 1);
-                    assert!(matches!(r, Err(Error::Invalid(_))), "{r:?}");
+                    assert!(matches!(r, Err(Error::Internal(_))), "{r:?}");
                     assert!(lb == left.as_bytes() && rb == right.as_bytes());
                 }
                 let count = frac as usize % (max + 1);
@@ -986,7 +986,7 @@ impl NodeRow {
                 if max < left.nritems() {
                     let (lb, rb) = (left.as_bytes().to_vec(), right.as_bytes().to_vec());
                     let r = push_node_right(&mut left, &mut right, max + 1);
-                    assert!(matches!(r, Err(Error::Invalid(_))), "{r:?}");
+                    assert!(matches!(r, Err(Error::Internal(_))), "{r:?}");
                     assert!(lb == left.as_bytes() && rb == right.as_bytes());
                 }
                 let count = frac as usize % (max + 1);
@@ -1016,7 +1016,7 @@ impl NodeRow {
                     let (lb, rb) = (left.as_bytes().to_vec(), right.as_bytes().to_vec());
                     let r = merge_nodes(&mut left, &mut right);
                     count(|s| s.merge_refused += 1);
-                    assert!(matches!(r, Err(Error::Invalid(_))), "{r:?}");
+                    assert!(matches!(r, Err(Error::Internal(_))), "{r:?}");
                     assert!(lb == left.as_bytes() && rb == right.as_bytes());
                 }
             }
@@ -1157,7 +1157,7 @@ fn max_item_between_big_items_goes_alone() {
             items: 1,
             data_len: max + 1,
         };
-        assert!(matches!(l.plan_split(0, g), Err(Error::Invalid(_))));
+        assert!(matches!(l.plan_split(0, g), Err(Error::Internal(_))));
     }
 }
 
