@@ -26,7 +26,7 @@ fn run(combined: bool, overwrites: u64, unaligned: bool) -> butter::Result<(f64,
     };
     butter::mkfs::mkfs(dev.as_ref(), &opts)?;
     let fs = Fs::open_device_rw(dev.clone())?;
-    fs.writer()?.combined_replace = combined;
+    fs.writer()?.set_combined_replace(combined);
     let f = fs.create(fs.root_inode(), b"f", 0o644, Owner::default())?;
     let block = vec![0x5au8; 4096];
     for i in 0..2048u64 {
@@ -40,10 +40,7 @@ fn run(combined: bool, overwrites: u64, unaligned: bool) -> butter::Result<(f64,
         x ^= x << 17;
         x
     };
-    let (d0, r0) = {
-        let w = fs.writer()?;
-        (w.descents, w.replace_descents)
-    };
+    let (d0, r0) = fs.writer()?.descents();
     let t = Instant::now();
     let data = vec![0xa5u8; 8192];
     for i in 0..overwrites {
@@ -61,8 +58,8 @@ fn run(combined: bool, overwrites: u64, unaligned: bool) -> butter::Result<(f64,
     fs.commit()?;
     let secs = t.elapsed().as_secs_f64();
     let (d, rd) = {
-        let w = fs.writer()?;
-        (w.descents - d0, w.replace_descents - r0)
+        let (d, r) = fs.writer()?.descents();
+        (d - d0, r - r0)
     };
     drop(fs);
     let fs = Fs::open_device(dev)?;

@@ -229,7 +229,7 @@ fn setup() -> &'static Setup {
         let commit_first_write = ram.write_count();
         fs.commit().expect("commit B");
         let commit_writes = ram.write_count() - commit_first_write;
-        let tr_blocks = fs.writer().map(|w| w.stats.blocks_written).unwrap_or(0);
+        let tr_blocks = fs.writer().map(|w| w.stats().blocks_written).unwrap_or(0);
         drop(fs);
         let ops = tr.take();
         let fs = Fs::open_device(Arc::new(RamDevice::new(ram.durable_bytes()))).expect("open B");

@@ -14,8 +14,8 @@
 //! transaction itself.
 
 use crate::ctree::cow_ctx::CowCtx;
-use crate::ctree::{leaf_slot, node_slot};
 use crate::ctree::ops::{self as ctree_ops, Growth, LeafMut, LeafSplit, NewHeader, NodeMut};
+use crate::ctree::{leaf_slot, node_slot};
 use crate::error::{Error, Location, Result};
 use crate::format::items::*;
 use crate::format::*;

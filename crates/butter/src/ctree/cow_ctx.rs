@@ -45,18 +45,18 @@ pub(crate) fn is_fs_tree(id: u64) -> bool {
 
 /// The copy-on-write context of the running transaction (see the module doc).
 pub struct CowCtx {
-    pub disk: Arc<Disk>,
+    pub(crate) disk: Arc<Disk>,
     /// Id of the running transaction (last committed generation + 1).
-    pub transid: u64,
+    pub(crate) transid: u64,
     pub(crate) trees: BTreeMap<u64, TreeState>,
     pub(crate) refs: DelayedRefs,
-    pub allocator: Allocator,
+    pub(crate) allocator: Allocator,
     pub(crate) chunk_tree_uuid: [u8; 16],
     /// The superblock's bytes_used as the running transaction has it.
     pub(crate) sb_bytes_used: u64,
-    pub live: LiveRoots,
+    pub(crate) live: LiveRoots,
     /// B-tree descents made (search_mut calls and their restarts).
-    pub descents: u64,
+    pub(crate) descents: u64,
     /// Why the transaction aborted, once it has: nothing more may be changed or written.
     pub(crate) aborted: Option<String>,
 }

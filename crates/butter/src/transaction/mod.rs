@@ -59,7 +59,7 @@ pub struct WriteStats {
 /// dereferences to it, so `w.insert_item(..)` and `w.transid` read as before.
 pub struct Writer {
     ctx: CowCtx,
-    pub state: TransState,
+    pub(crate) state: TransState,
     /// The superblock as last written (raw), patched at each commit.
     pub(crate) sb_raw: Vec<u8>,
     dev_item: DevItem,
@@ -67,15 +67,15 @@ pub struct Writer {
     sys_array_dirty: bool,
     /// Of the descents (`CowCtx::descents`), those of file extent replacement (for the
     /// benchmark of one-descent extent replace).
-    pub replace_descents: u64,
-    pub stats: WriteStats,
+    pub(crate) replace_descents: u64,
+    pub(crate) stats: WriteStats,
     /// Next free inode number per subvolume.
     pub(crate) next_ino: HashMap<u64, u64>,
     /// Next DIR_INDEX sequence per (subvolume, directory).
     pub(crate) next_index: HashMap<(u64, u64), u64>,
     /// One-descent extent replace: file extents are replaced in the leaf of one descent when
     /// possible.
-    pub combined_replace: bool,
+    pub(crate) combined_replace: bool,
     /// The fsync log of the running transaction (crate::tree_log::write).
     pub(crate) log: crate::transaction::log_state::LogState,
     /// Ordered extents written but not yet in the trees (crate::inode::ordered). A commit must not
@@ -96,6 +96,26 @@ impl std::ops::Deref for Writer {
 impl std::ops::DerefMut for Writer {
     fn deref_mut(&mut self) -> &mut CowCtx {
         &mut self.ctx
+    }
+}
+
+impl Writer {
+    /// What the engine wrote so far (blocks, flushes, ...).
+    pub fn stats(&self) -> &WriteStats {
+        &self.stats
+    }
+
+    /// B-tree descents made so far (search_mut calls and their restarts), and of those the
+    /// descents of file extent replacement.
+    pub fn descents(&self) -> (u64, u64) {
+        (self.descents, self.replace_descents)
+    }
+
+    /// Whether file extents are replaced in the leaf of one descent when possible (the
+    /// default); off, each replacement deletes and inserts in descents of their own, for the
+    /// benchmark's comparison.
+    pub fn set_combined_replace(&mut self, on: bool) {
+        self.combined_replace = on;
     }
 }
 
