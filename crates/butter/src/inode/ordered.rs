@@ -916,6 +916,44 @@ mod tests {
         }
     }
 
+    /// Changes stop (the latch) while a write is out of the gate for its data: when it comes
+    /// back it records nothing, fails with `Aborted`, and its extent goes back; the image
+    /// keeps its last commit, clean and without the write.
+    #[test]
+    fn a_write_out_of_the_gate_stops_when_changes_stopped_meanwhile() {
+        let (ram, fs, arrived, release) = gated();
+        let root = fs.root_inode();
+        let a = {
+            let _g = fs.change_gate().unwrap();
+            let a = fs.create(root, b"a", 0o644, Owner::default()).unwrap();
+            fs.write(a, 0, &[1u8; 8192]).unwrap();
+            a
+        };
+        fs.gated_commit().unwrap();
+        let mut data = vec![0x5a; 300_000];
+        data[..MARK.len()].copy_from_slice(MARK);
+        let writer = {
+            let fs = fs.clone();
+            std::thread::spawn(move || {
+                let _g = fs.write_gate(a).unwrap();
+                fs.write(a, 0, &data)
+            })
+        };
+        arrived.recv_timeout(Duration::from_secs(60)).unwrap();
+        fs.stop("a change elsewhere failed half way".into());
+        release.send(()).unwrap();
+        let r = writer.join().unwrap();
+        assert!(matches!(r, Err(crate::error::Error::Aborted(_))), "{r:?}");
+        assert_eq!(fs.ordered.stats().pending, 0);
+        assert!(matches!(
+            fs.gated_commit(),
+            Err(crate::error::Error::Aborted(_))
+        ));
+        let after = checked_copy(ram.durable_bytes());
+        let a2 = in_root(&after, b"a");
+        assert_eq!(after.read(a2, 0, 400_000).unwrap(), vec![1u8; 8192]);
+    }
+
     /// The fsync rule that skips writes in progress: an fsync does not wait for a write to the
     /// same file that is still in progress; without the rule it waits for that write to finish.
     #[test]
