@@ -20,6 +20,7 @@ use crate::error::{Error, Location, Result};
 use crate::format::items::*;
 use crate::format::*;
 use crate::io::disk_io::{Expect, TreeBlock};
+use crate::space::delayed_refs::RefKey;
 use std::sync::Arc;
 
 /// What a search intends to do at the leaf.
@@ -941,8 +942,6 @@ pub(crate) fn next_key_after(
 pub(crate) fn tree_ref(tree: u64) -> RefKey {
     RefKey::TreeBlock(tree)
 }
-
-pub use crate::space::delayed_refs::RefKey;
 
 #[allow(dead_code)]
 fn _loc(_: Location) {}

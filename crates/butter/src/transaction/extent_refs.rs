@@ -24,7 +24,7 @@ use crate::io::disk_io::Readahead;
 use crate::space::delayed_refs::PendingExtent;
 use std::collections::BTreeMap;
 
-pub use crate::space::delayed_refs::RefKey;
+pub(crate) use crate::space::delayed_refs::RefKey;
 
 impl CowCtx {
     /// Applies every queued reference change; repeats while applying queues more. Returns

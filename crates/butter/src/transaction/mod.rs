@@ -34,7 +34,7 @@ use crate::space::delayed_refs::DelayedRefs;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
-pub use crate::ctree::cow_ctx::{LiveRoots, TreeState};
+pub(crate) use crate::ctree::cow_ctx::{LiveRoots, TreeState};
 
 /// Transaction states, as the kernel names them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
