@@ -527,7 +527,7 @@ pub fn mkfs(dev: &dyn BlockDevice, opts: &MkfsOptions) -> Result<MkfsReport> {
     };
     let (chunk_items, sys_chunk_array) = chunk_tree_items(&chunks, &dev_item, ids.dev_uuid, opts);
     let dev_items = dev_tree_items(&chunks, ids.chunk_tree_uuid);
-    let mut root_items = root_tree_items(&tb, nodesize, ids.fs_tree_uuid, ids.now);
+    let root_items = root_tree_items(&tb, nodesize, ids.fs_tree_uuid, ids.now);
 
     // A root tree too big for one leaf (small nodes with every tree present) becomes a node
     // over two leaves, as mkfs.btrfs makes it; the leaves take the next metadata blocks.
@@ -569,18 +569,7 @@ pub fn mkfs(dev: &dyn BlockDevice, opts: &MkfsOptions) -> Result<MkfsReport> {
         otime: Timespec::default(),
         ..Default::default()
     });
-    let mut uuid_lo = [0u8; 8];
-    let mut uuid_hi = [0u8; 8];
-    uuid_lo.copy_from_slice(&ids.fs_tree_uuid[..8]);
-    uuid_hi.copy_from_slice(&ids.fs_tree_uuid[8..]);
-    let uuid_items = vec![(
-        Key::new(
-            u64::from_le_bytes(uuid_lo),
-            UUID_KEY_SUBVOL,
-            u64::from_le_bytes(uuid_hi),
-        ),
-        FS_TREE_OBJECTID.to_le_bytes().to_vec(),
-    )];
+    let uuid_items = uuid_tree_items(&ids.fs_tree_uuid);
 
     // ---- free space tree ----
     let fst_items = if tb.fst.is_some() {
@@ -631,54 +620,10 @@ pub fn mkfs(dev: &dyn BlockDevice, opts: &MkfsOptions) -> Result<MkfsReport> {
 
     // Internal nodes: (bytenr, owner, level, [(first key, child)]).
     let mut nodes: Vec<NodeSpec> = Vec::new();
-    match root_leaves {
-        None => leaves.push(Leaf {
-            bytenr: tb.root,
-            owner: ROOT_TREE_OBJECTID,
-            items: root_items,
-        }),
-        Some([a, b]) => {
-            let total: usize = root_items.iter().map(|(_, d)| d.len() + ITEM_SIZE).sum();
-            let mut acc = 0;
-            let at = root_items
-                .iter()
-                .position(|(_, d)| {
-                    acc += d.len() + ITEM_SIZE;
-                    acc > total / 2
-                })
-                .unwrap_or(root_items.len() / 2)
-                .max(1);
-            let right = root_items.split_off(at);
-            let (ka, kb) = (root_items[0].0, right[0].0);
-            leaves.push(Leaf {
-                bytenr: a,
-                owner: ROOT_TREE_OBJECTID,
-                items: root_items,
-            });
-            leaves.push(Leaf {
-                bytenr: b,
-                owner: ROOT_TREE_OBJECTID,
-                items: right,
-            });
-            nodes.push((tb.root, ROOT_TREE_OBJECTID, 1, vec![(ka, a), (kb, b)]));
-        }
-    }
+    root_tree_leaves(root_items, root_leaves, tb.root, &mut leaves, &mut nodes);
 
     // ---- block group items: in the block group tree, or among the extent items ----
-    let bg_items: Vec<(Key, Vec<u8>)> = chunks
-        .iter()
-        .map(|c| {
-            let bg = BlockGroupItem {
-                used: c.used,
-                chunk_objectid: FIRST_CHUNK_TREE_OBJECTID,
-                flags: c.flags,
-            };
-            (
-                Key::new(c.logical, BLOCK_GROUP_ITEM_KEY, c.length),
-                bg.to_bytes().to_vec(),
-            )
-        })
-        .collect();
+    let bg_items = block_group_items(&chunks);
     let mut extent_items = Vec::new();
     match tb.bg {
         Some(b) => leaves.push(Leaf {
@@ -1229,6 +1174,84 @@ fn free_space_tree_items(
         }
     }
     fst_items
+}
+
+/// Uuid tree phase of [`mkfs`]: the fs tree's uuid (split into the key's two halves) naming it.
+fn uuid_tree_items(fs_tree_uuid: &[u8; 16]) -> Vec<(Key, Vec<u8>)> {
+    let mut uuid_lo = [0u8; 8];
+    let mut uuid_hi = [0u8; 8];
+    uuid_lo.copy_from_slice(&fs_tree_uuid[..8]);
+    uuid_hi.copy_from_slice(&fs_tree_uuid[8..]);
+    vec![(
+        Key::new(
+            u64::from_le_bytes(uuid_lo),
+            UUID_KEY_SUBVOL,
+            u64::from_le_bytes(uuid_hi),
+        ),
+        FS_TREE_OBJECTID.to_le_bytes().to_vec(),
+    )]
+}
+
+/// Root tree phase of [`mkfs`]: the root tree's items as one leaf at `root_bytenr`, or, when
+/// they need two (`root_leaves`), split where half their bytes are, under a level-1 node
+/// at `root_bytenr`.
+fn root_tree_leaves(
+    mut root_items: Vec<(Key, Vec<u8>)>,
+    root_leaves: Option<[u64; 2]>,
+    root_bytenr: u64,
+    leaves: &mut Vec<Leaf>,
+    nodes: &mut Vec<NodeSpec>,
+) {
+    match root_leaves {
+        None => leaves.push(Leaf {
+            bytenr: root_bytenr,
+            owner: ROOT_TREE_OBJECTID,
+            items: root_items,
+        }),
+        Some([a, b]) => {
+            let total: usize = root_items.iter().map(|(_, d)| d.len() + ITEM_SIZE).sum();
+            let mut acc = 0;
+            let at = root_items
+                .iter()
+                .position(|(_, d)| {
+                    acc += d.len() + ITEM_SIZE;
+                    acc > total / 2
+                })
+                .unwrap_or(root_items.len() / 2)
+                .max(1);
+            let right = root_items.split_off(at);
+            let (ka, kb) = (root_items[0].0, right[0].0);
+            leaves.push(Leaf {
+                bytenr: a,
+                owner: ROOT_TREE_OBJECTID,
+                items: root_items,
+            });
+            leaves.push(Leaf {
+                bytenr: b,
+                owner: ROOT_TREE_OBJECTID,
+                items: right,
+            });
+            nodes.push((root_bytenr, ROOT_TREE_OBJECTID, 1, vec![(ka, a), (kb, b)]));
+        }
+    }
+}
+
+/// One block group item per chunk, with the bytes its tree blocks use.
+fn block_group_items(chunks: &[ChunkInfo]) -> Vec<(Key, Vec<u8>)> {
+    chunks
+        .iter()
+        .map(|c| {
+            let bg = BlockGroupItem {
+                used: c.used,
+                chunk_objectid: FIRST_CHUNK_TREE_OBJECTID,
+                flags: c.flags,
+            };
+            (
+                Key::new(c.logical, BLOCK_GROUP_ITEM_KEY, c.length),
+                bg.to_bytes().to_vec(),
+            )
+        })
+        .collect()
 }
 
 /// Extent tree phase of [`mkfs`]: to the block group items already in `extent_items` (none
