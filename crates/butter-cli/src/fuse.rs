@@ -1708,8 +1708,45 @@ pub fn serve(
 ) -> std::io::Result<()> {
     use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
     // Registered before mounting, so that a signal arriving during the mount waits for us.
-    let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM, SIGHUP])?;
+    let signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM, SIGHUP])?;
     let writable = fs.is_writable();
+    let config = session_config(cfg, writable);
+    let session = mount_session(fs.clone(), root, dir, &config)?;
+    let mountpoint: PathBuf = dir.canonicalize().unwrap_or_else(|_| dir.to_path_buf());
+    log::info!(
+        "mounted on {} ({})",
+        mountpoint.display(),
+        if writable { "read-write" } else { "read-only" }
+    );
+    // Periodic commits (the engine's scheduler; `close` at the session's end stops it).
+    if writable {
+        if let Some(every) = cfg.commit_interval {
+            fs.start_committer(every)?;
+        }
+    }
+    // fuser 0.18 unmounts the mount point again when its session ends, even after someone
+    // else unmounted it (its is-still-mounted probe takes POLLERR for "mounted"): a spurious
+    // warning, and with stacked mounts it would unmount the one below ours. So the session
+    // runs in the background and its handle, which owns that unmount-on-drop, is leaked:
+    // we unmount ourselves, on a signal.
+    let bg: &'static mut fuser::BackgroundSession = Box::leak(Box::new(session.spawn()?));
+    let worker = std::mem::replace(&mut bg.guard, std::thread::spawn(|| Ok(())));
+    let handle = signals.handle();
+    let watcher = spawn_signal_watcher(signals, fs.clone(), mountpoint, writable)?;
+    ready();
+    let r = worker
+        .join()
+        .unwrap_or_else(|_| Err(std::io::Error::other("the FUSE session thread panicked")));
+    handle.close();
+    let _ = watcher.join();
+    fs.stop_committer();
+    session_outcome(&fs, r)
+}
+
+/// Option phase of [`serve`]: the kernel mount options (read-write or read-only, permission
+/// checks by the kernel, source name and type, the extra flags), who may use the mount, and
+/// the worker threads, each on its own cloned /dev/fuse descriptor.
+fn session_config(cfg: &MountConfig, writable: bool) -> Config {
     let mut options = vec![
         if writable {
             MountOption::RW
@@ -1734,11 +1771,21 @@ pub fn serve(
     };
     config.n_threads = Some(cfg.threads.max(1));
     config.clone_fd = true;
+    config
+}
 
-    let bf = ButterFuse::new(fs.clone(), root);
+/// Mount phase of [`serve`]: checks /dev/fuse is open to this process, then mounts, saying
+/// what to do when the kernel refuses the mount.
+fn mount_session(
+    fs: Arc<Fs>,
+    root: Inode,
+    dir: &Path,
+    config: &Config,
+) -> std::io::Result<Session<ButterFuse>> {
+    let bf = ButterFuse::new(fs, root);
     // Open to this user or not, as its own error (fuser would say a bare "Permission denied").
     fuse_device_access()?;
-    let session = Session::new(bf, dir, &config).map_err(|e| {
+    Session::new(bf, dir, config).map_err(|e| {
         if e.kind() == std::io::ErrorKind::PermissionDenied {
             std::io::Error::new(
                 e.kind(),
@@ -1751,29 +1798,18 @@ pub fn serve(
         } else {
             e
         }
-    })?;
-    let mountpoint: PathBuf = dir.canonicalize().unwrap_or_else(|_| dir.to_path_buf());
-    log::info!(
-        "mounted on {} ({})",
-        mountpoint.display(),
-        if writable { "read-write" } else { "read-only" }
-    );
-    // Periodic commits (the engine's scheduler; `close` at the session's end stops it).
-    if writable {
-        if let Some(every) = cfg.commit_interval {
-            fs.start_committer(every)?;
-        }
-    }
-    // fuser 0.18 unmounts the mount point again when its session ends, even after someone
-    // else unmounted it (its is-still-mounted probe takes POLLERR for "mounted"): a spurious
-    // warning, and with stacked mounts it would unmount the one below ours. So the session
-    // runs in the background and its handle, which owns that unmount-on-drop, is leaked:
-    // we unmount ourselves, on a signal.
-    let bg: &'static mut fuser::BackgroundSession = Box::leak(Box::new(session.spawn()?));
-    let worker = std::mem::replace(&mut bg.guard, std::thread::spawn(|| Ok(())));
-    let handle = signals.handle();
-    let watcher_fs = fs.clone();
-    let watcher = std::thread::Builder::new()
+    })
+}
+
+/// Signal phase of [`serve`]: a thread that unmounts `mountpoint` on the first signal (lazily
+/// if that fails), and on a second commits what it can and exits the process.
+fn spawn_signal_watcher(
+    mut signals: signal_hook::iterator::Signals,
+    watcher_fs: Arc<Fs>,
+    mountpoint: PathBuf,
+    writable: bool,
+) -> std::io::Result<std::thread::JoinHandle<()>> {
+    std::thread::Builder::new()
         .name("butter-signals".into())
         .spawn(move || {
             let mut asked = false;
@@ -1805,14 +1841,12 @@ pub fn serve(
                     }
                 }
             }
-        })?;
-    ready();
-    let r = worker
-        .join()
-        .unwrap_or_else(|_| Err(std::io::Error::other("the FUSE session thread panicked")));
-    handle.close();
-    let _ = watcher.join();
-    fs.stop_committer();
+        })
+}
+
+/// Final phase of [`serve`]: how the session ended (`r`, from its worker thread) and whether
+/// the engine dropped changes after the last commit.
+fn session_outcome(fs: &Fs, r: std::io::Result<()>) -> std::io::Result<()> {
     match r {
         // The kernel aborted the connection (`/sys/fs/fuse/connections/N/abort`, or the end
         // of a detached mount racing the last reads; fuser asks for FUSE_ABORT_ERROR, so the

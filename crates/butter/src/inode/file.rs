@@ -18,7 +18,7 @@ use crate::format::items::*;
 use crate::format::*;
 use crate::ids::Inode;
 use crate::inode::core::Core;
-use crate::io::disk_io::Disk;
+use crate::io::disk_io::{Disk, TreeBlock};
 use crate::transaction::extent_refs::RefKey;
 use crate::transaction::Writer;
 
@@ -332,48 +332,14 @@ impl Core {
             if k.objectid == ino.ino && k.ty == EXTENT_DATA_KEY {
                 first -= 1;
             }
-        } else if start > 0 {
+        } else if start > 0 && self.extent_before_leaf_overlaps(w, ino, start, ss)? {
             // The slot is the leaf's first (the search may have split the leaf there): the
-            // extent before `start` is in the previous leaf, and may overlap. Fall back.
-            // (The lookup does not enter this leaf, which may be a new empty one.)
-            let root = w.current_root(ino.root)?;
-            let before = Key::new(ino.ino, EXTENT_DATA_KEY, start - 1);
-            if let Some(it) = crate::ctree::lookup_le(&self.disk, &root, &before)? {
-                if it.key.objectid == ino.ino && it.key.ty == EXTENT_DATA_KEY {
-                    let fe = FileExtentItem::parse(it.data()).map_err(|e| it.annotate(e))?;
-                    let prev = FileExtent {
-                        start: it.key.offset,
-                        item: fe,
-                    };
-                    if matches!(prev.item.body, FileExtentBody::Inline(_)) || prev.end(ss) > start {
-                        return give_up(w, ino.root, &path);
-                    }
-                }
-            }
+            // extent before `start` is in the previous leaf, and overlaps. Fall back.
+            return give_up(w, ino.root, &path);
         }
-        let mut cuts: Vec<(usize, Key, FileExtentItem, Cut)> = Vec::new();
-        let mut slot = first;
-        while slot < n {
-            let k = blk.key(slot);
-            if k.objectid != ino.ino || k.ty != EXTENT_DATA_KEY || k.offset >= end {
-                break;
-            }
-            let fe = FileExtentItem::parse(blk.item_data(slot))
-                .map_err(|e| e.in_block(Some(ino.root), leaf))?;
-            if matches!(fe.body, FileExtentBody::Inline(_)) {
-                return Ok(None);
-            }
-            let x = FileExtent {
-                start: k.offset,
-                item: fe,
-            };
-            let ke = x.end(ss);
-            if ke > start {
-                let c = cut(k.offset, &x.item, ke, start, end);
-                cuts.push((slot, k, x.item, c));
-            }
-            slot += 1;
-        }
+        let Some((cuts, slot)) = scan_cuts(&blk, leaf, first, ino, start, end, ss)? else {
+            return Ok(None);
+        };
         // If the scan reached the end of the leaf, the next leaf may hold more: fall back.
         // The path's nodes give a lower bound of the next leaf's first key without a search
         // (a search could meet this leaf while it is a new, still empty one).
@@ -394,11 +360,59 @@ impl Core {
         if deletes == n && adds == 0 {
             return give_up(w, ino.root, &path);
         }
-        // Apply in the leaf, from the last slot backwards so earlier slots stay valid. (Let go
-        // of the snapshot of the leaf first: a block a reader still holds is copied on change.)
+        // Apply in the leaf. (Let go of the snapshot of the leaf first: a block a reader still
+        // holds is copied on change.)
         drop(blk);
-        let mut removed = 0;
         let mut inserts: Vec<(Key, Vec<u8>)> = Vec::new();
+        let removed = self.apply_cuts(w, ino, leaf, cuts, &mut inserts)?;
+        if let (Some((off, _)), Some(b)) = (new, new_bytes) {
+            inserts.push((Key::new(ino.ino, EXTENT_DATA_KEY, *off), b));
+        }
+        insert_sorted(w, leaf, inserts)?;
+        // The leaf's first key may have changed; carry it up.
+        w.fix_first_key(&path)?;
+        Ok(Some(removed))
+    }
+
+    /// For [`Self::replace_in_one_leaf`] when the insert slot is its leaf's first: whether the
+    /// file's extent before `start`, in the previous leaf, is inline or reaches past `start`.
+    /// (The lookup does not enter the descended leaf, which may be a new empty one.)
+    fn extent_before_leaf_overlaps(
+        &self,
+        w: &mut Writer,
+        ino: Inode,
+        start: u64,
+        ss: u64,
+    ) -> Result<bool> {
+        let root = w.current_root(ino.root)?;
+        let before = Key::new(ino.ino, EXTENT_DATA_KEY, start - 1);
+        if let Some(it) = crate::ctree::lookup_le(&self.disk, &root, &before)? {
+            if it.key.objectid == ino.ino && it.key.ty == EXTENT_DATA_KEY {
+                let fe = FileExtentItem::parse(it.data()).map_err(|e| it.annotate(e))?;
+                let prev = FileExtent {
+                    start: it.key.offset,
+                    item: fe,
+                };
+                if matches!(prev.item.body, FileExtentBody::Inline(_)) || prev.end(ss) > start {
+                    return Ok(true);
+                }
+            }
+        }
+        Ok(false)
+    }
+
+    /// Apply phase of [`Self::replace_in_one_leaf`]: each cut done in `leaf`, from the last
+    /// slot backwards so earlier slots stay valid, with its data ref changes; the tails of
+    /// split items go to `inserts`. Returns the bytes the cuts removed from the file's nbytes.
+    fn apply_cuts(
+        &self,
+        w: &mut Writer,
+        ino: Inode,
+        leaf: u64,
+        cuts: Vec<SlotCut>,
+        inserts: &mut Vec<(Key, Vec<u8>)>,
+    ) -> Result<u64> {
+        let mut removed = 0;
         for (slot, k, fe, c) in cuts.into_iter().rev() {
             let before = nbytes_of(&fe);
             match c {
@@ -442,26 +456,7 @@ impl Core {
                 }
             }
         }
-        if let (Some((off, _)), Some(b)) = (new, new_bytes) {
-            inserts.push((Key::new(ino.ino, EXTENT_DATA_KEY, *off), b));
-        }
-        inserts.sort_by_key(|(k, _)| *k);
-        for (k, b) in inserts {
-            w.modify(leaf, |buf| {
-                let mut l = LeafMut::trusted(buf)?;
-                // Slot for k in the leaf as it is now.
-                let n = l.nritems();
-                let mut s = 0;
-                while s < n && l.key(s)? < k {
-                    s += 1;
-                }
-                l.insert_item(s, k, b.len())?.copy_from_slice(&b);
-                Ok(())
-            })?;
-        }
-        // The leaf's first key may have changed; carry it up.
-        w.fix_first_key(&path)?;
-        Ok(Some(removed))
+        Ok(removed)
     }
 
     /// Reads the file's current content in `[from, to)` (zeros past EOF or in holes).
@@ -1551,6 +1546,69 @@ impl Core {
             self.write_inode(w, ino, &item)
         })
     }
+}
+
+/// One overlapping item in one-descent extent replace: its slot, key, item and cut.
+type SlotCut = (usize, Key, FileExtentItem, Cut);
+
+/// Scan phase of one-descent extent replace: from slot `first` of `blk` (block `leaf`), the
+/// file's extent items that start before `end`, with what dropping `[start, end)` does to each
+/// that reaches past `start`. Returns the cuts and the slot where the scan stopped (the item
+/// count when it ran off the leaf), or `None` at an inline extent (not handled in place).
+fn scan_cuts(
+    blk: &TreeBlock,
+    leaf: u64,
+    first: usize,
+    ino: Inode,
+    start: u64,
+    end: u64,
+    ss: u64,
+) -> Result<Option<(Vec<SlotCut>, usize)>> {
+    let n = blk.nritems();
+    let mut cuts: Vec<SlotCut> = Vec::new();
+    let mut slot = first;
+    while slot < n {
+        let k = blk.key(slot);
+        if k.objectid != ino.ino || k.ty != EXTENT_DATA_KEY || k.offset >= end {
+            break;
+        }
+        let fe = FileExtentItem::parse(blk.item_data(slot))
+            .map_err(|e| e.in_block(Some(ino.root), leaf))?;
+        if matches!(fe.body, FileExtentBody::Inline(_)) {
+            return Ok(None);
+        }
+        let x = FileExtent {
+            start: k.offset,
+            item: fe,
+        };
+        let ke = x.end(ss);
+        if ke > start {
+            let c = cut(k.offset, &x.item, ke, start, end);
+            cuts.push((slot, k, x.item, c));
+        }
+        slot += 1;
+    }
+    Ok(Some((cuts, slot)))
+}
+
+/// Last step of one-descent extent replace: inserts the new items into `leaf` in key order,
+/// each at its slot in the leaf as it is by then.
+fn insert_sorted(w: &mut Writer, leaf: u64, mut inserts: Vec<(Key, Vec<u8>)>) -> Result<()> {
+    inserts.sort_by_key(|(k, _)| *k);
+    for (k, b) in inserts {
+        w.modify(leaf, |buf| {
+            let mut l = LeafMut::trusted(buf)?;
+            // Slot for k in the leaf as it is now.
+            let n = l.nritems();
+            let mut s = 0;
+            while s < n && l.key(s)? < k {
+                s += 1;
+            }
+            l.insert_item(s, k, b.len())?.copy_from_slice(&b);
+            Ok(())
+        })?;
+    }
+    Ok(())
 }
 
 /// The fast path of extent replacement does not apply: leave the tree as a search would find

@@ -193,6 +193,29 @@ pub fn check_tree_block(
         l.slot = slot;
         l
     };
+    let h = check_block_header(data, bytenr, nodesize, csum_type, fsid, expect, &loc)?;
+    let n = h.nritems as usize;
+    let first_key = if h.level == 0 {
+        check_leaf_items(data, n, &loc)?
+    } else {
+        check_node_ptrs(data, n, bytenr, nodesize, h.generation, &loc)?
+    };
+    check_parent_expectations(expect, &h, first_key, &loc)?;
+    Ok(h)
+}
+
+/// Header phase of [`check_tree_block`]: the block's size, its checksum, then the header
+/// fields that must match where it was read from (address, fsid, level bound) and what the
+/// parent pointer promised (level, generation). Returns the parsed header.
+fn check_block_header(
+    data: &[u8],
+    bytenr: u64,
+    nodesize: u32,
+    csum_type: crate::format::csum::CsumType,
+    fsid: &[u8; 16],
+    expect: &Expect,
+    loc: &dyn Fn(Option<usize>) -> Location,
+) -> Result<Header> {
     if data.len() != nodesize as usize || data.len() < HEADER_SIZE {
         return Err(Error::corrupt(
             loc(None),
@@ -250,58 +273,78 @@ pub fn check_tree_block(
             ));
         }
     }
-    let n = h.nritems as usize;
+    Ok(h)
+}
+
+/// Node phase of [`check_tree_block`]: an internal node's `n` key pointers must fit the block,
+/// point at aligned blocks other than this one (`bytenr`), be no newer than the node's own
+/// generation (`generation`), and have strictly increasing keys. Returns the first key.
+fn check_node_ptrs(
+    data: &[u8],
+    n: usize,
+    bytenr: u64,
+    nodesize: u32,
+    generation: u64,
+    loc: &dyn Fn(Option<usize>) -> Location,
+) -> Result<Option<Key>> {
     let space = nodesize as usize - HEADER_SIZE;
     let mut first_key = None;
-    if h.level == 0 {
-        first_key = check_leaf_items(data, n, &loc)?;
-    } else {
-        if n == 0 {
-            return Err(Error::corrupt(loc(None), "node with no pointers"));
-        }
-        if n.checked_mul(KEY_PTR_SIZE).is_none_or(|s| s > space) {
+    if n == 0 {
+        return Err(Error::corrupt(loc(None), "node with no pointers"));
+    }
+    if n.checked_mul(KEY_PTR_SIZE).is_none_or(|s| s > space) {
+        return Err(Error::corrupt(
+            loc(None),
+            format!("node claims {n} pointers, more than fit"),
+        ));
+    }
+    let mut prev_key: Option<Key> = None;
+    for slot in 0..n {
+        let off = HEADER_SIZE + slot * KEY_PTR_SIZE;
+        let p = KeyPtr::parse(&data[off..off + KEY_PTR_SIZE]);
+        let l = || loc(Some(slot)).with_key(p.key);
+        if p.blockptr == 0 || !p.blockptr.is_multiple_of(4096) {
             return Err(Error::corrupt(
-                loc(None),
-                format!("node claims {n} pointers, more than fit"),
+                l(),
+                format!("child pointer {} is not block aligned", p.blockptr),
             ));
         }
-        let mut prev_key: Option<Key> = None;
-        for slot in 0..n {
-            let off = HEADER_SIZE + slot * KEY_PTR_SIZE;
-            let p = KeyPtr::parse(&data[off..off + KEY_PTR_SIZE]);
-            let l = || loc(Some(slot)).with_key(p.key);
-            if p.blockptr == 0 || !p.blockptr.is_multiple_of(4096) {
+        if p.blockptr == bytenr {
+            return Err(Error::corrupt(l(), "node points to itself"));
+        }
+        if p.generation > generation {
+            return Err(Error::corrupt(
+                l(),
+                format!(
+                    "child generation {} newer than the node's {}",
+                    p.generation, generation
+                ),
+            ));
+        }
+        if let Some(pk) = prev_key {
+            if p.key <= pk {
                 return Err(Error::corrupt(
                     l(),
-                    format!("child pointer {} is not block aligned", p.blockptr),
+                    format!("key not greater than previous key {pk}"),
                 ));
-            }
-            if p.blockptr == bytenr {
-                return Err(Error::corrupt(l(), "node points to itself"));
-            }
-            if p.generation > h.generation {
-                return Err(Error::corrupt(
-                    l(),
-                    format!(
-                        "child generation {} newer than the node's {}",
-                        p.generation, h.generation
-                    ),
-                ));
-            }
-            if let Some(pk) = prev_key {
-                if p.key <= pk {
-                    return Err(Error::corrupt(
-                        l(),
-                        format!("key not greater than previous key {pk}"),
-                    ));
-                }
-            }
-            prev_key = Some(p.key);
-            if slot == 0 {
-                first_key = Some(p.key);
             }
         }
+        prev_key = Some(p.key);
+        if slot == 0 {
+            first_key = Some(p.key);
+        }
     }
+    Ok(first_key)
+}
+
+/// Final phase of [`check_tree_block`]: the block's first key (from its items or pointers)
+/// must be the one the parent pointer names, and its owner must fit the reader's tree.
+fn check_parent_expectations(
+    expect: &Expect,
+    h: &Header,
+    first_key: Option<Key>,
+    loc: &dyn Fn(Option<usize>) -> Location,
+) -> Result<()> {
     match (expect.first_key, first_key) {
         (Some(want), Some(got)) if want != got => {
             return Err(Error::corrupt(
@@ -318,10 +361,10 @@ pub fn check_tree_block(
         }
         _ => {}
     }
-    if let Some(m) = owner_mismatch(expect, &h) {
+    if let Some(m) = owner_mismatch(expect, h) {
         return Err(Error::corrupt(loc(None), m));
     }
-    Ok(h)
+    Ok(())
 }
 
 /// Why a block's owner does not fit what its reader expects, if it does not.

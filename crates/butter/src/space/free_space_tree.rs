@@ -265,42 +265,9 @@ pub(crate) fn decode_items(
     sectorsize: u32,
 ) -> Result<Decoded> {
     let bad = |key: Option<Key>, msg: String| Err(Error::corrupt(fst_loc(bg_start, key), msg));
-    if sectorsize == 0 || !sectorsize.is_power_of_two() {
-        return bad(
-            None,
-            format!("sector size {sectorsize} is not a power of two"),
-        );
-    }
+    let bg_end = check_group_geometry(bg_start, bg_len, sectorsize)?;
     let ss = sectorsize as u64;
-    let Some(bg_end) = bg_start.checked_add(bg_len) else {
-        return bad(None, format!("block group length {bg_len} overflows"));
-    };
-    if !bg_start.is_multiple_of(ss) || !bg_len.is_multiple_of(ss) {
-        return bad(
-            None,
-            format!("block group {bg_start} length {bg_len} is not sector aligned"),
-        );
-    }
-    let info_key = Key::new(bg_start, FREE_SPACE_INFO_KEY, bg_len);
-    let Some(((k0, body0), rest)) = items.split_first() else {
-        return bad(None, "no FREE_SPACE_INFO item".into());
-    };
-    if *k0 != info_key {
-        return bad(
-            Some(*k0),
-            format!("the first item is not FREE_SPACE_INFO {info_key}"),
-        );
-    }
-    if body0.len() != 8 {
-        return bad(
-            Some(*k0),
-            format!("free space info body is {} bytes, not 8", body0.len()),
-        );
-    }
-    let info = FreeSpaceInfo::parse(body0).map_err(|e| match e {
-        Error::Corrupt { reason, .. } => Error::corrupt(fst_loc(bg_start, Some(*k0)), reason),
-        e => e,
-    })?;
+    let (info, rest) = decode_info_item(items, bg_start, bg_len)?;
     let mut item_type = None;
     let mut extents: Vec<(u64, u64)> = Vec::new();
     // End of the previous EXTENT/BITMAP item (exclusive); the next one starts at or after it.
@@ -309,88 +276,19 @@ pub(crate) fn decode_items(
     let mut run: Option<(u64, u64)> = None;
     for (k, body) in rest {
         let k = *k;
-        if k.ty != FREE_SPACE_EXTENT_KEY && k.ty != FREE_SPACE_BITMAP_KEY {
-            return bad(
-                Some(k),
-                format!(
-                    "item of type {} among free space items",
-                    key_type_name(k.ty)
-                ),
-            );
-        }
-        match item_type {
-            None => item_type = Some(k.ty),
-            Some(t) if t != k.ty => {
-                return bad(
-                    Some(k),
-                    "FREE_SPACE_EXTENT and FREE_SPACE_BITMAP items mixed in one block group".into(),
-                )
-            }
-            _ => {}
-        }
-        let (s, l) = (k.objectid, k.offset);
-        let e = match s.checked_add(l) {
-            Some(e) if l > 0 && s >= bg_start && e <= bg_end => e,
-            _ => {
-                return bad(
-                    Some(k),
-                    format!(
-                        "range {s}+{l} is empty or not inside the block group {bg_start}+{bg_len}"
-                    ),
-                )
-            }
-        };
-        if !s.is_multiple_of(ss) || !l.is_multiple_of(ss) {
-            return bad(
-                Some(k),
-                format!("range {s}+{l} is not aligned to the sector size {ss}"),
-            );
-        }
+        let e = check_item_key(k, &mut item_type, bg_start, bg_len, bg_end, ss)?;
         if k.ty == FREE_SPACE_EXTENT_KEY {
-            if !body.is_empty() {
-                return bad(
-                    Some(k),
-                    format!("free space extent has a {}-byte body", body.len()),
-                );
-            }
-            if s < prev_end || (s == prev_end && !extents.is_empty()) {
-                return bad(
-                    Some(k),
-                    format!(
-                        "free space extent {s}+{l} overlaps or touches the previous one (ending at {prev_end})"
-                    ),
-                );
-            }
-            extents.push((s, l));
+            decode_extent_item(k, body, bg_start, prev_end, &mut extents)?;
         } else {
-            if s != prev_end {
-                return bad(
-                    Some(k),
-                    format!("free space bitmap starts at {s}, not at {prev_end} where the previous one (or the group) ends"),
-                );
-            }
-            let want = bitmap_body_len(l, sectorsize);
-            if body.len() as u64 != want {
-                return bad(
-                    Some(k),
-                    format!(
-                        "free space bitmap of {l} bytes has a {}-byte body, not {want}",
-                        body.len()
-                    ),
-                );
-            }
-            let nbits = l / ss;
-            if !nbits.is_multiple_of(8) {
-                if let Some(last) = body.last() {
-                    if last >> (nbits % 8) != 0 {
-                        return bad(
-                            Some(k),
-                            format!("free space bitmap has bits set past its {nbits} sectors"),
-                        );
-                    }
-                }
-            }
-            bitmap_runs(body, nbits, s, ss, &mut run, &mut extents);
+            decode_bitmap_item(
+                k,
+                body,
+                bg_start,
+                prev_end,
+                sectorsize,
+                &mut run,
+                &mut extents,
+            )?;
         }
         prev_end = e;
     }
@@ -413,6 +311,188 @@ pub(crate) fn decode_items(
         info,
         item_type,
     })
+}
+
+/// One free space tree item as [`decode_items`] takes it: key and body.
+type FstItem<'b> = (Key, &'b [u8]);
+
+/// First phase of [`decode_items`]: the sector size must be a power of two and the block group
+/// sector aligned, its end not overflowing. Returns the group's end (exclusive).
+fn check_group_geometry(bg_start: u64, bg_len: u64, sectorsize: u32) -> Result<u64> {
+    let bad = |key: Option<Key>, msg: String| Err(Error::corrupt(fst_loc(bg_start, key), msg));
+    if sectorsize == 0 || !sectorsize.is_power_of_two() {
+        return bad(
+            None,
+            format!("sector size {sectorsize} is not a power of two"),
+        );
+    }
+    let ss = sectorsize as u64;
+    let Some(bg_end) = bg_start.checked_add(bg_len) else {
+        return bad(None, format!("block group length {bg_len} overflows"));
+    };
+    if !bg_start.is_multiple_of(ss) || !bg_len.is_multiple_of(ss) {
+        return bad(
+            None,
+            format!("block group {bg_start} length {bg_len} is not sector aligned"),
+        );
+    }
+    Ok(bg_end)
+}
+
+/// Second phase of [`decode_items`]: the first item must be the group's FREE_SPACE_INFO with an
+/// 8-byte body. Returns the parsed info and the items after it.
+fn decode_info_item<'i, 'b>(
+    items: &'i [FstItem<'b>],
+    bg_start: u64,
+    bg_len: u64,
+) -> Result<(FreeSpaceInfo, &'i [FstItem<'b>])> {
+    let bad = |key: Option<Key>, msg: String| Err(Error::corrupt(fst_loc(bg_start, key), msg));
+    let info_key = Key::new(bg_start, FREE_SPACE_INFO_KEY, bg_len);
+    let Some(((k0, body0), rest)) = items.split_first() else {
+        return bad(None, "no FREE_SPACE_INFO item".into());
+    };
+    if *k0 != info_key {
+        return bad(
+            Some(*k0),
+            format!("the first item is not FREE_SPACE_INFO {info_key}"),
+        );
+    }
+    if body0.len() != 8 {
+        return bad(
+            Some(*k0),
+            format!("free space info body is {} bytes, not 8", body0.len()),
+        );
+    }
+    let info = FreeSpaceInfo::parse(body0).map_err(|e| match e {
+        Error::Corrupt { reason, .. } => Error::corrupt(fst_loc(bg_start, Some(*k0)), reason),
+        e => e,
+    })?;
+    Ok((info, rest))
+}
+
+/// Per-item key check of [`decode_items`]: the item is an EXTENT or BITMAP of the same type as
+/// the group's earlier ones (`item_type`, set by the first), covering a non-empty, sector
+/// aligned range inside the group. Returns the range's end (exclusive).
+fn check_item_key(
+    k: Key,
+    item_type: &mut Option<u8>,
+    bg_start: u64,
+    bg_len: u64,
+    bg_end: u64,
+    ss: u64,
+) -> Result<u64> {
+    let bad = |key: Option<Key>, msg: String| Err(Error::corrupt(fst_loc(bg_start, key), msg));
+    if k.ty != FREE_SPACE_EXTENT_KEY && k.ty != FREE_SPACE_BITMAP_KEY {
+        return bad(
+            Some(k),
+            format!(
+                "item of type {} among free space items",
+                key_type_name(k.ty)
+            ),
+        );
+    }
+    match *item_type {
+        None => *item_type = Some(k.ty),
+        Some(t) if t != k.ty => {
+            return bad(
+                Some(k),
+                "FREE_SPACE_EXTENT and FREE_SPACE_BITMAP items mixed in one block group".into(),
+            )
+        }
+        _ => {}
+    }
+    let (s, l) = (k.objectid, k.offset);
+    let e = match s.checked_add(l) {
+        Some(e) if l > 0 && s >= bg_start && e <= bg_end => e,
+        _ => {
+            return bad(
+                Some(k),
+                format!("range {s}+{l} is empty or not inside the block group {bg_start}+{bg_len}"),
+            )
+        }
+    };
+    if !s.is_multiple_of(ss) || !l.is_multiple_of(ss) {
+        return bad(
+            Some(k),
+            format!("range {s}+{l} is not aligned to the sector size {ss}"),
+        );
+    }
+    Ok(e)
+}
+
+/// A FREE_SPACE_EXTENT item (key already checked): an empty body, starting past the previous
+/// extent (`prev_end`) without touching it. Appends the extent to `extents`.
+fn decode_extent_item(
+    k: Key,
+    body: &[u8],
+    bg_start: u64,
+    prev_end: u64,
+    extents: &mut Vec<(u64, u64)>,
+) -> Result<()> {
+    let bad = |key: Option<Key>, msg: String| Err(Error::corrupt(fst_loc(bg_start, key), msg));
+    let (s, l) = (k.objectid, k.offset);
+    if !body.is_empty() {
+        return bad(
+            Some(k),
+            format!("free space extent has a {}-byte body", body.len()),
+        );
+    }
+    if s < prev_end || (s == prev_end && !extents.is_empty()) {
+        return bad(
+            Some(k),
+            format!(
+                "free space extent {s}+{l} overlaps or touches the previous one (ending at {prev_end})"
+            ),
+        );
+    }
+    extents.push((s, l));
+    Ok(())
+}
+
+/// A FREE_SPACE_BITMAP item (key already checked): it starts where the previous bitmap (or the
+/// group) ends, its body has one bit per sector and no bits past its range. Its set bits extend
+/// the open `run` or close it into `extents`.
+fn decode_bitmap_item(
+    k: Key,
+    body: &[u8],
+    bg_start: u64,
+    prev_end: u64,
+    sectorsize: u32,
+    run: &mut Option<(u64, u64)>,
+    extents: &mut Vec<(u64, u64)>,
+) -> Result<()> {
+    let bad = |key: Option<Key>, msg: String| Err(Error::corrupt(fst_loc(bg_start, key), msg));
+    let (s, l) = (k.objectid, k.offset);
+    let ss = sectorsize as u64;
+    if s != prev_end {
+        return bad(
+            Some(k),
+            format!("free space bitmap starts at {s}, not at {prev_end} where the previous one (or the group) ends"),
+        );
+    }
+    let want = bitmap_body_len(l, sectorsize);
+    if body.len() as u64 != want {
+        return bad(
+            Some(k),
+            format!(
+                "free space bitmap of {l} bytes has a {}-byte body, not {want}",
+                body.len()
+            ),
+        );
+    }
+    let nbits = l / ss;
+    if !nbits.is_multiple_of(8) {
+        if let Some(last) = body.last() {
+            if last >> (nbits % 8) != 0 {
+                return bad(
+                    Some(k),
+                    format!("free space bitmap has bits set past its {nbits} sectors"),
+                );
+            }
+        }
+    }
+    bitmap_runs(body, nbits, s, ss, run, extents);
+    Ok(())
 }
 
 /// Adds the set bits of one bitmap (first bit = sector at `start`) to the runs: `run` is the
