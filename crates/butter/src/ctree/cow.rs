@@ -681,7 +681,7 @@ impl CowCtx {
 
     /// Inserts a run of items with increasing keys that land next to each other (no existing
     /// key between them).
-    pub fn insert_items(&mut self, tree: u64, items: &[(Key, &[u8])]) -> Result<()> {
+    pub(crate) fn insert_items(&mut self, tree: u64, items: &[(Key, &[u8])]) -> Result<()> {
         let Some(first) = items.first() else {
             return Ok(());
         };

@@ -13,6 +13,8 @@ pub mod cow;
 pub mod cow_ctx;
 pub mod extent_record;
 pub mod ops;
+#[cfg(test)]
+mod ops_model_tests;
 
 use crate::error::{Error, Location, Result};
 use crate::format::*;
@@ -273,7 +275,7 @@ fn do_readahead(disk: &Arc<Disk>, path: &mut Path, leaf_was_cached: bool) {
 }
 
 /// Moves the path to the first slot of the next leaf. Returns false at the end of the tree.
-pub fn next_leaf(disk: &Arc<Disk>, path: &mut Path) -> Result<bool> {
+pub(crate) fn next_leaf(disk: &Arc<Disk>, path: &mut Path) -> Result<bool> {
     let mut level = 1;
     while level < path.nodes.len() {
         let (b, s) = &path.nodes[level];

@@ -63,7 +63,9 @@
 
 use crate::error::{Error, Location, Result};
 use crate::format::csum::CsumType;
-use crate::format::header::{Header, ItemHeader, KeyPtr};
+use crate::format::header::Header;
+#[cfg(test)]
+use crate::format::header::{ItemHeader, KeyPtr};
 use crate::format::{
     le_u32, le_u64, Key, CSUM_SIZE, DISK_KEY_SIZE, HEADER_SIZE, ITEM_SIZE, KEY_PTR_SIZE, MAX_LEVEL,
     MIXED_BACKREF_REV,
@@ -87,7 +89,7 @@ const OFF_LEVEL: usize = 100;
 const FLAGS_MASK: u64 = (1u64 << 56) - 1;
 
 /// Largest data size of one leaf item in a block of `nodesize` bytes (the item alone in a leaf).
-pub const fn max_item_size(nodesize: usize) -> usize {
+pub(crate) const fn max_item_size(nodesize: usize) -> usize {
     nodesize.saturating_sub(HEADER_SIZE + ITEM_SIZE)
 }
 
@@ -129,7 +131,7 @@ fn misuse(loc: Location, reason: impl std::fmt::Display) -> Error {
 }
 
 /// Decodes the header of a buffer (at least [`HEADER_SIZE`] bytes).
-pub fn read_header(buf: &[u8]) -> Result<Header> {
+pub(crate) fn read_header(buf: &[u8]) -> Result<Header> {
     need_header(buf)?;
     Ok(Header::parse(buf))
 }
@@ -217,7 +219,7 @@ pub fn set_level(buf: &mut [u8], level: u8) -> Result<()> {
 /// Header fields of a new block. `Default` gives zeros, no flags and backref revision 1
 /// (mixed backrefs, what every current filesystem uses).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct NewHeader {
+pub(crate) struct NewHeader {
     pub bytenr: u64,
     pub owner: u64,
     pub generation: u64,
@@ -359,45 +361,57 @@ fn validate_node(buf: &[u8]) -> Result<()> {
 }
 
 /// Header setters shared by both views: they touch no layout field, so they cannot break the
-/// view's invariants.
+/// view's invariants. Each view's engine callers use only some of them (the model tests use
+/// all), hence the `dead_code` allowance on the generated methods.
 macro_rules! header_setters {
     () => {
         /// The block's header.
-        pub fn header(&self) -> Header {
+        #[allow(dead_code)]
+        pub(crate) fn header(&self) -> Header {
             Header::parse(self.buf)
         }
         /// The whole block.
-        pub fn as_bytes(&self) -> &[u8] {
+        #[allow(dead_code)]
+        pub(crate) fn as_bytes(&self) -> &[u8] {
             self.buf
         }
         /// Block size in bytes.
-        pub fn nodesize(&self) -> usize {
+        #[allow(dead_code)]
+        pub(crate) fn nodesize(&self) -> usize {
             self.buf.len()
         }
         /// Number of items (leaf) or pointers (node).
-        pub fn nritems(&self) -> usize {
+        #[allow(dead_code)]
+        pub(crate) fn nritems(&self) -> usize {
             le_u32(self.buf, OFF_NRITEMS) as usize
         }
-        pub fn set_bytenr(&mut self, bytenr: u64) {
+        #[allow(dead_code)]
+        pub(crate) fn set_bytenr(&mut self, bytenr: u64) {
             put_u64(self.buf, OFF_BYTENR, bytenr);
         }
-        pub fn set_generation(&mut self, generation: u64) {
+        #[allow(dead_code)]
+        pub(crate) fn set_generation(&mut self, generation: u64) {
             put_u64(self.buf, OFF_GENERATION, generation);
         }
-        pub fn set_owner(&mut self, owner: u64) {
+        #[allow(dead_code)]
+        pub(crate) fn set_owner(&mut self, owner: u64) {
             put_u64(self.buf, OFF_OWNER, owner);
         }
-        pub fn set_fsid(&mut self, fsid: &[u8; 16]) {
+        #[allow(dead_code)]
+        pub(crate) fn set_fsid(&mut self, fsid: &[u8; 16]) {
             self.buf[OFF_FSID..OFF_FSID + 16].copy_from_slice(fsid);
         }
-        pub fn set_chunk_tree_uuid(&mut self, uuid: &[u8; 16]) {
+        #[allow(dead_code)]
+        pub(crate) fn set_chunk_tree_uuid(&mut self, uuid: &[u8; 16]) {
             self.buf[OFF_CHUNK_TREE_UUID..OFF_CHUNK_TREE_UUID + 16].copy_from_slice(uuid);
         }
         /// See the free function [`set_flags`].
-        pub fn set_flags(&mut self, flags: u64) -> Result<()> {
+        #[allow(dead_code)]
+        pub(crate) fn set_flags(&mut self, flags: u64) -> Result<()> {
             set_flags(self.buf, flags)
         }
-        pub fn set_backref_rev(&mut self, rev: u8) {
+        #[allow(dead_code)]
+        pub(crate) fn set_backref_rev(&mut self, rev: u8) {
             let old = le_u64(self.buf, OFF_FLAGS);
             put_u64(
                 self.buf,
@@ -406,16 +420,20 @@ macro_rules! header_setters {
             );
         }
         /// Stores the checksum; see the free function [`finalize`].
-        pub fn finalize(&mut self, csum_type: CsumType) -> Result<()> {
+        #[allow(dead_code)]
+        pub(crate) fn finalize(&mut self, csum_type: CsumType) -> Result<()> {
             finalize(self.buf, csum_type)
         }
-        fn loc(&self) -> Location {
+        #[allow(dead_code)]
+        pub(crate) fn loc(&self) -> Location {
             header_loc(self.buf)
         }
-        fn loc_slot(&self, slot: usize) -> Location {
+        #[allow(dead_code)]
+        pub(crate) fn loc_slot(&self, slot: usize) -> Location {
             self.loc().with_slot(slot)
         }
-        fn set_n(&mut self, n: usize) {
+        #[allow(dead_code)]
+        pub(crate) fn set_n(&mut self, n: usize) {
             put_u32(self.buf, OFF_NRITEMS, n as u32);
         }
     };
@@ -427,13 +445,13 @@ macro_rules! header_setters {
 
 /// A mutable view of a leaf (level 0) whose layout has been validated.
 #[derive(Debug)]
-pub struct LeafMut<'a> {
+pub(crate) struct LeafMut<'a> {
     buf: &'a mut [u8],
 }
 
 /// What must grow in a leaf that has no room for it: see [`LeafMut::plan_split`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Growth {
+pub(crate) enum Growth {
     /// `items` new items, with `data_len` bytes of data in total, inserted together at the slot.
     Insert { items: usize, data_len: usize },
     /// The item at the slot grows by `extra` bytes of data.
@@ -443,7 +461,7 @@ pub enum Growth {
 /// How to make room in a leaf ([`LeafMut::plan_split`]). Slots are those of the leaf before
 /// the split.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum LeafSplit {
+pub(crate) enum LeafSplit {
     /// The leaf has room already.
     NotNeeded,
     /// Move items `[at, n)` into one new, empty right leaf ([`split_leaf`]). The insert or
@@ -459,6 +477,7 @@ pub enum LeafSplit {
 }
 
 impl<'a> LeafMut<'a> {
+    #[cfg(test)]
     /// Validates `buf` as a leaf and returns a view of it.
     pub fn new(buf: &'a mut [u8]) -> Result<LeafMut<'a>> {
         validate_leaf(buf)?;
@@ -553,8 +572,9 @@ impl<'a> LeafMut<'a> {
         self.data_start() - self.nritems() * ITEM_SIZE
     }
 
+    #[cfg(test)]
     /// Bytes used by the items of `slots` (records plus data); `slots` is half-open.
-    pub fn used_bytes(&self, slots: Range<usize>) -> Result<usize> {
+    pub(crate) fn used_bytes(&self, slots: Range<usize>) -> Result<usize> {
         let n = self.nritems();
         if slots.start > slots.end || slots.end > n {
             return Err(misuse(
@@ -568,9 +588,10 @@ impl<'a> LeafMut<'a> {
         Ok(self.data_end(slots.start) - self.off(slots.end - 1) + slots.len() * ITEM_SIZE)
     }
 
+    #[cfg(test)]
     /// How many of the last items fit in `bytes` (records plus data): what a push to the right
     /// sibling can move when that sibling has `bytes` free.
-    pub fn items_fitting_from_end(&self, bytes: usize) -> usize {
+    pub(crate) fn items_fitting_from_end(&self, bytes: usize) -> usize {
         let n = self.nritems();
         let mut used = 0;
         let mut count = 0;
@@ -584,8 +605,9 @@ impl<'a> LeafMut<'a> {
         count
     }
 
+    #[cfg(test)]
     /// How many of the first items fit in `bytes`: what a push to the left sibling can move.
-    pub fn items_fitting_from_start(&self, bytes: usize) -> usize {
+    pub(crate) fn items_fitting_from_start(&self, bytes: usize) -> usize {
         let n = self.nritems();
         let mut used = 0;
         let mut count = 0;
@@ -610,6 +632,7 @@ impl<'a> LeafMut<'a> {
         (self.nritems() > 0).then(|| self.key_at(0))
     }
 
+    #[cfg(test)]
     /// Item record `slot` (key, data offset relative to the end of the header, size).
     pub fn item(&self, slot: usize) -> Result<ItemHeader> {
         self.check_slot(slot)?;
@@ -617,6 +640,7 @@ impl<'a> LeafMut<'a> {
         Ok(ItemHeader::parse(&self.buf[r..r + ITEM_SIZE]))
     }
 
+    #[cfg(test)]
     /// Data of item `slot`.
     pub fn item_data(&self, slot: usize) -> Result<&[u8]> {
         self.check_slot(slot)?;
@@ -625,7 +649,7 @@ impl<'a> LeafMut<'a> {
     }
 
     /// Mutable data of item `slot`.
-    pub fn item_data_mut(&mut self, slot: usize) -> Result<&mut [u8]> {
+    pub(crate) fn item_data_mut(&mut self, slot: usize) -> Result<&mut [u8]> {
         self.check_slot(slot)?;
         let o = Self::abs(self.off(slot));
         let s = self.size(slot);
@@ -700,7 +724,7 @@ impl<'a> LeafMut<'a> {
 
     /// Inserts items `(key, data_len)` at `slot, slot + 1, ...` with zeroed data. Keys must be
     /// strictly increasing and sort between the neighbours; all of them must fit.
-    pub fn insert_items(&mut self, slot: usize, items: &[(Key, usize)]) -> Result<()> {
+    pub(crate) fn insert_items(&mut self, slot: usize, items: &[(Key, usize)]) -> Result<()> {
         let n = self.nritems();
         if slot > n {
             return Err(misuse(
@@ -741,7 +765,7 @@ impl<'a> LeafMut<'a> {
 
     /// Deletes `count` items starting at `slot`; the data of the later items moves up to stay
     /// packed and the freed bytes are zeroed.
-    pub fn delete_items(&mut self, slot: usize, count: usize) -> Result<()> {
+    pub(crate) fn delete_items(&mut self, slot: usize, count: usize) -> Result<()> {
         let n = self.nritems();
         if slot.checked_add(count).is_none_or(|e| e > n) {
             return Err(misuse(
@@ -773,7 +797,7 @@ impl<'a> LeafMut<'a> {
     }
 
     /// Grows item `slot` by `extra` zeroed bytes at the end of its data.
-    pub fn extend_item(&mut self, slot: usize, extra: usize) -> Result<()> {
+    pub(crate) fn extend_item(&mut self, slot: usize, extra: usize) -> Result<()> {
         self.check_slot(slot)?;
         self.check_room(slot, &format!("extend by {extra} bytes"), Some(extra))?;
         if extra == 0 {
@@ -797,7 +821,12 @@ impl<'a> LeafMut<'a> {
 
     /// Shrinks item `slot` to `new_size` bytes. `from_end: true` cuts bytes off the end (keeps
     /// the first `new_size` bytes); `false` cuts them off the front (keeps the last `new_size`).
-    pub fn truncate_item(&mut self, slot: usize, new_size: usize, from_end: bool) -> Result<()> {
+    pub(crate) fn truncate_item(
+        &mut self,
+        slot: usize,
+        new_size: usize,
+        from_end: bool,
+    ) -> Result<()> {
         self.check_slot(slot)?;
         let s = self.size(slot);
         if new_size > s {
@@ -826,7 +855,7 @@ impl<'a> LeafMut<'a> {
     }
 
     /// Replaces the key of item `slot`; it must still sort strictly between the neighbours.
-    pub fn set_key(&mut self, slot: usize, key: Key) -> Result<()> {
+    pub(crate) fn set_key(&mut self, slot: usize, key: Key) -> Result<()> {
         self.check_slot(slot)?;
         if slot > 0 && key <= self.key_at(slot - 1) {
             return Err(misuse(
@@ -1015,7 +1044,7 @@ impl<'a> LeafMut<'a> {
 /// Moves the last `count` items of `left` to the front of `right`. `left`'s last key must be
 /// below `right`'s first key and the items must fit in `right`'s free space. Returns `right`'s
 /// first key afterwards (for the parent pointer); `None` only if `right` is still empty.
-pub fn push_leaf_right(
+pub(crate) fn push_leaf_right(
     left: &mut LeafMut<'_>,
     right: &mut LeafMut<'_>,
     count: usize,
@@ -1034,7 +1063,7 @@ pub fn push_leaf_right(
 
 /// Moves the first `count` items of `right` to the end of `left`. Returns `right`'s first key
 /// afterwards, `None` when `right` is now empty (the caller removes it from the parent).
-pub fn push_leaf_left(
+pub(crate) fn push_leaf_left(
     left: &mut LeafMut<'_>,
     right: &mut LeafMut<'_>,
     count: usize,
@@ -1054,7 +1083,7 @@ pub fn push_leaf_left(
 
 /// Moves items `[at, n)` of `left` into `right`, which must be empty (a freshly initialized
 /// leaf). Returns `right`'s first key (`None` if `at == n`).
-pub fn split_leaf(
+pub(crate) fn split_leaf(
     left: &mut LeafMut<'_>,
     right: &mut LeafMut<'_>,
     at: usize,
@@ -1077,7 +1106,7 @@ pub fn split_leaf(
 
 /// Moves every item of `right` into `left` when they fit; `right` is left empty for the caller
 /// to free (and to remove from the parent).
-pub fn merge_leaves(left: &mut LeafMut<'_>, right: &mut LeafMut<'_>) -> Result<()> {
+pub(crate) fn merge_leaves(left: &mut LeafMut<'_>, right: &mut LeafMut<'_>) -> Result<()> {
     let nr = right.nritems();
     push_leaf_left(left, right, nr).map(|_| ())
 }
@@ -1088,11 +1117,12 @@ pub fn merge_leaves(left: &mut LeafMut<'_>, right: &mut LeafMut<'_>) -> Result<(
 
 /// A mutable view of an internal node (level 1 to 7) whose layout has been validated.
 #[derive(Debug)]
-pub struct NodeMut<'a> {
+pub(crate) struct NodeMut<'a> {
     buf: &'a mut [u8],
 }
 
 impl<'a> NodeMut<'a> {
+    #[cfg(test)]
     /// Validates `buf` as a node and returns a view of it. A node with no pointers is accepted
     /// (a fresh split target); the tree checker rejects such a block on disk.
     pub fn new(buf: &'a mut [u8]) -> Result<NodeMut<'a>> {
@@ -1163,10 +1193,11 @@ impl<'a> NodeMut<'a> {
     }
 
     /// Pointers that can still be added.
-    pub fn free_ptrs(&self) -> usize {
+    pub(crate) fn free_ptrs(&self) -> usize {
         self.max_ptrs() - self.nritems()
     }
 
+    #[cfg(test)]
     /// Key of pointer `slot`.
     pub fn key(&self, slot: usize) -> Result<Key> {
         self.check_slot(slot)?;
@@ -1178,6 +1209,7 @@ impl<'a> NodeMut<'a> {
         (self.nritems() > 0).then(|| self.key_at(0))
     }
 
+    #[cfg(test)]
     /// Key pointer `slot`.
     pub fn ptr(&self, slot: usize) -> Result<KeyPtr> {
         self.check_slot(slot)?;
@@ -1229,7 +1261,7 @@ impl<'a> NodeMut<'a> {
 
     /// Inserts a pointer at `slot` (`slot <= nritems`); the key must sort strictly between the
     /// neighbours and the node must have room.
-    pub fn insert_ptr(
+    pub(crate) fn insert_ptr(
         &mut self,
         slot: usize,
         key: Key,
@@ -1253,7 +1285,7 @@ impl<'a> NodeMut<'a> {
     }
 
     /// Deletes `count` pointers starting at `slot`; freed records are zeroed.
-    pub fn delete_ptrs(&mut self, slot: usize, count: usize) -> Result<()> {
+    pub(crate) fn delete_ptrs(&mut self, slot: usize, count: usize) -> Result<()> {
         let n = self.nritems();
         if slot.checked_add(count).is_none_or(|e| e > n) {
             return Err(misuse(
@@ -1269,7 +1301,7 @@ impl<'a> NodeMut<'a> {
     }
 
     /// Points `slot` at another child block (after a COW), keeping its key.
-    pub fn set_ptr(&mut self, slot: usize, blockptr: u64, generation: u64) -> Result<()> {
+    pub(crate) fn set_ptr(&mut self, slot: usize, blockptr: u64, generation: u64) -> Result<()> {
         self.check_slot(slot)?;
         let r = Self::rec(slot);
         put_u64(self.buf, r + DISK_KEY_SIZE, blockptr);
@@ -1279,7 +1311,7 @@ impl<'a> NodeMut<'a> {
 
     /// Replaces the key of pointer `slot` (when the child's first key changed); it must still
     /// sort strictly between the neighbours.
-    pub fn set_key(&mut self, slot: usize, key: Key) -> Result<()> {
+    pub(crate) fn set_key(&mut self, slot: usize, key: Key) -> Result<()> {
         self.check_slot(slot)?;
         if slot > 0 && key <= self.key_at(slot - 1) {
             return Err(misuse(
@@ -1340,7 +1372,7 @@ impl<'a> NodeMut<'a> {
 
 /// Moves the last `count` pointers of `left` to the front of `right` (same level). Returns
 /// `right`'s first key afterwards.
-pub fn push_node_right(
+pub(crate) fn push_node_right(
     left: &mut NodeMut<'_>,
     right: &mut NodeMut<'_>,
     count: usize,
@@ -1359,7 +1391,7 @@ pub fn push_node_right(
 
 /// Moves the first `count` pointers of `right` to the end of `left` (same level). Returns
 /// `right`'s first key afterwards, `None` when it is now empty.
-pub fn push_node_left(
+pub(crate) fn push_node_left(
     left: &mut NodeMut<'_>,
     right: &mut NodeMut<'_>,
     count: usize,
@@ -1379,7 +1411,7 @@ pub fn push_node_left(
 
 /// Moves pointers `[at, n)` of `left` into the empty node `right` of the same level (the usual
 /// split point is `n / 2`). Returns `right`'s first key.
-pub fn split_node(
+pub(crate) fn split_node(
     left: &mut NodeMut<'_>,
     right: &mut NodeMut<'_>,
     at: usize,
@@ -1404,7 +1436,7 @@ pub fn split_node(
 }
 
 /// Moves every pointer of `right` into `left` when they fit; `right` is left empty.
-pub fn merge_nodes(left: &mut NodeMut<'_>, right: &mut NodeMut<'_>) -> Result<()> {
+pub(crate) fn merge_nodes(left: &mut NodeMut<'_>, right: &mut NodeMut<'_>) -> Result<()> {
     let nr = right.nritems();
     push_node_left(left, right, nr).map(|_| ())
 }

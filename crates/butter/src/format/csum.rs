@@ -88,7 +88,7 @@ impl CsumType {
 
     /// True if the first `size()` bytes of `stored` equal the checksum of `data`.
     /// A `stored` shorter than `size()` never matches.
-    pub fn verify(self, data: &[u8], stored: &[u8]) -> bool {
+    pub(crate) fn verify(self, data: &[u8], stored: &[u8]) -> bool {
         let n = self.size();
         match stored.get(..n) {
             Some(s) => self.compute(data)[..n] == *s,

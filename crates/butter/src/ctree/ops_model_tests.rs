@@ -1,4 +1,4 @@
-//! Model tests of the tree block mutation primitives (`butter::ctree::ops`).
+//! Model tests of the tree block mutation primitives (`crate::ctree::ops`).
 //!
 //! Random operation sequences run on a row of sibling blocks (the leaf level, or one node
 //! level, of a tree) and on a `BTreeMap` model side by side. After every operation each block
@@ -12,11 +12,11 @@
 //! A last test rebuilds every leaf and node of mkfs.btrfs images from their items alone and
 //! expects the very same bytes (skipped when mkfs.btrfs is missing, an error under CI).
 
-use butter::ctree::ops::*;
-use butter::format::csum::CsumType;
-use butter::format::{Key, HEADER_SIZE, ITEM_SIZE};
-use butter::io::disk_io::{check_tree_block, Expect, TreeBlock};
-use butter::Error;
+use super::ops::*;
+use crate::format::csum::CsumType;
+use crate::format::{Key, HEADER_SIZE, ITEM_SIZE};
+use crate::io::disk_io::{check_tree_block, Expect, TreeBlock};
+use crate::Error;
 use proptest::prelude::*;
 use std::collections::BTreeMap;
 
@@ -79,7 +79,7 @@ fn pair(v: &mut [Vec<u8>], i: usize) -> (&mut Vec<u8>, &mut Vec<u8>) {
 }
 
 /// Asserts `r` is `Error::Internal` and the bytes did not change.
-fn assert_refused<T: std::fmt::Debug>(r: butter::Result<T>, before: &[u8], after: &[u8]) {
+fn assert_refused<T: std::fmt::Debug>(r: crate::Result<T>, before: &[u8], after: &[u8]) {
     match r {
         Err(Error::Internal(_)) => {}
         other => panic!("expected Error::Internal, got {other:?}"),
@@ -1071,7 +1071,7 @@ impl NodeRow {
                 let p = tb.ptr(s);
                 ptrs.push((p.key, (p.blockptr, p.generation)));
             }
-            let used = HEADER_SIZE + n * butter::format::KEY_PTR_SIZE;
+            let used = HEADER_SIZE + n * crate::format::KEY_PTR_SIZE;
             assert!(
                 b[used..].iter().all(|&x| x == 0),
                 "node free space not zeroed"
@@ -1226,9 +1226,9 @@ fn rebuild(tb: &TreeBlock, csum: CsumType) -> Vec<u8> {
 
 #[test]
 fn rebuilt_mkfs_blocks_are_identical() {
-    use butter::ctree::{next_leaf, search_slot, Root};
-    use butter::format::{FS_TREE_OBJECTID, ROOT_ITEM_KEY};
-    use butter::io::disk_io::Readahead;
+    use crate::ctree::{next_leaf, search_slot, Root};
+    use crate::format::{FS_TREE_OBJECTID, ROOT_ITEM_KEY};
+    use crate::io::disk_io::Readahead;
     use std::sync::Arc;
     if !require_mkfs() {
         return;
@@ -1266,11 +1266,11 @@ fn rebuilt_mkfs_blocks_are_identical() {
             "{}",
             String::from_utf8_lossy(&out.stderr)
         );
-        let fs = butter::fs::Fs::open(&img).unwrap();
+        let fs = crate::fs::Fs::open(&img).unwrap();
         let csum = fs.disk().sb.csum_type;
         // Every tree in the root tree, plus the root tree itself.
         let mut roots = vec![fs.tree_root()];
-        let mut it = butter::ctree::TreeIter::new(
+        let mut it = crate::ctree::TreeIter::new(
             fs.disk().clone(),
             fs.tree_root(),
             Key::MIN,
@@ -1279,7 +1279,7 @@ fn rebuilt_mkfs_blocks_are_identical() {
         .unwrap();
         while let Some(item) = it.next_item().unwrap() {
             if item.key.ty == ROOT_ITEM_KEY {
-                let ri = butter::format::items::RootItem::parse(item.data()).unwrap();
+                let ri = crate::format::items::RootItem::parse(item.data()).unwrap();
                 roots.push(Root {
                     id: item.key.objectid,
                     bytenr: ri.bytenr,
@@ -1304,7 +1304,7 @@ fn rebuilt_mkfs_blocks_are_identical() {
                         + n * if b.is_leaf() {
                             ITEM_SIZE
                         } else {
-                            butter::format::KEY_PTR_SIZE
+                            crate::format::KEY_PTR_SIZE
                         };
                     let free = if b.is_leaf() {
                         b.leaf_free_space()
