@@ -43,7 +43,7 @@
 //! These are the layout rules the tree checker ([`crate::io::disk_io::check_tree_block`]) enforces,
 //! and the ones the kernel's tree checker enforces. Rebuilt from their items alone, the leaves
 //! and nodes of mkfs.btrfs images come out byte for byte the same, apart from stale bytes
-//! mkfs leaves in some blocks' free space (see `tests/ctree_ops_model.rs`).
+//! mkfs leaves in some blocks' free space (see `ctree/ops_model_tests.rs`).
 //!
 //! # Views and errors
 //!
