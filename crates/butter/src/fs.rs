@@ -208,17 +208,7 @@ impl Fs {
     /// Passes the gate as a reader, after completing pending ordered extents (a reader would
     /// complete them, changing trees under the other readers).
     pub fn read_gate(&self) -> crate::gate::GateRead<'_> {
-        loop {
-            let g = self.gate.read();
-            if !self.has_pending_ordered() || self.stopped().is_some() {
-                return g;
-            }
-            drop(g);
-            let _c = self.gate.change();
-            if let Err(e) = self.complete_ordered_extents() {
-                self.stop(format!("completing writes: {e}"));
-            }
-        }
+        self.read_gate_unless(|| self.has_pending_ordered())
     }
 
     /// [`Fs::read_gate`] for a read of `ino` alone (its data, attributes, flags): completes
@@ -226,9 +216,15 @@ impl Fs {
     /// for the completion of another file's writes. (Pending extents and delayed appends
     /// appear only under the exclusive gate, so none appear for `ino` while this is held.)
     pub fn read_gate_on(&self, ino: Inode) -> crate::gate::GateRead<'_> {
+        self.read_gate_unless(|| self.ordered.has_pending(ino))
+    }
+
+    /// The shared passage once `pending` (pending ordered extents the read would complete)
+    /// is false: while it is true, they are completed under the exclusive gate first.
+    fn read_gate_unless(&self, pending: impl Fn() -> bool) -> crate::gate::GateRead<'_> {
         loop {
             let g = self.gate.read();
-            if !self.ordered.has_pending(ino) || self.stopped().is_some() {
+            if !pending() || self.stopped().is_some() {
                 return g;
             }
             drop(g);
