@@ -767,19 +767,13 @@ impl Core {
         guard: Option<&crate::inode::ordered::RangeGuard<'_>>,
         nosum: bool,
     ) -> Result<()> {
-        let ss = self.disk.sectorsize() as u64;
-        let ct = self.disk.sb.csum_type;
         let writeback = |bytenr: u64, chunk: &[u8]| -> Result<Vec<u8>> {
             self.disk.write_logical(bytenr, chunk)?;
             if nosum {
                 // NODATASUM: no checksums, none logged or stored.
                 return Ok(Vec::new());
             }
-            let mut sums = Vec::with_capacity(chunk.len() / ss as usize * ct.size());
-            for s in chunk.chunks(ss as usize) {
-                sums.extend_from_slice(&ct.compute(s)[..ct.size()]);
-            }
-            Ok(sums)
+            Ok(self.sector_sums(chunk))
         };
         let mut done = 0u64;
         let total = buf.len() as u64;
@@ -949,7 +943,6 @@ impl Core {
         commit_ok: bool,
     ) -> Result<Result<crate::inode::ordered::Pending>> {
         let ss = self.disk.sectorsize() as u64;
-        let ct = self.disk.sb.csum_type;
         let mut buf = d.data.clone();
         buf.resize((buf.len() as u64).div_ceil(ss) as usize * ss as usize, 0);
         let len = buf.len() as u64;
@@ -965,10 +958,7 @@ impl Core {
             w.allocator.release_held(bytenr, len);
             return Ok(Err(e));
         }
-        let mut sums = Vec::with_capacity(buf.len() / ss as usize * ct.size());
-        for s in buf.chunks(ss as usize) {
-            sums.extend_from_slice(&ct.compute(s)[..ct.size()]);
-        }
+        let sums = self.sector_sums(&buf);
         Ok(Ok(crate::inode::ordered::Pending {
             file_off: d.start,
             len,
@@ -1026,41 +1016,46 @@ impl Core {
         let unfinished = Unfinished(&self.ordered, ino, bytenr);
         // Out of the gate for the data I/O (crate::gate): the extent is pending and `writing`,
         // and whoever completes it meanwhile waits for `flush_written`, which needs no lock.
-        let out = self.gate.step_out();
-        let mut buf = d.data;
-        buf.resize(len as usize, 0);
-        let r = self.disk.write_logical(bytenr, &buf).map(|()| {
-            let ct = self.disk.sb.csum_type;
-            let mut sums = Vec::with_capacity(buf.len() / ss as usize * ct.size());
-            for s in buf.chunks(ss as usize) {
-                sums.extend_from_slice(&ct.compute(s)[..ct.size()]);
-            }
-            sums
-        });
-        let r = r.map_err(|e| {
-            let why = format!(
-                "writing back {} bytes appended at {} to inode {} (subvolume {}): {e}",
-                buf.len(),
-                d.start,
-                ino.ino,
-                ino.root
-            );
-            log::error!("{why}; the appends are lost, the file's next fsync fails");
-            why
-        });
-        let failed = r.is_err();
-        std::mem::forget(unfinished);
-        self.ordered.flush_written(ino, bytenr, r);
-        drop(out);
-        if let Some(why) = self.gate.latched() {
-            return Err(Error::Aborted(why));
-        }
+        let failed = self.outside_gate(|| {
+            let mut buf = d.data;
+            buf.resize(len as usize, 0);
+            let r = self
+                .disk
+                .write_logical(bytenr, &buf)
+                .map(|()| self.sector_sums(&buf));
+            let r = r.map_err(|e| {
+                let why = format!(
+                    "writing back {} bytes appended at {} to inode {} (subvolume {}): {e}",
+                    buf.len(),
+                    d.start,
+                    ino.ino,
+                    ino.root
+                );
+                log::error!("{why}; the appends are lost, the file's next fsync fails");
+                why
+            });
+            let failed = r.is_err();
+            std::mem::forget(unfinished);
+            self.ordered.flush_written(ino, bytenr, r);
+            Ok(failed)
+        })?;
         if failed {
             // Its space goes back, and the error to the next fsync, under the writer lock.
             let mut w = self.writer_keeping_ordered()?;
             self.release_lost(&mut w);
         }
         Ok(())
+    }
+
+    /// The data checksums of `data`, one per sector, as the checksum tree stores them.
+    fn sector_sums(&self, data: &[u8]) -> Vec<u8> {
+        let ss = self.disk.sectorsize() as usize;
+        let ct = self.disk.sb.csum_type;
+        let mut sums = Vec::with_capacity(data.len() / ss * ct.size());
+        for s in data.chunks(ss) {
+            sums.extend_from_slice(&ct.compute(s)[..ct.size()]);
+        }
+        sums
     }
 
     /// Gives back the held space of buffers whose write-back failed without the writer lock,
