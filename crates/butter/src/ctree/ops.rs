@@ -424,16 +424,13 @@ macro_rules! header_setters {
         pub(crate) fn finalize(&mut self, csum_type: CsumType) -> Result<()> {
             finalize(self.buf, csum_type)
         }
-        #[allow(dead_code)]
-        pub(crate) fn loc(&self) -> Location {
+        fn loc(&self) -> Location {
             header_loc(self.buf)
         }
-        #[allow(dead_code)]
-        pub(crate) fn loc_slot(&self, slot: usize) -> Location {
+        fn loc_slot(&self, slot: usize) -> Location {
             self.loc().with_slot(slot)
         }
-        #[allow(dead_code)]
-        pub(crate) fn set_n(&mut self, n: usize) {
+        fn set_n(&mut self, n: usize) {
             put_u32(self.buf, OFF_NRITEMS, n as u32);
         }
     };
