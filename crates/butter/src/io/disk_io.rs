@@ -163,20 +163,24 @@ pub(crate) fn check_leaf_items(
             ));
         }
         expected_end = start;
-        if let Some(p) = prev_key {
-            if it.key <= p {
-                return Err(Error::corrupt(
-                    l(),
-                    format!("key not greater than previous key {p}"),
-                ));
-            }
-        }
-        prev_key = Some(it.key);
-        if slot == 0 {
-            first_key = Some(it.key);
+        if let Some(why) = key_in_order(&mut prev_key, &mut first_key, it.key) {
+            return Err(Error::corrupt(l(), why));
         }
     }
     Ok(first_key)
+}
+
+/// One more key of a block's items or pointers, in slot order: what is wrong when it is not
+/// greater than the one before; the first key is kept.
+fn key_in_order(prev: &mut Option<Key>, first: &mut Option<Key>, key: Key) -> Option<String> {
+    if let Some(p) = *prev {
+        if key <= p {
+            return Some(format!("key not greater than previous key {p}"));
+        }
+    }
+    first.get_or_insert(key);
+    *prev = Some(key);
+    None
 }
 
 /// Validates a raw block. Pure, so the fuzz target can drive it directly.
@@ -321,17 +325,8 @@ fn check_node_ptrs(
                 ),
             ));
         }
-        if let Some(pk) = prev_key {
-            if p.key <= pk {
-                return Err(Error::corrupt(
-                    l(),
-                    format!("key not greater than previous key {pk}"),
-                ));
-            }
-        }
-        prev_key = Some(p.key);
-        if slot == 0 {
-            first_key = Some(p.key);
+        if let Some(why) = key_in_order(&mut prev_key, &mut first_key, p.key) {
+            return Err(Error::corrupt(l(), why));
         }
     }
     Ok(first_key)
