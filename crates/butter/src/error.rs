@@ -31,7 +31,7 @@ impl Location {
             ..Default::default()
         }
     }
-    pub fn block(tree: Option<u64>, bytenr: u64) -> Self {
+    pub(crate) fn block(tree: Option<u64>, bytenr: u64) -> Self {
         Location {
             tree,
             bytenr: Some(bytenr),
@@ -177,7 +177,7 @@ impl Error {
             reason: reason.into(),
         }
     }
-    pub fn io(what: impl Into<String>, offset: u64, source: std::io::Error) -> Self {
+    pub(crate) fn io(what: impl Into<String>, offset: u64, source: std::io::Error) -> Self {
         Error::Io {
             what: what.into(),
             offset,
@@ -226,22 +226,22 @@ impl Error {
 
 /// Linux errno values (the engine does not depend on libc).
 pub mod libc_consts {
-    pub const EPERM: i32 = 1;
-    pub const ENOENT: i32 = 2;
-    pub const EEXIST: i32 = 17;
-    pub const ENOSPC: i32 = 28;
-    pub const EXDEV: i32 = 18;
-    pub const EMLINK: i32 = 31;
-    pub const ENAMETOOLONG: i32 = 36;
-    pub const ENOTEMPTY: i32 = 39;
-    pub const EIO: i32 = 5;
-    pub const ENOTDIR: i32 = 20;
-    pub const EISDIR: i32 = 21;
-    pub const EINVAL: i32 = 22;
-    pub const EROFS: i32 = 30;
-    pub const ERANGE: i32 = 34;
-    pub const ENODATA: i32 = 61;
-    pub const EOPNOTSUPP: i32 = 95;
+    pub(crate) const EPERM: i32 = 1;
+    pub(crate) const ENOENT: i32 = 2;
+    pub(crate) const EEXIST: i32 = 17;
+    pub(crate) const ENOSPC: i32 = 28;
+    pub(crate) const EXDEV: i32 = 18;
+    pub(crate) const EMLINK: i32 = 31;
+    pub(crate) const ENAMETOOLONG: i32 = 36;
+    pub(crate) const ENOTEMPTY: i32 = 39;
+    pub(crate) const EIO: i32 = 5;
+    pub(crate) const ENOTDIR: i32 = 20;
+    pub(crate) const EISDIR: i32 = 21;
+    pub(crate) const EINVAL: i32 = 22;
+    pub(crate) const EROFS: i32 = 30;
+    pub(crate) const ERANGE: i32 = 34;
+    pub(crate) const ENODATA: i32 = 61;
+    pub(crate) const EOPNOTSUPP: i32 = 95;
     pub(crate) const EUCLEAN: i32 = 117;
 }
 impl Error {

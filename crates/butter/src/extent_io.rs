@@ -79,7 +79,7 @@ impl ExtentBits {
     /// Marked for defragmentation.
     pub(crate) const DEFRAG: Self = Self(1 << 6);
     /// Data written without data checksums.
-    pub const NODATASUM: Self = Self(1 << 7);
+    pub(crate) const NODATASUM: Self = Self(1 << 7);
     /// An ordered extent covers the range (data written, not yet in the trees).
     pub(crate) const ORDERED: Self = Self(1 << 8);
 
@@ -106,20 +106,21 @@ impl ExtentBits {
     pub const fn bits(self) -> u32 {
         self.0
     }
+    #[cfg(test)]
     /// Wraps any `u32`, keeping bits that have no name.
-    pub const fn from_bits_retain(bits: u32) -> Self {
+    pub(crate) const fn from_bits_retain(bits: u32) -> Self {
         Self(bits)
     }
     /// No bit set.
-    pub const fn is_empty(self) -> bool {
+    pub(crate) const fn is_empty(self) -> bool {
         self.0 == 0
     }
     /// Every bit of `other` is set in `self`.
-    pub const fn contains(self, other: Self) -> bool {
+    pub(crate) const fn contains(self, other: Self) -> bool {
         self.0 & other.0 == other.0
     }
     /// At least one bit of `other` is set in `self`.
-    pub const fn intersects(self, other: Self) -> bool {
+    pub(crate) const fn intersects(self, other: Self) -> bool {
         self.0 & other.0 != 0
     }
     /// `self | other`.
@@ -131,7 +132,7 @@ impl ExtentBits {
         Self(self.0 & other.0)
     }
     /// `self & !other`.
-    pub const fn difference(self, other: Self) -> Self {
+    pub(crate) const fn difference(self, other: Self) -> Self {
         Self(self.0 & !other.0)
     }
 }
@@ -212,12 +213,8 @@ pub struct ExtentRecord {
 impl ExtentRecord {
     /// Number of bytes covered, `end - start + 1`; saturates at `u64::MAX` for the record
     /// `[0, u64::MAX]` (2^64 bytes).
-    pub fn len(&self) -> u64 {
+    pub(crate) fn len(&self) -> u64 {
         (self.end - self.start).saturating_add(1)
-    }
-    /// Always false: a record covers at least one byte. (Present for clippy's `len` rule.)
-    pub fn is_empty(&self) -> bool {
-        false
     }
 }
 
@@ -328,11 +325,6 @@ impl ExtentIoTree {
         self.trim_in_place = on;
     }
 
-    /// Whether trimming in place is on.
-    pub fn trim_in_place(&self) -> bool {
-        self.trim_in_place
-    }
-
     /// The work counters since creation or the last [`reset_stats`](Self::reset_stats).
     pub fn stats(&self) -> ExtentIoStats {
         self.stats
@@ -354,7 +346,7 @@ impl ExtentIoTree {
     }
 
     /// Removes every record (statistics are kept).
-    pub fn clear(&mut self) {
+    pub(crate) fn clear(&mut self) {
         self.map.clear();
     }
 
@@ -754,13 +746,13 @@ impl SharedExtentIoTree {
     }
 
     /// [`ExtentIoTree::set_bits`] under the mutex.
-    pub fn set_bits(&self, start: u64, end: u64, bits: ExtentBits) {
+    pub(crate) fn set_bits(&self, start: u64, end: u64, bits: ExtentBits) {
         self.guard().tree.set_bits(start, end, bits)
     }
 
     /// [`ExtentIoTree::clear_bits`] under the mutex; wakes lock waiters if `LOCKED` was among
     /// `bits` and something was cleared.
-    pub fn clear_bits(&self, start: u64, end: u64, bits: ExtentBits) -> bool {
+    pub(crate) fn clear_bits(&self, start: u64, end: u64, bits: ExtentBits) -> bool {
         let mut g = self.guard();
         let cleared = g.tree.clear_bits(start, end, bits);
         if cleared && bits.intersects(ExtentBits::LOCKED) {
@@ -772,21 +764,6 @@ impl SharedExtentIoTree {
     /// [`ExtentIoTree::test_bits`] under the mutex.
     pub fn test_bits(&self, start: u64, end: u64, bits: ExtentBits, all: bool) -> bool {
         self.guard().tree.test_bits(start, end, bits, all)
-    }
-
-    /// [`ExtentIoTree::find_first_set`] under the mutex.
-    pub fn find_first_set(&self, from: u64, bits: ExtentBits) -> Option<(u64, u64)> {
-        self.guard().tree.find_first_set(from, bits)
-    }
-
-    /// [`ExtentIoTree::find_contiguous`] under the mutex.
-    pub fn find_contiguous(&self, from: u64, bits: ExtentBits) -> Option<(u64, u64)> {
-        self.guard().tree.find_contiguous(from, bits)
-    }
-
-    /// [`ExtentIoTree::count_bits`] under the mutex.
-    pub fn count_bits(&self, start: u64, end: u64, bits: ExtentBits) -> u64 {
-        self.guard().tree.count_bits(start, end, bits)
     }
 
     /// A snapshot of the records overlapping `[start, end]` (inclusive), clipped to it.

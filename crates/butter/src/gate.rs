@@ -87,18 +87,18 @@ pub struct GateChange<'a> {
 }
 
 /// Held by a commit: `changes` to its end, and the gate until the trees are final.
-pub struct GateCommit<'a> {
+pub(crate) struct GateCommit<'a> {
     pub changes: ChangesHeld<'a>,
     pub exclusive: ExclusiveHeld<'a>,
 }
 
 /// The `changes` passage, let go of when dropped.
-pub struct ChangesHeld<'a> {
+pub(crate) struct ChangesHeld<'a> {
     gate: &'a Gate,
 }
 
 /// The exclusive gate, let go of when dropped.
-pub struct ExclusiveHeld<'a> {
+pub(crate) struct ExclusiveHeld<'a> {
     gate: &'a Gate,
 }
 
@@ -117,7 +117,7 @@ impl Gate {
     }
 
     /// Shared passage (after any change already waiting for the gate).
-    pub fn read(&self) -> GateRead<'_> {
+    pub(crate) fn read(&self) -> GateRead<'_> {
         let mut s = self.state();
         while s.exclusive || s.waiting > 0 {
             s = self.wait(s);
@@ -142,7 +142,7 @@ impl Gate {
     }
 
     /// Exclusive passage, `changes` first.
-    pub fn change(&self) -> GateChange<'_> {
+    pub(crate) fn change(&self) -> GateChange<'_> {
         let GateCommit { changes, exclusive } = self.commit();
         GateChange {
             _changes: changes,
@@ -161,7 +161,7 @@ impl Gate {
     }
 
     /// The inode passage of `ino` alone (see the module doc).
-    pub fn inode(&self, ino: Inode) -> MutexGuard<'_, ()> {
+    pub(crate) fn inode(&self, ino: Inode) -> MutexGuard<'_, ()> {
         let h = ino
             .root
             .wrapping_mul(0x9e37_79b9_7f4a_7c15)
@@ -173,7 +173,7 @@ impl Gate {
     }
 
     /// Exclusive passage whose parts a commit lets go of one after the other.
-    pub fn commit(&self) -> GateCommit<'_> {
+    pub(crate) fn commit(&self) -> GateCommit<'_> {
         drop(self.take_both(self.state()));
         GateCommit {
             changes: ChangesHeld { gate: self },
@@ -206,7 +206,7 @@ impl Gate {
     }
 
     /// Sets the latch; the first reason is kept. Returns whether this call set it.
-    pub fn latch(&self, why: String) -> bool {
+    pub(crate) fn latch(&self, why: String) -> bool {
         let mut s = self.stopped.lock().unwrap_or_else(|e| e.into_inner());
         if s.is_none() {
             *s = Some(why);

@@ -70,7 +70,7 @@ const MIB: u64 = 1024 * KIB;
 const GIB: u64 = 1024 * MIB;
 
 /// Generation of every block, root and the superblock.
-pub const GENERATION: u64 = 1;
+pub(crate) const GENERATION: u64 = 1;
 /// Bytes at the start of the device no chunk uses.
 const RESERVED: u64 = MIB;
 /// Bytes zeroed at each end of the filesystem.
@@ -94,21 +94,21 @@ pub enum Profile {
 
 impl Profile {
     /// The profile bits of a chunk type / block group flags (0 for single).
-    pub fn flag(self) -> u64 {
+    pub(crate) fn flag(self) -> u64 {
         match self {
             Profile::Single => 0,
             Profile::Dup => BLOCK_GROUP_DUP,
         }
     }
     /// Number of copies (stripes) of a chunk.
-    pub fn copies(self) -> u64 {
+    pub(crate) fn copies(self) -> u64 {
         match self {
             Profile::Single => 1,
             Profile::Dup => 2,
         }
     }
     /// The name mkfs.btrfs prints ("single", "DUP").
-    pub fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             Profile::Single => "single",
             Profile::Dup => "DUP",
@@ -172,7 +172,7 @@ impl Default for MkfsOptions {
 
 impl MkfsOptions {
     /// The superblock incompat flags these options give.
-    pub fn incompat_flags(&self) -> u64 {
+    pub(crate) fn incompat_flags(&self) -> u64 {
         let mut f = INCOMPAT_MIXED_BACKREF | INCOMPAT_EXTENDED_IREF;
         if self.skinny_metadata {
             f |= INCOMPAT_SKINNY_METADATA;
@@ -183,7 +183,7 @@ impl MkfsOptions {
         f
     }
     /// The superblock compat_ro flags these options give.
-    pub fn compat_ro_flags(&self) -> u64 {
+    pub(crate) fn compat_ro_flags(&self) -> u64 {
         let mut f = 0;
         if self.free_space_tree {
             f |= COMPAT_RO_FREE_SPACE_TREE | COMPAT_RO_FREE_SPACE_TREE_VALID;

@@ -45,10 +45,10 @@ pub(crate) struct WPath {
 }
 
 impl WPath {
-    pub fn leaf(&self) -> u64 {
+    pub(crate) fn leaf(&self) -> u64 {
         self.nodes[0].0
     }
-    pub fn slot(&self) -> usize {
+    pub(crate) fn slot(&self) -> usize {
         self.nodes[0].1
     }
 }

@@ -20,7 +20,7 @@ use std::sync::{Arc, RwLock};
 
 /// What the write engine knows about one tree.
 #[derive(Debug, Clone)]
-pub struct TreeState {
+pub(crate) struct TreeState {
     pub id: u64,
     pub bytenr: u64,
     pub level: u8,
@@ -35,7 +35,7 @@ pub struct TreeState {
 }
 
 /// Roots as the running transaction sees them, shared with readers.
-pub type LiveRoots = Arc<RwLock<HashMap<u64, Root>>>;
+pub(crate) type LiveRoots = Arc<RwLock<HashMap<u64, Root>>>;
 
 pub(crate) fn is_fs_tree(id: u64) -> bool {
     id == FS_TREE_OBJECTID

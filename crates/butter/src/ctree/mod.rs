@@ -43,10 +43,10 @@ pub struct Path {
 }
 
 impl Path {
-    pub fn leaf(&self) -> &Arc<TreeBlock> {
+    pub(crate) fn leaf(&self) -> &Arc<TreeBlock> {
         &self.nodes[0].0
     }
-    pub fn slot(&self) -> usize {
+    pub(crate) fn slot(&self) -> usize {
         self.nodes[0].1
     }
     /// The item the path points at, if the slot is inside the leaf.
@@ -72,7 +72,7 @@ impl ItemRef {
     pub fn data(&self) -> &[u8] {
         self.block.item_data(self.slot)
     }
-    pub fn loc(&self) -> Location {
+    pub(crate) fn loc(&self) -> Location {
         self.block.loc(Some(self.slot))
     }
     /// Adds this item's location to a corruption error from an item decoder. An error that
@@ -340,7 +340,7 @@ pub(crate) fn prev_leaf(disk: &Arc<Disk>, path: &mut Path) -> Result<bool> {
 }
 
 /// Advances to the next item (across leaves). Returns false at the end of the tree.
-pub fn next_item(disk: &Arc<Disk>, path: &mut Path) -> Result<bool> {
+pub(crate) fn next_item(disk: &Arc<Disk>, path: &mut Path) -> Result<bool> {
     path.nodes[0].1 += 1;
     while path.nodes[0].1 >= path.nodes[0].0.nritems() {
         if !next_leaf(disk, path)? {

@@ -157,20 +157,6 @@ pub(crate) fn set_owner(buf: &mut [u8], owner: u64) -> Result<()> {
     Ok(())
 }
 
-/// Sets the filesystem (metadata) uuid.
-pub fn set_fsid(buf: &mut [u8], fsid: &[u8; 16]) -> Result<()> {
-    need_header(buf)?;
-    buf[OFF_FSID..OFF_FSID + 16].copy_from_slice(fsid);
-    Ok(())
-}
-
-/// Sets the chunk tree uuid.
-pub fn set_chunk_tree_uuid(buf: &mut [u8], uuid: &[u8; 16]) -> Result<()> {
-    need_header(buf)?;
-    buf[OFF_CHUNK_TREE_UUID..OFF_CHUNK_TREE_UUID + 16].copy_from_slice(uuid);
-    Ok(())
-}
-
 /// Sets the low 56 flag bits (`HEADER_FLAG_WRITTEN`, `HEADER_FLAG_RELOC`), keeping the backref
 /// revision. Flags with any of the top 8 bits set are [`Error::Invalid`].
 pub(crate) fn set_flags(buf: &mut [u8], flags: u64) -> Result<()> {
@@ -194,25 +180,12 @@ pub(crate) fn set_backref_rev(buf: &mut [u8], rev: u8) -> Result<()> {
     Ok(())
 }
 
+#[cfg(test)]
 /// Sets the item/pointer count of a raw buffer. This changes the layout: a view made afterwards
 /// re-validates it. Prefer the view methods, which keep the count right.
-pub fn set_nritems(buf: &mut [u8], nritems: u32) -> Result<()> {
+pub(crate) fn set_nritems(buf: &mut [u8], nritems: u32) -> Result<()> {
     need_header(buf)?;
     put_u32(buf, OFF_NRITEMS, nritems);
-    Ok(())
-}
-
-/// Sets the level of a raw buffer (0 = leaf). Levels of [`MAX_LEVEL`] and above are
-/// [`Error::Invalid`]. Like [`set_nritems`], this changes how the block is laid out.
-pub fn set_level(buf: &mut [u8], level: u8) -> Result<()> {
-    need_header(buf)?;
-    if level >= MAX_LEVEL {
-        return Err(misuse(
-            header_loc(buf),
-            format!("level {level} >= {MAX_LEVEL}"),
-        ));
-    }
-    buf[OFF_LEVEL] = level;
     Ok(())
 }
 
@@ -299,7 +272,7 @@ pub(crate) fn check_layout(buf: &[u8]) -> Result<()> {
 /// the first 32 bytes (zero padded past the algorithm's size). A block whose layout is
 /// inconsistent is refused, so a bug upstream never gets a valid checksum. Flags (for example
 /// `HEADER_FLAG_WRITTEN`) are the caller's to set before.
-pub fn finalize(buf: &mut [u8], csum_type: CsumType) -> Result<()> {
+pub(crate) fn finalize(buf: &mut [u8], csum_type: CsumType) -> Result<()> {
     check_layout(buf)?;
     let c = csum_type.compute(&buf[CSUM_SIZE..]);
     buf[..CSUM_SIZE].copy_from_slice(&c);
@@ -476,7 +449,7 @@ pub(crate) enum LeafSplit {
 impl<'a> LeafMut<'a> {
     #[cfg(test)]
     /// Validates `buf` as a leaf and returns a view of it.
-    pub fn new(buf: &'a mut [u8]) -> Result<LeafMut<'a>> {
+    pub(crate) fn new(buf: &'a mut [u8]) -> Result<LeafMut<'a>> {
         validate_leaf(buf)?;
         Ok(LeafMut { buf })
     }
@@ -487,7 +460,7 @@ impl<'a> LeafMut<'a> {
     /// walking every item, which made each change of a full leaf cost O(items) in the write
     /// engine. Untrusted bytes go through [`LeafMut::new`]; [`finalize`] checks everything
     /// again before a block is written.
-    pub fn trusted(buf: &'a mut [u8]) -> Result<LeafMut<'a>> {
+    pub(crate) fn trusted(buf: &'a mut [u8]) -> Result<LeafMut<'a>> {
         check_block_len(buf)?;
         if buf[OFF_LEVEL] != 0 {
             return Err(misuse(
@@ -508,7 +481,7 @@ impl<'a> LeafMut<'a> {
     }
 
     /// Initializes `buf` as an empty leaf ([`init_empty`] at level 0) and returns a view.
-    pub fn init(buf: &'a mut [u8], h: &NewHeader) -> Result<LeafMut<'a>> {
+    pub(crate) fn init(buf: &'a mut [u8], h: &NewHeader) -> Result<LeafMut<'a>> {
         init_empty(buf, 0, h)?;
         Ok(LeafMut { buf })
     }
@@ -565,7 +538,7 @@ impl<'a> LeafMut<'a> {
     }
 
     /// Free bytes between the item array and the item data.
-    pub fn free_space(&self) -> usize {
+    pub(crate) fn free_space(&self) -> usize {
         self.data_start() - self.nritems() * ITEM_SIZE
     }
 
@@ -619,19 +592,19 @@ impl<'a> LeafMut<'a> {
     }
 
     /// Key of item `slot`.
-    pub fn key(&self, slot: usize) -> Result<Key> {
+    pub(crate) fn key(&self, slot: usize) -> Result<Key> {
         self.check_slot(slot)?;
         Ok(self.key_at(slot))
     }
 
     /// First key, if the leaf has items.
-    pub fn first_key(&self) -> Option<Key> {
+    pub(crate) fn first_key(&self) -> Option<Key> {
         (self.nritems() > 0).then(|| self.key_at(0))
     }
 
     #[cfg(test)]
     /// Item record `slot` (key, data offset relative to the end of the header, size).
-    pub fn item(&self, slot: usize) -> Result<ItemHeader> {
+    pub(crate) fn item(&self, slot: usize) -> Result<ItemHeader> {
         self.check_slot(slot)?;
         let r = Self::rec(slot);
         Ok(ItemHeader::parse(&self.buf[r..r + ITEM_SIZE]))
@@ -639,7 +612,7 @@ impl<'a> LeafMut<'a> {
 
     #[cfg(test)]
     /// Data of item `slot`.
-    pub fn item_data(&self, slot: usize) -> Result<&[u8]> {
+    pub(crate) fn item_data(&self, slot: usize) -> Result<&[u8]> {
         self.check_slot(slot)?;
         let o = Self::abs(self.off(slot));
         Ok(&self.buf[o..o + self.size(slot)])
@@ -714,7 +687,12 @@ impl<'a> LeafMut<'a> {
     /// Inserts one item with `data_len` bytes of zeroed data at `slot` (`slot <= nritems`) and
     /// returns its data for the caller to fill. The key must sort strictly between the
     /// neighbours.
-    pub fn insert_item(&mut self, slot: usize, key: Key, data_len: usize) -> Result<&mut [u8]> {
+    pub(crate) fn insert_item(
+        &mut self,
+        slot: usize,
+        key: Key,
+        data_len: usize,
+    ) -> Result<&mut [u8]> {
         self.insert_items(slot, &[(key, data_len)])?;
         self.item_data_mut(slot)
     }
@@ -934,7 +912,7 @@ impl<'a> LeafMut<'a> {
     ///
     /// Errors ([`Error::Invalid`]): slot out of range, or the grown item(s) would not fit even
     /// alone in an empty leaf.
-    pub fn plan_split(&self, slot: usize, growth: Growth) -> Result<LeafSplit> {
+    pub(crate) fn plan_split(&self, slot: usize, growth: Growth) -> Result<LeafSplit> {
         let n = self.nritems();
         let space = self.space();
         let (need, is_insert) = match growth {
@@ -1122,14 +1100,14 @@ impl<'a> NodeMut<'a> {
     #[cfg(test)]
     /// Validates `buf` as a node and returns a view of it. A node with no pointers is accepted
     /// (a fresh split target); the tree checker rejects such a block on disk.
-    pub fn new(buf: &'a mut [u8]) -> Result<NodeMut<'a>> {
+    pub(crate) fn new(buf: &'a mut [u8]) -> Result<NodeMut<'a>> {
         validate_node(buf)?;
         Ok(NodeMut { buf })
     }
 
     /// A view of a node already known to be valid (see [`LeafMut::trusted`]): checks the
     /// header only, not the order of every key.
-    pub fn trusted(buf: &'a mut [u8]) -> Result<NodeMut<'a>> {
+    pub(crate) fn trusted(buf: &'a mut [u8]) -> Result<NodeMut<'a>> {
         check_block_len(buf)?;
         let level = buf[OFF_LEVEL];
         if level == 0 || level >= MAX_LEVEL {
@@ -1149,7 +1127,7 @@ impl<'a> NodeMut<'a> {
     }
 
     /// Initializes `buf` as an empty node at `level` (1..8) and returns a view.
-    pub fn init(buf: &'a mut [u8], level: u8, h: &NewHeader) -> Result<NodeMut<'a>> {
+    pub(crate) fn init(buf: &'a mut [u8], level: u8, h: &NewHeader) -> Result<NodeMut<'a>> {
         if level == 0 {
             return Err(Error::Internal(format!(
                 "new node at {}: level 0 is a leaf",
@@ -1180,7 +1158,7 @@ impl<'a> NodeMut<'a> {
     }
 
     /// The node's level (1..8).
-    pub fn level(&self) -> u8 {
+    pub(crate) fn level(&self) -> u8 {
         self.buf[OFF_LEVEL]
     }
 
@@ -1196,19 +1174,19 @@ impl<'a> NodeMut<'a> {
 
     #[cfg(test)]
     /// Key of pointer `slot`.
-    pub fn key(&self, slot: usize) -> Result<Key> {
+    pub(crate) fn key(&self, slot: usize) -> Result<Key> {
         self.check_slot(slot)?;
         Ok(self.key_at(slot))
     }
 
     /// First key, if the node has pointers.
-    pub fn first_key(&self) -> Option<Key> {
+    pub(crate) fn first_key(&self) -> Option<Key> {
         (self.nritems() > 0).then(|| self.key_at(0))
     }
 
     #[cfg(test)]
     /// Key pointer `slot`.
-    pub fn ptr(&self, slot: usize) -> Result<KeyPtr> {
+    pub(crate) fn ptr(&self, slot: usize) -> Result<KeyPtr> {
         self.check_slot(slot)?;
         let r = Self::rec(slot);
         Ok(KeyPtr::parse(&self.buf[r..r + KEY_PTR_SIZE]))

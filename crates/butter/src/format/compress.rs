@@ -43,17 +43,15 @@ pub(crate) const COMPRESS_LZO: u8 = 2;
 /// On-disk `compression` code: zstd.
 pub(crate) const COMPRESS_ZSTD: u8 = 3;
 
-/// Largest decompressed size of one compressed extent the kernel writes (128 KiB).
-pub const MAX_UNCOMPRESSED: usize = 128 * 1024;
-
 /// Largest window (log2 bytes) of a zstd frame that btrfs accepts.
 const ZSTD_WINDOW_LOG_MAX: u32 = 17;
 
 /// Size of a btrfs LZO length field (total length and segment headers).
 const LZO_LEN: usize = 4;
 
+#[cfg(test)]
 /// Name of a compression code for messages ("zlib", "lzo", "zstd", "none").
-pub fn compression_name(compression: u8) -> &'static str {
+pub(crate) fn compression_name(compression: u8) -> &'static str {
     match compression {
         COMPRESS_NONE => "none",
         COMPRESS_ZLIB => "zlib",
@@ -595,7 +593,7 @@ pub(crate) mod oracle {
     }
 
     /// Runs a tool and returns its stdout; panics with its stderr on failure.
-    pub fn run(cmd: &str, args: &[&str]) -> String {
+    pub(crate) fn run(cmd: &str, args: &[&str]) -> String {
         try_run(cmd, args).unwrap_or_else(|e| panic!("{e}"))
     }
 
@@ -609,12 +607,12 @@ pub(crate) mod oracle {
     }
 
     /// A private directory /tmp/codecs/<name>-<pid>, removed on drop.
-    pub struct Scratch {
+    pub(crate) struct Scratch {
         dir: PathBuf,
     }
 
     impl Scratch {
-        pub fn new(name: &str) -> Scratch {
+        pub(crate) fn new(name: &str) -> Scratch {
             let dir = PathBuf::from(format!("/tmp/codecs/{name}-{}", std::process::id()));
             let _ = std::fs::remove_dir_all(&dir);
             std::fs::create_dir_all(&dir).unwrap();
@@ -622,7 +620,7 @@ pub(crate) mod oracle {
         }
 
         /// A sparse image file of `size` bytes.
-        pub fn image(&self, name: &str, size: u64) -> PathBuf {
+        pub(crate) fn image(&self, name: &str, size: u64) -> PathBuf {
             let p = self.dir.join(name);
             let f = std::fs::File::create(&p).unwrap();
             f.set_len(size).unwrap();
@@ -630,7 +628,7 @@ pub(crate) mod oracle {
         }
 
         /// Attaches `img` to a loop device and mounts it on a fresh directory with `opts`.
-        pub fn mount(&self, img: &Path, opts: &[&str]) -> Mount {
+        pub(crate) fn mount(&self, img: &Path, opts: &[&str]) -> Mount {
             let mnt = self.dir.join("mnt");
             std::fs::create_dir_all(&mnt).unwrap();
             let dev = run("losetup", &["--find", "--show", img.to_str().unwrap()])
@@ -663,7 +661,7 @@ pub(crate) mod oracle {
     }
 
     /// A kernel mount of an image on a loop device we attached; unmounted and detached on drop.
-    pub struct Mount {
+    pub(crate) struct Mount {
         dev: String,
         mnt: PathBuf,
         mounted: bool,
@@ -671,18 +669,18 @@ pub(crate) mod oracle {
     }
 
     impl Mount {
-        pub fn path(&self) -> &Path {
+        pub(crate) fn path(&self) -> &Path {
             &self.mnt
         }
 
         /// `mount -o remount,OPTS`.
-        pub fn remount(&self, opts: &str) {
+        pub(crate) fn remount(&self, opts: &str) {
             let o = format!("remount,{opts}");
             run("mount", &["-o", &o, self.mnt.to_str().unwrap()]);
         }
 
         /// Unmounts and detaches the loop device (panics on failure).
-        pub fn unmount(mut self) {
+        pub(crate) fn unmount(mut self) {
             self.release().unwrap_or_else(|e| panic!("{e}"));
         }
 
@@ -1310,7 +1308,7 @@ mod tests {
     /// Parsed `btrfs inspect-internal dump-tree` output: enough to find file extents.
     mod dump {
         #[derive(Debug, Default, Clone)]
-        pub struct Extent {
+        pub(crate) struct Extent {
             pub ino: u64,
             pub file_offset: u64,
             pub leaf: u64,
@@ -1401,7 +1399,7 @@ mod tests {
         }
 
         /// Chunk tree: (logical start, length, physical offset of stripe 0).
-        pub fn chunks(dump: &str) -> Vec<(u64, u64, u64)> {
+        pub(crate) fn chunks(dump: &str) -> Vec<(u64, u64, u64)> {
             let mut v = Vec::new();
             let mut cur: Option<(u64, u64)> = None;
             for line in dump.lines() {
@@ -1427,7 +1425,7 @@ mod tests {
             v
         }
 
-        pub fn physical(chunks: &[(u64, u64, u64)], logical: u64) -> u64 {
+        pub(crate) fn physical(chunks: &[(u64, u64, u64)], logical: u64) -> u64 {
             for &(start, len, phys) in chunks {
                 if logical >= start && logical < start + len {
                     return phys + (logical - start);

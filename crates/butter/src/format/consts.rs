@@ -63,13 +63,12 @@ pub(crate) const QGROUP_RELATION_KEY: u8 = 246;
 
 /// QGROUP_STATUS flags.
 pub(crate) const QGROUP_STATUS_FLAG_ON: u64 = 1 << 0;
-pub const QGROUP_STATUS_FLAG_RESCAN: u64 = 1 << 1;
 pub(crate) const QGROUP_STATUS_FLAG_INCONSISTENT: u64 = 1 << 2;
 pub(crate) const TEMPORARY_ITEM_KEY: u8 = 248;
 pub(crate) const PERSISTENT_ITEM_KEY: u8 = 249;
 pub(crate) const DEV_REPLACE_KEY: u8 = 250;
 pub(crate) const UUID_KEY_SUBVOL: u8 = 251;
-pub const UUID_KEY_RECEIVED_SUBVOL: u8 = 252;
+pub(crate) const UUID_KEY_RECEIVED_SUBVOL: u8 = 252;
 pub(crate) const STRING_ITEM_KEY: u8 = 253;
 
 // ---- block group / chunk type flags ----
@@ -163,7 +162,6 @@ pub const ROOT_SUBVOL_RDONLY: u64 = 1 << 0;
 // ---- inode flags ----
 pub(crate) const INODE_NODATASUM: u64 = 1 << 0;
 pub(crate) const INODE_NODATACOW: u64 = 1 << 1;
-pub const INODE_READONLY: u64 = 1 << 2;
 pub(crate) const INODE_NOCOMPRESS: u64 = 1 << 3;
 pub const INODE_PREALLOC: u64 = 1 << 4;
 pub(crate) const INODE_SYNC: u64 = 1 << 5;
@@ -182,10 +180,8 @@ pub(crate) const SUPER_INFO_OFFSET: u64 = 65536;
 pub const SUPER_INFO_SIZE: usize = 4096;
 pub const SUPER_MIRROR_MAX: usize = 3;
 pub(crate) const SUPER_MIRROR_SHIFT: u32 = 12;
-pub const MAGIC: u64 = 0x4D5F_5366_5248_425F; // "_BHRfS_M"
+pub(crate) const MAGIC: u64 = 0x4D5F_5366_5248_425F; // "_BHRfS_M"
 pub const CSUM_SIZE: usize = 32;
-pub const FSID_SIZE: usize = 16;
-pub const UUID_SIZE: usize = 16;
 pub(crate) const LABEL_SIZE: usize = 256;
 pub const SYSTEM_CHUNK_ARRAY_SIZE: usize = 2048;
 pub(crate) const NUM_BACKUP_ROOTS: usize = 4;

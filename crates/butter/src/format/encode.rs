@@ -14,16 +14,9 @@ fn put_u64(b: &mut Vec<u8>, v: u64) {
     b.extend_from_slice(&v.to_le_bytes());
 }
 
-impl Timespec {
-    pub fn write(&self, b: &mut Vec<u8>) {
-        put_u64(b, self.sec as u64);
-        put_u32(b, self.nsec);
-    }
-}
-
 impl DirItem {
     /// Appends one entry (dir item, dir index or xattr) to `b`.
-    pub fn write(&self, b: &mut Vec<u8>) {
+    pub(crate) fn write(&self, b: &mut Vec<u8>) {
         b.extend_from_slice(&self.location.to_bytes());
         put_u64(b, self.transid);
         put_u16(b, self.data.len() as u16);
@@ -32,31 +25,25 @@ impl DirItem {
         b.extend_from_slice(&self.name);
         b.extend_from_slice(&self.data);
     }
-    pub fn encoded_len(&self) -> usize {
-        Self::HEADER + self.name.len() + self.data.len()
-    }
 }
 
 impl InodeRef {
-    pub fn write(&self, b: &mut Vec<u8>) {
+    pub(crate) fn write(&self, b: &mut Vec<u8>) {
         put_u64(b, self.index);
         put_u16(b, self.name.len() as u16);
         b.extend_from_slice(&self.name);
     }
-    pub fn encoded_len(&self) -> usize {
+    pub(crate) fn encoded_len(&self) -> usize {
         10 + self.name.len()
     }
 }
 
 impl InodeExtref {
-    pub fn write(&self, b: &mut Vec<u8>) {
+    pub(crate) fn write(&self, b: &mut Vec<u8>) {
         put_u64(b, self.parent);
         put_u64(b, self.index);
         put_u16(b, self.name.len() as u16);
         b.extend_from_slice(&self.name);
-    }
-    pub fn encoded_len(&self) -> usize {
-        18 + self.name.len()
     }
 }
 
@@ -84,13 +71,6 @@ impl BackRef {
             } => hash::extent_data_ref_hash(*root, *objectid, *offset),
             BackRef::SharedData { parent, .. } => *parent,
             BackRef::Owner { root } => *root,
-        }
-    }
-    /// How many references it stands for.
-    pub fn count(&self) -> u64 {
-        match self {
-            BackRef::ExtentData { count, .. } | BackRef::SharedData { count, .. } => *count as u64,
-            _ => 1,
         }
     }
     /// Size inline (type byte included).

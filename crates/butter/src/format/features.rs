@@ -11,7 +11,7 @@ use super::superblock::Superblock;
 
 /// What butter does with a filesystem that has a feature.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Support {
+pub(crate) enum Support {
     /// Read and written correctly.
     ReadWrite,
     /// Read; writing is refused (the reason is the entry's note).
@@ -22,7 +22,7 @@ pub enum Support {
 
 /// One feature bit: which word it is in, its bit, the name btrfs-progs uses, what butter does.
 #[derive(Debug, Clone, Copy)]
-pub struct Feature {
+pub(crate) struct Feature {
     pub compat_ro: bool,
     pub bit: u64,
     pub name: &'static str,
@@ -55,7 +55,7 @@ pub(crate) const INCOMPAT_REMAP_TREE: u64 = 1 << 17;
 use Support::*;
 
 /// Every feature bit butter knows.
-pub const FEATURES: &[Feature] = &[
+pub(crate) const FEATURES: &[Feature] = &[
     f(
         false,
         INCOMPAT_MIXED_BACKREF,
@@ -183,8 +183,9 @@ pub const FEATURES: &[Feature] = &[
     ),
 ];
 
+#[cfg(test)]
 /// The names of the bits set in `word` (incompat or compat_ro), unknown ones as `bit N`.
-pub fn names(word: u64, compat_ro: bool) -> Vec<String> {
+pub(crate) fn names(word: u64, compat_ro: bool) -> Vec<String> {
     set_bits(word)
         .map(|bit| match find(bit, compat_ro) {
             Some(f) => f.name.to_string(),

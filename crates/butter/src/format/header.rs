@@ -53,7 +53,7 @@ pub struct ItemHeader {
 }
 
 impl ItemHeader {
-    pub fn parse(b: &[u8]) -> ItemHeader {
+    pub(crate) fn parse(b: &[u8]) -> ItemHeader {
         ItemHeader {
             key: Key::from_bytes(&b[0..17]),
             offset: le_u32(b, 17),
@@ -71,7 +71,7 @@ pub struct KeyPtr {
 }
 
 impl KeyPtr {
-    pub fn parse(b: &[u8]) -> KeyPtr {
+    pub(crate) fn parse(b: &[u8]) -> KeyPtr {
         KeyPtr {
             key: Key::from_bytes(&b[0..17]),
             blockptr: le_u64(b, 17),

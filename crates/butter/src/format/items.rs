@@ -29,7 +29,7 @@ pub struct Timespec {
 impl Timespec {
     /// The current time, as inode times take it; `BUTTER_FIXED_TIME` (seconds) fixes it, for
     /// reproducible tests.
-    pub fn now() -> Timespec {
+    pub(crate) fn now() -> Timespec {
         if let Some(t) = std::env::var("BUTTER_FIXED_TIME")
             .ok()
             .and_then(|v| v.parse::<i64>().ok())
@@ -45,7 +45,7 @@ impl Timespec {
         }
     }
 
-    pub fn parse(b: &[u8]) -> Timespec {
+    pub(crate) fn parse(b: &[u8]) -> Timespec {
         Timespec {
             sec: le_u64(b, 0) as i64,
             nsec: le_u32(b, 8),
@@ -75,7 +75,7 @@ pub struct InodeItem {
 }
 
 impl InodeItem {
-    pub const SIZE: usize = 160;
+    pub(crate) const SIZE: usize = 160;
     pub fn parse(b: &[u8]) -> Result<InodeItem> {
         need(b, Self::SIZE, "inode item")?;
         Ok(InodeItem {
@@ -229,7 +229,7 @@ pub enum FileExtentBody {
 
 impl FileExtentItem {
     pub(crate) const INLINE_HEADER: usize = 21;
-    pub const SIZE: usize = 53;
+    pub(crate) const SIZE: usize = 53;
     pub fn parse(b: &[u8]) -> Result<FileExtentItem> {
         need(b, Self::INLINE_HEADER, "file extent")?;
         let ty = b[20];
@@ -293,7 +293,7 @@ pub struct RootItem {
 }
 
 impl RootItem {
-    pub const SIZE: usize = 439;
+    pub(crate) const SIZE: usize = 439;
     pub(crate) const LEGACY_SIZE: usize = 239;
     pub fn parse(b: &[u8]) -> Result<RootItem> {
         need(b, Self::LEGACY_SIZE, "root item")?;
@@ -429,7 +429,7 @@ pub struct BlockGroupItem {
 }
 
 impl BlockGroupItem {
-    pub const SIZE: usize = 24;
+    pub(crate) const SIZE: usize = 24;
     pub fn parse(b: &[u8]) -> Result<BlockGroupItem> {
         need(b, Self::SIZE, "block group item")?;
         Ok(BlockGroupItem {
@@ -451,7 +451,7 @@ pub struct DevExtent {
 }
 
 impl DevExtent {
-    pub const SIZE: usize = 48;
+    pub(crate) const SIZE: usize = 48;
     pub fn parse(b: &[u8]) -> Result<DevExtent> {
         need(b, Self::SIZE, "dev extent")?;
         Ok(DevExtent {
@@ -642,9 +642,9 @@ fn name_len16(name: &[u8]) -> u16 {
 }
 
 impl Timespec {
-    pub const SIZE: usize = 12;
+    pub(crate) const SIZE: usize = 12;
     /// The 12 on-disk bytes: le64 seconds, le32 nanoseconds.
-    pub fn to_bytes(&self) -> [u8; Self::SIZE] {
+    pub(crate) fn to_bytes(self) -> [u8; Self::SIZE] {
         let mut b = [0u8; Self::SIZE];
         put_u64(&mut b, 0, self.sec as u64);
         put_u32(&mut b, 8, self.nsec);
@@ -654,7 +654,7 @@ impl Timespec {
 
 impl InodeItem {
     /// The 160-byte INODE_ITEM body (also the first 160 bytes of a ROOT_ITEM).
-    pub fn to_bytes(&self) -> [u8; Self::SIZE] {
+    pub(crate) fn to_bytes(&self) -> [u8; Self::SIZE] {
         let mut b = [0u8; Self::SIZE];
         put_u64(&mut b, 0, self.generation);
         put_u64(&mut b, 8, self.transid);
@@ -681,7 +681,7 @@ impl DirItem {
     /// One DIR_ITEM / DIR_INDEX / XATTR_ITEM entry: location key, le64 transid, le16 data
     /// length, le16 name length, u8 type, name, data. Items holding several colliding names are
     /// the concatenation of their entries.
-    pub fn to_bytes(&self) -> Vec<u8> {
+    pub(crate) fn to_bytes(&self) -> Vec<u8> {
         let mut b = vec![0u8; Self::HEADER + self.name.len() + self.data.len()];
         b[0..17].copy_from_slice(&self.location.to_bytes());
         put_u64(&mut b, 17, self.transid);
@@ -696,7 +696,7 @@ impl DirItem {
 
 impl InodeRef {
     /// One INODE_REF entry: le64 index, le16 name length, name.
-    pub fn to_bytes(&self) -> Vec<u8> {
+    pub(crate) fn to_bytes(&self) -> Vec<u8> {
         let mut b = vec![0u8; 10 + self.name.len()];
         put_u64(&mut b, 0, self.index);
         put_u16(&mut b, 8, name_len16(&self.name));
@@ -706,8 +706,9 @@ impl InodeRef {
 }
 
 impl InodeExtref {
+    #[cfg(test)]
     /// One INODE_EXTREF entry: le64 parent, le64 index, le16 name length, name.
-    pub fn to_bytes(&self) -> Vec<u8> {
+    pub(crate) fn to_bytes(&self) -> Vec<u8> {
         let mut b = vec![0u8; 18 + self.name.len()];
         put_u64(&mut b, 0, self.parent);
         put_u64(&mut b, 8, self.index);
@@ -720,7 +721,7 @@ impl InodeExtref {
 impl FileExtentItem {
     /// A new regular extent: all `len` bytes at `bytenr`, uncompressed, written in transaction
     /// `generation`.
-    pub fn regular(generation: u64, bytenr: u64, len: u64) -> FileExtentItem {
+    pub(crate) fn regular(generation: u64, bytenr: u64, len: u64) -> FileExtentItem {
         FileExtentItem {
             generation,
             ram_bytes: len,
@@ -738,7 +739,7 @@ impl FileExtentItem {
     }
 
     /// An explicit hole of `len` bytes written in transaction `generation`.
-    pub fn hole(generation: u64, len: u64) -> FileExtentItem {
+    pub(crate) fn hole(generation: u64, len: u64) -> FileExtentItem {
         let mut fe = Self::regular(generation, 0, len);
         if let FileExtentBody::Extent { disk_num_bytes, .. } = &mut fe.body {
             *disk_num_bytes = 0;
@@ -748,7 +749,7 @@ impl FileExtentItem {
 
     /// EXTENT_DATA body: 21-byte header, then the inline data or the four le64 of a regular or
     /// preallocated extent.
-    pub fn to_bytes(&self) -> Vec<u8> {
+    pub(crate) fn to_bytes(&self) -> Vec<u8> {
         let tail = match &self.body {
             FileExtentBody::Inline(d) => d.len(),
             FileExtentBody::Extent { .. } => Self::SIZE - Self::INLINE_HEADER,
@@ -781,7 +782,7 @@ impl FileExtentItem {
 impl RootItem {
     /// The full 439-byte ROOT_ITEM body (with the v2 fields; the 64 reserved bytes at the end
     /// are zero).
-    pub fn to_bytes(&self) -> [u8; Self::SIZE] {
+    pub(crate) fn to_bytes(&self) -> [u8; Self::SIZE] {
         let mut b = [0u8; Self::SIZE];
         b[0..160].copy_from_slice(&self.inode.to_bytes());
         put_u64(&mut b, 160, self.generation);
@@ -813,7 +814,7 @@ impl RootItem {
 
 impl RootRef {
     /// ROOT_REF / ROOT_BACKREF body: le64 dirid, le64 sequence, le16 name length, name.
-    pub fn to_bytes(&self) -> Vec<u8> {
+    pub(crate) fn to_bytes(&self) -> Vec<u8> {
         let mut b = vec![0u8; 18 + self.name.len()];
         put_u64(&mut b, 0, self.dirid);
         put_u64(&mut b, 8, self.sequence);
@@ -825,7 +826,7 @@ impl RootRef {
 
 impl Stripe {
     /// The 32-byte stripe record: le64 devid, le64 physical offset, device uuid.
-    pub fn to_bytes(&self) -> [u8; ChunkItem::STRIPE] {
+    pub(crate) fn to_bytes(&self) -> [u8; ChunkItem::STRIPE] {
         let mut b = [0u8; ChunkItem::STRIPE];
         put_u64(&mut b, 0, self.devid);
         put_u64(&mut b, 8, self.offset);
@@ -837,7 +838,7 @@ impl Stripe {
 impl ChunkItem {
     /// CHUNK_ITEM body (also the form in the superblock's sys_chunk_array, after its key).
     /// `num_stripes` is written as `stripes.len()`.
-    pub fn to_bytes(&self) -> Vec<u8> {
+    pub(crate) fn to_bytes(&self) -> Vec<u8> {
         let mut b = vec![0u8; Self::BASE + self.stripes.len() * Self::STRIPE];
         put_u64(&mut b, 0, self.length);
         put_u64(&mut b, 8, self.owner);
@@ -862,7 +863,7 @@ impl ChunkItem {
 
 impl BlockGroupItem {
     /// BLOCK_GROUP_ITEM body: le64 used, le64 chunk objectid, le64 flags.
-    pub fn to_bytes(&self) -> [u8; Self::SIZE] {
+    pub(crate) fn to_bytes(self) -> [u8; Self::SIZE] {
         let mut b = [0u8; Self::SIZE];
         put_u64(&mut b, 0, self.used);
         put_u64(&mut b, 8, self.chunk_objectid);
@@ -873,7 +874,7 @@ impl BlockGroupItem {
 
 impl DevExtent {
     /// DEV_EXTENT body.
-    pub fn to_bytes(&self) -> [u8; Self::SIZE] {
+    pub(crate) fn to_bytes(&self) -> [u8; Self::SIZE] {
         let mut b = [0u8; Self::SIZE];
         put_u64(&mut b, 0, self.chunk_tree);
         put_u64(&mut b, 8, self.chunk_objectid);
@@ -885,9 +886,9 @@ impl DevExtent {
 }
 
 impl FreeSpaceInfo {
-    pub const SIZE: usize = 8;
+    pub(crate) const SIZE: usize = 8;
     /// FREE_SPACE_INFO body: le32 extent count, le32 flags.
-    pub fn to_bytes(&self) -> [u8; Self::SIZE] {
+    pub(crate) fn to_bytes(self) -> [u8; Self::SIZE] {
         let mut b = [0u8; Self::SIZE];
         put_u32(&mut b, 0, self.extent_count);
         put_u32(&mut b, 4, self.flags);
@@ -938,7 +939,7 @@ impl ExtentItem {
     /// EXTENT_ITEM / METADATA_ITEM body: le64 refs, le64 generation, le64 flags, the tree
     /// block info (first key, level) when present (non-skinny tree blocks), then the inline
     /// references in the order given (the caller keeps btrfs's order: by type, then value).
-    pub fn to_bytes(&self) -> Vec<u8> {
+    pub(crate) fn to_bytes(&self) -> Vec<u8> {
         let mut b = Vec::with_capacity(24 + 18 + 9 * self.inline_refs.len());
         b.extend_from_slice(&self.refs.to_le_bytes());
         b.extend_from_slice(&self.generation.to_le_bytes());

@@ -14,10 +14,9 @@
 //!   starting with `corrupt` and carries on with the next item; nothing here panics on any input.
 //!   Progs reports a bad item pointer on stderr and stops; here each bad slot gets a
 //!   `\tcorrupt item N ...` line.
-//! - [`print_superblock`] works from the decoded [`Superblock`], which does not keep the two
-//!   deprecated fields: `log_root_transid` is printed as 0 and `leafsize` as the nodesize (what
-//!   every mkfs writes). [`print_superblock_bytes`] prints them from the raw bytes, and also
-//!   prints superblocks that fail validation (bad magic or checksum), as progs does.
+//! - [`print_superblock_bytes`] prints from the raw bytes, so the two deprecated fields the
+//!   decoded superblock does not keep (`log_root_transid`, `leafsize`) come out as stored, and
+//!   superblocks that fail validation (bad magic or checksum) print too, as progs does.
 //! - The `superblock: bytenr=..., device=...` banner and the `btrfs-progs v6.2` line are left to
 //!   the caller (the CLI knows the device name).
 
@@ -28,7 +27,9 @@ use super::items::{
     FileExtentBody, FileExtentItem, FreeSpaceInfo, InodeExtref, InodeItem, InodeRef, RootItem,
     RootRef, Timespec,
 };
-use super::superblock::{BackupRoot, DevItem, Superblock};
+#[cfg(test)]
+use super::superblock::Superblock;
+use super::superblock::{BackupRoot, DevItem};
 use super::*;
 use crate::error::{Error, Location};
 use std::fmt::{Display, Write};
@@ -1312,6 +1313,7 @@ struct SuperView {
 }
 
 impl SuperView {
+    #[cfg(test)]
     fn from_superblock(sb: &Superblock) -> SuperView {
         SuperView {
             csum: sb.csum,
@@ -1765,9 +1767,10 @@ fn print_backup_root(out: &mut String, b: &BackupRoot, extent_tree_v2: bool) {
     outln!(out);
 }
 
+#[cfg(test)]
 /// dump-super output for a decoded superblock. `full` (the `-f` flag) adds the
 /// sys_chunk_array and the backup roots. See the module docs for the two deprecated fields.
-pub fn print_superblock(out: &mut String, sb: &Superblock, full: bool) {
+pub(crate) fn print_superblock(out: &mut String, sb: &Superblock, full: bool) {
     print_super_view(out, &SuperView::from_superblock(sb), full);
 }
 

@@ -28,7 +28,7 @@ pub struct DevItem {
 }
 
 impl DevItem {
-    pub const SIZE: usize = 98;
+    pub(crate) const SIZE: usize = 98;
     pub fn parse(b: &[u8]) -> Result<DevItem> {
         if b.len() < Self::SIZE {
             return Err(Error::corrupt(
@@ -82,7 +82,7 @@ pub struct BackupRoot {
 }
 
 impl BackupRoot {
-    pub const SIZE: usize = 168;
+    pub(crate) const SIZE: usize = 168;
     fn parse(b: &[u8]) -> BackupRoot {
         BackupRoot {
             tree_root: le_u64(b, 0),
@@ -287,7 +287,7 @@ impl Superblock {
 }
 
 /// Lower-case hex of a byte slice.
-pub fn hex(b: &[u8]) -> String {
+pub(crate) fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
@@ -304,7 +304,7 @@ fn put_u64(b: &mut [u8], off: usize, v: u64) {
 
 impl DevItem {
     /// The 98-byte device item (superblock copy and chunk tree DEV_ITEM body).
-    pub fn to_bytes(&self) -> [u8; Self::SIZE] {
+    pub(crate) fn to_bytes(&self) -> [u8; Self::SIZE] {
         let mut b = [0u8; Self::SIZE];
         put_u64(&mut b, 0, self.devid);
         put_u64(&mut b, 8, self.total_bytes);
@@ -327,7 +327,7 @@ impl DevItem {
 impl BackupRoot {
     /// The 168-byte backup root record (the four unused le64 after `num_devices` and the
     /// padding after the levels are zero).
-    pub fn to_bytes(&self) -> [u8; Self::SIZE] {
+    pub(crate) fn to_bytes(&self) -> [u8; Self::SIZE] {
         let mut b = [0u8; Self::SIZE];
         for (i, v) in [
             self.tree_root,
@@ -371,7 +371,7 @@ impl Superblock {
     /// cut to 255 bytes (the field keeps a terminating zero); `sys_chunk_array` is cut to
     /// [`SYSTEM_CHUNK_ARRAY_SIZE`] bytes and `sys_chunk_array_size` is written as the length
     /// kept.
-    pub fn to_bytes(&self) -> [u8; SUPER_INFO_SIZE] {
+    pub(crate) fn to_bytes(&self) -> [u8; SUPER_INFO_SIZE] {
         let mut b = [0u8; SUPER_INFO_SIZE];
         b[32..48].copy_from_slice(&self.fsid);
         put_u64(&mut b, 48, self.bytenr);

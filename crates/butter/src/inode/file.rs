@@ -30,7 +30,7 @@ pub(crate) const MAX_EXTENT: u64 = 128 << 20;
 
 /// Largest inline file: the kernel's default max_inline (2048), bounded by what fits in a leaf
 /// and below one sector.
-pub fn max_inline(disk: &Disk) -> usize {
+pub(crate) fn max_inline(disk: &Disk) -> usize {
     let ns = disk.nodesize() as usize;
     let leaf_max = crate::ctree::ops::max_item_size(ns) - FileExtentItem::INLINE_HEADER;
     2048.min(leaf_max).min(disk.sectorsize() as usize - 1)
@@ -39,7 +39,7 @@ pub fn max_inline(disk: &Disk) -> usize {
 /// fallocate(2) modes.
 pub const FALLOC_FL_KEEP_SIZE: u32 = 0x01;
 pub const FALLOC_FL_PUNCH_HOLE: u32 = 0x02;
-pub const FALLOC_FL_ZERO_RANGE: u32 = 0x10;
+pub(crate) const FALLOC_FL_ZERO_RANGE: u32 = 0x10;
 
 /// One file extent item of an inode: its key offset, length in the file, and body.
 #[derive(Debug, Clone)]

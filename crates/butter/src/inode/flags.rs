@@ -29,7 +29,7 @@ pub const FS_NODUMP_FL: u32 = 0x0000_0040;
 pub const FS_NOATIME_FL: u32 = 0x0000_0080;
 pub(crate) const FS_NOCOMP_FL: u32 = 0x0000_0400;
 pub(crate) const FS_DIRSYNC_FL: u32 = 0x0001_0000;
-pub const FS_NOCOW_FL: u32 = 0x0080_0000;
+pub(crate) const FS_NOCOW_FL: u32 = 0x0080_0000;
 
 /// FS_IOC_FSGETXATTR / FS_IOC_FSSETXATTR xflags that mean one of the flags above.
 pub(crate) const FS_XFLAG_IMMUTABLE: u32 = 0x0000_0008;

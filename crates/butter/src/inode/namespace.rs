@@ -18,7 +18,7 @@ use crate::transaction::Writer;
 use std::sync::{Arc, MutexGuard};
 
 /// Longest name btrfs accepts.
-pub const NAME_MAX: usize = 255;
+pub(crate) const NAME_MAX: usize = 255;
 /// Most hard links to one inode (btrfs limit).
 pub(crate) const LINK_MAX: u32 = 65535;
 /// XATTR item type.

@@ -99,7 +99,7 @@ pub(crate) const DELALLOC_MARGIN: u64 = 32 << 20;
 
 /// A pending ordered extent: written, checksummed, not yet in the trees.
 #[derive(Debug, Clone)]
-pub struct Pending {
+pub(crate) struct Pending {
     /// File offset and length (sector aligned).
     pub file_off: u64,
     pub len: u64,
@@ -181,7 +181,7 @@ pub struct OrderedStats {
 
 impl OrderedTrees {
     /// Locks the bytes `[start, end)` of `ino` for a write (waiting for overlapping writes).
-    pub fn lock(&self, ino: Inode, start: u64, end: u64) -> RangeGuard<'_> {
+    pub(crate) fn lock(&self, ino: Inode, start: u64, end: u64) -> RangeGuard<'_> {
         let tree = self
             .inodes()
             .entry(ino)
@@ -214,7 +214,7 @@ impl OrderedTrees {
         self.inodes.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    pub fn stats(&self) -> OrderedStats {
+    pub(crate) fn stats(&self) -> OrderedStats {
         OrderedStats {
             started: self.started.load(Ordering::Relaxed),
             locked_waits: self.locked_waits.load(Ordering::Relaxed),
@@ -603,7 +603,7 @@ impl OrderedTrees {
     /// The ordered extents `done` of `ino` (taken by [`OrderedTrees::take_pending`]) are in the
     /// trees, or abandoned: their ranges lose `ORDERED`, and the inode's tree is forgotten when
     /// nothing is left in it.
-    pub fn completed(&self, ino: Inode, done: &[Pending]) {
+    pub(crate) fn completed(&self, ino: Inode, done: &[Pending]) {
         self.completed
             .fetch_add(done.len() as u64, Ordering::Relaxed);
         let mut inodes = self.inodes();
@@ -640,7 +640,7 @@ impl OrderedTrees {
 
     #[cfg(test)]
     /// Whether any byte of `[start, end)` of `ino` has `bits` now.
-    pub fn test(&self, ino: Inode, start: u64, end: u64, bits: ExtentBits) -> bool {
+    pub(crate) fn test(&self, ino: Inode, start: u64, end: u64, bits: ExtentBits) -> bool {
         let tree = self.inodes().get(&ino).map(|w| w.tree.clone());
         tree.is_some_and(|t| t.test_bits(start, end.max(start + 1) - 1, bits, false))
     }

@@ -299,10 +299,6 @@ impl RamDevice {
     pub fn write_count(&self) -> u64 {
         self.lock().writes
     }
-    /// Number of flushes that completed.
-    pub fn flush_count(&self) -> u64 {
-        self.lock().flushes
-    }
     /// Whether a power cut (see [`Faults::power_cut`]) happened.
     pub fn power_lost(&self) -> bool {
         self.lock().dead

@@ -890,7 +890,7 @@ impl Disk {
     }
 
     /// Queues blocks to be read into the cache by the readahead thread.
-    pub fn readahead(self: &Arc<Self>, blocks: &[(u64, Expect)]) {
+    pub(crate) fn readahead(self: &Arc<Self>, blocks: &[(u64, Expect)]) {
         let wanted: Vec<(u64, Expect)> = {
             let cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
             let ov = self.overlay.read().unwrap_or_else(|e| e.into_inner());

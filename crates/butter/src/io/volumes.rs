@@ -59,7 +59,11 @@ impl ChunkMap {
     }
 
     /// Adds a chunk after checking it. Returns a reason on failure.
-    pub fn insert(&mut self, logical: u64, item: ChunkItem) -> std::result::Result<(), String> {
+    pub(crate) fn insert(
+        &mut self,
+        logical: u64,
+        item: ChunkItem,
+    ) -> std::result::Result<(), String> {
         if item.length == 0 {
             return Err("chunk length 0".into());
         }

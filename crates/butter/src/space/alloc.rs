@@ -34,18 +34,18 @@ pub(crate) struct RangeSet {
 }
 
 impl RangeSet {
-    pub fn new() -> RangeSet {
+    pub(crate) fn new() -> RangeSet {
         RangeSet::default()
     }
-    pub fn total(&self) -> u64 {
+    pub(crate) fn total(&self) -> u64 {
         self.total
     }
-    pub fn iter(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
         self.map.iter().map(|(s, l)| (*s, *l))
     }
     /// Adds `[start, start + len)`, merging with neighbours. Overlap with what is there is an
     /// engine bug (double free) and is refused.
-    pub fn add(&mut self, start: u64, len: u64) -> std::result::Result<(), String> {
+    pub(crate) fn add(&mut self, start: u64, len: u64) -> std::result::Result<(), String> {
         if len == 0 {
             return Ok(());
         }
@@ -81,7 +81,7 @@ impl RangeSet {
         Ok(())
     }
     /// Removes `[start, start + len)` where present (parts not present are ignored).
-    pub fn remove(&mut self, start: u64, len: u64) {
+    pub(crate) fn remove(&mut self, start: u64, len: u64) {
         if len == 0 {
             return;
         }
@@ -107,7 +107,7 @@ impl RangeSet {
         }
     }
     /// Whether all of `[start, start + len)` is in the set.
-    pub fn contains(&self, start: u64, len: u64) -> bool {
+    pub(crate) fn contains(&self, start: u64, len: u64) -> bool {
         match self.map.range(..=start).next_back() {
             Some((s, l)) => s + l >= start + len,
             None => false,
@@ -115,7 +115,7 @@ impl RangeSet {
     }
     #[cfg(test)]
     /// Whether any byte of `[start, start + len)` is in the set.
-    pub fn intersects(&self, start: u64, len: u64) -> bool {
+    pub(crate) fn intersects(&self, start: u64, len: u64) -> bool {
         self.map
             .range(..start + len)
             .next_back()
@@ -123,7 +123,7 @@ impl RangeSet {
     }
     /// First range of `len` bytes starting on a multiple of `align`, searching from `from`
     /// and wrapping around once.
-    pub fn find(&self, len: u64, align: u64, from: u64) -> Option<u64> {
+    pub(crate) fn find(&self, len: u64, align: u64, from: u64) -> Option<u64> {
         let fit = |s: u64, l: u64| -> Option<u64> {
             let a = s.div_ceil(align) * align;
             (a + len <= s + l).then_some(a)
@@ -206,7 +206,7 @@ pub(crate) struct BlockGroup {
 }
 
 impl BlockGroup {
-    pub fn new(start: u64, len: u64, flags: u64) -> BlockGroup {
+    pub(crate) fn new(start: u64, len: u64, flags: u64) -> BlockGroup {
         let mut free = RangeSet::new();
         let _ = free.add(start, len);
         BlockGroup {
@@ -224,11 +224,11 @@ impl BlockGroup {
             cursor: start,
         }
     }
-    pub fn end(&self) -> u64 {
+    pub(crate) fn end(&self) -> u64 {
         self.start + self.len
     }
     /// Marks a range as excluded (superblock copy).
-    pub fn exclude(&mut self, start: u64, len: u64) {
+    pub(crate) fn exclude(&mut self, start: u64, len: u64) {
         let s = start.max(self.start);
         let e = (start + len).min(self.end());
         if s < e {
@@ -255,14 +255,14 @@ impl BlockGroup {
 
 /// Which kind of space an allocation is for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum SpaceKind {
+pub(crate) enum SpaceKind {
     Data,
     Metadata,
     System,
 }
 
 impl SpaceKind {
-    pub fn flag(self) -> u64 {
+    pub(crate) fn flag(self) -> u64 {
         match self {
             SpaceKind::Data => BLOCK_GROUP_DATA,
             SpaceKind::Metadata => BLOCK_GROUP_METADATA,
@@ -284,7 +284,7 @@ impl SpaceKind {
 
 /// All block groups of the filesystem.
 #[derive(Debug, Default)]
-pub struct Allocator {
+pub(crate) struct Allocator {
     groups: BTreeMap<u64, Mutex<BlockGroup>>,
     /// (kind, free bytes, group start): groups ordered by free space per kind.
     index: BTreeSet<(SpaceKind, u64, u64)>,
@@ -301,7 +301,7 @@ fn kind_slot(k: SpaceKind) -> usize {
 }
 
 impl Allocator {
-    pub fn new() -> Allocator {
+    pub(crate) fn new() -> Allocator {
         Allocator::default()
     }
 
@@ -355,13 +355,13 @@ impl Allocator {
     }
 
     /// Every group start, in order.
-    pub fn starts(&self) -> Vec<u64> {
+    pub(crate) fn starts(&self) -> Vec<u64> {
         self.groups.keys().copied().collect()
     }
 
     /// Allocates `len` bytes aligned to `align` from a group of `kind`. `None` when no group
     /// has room (the caller may add a chunk, or commit to release pinned space).
-    pub fn alloc(&mut self, kind: SpaceKind, len: u64, align: u64) -> Option<u64> {
+    pub(crate) fn alloc(&mut self, kind: SpaceKind, len: u64, align: u64) -> Option<u64> {
         // No address is a sentinel: a group may start at logical 0 (old mkfs put the system
         // chunk there), so "no hint yet" is None, and a hint is only taken for its own kind.
         let hint = self.hint[kind_slot(kind)];
@@ -397,12 +397,12 @@ impl Allocator {
     }
 
     /// Removes a range from the free space of its group (it is in use).
-    pub fn reserve(&mut self, start: u64, len: u64) {
+    pub(crate) fn reserve(&mut self, start: u64, len: u64) {
         self.with_group(start, |g| g.free.remove(start, len));
     }
 
     /// Pins a range freed in the running transaction.
-    pub fn pin(&mut self, start: u64, len: u64) -> Result<()> {
+    pub(crate) fn pin(&mut self, start: u64, len: u64) -> Result<()> {
         match self.with_group(start, |g| {
             g.dirty = true;
             g.pinned.add(start, len)
@@ -430,7 +430,7 @@ impl Allocator {
     }
 
     /// Holds a range [`Allocator::alloc`] just returned (see [`BlockGroup::held`]).
-    pub fn hold(&mut self, start: u64, len: u64) -> Result<()> {
+    pub(crate) fn hold(&mut self, start: u64, len: u64) -> Result<()> {
         match self.with_group(start, |g| g.held.add(start, len)) {
             Some(Ok(())) => Ok(()),
             Some(Err(e)) => Err(Error::Internal(format!("holding {start}+{len}: {e}"))),
@@ -486,20 +486,6 @@ impl Allocator {
             .sum()
     }
 
-    /// Total and used bytes of one kind.
-    pub fn size_and_used(&self, kind: SpaceKind) -> (u64, u64) {
-        let mut total = 0;
-        let mut used = 0;
-        for g in self.groups.values() {
-            let g = g.lock().unwrap_or_else(|e| e.into_inner());
-            if SpaceKind::of_flags(g.flags) == Some(kind) {
-                total += g.len;
-                used += g.used;
-            }
-        }
-        (total, used)
-    }
-
     /// Adds `delta` to the used count of the group holding `bytenr`.
     pub(crate) fn account_used(&mut self, bytenr: u64, len: u64, add: bool) -> Result<()> {
         let r = self.with_group(bytenr, |g| {
@@ -532,14 +518,6 @@ impl Allocator {
         for s in self.starts() {
             self.with_group(s, &mut f);
         }
-    }
-
-    /// Sum of `used` over all groups.
-    pub fn total_used(&self) -> u64 {
-        self.groups
-            .values()
-            .map(|g| g.lock().unwrap_or_else(|e| e.into_inner()).used)
-            .sum()
     }
 
     /// Highest end of any group (the next chunk's logical address goes at or above it).

@@ -11,7 +11,7 @@ use std::collections::BTreeMap;
 
 /// One back reference, without its count.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum RefKey {
+pub(crate) enum RefKey {
     /// TREE_BLOCK_REF: tree `root` points at the block from one of its own blocks.
     TreeBlock(u64),
     /// SHARED_BLOCK_REF: the block at `parent` points at it (full back reference).

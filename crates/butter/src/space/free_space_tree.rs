@@ -53,8 +53,9 @@ pub struct BgFreeSpace {
 }
 
 impl BgFreeSpace {
+    #[cfg(test)]
     /// A group with no free space.
-    pub fn new(start: u64, len: u64) -> BgFreeSpace {
+    pub(crate) fn new(start: u64, len: u64) -> BgFreeSpace {
         BgFreeSpace {
             start,
             len,
@@ -91,7 +92,7 @@ impl BgFreeSpace {
     }
 
     /// End of the group (exclusive).
-    pub fn end(&self) -> u64 {
+    pub(crate) fn end(&self) -> u64 {
         self.start.saturating_add(self.len)
     }
 
@@ -582,8 +583,9 @@ pub fn encode(
     (bitmaps, encode_normalized(&fs, sectorsize, bitmaps))
 }
 
+#[cfg(test)]
 /// Like [`encode`] but in the format asked for, whatever the thresholds say.
-pub fn encode_as(fs: &BgFreeSpace, sectorsize: u32, bitmaps: bool) -> Vec<(Key, Vec<u8>)> {
+pub(crate) fn encode_as(fs: &BgFreeSpace, sectorsize: u32, bitmaps: bool) -> Vec<(Key, Vec<u8>)> {
     encode_normalized(&fs.normalized(), sectorsize, bitmaps)
 }
 

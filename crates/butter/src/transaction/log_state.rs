@@ -315,7 +315,7 @@ impl LogState {
     }
 
     /// Whether the log has anything a log commit has not written.
-    pub fn pending(&self) -> bool {
+    pub(crate) fn pending(&self) -> bool {
         self.synced_seq < self.seq
     }
 }

@@ -38,7 +38,7 @@ pub(crate) use crate::ctree::cow_ctx::{LiveRoots, TreeState};
 
 /// Transaction states, as the kernel names them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum TransState {
+pub(crate) enum TransState {
     Running,
     CommitStart,
     CommitDoing,
@@ -122,7 +122,7 @@ impl Writer {
 impl Writer {
     /// Starts the write engine on an opened filesystem: loads block groups and their free
     /// space from the extent tree.
-    pub fn open(disk: Arc<Disk>, live: LiveRoots) -> Result<Writer> {
+    pub(crate) fn open(disk: Arc<Disk>, live: LiveRoots) -> Result<Writer> {
         if disk.sb.log_root != 0 {
             return Err(Error::Unsupported(
                 "the image has an unreplayed fsync log: open it with Fs::open_rw (or mount it \

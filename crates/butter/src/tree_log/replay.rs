@@ -332,7 +332,7 @@ fn with_hint(e: Error, hint: &str) -> Error {
 }
 
 /// Replays `log` into the running transaction of `w`.
-pub fn replay(fs: &Core, w: &mut Writer, log: &FsyncLog) -> Result<()> {
+pub(crate) fn replay(fs: &Core, w: &mut Writer, log: &FsyncLog) -> Result<()> {
     let ns = fs.disk.nodesize() as u64;
     // Nothing may be allocated over the log's blocks or its data before the commit is on
     // disk: they are in use, though the extent tree does not say so. The blocks become free
