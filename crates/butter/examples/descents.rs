@@ -4,7 +4,7 @@
 //! A file is written as 2048 separate 4 KiB extents (so its extent items fill many leaves), then
 //! overwritten at seeded random places: aligned 4 KiB writes (replace one item) and unaligned
 //! 8 KiB writes (trim two items, drop the ones between). Descents are counted by the write
-//! engine (`Writer::descents`: every root-to-leaf search, restarts included). Everything runs on
+//! engine (`Fs::descents`: every root-to-leaf search, restarts included). Everything runs on
 //! an in-memory device, so the times are the engine's CPU cost.
 //!
 //! `cargo run --release -p butter --example descents [OVERWRITES]`
@@ -25,8 +25,11 @@ fn run(combined: bool, overwrites: u64, unaligned: bool) -> butter::Result<(f64,
         ..Default::default()
     };
     butter::mkfs::mkfs(dev.as_ref(), &opts)?;
-    let fs = Fs::open_device_rw(dev.clone())?;
-    fs.writer()?.set_combined_replace(combined);
+    let opts = butter::fs::RwOptions {
+        combined_replace: combined,
+        ..Default::default()
+    };
+    let fs = Fs::open_device_rw_with(dev.clone(), opts)?;
     let f = fs.create(fs.root_inode(), b"f", 0o644, Owner::default())?;
     let block = vec![0x5au8; 4096];
     for i in 0..2048u64 {
@@ -40,7 +43,7 @@ fn run(combined: bool, overwrites: u64, unaligned: bool) -> butter::Result<(f64,
         x ^= x << 17;
         x
     };
-    let (d0, r0) = fs.writer()?.descents();
+    let (d0, r0) = fs.descents()?;
     let t = Instant::now();
     let data = vec![0xa5u8; 8192];
     for i in 0..overwrites {
@@ -58,7 +61,7 @@ fn run(combined: bool, overwrites: u64, unaligned: bool) -> butter::Result<(f64,
     fs.commit()?;
     let secs = t.elapsed().as_secs_f64();
     let (d, rd) = {
-        let (d, r) = fs.writer()?.descents();
+        let (d, r) = fs.descents()?;
         (d - d0, r - r0)
     };
     drop(fs);

@@ -1,7 +1,7 @@
 //! Where an fsync's time goes for the random workload of seed 003 (fast fsync through the log
 //! tree), through the library: 4 KiB writes at random offsets of a file, an fsync after every
 //! 16, with the fsync log (the default) and with a full commit per fsync
-//! (`Fs::set_fsync_log(false)`), on an image file in DIR (default /dev/shm, so device time is
+//! (`RwOptions::fsync_log` off), on an image file in DIR (default /dev/shm, so device time is
 //! the page cache's and flushes are nearly free: the numbers are the engine's CPU). Prints the
 //! fsync latency p50/p99 and, for the log, how it splits into logging the inode (under the
 //! writer lock) and the log commit.
@@ -16,8 +16,12 @@ use butter::tree_log::write::LogTicket;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-fn fresh(dir: &Path) -> butter::Result<(PathBuf, Fs)> {
-    common::fresh_image(dir, "fsync-rand", 1 << 30)
+fn fresh(dir: &Path, fsync_log: bool) -> butter::Result<(PathBuf, Fs)> {
+    let opts = butter::fs::RwOptions {
+        fsync_log,
+        ..Default::default()
+    };
+    common::fresh_image(dir, "fsync-rand", 1 << 30, opts)
 }
 
 fn pct(v: &mut [Duration], p: f64) -> f64 {
@@ -29,8 +33,7 @@ fn pct(v: &mut [Duration], p: f64) -> f64 {
 type Times = (Vec<Duration>, Vec<Duration>, Vec<Duration>);
 
 fn run(dir: &Path, log: bool, file_mib: u64) -> butter::Result<Times> {
-    let (path, fs) = fresh(dir)?;
-    fs.set_fsync_log(log);
+    let (path, fs) = fresh(dir, log)?;
     let f = fs.create(fs.root_inode(), b"f", 0o644, Owner::default())?;
     let blocks = file_mib * 256;
     fs.truncate(f, blocks * 4096)?;

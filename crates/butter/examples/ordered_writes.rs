@@ -1,6 +1,6 @@
 //! Ordered extents' benchmark: file writes with the data written without the writer lock
-//! (ordered extents, the default) against the data written under it (`set_unlocked_writeback
-//! (false)`, as before ordered extents), on an image file.
+//! (ordered extents, the default) against the data written under it (`RwOptions::unlocked_writeback`
+//! off, as before ordered extents), on an image file.
 //!
 //! Workloads, each on a fresh image:
 //! - `T threads, 1 MiB writes`: T threads each write their own file in 1 MiB writes;
@@ -22,7 +22,7 @@
 
 mod common;
 
-use butter::fs::Fs;
+use butter::fs::{Fs, RwOptions};
 use butter::inode::namespace::Owner;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -31,9 +31,8 @@ use std::time::{Duration, Instant};
 
 const RUNS: usize = 3;
 
-fn fresh(dir: &Path, unlocked: bool) -> butter::Result<(PathBuf, Arc<Fs>)> {
-    let (path, fs) = common::fresh_image(dir, "ordered-bench", 2 << 30)?;
-    fs.set_unlocked_writeback(unlocked);
+fn fresh(dir: &Path, opts: RwOptions) -> butter::Result<(PathBuf, Arc<Fs>)> {
+    let (path, fs) = common::fresh_image(dir, "ordered-bench", 2 << 30, opts)?;
     Ok((path, Arc::new(fs)))
 }
 
@@ -48,8 +47,12 @@ struct Streams {
 
 /// MiB/s of a [`Streams`] workload, and the delayed-allocation buffers written back.
 fn streams(dir: &Path, unlocked: bool, delalloc: bool, s: &Streams) -> butter::Result<(f64, u64)> {
-    let (path, fs) = fresh(dir, unlocked)?;
-    fs.set_delayed_allocation(delalloc);
+    let opts = RwOptions {
+        unlocked_writeback: unlocked,
+        delayed_allocation: delalloc,
+        ..Default::default()
+    };
+    let (path, fs) = fresh(dir, opts)?;
     let root = fs.root_inode();
     let Streams {
         threads,
@@ -91,7 +94,7 @@ fn streams(dir: &Path, unlocked: bool, delalloc: bool, s: &Streams) -> butter::R
 
 /// Runs `measure` (which returns latencies in µs) while another thread writes the file
 /// `stream` 8 MiB at a time over its first `mib` MiB; (p50, p99) of the latencies. `unlocked`
-/// and `rule` set the filesystem up (see [`fresh`] and `Fs::set_fsync_skips_writes_in_progress`).
+/// and `rule` set the filesystem up (`RwOptions::unlocked_writeback` and `fsync_skips_writes_in_progress`).
 fn beside_stream(
     dir: &Path,
     unlocked: bool,
@@ -99,8 +102,12 @@ fn beside_stream(
     mib: u64,
     measure: impl FnOnce(&Fs, butter::fs::Inode) -> butter::Result<Vec<f64>>,
 ) -> butter::Result<(f64, f64)> {
-    let (path, fs) = fresh(dir, unlocked)?;
-    fs.set_fsync_skips_writes_in_progress(rule);
+    let opts = RwOptions {
+        unlocked_writeback: unlocked,
+        fsync_skips_writes_in_progress: rule,
+        ..Default::default()
+    };
+    let (path, fs) = fresh(dir, opts)?;
     let f = fs.create(fs.root_inode(), b"stream", 0o644, Owner::default())?;
     fs.commit()?;
     let stop = Arc::new(AtomicBool::new(false));

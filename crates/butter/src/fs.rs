@@ -114,7 +114,8 @@ impl Fs {
         fs.set_fsync_skips_writes_in_progress(opts.fsync_skips_writes_in_progress);
         fs.set_unlocked_writeback(opts.unlocked_writeback);
         fs.set_delayed_allocation(opts.delayed_allocation);
-        let w = crate::tree_log::replay::start_writer(&fs)?;
+        let mut w = crate::tree_log::replay::start_writer(&fs)?;
+        w.set_combined_replace(opts.combined_replace);
         fs.core.writer = Some(Mutex::new(w));
         // Files unlinked while open when the last writer stopped: their space comes back now,
         // as the kernel gives it back at mount.
@@ -358,6 +359,10 @@ pub struct RwOptions {
     pub unlocked_writeback: bool,
     /// Appends gather in memory (delayed allocation). Default on.
     pub delayed_allocation: bool,
+    /// File extents are replaced in the leaf of one descent when possible. Default on; off,
+    /// each replacement deletes and inserts in descents of their own (for the benchmark's
+    /// comparison).
+    pub combined_replace: bool,
 }
 
 impl Default for RwOptions {
@@ -367,6 +372,7 @@ impl Default for RwOptions {
             fsync_skips_writes_in_progress: true,
             unlocked_writeback: true,
             delayed_allocation: true,
+            combined_replace: true,
         }
     }
 }

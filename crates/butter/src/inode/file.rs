@@ -1635,10 +1635,17 @@ impl Core {
         self.ordered.stats()
     }
 
+    /// B-tree descents the write engine made so far (every root-to-leaf search, restarts
+    /// included), and of those the descents that replaced file extents. Reading them changes
+    /// nothing: pending writes stay pending.
+    pub fn descents(&self) -> Result<(u64, u64)> {
+        Ok(self.writer_keeping_ordered()?.descents())
+    }
+
     /// Whether long extents are written without the writer lock (the default). Off, every
     /// write's data goes to the device under the lock, as before ordered extents: for
     /// benchmarks that compare the two.
-    pub fn set_unlocked_writeback(&self, on: bool) {
+    pub(crate) fn set_unlocked_writeback(&self, on: bool) {
         let above = if on {
             crate::inode::ordered::SHORT_WRITEBACK
         } else {
@@ -1650,7 +1657,7 @@ impl Core {
 
     /// Whether appends gather in memory (delayed allocation, the default). Off, every write
     /// is allocated and written when it comes: for benchmarks that compare the two.
-    pub fn set_delayed_allocation(&self, on: bool) {
+    pub(crate) fn set_delayed_allocation(&self, on: bool) {
         self.ordered.set_delalloc(on);
     }
 }

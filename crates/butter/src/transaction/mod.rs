@@ -107,14 +107,14 @@ impl Writer {
 
     /// B-tree descents made so far (search_mut calls and their restarts), and of those the
     /// descents of file extent replacement.
-    pub fn descents(&self) -> (u64, u64) {
+    pub(crate) fn descents(&self) -> (u64, u64) {
         (self.descents, self.replace_descents)
     }
 
     /// Whether file extents are replaced in the leaf of one descent when possible (the
     /// default); off, each replacement deletes and inserts in descents of their own, for the
     /// benchmark's comparison.
-    pub fn set_combined_replace(&mut self, on: bool) {
+    pub(crate) fn set_combined_replace(&mut self, on: bool) {
         self.combined_replace = on;
     }
 }

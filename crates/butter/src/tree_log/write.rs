@@ -274,7 +274,7 @@ fn key_range_of(ino: u64, ty: u8) -> (Key, Key) {
 impl Core {
     /// Whether fsync writes the log tree (default) or commits the transaction (`false`, for
     /// comparison and as a fallback switch).
-    pub fn set_fsync_log(&self, on: bool) {
+    pub(crate) fn set_fsync_log(&self, on: bool) {
         self.fsync_log.store(on, Ordering::Relaxed);
     }
 
@@ -283,7 +283,7 @@ impl Core {
     /// returned before it recorded. Off, an fsync first waits until no write to the inode is in
     /// progress, as the kernel's fsync waited for every ordered extent in its range before the
     /// rule (for benchmarks; the result is the same, only later).
-    pub fn set_fsync_skips_writes_in_progress(&self, on: bool) {
+    pub(crate) fn set_fsync_skips_writes_in_progress(&self, on: bool) {
         self.fsync_waits_for_writes.store(!on, Ordering::Relaxed);
     }
 
