@@ -15,6 +15,7 @@
 //! - `inode`: files, directories and subvolumes on a `Core` of parts;
 //! - `tree_log`: fsync through the log tree, and log replay;
 //! - `check`: the checker;
+//! - `inspect`: the on-disk structures as text (dump-super, dump-tree);
 //! - `fs`: the facade the CLI and the FUSE front end use (`Fs`).
 
 pub mod error;
@@ -28,6 +29,7 @@ pub mod fs;
 pub mod gate;
 pub mod ids;
 pub mod inode;
+pub mod inspect;
 pub mod io;
 pub mod mkfs;
 pub mod space;

@@ -55,6 +55,7 @@ const ORDER: &[&str] = &[
     "tree_log/replay",
     "tree_log",
     "check",
+    "inspect",
     "fs",
 ];
 

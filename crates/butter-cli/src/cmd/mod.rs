@@ -23,6 +23,11 @@ impl std::fmt::Display for CliError {
 
 impl From<butter::Error> for CliError {
     fn from(e: butter::Error) -> Self {
+        if let butter::Error::Io { source, .. } = &e {
+            if source.kind() == std::io::ErrorKind::BrokenPipe {
+                return CliError(String::new());
+            }
+        }
         let hint = match &e {
             butter::Error::Corrupt { .. } | butter::Error::BadChecksum { .. } => {
                 "\n  the image is damaged there; `butter dump-tree` shows the block, and `butter restore` can save what is readable"
