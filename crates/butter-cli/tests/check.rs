@@ -331,29 +331,8 @@ fn damaged_csum_coverage() {
 /// Applies `edit` to tree block `bytenr`, recomputes its checksum and writes every copy.
 /// Returns the original bytes of every copy (physical offset, bytes) to undo the damage.
 fn patch_block(img: &Path, bytenr: u64, edit: impl FnOnce(&mut [u8])) -> Vec<(u64, Vec<u8>)> {
-    let fs = Fs::open(img).unwrap();
-    let ns = fs.disk().nodesize() as usize;
-    let copies = fs.disk().chunk_map().map(bytenr, ns as u64).unwrap();
-    let f = fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(img)
-        .unwrap();
-    let mut undo = Vec::new();
-    for c in &copies {
-        let mut orig = vec![0u8; ns];
-        f.read_exact_at(&mut orig, c.physical).unwrap();
-        undo.push((c.physical, orig));
-    }
-    let mut block = undo[0].1.clone();
-    edit(&mut block);
-    let c = fs.disk().sb.csum_type.compute(&block[CSUM_SLOT..]);
-    let n = fs.disk().sb.csum_type.size();
-    block[..n].copy_from_slice(&c[..n]);
-    for c in copies {
-        f.write_all_at(&block, c.physical).unwrap();
-    }
-    undo
+    let dev = butter::io::device::FileDevice::open(img, true).unwrap();
+    butter::inspect::rewrite_block(std::sync::Arc::new(dev), bytenr, edit).unwrap()
 }
 
 #[test]
