@@ -493,10 +493,7 @@ pub fn mkfs(dev: &dyn BlockDevice, opts: &MkfsOptions) -> Result<MkfsReport> {
     let (sys, meta) = (0usize, 1usize);
 
     // ---- tree block addresses ----
-    let mirrors: Vec<u64> = (0..SUPER_MIRROR_MAX)
-        .map(super_offset)
-        .filter(|&o| o + SUPER_INFO_SIZE as u64 <= size)
-        .collect();
+    let mirrors = crate::io::super_io::copy_offsets(size, dev_len);
     let mut alloc = BlockAlloc {
         next: [chunks[sys].logical, chunks[meta].logical],
         ns,
@@ -1419,12 +1416,17 @@ fn write_image(
     dev.flush()
         .map_err(|e| Error::io("flushing the tree blocks", 0, e))?;
     // Mirrors first, the primary copy last: an interrupted mkfs leaves no valid primary.
-    for &off in mirrors.iter().rev() {
-        sb.bytenr = off;
-        write("the superblock", &sb.to_bytes(), off)?;
+    let written = crate::io::super_io::write_all(
+        dev,
+        sb,
+        &[0u8; SUPER_INFO_SIZE],
+        crate::io::super_io::Order::PrimaryLast,
+    )?;
+    if written != mirrors {
+        return Err(Error::Internal(format!(
+            "superblock copies written at {written:?}, laid out at {mirrors:?}"
+        )));
     }
-    dev.flush()
-        .map_err(|e| Error::io("flushing the superblocks", 0, e))?;
     Ok(())
 }
 

@@ -21,6 +21,7 @@ const ORDER: &[&str] = &[
     "extent_io",
     "format",
     "io/device",
+    "io/super_io",
     "io/volumes",
     "io/disk_io",
     "io",

@@ -363,16 +363,29 @@ impl BackupRoot {
 
 impl Superblock {
     /// Encodes the superblock copy for byte offset `self.bytenr`, checksummed with
-    /// `self.csum_type` over bytes [32, 4096) (the `csum` and `csum_ok` fields are ignored).
-    ///
-    /// Fields the struct does not carry are written as mkfs.btrfs and the kernel write them on
-    /// a filesystem without the features that use them: `log_root_transid` 0, `leafsize` =
-    /// `nodesize`, the block group tree root fields and every reserved byte 0. The label is
-    /// cut to 255 bytes (the field keeps a terminating zero); `sys_chunk_array` is cut to
-    /// [`SYSTEM_CHUNK_ARRAY_SIZE`] bytes and `sys_chunk_array_size` is written as the length
-    /// kept.
+    /// `self.csum_type` over bytes [32, 4096) (the `csum` and `csum_ok` fields are ignored),
+    /// with every byte this struct does not carry written as mkfs.btrfs writes it on a
+    /// filesystem without the features that use it: see [`Superblock::encode_over`] on zeros.
+    #[cfg(test)]
     pub(crate) fn to_bytes(&self) -> [u8; SUPER_INFO_SIZE] {
+        self.encode_over(&[0u8; SUPER_INFO_SIZE])
+    }
+
+    /// Encodes the superblock copy for byte offset `self.bytenr` over `base`, the bytes the
+    /// superblock was read from: the fields this struct carries are written, and the bytes it
+    /// does not carry (reserved space, the block group tree root fields of extent-tree-v2,
+    /// fields of later versions) stay as `base` has them, so a superblock that butter reads
+    /// and writes back loses nothing it does not know.
+    ///
+    /// The deprecated fields: `log_root_transid` is written 0 (no log names a transid), and
+    /// `leafsize` stays as found, or is `nodesize` where `base` has none. The label is written
+    /// when it differs from `base`'s (so a label that is not UTF-8 survives a commit), cut to
+    /// 255 bytes; `sys_chunk_array` is cut to [`SYSTEM_CHUNK_ARRAY_SIZE`] bytes, zeros after
+    /// it, and `sys_chunk_array_size` is the length kept.
+    pub(crate) fn encode_over(&self, base: &[u8]) -> [u8; SUPER_INFO_SIZE] {
         let mut b = [0u8; SUPER_INFO_SIZE];
+        let n = base.len().min(SUPER_INFO_SIZE);
+        b[..n].copy_from_slice(&base[..n]);
         b[32..48].copy_from_slice(&self.fsid);
         put_u64(&mut b, 48, self.bytenr);
         put_u64(&mut b, 56, self.flags);
@@ -381,14 +394,16 @@ impl Superblock {
         put_u64(&mut b, 80, self.root);
         put_u64(&mut b, 88, self.chunk_root);
         put_u64(&mut b, 96, self.log_root);
-        // 104: log_root_transid (deprecated), 0
+        put_u64(&mut b, 104, 0); // log_root_transid (deprecated)
         put_u64(&mut b, 112, self.total_bytes);
         put_u64(&mut b, 120, self.bytes_used);
         put_u64(&mut b, 128, self.root_dir_objectid);
         put_u64(&mut b, 136, self.num_devices);
         put_u32(&mut b, 144, self.sectorsize);
         put_u32(&mut b, 148, self.nodesize);
-        put_u32(&mut b, 152, self.nodesize); // leafsize (deprecated) = nodesize
+        if le_u32(&b, 152) == 0 {
+            put_u32(&mut b, 152, self.nodesize); // leafsize (deprecated) = nodesize
+        }
         put_u32(&mut b, 156, self.stripesize);
         let arr_len = self.sys_chunk_array.len().min(SYSTEM_CHUNK_ARRAY_SIZE);
         put_u32(&mut b, 160, arr_len as u32);
@@ -401,20 +416,31 @@ impl Superblock {
         b[199] = self.chunk_root_level;
         b[200] = self.log_root_level;
         b[201..201 + DevItem::SIZE].copy_from_slice(&self.dev_item.to_bytes());
-        let label = self.label.as_bytes();
-        let n = label.len().min(LABEL_SIZE - 1);
-        b[299..299 + n].copy_from_slice(&label[..n]);
+        let label_field = &mut b[299..299 + LABEL_SIZE];
+        let end = label_field
+            .iter()
+            .position(|&c| c == 0)
+            .unwrap_or(LABEL_SIZE);
+        if String::from_utf8_lossy(&label_field[..end]) != self.label.as_str() {
+            label_field.fill(0);
+            let label = self.label.as_bytes();
+            let n = label.len().min(LABEL_SIZE - 1);
+            label_field[..n].copy_from_slice(&label[..n]);
+        }
         put_u64(&mut b, 555, self.cache_generation);
         put_u64(&mut b, 563, self.uuid_tree_generation);
         b[571..587].copy_from_slice(&self.metadata_uuid);
         put_u64(&mut b, 587, self.nr_global_roots);
+        b[811..811 + SYSTEM_CHUNK_ARRAY_SIZE].fill(0);
         b[811..811 + arr_len].copy_from_slice(&self.sys_chunk_array[..arr_len]);
         for (i, r) in self.backup_roots.iter().enumerate() {
             let off = 2859 + i * BackupRoot::SIZE;
             b[off..off + BackupRoot::SIZE].copy_from_slice(&r.to_bytes());
         }
+        b[..32].fill(0);
         let c = self.csum_type.compute(&b[32..]);
-        b[..32].copy_from_slice(&c);
+        let n = self.csum_type.size();
+        b[..n].copy_from_slice(&c[..n]);
         b
     }
 }

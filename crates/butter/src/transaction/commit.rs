@@ -7,9 +7,8 @@ use super::{TransState, TreeState};
 use crate::ctree::cow_ctx::is_fs_tree;
 use crate::error::{Error, Location, Result};
 use crate::format::items::*;
-use crate::format::superblock::DevItem;
+use crate::format::superblock::BackupRoot;
 use crate::format::*;
-use crate::space::alloc::{self};
 use std::collections::HashMap;
 
 impl Writer {
@@ -237,18 +236,10 @@ impl Writer {
     /// Points the primary superblock at a log root tree (an fsync log commit; the caller
     /// flushes). The mirrors keep the committed state, as the kernel leaves them.
     pub(crate) fn write_log_super(&mut self, log_root: u64, level: u8) -> Result<()> {
-        let mut copy = self.sb_raw.clone();
-        copy[96..104].copy_from_slice(&log_root.to_le_bytes());
-        copy[104..112].fill(0);
-        copy[200] = level;
-        let off = alloc::super_mirror_offsets()[0];
-        copy[48..56].copy_from_slice(&off.to_le_bytes());
-        let ct = self.disk.sb.csum_type;
-        let c = ct.compute(&copy[32..SUPER_INFO_SIZE]);
-        copy[0..32].fill(0);
-        copy[..ct.size()].copy_from_slice(&c[..ct.size()]);
-        if let Err(e) = self.disk.dev.write_at(&copy, off) {
-            let e = Error::io("writing the superblock of an fsync log", off, e);
+        let mut sb = self.sb.clone();
+        sb.log_root = log_root;
+        sb.log_root_level = level;
+        if let Err(e) = crate::io::super_io::write_primary(&*self.disk.dev, &sb, &self.sb_base) {
             // The primary copy may be torn: nothing more may be written.
             self.aborted = Some(e.to_string());
             return Err(e);
@@ -270,85 +261,69 @@ impl Writer {
             let r = self.current_root(id)?;
             roots.insert(id, r);
         }
-        let b = &mut self.sb_raw;
-        let put =
-            |b: &mut Vec<u8>, off: usize, v: u64| b[off..off + 8].copy_from_slice(&v.to_le_bytes());
-        put(b, 72, transid);
-        put(b, 80, root.bytenr);
-        put(b, 88, chunk.bytenr);
-        put(b, 120, self.ctx.sb_bytes_used);
+        let bytes_used = self.ctx.sb_bytes_used;
+        let sb = &mut self.sb;
+        sb.generation = transid;
+        sb.root = root.bytenr;
+        sb.root_level = root.level;
+        sb.chunk_root = chunk.bytenr;
+        sb.chunk_root_level = chunk.level;
+        sb.chunk_root_generation = chunk.generation;
+        sb.bytes_used = bytes_used;
         // Any fsync log was replayed before this commit (tree_log).
-        put(b, 96, 0);
-        put(b, 104, 0);
-        b[200] = 0;
-        put(b, 164, chunk.generation);
-        b[198] = root.level;
-        b[199] = chunk.level;
-        b[201..201 + DevItem::SIZE].copy_from_slice(&self.dev_item.to_bytes());
-        b[160..164].copy_from_slice(&(self.sys_chunk_array.len() as u32).to_le_bytes());
-        b[811..811 + SYSTEM_CHUNK_ARRAY_SIZE].fill(0);
-        b[811..811 + self.sys_chunk_array.len()].copy_from_slice(&self.sys_chunk_array);
+        sb.log_root = 0;
+        sb.log_root_level = 0;
+        sb.dev_item = self.dev_item.clone();
+        sb.sys_chunk_array = self.sys_chunk_array.clone();
+        sb.sys_chunk_array_size = self.sys_chunk_array.len() as u32;
         // Backup roots: the slot after the newest one.
-        let slot_off = |i: usize| 2859 + i * 168;
-        let mut newest = 0usize;
-        let mut newest_gen = 0u64;
-        for i in 0..4 {
-            let g = le_u64(b, slot_off(i) + 8);
-            if g > newest_gen {
-                newest_gen = g;
-                newest = i;
-            }
-        }
+        let (newest, newest_gen) =
+            sb.backup_roots
+                .iter()
+                .enumerate()
+                .fold((0, 0), |(i0, g0), (i, r)| {
+                    if r.tree_root_gen > g0 {
+                        (i, r.tree_root_gen)
+                    } else {
+                        (i0, g0)
+                    }
+                });
         let slot = if newest_gen == 0 { 0 } else { (newest + 1) % 4 };
-        let o = slot_off(slot);
-        let mut br = vec![0u8; 168];
-        let w = |br: &mut Vec<u8>, off: usize, v: u64| {
-            br[off..off + 8].copy_from_slice(&v.to_le_bytes())
+        let (extent, fs, dev, csum) = (
+            &roots[&EXTENT_TREE_OBJECTID],
+            &roots[&FS_TREE_OBJECTID],
+            &roots[&DEV_TREE_OBJECTID],
+            &roots[&CSUM_TREE_OBJECTID],
+        );
+        sb.backup_roots[slot] = BackupRoot {
+            tree_root: root.bytenr,
+            tree_root_gen: transid,
+            chunk_root: chunk.bytenr,
+            chunk_root_gen: chunk.generation,
+            extent_root: extent.bytenr,
+            extent_root_gen: extent.generation,
+            fs_root: fs.bytenr,
+            fs_root_gen: fs.generation,
+            dev_root: dev.bytenr,
+            dev_root_gen: dev.generation,
+            csum_root: csum.bytenr,
+            csum_root_gen: csum.generation,
+            total_bytes: sb.total_bytes,
+            bytes_used,
+            num_devices: sb.num_devices,
+            tree_root_level: root.level,
+            chunk_root_level: chunk.level,
+            extent_root_level: extent.level,
+            fs_root_level: fs.level,
+            dev_root_level: dev.level,
+            csum_root_level: csum.level,
         };
-        w(&mut br, 0, root.bytenr);
-        w(&mut br, 8, transid);
-        w(&mut br, 16, chunk.bytenr);
-        w(&mut br, 24, chunk.generation);
-        w(&mut br, 32, roots[&EXTENT_TREE_OBJECTID].bytenr);
-        w(&mut br, 40, roots[&EXTENT_TREE_OBJECTID].generation);
-        w(&mut br, 48, roots[&FS_TREE_OBJECTID].bytenr);
-        w(&mut br, 56, roots[&FS_TREE_OBJECTID].generation);
-        w(&mut br, 64, roots[&DEV_TREE_OBJECTID].bytenr);
-        w(&mut br, 72, roots[&DEV_TREE_OBJECTID].generation);
-        w(&mut br, 80, roots[&CSUM_TREE_OBJECTID].bytenr);
-        w(&mut br, 88, roots[&CSUM_TREE_OBJECTID].generation);
-        w(&mut br, 96, le_u64(b, 112));
-        w(&mut br, 104, self.ctx.sb_bytes_used);
-        w(&mut br, 112, le_u64(b, 136));
-        br[152] = root.level;
-        br[153] = chunk.level;
-        br[154] = roots[&EXTENT_TREE_OBJECTID].level;
-        br[155] = roots[&FS_TREE_OBJECTID].level;
-        br[156] = roots[&DEV_TREE_OBJECTID].level;
-        br[157] = roots[&CSUM_TREE_OBJECTID].level;
-        b[o..o + 168].copy_from_slice(&br);
-        let ct = self.disk.sb.csum_type;
-        let dev_len = self.disk.dev.len();
-        for (i, off) in alloc::super_mirror_offsets().into_iter().enumerate() {
-            if off + SUPER_INFO_SIZE as u64 > dev_len
-                || off + SUPER_INFO_SIZE as u64 > self.dev_item.total_bytes
-            {
-                break;
-            }
-            let mut copy = self.sb_raw.clone();
-            copy[48..56].copy_from_slice(&off.to_le_bytes());
-            let c = ct.compute(&copy[32..SUPER_INFO_SIZE]);
-            copy[0..32].fill(0);
-            copy[..ct.size()].copy_from_slice(&c[..ct.size()]);
-            self.disk
-                .dev
-                .write_at(&copy, off)
-                .map_err(|e| Error::io(format!("writing superblock copy {i}"), off, e))?;
-        }
-        self.disk
-            .dev
-            .flush()
-            .map_err(|e| Error::io("flushing superblocks", 0, e))?;
+        crate::io::super_io::write_all(
+            &*self.disk.dev,
+            &self.sb,
+            &self.sb_base,
+            crate::io::super_io::Order::PrimaryFirst,
+        )?;
         Ok(())
     }
 }

@@ -26,7 +26,7 @@ pub mod log_state;
 
 use crate::ctree::cow_ctx::{is_fs_tree, CowCtx};
 use crate::error::{Error, Result};
-use crate::format::superblock::DevItem;
+use crate::format::superblock::{DevItem, Superblock};
 use crate::format::*;
 use crate::io::disk_io::Disk;
 use crate::space::alloc::{Allocator, SpaceKind};
@@ -61,7 +61,10 @@ pub struct Writer {
     ctx: CowCtx,
     pub(crate) state: TransState,
     /// The superblock as last written (raw), patched at each commit.
-    pub(crate) sb_raw: Vec<u8>,
+    /// The superblock as last committed (or as opened), and the bytes it was read from: the
+    /// base the one superblock writer (crate::io::super_io) encodes over.
+    pub(crate) sb: Superblock,
+    sb_base: Vec<u8>,
     dev_item: DevItem,
     sys_chunk_array: Vec<u8>,
     sys_array_dirty: bool,
@@ -168,7 +171,8 @@ impl Writer {
                 disk,
             },
             state: TransState::Running,
-            sb_raw: raw,
+            sb: sb.clone(),
+            sb_base: raw,
             dev_item: sb.dev_item.clone(),
             sys_chunk_array: sb.sys_chunk_array.clone(),
             sys_array_dirty: false,

@@ -221,9 +221,9 @@ impl Writer {
     fn committed_root(&self, id: u64) -> Result<Option<crate::ctree::Root>> {
         let tree_root = crate::ctree::Root {
             id: ROOT_TREE_OBJECTID,
-            bytenr: le_u64(&self.sb_raw, 80),
-            level: self.sb_raw[198],
-            generation: le_u64(&self.sb_raw, 72),
+            bytenr: self.sb.root,
+            level: self.sb.root_level,
+            generation: self.sb.generation,
         };
         let key = Key::new(id, ROOT_ITEM_KEY, u64::MAX);
         match ctree::lookup_le(&self.disk, &tree_root, &key)? {

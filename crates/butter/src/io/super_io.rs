@@ -1,0 +1,76 @@
+//! The one superblock writer. The commit, the fsync log commit and mkfs all write their
+//! superblock copies here: a decoded [`Superblock`] encoded over the bytes the filesystem was
+//! opened with ([`Superblock::encode_over`]), so fields butter does not decode stay as they
+//! were, each copy with its own `bytenr` and checksum.
+
+use crate::error::{Error, Result};
+use crate::format::superblock::Superblock;
+use crate::format::{super_offset, SUPER_INFO_SIZE, SUPER_MIRROR_MAX};
+use crate::io::device::BlockDevice;
+
+/// Byte offsets of the copies a filesystem of `total_bytes` on a device of `dev_len` bytes
+/// has: each mirror (64 KiB, 64 MiB, 256 GiB) that fits inside both.
+pub(crate) fn copy_offsets(total_bytes: u64, dev_len: u64) -> Vec<u64> {
+    (0..SUPER_MIRROR_MAX)
+        .map(super_offset)
+        .take_while(|&off| off + SUPER_INFO_SIZE as u64 <= total_bytes.min(dev_len))
+        .collect()
+}
+
+fn write_copy(
+    dev: &dyn BlockDevice,
+    sb: &Superblock,
+    base: &[u8],
+    off: u64,
+    what: &str,
+) -> Result<()> {
+    let mut copy = sb.clone();
+    copy.bytenr = off;
+    dev.write_at(&copy.encode_over(base), off)
+        .map_err(|e| Error::io(what.to_string(), off, e))
+}
+
+/// In which order [`write_all`] writes the copies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Order {
+    /// The primary first, as the kernel's commit writes them (a commit's crash tests hold
+    /// this order).
+    PrimaryFirst,
+    /// The mirrors first, the primary last: a new filesystem that mkfs did not finish has no
+    /// valid primary.
+    PrimaryLast,
+}
+
+/// Writes every copy of `sb` that fits (see [`copy_offsets`]; the filesystem's size is
+/// `sb.dev_item.total_bytes`) in `order`, then flushes. Returns the offsets written, in
+/// ascending order.
+pub(crate) fn write_all(
+    dev: &dyn BlockDevice,
+    sb: &Superblock,
+    base: &[u8],
+    order: Order,
+) -> Result<Vec<u64>> {
+    let offsets = copy_offsets(sb.dev_item.total_bytes, dev.len());
+    let mut copies: Vec<(usize, u64)> = offsets.iter().copied().enumerate().collect();
+    if order == Order::PrimaryLast {
+        copies.reverse();
+    }
+    for (i, off) in copies {
+        write_copy(dev, sb, base, off, &format!("writing superblock copy {i}"))?;
+    }
+    dev.flush()
+        .map_err(|e| Error::io("flushing the superblocks", 0, e))?;
+    Ok(offsets)
+}
+
+/// Writes the primary copy of `sb` only (an fsync log commit: the mirrors keep the committed
+/// state, as the kernel leaves them). The caller flushes, in order with its other writes.
+pub(crate) fn write_primary(dev: &dyn BlockDevice, sb: &Superblock, base: &[u8]) -> Result<()> {
+    write_copy(
+        dev,
+        sb,
+        base,
+        super_offset(0),
+        "writing the superblock of an fsync log",
+    )
+}
