@@ -53,7 +53,8 @@
 //! but inside the device are zeroed, then every copy of every tree block, a flush, the
 //! superblock mirrors (the primary last) and a flush.
 
-use crate::ctree::ops::{LeafMut, NewHeader, NodeMut};
+use crate::ctree::build;
+use crate::ctree::ops::NewHeader;
 use crate::error::{Error, Result};
 use crate::format::csum::CsumType;
 use crate::format::hash::name_hash;
@@ -1312,50 +1313,30 @@ fn encode_blocks(
     opts: &MkfsOptions,
     ids: &Identities,
 ) -> Result<Vec<(u64, Vec<u8>)>> {
-    let nodesize = opts.nodesize;
-    let (fsid, chunk_tree_uuid) = (ids.fsid, ids.chunk_tree_uuid);
-    let mut encoded: Vec<(u64, Vec<u8>)> = Vec::with_capacity(leaves.len());
+    let ns = opts.nodesize as usize;
+    let header = |bytenr: u64, owner: u64| NewHeader {
+        bytenr,
+        owner,
+        generation: GENERATION,
+        fsid: ids.fsid,
+        chunk_tree_uuid: ids.chunk_tree_uuid,
+        flags: HEADER_FLAG_WRITTEN,
+        backref_rev: MIXED_BACKREF_REV as u8,
+    };
+    let mut encoded: Vec<(u64, Vec<u8>)> = Vec::with_capacity(leaves.len() + nodes.len());
     for l in leaves {
-        let mut buf = vec![0u8; nodesize as usize];
-        let header = NewHeader {
-            bytenr: l.bytenr,
-            owner: l.owner,
-            generation: GENERATION,
-            fsid,
-            chunk_tree_uuid,
-            flags: HEADER_FLAG_WRITTEN,
-            backref_rev: MIXED_BACKREF_REV as u8,
-        };
-        let mut leaf = LeafMut::init(&mut buf, &header)?;
-        for (slot, (key, data)) in l.items.iter().enumerate() {
-            let dst = leaf.insert_item(slot, *key, data.len()).map_err(|e| {
-                invalid(format!(
-                    "the {} tree does not fit in one {nodesize}-byte leaf: {e}",
-                    tree_name(l.owner)
-                ))
-            })?;
-            dst.copy_from_slice(data);
-        }
-        leaf.finalize(opts.csum)?;
+        let h = header(l.bytenr, l.owner);
+        let buf = build::leaf(ns, &h, &l.items, opts.csum).map_err(|e| {
+            invalid(format!(
+                "the {} tree does not fit in one {ns}-byte leaf: {e}",
+                tree_name(l.owner)
+            ))
+        })?;
         encoded.push((l.bytenr, buf));
     }
     for (bytenr, owner, level, ptrs) in nodes {
-        let mut buf = vec![0u8; nodesize as usize];
-        let header = NewHeader {
-            bytenr: *bytenr,
-            owner: *owner,
-            generation: GENERATION,
-            fsid,
-            chunk_tree_uuid,
-            flags: HEADER_FLAG_WRITTEN,
-            backref_rev: MIXED_BACKREF_REV as u8,
-        };
-        let mut node = NodeMut::init(&mut buf, *level, &header)?;
-        for (slot, (key, child)) in ptrs.iter().enumerate() {
-            node.insert_ptr(slot, *key, *child, GENERATION)?;
-        }
-        node.finalize(opts.csum)?;
-        encoded.push((*bytenr, buf));
+        let h = header(*bytenr, *owner);
+        encoded.push((*bytenr, build::node(ns, *level, &h, ptrs, opts.csum)?));
     }
     Ok(encoded)
 }

@@ -31,6 +31,7 @@ const ORDER: &[&str] = &[
     "space",
     "ctree",
     "ctree/ops",
+    "ctree/build",
     "ctree/extent_record",
     "ctree/cow_ctx",
     "ctree/cow",

@@ -9,6 +9,7 @@
 //! descent is at most 8 blocks deep and pointer cycles cannot recurse; iteration checks that keys
 //! keep increasing across leaves, so a subtree linked twice ends the walk with an error.
 
+pub(crate) mod build;
 pub mod cow;
 pub mod cow_ctx;
 pub mod extent_record;

@@ -3,8 +3,9 @@
 //! inode was last logged, and the log's sequence numbers and blocks. crate::tree_log::write decides
 //! what to log and writes it; the transaction owns this state and clears it at commit.
 
-use crate::ctree::ops::{LeafMut, NewHeader, NodeMut};
-use crate::error::{Error, Result};
+use crate::ctree::build;
+use crate::ctree::ops::NewHeader;
+use crate::error::Result;
 use crate::extent_io::{ExtentBits, ExtentIoTree};
 use crate::format::csum::CsumType;
 use crate::format::*;
@@ -80,7 +81,6 @@ impl LogTree {
         if let Some(r) = self.root {
             return Ok(Some(r));
         }
-        let cap = nodesize - HEADER_SIZE;
         self.stale.append(&mut self.nodes);
         let mut i = self.bounds.len();
         while i > 0 {
@@ -95,81 +95,29 @@ impl LogTree {
             }
             .map(|(k, v)| (*k, v.clone()))
             .collect();
-            // Greedy packing into as many leaves as the items need.
-            let mut groups: Vec<Vec<(Key, Vec<u8>)>> = Vec::new();
-            let mut used = cap;
-            for (k, v) in range {
-                let need = ITEM_SIZE + v.len();
-                if need > cap {
-                    return Err(Error::Internal(format!(
-                        "log item {k} of {} bytes does not fit a leaf",
-                        v.len()
-                    )));
-                }
-                if used + need > cap {
-                    groups.push(Vec::new());
-                    used = 0;
-                }
-                used += need;
-                if let Some(g) = groups.last_mut() {
-                    g.push((k, v));
-                }
-            }
+            let groups = build::pack(range, nodesize)?;
             let mut bounds = Vec::with_capacity(groups.len());
             let mut written = Vec::with_capacity(groups.len());
             for g in groups {
                 let (bytenr, h) = new_block()?;
-                let mut buf = vec![0u8; nodesize];
-                {
-                    let mut leaf = LeafMut::init(&mut buf, &h)?;
-                    let specs: Vec<(Key, usize)> = g.iter().map(|(k, v)| (*k, v.len())).collect();
-                    leaf.insert_items(0, &specs)?;
-                    for (slot, (_, v)) in g.iter().enumerate() {
-                        leaf.item_data_mut(slot)?.copy_from_slice(v);
-                    }
-                }
-                crate::ctree::ops::finalize(&mut buf, csum_type)?;
+                out.push((bytenr, build::leaf(nodesize, &h, &g, csum_type)?));
                 bounds.push(g[0].0);
                 written.push(Some(bytenr));
-                out.push((bytenr, buf));
             }
             self.bounds.splice(i..=i, bounds);
             self.written.splice(i..=i, written);
         }
-        let mut level_ptrs: Vec<(Key, u64)> = self
+        let leaves: Vec<(Key, u64)> = self
             .bounds
             .iter()
             .zip(&self.written)
             .filter_map(|(k, w)| w.map(|b| (*k, b)))
             .collect();
-        if level_ptrs.is_empty() {
+        if leaves.is_empty() {
             return Ok(None);
         }
-        let max_ptrs = (nodesize - HEADER_SIZE) / KEY_PTR_SIZE;
-        let mut level = 0u8;
-        while level_ptrs.len() > 1 {
-            level += 1;
-            if level >= MAX_LEVEL {
-                return Err(Error::Internal("log tree too tall".into()));
-            }
-            let mut next = Vec::new();
-            for chunk in level_ptrs.chunks(max_ptrs) {
-                let (bytenr, h) = new_block()?;
-                let mut buf = vec![0u8; nodesize];
-                {
-                    let mut node = NodeMut::init(&mut buf, level, &h)?;
-                    for (slot, (k, ptr)) in chunk.iter().enumerate() {
-                        node.insert_ptr(slot, *k, *ptr, h.generation)?;
-                    }
-                }
-                crate::ctree::ops::finalize(&mut buf, csum_type)?;
-                self.nodes.push(bytenr);
-                next.push((chunk[0].0, bytenr));
-                out.push((bytenr, buf));
-            }
-            level_ptrs = next;
-        }
-        let root = (level_ptrs[0].1, level);
+        let root =
+            build::upper_levels(leaves, nodesize, csum_type, new_block, out, &mut self.nodes)?;
         self.root = Some(root);
         Ok(Some(root))
     }
