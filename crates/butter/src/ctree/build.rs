@@ -9,6 +9,9 @@ use crate::error::{Error, Result};
 use crate::format::csum::CsumType;
 use crate::format::*;
 
+/// The items of one leaf: (key, item data), ascending keys.
+pub(crate) type Items = Vec<(Key, Vec<u8>)>;
+
 /// A leaf of `nodesize` bytes with header `h`, holding `items` (ascending keys) in slot order,
 /// checksummed.
 pub(crate) fn leaf(
@@ -54,12 +57,9 @@ pub(crate) fn node(
 /// Items (ascending keys) packed greedily into as few leaves of `nodesize` bytes as they
 /// need, in order. An item too big for any leaf is an internal error: callers make items
 /// that fit.
-pub(crate) fn pack(
-    items: Vec<(Key, Vec<u8>)>,
-    nodesize: usize,
-) -> Result<Vec<Vec<(Key, Vec<u8>)>>> {
+pub(crate) fn pack(items: Items, nodesize: usize) -> Result<Vec<Items>> {
     let cap = nodesize - HEADER_SIZE;
-    let mut groups: Vec<Vec<(Key, Vec<u8>)>> = Vec::new();
+    let mut groups: Vec<Items> = Vec::new();
     let mut used = cap;
     for (k, v) in items {
         let need = ITEM_SIZE + v.len();
