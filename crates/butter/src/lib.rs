@@ -35,3 +35,34 @@ pub mod mkfs;
 pub mod space;
 pub mod transaction;
 pub mod tree_log;
+
+// The white-box suites in `tests/` (and the fuzz bodies they share with `fuzz/`) name the
+// crate `butter`, as code outside it does; inside the crate that path also reaches
+// `pub(crate)` items.
+#[cfg(any(test, feature = "fuzzing"))]
+extern crate self as butter;
+
+/// The bodies of the libFuzzer targets in `fuzz/` (`cargo +nightly fuzz run tree_block`,
+/// `open_image`), for the fuzz crate only: built with the `fuzzing` feature. The input formats
+/// are described in `src/tests/corrupt_support/fuzz_logic.rs`; the test suite replays the same
+/// bodies over the committed corpus (`src/tests/fuzz_regress.rs`).
+#[cfg(feature = "fuzzing")]
+pub mod fuzz {
+    /// One `tree_block` run: the bytes as a tree block (checked, then read through every
+    /// accessor and item decoder), a superblock and a sys_chunk_array. Panics only if the
+    /// engine does.
+    pub fn tree_block_one(data: &[u8]) {
+        crate::tests::corrupt_support::fuzz_logic::tree_block_one(data);
+    }
+
+    /// One `open_image` run: the bytes as a sparse image, opened on a RAM device and walked in
+    /// full with bounded reads. Panics only if the engine does.
+    pub fn open_image_one(data: &[u8]) {
+        crate::tests::corrupt_support::fuzz_logic::open_image_one(data);
+    }
+}
+
+// The engine's white-box test suites (see `tests/mod.rs`); outside `cfg(test)` only the fuzz
+// bodies are built, under the `fuzzing` feature.
+#[cfg(any(test, feature = "fuzzing"))]
+mod tests;

@@ -156,7 +156,7 @@ fn data_enospc_dup_metadata() {
 }
 
 /// Fill, then delete every other file and write as much again. Deleting cuts checksum items
-/// and hits the leaf split bug of `crash.rs`'s `csum_insert_before_full_leaf_item` (cow.rs):
+/// and hits the leaf split bug of `src/tests/crash.rs`'s `csum_insert_before_full_leaf_item` (cow.rs):
 /// the commit aborts with "key not greater than the previous key" in the csum tree.
 #[test]
 fn data_enospc_single_refill() {

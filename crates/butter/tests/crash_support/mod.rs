@@ -1,6 +1,10 @@
 //! Helpers shared by the crash-consistency and ENOSPC tests: fresh images made with butter's
 //! mkfs, a manifest of what the filesystem shows through the read API, a write-tracing device,
 //! a cheap copy-on-write image view, and `btrfs check` on an image file.
+//!
+//! One file, two users: the integration tests here declare it as their own `mod crash_support`,
+//! and the white-box crash suite (`src/tests/crash.rs`) builds it into the library's unit-test
+//! binary (`src/tests/mod.rs` names it by path). So it uses only `butter::` paths.
 
 #![allow(dead_code)]
 

@@ -19,7 +19,7 @@
 //! filesystem refusing writes (Aborted), and the device must still show A (or B when only a
 //! superblock mirror write failed after the primary was written).
 
-mod crash_support;
+use super::crash_support;
 
 use butter::error::Error;
 use butter::fs::{Fs, Inode};

@@ -10,8 +10,8 @@
 //! reported size only drives reads up to a limit (beyond it only the last chunk is read), so a
 //! damaged value cannot make the walk itself hang or grow without bound.
 //!
-//! This file is shared with the fuzz crate (`fuzz/fuzz_targets/*.rs` include it by path), so it
-//! depends on nothing but `butter` and std.
+//! This file is also built for the fuzz crate (with `fuzz_logic.rs`, under the `fuzzing`
+//! feature, for `butter::fuzz`), so it depends on nothing but `butter` and std.
 
 #![allow(dead_code)]
 

@@ -1,6 +1,7 @@
-//! The bodies of the two fuzz targets, shared by `fuzz/fuzz_targets/*.rs` (libFuzzer) and by
-//! `tests/fuzz_regress.rs` (corpus replay plus seeded mutations in the normal test run).
-//! Depends on `butter`, std and the sibling `walk.rs` only.
+//! The bodies of the two fuzz targets, shared by `fuzz/fuzz_targets/*.rs` (libFuzzer, through
+//! `butter::fuzz` under the `fuzzing` feature) and by the `fuzz_regress` suite (corpus replay
+//! plus seeded mutations in the normal test run). Depends on `butter`, std and the sibling
+//! `walk.rs` only.
 //!
 //! `tree_block` input: byte 0 holds control bits, the rest is one tree block (zero-padded to
 //! 4 KiB, 16 KiB or 64 KiB by length). Unless bit 0 is set the checksum is recomputed, so the

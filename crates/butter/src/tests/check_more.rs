@@ -6,7 +6,7 @@
 //! The `mkfs_*` tests need only mkfs.btrfs; the `kernel_*` ones need root and loop devices
 //! (skipped with a notice without them, a failure when `CI` is set).
 
-mod oracle_support;
+use super::oracle_support;
 
 use butter::check::{check, FindingKind, Report, Severity};
 use butter::ctree::{Root, TreeIter};

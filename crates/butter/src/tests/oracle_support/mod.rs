@@ -1,4 +1,4 @@
-//! Kernel and btrfs-progs helpers for `tests/free_space_tree.rs` and `tests/check_more.rs`:
+//! Kernel and btrfs-progs helpers for `../free_space_tree.rs` and `../check_more.rs`:
 //! privilege checks, scratch directories, mkfs, loop mounts and filesystem freezes that undo
 //! themselves on drop (also when a test panics).
 //!

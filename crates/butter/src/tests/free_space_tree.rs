@@ -13,7 +13,7 @@
 //!
 //! Needs root and loop devices (skipped with a notice without them, a failure when `CI` is set).
 
-mod oracle_support;
+use super::oracle_support;
 
 use butter::ctree::{Root, TreeIter};
 use butter::format::items::BlockGroupItem;

@@ -1,6 +1,7 @@
 //! The fuzz targets' bounded run in the normal test suite: replay every committed corpus
 //! entry (`fuzz/corpus/{tree_block,open_image}`) and a few thousand seeded mutations of it
-//! through the same code the libFuzzer targets run (`corrupt_support/fuzz_logic.rs`).
+//! through the same code the libFuzzer targets run (`corrupt_support/fuzz_logic.rs`, which
+//! `butter::fuzz` exposes to them).
 //!
 //! Each input runs in a worker thread watched for hangs, with panics caught and the worker's
 //! largest allocation measured. Needs no root and no tools: the corpus is committed. Scale the
@@ -15,7 +16,7 @@
 //! blocks and superblock of each as `tree_block` inputs. The committed corpus is those seeds
 //! plus what `cargo fuzz run` found, minimized with `cargo fuzz cmin`.
 
-mod corrupt_support;
+use super::corrupt_support;
 
 use butter::format::csum::CsumType;
 use butter::io::device::RamDevice;
@@ -420,7 +421,8 @@ fn mutate_image(seed: &[u8], job_seed: u64) -> (Vec<u8>, String) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Seed corpus generation (run by hand: cargo test --test fuzz_regress -- --ignored).
+// Seed corpus generation (run by hand: cargo test -p butter --release --lib
+// tests::fuzz_regress::make_seed_corpus -- --ignored).
 
 /// File data mostly zeros (64 pattern bytes per 4 KiB sector), so the sparse encoding of
 /// the images stays small while every sector still has its own checksum.

@@ -19,7 +19,7 @@
 //! `BUTTER_CORRUPT_RANDOM=N` raises the number of random cases per image (default 60);
 //! `BUTTER_CORRUPT_TIMEOUT_SECS` sets the per-case hang limit (default 120).
 
-mod corrupt_support;
+use super::corrupt_support;
 
 use butter::format::*;
 use corrupt_support::image::{kernel_image, rootdir_image};

@@ -6,6 +6,11 @@
 //! engine read from the image. Other threads (and the test thread building images) are not
 //! measured.
 //!
+//! Being the `#[global_allocator]`, it serves the library's whole unit-test binary (every unit
+//! test and white-box suite; a binary has one global allocator), not just the suites that arm
+//! it: unarmed threads pay a thread-local check per call, and large buffers take the mapping
+//! below.
+//!
 //! Buffers of [`HUGE`] bytes or more (the test images, copied for every case) are
 //! mapped directly, 2 MiB aligned, with transparent huge pages requested: faulting in 4 KiB
 //! pages was most of the suite's run time.
