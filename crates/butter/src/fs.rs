@@ -15,8 +15,12 @@ use std::sync::{Arc, Mutex};
 
 pub use crate::ids::Inode;
 pub use crate::inode::core::Core;
-pub use crate::inode::namespace::{Owner, SetAttr};
-pub use crate::inode::read::{DirEntry, Stat, SubvolInfo, EMPTY_SUBVOL_DIR_OBJECTID};
+pub use crate::inode::namespace::Owner;
+pub use crate::inode::namespace::SetAttr;
+pub use crate::inode::read::DirEntry;
+pub use crate::inode::read::Stat;
+pub use crate::inode::read::SubvolInfo;
+pub use crate::inode::read::EMPTY_SUBVOL_DIR_OBJECTID;
 pub use crate::inode::seek::Seek;
 
 /// Options of a read-only open.

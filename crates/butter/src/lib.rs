@@ -21,7 +21,9 @@
 pub mod error;
 pub mod format;
 
-pub use error::{Error, Location, Result};
+pub use error::Error;
+pub use error::Location;
+pub use error::Result;
 pub mod check;
 pub mod ctree;
 pub mod extent_io;

@@ -1,11 +1,18 @@
 //! Numeric constants of the btrfs on-disk format (objectids, item types, flags).
 //! Values are facts from the format documentation (btrfs_tree.h / On-disk-format.rst).
 
-pub use crate::ids::{
-    BLOCK_GROUP_TREE_OBJECTID, CHUNK_TREE_OBJECTID, CSUM_TREE_OBJECTID, DATA_RELOC_TREE_OBJECTID,
-    DEV_TREE_OBJECTID, EXTENT_TREE_OBJECTID, FREE_SPACE_TREE_OBJECTID, FS_TREE_OBJECTID,
-    QUOTA_TREE_OBJECTID, ROOT_TREE_OBJECTID, TREE_LOG_OBJECTID, UUID_TREE_OBJECTID,
-};
+pub use crate::ids::BLOCK_GROUP_TREE_OBJECTID;
+pub use crate::ids::CHUNK_TREE_OBJECTID;
+pub use crate::ids::CSUM_TREE_OBJECTID;
+pub use crate::ids::DATA_RELOC_TREE_OBJECTID;
+pub use crate::ids::DEV_TREE_OBJECTID;
+pub use crate::ids::EXTENT_TREE_OBJECTID;
+pub use crate::ids::FREE_SPACE_TREE_OBJECTID;
+pub use crate::ids::FS_TREE_OBJECTID;
+pub use crate::ids::QUOTA_TREE_OBJECTID;
+pub use crate::ids::ROOT_TREE_OBJECTID;
+pub use crate::ids::TREE_LOG_OBJECTID;
+pub use crate::ids::UUID_TREE_OBJECTID;
 
 // ---- tree and special objectids ----
 pub(crate) const ROOT_TREE_DIR_OBJECTID: u64 = 6;

@@ -18,7 +18,9 @@ pub mod superblock;
 
 pub use crate::ids::tree_name;
 pub use consts::*;
-pub use key::{key_type_name, objectid_name, Key};
+pub use key::key_type_name;
+pub use key::objectid_name;
+pub use key::Key;
 
 /// Little-endian u16 at `off`. The caller has checked `off + 2 <= b.len()`.
 #[inline]
