@@ -1,8 +1,8 @@
 //! The engine's white-box test suites. They reach the engine's internals (tree blocks, the
 //! chunk map, the free space tree codec, the extent io tree, ...), which may be crate-private,
-//! so they live inside the crate and build into its unit-test binary; the integration tests in
-//! `crates/butter/tests` use only the public API. The suites keep their `butter::...` paths: lib.rs names the crate `butter`
-//! to itself (`extern crate self as butter`), which inside the crate reaches `pub(crate)`
+//! so they live inside the crate and build into its unit-test binary; the integration tests
+//! in `crates/butter/tests` use only the public API. The suites keep their `butter::...`
+//! paths: lib.rs names the crate `butter` to itself (`extern crate self as butter`), which inside the crate reaches `pub(crate)`
 //! items too.
 //!
 //! Run one with `cargo test -p butter --release --lib tests::corruption` (or
@@ -18,6 +18,8 @@ mod check_more;
 mod corruption;
 #[cfg(test)]
 mod crash;
+#[cfg(test)]
+mod extent_io_bench;
 #[cfg(test)]
 mod extent_io_model;
 #[cfg(test)]

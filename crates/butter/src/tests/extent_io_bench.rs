@@ -5,8 +5,10 @@
 //! Two patterns: sparse (`w = 1`, about a fifth of the file dirty) and dense (`w = 4`, about
 //! half dirty, so partial overlaps are more frequent).
 //!
-//! Not a test: run with
-//! `cargo run --release -p butter --example extent_io_bench [steps] [file_MiB]`.
+//! A benchmark, not a test: ignored by the suite, run on demand with
+//! `cargo test --release -p butter --lib extent_io_bench -- --ignored --nocapture`
+//! (`BUTTER_BENCH_STEPS`, default 500000, and `BUTTER_BENCH_FILE_MIB`, default 256, size it).
+//! It lives inside the crate because the range-state tree is crate-private.
 //! Both modes replay the same pre-generated operations on fresh trees; the runs alternate
 //! on/off to spread machine noise; the reported figure per mode is the median run.
 
@@ -69,13 +71,18 @@ fn pct(sorted: &[u32], p: f64) -> u32 {
     sorted.get(i).copied().unwrap_or(0)
 }
 
-fn main() {
-    let args: Vec<u64> = std::env::args()
-        .skip(1)
-        .filter_map(|a| a.parse().ok())
-        .collect();
-    let steps_n = args.first().copied().unwrap_or(500_000) as usize;
-    let file_mib = args.get(1).copied().unwrap_or(256);
+fn env_u64(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+#[test]
+#[ignore = "a benchmark: run on demand (see the module documentation)"]
+fn extent_io_bench() {
+    let steps_n = env_u64("BUTTER_BENCH_STEPS", 500_000) as usize;
+    let file_mib = env_u64("BUTTER_BENCH_FILE_MIB", 256);
     let blocks = file_mib * 1024 * 1024 / BLOCK;
     for (pattern, writes_per_step) in [("sparse", 1), ("dense", 4)] {
         bench(pattern, writes_per_step, steps_n, file_mib, blocks);
