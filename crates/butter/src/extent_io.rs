@@ -49,7 +49,9 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
-use std::ops::Bound::{Excluded, Included, Unbounded};
+use std::ops::Bound::Included;
+#[cfg(test)]
+use std::ops::Bound::{Excluded, Unbounded};
 use std::ops::{BitAnd, BitAndAssign, BitOr, BitOrAssign, Not, Sub};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard};
@@ -60,20 +62,20 @@ use std::sync::{Condvar, Mutex, MutexGuard};
 /// bits butter gives a meaning to. [`ExtentBits::ALL`] has every bit set and is what "clear all
 /// bits" passes.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
-pub struct ExtentBits(u32);
+pub(crate) struct ExtentBits(u32);
 
 impl ExtentBits {
     /// Data in memory differs from data on disk.
-    pub const DIRTY: Self = Self(1 << 0);
+    pub(crate) const DIRTY: Self = Self(1 << 0);
     /// Data in memory is valid (matches or supersedes the disk).
-    pub const UPTODATE: Self = Self(1 << 1);
+    pub(crate) const UPTODATE: Self = Self(1 << 1);
     /// The range is locked by an operation in flight; see [`SharedExtentIoTree::lock_range`].
     /// Records carrying it never merge (see the module doc's lock-merge rule).
-    pub const LOCKED: Self = Self(1 << 2);
+    pub(crate) const LOCKED: Self = Self(1 << 2);
     /// Dirty data with no disk extent allocated yet (delayed allocation).
-    pub const DELALLOC: Self = Self(1 << 3);
+    pub(crate) const DELALLOC: Self = Self(1 << 3);
     /// Data is being written back to disk.
-    pub const WRITEBACK: Self = Self(1 << 4);
+    pub(crate) const WRITEBACK: Self = Self(1 << 4);
     /// The range was written since the inode was created (no old extents to look up).
     pub(crate) const NEW: Self = Self(1 << 5);
     /// Marked for defragmentation.
@@ -83,10 +85,12 @@ impl ExtentBits {
     /// An ordered extent covers the range (data written, not yet in the trees).
     pub(crate) const ORDERED: Self = Self(1 << 8);
 
+    #[cfg(test)]
     /// No bits.
-    pub const EMPTY: Self = Self(0);
+    pub(crate) const EMPTY: Self = Self(0);
+    #[cfg(test)]
     /// Every bit, named or not: `clear_bits(s, e, ExtentBits::ALL)` empties the range.
-    pub const ALL: Self = Self(u32::MAX);
+    pub(crate) const ALL: Self = Self(u32::MAX);
     /// Bits that keep a record from merging with an identical neighbour.
     pub(crate) const NO_MERGE: Self = Self::LOCKED;
 
@@ -102,8 +106,9 @@ impl ExtentBits {
         (Self::ORDERED, "ORDERED"),
     ];
 
+    #[cfg(test)]
     /// The raw `u32`.
-    pub const fn bits(self) -> u32 {
+    pub(crate) const fn bits(self) -> u32 {
         self.0
     }
     #[cfg(test)]
@@ -201,7 +206,7 @@ impl fmt::Debug for ExtentBits {
 
 /// One record: bytes `start..=end` (**inclusive** end) all carry `bits`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ExtentRecord {
+pub(crate) struct ExtentRecord {
     /// First byte offset covered.
     pub start: u64,
     /// Last byte offset covered (inclusive).
@@ -211,6 +216,7 @@ pub struct ExtentRecord {
 }
 
 impl ExtentRecord {
+    #[cfg(test)]
     /// Number of bytes covered, `end - start + 1`; saturates at `u64::MAX` for the record
     /// `[0, u64::MAX]` (2^64 bytes).
     pub(crate) fn len(&self) -> u64 {
@@ -220,7 +226,7 @@ impl ExtentRecord {
 
 /// Work counters of one tree, for benchmarks and tests. All counts are of records.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct ExtentIoStats {
+pub(crate) struct ExtentIoStats {
     /// Records split in two at a range edge (each inserted one record).
     pub splits_performed: u64,
     /// Splits avoided by trimming, in place, a partly overlapping edge record whose bits all
@@ -296,7 +302,7 @@ fn can_merge(a_end: u64, a_bits: ExtentBits, b_start: u64, b_bits: ExtentBits) -
 // Keys are mutated in place only in ways that keep their order (see `StartKey`).
 #[allow(clippy::mutable_key_type)]
 #[derive(Debug)]
-pub struct ExtentIoTree {
+pub(crate) struct ExtentIoTree {
     map: BTreeMap<StartKey, Rec>,
     trim_in_place: bool,
     stats: ExtentIoStats,
@@ -310,7 +316,7 @@ impl Default for ExtentIoTree {
 
 impl ExtentIoTree {
     /// An empty tree, with trimming in place on.
-    pub fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Self {
             map: BTreeMap::new(),
             trim_in_place: true,
@@ -318,30 +324,34 @@ impl ExtentIoTree {
         }
     }
 
+    #[cfg(test)]
     /// Turns the trim-in-place optimization of [`clear_bits`](Self::clear_bits) on (the
     /// default) or off. Off, the edge records are split and the inner half deleted, as before
     /// the optimization; the resulting records are identical either way. For benchmarks.
-    pub fn set_trim_in_place(&mut self, on: bool) {
+    pub(crate) fn set_trim_in_place(&mut self, on: bool) {
         self.trim_in_place = on;
     }
 
+    #[cfg(test)]
     /// The work counters since creation or the last [`reset_stats`](Self::reset_stats).
-    pub fn stats(&self) -> ExtentIoStats {
+    pub(crate) fn stats(&self) -> ExtentIoStats {
         self.stats
     }
 
+    #[cfg(test)]
     /// Zeroes the work counters.
-    pub fn reset_stats(&mut self) {
+    pub(crate) fn reset_stats(&mut self) {
         self.stats = ExtentIoStats::default();
     }
 
+    #[cfg(test)]
     /// Number of records.
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.map.len()
     }
 
     /// No record: no byte has any bit.
-    pub fn is_empty(&self) -> bool {
+    pub(crate) fn is_empty(&self) -> bool {
         self.map.is_empty()
     }
 
@@ -376,6 +386,7 @@ impl ExtentIoTree {
             .map(|(k, r)| (k.get(), *r))
     }
 
+    #[cfg(test)]
     /// The first record whose end is at or after `x` (it may start before `x`).
     fn first_ending_at_or_after(&self, x: u64) -> Option<(u64, Rec)> {
         self.containing(x).or_else(|| self.first_from(x))
@@ -424,7 +435,7 @@ impl ExtentIoTree {
     /// carry all of `bits`; records inside get `bits` ORed in; gaps get new records carrying
     /// exactly `bits`. Afterwards touching identical records are merged, except records with a
     /// [`ExtentBits::NO_MERGE`] bit (`LOCKED`). Empty `bits` or `start > end`: no-op.
-    pub fn set_bits(&mut self, start: u64, end: u64, bits: ExtentBits) {
+    pub(crate) fn set_bits(&mut self, start: u64, end: u64, bits: ExtentBits) {
         if start > end || bits.is_empty() {
             return;
         }
@@ -485,7 +496,7 @@ impl ExtentIoTree {
     /// is trimmed in place instead of split (unless [`set_trim_in_place`](Self::set_trim_in_place)
     /// turned that off). Touching records that became identical are merged.
     /// `start > end` or empty `bits`: returns false.
-    pub fn clear_bits(&mut self, start: u64, end: u64, bits: ExtentBits) -> bool {
+    pub(crate) fn clear_bits(&mut self, start: u64, end: u64, bits: ExtentBits) -> bool {
         if start > end || bits.is_empty() {
             return false;
         }
@@ -581,7 +592,7 @@ impl ExtentIoTree {
     /// `all == true`: every byte of the range has every bit of `bits` (true for empty `bits`).
     /// `all == false`: at least one byte of the range has at least one bit of `bits` (false for
     /// empty `bits`). `start > end`: `all` (vacuously true for "all", false for "any").
-    pub fn test_bits(&self, start: u64, end: u64, bits: ExtentBits, all: bool) -> bool {
+    pub(crate) fn test_bits(&self, start: u64, end: u64, bits: ExtentBits, all: bool) -> bool {
         if start > end {
             return all;
         }
@@ -606,12 +617,13 @@ impl ExtentIoTree {
         }
     }
 
+    #[cfg(test)]
     /// The first record with any of `bits` that ends at or after `from` (byte offset), as
     /// `(start, end)` (inclusive) with `start` clipped up to `from`. `None` if there is none.
     ///
     /// The end is the record's end, so the returned bytes all carry the same bits; neighbouring
     /// bytes may carry `bits` too (see [`find_contiguous`](Self::find_contiguous)).
-    pub fn find_first_set(&self, from: u64, bits: ExtentBits) -> Option<(u64, u64)> {
+    pub(crate) fn find_first_set(&self, from: u64, bits: ExtentBits) -> Option<(u64, u64)> {
         let (s, r) = self.first_ending_at_or_after(from)?;
         if r.bits.intersects(bits) {
             return Some((s.max(from), r.end));
@@ -622,10 +634,11 @@ impl ExtentIoTree {
             .map(|(k, r)| (k.get(), r.end))
     }
 
+    #[cfg(test)]
     /// The first maximal run of contiguous bytes at or after `from` that each have at least
     /// one of `bits`, as `(start, end)` (inclusive, bytes; `start >= from`). The run may span
     /// several records with different bits; it ends at a gap or at a record without `bits`.
-    pub fn find_contiguous(&self, from: u64, bits: ExtentBits) -> Option<(u64, u64)> {
+    pub(crate) fn find_contiguous(&self, from: u64, bits: ExtentBits) -> Option<(u64, u64)> {
         let (start, mut end) = self.find_first_set(from, bits)?;
         for (k, r) in self.map.range((Excluded(StartKey::new(end)), Unbounded)) {
             if end.checked_add(1) != Some(k.get()) || !r.bits.intersects(bits) {
@@ -636,9 +649,10 @@ impl ExtentIoTree {
         Some((start, end))
     }
 
+    #[cfg(test)]
     /// Number of bytes in `[start, end]` (inclusive) that have at least one of `bits`.
     /// Saturates at `u64::MAX` (only reachable when all 2^64 bytes qualify).
-    pub fn count_bits(&self, start: u64, end: u64, bits: ExtentBits) -> u64 {
+    pub(crate) fn count_bits(&self, start: u64, end: u64, bits: ExtentBits) -> u64 {
         self.iter_range(start, end)
             .filter(|r| r.bits.intersects(bits))
             .fold(0u64, |acc, r| acc.saturating_add(r.len()))
@@ -646,7 +660,11 @@ impl ExtentIoTree {
 
     /// The records overlapping `[start, end]` (inclusive), in order, each **clipped** to the
     /// range. Bytes of the range not covered by any yielded record have no bits.
-    pub fn iter_range(&self, start: u64, end: u64) -> impl Iterator<Item = ExtentRecord> + '_ {
+    pub(crate) fn iter_range(
+        &self,
+        start: u64,
+        end: u64,
+    ) -> impl Iterator<Item = ExtentRecord> + '_ {
         // Start at the record containing `start` when there is one, else the first after.
         let bounds = (start <= end).then(|| {
             let from = self.containing(start).map_or(start, |(s, _)| s);
@@ -662,7 +680,7 @@ impl ExtentIoTree {
     }
 
     /// All records in order, unclipped.
-    pub fn iter(&self) -> impl Iterator<Item = ExtentRecord> + '_ {
+    pub(crate) fn iter(&self) -> impl Iterator<Item = ExtentRecord> + '_ {
         self.map.iter().map(|(k, r)| ExtentRecord {
             start: k.get(),
             end: r.end,
@@ -670,9 +688,10 @@ impl ExtentIoTree {
         })
     }
 
+    #[cfg(test)]
     /// Checks the invariants listed in the module doc; the error names the first offending
     /// record(s). For tests and debugging.
-    pub fn check_invariants(&self) -> Result<(), String> {
+    pub(crate) fn check_invariants(&self) -> Result<(), String> {
         let mut prev: Option<ExtentRecord> = None;
         for rec in self.iter() {
             if rec.start > rec.end {
@@ -705,7 +724,7 @@ impl ExtentIoTree {
 /// other holders' locks too), and a thread locking a range that overlaps one it holds itself
 /// waits forever.
 #[derive(Debug, Default)]
-pub struct SharedExtentIoTree {
+pub(crate) struct SharedExtentIoTree {
     inner: Mutex<SharedInner>,
     unlocked: Condvar,
 }
@@ -721,7 +740,7 @@ struct SharedInner {
 
 impl SharedExtentIoTree {
     /// An empty tree.
-    pub fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Self::default()
     }
 
@@ -741,7 +760,7 @@ impl SharedExtentIoTree {
     /// Runs `f` on the tree under the mutex (for queries and statistics not wrapped here).
     /// Clearing `LOCKED` inside `f` does not wake waiters: use
     /// [`unlock_range`](Self::unlock_range) or [`clear_bits`](Self::clear_bits) for that.
-    pub fn with<R>(&self, f: impl FnOnce(&mut ExtentIoTree) -> R) -> R {
+    pub(crate) fn with<R>(&self, f: impl FnOnce(&mut ExtentIoTree) -> R) -> R {
         f(&mut self.guard().tree)
     }
 
@@ -761,19 +780,21 @@ impl SharedExtentIoTree {
         cleared
     }
 
+    #[cfg(test)]
     /// [`ExtentIoTree::test_bits`] under the mutex.
-    pub fn test_bits(&self, start: u64, end: u64, bits: ExtentBits, all: bool) -> bool {
+    pub(crate) fn test_bits(&self, start: u64, end: u64, bits: ExtentBits, all: bool) -> bool {
         self.guard().tree.test_bits(start, end, bits, all)
     }
 
+    #[cfg(test)]
     /// A snapshot of the records overlapping `[start, end]` (inclusive), clipped to it.
-    pub fn records(&self, start: u64, end: u64) -> Vec<ExtentRecord> {
+    pub(crate) fn records(&self, start: u64, end: u64) -> Vec<ExtentRecord> {
         self.guard().tree.iter_range(start, end).collect()
     }
 
     /// Locks `[start, end]` (inclusive, bytes): waits until no byte of it is locked, then sets
     /// `LOCKED` on all of it. `start > end`: returns at once, locking nothing.
-    pub fn lock_range(&self, start: u64, end: u64) {
+    pub(crate) fn lock_range(&self, start: u64, end: u64) {
         if start > end {
             return;
         }
@@ -788,7 +809,7 @@ impl SharedExtentIoTree {
 
     /// Locks `[start, end]` (inclusive) if no byte of it is locked, without waiting; returns
     /// whether it did. `start > end`: true, locking nothing.
-    pub fn try_lock_range(&self, start: u64, end: u64) -> bool {
+    pub(crate) fn try_lock_range(&self, start: u64, end: u64) -> bool {
         if start > end {
             return true;
         }
@@ -802,12 +823,13 @@ impl SharedExtentIoTree {
 
     /// Unlocks `[start, end]` (inclusive): clears `LOCKED` and wakes waiters, if any. Returns
     /// whether any byte of it was locked. Must be exactly a range this caller locked.
-    pub fn unlock_range(&self, start: u64, end: u64) -> bool {
+    pub(crate) fn unlock_range(&self, start: u64, end: u64) -> bool {
         self.clear_bits(start, end, ExtentBits::LOCKED)
     }
 
+    #[cfg(test)]
     /// [`lock_range`](Self::lock_range), returning a guard that unlocks the range on drop.
-    pub fn lock_range_guard(&self, start: u64, end: u64) -> RangeLockGuard<'_> {
+    pub(crate) fn lock_range_guard(&self, start: u64, end: u64) -> RangeLockGuard<'_> {
         self.lock_range(start, end);
         RangeLockGuard {
             tree: self,
@@ -816,27 +838,32 @@ impl SharedExtentIoTree {
         }
     }
 
+    #[cfg(test)]
     /// Number of wake-ups sent to lock waiters so far (unlocks with no waiter send none).
-    pub fn wakeups(&self) -> u64 {
+    pub(crate) fn wakeups(&self) -> u64 {
         self.guard().wakeups
     }
 }
 
+#[cfg(test)]
 /// Holds a range locked in a [`SharedExtentIoTree`]; unlocks it on drop.
 #[derive(Debug)]
-pub struct RangeLockGuard<'a> {
+pub(crate) struct RangeLockGuard<'a> {
     tree: &'a SharedExtentIoTree,
     start: u64,
     end: u64,
 }
 
+#[cfg(test)]
 impl RangeLockGuard<'_> {
+    #[cfg(test)]
     /// The locked range `(start, end)`, inclusive.
-    pub fn range(&self) -> (u64, u64) {
+    pub(crate) fn range(&self) -> (u64, u64) {
         (self.start, self.end)
     }
 }
 
+#[cfg(test)]
 impl Drop for RangeLockGuard<'_> {
     fn drop(&mut self) {
         self.tree.unlock_range(self.start, self.end);

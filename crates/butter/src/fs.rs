@@ -14,12 +14,11 @@ use std::path::Path as FsPath;
 use std::sync::{Arc, Mutex};
 
 pub use crate::ids::Inode;
-pub use crate::inode::core::Core;
+pub(crate) use crate::inode::core::Core;
 pub use crate::inode::namespace::Owner;
 pub use crate::inode::namespace::SetAttr;
 pub use crate::inode::read::DirEntry;
 pub use crate::inode::read::Stat;
-pub use crate::inode::read::SubvolInfo;
 pub use crate::inode::read::EMPTY_SUBVOL_DIR_OBJECTID;
 pub use crate::inode::seek::Seek;
 

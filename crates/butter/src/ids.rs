@@ -22,7 +22,7 @@ impl Key {
         ty: 0,
         offset: 0,
     };
-    pub const MAX: Key = Key {
+    pub(crate) const MAX: Key = Key {
         objectid: u64::MAX,
         ty: u8::MAX,
         offset: u64::MAX,
@@ -36,8 +36,9 @@ impl Key {
         }
     }
 
+    #[cfg(test)]
     /// The smallest key strictly greater than this one.
-    pub fn successor(&self) -> Option<Key> {
+    pub(crate) fn successor(&self) -> Option<Key> {
         if self.offset < u64::MAX {
             Some(Key {
                 offset: self.offset + 1,
@@ -64,19 +65,19 @@ impl Key {
 // Root objectids of the trees (re-exported by crate::format).
 pub const ROOT_TREE_OBJECTID: u64 = 1;
 pub const EXTENT_TREE_OBJECTID: u64 = 2;
-pub const CHUNK_TREE_OBJECTID: u64 = 3;
-pub const DEV_TREE_OBJECTID: u64 = 4;
+pub(crate) const CHUNK_TREE_OBJECTID: u64 = 3;
+pub(crate) const DEV_TREE_OBJECTID: u64 = 4;
 pub const FS_TREE_OBJECTID: u64 = 5;
 pub const CSUM_TREE_OBJECTID: u64 = 7;
 pub const QUOTA_TREE_OBJECTID: u64 = 8;
-pub const UUID_TREE_OBJECTID: u64 = 9;
-pub const FREE_SPACE_TREE_OBJECTID: u64 = 10;
-pub const BLOCK_GROUP_TREE_OBJECTID: u64 = 11;
-pub const TREE_LOG_OBJECTID: u64 = -6i64 as u64;
-pub const DATA_RELOC_TREE_OBJECTID: u64 = -9i64 as u64;
+pub(crate) const UUID_TREE_OBJECTID: u64 = 9;
+pub(crate) const FREE_SPACE_TREE_OBJECTID: u64 = 10;
+pub(crate) const BLOCK_GROUP_TREE_OBJECTID: u64 = 11;
+pub(crate) const TREE_LOG_OBJECTID: u64 = -6i64 as u64;
+pub(crate) const DATA_RELOC_TREE_OBJECTID: u64 = -9i64 as u64;
 
 /// Human name of a tree by its root objectid.
-pub fn tree_name(id: u64) -> String {
+pub(crate) fn tree_name(id: u64) -> String {
     match id {
         ROOT_TREE_OBJECTID => "root".into(),
         EXTENT_TREE_OBJECTID => "extent".into(),

@@ -675,7 +675,7 @@ impl CowCtx {
     }
 
     /// Inserts one item; `Error::Exists`-like `Invalid` if the key is present.
-    pub fn insert_item(&mut self, tree: u64, key: Key, data: &[u8]) -> Result<()> {
+    pub(crate) fn insert_item(&mut self, tree: u64, key: Key, data: &[u8]) -> Result<()> {
         self.insert_items(tree, &[(key, data)])
     }
 

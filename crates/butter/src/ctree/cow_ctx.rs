@@ -44,7 +44,7 @@ pub(crate) fn is_fs_tree(id: u64) -> bool {
 }
 
 /// The copy-on-write context of the running transaction (see the module doc).
-pub struct CowCtx {
+pub(crate) struct CowCtx {
     pub(crate) disk: Arc<Disk>,
     /// Id of the running transaction (last committed generation + 1).
     pub(crate) transid: u64,

@@ -35,7 +35,7 @@ pub struct Root {
 
 /// The blocks and slots from the root down to a leaf.
 #[derive(Debug, Clone)]
-pub struct Path {
+pub(crate) struct Path {
     /// `nodes[level] = (block, slot)`; `nodes[0]` is the leaf.
     pub nodes: Vec<(Arc<TreeBlock>, usize)>,
     pub root: Root,
@@ -51,7 +51,7 @@ impl Path {
         self.nodes[0].1
     }
     /// The item the path points at, if the slot is inside the leaf.
-    pub fn item(&self) -> Option<ItemRef> {
+    pub(crate) fn item(&self) -> Option<ItemRef> {
         let (b, s) = &self.nodes[0];
         (*s < b.nritems()).then(|| ItemRef {
             key: b.key(*s),
@@ -185,7 +185,7 @@ fn read_root(disk: &Disk, root: &Root) -> Result<Arc<TreeBlock>> {
 }
 
 /// Searches `root` for `key`. See the module docs for the return contract.
-pub fn search_slot(
+pub(crate) fn search_slot(
     disk: &Arc<Disk>,
     root: &Root,
     key: &Key,
@@ -352,7 +352,7 @@ pub(crate) fn next_item(disk: &Arc<Disk>, path: &mut Path) -> Result<bool> {
 }
 
 /// Steps to the previous item (across leaves). Returns false at the start of the tree.
-pub fn prev_item(disk: &Arc<Disk>, path: &mut Path) -> Result<bool> {
+pub(crate) fn prev_item(disk: &Arc<Disk>, path: &mut Path) -> Result<bool> {
     loop {
         if path.nodes[0].1 > 0 {
             path.nodes[0].1 -= 1;
@@ -483,7 +483,7 @@ impl TreeIter {
 
 /// Opens the metadata layer of a device: the superblock, then the chunk tree (through the
 /// system chunks the superblock carries), so that every logical address maps.
-pub fn open_disk(dev: Arc<dyn BlockDevice>) -> Result<Arc<Disk>> {
+pub(crate) fn open_disk(dev: Arc<dyn BlockDevice>) -> Result<Arc<Disk>> {
     let disk = Disk::open_sys_chunks(dev)?;
     load_chunk_tree(&disk)?;
     Ok(disk)

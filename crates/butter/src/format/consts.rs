@@ -1,18 +1,18 @@
 //! Numeric constants of the btrfs on-disk format (objectids, item types, flags).
 //! Values are facts from the format documentation (btrfs_tree.h / On-disk-format.rst).
 
-pub use crate::ids::BLOCK_GROUP_TREE_OBJECTID;
-pub use crate::ids::CHUNK_TREE_OBJECTID;
+pub(crate) use crate::ids::BLOCK_GROUP_TREE_OBJECTID;
+pub(crate) use crate::ids::CHUNK_TREE_OBJECTID;
 pub use crate::ids::CSUM_TREE_OBJECTID;
-pub use crate::ids::DATA_RELOC_TREE_OBJECTID;
-pub use crate::ids::DEV_TREE_OBJECTID;
+pub(crate) use crate::ids::DATA_RELOC_TREE_OBJECTID;
+pub(crate) use crate::ids::DEV_TREE_OBJECTID;
 pub use crate::ids::EXTENT_TREE_OBJECTID;
-pub use crate::ids::FREE_SPACE_TREE_OBJECTID;
+pub(crate) use crate::ids::FREE_SPACE_TREE_OBJECTID;
 pub use crate::ids::FS_TREE_OBJECTID;
 pub use crate::ids::QUOTA_TREE_OBJECTID;
 pub use crate::ids::ROOT_TREE_OBJECTID;
-pub use crate::ids::TREE_LOG_OBJECTID;
-pub use crate::ids::UUID_TREE_OBJECTID;
+pub(crate) use crate::ids::TREE_LOG_OBJECTID;
+pub(crate) use crate::ids::UUID_TREE_OBJECTID;
 
 // ---- tree and special objectids ----
 pub(crate) const ROOT_TREE_DIR_OBJECTID: u64 = 6;
@@ -21,13 +21,13 @@ pub(crate) const DEV_STATS_OBJECTID: u64 = 0;
 pub(crate) const BALANCE_OBJECTID: u64 = -4i64 as u64;
 pub const ORPHAN_OBJECTID: u64 = -5i64 as u64;
 pub(crate) const TREE_LOG_FIXUP_OBJECTID: u64 = -7i64 as u64;
-pub const TREE_RELOC_OBJECTID: u64 = -8i64 as u64;
-pub const EXTENT_CSUM_OBJECTID: u64 = -10i64 as u64;
+pub(crate) const TREE_RELOC_OBJECTID: u64 = -8i64 as u64;
+pub(crate) const EXTENT_CSUM_OBJECTID: u64 = -10i64 as u64;
 pub(crate) const FREE_SPACE_OBJECTID: u64 = -11i64 as u64;
 pub(crate) const FREE_INO_OBJECTID: u64 = -12i64 as u64;
 pub(crate) const MULTIPLE_OBJECTIDS: u64 = -255i64 as u64;
 pub const FIRST_FREE_OBJECTID: u64 = 256;
-pub const LAST_FREE_OBJECTID: u64 = -256i64 as u64;
+pub(crate) const LAST_FREE_OBJECTID: u64 = -256i64 as u64;
 pub(crate) const FIRST_CHUNK_TREE_OBJECTID: u64 = 256;
 pub(crate) const DEV_ITEMS_OBJECTID: u64 = 1;
 
@@ -35,7 +35,7 @@ pub(crate) const DEV_ITEMS_OBJECTID: u64 = 1;
 pub const INODE_ITEM_KEY: u8 = 1;
 pub const INODE_REF_KEY: u8 = 12;
 pub(crate) const INODE_EXTREF_KEY: u8 = 13;
-pub const XATTR_ITEM_KEY: u8 = 24;
+pub(crate) const XATTR_ITEM_KEY: u8 = 24;
 pub(crate) const VERITY_DESC_ITEM_KEY: u8 = 36;
 pub(crate) const VERITY_MERKLE_ITEM_KEY: u8 = 37;
 pub const ORPHAN_ITEM_KEY: u8 = 48;
@@ -46,8 +46,8 @@ pub const DIR_INDEX_KEY: u8 = 96;
 pub const EXTENT_DATA_KEY: u8 = 108;
 pub const EXTENT_CSUM_KEY: u8 = 128;
 pub const ROOT_ITEM_KEY: u8 = 132;
-pub const ROOT_BACKREF_KEY: u8 = 144;
-pub const ROOT_REF_KEY: u8 = 156;
+pub(crate) const ROOT_BACKREF_KEY: u8 = 144;
+pub(crate) const ROOT_REF_KEY: u8 = 156;
 pub const EXTENT_ITEM_KEY: u8 = 168;
 pub const METADATA_ITEM_KEY: u8 = 169;
 pub(crate) const EXTENT_OWNER_REF_KEY: u8 = 172;
@@ -56,12 +56,12 @@ pub const EXTENT_DATA_REF_KEY: u8 = 178;
 pub(crate) const SHARED_BLOCK_REF_KEY: u8 = 182;
 pub(crate) const SHARED_DATA_REF_KEY: u8 = 184;
 pub const BLOCK_GROUP_ITEM_KEY: u8 = 192;
-pub const FREE_SPACE_INFO_KEY: u8 = 198;
-pub const FREE_SPACE_EXTENT_KEY: u8 = 199;
-pub const FREE_SPACE_BITMAP_KEY: u8 = 200;
-pub const DEV_EXTENT_KEY: u8 = 204;
-pub const DEV_ITEM_KEY: u8 = 216;
-pub const CHUNK_ITEM_KEY: u8 = 228;
+pub(crate) const FREE_SPACE_INFO_KEY: u8 = 198;
+pub(crate) const FREE_SPACE_EXTENT_KEY: u8 = 199;
+pub(crate) const FREE_SPACE_BITMAP_KEY: u8 = 200;
+pub(crate) const DEV_EXTENT_KEY: u8 = 204;
+pub(crate) const DEV_ITEM_KEY: u8 = 216;
+pub(crate) const CHUNK_ITEM_KEY: u8 = 228;
 pub(crate) const RAID_STRIPE_KEY: u8 = 230;
 pub(crate) const QGROUP_STATUS_KEY: u8 = 240;
 pub const QGROUP_INFO_KEY: u8 = 242;
@@ -86,11 +86,11 @@ pub(crate) const BLOCK_GROUP_RAID0: u64 = 1 << 3;
 pub(crate) const BLOCK_GROUP_RAID1: u64 = 1 << 4;
 pub const BLOCK_GROUP_DUP: u64 = 1 << 5;
 pub(crate) const BLOCK_GROUP_RAID10: u64 = 1 << 6;
-pub const BLOCK_GROUP_RAID5: u64 = 1 << 7;
-pub const BLOCK_GROUP_RAID6: u64 = 1 << 8;
+pub(crate) const BLOCK_GROUP_RAID5: u64 = 1 << 7;
+pub(crate) const BLOCK_GROUP_RAID6: u64 = 1 << 8;
 pub(crate) const BLOCK_GROUP_RAID1C3: u64 = 1 << 9;
 pub(crate) const BLOCK_GROUP_RAID1C4: u64 = 1 << 10;
-pub const BLOCK_GROUP_PROFILE_MASK: u64 = BLOCK_GROUP_RAID0
+pub(crate) const BLOCK_GROUP_PROFILE_MASK: u64 = BLOCK_GROUP_RAID0
     | BLOCK_GROUP_RAID1
     | BLOCK_GROUP_DUP
     | BLOCK_GROUP_RAID10
@@ -144,8 +144,8 @@ pub(crate) const HEADER_FLAG_RELOC: u64 = 1 << 1;
 pub(crate) const MIXED_BACKREF_REV: u64 = 1;
 
 // ---- file extent types and compression ----
-pub const FILE_EXTENT_INLINE: u8 = 0;
-pub const FILE_EXTENT_REG: u8 = 1;
+pub(crate) const FILE_EXTENT_INLINE: u8 = 0;
+pub(crate) const FILE_EXTENT_REG: u8 = 1;
 pub const FILE_EXTENT_PREALLOC: u8 = 2;
 pub(crate) const COMPRESS_NONE: u8 = 0;
 pub(crate) const COMPRESS_ZLIB: u8 = 1;
@@ -184,13 +184,13 @@ pub(crate) const FREE_SPACE_USING_BITMAPS: u32 = 1 << 0;
 
 // ---- sizes ----
 pub(crate) const SUPER_INFO_OFFSET: u64 = 65536;
-pub const SUPER_INFO_SIZE: usize = 4096;
-pub const SUPER_MIRROR_MAX: usize = 3;
+pub(crate) const SUPER_INFO_SIZE: usize = 4096;
+pub(crate) const SUPER_MIRROR_MAX: usize = 3;
 pub(crate) const SUPER_MIRROR_SHIFT: u32 = 12;
 pub(crate) const MAGIC: u64 = 0x4D5F_5366_5248_425F; // "_BHRfS_M"
-pub const CSUM_SIZE: usize = 32;
+pub(crate) const CSUM_SIZE: usize = 32;
 pub(crate) const LABEL_SIZE: usize = 256;
-pub const SYSTEM_CHUNK_ARRAY_SIZE: usize = 2048;
+pub(crate) const SYSTEM_CHUNK_ARRAY_SIZE: usize = 2048;
 pub(crate) const NUM_BACKUP_ROOTS: usize = 4;
 pub const HEADER_SIZE: usize = 101;
 pub const ITEM_SIZE: usize = 25;
@@ -201,7 +201,7 @@ pub(crate) const NAME_LEN: usize = 255;
 pub(crate) const STRIPE_LEN: u64 = 65536;
 
 /// Byte offset of superblock copy `mirror` (0, 1, 2): 64 KiB, 64 MiB, 256 GiB.
-pub fn super_offset(mirror: usize) -> u64 {
+pub(crate) fn super_offset(mirror: usize) -> u64 {
     if mirror == 0 {
         SUPER_INFO_OFFSET
     } else {

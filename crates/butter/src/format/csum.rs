@@ -27,7 +27,7 @@ pub enum CsumType {
 
 impl CsumType {
     /// Decodes the superblock `csum_type` (0 crc32c, 1 xxhash64, 2 sha256, 3 blake2b).
-    pub fn from_disk(v: u16) -> Option<CsumType> {
+    pub(crate) fn from_disk(v: u16) -> Option<CsumType> {
         match v {
             0 => Some(CsumType::Crc32c),
             1 => Some(CsumType::Xxhash64),

@@ -24,7 +24,7 @@ pub struct Header {
 
 impl Header {
     /// Decodes a header; the caller guarantees `b.len() >= HEADER_SIZE`.
-    pub fn parse(b: &[u8]) -> Header {
+    pub(crate) fn parse(b: &[u8]) -> Header {
         let mut csum = [0u8; 32];
         csum.copy_from_slice(&b[0..32]);
         let raw_flags = le_u64(b, 56);
@@ -45,7 +45,7 @@ impl Header {
 
 /// A leaf item record (the 25-byte entry, not its data).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ItemHeader {
+pub(crate) struct ItemHeader {
     pub key: Key,
     /// Data offset relative to the end of the block header.
     pub offset: u32,
@@ -64,7 +64,7 @@ impl ItemHeader {
 
 /// A node's key pointer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct KeyPtr {
+pub(crate) struct KeyPtr {
     pub key: Key,
     pub blockptr: u64,
     pub generation: u64,

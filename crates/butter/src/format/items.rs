@@ -76,7 +76,7 @@ pub struct InodeItem {
 
 impl InodeItem {
     pub(crate) const SIZE: usize = 160;
-    pub fn parse(b: &[u8]) -> Result<InodeItem> {
+    pub(crate) fn parse(b: &[u8]) -> Result<InodeItem> {
         need(b, Self::SIZE, "inode item")?;
         Ok(InodeItem {
             generation: le_u64(b, 0),
@@ -102,7 +102,7 @@ impl InodeItem {
 /// One entry of a DIR_ITEM / DIR_INDEX / XATTR_ITEM body (an item may pack several, for hash
 /// collisions).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct DirItem {
+pub(crate) struct DirItem {
     pub location: Key,
     pub transid: u64,
     pub file_type: u8,
@@ -114,7 +114,7 @@ pub struct DirItem {
 impl DirItem {
     pub(crate) const HEADER: usize = 30;
     /// Decodes every entry packed in one item body. `max_data` bounds xattr values.
-    pub fn parse_all(b: &[u8]) -> Result<Vec<DirItem>> {
+    pub(crate) fn parse_all(b: &[u8]) -> Result<Vec<DirItem>> {
         let mut out = Vec::new();
         let mut off = 0usize;
         while off < b.len() {
@@ -150,13 +150,13 @@ impl DirItem {
 
 /// One name in an INODE_REF body (the key's offset is the parent directory).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct InodeRef {
+pub(crate) struct InodeRef {
     pub index: u64,
     pub name: Vec<u8>,
 }
 
 impl InodeRef {
-    pub fn parse_all(b: &[u8]) -> Result<Vec<InodeRef>> {
+    pub(crate) fn parse_all(b: &[u8]) -> Result<Vec<InodeRef>> {
         let mut out = Vec::new();
         let mut off = 0;
         while off < b.len() {
@@ -176,14 +176,14 @@ impl InodeRef {
 
 /// One name in an INODE_EXTREF body.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct InodeExtref {
+pub(crate) struct InodeExtref {
     pub parent: u64,
     pub index: u64,
     pub name: Vec<u8>,
 }
 
 impl InodeExtref {
-    pub fn parse_all(b: &[u8]) -> Result<Vec<InodeExtref>> {
+    pub(crate) fn parse_all(b: &[u8]) -> Result<Vec<InodeExtref>> {
         let mut out = Vec::new();
         let mut off = 0;
         while off < b.len() {
@@ -295,7 +295,7 @@ pub struct RootItem {
 impl RootItem {
     pub(crate) const SIZE: usize = 439;
     pub(crate) const LEGACY_SIZE: usize = 239;
-    pub fn parse(b: &[u8]) -> Result<RootItem> {
+    pub(crate) fn parse(b: &[u8]) -> Result<RootItem> {
         need(b, Self::LEGACY_SIZE, "root item")?;
         let mut r = RootItem {
             inode: InodeItem::parse(&b[0..160])?,
@@ -338,14 +338,14 @@ impl RootItem {
 
 /// ROOT_REF / ROOT_BACKREF body.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct RootRef {
+pub(crate) struct RootRef {
     pub dirid: u64,
     pub sequence: u64,
     pub name: Vec<u8>,
 }
 
 impl RootRef {
-    pub fn parse(b: &[u8]) -> Result<RootRef> {
+    pub(crate) fn parse(b: &[u8]) -> Result<RootRef> {
         need(b, 18, "root ref")?;
         let len = le_u16(b, 16) as usize;
         need(b, 18 + len, "root ref name")?;
@@ -384,7 +384,7 @@ impl ChunkItem {
     pub(crate) const BASE: usize = 48;
     pub(crate) const STRIPE: usize = 32;
     /// Decodes a chunk item; returns it and the number of bytes it used.
-    pub fn parse(b: &[u8]) -> Result<(ChunkItem, usize)> {
+    pub(crate) fn parse(b: &[u8]) -> Result<(ChunkItem, usize)> {
         need(b, Self::BASE, "chunk item")?;
         let num_stripes = le_u16(b, 44);
         if num_stripes == 0 {
@@ -422,7 +422,7 @@ impl ChunkItem {
 
 /// BLOCK_GROUP_ITEM body.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct BlockGroupItem {
+pub(crate) struct BlockGroupItem {
     pub used: u64,
     pub chunk_objectid: u64,
     pub flags: u64,
@@ -430,7 +430,7 @@ pub struct BlockGroupItem {
 
 impl BlockGroupItem {
     pub(crate) const SIZE: usize = 24;
-    pub fn parse(b: &[u8]) -> Result<BlockGroupItem> {
+    pub(crate) fn parse(b: &[u8]) -> Result<BlockGroupItem> {
         need(b, Self::SIZE, "block group item")?;
         Ok(BlockGroupItem {
             used: le_u64(b, 0),
@@ -442,7 +442,7 @@ impl BlockGroupItem {
 
 /// DEV_EXTENT body.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct DevExtent {
+pub(crate) struct DevExtent {
     pub chunk_tree: u64,
     pub chunk_objectid: u64,
     pub chunk_offset: u64,
@@ -452,7 +452,7 @@ pub struct DevExtent {
 
 impl DevExtent {
     pub(crate) const SIZE: usize = 48;
-    pub fn parse(b: &[u8]) -> Result<DevExtent> {
+    pub(crate) fn parse(b: &[u8]) -> Result<DevExtent> {
         need(b, Self::SIZE, "dev extent")?;
         Ok(DevExtent {
             chunk_tree: le_u64(b, 0),
@@ -466,13 +466,13 @@ impl DevExtent {
 
 /// FREE_SPACE_INFO body.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct FreeSpaceInfo {
+pub(crate) struct FreeSpaceInfo {
     pub extent_count: u32,
     pub flags: u32,
 }
 
 impl FreeSpaceInfo {
-    pub fn parse(b: &[u8]) -> Result<FreeSpaceInfo> {
+    pub(crate) fn parse(b: &[u8]) -> Result<FreeSpaceInfo> {
         need(b, 8, "free space info")?;
         Ok(FreeSpaceInfo {
             extent_count: le_u32(b, 0),
@@ -483,7 +483,7 @@ impl FreeSpaceInfo {
 
 /// A back reference found inline in an extent item or as its own keyed item.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum BackRef {
+pub(crate) enum BackRef {
     TreeBlock {
         root: u64,
     },
@@ -508,7 +508,7 @@ pub enum BackRef {
 
 /// EXTENT_ITEM / METADATA_ITEM body with its inline references.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ExtentItem {
+pub(crate) struct ExtentItem {
     pub refs: u64,
     pub generation: u64,
     pub flags: u64,
@@ -519,7 +519,7 @@ pub struct ExtentItem {
 
 impl ExtentItem {
     /// `key_ty` says EXTENT_ITEM or METADATA_ITEM (skinny: no tree block info).
-    pub fn parse(b: &[u8], key_ty: u8) -> Result<ExtentItem> {
+    pub(crate) fn parse(b: &[u8], key_ty: u8) -> Result<ExtentItem> {
         let what = "extent item";
         need(b, 24, what)?;
         let flags = le_u64(b, 16);
@@ -595,7 +595,7 @@ impl ExtentItem {
 }
 
 /// EXTENT_DATA_REF keyed item body.
-pub fn parse_extent_data_ref(b: &[u8]) -> Result<BackRef> {
+pub(crate) fn parse_extent_data_ref(b: &[u8]) -> Result<BackRef> {
     need(b, 28, "extent data ref")?;
     Ok(BackRef::ExtentData {
         root: le_u64(b, 0),
@@ -605,8 +605,9 @@ pub fn parse_extent_data_ref(b: &[u8]) -> Result<BackRef> {
     })
 }
 
+#[cfg(test)]
 /// Mode bits of a directory entry type (FT_*), for readdir.
-pub fn ft_to_mode(ft: u8) -> u32 {
+pub(crate) fn ft_to_mode(ft: u8) -> u32 {
     match ft {
         FT_REG_FILE => 0o100000,
         FT_DIR => 0o040000,

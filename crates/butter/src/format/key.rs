@@ -7,7 +7,7 @@ pub use crate::ids::Key;
 
 impl Key {
     /// Decodes a disk key from exactly 17 bytes (caller checked the length).
-    pub fn from_bytes(b: &[u8]) -> Key {
+    pub(crate) fn from_bytes(b: &[u8]) -> Key {
         Key {
             objectid: super::le_u64(b, 0),
             ty: b[8],
@@ -15,7 +15,7 @@ impl Key {
         }
     }
 
-    pub fn to_bytes(&self) -> [u8; DISK_KEY_SIZE] {
+    pub(crate) fn to_bytes(self) -> [u8; DISK_KEY_SIZE] {
         let mut out = [0u8; DISK_KEY_SIZE];
         out[0..8].copy_from_slice(&self.objectid.to_le_bytes());
         out[8] = self.ty;
@@ -25,7 +25,7 @@ impl Key {
 }
 
 /// Name of an item type as `btrfs inspect-internal dump-tree` prints it.
-pub fn key_type_name(ty: u8) -> String {
+pub(crate) fn key_type_name(ty: u8) -> String {
     let s = match ty {
         INODE_ITEM_KEY => "INODE_ITEM",
         INODE_REF_KEY => "INODE_REF",
@@ -74,7 +74,7 @@ pub fn key_type_name(ty: u8) -> String {
 }
 
 /// Objectid as dump-tree prints it (special ids by name, others as numbers).
-pub fn objectid_name(id: u64) -> String {
+pub(crate) fn objectid_name(id: u64) -> String {
     super::print::objectid_str(id, 0)
 }
 

@@ -16,15 +16,15 @@ pub mod key;
 pub mod print;
 pub mod superblock;
 
-pub use crate::ids::tree_name;
+pub(crate) use crate::ids::tree_name;
 pub use consts::*;
-pub use key::key_type_name;
-pub use key::objectid_name;
+pub(crate) use key::key_type_name;
+pub(crate) use key::objectid_name;
 pub use key::Key;
 
 /// Little-endian u16 at `off`. The caller has checked `off + 2 <= b.len()`.
 #[inline]
-pub fn le_u16(b: &[u8], off: usize) -> u16 {
+pub(crate) fn le_u16(b: &[u8], off: usize) -> u16 {
     let mut a = [0u8; 2];
     a.copy_from_slice(&b[off..off + 2]);
     u16::from_le_bytes(a)

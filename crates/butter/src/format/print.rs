@@ -36,7 +36,7 @@ use std::fmt::{Display, Write};
 
 /// What the printer needs to know about the filesystem.
 #[derive(Debug, Clone, Copy)]
-pub struct PrintOpts {
+pub(crate) struct PrintOpts {
     /// Checksum algorithm: its size turns an EXTENT_CSUM item's length into a byte range.
     pub csum_type: CsumType,
     /// Bytes covered by one data checksum.
@@ -184,7 +184,7 @@ pub(crate) fn key_type_str(objectid: u64, ty: u8) -> String {
 }
 
 /// A key as dump-tree prints it: `key (OBJECTID TYPE OFFSET)`.
-pub fn dump_key(k: &Key) -> String {
+pub(crate) fn dump_key(k: &Key) -> String {
     let offset = match k.ty {
         QGROUP_RELATION_KEY | QGROUP_INFO_KEY | QGROUP_LIMIT_KEY => qgroup_str(k.offset),
         UUID_KEY_SUBVOL | UUID_KEY_RECEIVED_SUBVOL => format!("0x{:016x}", k.offset),
@@ -392,7 +392,7 @@ fn print_header_tail(out: &mut String, kind: &str, h: &Header) {
 /// Appends the dump-tree lines for one tree block (`block` is the whole block, nodesize bytes).
 /// Leaves print every item, nodes their key pointers. Never panics, whatever the content:
 /// item records that point outside the block get a `\tcorrupt item N ...` line instead.
-pub fn print_block(out: &mut String, block: &[u8], opts: &PrintOpts) {
+pub(crate) fn print_block(out: &mut String, block: &[u8], opts: &PrintOpts) {
     if block.len() < HEADER_SIZE {
         outln!(
             out,
@@ -1777,7 +1777,7 @@ pub(crate) fn print_superblock(out: &mut String, sb: &Superblock, full: bool) {
 /// dump-super output straight from the raw superblock bytes (at least 4096), with no
 /// validation: a bad magic, checksum or size is shown (`[DON'T MATCH]`, `corrupt ...` lines)
 /// rather than refused. Prints every field exactly as stored.
-pub fn print_superblock_bytes(out: &mut String, raw: &[u8], full: bool) {
+pub(crate) fn print_superblock_bytes(out: &mut String, raw: &[u8], full: bool) {
     if raw.len() < SUPER_INFO_SIZE {
         outln!(
             out,

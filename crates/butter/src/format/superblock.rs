@@ -29,7 +29,7 @@ pub struct DevItem {
 
 impl DevItem {
     pub(crate) const SIZE: usize = 98;
-    pub fn parse(b: &[u8]) -> Result<DevItem> {
+    pub(crate) fn parse(b: &[u8]) -> Result<DevItem> {
         if b.len() < Self::SIZE {
             return Err(Error::corrupt(
                 Location::what("dev item"),
@@ -153,7 +153,7 @@ pub struct Superblock {
 impl Superblock {
     /// Decodes a superblock copy read from byte offset `expected_bytenr`.
     /// Checks magic, checksum, bytenr, sizes and level bounds; every failure is typed.
-    pub fn parse(b: &[u8], expected_bytenr: u64) -> Result<Superblock> {
+    pub(crate) fn parse(b: &[u8], expected_bytenr: u64) -> Result<Superblock> {
         let loc = || Location::what(format!("superblock at byte {expected_bytenr}"));
         if b.len() < SUPER_INFO_SIZE {
             return Err(Error::corrupt(loc(), format!("only {} bytes", b.len())));
@@ -270,7 +270,7 @@ impl Superblock {
     }
 
     /// The fsid tree blocks carry: metadata_uuid when that feature is on, else fsid.
-    pub fn metadata_fsid(&self) -> [u8; 16] {
+    pub(crate) fn metadata_fsid(&self) -> [u8; 16] {
         if self.incompat_flags & INCOMPAT_METADATA_UUID != 0 {
             self.metadata_uuid
         } else {
@@ -281,7 +281,7 @@ impl Superblock {
     pub(crate) fn has_incompat(&self, f: u64) -> bool {
         self.incompat_flags & f != 0
     }
-    pub fn has_compat_ro(&self, f: u64) -> bool {
+    pub(crate) fn has_compat_ro(&self, f: u64) -> bool {
         self.compat_ro_flags & f != 0
     }
 }

@@ -47,7 +47,7 @@ pub struct Core {
 
 impl Core {
     /// The root tree's current root.
-    pub fn tree_root(&self) -> Root {
+    pub(crate) fn tree_root(&self) -> Root {
         self.live_root(ROOT_TREE_OBJECTID)
             .unwrap_or(self.opened_tree_root)
     }

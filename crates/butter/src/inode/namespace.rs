@@ -104,7 +104,7 @@ impl Core {
 
     /// The write engine (locked), with every pending ordered extent completed
     /// (crate::inode::ordered): its holder sees the trees as every returned write left them.
-    pub fn writer(&self) -> Result<MutexGuard<'_, Writer>> {
+    pub(crate) fn writer(&self) -> Result<MutexGuard<'_, Writer>> {
         let mut g = self.writer_keeping_ordered()?;
         if self.ordered.any_pending() {
             self.complete_ordered(&mut g)?;

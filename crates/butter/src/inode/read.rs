@@ -660,7 +660,7 @@ impl Core {
     }
 
     /// Path of an inode relative to its subvolume's root (first name found), e.g. "a/b".
-    pub fn inode_path(&self, ino: Inode) -> Result<String> {
+    pub(crate) fn inode_path(&self, ino: Inode) -> Result<String> {
         let root = self.subvol_root(ino.root)?;
         let mut parts: Vec<String> = Vec::new();
         let mut cur = ino.ino;

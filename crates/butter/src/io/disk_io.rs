@@ -35,7 +35,7 @@ pub enum Readahead {
 
 /// What the parent pointer (or superblock/root item) says about a block we are about to read.
 #[derive(Debug, Clone, Copy, Default)]
-pub struct Expect {
+pub(crate) struct Expect {
     pub owner: Option<u64>,
     pub level: Option<u8>,
     pub generation: Option<u64>,
@@ -60,36 +60,36 @@ impl TreeBlock {
             data,
         }
     }
-    pub fn nritems(&self) -> usize {
+    pub(crate) fn nritems(&self) -> usize {
         self.header.nritems as usize
     }
-    pub fn level(&self) -> u8 {
+    pub(crate) fn level(&self) -> u8 {
         self.header.level
     }
-    pub fn is_leaf(&self) -> bool {
+    pub(crate) fn is_leaf(&self) -> bool {
         self.header.level == 0
     }
-    pub fn owner(&self) -> u64 {
+    pub(crate) fn owner(&self) -> u64 {
         self.header.owner
     }
     /// Leaf item record `slot` (slot < nritems, leaf only).
-    pub fn item(&self, slot: usize) -> ItemHeader {
+    pub(crate) fn item(&self, slot: usize) -> ItemHeader {
         let off = HEADER_SIZE + slot * ITEM_SIZE;
         ItemHeader::parse(&self.data[off..off + ITEM_SIZE])
     }
     /// Body of leaf item `slot` (validated to lie in the block).
-    pub fn item_data(&self, slot: usize) -> &[u8] {
+    pub(crate) fn item_data(&self, slot: usize) -> &[u8] {
         let it = self.item(slot);
         let start = HEADER_SIZE + it.offset as usize;
         &self.data[start..start + it.size as usize]
     }
     /// Node pointer `slot` (node only).
-    pub fn ptr(&self, slot: usize) -> KeyPtr {
+    pub(crate) fn ptr(&self, slot: usize) -> KeyPtr {
         let off = HEADER_SIZE + slot * KEY_PTR_SIZE;
         KeyPtr::parse(&self.data[off..off + KEY_PTR_SIZE])
     }
     /// Key at `slot`, leaf or node.
-    pub fn key(&self, slot: usize) -> Key {
+    pub(crate) fn key(&self, slot: usize) -> Key {
         let off = HEADER_SIZE
             + slot
                 * if self.is_leaf() {
@@ -100,7 +100,7 @@ impl TreeBlock {
         Key::from_bytes(&self.data[off..off + DISK_KEY_SIZE])
     }
     /// Location of this block (and optionally a slot) for error messages.
-    pub fn loc(&self, slot: Option<usize>) -> Location {
+    pub(crate) fn loc(&self, slot: Option<usize>) -> Location {
         let mut l = Location::block(Some(self.header.owner), self.bytenr);
         if let Some(s) = slot {
             l.slot = Some(s);
@@ -111,7 +111,7 @@ impl TreeBlock {
         l
     }
     /// Free bytes in a leaf (between the item array and the item data).
-    pub fn leaf_free_space(&self) -> usize {
+    pub(crate) fn leaf_free_space(&self) -> usize {
         let n = self.nritems();
         let data_start = if n == 0 {
             self.data.len() - HEADER_SIZE
@@ -184,7 +184,7 @@ fn key_in_order(prev: &mut Option<Key>, first: &mut Option<Key>, key: Key) -> Op
 }
 
 /// Validates a raw block. Pure, so the fuzz target can drive it directly.
-pub fn check_tree_block(
+pub(crate) fn check_tree_block(
     data: &[u8],
     bytenr: u64,
     nodesize: u32,
@@ -441,7 +441,7 @@ pub struct Disk {
 /// Whether the device holds btrfs at all: `Some(Error::NotBtrfs)` when no superblock copy that
 /// fits on it (64 KiB, 64 MiB, 256 GiB) carries the btrfs magic, naming what the content looks
 /// like; `None` when some copy has the magic (it may still be damaged).
-pub fn probe_not_btrfs(dev: &dyn BlockDevice) -> Option<Error> {
+pub(crate) fn probe_not_btrfs(dev: &dyn BlockDevice) -> Option<Error> {
     let len = dev.len();
     for m in 0..SUPER_MIRROR_MAX {
         let off = super_offset(m) + 64;
@@ -629,7 +629,7 @@ impl Disk {
     }
 
     /// Reads a tree block, validating it; tries every copy before giving up.
-    pub fn read_tree_block(&self, bytenr: u64, expect: &Expect) -> Result<Arc<TreeBlock>> {
+    pub(crate) fn read_tree_block(&self, bytenr: u64, expect: &Expect) -> Result<Arc<TreeBlock>> {
         if let Some(b) = self.overlay_get(bytenr) {
             self.recheck(&b, expect)?;
             return Ok(b);

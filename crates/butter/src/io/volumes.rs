@@ -30,7 +30,7 @@ pub struct ChunkMap {
 
 impl ChunkMap {
     /// Decodes the superblock's sys_chunk_array (pairs of disk key + chunk item).
-    pub fn from_sys_chunk_array(arr: &[u8]) -> Result<ChunkMap> {
+    pub(crate) fn from_sys_chunk_array(arr: &[u8]) -> Result<ChunkMap> {
         let mut map = ChunkMap::default();
         let mut off = 0usize;
         while off < arr.len() {

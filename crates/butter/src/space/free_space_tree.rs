@@ -43,7 +43,7 @@ pub(crate) const THRESHOLD_GAP: u32 = 100;
 
 /// The free space of one block group.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub struct BgFreeSpace {
+pub(crate) struct BgFreeSpace {
     /// Logical start of the block group.
     pub start: u64,
     /// Length of the block group in bytes.
@@ -65,7 +65,11 @@ impl BgFreeSpace {
 
     /// The free space left in `[start, start + len)` by the `used` ranges `(start, len)`, which
     /// may come in any order, overlap, or reach outside the group (the outside is ignored).
-    pub fn from_used(start: u64, len: u64, used: impl IntoIterator<Item = (u64, u64)>) -> Self {
+    pub(crate) fn from_used(
+        start: u64,
+        len: u64,
+        used: impl IntoIterator<Item = (u64, u64)>,
+    ) -> Self {
         let end = start.saturating_add(len);
         let mut used: Vec<(u64, u64)> = used
             .into_iter()
@@ -151,7 +155,7 @@ pub(crate) fn bitmap_body_len(len: u64, sectorsize: u32) -> u64 {
 /// `(bitmap_high_thresh, bitmap_low_thresh)` of a block group of `bg_len` bytes: a group in
 /// extent format converts to bitmaps when its extent count goes above the first; a group in
 /// bitmap format converts back when the count goes below the second.
-pub fn thresholds(bg_len: u64, sectorsize: u32) -> (u32, u32) {
+pub(crate) fn thresholds(bg_len: u64, sectorsize: u32) -> (u32, u32) {
     let range = bitmap_range(sectorsize);
     if range == 0 {
         return (0, 0);
@@ -198,6 +202,7 @@ impl Decoded {
         self.info.flags & FREE_SPACE_USING_BITMAPS != 0
     }
 
+    #[cfg(test)]
     /// Why the info disagrees with the items, if it does: unknown flag bits, a format flag that
     /// does not match the item type, or an extent count that is not the number of free extents.
     pub(crate) fn info_problem(&self) -> Option<String> {
@@ -547,10 +552,11 @@ fn bitmap_runs(
     }
 }
 
+#[cfg(test)]
 /// Decodes one block group's items (see [`decode_items`]) and also requires the info to agree
 /// with them: known flags only, the format flag matching the item type, and the extent count
 /// equal to the number of free extents. Returns the free space and whether it is in bitmaps.
-pub fn decode(
+pub(crate) fn decode(
     items: &[(Key, &[u8])],
     bg_start: u64,
     bg_len: u64,
@@ -568,7 +574,7 @@ pub fn decode(
 /// The items, in key order and including FREE_SPACE_INFO, that describe `fs` in the format
 /// the kernel would use given the group's current format (see [`use_bitmaps`]). Returns that
 /// format (true = bitmaps) and the items. `fs` is normalized first (clipped, sorted, merged).
-pub fn encode(
+pub(crate) fn encode(
     fs: &BgFreeSpace,
     sectorsize: u32,
     currently_bitmaps: bool,

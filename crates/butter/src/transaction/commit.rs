@@ -31,7 +31,7 @@ impl Writer {
     }
 
     /// Commits the running transaction. A no-op when nothing changed.
-    pub fn commit(&mut self) -> Result<()> {
+    pub(crate) fn commit(&mut self) -> Result<()> {
         self.commit_with(|| {})
     }
 

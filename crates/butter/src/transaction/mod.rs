@@ -48,7 +48,7 @@ pub(crate) enum TransState {
 
 /// Counters for tests and benchmarks.
 #[derive(Debug, Default, Clone)]
-pub struct WriteStats {
+pub(crate) struct WriteStats {
     pub commits: u64,
     pub blocks_written: u64,
 }
@@ -57,7 +57,7 @@ pub struct WriteStats {
 /// tree states, delayed references, allocator, live roots) is its [`CowCtx`], which it lends
 /// to the B-tree code (crate::ctree::cow) and the reference runner (crate::transaction::extent_refs); `Writer`
 /// dereferences to it, so `w.insert_item(..)` and `w.transid` read as before.
-pub struct Writer {
+pub(crate) struct Writer {
     ctx: CowCtx,
     pub(crate) state: TransState,
     /// The superblock as last written (raw), patched at each commit.
@@ -103,8 +103,9 @@ impl std::ops::DerefMut for Writer {
 }
 
 impl Writer {
+    #[cfg(test)]
     /// What the engine wrote so far (blocks, flushes, ...).
-    pub fn stats(&self) -> &WriteStats {
+    pub(crate) fn stats(&self) -> &WriteStats {
         &self.stats
     }
 

@@ -72,7 +72,7 @@ use crate::ids::Inode;
 use crate::inode::core::Core;
 use crate::io::disk_io::Readahead;
 use crate::space::alloc::SpaceKind;
-pub use crate::transaction::log_state::LogStats;
+pub(crate) use crate::transaction::log_state::LogStats;
 pub use crate::transaction::log_state::LogTicket;
 use crate::transaction::log_state::LogTree;
 use crate::transaction::Writer;

@@ -18,7 +18,7 @@
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
 
-pub struct Tracking;
+pub(crate) struct Tracking;
 
 #[global_allocator]
 static GLOBAL: Tracking = Tracking;
@@ -52,7 +52,7 @@ fn note_free(size: usize) {
 }
 
 /// Allocations at least this large get their own huge-page mapping.
-pub const HUGE: usize = 4 << 20;
+pub(crate) const HUGE: usize = 4 << 20;
 const TWO_MB: usize = 2 << 20;
 
 fn map_len(size: usize) -> usize {
@@ -139,7 +139,7 @@ unsafe impl GlobalAlloc for Tracking {
 
 /// What the armed thread allocated.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct AllocReport {
+pub(crate) struct AllocReport {
     /// Largest single allocation request, bytes.
     pub max_single: usize,
     /// Peak of bytes allocated minus bytes freed on this thread since arming.
@@ -147,7 +147,7 @@ pub struct AllocReport {
 }
 
 /// Starts measuring on the current thread (resets the counters).
-pub fn arm() {
+pub(crate) fn arm() {
     MAX_ONE.with(|m| m.set(0));
     LIVE.with(|l| l.set(0));
     PEAK.with(|p| p.set(0));
@@ -155,7 +155,7 @@ pub fn arm() {
 }
 
 /// Stops measuring on the current thread and returns the report.
-pub fn disarm() -> AllocReport {
+pub(crate) fn disarm() -> AllocReport {
     ARMED.with(|a| a.set(false));
     AllocReport {
         max_single: MAX_ONE.with(|m| m.get()),

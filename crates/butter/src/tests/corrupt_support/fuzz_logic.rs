@@ -32,10 +32,10 @@ use butter::io::volumes::ChunkMap;
 use std::sync::Arc;
 
 /// Largest device an `open_image` input may ask for (keeps each run fast).
-pub const MAX_DEVICE: usize = 32 << 20;
+pub(crate) const MAX_DEVICE: usize = 32 << 20;
 
 /// Walk bounds for fuzzing: small reads so a damaged huge file size stays cheap.
-pub const FUZZ_LIMITS: WalkLimits = WalkLimits {
+pub(crate) const FUZZ_LIMITS: WalkLimits = WalkLimits {
     chunk: 16 * 1024,
     max_file_bytes: 256 * 1024,
     max_entries: 20_000,
@@ -48,7 +48,7 @@ fn csum_type_of(b: &[u8], off: usize) -> Option<CsumType> {
 }
 
 /// One `tree_block` run. Never panics unless the engine does.
-pub fn tree_block_one(data: &[u8]) {
+pub(crate) fn tree_block_one(data: &[u8]) {
     let Some((&ctl, body)) = data.split_first() else {
         return;
     };
@@ -150,7 +150,7 @@ fn exercise_chunk_map(arr: &[u8], probes: &[u8]) {
 }
 
 /// Reads every part of a validated block through the accessors and decoders.
-pub fn read_block(b: &TreeBlock) {
+pub(crate) fn read_block(b: &TreeBlock) {
     let _ = b.loc(None).to_string();
     for slot in 0..b.nritems() {
         let key = b.key(slot);
@@ -170,7 +170,7 @@ pub fn read_block(b: &TreeBlock) {
 }
 
 /// Feeds an item body to every decoder (the one its key type names and all the others).
-pub fn decode_all(key: Key, body: &[u8]) {
+pub(crate) fn decode_all(key: Key, body: &[u8]) {
     fn show<T: std::fmt::Debug>(r: butter::Result<T>) {
         match r {
             Ok(v) => {
@@ -203,7 +203,7 @@ pub fn decode_all(key: Key, body: &[u8]) {
 }
 
 /// Decodes an `open_image` input into image bytes.
-pub fn decode_sparse(data: &[u8]) -> Vec<u8> {
+pub(crate) fn decode_sparse(data: &[u8]) -> Vec<u8> {
     if data.len() < 4 {
         return Vec::new();
     }
@@ -227,7 +227,7 @@ pub fn decode_sparse(data: &[u8]) -> Vec<u8> {
 
 /// Encodes image bytes as an `open_image` input: non-zero runs (zero gaps shorter than 64
 /// bytes are kept inside a run) as records of at most 65535 bytes.
-pub fn encode_sparse(img: &[u8]) -> Vec<u8> {
+pub(crate) fn encode_sparse(img: &[u8]) -> Vec<u8> {
     let mut out = Vec::new();
     out.extend_from_slice(&(img.len() as u32).to_le_bytes());
     let mut i = 0;
@@ -260,7 +260,7 @@ pub fn encode_sparse(img: &[u8]) -> Vec<u8> {
 }
 
 /// Opens an image on a RAM device and walks it. `Err` when it does not open.
-pub fn open_and_walk(
+pub(crate) fn open_and_walk(
     dev: Arc<RamDevice>,
     lim: &WalkLimits,
 ) -> butter::Result<(Walk, Vec<WalkError>)> {
@@ -278,7 +278,7 @@ pub fn open_and_walk(
 }
 
 /// One `open_image` run. Never panics unless the engine does.
-pub fn open_image_one(data: &[u8]) {
+pub(crate) fn open_image_one(data: &[u8]) {
     let img = decode_sparse(data);
     let dev = Arc::new(RamDevice::new(img));
     match open_and_walk(dev, &FUZZ_LIMITS) {

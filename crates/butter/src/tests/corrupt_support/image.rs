@@ -20,10 +20,10 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::{Arc, OnceLock};
 
-pub const IMAGE_SIZE: u64 = 128 << 20;
+pub(crate) const IMAGE_SIZE: u64 = 128 << 20;
 
 /// Returns false after printing a notice, or panics when `CI` is set.
-pub fn unavailable(why: &str) -> bool {
+pub(crate) fn unavailable(why: &str) -> bool {
     if std::env::var_os("CI").is_some() {
         panic!("corruption suite: {why}, and CI is set: refusing to skip");
     }
@@ -41,14 +41,14 @@ fn tool(name: &str) -> Option<PathBuf> {
     dirs.into_iter().map(|d| d.join(name)).find(|p| p.is_file())
 }
 
-pub fn have_mkfs() -> bool {
+pub(crate) fn have_mkfs() -> bool {
     if tool("mkfs.btrfs").is_none() {
         return unavailable("mkfs.btrfs not installed");
     }
     true
 }
 
-pub fn have_root_and_loop() -> bool {
+pub(crate) fn have_root_and_loop() -> bool {
     if !have_mkfs() {
         return false;
     }
@@ -75,7 +75,7 @@ pub fn have_root_and_loop() -> bool {
 }
 
 /// Runs a tool; panics with its stderr on failure.
-pub fn run(name: &str, args: &[&str]) -> String {
+pub(crate) fn run(name: &str, args: &[&str]) -> String {
     let path = tool(name).unwrap_or_else(|| PathBuf::from(name));
     let out = Command::new(&path)
         .args(args)
@@ -92,10 +92,10 @@ pub fn run(name: &str, args: &[&str]) -> String {
 }
 
 /// /tmp/corrupt/<name>-<pid>, emptied first, removed on drop.
-pub struct Scratch(pub PathBuf);
+pub(crate) struct Scratch(pub PathBuf);
 
 impl Scratch {
-    pub fn new(name: &str) -> Scratch {
+    pub(crate) fn new(name: &str) -> Scratch {
         let d = PathBuf::from(format!("/tmp/corrupt/{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&d);
         std::fs::create_dir_all(&d).unwrap();
@@ -147,7 +147,7 @@ impl Drop for LoopMount {
 }
 
 /// Deterministic bytes (xorshift64*) for file contents.
-pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
+pub(crate) fn pattern(seed: u64, len: usize) -> Vec<u8> {
     let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
     let mut out = Vec::with_capacity(len);
     while out.len() < len {
@@ -164,7 +164,7 @@ fn cpath(p: &Path) -> CString {
     CString::new(p.as_os_str().as_bytes()).unwrap()
 }
 
-pub fn set_xattr(p: &Path, name: &str, value: &[u8]) {
+pub(crate) fn set_xattr(p: &Path, name: &str, value: &[u8]) {
     let c = cpath(p);
     let n = CString::new(name).unwrap();
     // SAFETY: valid NUL-terminated strings and a buffer of the given length.
@@ -351,7 +351,7 @@ static KERNEL: OnceLock<Arc<Vec<u8>>> = OnceLock::new();
 static ROOTDIR: OnceLock<Arc<Vec<u8>>> = OnceLock::new();
 
 /// The kernel-populated image (built once per test binary), or None when unavailable.
-pub fn kernel_image() -> Option<Arc<Vec<u8>>> {
+pub(crate) fn kernel_image() -> Option<Arc<Vec<u8>>> {
     if !have_root_and_loop() {
         return None;
     }
@@ -363,7 +363,7 @@ pub fn kernel_image() -> Option<Arc<Vec<u8>>> {
 }
 
 /// The `mkfs.btrfs --rootdir` image (no root needed), or None when mkfs is unavailable.
-pub fn rootdir_image() -> Option<Arc<Vec<u8>>> {
+pub(crate) fn rootdir_image() -> Option<Arc<Vec<u8>>> {
     if !have_mkfs() {
         return None;
     }

@@ -21,14 +21,14 @@ use std::sync::Arc;
 
 /// A leaf item: key, absolute byte offset of its body in the block, body size.
 #[derive(Debug, Clone, Copy)]
-pub struct ItemInfo {
+pub(crate) struct ItemInfo {
     pub key: Key,
     pub off: usize,
     pub size: usize,
 }
 
 #[derive(Debug, Clone)]
-pub struct BlockInfo {
+pub(crate) struct BlockInfo {
     /// The tree the walk reached it through first.
     pub tree: u64,
     pub bytenr: u64,
@@ -44,10 +44,10 @@ pub struct BlockInfo {
 }
 
 impl BlockInfo {
-    pub fn is_leaf(&self) -> bool {
+    pub(crate) fn is_leaf(&self) -> bool {
         self.level == 0
     }
-    pub fn nritems(&self) -> usize {
+    pub(crate) fn nritems(&self) -> usize {
         if self.is_leaf() {
             self.items.len()
         } else {
@@ -58,7 +58,7 @@ impl BlockInfo {
 
 /// A regular file extent with data on disk.
 #[derive(Debug, Clone)]
-pub struct DataExtent {
+pub(crate) struct DataExtent {
     pub root: u64,
     pub ino: u64,
     pub file_offset: u64,
@@ -73,7 +73,7 @@ pub struct DataExtent {
 }
 
 #[derive(Debug, Clone)]
-pub struct ImageMap {
+pub(crate) struct ImageMap {
     pub nodesize: usize,
     pub sectorsize: u64,
     pub csum_type: CsumType,
@@ -94,27 +94,31 @@ pub struct ImageMap {
 }
 
 impl ImageMap {
-    pub fn block(&self, bytenr: u64) -> &BlockInfo {
+    pub(crate) fn block(&self, bytenr: u64) -> &BlockInfo {
         &self.blocks[&bytenr]
     }
     /// Blocks of one tree at one level, in logical order.
-    pub fn blocks_of(&self, tree: u64, level: u8) -> Vec<&BlockInfo> {
+    pub(crate) fn blocks_of(&self, tree: u64, level: u8) -> Vec<&BlockInfo> {
         self.blocks
             .values()
             .filter(|b| b.tree == tree && b.level == level)
             .collect()
     }
-    pub fn root_of(&self, tree: u64) -> Option<&BlockInfo> {
+    pub(crate) fn root_of(&self, tree: u64) -> Option<&BlockInfo> {
         self.roots
             .iter()
             .find(|r| r.0 == tree)
             .map(|r| self.block(r.1))
     }
-    pub fn max_level(&self, tree: u64) -> u8 {
+    pub(crate) fn max_level(&self, tree: u64) -> u8 {
         self.root_of(tree).map(|b| b.level).unwrap_or(0)
     }
     /// Leaves holding items of `tree` that match `pred`, as (block, slot).
-    pub fn find_items(&self, tree: u64, pred: impl Fn(&Key) -> bool) -> Vec<(&BlockInfo, usize)> {
+    pub(crate) fn find_items(
+        &self,
+        tree: u64,
+        pred: impl Fn(&Key) -> bool,
+    ) -> Vec<(&BlockInfo, usize)> {
         let mut out = Vec::new();
         for b in self.blocks.values() {
             if b.tree != tree || !b.is_leaf() {
@@ -135,7 +139,7 @@ fn ram(bytes: &[u8]) -> Arc<RamDevice> {
 }
 
 /// Maps an undamaged image. Panics if the image does not open (it is the test's own input).
-pub fn map_image(bytes: &[u8]) -> ImageMap {
+pub(crate) fn map_image(bytes: &[u8]) -> ImageMap {
     let disk = butter::ctree::open_disk(ram(bytes)).expect("undamaged image opens");
     let sb = disk.sb.clone();
     let mut m = ImageMap {
@@ -340,7 +344,7 @@ fn visit(
 
 /// Which copies of a tree block (or superblock) to damage.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Copies {
+pub(crate) enum Copies {
     First,
     Second,
     All,
@@ -357,14 +361,14 @@ impl Copies {
 }
 
 /// Writes a fresh checksum over `[32, len)` of a block or superblock.
-pub fn reseal(ct: CsumType, buf: &mut [u8]) {
+pub(crate) fn reseal(ct: CsumType, buf: &mut [u8]) {
     let c = ct.compute(&buf[CSUM_SIZE..]);
     buf[..ct.size()].copy_from_slice(&c[..ct.size()]);
 }
 
 /// Applies `f` to the chosen copies of a tree block, then recomputes their checksum when
 /// `reseal` is set (so only validation, not the checksum, can catch the damage).
-pub fn patch_block(
+pub(crate) fn patch_block(
     img: &mut [u8],
     m: &ImageMap,
     b: &BlockInfo,
@@ -383,7 +387,7 @@ pub fn patch_block(
 }
 
 /// Applies `f` to the chosen superblock copies (`First` = primary, `Second` = first mirror).
-pub fn patch_super(
+pub(crate) fn patch_super(
     img: &mut [u8],
     m: &ImageMap,
     which: Copies,
@@ -400,56 +404,56 @@ pub fn patch_super(
     }
 }
 
-pub fn put_u16(b: &mut [u8], off: usize, v: u16) {
+pub(crate) fn put_u16(b: &mut [u8], off: usize, v: u16) {
     b[off..off + 2].copy_from_slice(&v.to_le_bytes());
 }
-pub fn put_u32(b: &mut [u8], off: usize, v: u32) {
+pub(crate) fn put_u32(b: &mut [u8], off: usize, v: u32) {
     b[off..off + 4].copy_from_slice(&v.to_le_bytes());
 }
-pub fn put_u64(b: &mut [u8], off: usize, v: u64) {
+pub(crate) fn put_u64(b: &mut [u8], off: usize, v: u64) {
     b[off..off + 8].copy_from_slice(&v.to_le_bytes());
 }
-pub fn put_key(b: &mut [u8], off: usize, k: Key) {
+pub(crate) fn put_key(b: &mut [u8], off: usize, k: Key) {
     b[off..off + DISK_KEY_SIZE].copy_from_slice(&k.to_bytes());
 }
 
 /// Header field offsets in a tree block.
 pub mod hdr {
-    pub const FSID: usize = 32;
-    pub const BYTENR: usize = 48;
-    pub const FLAGS: usize = 56;
-    pub const CHUNK_UUID: usize = 64;
-    pub const GENERATION: usize = 80;
-    pub const OWNER: usize = 88;
-    pub const NRITEMS: usize = 96;
-    pub const LEVEL: usize = 100;
+    pub(crate) const FSID: usize = 32;
+    pub(crate) const BYTENR: usize = 48;
+    pub(crate) const FLAGS: usize = 56;
+    pub(crate) const CHUNK_UUID: usize = 64;
+    pub(crate) const GENERATION: usize = 80;
+    pub(crate) const OWNER: usize = 88;
+    pub(crate) const NRITEMS: usize = 96;
+    pub(crate) const LEVEL: usize = 100;
 }
 
 /// Offset of leaf item record `slot` (key at +0, data offset at +17, size at +21).
-pub fn item_at(slot: usize) -> usize {
+pub(crate) fn item_at(slot: usize) -> usize {
     HEADER_SIZE + slot * ITEM_SIZE
 }
 /// Offset of node key pointer `slot` (key at +0, blockptr at +17, generation at +25).
-pub fn ptr_at(slot: usize) -> usize {
+pub(crate) fn ptr_at(slot: usize) -> usize {
     HEADER_SIZE + slot * KEY_PTR_SIZE
 }
 
 /// Superblock field offsets.
 pub mod sbf {
-    pub const MAGIC: usize = 64;
-    pub const GENERATION: usize = 72;
-    pub const ROOT: usize = 80;
-    pub const CHUNK_ROOT: usize = 88;
-    pub const LOG_ROOT: usize = 96;
-    pub const NUM_DEVICES: usize = 136;
-    pub const SECTORSIZE: usize = 144;
-    pub const NODESIZE: usize = 148;
-    pub const SYS_ARRAY_SIZE: usize = 160;
-    pub const CHUNK_ROOT_GEN: usize = 164;
-    pub const INCOMPAT: usize = 188;
-    pub const CSUM_TYPE: usize = 196;
-    pub const ROOT_LEVEL: usize = 198;
-    pub const CHUNK_ROOT_LEVEL: usize = 199;
-    pub const DEVID: usize = 201;
-    pub const SYS_ARRAY: usize = 811;
+    pub(crate) const MAGIC: usize = 64;
+    pub(crate) const GENERATION: usize = 72;
+    pub(crate) const ROOT: usize = 80;
+    pub(crate) const CHUNK_ROOT: usize = 88;
+    pub(crate) const LOG_ROOT: usize = 96;
+    pub(crate) const NUM_DEVICES: usize = 136;
+    pub(crate) const SECTORSIZE: usize = 144;
+    pub(crate) const NODESIZE: usize = 148;
+    pub(crate) const SYS_ARRAY_SIZE: usize = 160;
+    pub(crate) const CHUNK_ROOT_GEN: usize = 164;
+    pub(crate) const INCOMPAT: usize = 188;
+    pub(crate) const CSUM_TYPE: usize = 196;
+    pub(crate) const ROOT_LEVEL: usize = 198;
+    pub(crate) const CHUNK_ROOT_LEVEL: usize = 199;
+    pub(crate) const DEVID: usize = 201;
+    pub(crate) const SYS_ARRAY: usize = 811;
 }

@@ -15,14 +15,14 @@ use std::time::{Duration, Instant};
 /// Largest single allocation an open + walk may make (the walk reads 64 KiB at a time; the
 /// engine allocates tree blocks, read buffers and small records). Anything larger was sized
 /// by a value read from the image.
-pub const MAX_SINGLE_ALLOC: usize = 2 << 20;
+pub(crate) const MAX_SINGLE_ALLOC: usize = 2 << 20;
 /// Peak bytes held by the walk thread (block cache included: these images have a few MiB of
 /// metadata).
-pub const MAX_PEAK_LIVE: i64 = 96 << 20;
+pub(crate) const MAX_PEAK_LIVE: i64 = 96 << 20;
 
 /// How long one case may take before it counts as a hang. Debug builds on a loaded 2-core
 /// machine walk the kernel image in a few seconds.
-pub fn case_timeout() -> Duration {
+pub(crate) fn case_timeout() -> Duration {
     let s = std::env::var("BUTTER_CORRUPT_TIMEOUT_SECS")
         .ok()
         .and_then(|v| v.parse().ok())
@@ -32,7 +32,7 @@ pub fn case_timeout() -> Duration {
 
 /// What a case must produce.
 #[derive(Debug, Clone)]
-pub enum Want {
+pub(crate) enum Want {
     /// Opens and walks without error, identical to the undamaged walk (a good copy exists).
     Same,
     /// Fails: some error's text contains every one of these strings (and, like every error,
@@ -43,15 +43,15 @@ pub enum Want {
     Any,
 }
 
-pub fn want_err(parts: &[&str]) -> Want {
+pub(crate) fn want_err(parts: &[&str]) -> Want {
     Want::Err(parts.iter().map(|s| s.to_string()).collect())
 }
 
 /// One damaged image: `damage` is applied to a copy of the undamaged image when the case runs
 /// (images are large: never hold many at once). It may also shorten the image.
-pub type Damage<'a> = Box<dyn FnOnce(&mut Vec<u8>) + 'a>;
+pub(crate) type Damage<'a> = Box<dyn FnOnce(&mut Vec<u8>) + 'a>;
 
-pub struct Case<'a> {
+pub(crate) struct Case<'a> {
     pub name: String,
     pub damage: Damage<'a>,
     pub faults: Option<Faults>,
@@ -59,7 +59,7 @@ pub struct Case<'a> {
 }
 
 impl<'a> Case<'a> {
-    pub fn new(
+    pub(crate) fn new(
         name: impl Into<String>,
         damage: impl FnOnce(&mut Vec<u8>) + 'a,
         want: Want,
@@ -73,7 +73,7 @@ impl<'a> Case<'a> {
     }
 }
 
-pub struct Outcome {
+pub(crate) struct Outcome {
     /// `Err` when the image did not open.
     pub open: Result<(), Error>,
     pub walk: Option<Walk>,
@@ -84,7 +84,7 @@ pub struct Outcome {
 
 impl Outcome {
     /// Every error text, open error first.
-    pub fn error_texts(&self) -> Vec<String> {
+    pub(crate) fn error_texts(&self) -> Vec<String> {
         let mut v = Vec::new();
         if let Err(e) = &self.open {
             v.push(e.to_string());
@@ -92,7 +92,7 @@ impl Outcome {
         v.extend(self.errors.iter().map(|e| e.err.to_string()));
         v
     }
-    pub fn all_errors(&self) -> Vec<&Error> {
+    pub(crate) fn all_errors(&self) -> Vec<&Error> {
         let mut v: Vec<&Error> = Vec::new();
         if let Err(e) = &self.open {
             v.push(e);
@@ -103,7 +103,7 @@ impl Outcome {
 }
 
 /// Words that say where: every error a damaged image produces must contain one.
-pub const LOCATION_WORDS: &[&str] = &[
+pub(crate) const LOCATION_WORDS: &[&str] = &[
     "superblock",
     "block ",
     "tree ",
@@ -115,12 +115,16 @@ pub const LOCATION_WORDS: &[&str] = &[
     "subvolume ",
 ];
 
-pub fn names_location(s: &str) -> bool {
+pub(crate) fn names_location(s: &str) -> bool {
     LOCATION_WORDS.iter().any(|w| s.contains(w))
 }
 
 /// Opens and walks the image on `dev` in a worker thread. `Err` describes a panic or a hang.
-pub fn run_device(name: &str, dev: Arc<RamDevice>, lim: WalkLimits) -> Result<Outcome, String> {
+pub(crate) fn run_device(
+    name: &str,
+    dev: Arc<RamDevice>,
+    lim: WalkLimits,
+) -> Result<Outcome, String> {
     let (tx, rx) = mpsc::channel();
     let thread_name = format!("case {name}");
     std::thread::Builder::new()
@@ -166,7 +170,7 @@ pub fn run_device(name: &str, dev: Arc<RamDevice>, lim: WalkLimits) -> Result<Ou
 }
 
 /// Judges an outcome. `Err` explains what is wrong.
-pub fn judge(want: &Want, o: &Outcome, baseline: &Walk) -> Result<(), String> {
+pub(crate) fn judge(want: &Want, o: &Outcome, baseline: &Walk) -> Result<(), String> {
     if o.alloc.max_single > MAX_SINGLE_ALLOC {
         return Err(format!(
             "MEMORY: a single allocation of {} bytes (limit {MAX_SINGLE_ALLOC})",
@@ -238,7 +242,7 @@ const PAGE: usize = 4096;
 /// damages a scratch copy, the pages it changed are written into the device, and after the run
 /// the original pages are written back. Cases that change the length (truncation) get a fresh
 /// device; so does every case after a panic or a hang.
-pub fn run_cases(cases: Vec<Case<'_>>, base: &[u8], baseline: &Walk) -> Vec<String> {
+pub(crate) fn run_cases(cases: Vec<Case<'_>>, base: &[u8], baseline: &Walk) -> Vec<String> {
     let mut failures = Vec::new();
     let n = cases.len();
     let mut dev = Arc::new(RamDevice::new(base.to_vec()));

@@ -22,7 +22,7 @@ use std::hash::Hasher;
 
 /// Bounds of one walk.
 #[derive(Debug, Clone, Copy)]
-pub struct WalkLimits {
+pub(crate) struct WalkLimits {
     /// Bytes per `Fs::read` call.
     pub chunk: usize,
     /// A file is read fully up to this many bytes; past it only its last chunk is read.
@@ -46,7 +46,7 @@ impl Default for WalkLimits {
 
 /// What the walk saw of one entry; equal walks mean equal file trees.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct EntryInfo {
+pub(crate) struct EntryInfo {
     pub inode: Inode,
     pub mode: u32,
     pub nlink: u32,
@@ -69,7 +69,7 @@ pub struct EntryInfo {
 
 /// Counters of one walk.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-pub struct WalkStats {
+pub(crate) struct WalkStats {
     pub dirs: u64,
     pub files: u64,
     pub symlinks: u64,
@@ -81,7 +81,7 @@ pub struct WalkStats {
 
 /// The result of a walk: every entry by path, the subvolume list and counters.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
-pub struct Walk {
+pub(crate) struct Walk {
     pub entries: BTreeMap<String, EntryInfo>,
     /// (id, parent, path) of every subvolume.
     pub subvols: Vec<(u64, u64, String)>,
@@ -90,7 +90,7 @@ pub struct Walk {
 
 impl Walk {
     /// A short description of the first difference from `other`, if any.
-    pub fn diff(&self, other: &Walk) -> Option<String> {
+    pub(crate) fn diff(&self, other: &Walk) -> Option<String> {
         if self.subvols != other.subvols {
             return Some(format!(
                 "subvolumes differ: {:?} vs {:?}",
@@ -121,7 +121,7 @@ impl Walk {
 
 /// An error met during a walk and where the walk was.
 #[derive(Debug)]
-pub struct WalkError {
+pub(crate) struct WalkError {
     /// Path (or step) the walk was at.
     pub at: String,
     pub err: Error,
@@ -134,7 +134,7 @@ impl std::fmt::Display for WalkError {
 }
 
 /// Walks everything; stops at the first error.
-pub fn walk_everything(fs: &Fs) -> Result<Walk, Error> {
+pub(crate) fn walk_everything(fs: &Fs) -> Result<Walk, Error> {
     let (walk, mut errors) = walk_tolerant(fs, &WalkLimits::default());
     if errors.is_empty() {
         Ok(walk)
@@ -145,7 +145,7 @@ pub fn walk_everything(fs: &Fs) -> Result<Walk, Error> {
 
 /// Walks everything, carrying on past errors (each damaged spot is reported, the rest still
 /// read). A walk that runs out of its entry budget ends with an `Error::Range` ("walk budget").
-pub fn walk_tolerant(fs: &Fs, lim: &WalkLimits) -> (Walk, Vec<WalkError>) {
+pub(crate) fn walk_tolerant(fs: &Fs, lim: &WalkLimits) -> (Walk, Vec<WalkError>) {
     let mut w = Walker {
         fs,
         lim: *lim,

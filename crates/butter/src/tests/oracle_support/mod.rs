@@ -32,7 +32,7 @@ fn skip(why: &str) -> bool {
 }
 
 /// mkfs.btrfs and btrfs are installed (no privileges needed).
-pub fn have_progs() -> bool {
+pub(crate) fn have_progs() -> bool {
     for t in ["mkfs.btrfs", "btrfs"] {
         if tool(t).is_none() {
             return skip(&format!("{t} is not installed"));
@@ -42,7 +42,7 @@ pub fn have_progs() -> bool {
 }
 
 /// Root, loop devices, kernel btrfs and the mount tools are available.
-pub fn have_root_and_loop() -> bool {
+pub(crate) fn have_root_and_loop() -> bool {
     static MISSING: OnceLock<Option<String>> = OnceLock::new();
     let missing = MISSING.get_or_init(|| {
         // SAFETY: geteuid has no preconditions.
@@ -73,7 +73,7 @@ pub fn have_root_and_loop() -> bool {
 }
 
 /// Runs a tool; panics with its output when it fails. Returns stdout.
-pub fn run(name: &str, args: &[&str]) -> String {
+pub(crate) fn run(name: &str, args: &[&str]) -> String {
     let path = tool(name).unwrap_or_else(|| PathBuf::from(name));
     let out = Command::new(&path)
         .args(args)
@@ -91,7 +91,7 @@ pub fn run(name: &str, args: &[&str]) -> String {
 }
 
 /// `sh -c script` in `dir`; panics when it fails.
-pub fn sh_in(dir: &Path, script: &str) -> String {
+pub(crate) fn sh_in(dir: &Path, script: &str) -> String {
     run(
         "sh",
         &["-c", &format!("cd '{}' && {script}", dir.display())],
@@ -99,7 +99,7 @@ pub fn sh_in(dir: &Path, script: &str) -> String {
 }
 
 /// `btrfs check --readonly img`: (passed, output).
-pub fn btrfs_check(img: &Path) -> (bool, String) {
+pub(crate) fn btrfs_check(img: &Path) -> (bool, String) {
     let out = Command::new(tool("btrfs").unwrap_or_else(|| "btrfs".into()))
         .args(["check", "--readonly"])
         .arg(img)
@@ -112,10 +112,10 @@ pub fn btrfs_check(img: &Path) -> (bool, String) {
 
 /// A directory under /tmp/butter-tests, emptied first and removed on drop unless something is
 /// still mounted below it.
-pub struct Scratch(pub PathBuf);
+pub(crate) struct Scratch(pub PathBuf);
 
 impl Scratch {
-    pub fn new(name: &str) -> Scratch {
+    pub(crate) fn new(name: &str) -> Scratch {
         static N: AtomicU32 = AtomicU32::new(0);
         let d = PathBuf::from(format!(
             "/tmp/butter-tests/{name}-{}-{}",
@@ -126,7 +126,7 @@ impl Scratch {
         std::fs::create_dir_all(&d).unwrap();
         Scratch(d)
     }
-    pub fn join(&self, p: &str) -> PathBuf {
+    pub(crate) fn join(&self, p: &str) -> PathBuf {
         self.0.join(p)
     }
 }
@@ -160,14 +160,14 @@ pub fn mkfs(img: &Path, size: u64, args: &[&str]) {
 }
 
 /// A loop device we attached and a btrfs mount on it; unmounted and detached on drop.
-pub struct LoopMount {
+pub(crate) struct LoopMount {
     dev: String,
     pub mnt: PathBuf,
     mounted: bool,
 }
 
 impl LoopMount {
-    pub fn new(img: &Path, mnt: &Path, options: &str) -> LoopMount {
+    pub(crate) fn new(img: &Path, mnt: &Path, options: &str) -> LoopMount {
         std::fs::create_dir_all(mnt).unwrap();
         let dev = run("losetup", &["--find", "--show", img.to_str().unwrap()])
             .trim()
@@ -191,7 +191,7 @@ impl LoopMount {
     }
 
     /// Unmounts and detaches now (waiting for both), so the image can be read or checked.
-    pub fn unmount(mut self) {
+    pub(crate) fn unmount(mut self) {
         self.release();
     }
 
@@ -224,13 +224,13 @@ impl Drop for LoopMount {
 
 /// A frozen filesystem (FIFREEZE: every change committed, new ones blocked); thawed on drop.
 /// While it lives, the image file holds one consistent committed state.
-pub struct Frozen(std::fs::File);
+pub(crate) struct Frozen(std::fs::File);
 
 const FIFREEZE: libc::c_ulong = 0xC004_5877;
 const FITHAW: libc::c_ulong = 0xC004_5878;
 
 impl Frozen {
-    pub fn new(mnt: &Path) -> Frozen {
+    pub(crate) fn new(mnt: &Path) -> Frozen {
         use std::os::unix::io::AsRawFd;
         let f = std::fs::File::open(mnt).unwrap();
         // SAFETY: FIFREEZE takes an int argument it ignores; the fd is a valid open directory.
