@@ -19,6 +19,8 @@ mod corruption;
 #[cfg(test)]
 mod crash;
 #[cfg(test)]
+mod engine_rules;
+#[cfg(test)]
 mod extent_io_bench;
 #[cfg(test)]
 mod extent_io_model;
@@ -28,9 +30,11 @@ mod free_space_tree;
 mod fuzz_regress;
 #[cfg(test)]
 mod read_basic;
+#[cfg(test)]
+mod write_api;
 
 pub(crate) mod corrupt_support;
-/// Shared with the integration tests (engine_rules, enospc, image_identity, typed_errors),
+/// Shared with the integration tests (enospc, image_identity, typed_errors),
 /// which declare the same file as their own module; one copy for both.
 #[cfg(test)]
 #[path = "../../tests/crash_support/mod.rs"]

@@ -3,7 +3,7 @@
 //! a cheap copy-on-write image view, and `btrfs check` on an image file.
 //!
 //! One file, two users: the integration tests here declare it as their own `mod crash_support`,
-//! and the white-box crash suite (`src/tests/crash.rs`) builds it into the library's unit-test
+//! and the white-box suites (`src/tests/crash.rs`, `engine_rules.rs`) build it into the library's unit-test
 //! binary (`src/tests/mod.rs` names it by path). So it uses only `butter::` paths.
 
 #![allow(dead_code)]

@@ -147,7 +147,7 @@ impl Drop for Scratch {
 }
 
 /// A sparse image file of `size` bytes formatted by `mkfs.btrfs -f -q <args>`.
-pub fn mkfs(img: &Path, size: u64, args: &[&str]) {
+pub(crate) fn mkfs(img: &Path, size: u64, args: &[&str]) {
     let _ = std::fs::remove_file(img);
     let f = std::fs::File::create(img).unwrap();
     f.set_len(size).unwrap();

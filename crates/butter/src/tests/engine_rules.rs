@@ -3,7 +3,7 @@
 //!   read-write open deletes it and gives its space back (as the kernel does at mount);
 //! - the gate lets readers run together and keeps them out of a change, from many threads.
 
-mod crash_support;
+use super::crash_support;
 
 use butter::fs::Fs;
 use butter::inode::namespace::Owner;
