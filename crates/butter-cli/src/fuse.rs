@@ -60,7 +60,6 @@
 
 use crate::acl;
 use butter::format::items::{InodeItem, Timespec};
-use butter::format::{FT_BLKDEV, FT_CHRDEV, FT_DIR, FT_FIFO, FT_REG_FILE, FT_SOCK, FT_SYMLINK};
 use butter::fs::{Fs, Inode};
 use butter::inode::namespace::{Owner, SetAttr};
 use butter::inode::seek::Seek;
@@ -537,11 +536,11 @@ impl ButterFuse {
 
     /// File type of a directory entry, from its FT_* code or else from the inode itself.
     fn entry_kind(&self, e: &butter::fs::DirEntry) -> OpResult<FileType> {
-        if let Some(k) = kind_from_ft(e.file_type) {
-            return Ok(k);
-        }
-        let item = self.fs.inode_item(e.target)?;
-        kind_from_mode(item.mode, e.target).map_err(OpError::Fs)
+        let mode = match e.mode_type() {
+            0 => self.fs.inode_item(e.target)?.mode,
+            m => m,
+        };
+        kind_from_mode(mode, e.target).map_err(OpError::Fs)
     }
 
     /// Creates a node of any kind in `parent` as POSIX says: owner from the request, group
@@ -963,11 +962,11 @@ impl Filesystem for ButterFuse {
                 .rename(from_dir, name, to_dir, newname, f)
                 .map_err(fs_err)?;
             // Directories moved keep ".." right.
-            if let Some(s) = src.filter(|s| s.file_type == FT_DIR) {
+            if let Some(s) = src.filter(|s| s.mode_type() == libc::S_IFDIR) {
                 self.remember_parent(self.map.node_id(s.target), newparent.0);
             }
             if f & butter::inode::namespace::RENAME_EXCHANGE != 0 {
-                if let Some(d) = dst.filter(|d| d.file_type == FT_DIR) {
+                if let Some(d) = dst.filter(|d| d.mode_type() == libc::S_IFDIR) {
                     self.remember_parent(self.map.node_id(d.target), parent.0);
                 }
             }
@@ -1597,19 +1596,6 @@ fn check_name(name: &[u8]) -> Result<(), &'static str> {
     } else {
         Ok(())
     }
-}
-
-fn kind_from_ft(ft: u8) -> Option<FileType> {
-    Some(match ft {
-        FT_REG_FILE => FileType::RegularFile,
-        FT_DIR => FileType::Directory,
-        FT_CHRDEV => FileType::CharDevice,
-        FT_BLKDEV => FileType::BlockDevice,
-        FT_FIFO => FileType::NamedPipe,
-        FT_SOCK => FileType::Socket,
-        FT_SYMLINK => FileType::Symlink,
-        _ => return None,
-    })
 }
 
 fn kind_from_mode(mode: u32, ino: Inode) -> butter::Result<FileType> {

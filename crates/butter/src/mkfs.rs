@@ -211,6 +211,29 @@ pub struct ChunkInfo {
     pub used: u64,
 }
 
+impl ChunkInfo {
+    /// What the chunk holds, as mkfs.btrfs's summary names it: "Data", "Metadata" or
+    /// "System" (mixed groups: the first of those that applies).
+    pub fn kind(&self) -> &'static str {
+        if self.flags & BLOCK_GROUP_DATA != 0 {
+            "Data"
+        } else if self.flags & BLOCK_GROUP_METADATA != 0 {
+            "Metadata"
+        } else {
+            "System"
+        }
+    }
+
+    /// Its profile as mkfs.btrfs's summary names it: "DUP" or "single".
+    pub fn profile(&self) -> &'static str {
+        if self.flags & BLOCK_GROUP_DUP != 0 {
+            "DUP"
+        } else {
+            "single"
+        }
+    }
+}
+
 /// What [`mkfs`] wrote.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MkfsReport {
@@ -235,6 +258,33 @@ pub struct MkfsReport {
     pub chunks: Vec<ChunkInfo>,
     /// Byte offsets of the superblock copies written.
     pub superblocks: Vec<u64>,
+}
+
+impl MkfsReport {
+    /// The features mkfs.btrfs 6.14's summary lists for this filesystem, in its order.
+    pub fn feature_names(&self) -> Vec<&'static str> {
+        let mut names = vec!["extref"];
+        for (set, name) in [
+            (
+                self.incompat_flags & INCOMPAT_SKINNY_METADATA != 0,
+                "skinny-metadata",
+            ),
+            (self.incompat_flags & INCOMPAT_NO_HOLES != 0, "no-holes"),
+            (
+                self.compat_ro_flags & COMPAT_RO_FREE_SPACE_TREE != 0,
+                "free-space-tree",
+            ),
+            (
+                self.compat_ro_flags & COMPAT_RO_BLOCK_GROUP_TREE != 0,
+                "block-group-tree",
+            ),
+        ] {
+            if set {
+                names.push(name);
+            }
+        }
+        names
+    }
 }
 
 /// The smallest device mkfs accepts for these profiles: the thresholds mkfs.btrfs 6.2

@@ -360,13 +360,6 @@ fn print_summary(out: &mut impl Write, r: &MkfsReport, image: &Path) -> std::io:
     } else {
         r.label.clone()
     };
-    let profile_name = |flags: u64| {
-        if flags & BLOCK_GROUP_DUP != 0 {
-            "DUP"
-        } else {
-            "single"
-        }
-    };
     writeln!(out, "butter mkfs")?;
     writeln!(out, "Label:              {label}")?;
     writeln!(out, "UUID:               {}", fmt_uuid(&r.fsid))?;
@@ -374,42 +367,19 @@ fn print_summary(out: &mut impl Write, r: &MkfsReport, image: &Path) -> std::io:
     writeln!(out, "Sector size:        {}", r.sectorsize)?;
     writeln!(out, "Filesystem size:    {}", human(r.total_bytes))?;
     writeln!(out, "Block group profiles:")?;
-    for (name, ty) in [
-        ("Data", BLOCK_GROUP_DATA),
-        ("Metadata", BLOCK_GROUP_METADATA),
-        ("System", BLOCK_GROUP_SYSTEM),
-    ] {
-        for c in r.chunks.iter().filter(|c| c.flags & ty != 0) {
+    for kind in ["Data", "Metadata", "System"] {
+        for c in r.chunks.iter().filter(|c| c.kind() == kind) {
             writeln!(
                 out,
                 "  {:<18}{:<8}{:>17}",
-                format!("{name}:"),
-                profile_name(c.flags),
+                format!("{kind}:"),
+                c.profile(),
                 human(c.length)
             )?;
         }
     }
     // One line of features, as mkfs.btrfs 6.14 prints them.
-    let mut features = vec!["extref"];
-    for (set, name) in [
-        (
-            r.incompat_flags & INCOMPAT_SKINNY_METADATA != 0,
-            "skinny-metadata",
-        ),
-        (r.incompat_flags & INCOMPAT_NO_HOLES != 0, "no-holes"),
-        (
-            r.compat_ro_flags & COMPAT_RO_FREE_SPACE_TREE != 0,
-            "free-space-tree",
-        ),
-        (
-            r.compat_ro_flags & COMPAT_RO_BLOCK_GROUP_TREE != 0,
-            "block-group-tree",
-        ),
-    ] {
-        if set {
-            features.push(name);
-        }
-    }
+    let features = r.feature_names();
     writeln!(out, "Features:           {}", features.join(", "))?;
     writeln!(out, "Checksum:           {}", r.csum.name())?;
     writeln!(out, "Number of devices:  1")?;

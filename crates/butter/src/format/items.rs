@@ -605,7 +605,6 @@ pub(crate) fn parse_extent_data_ref(b: &[u8]) -> Result<BackRef> {
     })
 }
 
-#[cfg(test)]
 /// Mode bits of a directory entry type (FT_*), for readdir.
 pub(crate) fn ft_to_mode(ft: u8) -> u32 {
     match ft {

@@ -63,6 +63,14 @@ pub struct DirEntry {
     pub target: Inode,
 }
 
+impl DirEntry {
+    /// The entry's file type as mode bits (`S_IFREG`, `S_IFDIR`, ... of `st_mode`), from its
+    /// FT_* code; 0 for a code the format does not define (the inode itself then says).
+    pub fn mode_type(&self) -> u32 {
+        crate::format::items::ft_to_mode(self.file_type)
+    }
+}
+
 /// A subvolume or snapshot.
 #[derive(Debug, Clone)]
 pub struct SubvolInfo {
