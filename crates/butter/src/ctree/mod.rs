@@ -371,7 +371,7 @@ pub(crate) fn prev_item(disk: &Arc<Disk>, path: &mut Path) -> Result<bool> {
 }
 
 /// Exact lookup of one item.
-pub fn lookup(disk: &Arc<Disk>, root: &Root, key: &Key) -> Result<Option<ItemRef>> {
+pub(crate) fn lookup(disk: &Arc<Disk>, root: &Root, key: &Key) -> Result<Option<ItemRef>> {
     let (path, found) = search_slot(disk, root, key, Readahead::None)?;
     Ok(if found { path.item() } else { None })
 }

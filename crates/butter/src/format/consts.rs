@@ -19,7 +19,7 @@ pub(crate) const ROOT_TREE_DIR_OBJECTID: u64 = 6;
 pub(crate) const RAID_STRIPE_TREE_OBJECTID: u64 = 12;
 pub(crate) const DEV_STATS_OBJECTID: u64 = 0;
 pub(crate) const BALANCE_OBJECTID: u64 = -4i64 as u64;
-pub const ORPHAN_OBJECTID: u64 = -5i64 as u64;
+pub(crate) const ORPHAN_OBJECTID: u64 = -5i64 as u64;
 pub(crate) const TREE_LOG_FIXUP_OBJECTID: u64 = -7i64 as u64;
 pub(crate) const TREE_RELOC_OBJECTID: u64 = -8i64 as u64;
 pub(crate) const EXTENT_CSUM_OBJECTID: u64 = -10i64 as u64;
@@ -38,7 +38,7 @@ pub(crate) const INODE_EXTREF_KEY: u8 = 13;
 pub(crate) const XATTR_ITEM_KEY: u8 = 24;
 pub(crate) const VERITY_DESC_ITEM_KEY: u8 = 36;
 pub(crate) const VERITY_MERKLE_ITEM_KEY: u8 = 37;
-pub const ORPHAN_ITEM_KEY: u8 = 48;
+pub(crate) const ORPHAN_ITEM_KEY: u8 = 48;
 pub(crate) const DIR_LOG_ITEM_KEY: u8 = 60;
 pub(crate) const DIR_LOG_INDEX_KEY: u8 = 72;
 pub const DIR_ITEM_KEY: u8 = 84;
@@ -80,8 +80,8 @@ pub(crate) const STRING_ITEM_KEY: u8 = 253;
 
 // ---- block group / chunk type flags ----
 pub const BLOCK_GROUP_DATA: u64 = 1 << 0;
-pub const BLOCK_GROUP_SYSTEM: u64 = 1 << 1;
-pub const BLOCK_GROUP_METADATA: u64 = 1 << 2;
+pub(crate) const BLOCK_GROUP_SYSTEM: u64 = 1 << 1;
+pub(crate) const BLOCK_GROUP_METADATA: u64 = 1 << 2;
 pub(crate) const BLOCK_GROUP_RAID0: u64 = 1 << 3;
 pub(crate) const BLOCK_GROUP_RAID1: u64 = 1 << 4;
 pub const BLOCK_GROUP_DUP: u64 = 1 << 5;
@@ -108,18 +108,18 @@ pub(crate) const INCOMPAT_COMPRESS_ZSTD: u64 = 1 << 4;
 pub(crate) const INCOMPAT_BIG_METADATA: u64 = 1 << 5;
 pub(crate) const INCOMPAT_EXTENDED_IREF: u64 = 1 << 6;
 pub(crate) const INCOMPAT_RAID56: u64 = 1 << 7;
-pub const INCOMPAT_SKINNY_METADATA: u64 = 1 << 8;
-pub const INCOMPAT_NO_HOLES: u64 = 1 << 9;
+pub(crate) const INCOMPAT_SKINNY_METADATA: u64 = 1 << 8;
+pub(crate) const INCOMPAT_NO_HOLES: u64 = 1 << 9;
 pub(crate) const INCOMPAT_METADATA_UUID: u64 = 1 << 10;
 pub(crate) const INCOMPAT_RAID1C34: u64 = 1 << 11;
 pub(crate) const INCOMPAT_ZONED: u64 = 1 << 12;
 pub(crate) const INCOMPAT_EXTENT_TREE_V2: u64 = 1 << 13;
 pub(crate) const INCOMPAT_RAID_STRIPE_TREE: u64 = 1 << 14;
 pub(crate) const INCOMPAT_SIMPLE_QUOTA: u64 = 1 << 16;
-pub const COMPAT_RO_FREE_SPACE_TREE: u64 = 1 << 0;
+pub(crate) const COMPAT_RO_FREE_SPACE_TREE: u64 = 1 << 0;
 pub(crate) const COMPAT_RO_FREE_SPACE_TREE_VALID: u64 = 1 << 1;
 pub(crate) const COMPAT_RO_VERITY: u64 = 1 << 2;
-pub const COMPAT_RO_BLOCK_GROUP_TREE: u64 = 1 << 3;
+pub(crate) const COMPAT_RO_BLOCK_GROUP_TREE: u64 = 1 << 3;
 
 // ---- superblock flags (beside the header flags WRITTEN and RELOC) ----
 pub(crate) const SUPER_FLAG_SEEDING: u64 = 1 << 32;
@@ -154,13 +154,13 @@ pub(crate) const COMPRESS_ZSTD: u8 = 3;
 
 // ---- directory entry file types (FT_*) ----
 pub(crate) const FT_UNKNOWN: u8 = 0;
-pub const FT_REG_FILE: u8 = 1;
-pub const FT_DIR: u8 = 2;
-pub const FT_CHRDEV: u8 = 3;
-pub const FT_BLKDEV: u8 = 4;
-pub const FT_FIFO: u8 = 5;
-pub const FT_SOCK: u8 = 6;
-pub const FT_SYMLINK: u8 = 7;
+pub(crate) const FT_REG_FILE: u8 = 1;
+pub(crate) const FT_DIR: u8 = 2;
+pub(crate) const FT_CHRDEV: u8 = 3;
+pub(crate) const FT_BLKDEV: u8 = 4;
+pub(crate) const FT_FIFO: u8 = 5;
+pub(crate) const FT_SOCK: u8 = 6;
+pub(crate) const FT_SYMLINK: u8 = 7;
 pub(crate) const FT_XATTR: u8 = 8;
 
 // ---- root item flags ----
@@ -170,7 +170,7 @@ pub const ROOT_SUBVOL_RDONLY: u64 = 1 << 0;
 pub(crate) const INODE_NODATASUM: u64 = 1 << 0;
 pub(crate) const INODE_NODATACOW: u64 = 1 << 1;
 pub(crate) const INODE_NOCOMPRESS: u64 = 1 << 3;
-pub const INODE_PREALLOC: u64 = 1 << 4;
+pub(crate) const INODE_PREALLOC: u64 = 1 << 4;
 pub(crate) const INODE_SYNC: u64 = 1 << 5;
 pub(crate) const INODE_IMMUTABLE: u64 = 1 << 6;
 pub(crate) const INODE_APPEND: u64 = 1 << 7;

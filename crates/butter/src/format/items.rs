@@ -359,7 +359,7 @@ impl RootRef {
 
 /// A chunk stripe (32 bytes).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Stripe {
+pub(crate) struct Stripe {
     pub devid: u64,
     pub offset: u64,
     pub dev_uuid: [u8; 16],
@@ -367,7 +367,7 @@ pub struct Stripe {
 
 /// CHUNK_ITEM body (48 bytes + 32 per stripe). The key offset is the logical start.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ChunkItem {
+pub(crate) struct ChunkItem {
     pub length: u64,
     pub owner: u64,
     pub stripe_len: u64,

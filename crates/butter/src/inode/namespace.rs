@@ -684,7 +684,7 @@ impl Core {
     }
 
     /// The last handle on `ino` closed: delete it if it was unlinked.
-    pub fn release_orphan(&self, ino: Inode) -> Result<()> {
+    pub(crate) fn release_orphan(&self, ino: Inode) -> Result<()> {
         if self.note_closed(ino)? {
             self.delete_orphan(ino)?;
         }

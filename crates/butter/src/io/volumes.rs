@@ -11,7 +11,7 @@ use crate::format::*;
 use std::collections::BTreeMap;
 
 #[derive(Debug, Clone)]
-pub struct Chunk {
+pub(crate) struct Chunk {
     pub logical: u64,
     pub item: ChunkItem,
 }
@@ -104,12 +104,12 @@ impl ChunkMap {
         Ok(())
     }
 
-    pub fn chunks(&self) -> impl Iterator<Item = &Chunk> {
+    pub(crate) fn chunks(&self) -> impl Iterator<Item = &Chunk> {
         self.chunks.values()
     }
 
     /// The chunk containing `logical`.
-    pub fn lookup(&self, logical: u64) -> Option<&Chunk> {
+    pub(crate) fn lookup(&self, logical: u64) -> Option<&Chunk> {
         let (_, c) = self.chunks.range(..=logical).next_back()?;
         (logical < c.logical + c.item.length).then_some(c)
     }
