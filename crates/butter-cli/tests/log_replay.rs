@@ -643,22 +643,12 @@ fn corrupt_log_never_panics() {
             fsync(&m.join("d"));
         },
     );
-    // Where the log blocks are, physically.
-    let (ns, ct, copies) = {
-        let fs = Fs::open_opts(&crash, OpenOpts::nologreplay()).unwrap();
-        let disk = fs.disk().clone();
-        let log = butter::tree_log::replay::read_log(&disk)
-            .unwrap()
-            .expect("a log");
-        let ns = disk.nodesize() as u64;
-        let map = disk.chunk_map();
-        let copies: Vec<Vec<u64>> = log
-            .blocks
-            .iter()
-            .map(|&b| map.map(b, ns).unwrap().iter().map(|c| c.physical).collect())
-            .collect();
-        (ns as usize, disk.sb.csum_type, copies)
+    // The log's blocks.
+    let blocks = {
+        let dev = butter::io::device::FileDevice::open(&crash, false).unwrap();
+        butter::inspect::log_blocks(std::sync::Arc::new(dev)).unwrap()
     };
+    assert!(!blocks.is_empty(), "the crash image has no fsync log");
     let pristine = fs::read(&crash).unwrap();
     let work = scratch.join("work.img");
     let iterations: u64 = std::env::var("BUTTER_LOG_FUZZ")
@@ -674,36 +664,34 @@ fn corrupt_log_never_panics() {
     };
     let mut outcomes = [0usize; 3];
     for i in 0..iterations {
-        let blk = &copies[(next() % copies.len() as u64) as usize];
-        let mut block = pristine[blk[0] as usize..blk[0] as usize + ns].to_vec();
-        let nritems = u32::from_le_bytes(block[96..100].try_into().unwrap()) as usize;
-        let used = 101 + nritems * 25;
-        // Mostly item headers and the item data at the end of the leaf.
-        let off = if next() % 2 == 0 {
-            32 + (next() as usize % (used - 32))
-        } else {
-            ns - 1 - (next() as usize % 2048)
-        };
-        let mut v = (next() & 0xff) as u8;
+        let bytenr = blocks[(next() % blocks.len() as u64) as usize];
+        let (r1, r2, r3) = (next(), next(), next());
+        let mut v = (r3 & 0xff) as u8;
         if v == 0 {
             v = 1;
         }
-        block[off] ^= v;
-        let c = ct.compute(&block[32..]);
-        block[..ct.size()].copy_from_slice(&c[..ct.size()]);
-        // Only the damaged block is patched in place and put back after; a read-write open
-        // changes more, so the whole image is restored after one.
-        let rw = i % 20 == 0;
         if i == 0 {
             fs::write(&work, &pristine).unwrap();
         }
-        let patch = |data: &[u8]| {
-            let f = OpenOptions::new().write(true).open(&work).unwrap();
-            for &p in blk {
-                f.write_all_at(data, p).unwrap();
-            }
-        };
-        patch(&block);
+        // Flip one byte of the block, reseal it and write every copy; `undo` puts it back.
+        let mut off = 0;
+        let dev = butter::io::device::FileDevice::open(&work, true).unwrap();
+        let undo = butter::inspect::rewrite_block(std::sync::Arc::new(dev), bytenr, |block| {
+            let ns = block.len();
+            let nritems = u32::from_le_bytes(block[96..100].try_into().unwrap()) as usize;
+            let used = 101 + nritems * 25;
+            // Mostly item headers and the item data at the end of the leaf.
+            off = if r1 % 2 == 0 {
+                32 + (r2 as usize % (used - 32))
+            } else {
+                ns - 1 - (r2 as usize % 2048)
+            };
+            block[off] ^= v;
+        })
+        .unwrap();
+        // A read-write open changes more than the damaged block, so the whole image is
+        // restored after one.
+        let rw = i % 20 == 0;
         let r = std::panic::catch_unwind(|| {
             if rw {
                 Fs::open_rw(&work).and_then(|fs| {
@@ -718,7 +706,10 @@ fn corrupt_log_never_panics() {
         if rw {
             fs::write(&work, &pristine).unwrap();
         } else {
-            patch(&pristine[blk[0] as usize..blk[0] as usize + ns]);
+            let f = OpenOptions::new().write(true).open(&work).unwrap();
+            for (p, bytes) in &undo {
+                f.write_all_at(bytes, *p).unwrap();
+            }
         }
         match r {
             Ok(Ok(())) => outcomes[0] += 1,

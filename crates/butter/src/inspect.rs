@@ -424,3 +424,13 @@ pub fn rewrite_item(
     let key = key.unwrap_or(Key::MIN);
     Ok((key, bytenr, slot))
 }
+
+/// The tree blocks of the fsync log the superblock on `dev` names (the log root tree's and
+/// every log tree's), in the order a walk from the log root meets them; empty when there is
+/// no log.
+pub fn log_blocks(dev: Arc<dyn BlockDevice>) -> Result<Vec<u64>> {
+    let disk = open_disk(dev)?;
+    Ok(crate::tree_log::replay::read_log(&disk)?
+        .map(|log| log.blocks)
+        .unwrap_or_default())
+}
