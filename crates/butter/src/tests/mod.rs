@@ -27,6 +27,8 @@ mod extent_io_model;
 #[cfg(test)]
 mod free_space_tree;
 #[cfg(test)]
+mod fsync_rand_bench;
+#[cfg(test)]
 mod fuzz_regress;
 #[cfg(test)]
 mod read_basic;

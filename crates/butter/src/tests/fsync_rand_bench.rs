@@ -6,22 +6,42 @@
 //! fsync latency p50/p99 and, for the log, how it splits into logging the inode (under the
 //! writer lock) and the log commit.
 //!
-//! `cargo run --release -p butter --example fsync_rand [DIR] [FILE_MIB]`
-
-mod common;
+//! A benchmark, not a test: ignored by the suite, run by `bench/fsync_rand`, or with
+//! `cargo test --release -p butter --lib fsync_rand_bench -- --ignored --nocapture`
+//! (`BUTTER_BENCH_DIR`, default /dev/shm; `BUTTER_BENCH_FILE_MIB`, default 96; the report
+//! goes to the file `BUTTER_BENCH_OUT` names, else to stdout). It lives inside the crate
+//! because it times the log's two phases, which are crate-private.
 
 use butter::fs::Fs;
 use butter::inode::namespace::Owner;
+use butter::io::device::FileDevice;
 use butter::tree_log::write::LogTicket;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+/// A fresh 1 GiB image file in `dir` (fixed fsid and time), opened read-write.
 fn fresh(dir: &Path, fsync_log: bool) -> butter::Result<(PathBuf, Fs)> {
-    let opts = butter::fs::RwOptions {
+    let path = dir.join(format!("butter-fsync-rand-{}.img", std::process::id()));
+    let _ = std::fs::remove_file(&path);
+    let io = |e: std::io::Error| butter::Error::Invalid(format!("{}: {e}", path.display()));
+    let size = 1u64 << 30;
+    std::fs::File::create(&path)
+        .and_then(|f| f.set_len(size))
+        .map_err(io)?;
+    let dev = Arc::new(FileDevice::open(&path, true).map_err(io)?);
+    let opts = butter::mkfs::MkfsOptions {
+        size,
+        fsid: Some([7; 16]),
+        time: Some(1_700_000_000),
+        ..Default::default()
+    };
+    butter::mkfs::mkfs(dev.as_ref(), &opts)?;
+    let rw = butter::fs::RwOptions {
         fsync_log,
         ..Default::default()
     };
-    common::fresh_image(dir, "fsync-rand", 1 << 30, opts)
+    Ok((path, Fs::open_device_rw_with(dev, rw)?))
 }
 
 fn pct(v: &mut [Duration], p: f64) -> f64 {
@@ -73,30 +93,40 @@ fn run(dir: &Path, log: bool, file_mib: u64) -> butter::Result<Times> {
     Ok((all, logging, syncing))
 }
 
-fn main() -> butter::Result<()> {
-    let args: Vec<String> = std::env::args().collect();
-    let dir = PathBuf::from(args.get(1).map(String::as_str).unwrap_or("/dev/shm"));
-    let mib: u64 = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(96);
-    println!(
-        "4 KiB random writes, an fsync every 16, {mib} MiB file, image in {}",
+#[test]
+#[ignore = "a benchmark: run on demand (see the module documentation)"]
+fn fsync_rand_bench() {
+    use std::fmt::Write;
+    let dir = PathBuf::from(std::env::var("BUTTER_BENCH_DIR").unwrap_or("/dev/shm".into()));
+    let mib: u64 = std::env::var("BUTTER_BENCH_FILE_MIB")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(96);
+    let mut out = format!(
+        "4 KiB random writes, an fsync every 16, {mib} MiB file, image in {}\n",
         dir.display()
     );
     for log in [true, false] {
-        let (mut all, mut l, mut s) = run(&dir, log, mib)?;
-        print!(
+        let (mut all, mut l, mut s) = run(&dir, log, mib).unwrap();
+        let _ = write!(
+            out,
             "{}: fsync p50 {:.1} µs, p99 {:.1} µs",
             if log { "log   " } else { "commit" },
             pct(&mut all, 0.5),
             pct(&mut all, 0.99)
         );
         if log {
-            print!(
+            let _ = write!(
+                out,
                 " (logging the inode p50 {:.1} µs, log commit p50 {:.1} µs)",
                 pct(&mut l, 0.5),
                 pct(&mut s, 0.5)
             );
         }
-        println!();
+        out.push('\n');
     }
-    Ok(())
+    match std::env::var_os("BUTTER_BENCH_OUT") {
+        Some(path) => std::fs::write(path, out).unwrap(),
+        None => print!("{out}"),
+    }
 }
