@@ -48,7 +48,7 @@ impl CsumType {
     }
 
     /// Number of meaningful bytes of a checksum: 4, 8, 32, 32.
-    pub fn size(self) -> usize {
+    pub(crate) fn size(self) -> usize {
         match self {
             CsumType::Crc32c => 4,
             CsumType::Xxhash64 => 8,

@@ -591,14 +591,14 @@ impl Disk {
         Ok(disk)
     }
 
-    pub fn nodesize(&self) -> u32 {
+    pub(crate) fn nodesize(&self) -> u32 {
         self.sb.nodesize
     }
     pub fn sectorsize(&self) -> u32 {
         self.sb.sectorsize
     }
 
-    pub fn chunk_map(&self) -> std::sync::RwLockReadGuard<'_, ChunkMap> {
+    pub(crate) fn chunk_map(&self) -> std::sync::RwLockReadGuard<'_, ChunkMap> {
         self.chunks.read().unwrap_or_else(|e| e.into_inner())
     }
 

@@ -18,13 +18,13 @@ pub(crate) struct Chunk {
 
 /// One physical copy of a logical range.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PhysCopy {
+pub(crate) struct PhysCopy {
     pub devid: u64,
     pub physical: u64,
 }
 
 #[derive(Debug, Clone, Default)]
-pub struct ChunkMap {
+pub(crate) struct ChunkMap {
     chunks: BTreeMap<u64, Chunk>,
 }
 
@@ -115,7 +115,7 @@ impl ChunkMap {
     }
 
     /// Every physical copy of `[logical, logical + len)`. The range must lie in one chunk.
-    pub fn map(&self, logical: u64, len: u64) -> Result<Vec<PhysCopy>> {
+    pub(crate) fn map(&self, logical: u64, len: u64) -> Result<Vec<PhysCopy>> {
         let loc = || Location::what(format!("logical {logical} length {len}"));
         let c = self
             .lookup(logical)

@@ -184,7 +184,7 @@ pub struct LogStats {
 
 /// What an fsync has to do after its inode is logged.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum LogTicket {
+pub(crate) enum LogTicket {
     /// The log holds the inode: make sequence number `seq` durable with [`Core::sync_log`].
     Logged(u64),
     /// Nothing changed since the last commit.

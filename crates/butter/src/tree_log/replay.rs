@@ -35,18 +35,15 @@ use std::collections::{BTreeMap, BTreeSet, HashSet};
 
 /// One subvolume's log tree, read into memory.
 #[derive(Debug, Clone)]
-pub struct LogTree {
+pub(crate) struct LogTree {
     /// The subvolume it replays into.
     pub subvol: u64,
-    pub bytenr: u64,
-    pub level: u8,
-    pub generation: u64,
     pub items: BTreeMap<Key, Vec<u8>>,
 }
 
 /// The whole fsync log of an image.
 #[derive(Debug, Clone)]
-pub struct FsyncLog {
+pub(crate) struct FsyncLog {
     pub trees: Vec<LogTree>,
     /// Every block of the log root tree and the log trees.
     pub blocks: Vec<u64>,
@@ -176,7 +173,7 @@ fn walk(
 }
 
 /// Reads the fsync log, if the superblock has one.
-pub fn read_log(disk: &Disk) -> Result<Option<FsyncLog>> {
+pub(crate) fn read_log(disk: &Disk) -> Result<Option<FsyncLog>> {
     let sb = &disk.sb;
     if sb.log_root == 0 {
         return Ok(None);
@@ -249,13 +246,7 @@ pub fn read_log(disk: &Disk) -> Result<Option<FsyncLog>> {
             &mut blocks,
             &mut items,
         )?;
-        trees.push(LogTree {
-            subvol,
-            bytenr: ri.bytenr,
-            level: ri.level,
-            generation: ri.generation,
-            items,
-        });
+        trees.push(LogTree { subvol, items });
     }
     Ok(Some(FsyncLog { trees, blocks }))
 }

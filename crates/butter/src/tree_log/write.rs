@@ -73,7 +73,7 @@ use crate::inode::core::Core;
 use crate::io::disk_io::Readahead;
 use crate::space::alloc::SpaceKind;
 pub(crate) use crate::transaction::log_state::LogStats;
-pub use crate::transaction::log_state::LogTicket;
+pub(crate) use crate::transaction::log_state::LogTicket;
 use crate::transaction::log_state::LogTree;
 use crate::transaction::Writer;
 use std::collections::{BTreeMap, BTreeSet, HashSet};
@@ -308,7 +308,7 @@ impl Core {
 
     /// First half of an fsync: copies `ino` into its subvolume's log tree in memory (under the
     /// writer lock; fast). Says what is left to do.
-    pub fn log_inode(&self, ino: Inode) -> Result<LogTicket> {
+    pub(crate) fn log_inode(&self, ino: Inode) -> Result<LogTicket> {
         let waits = self.fsync_waits_for_writes.load(Ordering::Relaxed);
         if waits {
             self.ordered.wait_for_writes(ino);
@@ -983,7 +983,7 @@ impl Core {
 
     /// Second half of an fsync: makes the log durable up to sequence `seq`, sharing the log
     /// commit with every fsync that logged before it started.
-    pub fn sync_log(&self, seq: u64) -> Result<()> {
+    pub(crate) fn sync_log(&self, seq: u64) -> Result<()> {
         let _l = self.log_sync.lock().unwrap_or_else(|e| e.into_inner());
         let plan = {
             let mut w = self.writer_keeping_ordered()?;
