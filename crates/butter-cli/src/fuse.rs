@@ -462,7 +462,7 @@ impl ButterFuse {
     /// Attributes of node `node` (engine inode `ino`).
     fn attr(&self, node: u64, ino: Inode) -> OpResult<FileAttr> {
         let item = self.fs.inode_item(ino)?;
-        let ss = u64::from(self.fs.disk().sectorsize().max(1));
+        let ss = u64::from(self.fs.sectorsize().max(1));
         file_attr(self.map.st_ino(node), ino, &item, ss).map_err(OpError::Fs)
     }
 

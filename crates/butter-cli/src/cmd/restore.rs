@@ -24,11 +24,9 @@
 //! damaged image) is not entered again, so nothing is written outside DIR.
 
 use super::{open_fs, CliError, CliResult};
-use butter::ctree::TreeIter;
-use butter::format::items::{FileExtentBody, FileExtentItem, Timespec};
-use butter::format::{Key, EXTENT_DATA_KEY, FILE_EXTENT_PREALLOC, FS_TREE_OBJECTID};
+use butter::format::items::Timespec;
+use butter::format::FS_TREE_OBJECTID;
 use butter::fs::{DirEntry, Fs, Inode, Stat, EMPTY_SUBVOL_DIR_OBJECTID};
-use butter::io::disk_io::Readahead;
 use std::collections::{HashMap, HashSet};
 use std::ffi::{CString, OsStr};
 use std::fmt::Display;
@@ -390,7 +388,7 @@ impl<'a> Restorer<'a> {
             target,
             root_user,
             strip_acls,
-            sectorsize: u64::from(fs.disk().sectorsize()).max(512),
+            sectorsize: u64::from(fs.sectorsize()).max(512),
             links: HashMap::new(),
             dirs_seen: HashSet::new(),
             c: Counts::default(),
@@ -800,8 +798,8 @@ impl<'a> Restorer<'a> {
             }
         };
         self.c.regular += 1;
-        let (data, prealloc) = match self.extent_map(ino, st.size) {
-            Ok(m) => m,
+        let (data, prealloc) = match self.fs.file_ranges(ino, st.size, CHUNK) {
+            Ok(m) => (m.data, m.prealloc),
             // Read everything: the reads report the damage and save what they can.
             Err(_) => (vec![(0, st.size)], Vec::new()),
         };
@@ -914,62 +912,6 @@ impl<'a> Restorer<'a> {
             self.c.bytes += (buf.len() - r) as u64;
         }
         Ok(())
-    }
-
-    /// The file ranges `[lo, hi)` that hold data (merged when close, clipped to `size`), and
-    /// the preallocated ranges, from the inode's EXTENT_DATA items. Anything else is a hole.
-    #[allow(clippy::type_complexity)]
-    fn extent_map(
-        &self,
-        ino: Inode,
-        size: u64,
-    ) -> butter::Result<(Vec<(u64, u64)>, Vec<(u64, u64)>)> {
-        let root = self.fs.subvol_root(ino.root)?;
-        let mut it = TreeIter::range(
-            self.fs.disk().clone(),
-            root,
-            Key::new(ino.ino, EXTENT_DATA_KEY, 0),
-            Key::new(ino.ino, EXTENT_DATA_KEY, u64::MAX),
-            Readahead::Forward,
-        )?;
-        let mut data: Vec<(u64, u64)> = Vec::new();
-        let mut prealloc: Vec<(u64, u64)> = Vec::new();
-        while let Some(item) = it.next_item()? {
-            let start = item.key.offset;
-            let fe = FileExtentItem::parse(item.data()).map_err(|e| item.annotate(e))?;
-            let len = match &fe.body {
-                FileExtentBody::Inline(raw) => fe.ram_bytes.max(raw.len() as u64),
-                FileExtentBody::Extent {
-                    disk_bytenr,
-                    num_bytes,
-                    ..
-                } => {
-                    if *disk_bytenr == 0 {
-                        continue;
-                    }
-                    if fe.ty == FILE_EXTENT_PREALLOC {
-                        let end = start.saturating_add(*num_bytes);
-                        if end > start {
-                            prealloc.push((start, end));
-                        }
-                        continue;
-                    }
-                    *num_bytes
-                }
-            };
-            let end = start.saturating_add(len).min(size);
-            if end <= start {
-                continue;
-            }
-            match data.last_mut() {
-                // Reading a small hole costs less than another read call.
-                Some(last) if start <= last.1.saturating_add(CHUNK) => {
-                    last.1 = last.1.max(end);
-                }
-                _ => data.push((start, end)),
-            }
-        }
-        Ok((data, prealloc))
     }
 
     /// Owner, xattrs, mode, times, in that order (see the module comment).

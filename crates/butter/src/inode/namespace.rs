@@ -172,6 +172,11 @@ impl Core {
         &self.disk
     }
 
+    /// The filesystem's sector size: the unit of file data, and of its checksums.
+    pub fn sectorsize(&self) -> u32 {
+        self.disk.sectorsize()
+    }
+
     // ---------------------------------------------------------------------------------------
     // Helpers on inodes and directory entries
     // ---------------------------------------------------------------------------------------

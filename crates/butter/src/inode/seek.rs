@@ -12,6 +12,17 @@ use crate::format::*;
 use crate::ids::Inode;
 use crate::inode::core::Core;
 
+/// Where a file's bytes are, from its extent items ([`Core::file_ranges`]): anything in
+/// neither list is a hole.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct FileRanges {
+    /// Ranges `[lo, hi)` that hold data (inline or regular extents with a data extent),
+    /// ascending, clipped to the size asked for.
+    pub data: Vec<(u64, u64)>,
+    /// Preallocated ranges `[lo, hi)` (they read as zeros).
+    pub prealloc: Vec<(u64, u64)>,
+}
+
 /// Which lseek `whence`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Seek {
@@ -20,6 +31,57 @@ pub enum Seek {
 }
 
 impl Core {
+    /// The data and preallocated ranges of file `ino` below `size`, for a reader that copies
+    /// only what holds data (restore): data ranges closer than `merge_gap` bytes are merged,
+    /// since reading a small hole costs less than another read call. Extents are read
+    /// forward with readahead.
+    pub fn file_ranges(&self, ino: Inode, size: u64, merge_gap: u64) -> Result<FileRanges> {
+        let root = self.subvol_root(ino.root)?;
+        let mut it = crate::ctree::TreeIter::range(
+            self.disk.clone(),
+            root,
+            Key::new(ino.ino, EXTENT_DATA_KEY, 0),
+            Key::new(ino.ino, EXTENT_DATA_KEY, u64::MAX),
+            crate::io::disk_io::Readahead::Forward,
+        )?;
+        let mut r = FileRanges::default();
+        while let Some(item) = it.next_item()? {
+            let start = item.key.offset;
+            let fe = FileExtentItem::parse(item.data()).map_err(|e| item.annotate(e))?;
+            let len = match &fe.body {
+                FileExtentBody::Inline(raw) => fe.ram_bytes.max(raw.len() as u64),
+                FileExtentBody::Extent {
+                    disk_bytenr,
+                    num_bytes,
+                    ..
+                } => {
+                    if *disk_bytenr == 0 {
+                        continue;
+                    }
+                    if fe.ty == FILE_EXTENT_PREALLOC {
+                        let end = start.saturating_add(*num_bytes);
+                        if end > start {
+                            r.prealloc.push((start, end));
+                        }
+                        continue;
+                    }
+                    *num_bytes
+                }
+            };
+            let end = start.saturating_add(len).min(size);
+            if end <= start {
+                continue;
+            }
+            match r.data.last_mut() {
+                Some(last) if start <= last.1.saturating_add(merge_gap) => {
+                    last.1 = last.1.max(end);
+                }
+                _ => r.data.push((start, end)),
+            }
+        }
+        Ok(r)
+    }
+
     /// SEEK_DATA / SEEK_HOLE from `offset`. `None` when there is no such offset (the
     /// caller's ENXIO): `offset` is at or past the end of the file, or SEEK_DATA finds only
     /// holes up to the end.
