@@ -28,7 +28,7 @@ impl Key {
         offset: u64::MAX,
     };
 
-    pub const fn new(objectid: u64, ty: u8, offset: u64) -> Key {
+    pub(crate) const fn new(objectid: u64, ty: u8, offset: u64) -> Key {
         Key {
             objectid,
             ty,

@@ -70,7 +70,7 @@ pub struct ItemRef {
 }
 
 impl ItemRef {
-    pub fn data(&self) -> &[u8] {
+    pub(crate) fn data(&self) -> &[u8] {
         self.block.item_data(self.slot)
     }
     pub(crate) fn loc(&self) -> Location {
@@ -79,7 +79,7 @@ impl ItemRef {
     /// Adds this item's location to a corruption error from an item decoder. An error that
     /// already names a tree block (raised while reading another block on behalf of this item,
     /// e.g. a csum tree leaf during a file read) keeps its own location.
-    pub fn annotate(&self, e: Error) -> Error {
+    pub(crate) fn annotate(&self, e: Error) -> Error {
         match e {
             Error::Corrupt { loc, reason } if loc.bytenr.is_none() => {
                 let what = loc.what.clone();
@@ -405,7 +405,7 @@ impl TreeIter {
     }
 
     /// Iterates items with `start <= key <= end` (both inclusive).
-    pub fn range(
+    pub(crate) fn range(
         disk: Arc<Disk>,
         root: Root,
         start: Key,

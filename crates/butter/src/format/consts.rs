@@ -43,7 +43,7 @@ pub(crate) const DIR_LOG_ITEM_KEY: u8 = 60;
 pub(crate) const DIR_LOG_INDEX_KEY: u8 = 72;
 pub const DIR_ITEM_KEY: u8 = 84;
 pub const DIR_INDEX_KEY: u8 = 96;
-pub const EXTENT_DATA_KEY: u8 = 108;
+pub(crate) const EXTENT_DATA_KEY: u8 = 108;
 pub const EXTENT_CSUM_KEY: u8 = 128;
 pub const ROOT_ITEM_KEY: u8 = 132;
 pub(crate) const ROOT_BACKREF_KEY: u8 = 144;
@@ -146,7 +146,7 @@ pub(crate) const MIXED_BACKREF_REV: u64 = 1;
 // ---- file extent types and compression ----
 pub(crate) const FILE_EXTENT_INLINE: u8 = 0;
 pub(crate) const FILE_EXTENT_REG: u8 = 1;
-pub const FILE_EXTENT_PREALLOC: u8 = 2;
+pub(crate) const FILE_EXTENT_PREALLOC: u8 = 2;
 pub(crate) const COMPRESS_NONE: u8 = 0;
 pub(crate) const COMPRESS_ZLIB: u8 = 1;
 pub(crate) const COMPRESS_LZO: u8 = 2;

@@ -204,7 +204,7 @@ impl InodeExtref {
 
 /// EXTENT_DATA body.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct FileExtentItem {
+pub(crate) struct FileExtentItem {
     pub generation: u64,
     pub ram_bytes: u64,
     pub compression: u8,
@@ -215,7 +215,7 @@ pub struct FileExtentItem {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum FileExtentBody {
+pub(crate) enum FileExtentBody {
     /// Data stored in the item; possibly compressed (then ram_bytes is the decoded length).
     Inline(Vec<u8>),
     /// REG or PREALLOC: a reference into a data extent. `disk_bytenr == 0` is a hole.
@@ -230,7 +230,7 @@ pub enum FileExtentBody {
 impl FileExtentItem {
     pub(crate) const INLINE_HEADER: usize = 21;
     pub(crate) const SIZE: usize = 53;
-    pub fn parse(b: &[u8]) -> Result<FileExtentItem> {
+    pub(crate) fn parse(b: &[u8]) -> Result<FileExtentItem> {
         need(b, Self::INLINE_HEADER, "file extent")?;
         let ty = b[20];
         let body = match ty {

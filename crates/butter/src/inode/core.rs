@@ -82,7 +82,7 @@ impl Core {
     }
 
     /// The root of a subvolume tree (cached).
-    pub fn subvol_root(&self, id: u64) -> Result<Root> {
+    pub(crate) fn subvol_root(&self, id: u64) -> Result<Root> {
         Ok(self.subvol(id)?.0)
     }
 

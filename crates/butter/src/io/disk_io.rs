@@ -594,7 +594,7 @@ impl Disk {
     pub(crate) fn nodesize(&self) -> u32 {
         self.sb.nodesize
     }
-    pub fn sectorsize(&self) -> u32 {
+    pub(crate) fn sectorsize(&self) -> u32 {
         self.sb.sectorsize
     }
 
