@@ -1,23 +1,10 @@
 //! Damaging an image on purpose, for checker tests: change one item of a tree in place,
 //! reseal its block and write every copy.
 
-use butter::ctree::Root;
-use butter::format::*;
-use butter::fs::Fs;
+use butter::format::Key;
 use butter::io::device::FileDevice;
 use std::path::Path;
 use std::sync::Arc;
-
-/// The current root of tree `id` (from its root item).
-pub fn tree_root(fs: &Fs, id: u64) -> Root {
-    let ri = fs.find_root_item(id).unwrap().unwrap();
-    Root {
-        id,
-        bytenr: ri.bytenr,
-        level: ri.level,
-        generation: ri.generation,
-    }
-}
 
 /// Finds the first item of tree `id` matching `pred` (the last one if `last`), lets `edit`
 /// change the block (`edit(block, item_header_offset, item_data_offset)`), recomputes the
