@@ -210,7 +210,8 @@ impl Report {
             .iter()
             .all(|f| f.severity == Severity::Warning)
     }
-    pub fn has(&self, kind: FindingKind) -> bool {
+    #[cfg(test)]
+    pub(crate) fn has(&self, kind: FindingKind) -> bool {
         self.findings.iter().any(|f| f.kind == kind)
     }
     fn add(&mut self, severity: Severity, kind: FindingKind, location: Location, msg: String) {

@@ -17,7 +17,7 @@ pub struct Key {
 }
 
 impl Key {
-    pub const MIN: Key = Key {
+    pub(crate) const MIN: Key = Key {
         objectid: 0,
         ty: 0,
         offset: 0,
@@ -63,7 +63,7 @@ impl Key {
 }
 
 // Root objectids of the trees (re-exported by crate::format).
-pub const ROOT_TREE_OBJECTID: u64 = 1;
+pub(crate) const ROOT_TREE_OBJECTID: u64 = 1;
 pub const EXTENT_TREE_OBJECTID: u64 = 2;
 pub(crate) const CHUNK_TREE_OBJECTID: u64 = 3;
 pub(crate) const DEV_TREE_OBJECTID: u64 = 4;

@@ -25,7 +25,7 @@ use std::sync::Arc;
 
 /// Where a tree starts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Root {
+pub(crate) struct Root {
     /// Tree id (root objectid), used as the expected owner and in error messages.
     pub id: u64,
     pub bytenr: u64,
@@ -63,7 +63,7 @@ impl Path {
 
 /// A leaf item: the block that holds it and its slot.
 #[derive(Debug, Clone)]
-pub struct ItemRef {
+pub(crate) struct ItemRef {
     pub key: Key,
     pub block: Arc<TreeBlock>,
     pub slot: usize,
@@ -390,7 +390,7 @@ pub(crate) fn lookup_le(disk: &Arc<Disk>, root: &Root, key: &Key) -> Result<Opti
 }
 
 /// Iterates items in key order from a start key, checking keys strictly increase.
-pub struct TreeIter {
+pub(crate) struct TreeIter {
     disk: Arc<Disk>,
     path: Option<Path>,
     started: bool,
@@ -400,7 +400,7 @@ pub struct TreeIter {
 
 impl TreeIter {
     /// Iterates every item with key >= `start`.
-    pub fn new(disk: Arc<Disk>, root: Root, start: Key, ra: Readahead) -> Result<TreeIter> {
+    pub(crate) fn new(disk: Arc<Disk>, root: Root, start: Key, ra: Readahead) -> Result<TreeIter> {
         Self::range(disk, root, start, Key::MAX, ra)
     }
 
@@ -427,7 +427,7 @@ impl TreeIter {
         })
     }
 
-    pub fn next_item(&mut self) -> Result<Option<ItemRef>> {
+    pub(crate) fn next_item(&mut self) -> Result<Option<ItemRef>> {
         let Some(path) = self.path.as_mut() else {
             return Ok(None);
         };

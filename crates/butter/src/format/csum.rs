@@ -15,7 +15,7 @@ use blake2::digest::consts::U32;
 use blake2::{Blake2b, Digest};
 
 /// Width of every checksum slot in headers and the superblock.
-pub const CSUM_SLOT: usize = 32;
+pub(crate) const CSUM_SLOT: usize = 32;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum CsumType {

@@ -7,7 +7,7 @@
 use super::*;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Header {
+pub(crate) struct Header {
     pub csum: [u8; 32],
     pub fsid: [u8; 16],
     pub bytenr: u64,

@@ -31,14 +31,14 @@ pub(crate) fn le_u16(b: &[u8], off: usize) -> u16 {
 }
 /// Little-endian u32 at `off`. The caller has checked the length.
 #[inline]
-pub fn le_u32(b: &[u8], off: usize) -> u32 {
+pub(crate) fn le_u32(b: &[u8], off: usize) -> u32 {
     let mut a = [0u8; 4];
     a.copy_from_slice(&b[off..off + 4]);
     u32::from_le_bytes(a)
 }
 /// Little-endian u64 at `off`. The caller has checked the length.
 #[inline]
-pub fn le_u64(b: &[u8], off: usize) -> u64 {
+pub(crate) fn le_u64(b: &[u8], off: usize) -> u64 {
     let mut a = [0u8; 8];
     a.copy_from_slice(&b[off..off + 8]);
     u64::from_le_bytes(a)

@@ -24,7 +24,7 @@ use std::sync::{Arc, Mutex, RwLock};
 
 /// How a tree walk reads ahead.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Readahead {
+pub(crate) enum Readahead {
     #[default]
     None,
     Back,
@@ -44,7 +44,7 @@ pub(crate) struct Expect {
 
 /// A tree block that passed validation (or that the write engine built).
 #[derive(Debug, Clone)]
-pub struct TreeBlock {
+pub(crate) struct TreeBlock {
     pub bytenr: u64,
     pub header: Header,
     pub data: Box<[u8]>,
