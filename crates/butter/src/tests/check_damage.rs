@@ -13,7 +13,7 @@
 //! They need only mkfs.btrfs and btrfs (no privileges): without them a test prints a notice
 //! and passes, unless `CI` is set (then it fails).
 
-use super::oracle_support::{btrfs_check, have_progs, mkfs, Scratch};
+use super::oracle_support::{btrfs_check, delete_leaf_item, have_progs, mkfs, Scratch};
 
 use butter::check::{check, FindingKind, Report};
 use butter::ctree::{Root, TreeIter};
@@ -91,28 +91,6 @@ fn patch_item(
 fn patch_block(img: &Path, bytenr: u64, edit: impl FnOnce(&mut [u8])) -> Vec<(u64, Vec<u8>)> {
     let dev = FileDevice::open(img, true).unwrap();
     butter::inspect::rewrite_block(Arc::new(dev), bytenr, edit).unwrap()
-}
-
-/// Removes leaf item `slot` from `blk` (item data packed again, later headers moved down).
-fn delete_leaf_item(blk: &mut [u8], slot: usize) {
-    let n = le_u32(blk, 96) as usize;
-    let hdr = |i: usize| HEADER_SIZE + i * ITEM_SIZE;
-    let off = |b: &[u8], i: usize| le_u32(b, hdr(i) + 17) as usize;
-    let size_i = le_u32(blk, hdr(slot) + 21) as usize;
-    let off_i = off(blk, slot);
-    if slot + 1 < n {
-        let off_last = off(blk, n - 1);
-        blk.copy_within(
-            HEADER_SIZE + off_last..HEADER_SIZE + off_i,
-            HEADER_SIZE + off_last + size_i,
-        );
-        for j in slot + 1..n {
-            let v = (off(blk, j) + size_i) as u32;
-            blk[hdr(j) + 17..hdr(j) + 21].copy_from_slice(&v.to_le_bytes());
-        }
-        blk.copy_within(hdr(slot + 1)..hdr(n), hdr(slot));
-    }
-    blk[96..100].copy_from_slice(&((n - 1) as u32).to_le_bytes());
 }
 
 fn add_u64(b: &mut [u8], off: usize, delta: u64) {

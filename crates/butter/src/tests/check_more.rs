@@ -10,12 +10,10 @@ use super::oracle_support;
 
 use butter::check::{check, FindingKind, Report, Severity};
 use butter::ctree::{Root, TreeIter};
-use butter::format::csum::CSUM_SLOT;
 use butter::format::*;
 use butter::fs::Fs;
 use butter::io::disk_io::Readahead;
 use oracle_support::*;
-use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
 
@@ -174,48 +172,14 @@ fn find(img: &Path, id: u64, pred: impl Fn(&Key, &[u8]) -> bool) -> At {
 /// Applies `edit(block, item_header_offset, item_data_offset)` to the leaf holding `at`,
 /// recomputes its checksum and writes every copy.
 fn patch(img: &Path, at: At, edit: impl FnOnce(&mut [u8], usize, usize)) {
-    let fs = Fs::open(img).unwrap();
-    let ns = fs.disk().nodesize() as usize;
-    let copies = fs.disk().chunk_map().map(at.block, ns as u64).unwrap();
-    let f = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(img)
-        .unwrap();
-    let mut block = vec![0u8; ns];
-    f.read_exact_at(&mut block, copies[0].physical).unwrap();
-    let hdr = HEADER_SIZE + at.slot * ITEM_SIZE;
-    assert_eq!(Key::from_bytes(&block[hdr..hdr + DISK_KEY_SIZE]), at.key);
-    let data = HEADER_SIZE + le_u32(&block, hdr + 17) as usize;
-    edit(&mut block, hdr, data);
-    let c = fs.disk().sb.csum_type.compute(&block[CSUM_SLOT..]);
-    let n = fs.disk().sb.csum_type.size();
-    block[..n].copy_from_slice(&c[..n]);
-    for c in copies {
-        f.write_all_at(&block, c.physical).unwrap();
-    }
-}
-
-/// Removes leaf item `slot` from `blk` (item data packed again, later headers moved down).
-fn delete_leaf_item(blk: &mut [u8], slot: usize) {
-    let n = le_u32(blk, 96) as usize;
-    let hdr = |i: usize| HEADER_SIZE + i * ITEM_SIZE;
-    let off = |b: &[u8], i: usize| le_u32(b, hdr(i) + 17) as usize;
-    let size_i = le_u32(blk, hdr(slot) + 21) as usize;
-    let off_i = off(blk, slot);
-    if slot + 1 < n {
-        let off_last = off(blk, n - 1);
-        blk.copy_within(
-            HEADER_SIZE + off_last..HEADER_SIZE + off_i,
-            HEADER_SIZE + off_last + size_i,
-        );
-        for j in slot + 1..n {
-            let v = (off(blk, j) + size_i) as u32;
-            blk[hdr(j) + 17..hdr(j) + 21].copy_from_slice(&v.to_le_bytes());
-        }
-        blk.copy_within(hdr(slot + 1)..hdr(n), hdr(slot));
-    }
-    blk[96..100].copy_from_slice(&((n - 1) as u32).to_le_bytes());
+    let dev = butter::io::device::FileDevice::open(img, true).unwrap();
+    butter::inspect::rewrite_block(Arc::new(dev), at.block, |block| {
+        let hdr = HEADER_SIZE + at.slot * ITEM_SIZE;
+        assert_eq!(Key::from_bytes(&block[hdr..hdr + DISK_KEY_SIZE]), at.key);
+        let data = HEADER_SIZE + le_u32(block, hdr + 17) as usize;
+        edit(block, hdr, data);
+    })
+    .unwrap();
 }
 
 /// Deletes the item at `at` (not the first of a leaf that has a parent, whose key would change).

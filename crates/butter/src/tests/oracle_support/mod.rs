@@ -256,3 +256,25 @@ impl Drop for Frozen {
         }
     }
 }
+
+/// Removes leaf item `slot` from `blk` (item data packed again, later headers moved down).
+pub(crate) fn delete_leaf_item(blk: &mut [u8], slot: usize) {
+    let n = butter::format::le_u32(blk, 96) as usize;
+    let hdr = |i: usize| butter::format::HEADER_SIZE + i * butter::format::ITEM_SIZE;
+    let off = |b: &[u8], i: usize| butter::format::le_u32(b, hdr(i) + 17) as usize;
+    let size_i = butter::format::le_u32(blk, hdr(slot) + 21) as usize;
+    let off_i = off(blk, slot);
+    if slot + 1 < n {
+        let off_last = off(blk, n - 1);
+        blk.copy_within(
+            butter::format::HEADER_SIZE + off_last..butter::format::HEADER_SIZE + off_i,
+            butter::format::HEADER_SIZE + off_last + size_i,
+        );
+        for j in slot + 1..n {
+            let v = (off(blk, j) + size_i) as u32;
+            blk[hdr(j) + 17..hdr(j) + 21].copy_from_slice(&v.to_le_bytes());
+        }
+        blk.copy_within(hdr(slot + 1)..hdr(n), hdr(slot));
+    }
+    blk[96..100].copy_from_slice(&((n - 1) as u32).to_le_bytes());
+}
