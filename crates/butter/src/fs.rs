@@ -144,12 +144,7 @@ impl Fs {
     fn open_device_nolog(dev: Arc<dyn BlockDevice>) -> Result<Fs> {
         let disk = crate::ctree::open_disk(dev)?;
         let sb = &disk.sb;
-        let tree_root = Root {
-            id: ROOT_TREE_OBJECTID,
-            bytenr: sb.root,
-            level: sb.root_level,
-            generation: sb.generation,
-        };
+        let tree_root = Root::of_root_tree(sb);
         if sb.log_root != 0 {
             log::info!(
                 "the image has an unreplayed fsync log (log_root {})",

@@ -254,12 +254,7 @@ pub fn dump_tree(
         return d.blocks(&opts.blocks, opts.follow);
     }
     let only = opts.tree;
-    let tree_root = Root {
-        id: ROOT_TREE_OBJECTID,
-        bytenr: sb.root,
-        level: sb.root_level,
-        generation: sb.generation,
-    };
+    let tree_root = Root::of_root_tree(&sb);
     if only.is_none_or(|t| t == ROOT_TREE_OBJECTID) {
         d.emit("root tree\n")?;
         d.tree(tree_root, true)?;
@@ -374,12 +369,7 @@ pub fn rewrite_item(
 ) -> Result<(Key, u64, usize)> {
     let disk = open_disk(dev.clone())?;
     let sb = &disk.sb;
-    let tree_root = Root {
-        id: ROOT_TREE_OBJECTID,
-        bytenr: sb.root,
-        level: sb.root_level,
-        generation: sb.generation,
-    };
+    let tree_root = Root::of_root_tree(sb);
     let root = if tree == ROOT_TREE_OBJECTID {
         tree_root
     } else {

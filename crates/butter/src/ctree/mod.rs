@@ -33,6 +33,18 @@ pub(crate) struct Root {
     pub generation: u64,
 }
 
+impl Root {
+    /// The root tree's root, as superblock `sb` names it.
+    pub(crate) fn of_root_tree(sb: &crate::format::superblock::Superblock) -> Root {
+        Root {
+            id: ROOT_TREE_OBJECTID,
+            bytenr: sb.root,
+            level: sb.root_level,
+            generation: sb.generation,
+        }
+    }
+}
+
 /// The blocks and slots from the root down to a leaf.
 #[derive(Debug, Clone)]
 pub(crate) struct Path {

@@ -220,12 +220,7 @@ impl Writer {
     /// Root of tree `id` as of the last commit (its blocks stay untouched until the running
     /// transaction commits); `None` for a tree created since.
     fn committed_root(&self, id: u64) -> Result<Option<crate::ctree::Root>> {
-        let tree_root = crate::ctree::Root {
-            id: ROOT_TREE_OBJECTID,
-            bytenr: self.sb.root,
-            level: self.sb.root_level,
-            generation: self.sb.generation,
-        };
+        let tree_root = crate::ctree::Root::of_root_tree(&self.sb);
         let key = Key::new(id, ROOT_ITEM_KEY, u64::MAX);
         match ctree::lookup_le(&self.disk, &tree_root, &key)? {
             Some(it) if it.key.objectid == id && it.key.ty == ROOT_ITEM_KEY => {
