@@ -126,6 +126,26 @@ pub(crate) fn patch_root_item(b: &mut [u8], bytenr: u64, level: u8, generation: 
     }
 }
 
+/// Patches a subvolume's ROOT_ITEM body for a commit that changed the subvolume: its
+/// `ctransid` (the transid of its last change), in the extended root item only.
+pub(crate) fn patch_root_ctransid(b: &mut [u8], transid: u64) {
+    if b.len() >= RootItem::SIZE {
+        b[295..303].copy_from_slice(&transid.to_le_bytes());
+    }
+}
+
+/// The `flags` of a QGROUP_STATUS item body (`None` when it is too short to hold them).
+pub(crate) fn qgroup_status_flags(b: &[u8]) -> Option<u64> {
+    (b.len() >= 32).then(|| le_u64(b, 16))
+}
+
+/// Patches a QGROUP_STATUS item body: its `generation` and `flags` (the body has at least
+/// 32 bytes: version, generation, flags, rescan progress).
+pub(crate) fn patch_qgroup_status(b: &mut [u8], generation: u64, flags: u64) {
+    b[8..16].copy_from_slice(&generation.to_le_bytes());
+    b[16..24].copy_from_slice(&flags.to_le_bytes());
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -6,7 +6,6 @@ use super::Writer;
 use super::{TransState, TreeState};
 use crate::ctree::cow_ctx::is_fs_tree;
 use crate::error::{Error, Location, Result};
-use crate::format::items::*;
 use crate::format::superblock::BackupRoot;
 use crate::format::*;
 use std::collections::HashMap;
@@ -152,20 +151,22 @@ impl Writer {
             return Ok(());
         };
         // version, generation, flags, rescan progress (u64 each; newer kernels append one).
-        if body.len() < 32 {
+        let Some(flags) = crate::format::encode::qgroup_status_flags(&body) else {
             return Err(Error::corrupt(
                 Location::what("qgroup status item")
                     .with_tree(QUOTA_TREE_OBJECTID)
                     .with_key(key),
                 format!("item is {} bytes, expected at least 32", body.len()),
             ));
-        }
-        let flags = le_u64(&body, 16);
+        };
         if flags & QGROUP_STATUS_FLAG_ON != 0 && flags & QGROUP_STATUS_FLAG_INCONSISTENT == 0 {
             let transid = self.transid;
             self.update_item(QUOTA_TREE_OBJECTID, &key, |b| {
-                b[8..16].copy_from_slice(&transid.to_le_bytes());
-                b[16..24].copy_from_slice(&(flags | QGROUP_STATUS_FLAG_INCONSISTENT).to_le_bytes());
+                crate::format::encode::patch_qgroup_status(
+                    b,
+                    transid,
+                    flags | QGROUP_STATUS_FLAG_INCONSISTENT,
+                );
                 Ok(())
             })?;
             log::info!(
@@ -198,8 +199,8 @@ impl Writer {
             };
             let before = body.clone();
             crate::format::encode::patch_root_item(&mut body, t.bytenr, t.level, self.transid);
-            if is_fs_tree(t.id) && body.len() >= RootItem::SIZE {
-                body[295..303].copy_from_slice(&self.transid.to_le_bytes());
+            if is_fs_tree(t.id) {
+                crate::format::encode::patch_root_ctransid(&mut body, self.transid);
             }
             if body != before {
                 self.update_item(ROOT_TREE_OBJECTID, &key, |b| {
