@@ -78,6 +78,9 @@ struct Plan {
     /// fsync logs pending ordered extents as they are (the fsync rule that skips writes in
     /// progress; off: `fsync=log-wait`).
     fsync_rule: bool,
+    /// Appends gather in memory before allocation (`nodelalloc`: each write is allocated and
+    /// written when it comes).
+    delalloc: bool,
     subvol: Subvol,
     cfg: MountConfig,
 }
@@ -88,6 +91,7 @@ fn plan(a: &MountArgs) -> Result<Plan, CliError> {
     let mut nologreplay = false;
     let mut fsync_log = true;
     let mut fsync_rule = true;
+    let mut delalloc = true;
     let mut subvol = match (&a.subvol, a.subvol_id) {
         (Some(p), _) => Subvol::Path(p.clone()),
         (None, Some(id)) => Subvol::Id(id),
@@ -126,6 +130,14 @@ fn plan(a: &MountArgs) -> Result<Plan, CliError> {
             }
             ("nologreplay", None) => {
                 nologreplay = true;
+                None
+            }
+            ("delalloc", None) => {
+                delalloc = true;
+                None
+            }
+            ("nodelalloc", None) => {
+                delalloc = false;
                 None
             }
             ("fsync", Some("log")) => {
@@ -201,6 +213,7 @@ fn plan(a: &MountArgs) -> Result<Plan, CliError> {
         nologreplay,
         fsync_log,
         fsync_rule,
+        delalloc,
         subvol,
         cfg,
     })
@@ -258,6 +271,7 @@ pub fn mount(a: MountArgs) -> CliResult {
         let opts = butter::fs::RwOptions {
             fsync_log: p.fsync_log,
             fsync_skips_writes_in_progress: p.fsync_rule,
+            delayed_allocation: p.delalloc,
             ..Default::default()
         };
         Fs::open_rw_with(&a.image, opts).map_err(|e| match e {
@@ -426,6 +440,8 @@ mod tests {
         let wait = parse(&["-o", "fsync=log-wait", "img", "dir"]).unwrap();
         assert!(wait.fsync_log && !wait.fsync_rule);
         assert!(parse(&["img", "dir"]).unwrap().fsync_rule);
+        assert!(parse(&["img", "dir"]).unwrap().delalloc);
+        assert!(!parse(&["-o", "nodelalloc", "img", "dir"]).unwrap().delalloc);
         assert!(parse(&["-o", "fsync=sometimes", "img", "dir"]).is_err());
         assert!(parse(&["-o", "nologreplay", "img", "dir"]).is_err());
         assert!(parse(&["--subvol", "a", "--subvol-id", "5", "img", "dir"]).is_err());
