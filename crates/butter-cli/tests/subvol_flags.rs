@@ -10,6 +10,9 @@
 //!   owns is overwritten in place (same disk bytenr), one shared with a snapshot is copied
 //!   on write (the snapshot keeps its data); new files inherit the flags from a +C
 //!   directory; lsattr/chattr work through the mount and the kernel shows the same flags.
+//! - The default subvolume: `butter subvolume set-default` changes what the kernel and `butter
+//!   mount` show without subvol=, and `btrfs subvolume get-default` agrees with `butter
+//!   subvolume get-default`.
 //!
 //! Each test that changes an image ends with `butter check`, `btrfs check --readonly` and a
 //! kernel mount that shows the change. Needs root, FUSE, loop devices, btrfs-progs and
@@ -495,4 +498,97 @@ fn nodatacow_files_write_in_place() {
     );
     m.unmount();
     let _ = Write::flush(&mut std::io::stdout());
+}
+
+/// Both checkers on `img`, clean.
+fn both_checks_clean(img: &Path, what: &str) {
+    let (rc, out) = fuse_mount::butter_check(img);
+    assert_eq!(rc, 0, "{what}: butter check is not clean:\n{out}");
+    kernel::assert_btrfs_check(img);
+}
+
+/// `butter subvolume set-default` makes a subvolume the one a mount without subvol= shows,
+/// in the kernel (and `btrfs subvolume get-default` names it as `butter subvolume
+/// get-default` does) and in `butter mount`; `--id 5` puts the top level back.
+#[test]
+fn default_subvolume_in_butter_and_the_kernel() {
+    if !fuse_mount::require("default_subvolume_in_butter_and_the_kernel", &[]) {
+        return;
+    }
+    let sc = ScratchDir::new("subvol-default");
+    let img = sc.join("a.img");
+    fuse_mount::fresh_image(&img, SIZE);
+    let (ok, _, err) = butter(&["subvolume", "create", s(&img), "sv"]);
+    assert!(ok, "subvolume create: {err}");
+    {
+        let fs = Fs::open_rw(&img).unwrap();
+        let sv = fs.resolve("sv").unwrap();
+        let f = fs
+            .create(
+                sv,
+                b"inside",
+                0o644,
+                butter::inode::namespace::Owner::default(),
+            )
+            .unwrap();
+        fs.write(f, 0, b"in the subvolume\n").unwrap();
+        fs.commit().unwrap();
+    }
+    let (ok, before, err) = butter(&["subvolume", "get-default", s(&img)]);
+    assert!(ok, "get-default: {err}");
+    assert_eq!(before.trim(), "ID 5 (FS_TREE)");
+
+    let (ok, out, err) = butter(&["subvolume", "set-default", s(&img), "sv"]);
+    assert!(ok, "set-default sv: {err}");
+    let (ok, ours, err) = butter(&["subvolume", "get-default", s(&img)]);
+    assert!(ok, "get-default: {err}");
+    assert_eq!(out.trim(), ours.trim());
+    assert!(ours.starts_with("ID 256 gen "), "{ours}");
+    assert!(ours.trim().ends_with(" top level 5 path sv"), "{ours}");
+    assert!(
+        kernel::dump_super(&img).contains("DEFAULT_SUBVOL"),
+        "the DEFAULT_SUBVOL incompat bit is not set"
+    );
+    both_checks_clean(&img, "after set-default sv");
+    {
+        let m = LoopMount::btrfs(&img, &sc.dir("k1"), "");
+        let p = m.path();
+        assert_eq!(
+            fs::read(p.join("inside")).unwrap(),
+            b"in the subvolume\n",
+            "the kernel does not mount the default subvolume"
+        );
+        let theirs = sh("btrfs", &["subvolume", "get-default", s(p)]);
+        assert_eq!(
+            theirs.trim(),
+            ours.trim(),
+            "btrfs and butter get-default differ"
+        );
+        m.unmount();
+    }
+    {
+        let dir = sc.dir("b1");
+        let m = ButterMount::start(&img, &dir, &[], &sc.join("b1.log"));
+        assert_eq!(
+            fs::read(dir.join("inside")).unwrap(),
+            b"in the subvolume\n",
+            "butter mount does not show the default subvolume"
+        );
+        m.unmount();
+    }
+
+    let (ok, _, err) = butter(&["subvolume", "set-default", "--id", "5", s(&img)]);
+    assert!(ok, "set-default --id 5: {err}");
+    let (_, back, _) = butter(&["subvolume", "get-default", s(&img)]);
+    assert_eq!(back.trim(), "ID 5 (FS_TREE)");
+    both_checks_clean(&img, "after set-default --id 5");
+    let m = LoopMount::btrfs(&img, &sc.dir("k2"), "");
+    assert!(m.path().join("sv/inside").exists(), "top level not back");
+    let theirs = sh("btrfs", &["subvolume", "get-default", s(m.path())]);
+    assert_eq!(theirs.trim(), "ID 5 (FS_TREE)");
+    m.unmount();
+
+    // A path that is not a subvolume's root is refused, naming it.
+    let (ok, _, err) = butter(&["subvolume", "set-default", s(&img), "sv/inside"]);
+    assert!(!ok && err.contains("not the root of a subvolume"), "{err}");
 }

@@ -159,7 +159,7 @@ impl Fs {
             writer: None,
             open_files: Mutex::new(HashMap::new()),
             roots: Mutex::new(HashMap::new()),
-            default_subvol: FS_TREE_OBJECTID,
+            default_subvol: FS_TREE_OBJECTID.into(),
             log_sync: Mutex::new(()),
             fsync_log: std::sync::atomic::AtomicBool::new(true),
             ordered: Default::default(),
@@ -187,11 +187,11 @@ impl Fs {
         )? {
             for d in DirItem::parse_all(it.data()).map_err(|e| it.annotate(e))? {
                 if d.name == b"default" && d.location.ty == ROOT_ITEM_KEY {
-                    fs.default_subvol = d.location.objectid;
+                    *fs.default_subvol.get_mut() = d.location.objectid;
                 }
             }
         }
-        fs.subvol_root(fs.default_subvol)?;
+        fs.subvol_root(fs.default_subvolume())?;
         Ok(Fs {
             core: fs,
             committer: Mutex::new(None),

@@ -1,4 +1,5 @@
-//! `butter subvolume create|snapshot|list`: subvolumes of an image, without mounting it.
+//! `butter subvolume create|snapshot|list|get-default|set-default`: subvolumes of an image,
+//! without mounting it.
 //!
 //! Paths are inside the image, from the root of its default subvolume (as on a mount).
 
@@ -32,6 +33,23 @@ pub enum SubvolCmd {
     List {
         /// Image file or block device.
         image: PathBuf,
+    },
+    /// Show the default subvolume: the one a mount without subvol= shows.
+    GetDefault {
+        /// Image file or block device.
+        image: PathBuf,
+    },
+    /// Make a subvolume the default one: the one a mount without subvol= shows, in butter and
+    /// in the kernel.
+    SetDefault {
+        /// The subvolume by id instead of by path (5 is the top level).
+        #[arg(long, value_name = "N", conflicts_with = "path")]
+        id: Option<u64>,
+        /// Image file or block device.
+        image: PathBuf,
+        /// Root directory of the subvolume inside the image.
+        #[arg(required_unless_present = "id")]
+        path: Option<String>,
     },
 }
 
@@ -119,5 +137,56 @@ pub fn subvolume(a: SubvolumeArgs) -> CliResult {
             Ok(())
         }
         SubvolCmd::List { image } => super::ls::subvolumes(super::ls::SubvolArgs { image }),
+        SubvolCmd::GetDefault { image } => {
+            let fs = super::open_fs(&image)?;
+            println!("{}", describe_subvolume(&fs, fs.default_subvolume())?);
+            Ok(())
+        }
+        SubvolCmd::SetDefault { id, image, path } => {
+            let fs = open_rw(&image)?;
+            let id = match (id, path) {
+                (Some(id), _) => id,
+                (None, Some(path)) => subvolume_at(&fs, &path)?,
+                (None, None) => return Err(CliError("give a PATH or --id".into())),
+            };
+            fs.set_default_subvolume(id).map_err(|e| {
+                CliError(format!(
+                    "cannot make subvolume {id} the default: {}",
+                    CliError::from(e)
+                ))
+            })?;
+            fs.commit()?;
+            println!("{}", describe_subvolume(&fs, id)?);
+            Ok(())
+        }
     }
+}
+
+/// The id of the subvolume whose root directory `path` is.
+fn subvolume_at(fs: &Fs, path: &str) -> Result<u64, CliError> {
+    let ino = fs
+        .resolve(path)
+        .map_err(|e| CliError(format!("{path:?}: {}", CliError::from(e))))?;
+    if ino != fs.subvol_root_inode(ino.root)? {
+        return Err(CliError(format!(
+            "{path:?} is not the root of a subvolume (see `butter subvolume list`)"
+        )));
+    }
+    Ok(ino.root)
+}
+
+/// One line about subvolume `id`, as `btrfs subvolume get-default` prints it.
+fn describe_subvolume(fs: &Fs, id: u64) -> Result<String, CliError> {
+    if id == butter::format::FS_TREE_OBJECTID {
+        return Ok(format!("ID {id} (FS_TREE)"));
+    }
+    let list = fs.list_subvolumes()?;
+    let s = list
+        .iter()
+        .find(|s| s.id == id)
+        .ok_or_else(|| CliError(format!("subvolume {id} is not linked anywhere")))?;
+    Ok(format!(
+        "ID {} gen {} top level {} path {}",
+        s.id, s.item.generation, s.parent, s.path
+    ))
 }

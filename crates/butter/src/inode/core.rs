@@ -27,7 +27,7 @@ pub struct Core {
     pub(crate) open_files: Mutex<HashMap<Inode, u32>>,
     pub(crate) roots: Mutex<HashMap<u64, (Root, RootItem)>>,
     /// The subvolume mounted by default (DEFAULT_SUBVOL dir item, else 5).
-    pub(crate) default_subvol: u64,
+    pub(crate) default_subvol: std::sync::atomic::AtomicU64,
     /// Held by log commits and transaction commits (crate::tree_log::write): one writes a
     /// superblock at a time.
     pub(crate) log_sync: Mutex<()>,
@@ -166,10 +166,17 @@ impl Core {
             .remove(&id);
     }
 
+    /// The default subvolume: the one a mount without `subvol=` shows (the root tree's
+    /// "default" directory entry; 5, the top level, when there is none).
+    pub fn default_subvolume(&self) -> u64 {
+        self.default_subvol
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// Root directory inode of the default subvolume.
     pub fn root_inode(&self) -> Inode {
         Inode {
-            root: self.default_subvol,
+            root: self.default_subvolume(),
             ino: FIRST_FREE_OBJECTID,
         }
     }

@@ -445,6 +445,59 @@ impl Core {
         })
     }
 
+    /// Makes subvolume `id` the default one, what a mount without `subvol=` shows (5 is the
+    /// top level), as the kernel's DEFAULT_SUBVOL ioctl does: the root tree's "default"
+    /// entry points at its root item, and the DEFAULT_SUBVOL incompat bit is set.
+    pub fn set_default_subvolume(&self, id: u64) -> Result<()> {
+        if id != FS_TREE_OBJECTID && !(FIRST_FREE_OBJECTID..=LAST_FREE_OBJECTID).contains(&id) {
+            return Err(Error::Invalid(format!("{id} is not a subvolume id")));
+        }
+        // NotFound when there is no such subvolume.
+        self.subvol_root(id)?;
+        let name: &[u8] = b"default";
+        let key = Key::new(
+            ROOT_TREE_DIR_OBJECTID,
+            DIR_ITEM_KEY,
+            crate::format::hash::name_hash(name),
+        );
+        let location = Key::new(id, ROOT_ITEM_KEY, 0);
+        self.op(false, |w| {
+            let mut found = false;
+            w.update_item(ROOT_TREE_OBJECTID, &key, |b| {
+                // The entries of one name hash, one after another; "default" is one of them.
+                let mut off = 0;
+                for d in DirItem::parse_all(b)? {
+                    if d.name == name {
+                        b[off..off + 17].copy_from_slice(&location.to_bytes());
+                        found = true;
+                    }
+                    off += DirItem::HEADER + d.name.len() + d.data.len();
+                }
+                Ok(())
+            })?;
+            if !found {
+                let entry = DirItem {
+                    location,
+                    transid: w.transid,
+                    data: Vec::new(),
+                    name: name.to_vec(),
+                    file_type: FT_DIR,
+                };
+                let mut body = match w.read_item(ROOT_TREE_OBJECTID, &key)? {
+                    Some(b) => b,
+                    None => Vec::new(),
+                };
+                entry.write(&mut body);
+                w.replace_item(ROOT_TREE_OBJECTID, key, &body)?;
+            }
+            w.sb.incompat_flags |= INCOMPAT_DEFAULT_SUBVOL;
+            Ok(())
+        })?;
+        self.default_subvol
+            .store(id, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
+    }
+
     /// The received uuid of subvolume `id` (None when unset, as on anything not made by
     /// receive).
     pub fn received_uuid(&self, id: u64) -> Result<Option<[u8; 16]>> {
