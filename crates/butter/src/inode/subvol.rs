@@ -483,10 +483,7 @@ impl Core {
                     name: name.to_vec(),
                     file_type: FT_DIR,
                 };
-                let mut body = match w.read_item(ROOT_TREE_OBJECTID, &key)? {
-                    Some(b) => b,
-                    None => Vec::new(),
-                };
+                let mut body = w.read_item(ROOT_TREE_OBJECTID, &key)?.unwrap_or_default();
                 entry.write(&mut body);
                 w.replace_item(ROOT_TREE_OBJECTID, key, &body)?;
             }
