@@ -12,7 +12,8 @@
 //!   directory; lsattr/chattr work through the mount and the kernel shows the same flags.
 //! - The default subvolume: `butter subvolume set-default` changes what the kernel and `butter
 //!   mount` show without subvol=, and `btrfs subvolume get-default` agrees with `butter
-//!   subvolume get-default`.
+//!   subvolume get-default`; `butter subvolume show` and `list -u -q -R` agree with
+//!   `btrfs subvolume show` on kernel-made subvolumes.
 //!
 //! Each test that changes an image ends with `butter check`, `btrfs check --readonly` and a
 //! kernel mount that shows the change. Needs root, FUSE, loop devices, btrfs-progs and
@@ -591,4 +592,89 @@ fn default_subvolume_in_butter_and_the_kernel() {
     // A path that is not a subvolume's root is refused, naming it.
     let (ok, _, err) = butter(&["subvolume", "set-default", s(&img), "sv/inside"]);
     assert!(!ok && err.contains("not the root of a subvolume"), "{err}");
+}
+
+/// "Key: value" lines of a `subvolume show` output, whitespace trimmed.
+fn show_fields(out: &str) -> std::collections::BTreeMap<String, String> {
+    out.lines()
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_string(), v.trim().to_string()))
+        .collect()
+}
+
+/// `butter subvolume show` gives what `btrfs subvolume show` gives for a kernel-made
+/// subvolume and its read-only snapshot (uuids, parent uuid, generations, ids, flags), and
+/// `butter subvolume list -u -q -R` lists the same uuids.
+#[test]
+fn subvolume_show_matches_the_kernel() {
+    if !fuse_mount::require("subvolume_show_matches_the_kernel", &[]) {
+        return;
+    }
+    let sc = ScratchDir::new("subvol-show");
+    let img = sc.join("a.img");
+    fuse_mount::fresh_image(&img, SIZE);
+    let mut theirs = Vec::new();
+    {
+        let m = LoopMount::btrfs(&img, &sc.dir("k"), "");
+        let p = m.path();
+        sh("btrfs", &["subvolume", "create", s(&p.join("sv"))]);
+        fs::write(p.join("sv/f"), b"data\n").unwrap();
+        sh(
+            "btrfs",
+            &[
+                "subvolume",
+                "snapshot",
+                "-r",
+                s(&p.join("sv")),
+                s(&p.join("snap")),
+            ],
+        );
+        kernel::sync_all();
+        for name in ["sv", "snap"] {
+            theirs.push(sh("btrfs", &["subvolume", "show", s(&p.join(name))]));
+        }
+        m.unmount();
+    }
+    let (ok, list, err) = butter(&["subvolume", "list", "-u", "-q", "-R", s(&img)]);
+    assert!(ok, "list: {err}");
+    for (name, theirs) in ["sv", "snap"].into_iter().zip(theirs) {
+        let (ok, ours, err) = butter(&["subvolume", "show", s(&img), name]);
+        assert!(ok, "show {name}: {err}");
+        let (a, b) = (show_fields(&ours), show_fields(&theirs));
+        for k in [
+            "Name",
+            "UUID",
+            "Parent UUID",
+            "Received UUID",
+            "Subvolume ID",
+            "Generation",
+            "Gen at creation",
+            "Parent ID",
+            "Top level ID",
+            "Flags",
+            "Send transid",
+            "Receive transid",
+        ] {
+            assert_eq!(
+                a.get(k),
+                b.get(k),
+                "{name}: {k}\nbutter:\n{ours}\nbtrfs:\n{theirs}"
+            );
+        }
+        let line = list
+            .lines()
+            .find(|l| {
+                l.ends_with(&format!(" path {name}")) || l.contains(&format!(" path {name} "))
+            })
+            .unwrap_or_else(|| panic!("{name} not listed:\n{list}"));
+        assert!(line.contains(&format!(" uuid {} ", b["UUID"])), "{line}");
+        assert!(
+            line.contains(&format!(" parent_uuid {} ", b["Parent UUID"])),
+            "{line}"
+        );
+        assert!(
+            line.contains(&format!(" received_uuid {} ", b["Received UUID"])),
+            "{line}"
+        );
+    }
 }

@@ -27,6 +27,24 @@ pub struct CatArgs {
 #[derive(clap::Args)]
 pub struct SubvolArgs {
     pub image: PathBuf,
+    /// Also each subvolume's uuid.
+    #[arg(short = 'u')]
+    pub uuid: bool,
+    /// Also each subvolume's parent uuid (the subvolume it is a snapshot of; "-" for none).
+    #[arg(short = 'q')]
+    pub parent_uuid: bool,
+    /// Also each subvolume's received uuid ("-" for none).
+    #[arg(short = 'R')]
+    pub received_uuid: bool,
+}
+
+/// A uuid as btrfs prints it, "-" for none (all zeros).
+pub fn uuid_or_dash(u: &[u8; 16]) -> String {
+    if *u == [0; 16] {
+        "-".into()
+    } else {
+        butter::format::fmt_uuid(u)
+    }
 }
 
 pub fn mode_string(mode: u32) -> String {
@@ -141,8 +159,24 @@ pub fn subvolumes(a: SubvolArgs) -> CliResult {
         } else {
             ""
         };
+        let mut uuids = String::new();
+        if a.uuid {
+            uuids.push_str(&format!(" uuid {}", uuid_or_dash(&s.item.uuid)));
+        }
+        if a.parent_uuid {
+            uuids.push_str(&format!(
+                " parent_uuid {}",
+                uuid_or_dash(&s.item.parent_uuid)
+            ));
+        }
+        if a.received_uuid {
+            uuids.push_str(&format!(
+                " received_uuid {}",
+                uuid_or_dash(&s.item.received_uuid)
+            ));
+        }
         println!(
-            "ID {} gen {} parent {} path {}{}",
+            "ID {} gen {} parent {}{uuids} path {}{}",
             s.id, s.item.generation, s.parent, s.path, ro
         );
     }

@@ -1,4 +1,4 @@
-//! `butter subvolume create|snapshot|list|get-default|set-default`: subvolumes of an image,
+//! `butter subvolume create|snapshot|list|show|get-default|set-default`: subvolumes of an image,
 //! without mounting it.
 //!
 //! Paths are inside the image, from the root of its default subvolume (as on a mount).
@@ -30,9 +30,13 @@ pub enum SubvolCmd {
         dest: String,
     },
     /// List subvolumes and snapshots (same as `butter subvolumes`).
-    List {
+    List(super::ls::SubvolArgs),
+    /// Show one subvolume: uuids, parent and received uuids, generations, times, flags.
+    Show {
         /// Image file or block device.
         image: PathBuf,
+        /// Root directory of the subvolume inside the image.
+        path: String,
     },
     /// Show the default subvolume: the one a mount without subvol= shows.
     GetDefault {
@@ -136,7 +140,13 @@ pub fn subvolume(a: SubvolumeArgs) -> CliResult {
             );
             Ok(())
         }
-        SubvolCmd::List { image } => super::ls::subvolumes(super::ls::SubvolArgs { image }),
+        SubvolCmd::List(a) => super::ls::subvolumes(a),
+        SubvolCmd::Show { image, path } => {
+            let fs = super::open_fs(&image)?;
+            let id = subvolume_at(&fs, &path)?;
+            print!("{}", show_subvolume(&fs, id)?);
+            Ok(())
+        }
         SubvolCmd::GetDefault { image } => {
             let fs = super::open_fs(&image)?;
             println!("{}", describe_subvolume(&fs, fs.default_subvolume())?);
@@ -189,4 +199,56 @@ fn describe_subvolume(fs: &Fs, id: u64) -> Result<String, CliError> {
         "ID {} gen {} top level {} path {}",
         s.id, s.item.generation, s.parent, s.path
     ))
+}
+
+/// Subvolume `id` as `btrfs subvolume show` lays it out (times in UTC).
+fn show_subvolume(fs: &Fs, id: u64) -> Result<String, CliError> {
+    use super::ls::uuid_or_dash;
+    let time = |t: &butter::format::items::Timespec| {
+        if t.sec == 0 && t.nsec == 0 {
+            "-".to_string()
+        } else {
+            format!("{} +0000", butter::format::print::utc_datetime(t.sec))
+        }
+    };
+    let (path, parent, ri) = if id == butter::format::FS_TREE_OBJECTID {
+        let ri = fs
+            .find_root_item(id)?
+            .ok_or_else(|| CliError("the top-level subvolume has no root item".into()))?;
+        ("/".to_string(), 0, ri)
+    } else {
+        let list = fs.list_subvolumes()?;
+        let s = list
+            .into_iter()
+            .find(|s| s.id == id)
+            .ok_or_else(|| CliError(format!("subvolume {id} is not linked anywhere")))?;
+        (s.path, s.parent, s.item)
+    };
+    let name = path.rsplit('/').next().unwrap_or(&path).to_string();
+    let flags = if ri.flags & butter::format::ROOT_SUBVOL_RDONLY != 0 {
+        "readonly"
+    } else {
+        "-"
+    };
+    let mut out = format!("{path}\n");
+    for (k, v) in [
+        ("Name", name),
+        ("UUID", uuid_or_dash(&ri.uuid)),
+        ("Parent UUID", uuid_or_dash(&ri.parent_uuid)),
+        ("Received UUID", uuid_or_dash(&ri.received_uuid)),
+        ("Creation time", time(&ri.otime)),
+        ("Subvolume ID", id.to_string()),
+        ("Generation", ri.generation.to_string()),
+        ("Gen at creation", ri.otransid.to_string()),
+        ("Parent ID", parent.to_string()),
+        ("Top level ID", parent.to_string()),
+        ("Flags", flags.to_string()),
+        ("Send transid", ri.stransid.to_string()),
+        ("Send time", time(&ri.stime)),
+        ("Receive transid", ri.rtransid.to_string()),
+        ("Receive time", time(&ri.rtime)),
+    ] {
+        out.push_str(&format!("\t{k}: \t{v}\n"));
+    }
+    Ok(out)
 }
