@@ -1532,6 +1532,17 @@ impl Filesystem for ButterFuse {
                 let src = self.inode(ino_in.0)?;
                 let dst = self.inode(ino_out.0)?;
                 let len = len.min(1 << 30);
+                // Sector-aligned ranges are cloned (the extents are shared, as kernel btrfs
+                // does; the length may end at the source's end); anything the clone refuses
+                // is copied.
+                let ss = u64::from(self.fs.sectorsize().max(1));
+                if offset_in.is_multiple_of(ss) && offset_out.is_multiple_of(ss) {
+                    match self.fs.clone_range(src, offset_in, dst, offset_out, len) {
+                        Ok(n) => return Ok(n as u32),
+                        Err(butter::Error::Unsupported(_) | butter::Error::Invalid(_)) => {}
+                        Err(e) => return Err(fs_err(e)),
+                    }
+                }
                 let mut done = 0u64;
                 while done < len {
                     let step = (len - done).min(u64::from(MAX_WRITE)) as usize;

@@ -48,6 +48,7 @@ const ORDER: &[&str] = &[
     "inode/flags",
     "inode/file",
     "inode/namespace",
+    "inode/reflink",
     "inode/orphan",
     "inode/seek",
     "inode/statfs",

@@ -43,19 +43,19 @@ pub(crate) const FALLOC_FL_ZERO_RANGE: u32 = 0x10;
 
 /// One file extent item of an inode: its key offset, length in the file, and body.
 #[derive(Debug, Clone)]
-struct FileExtent {
-    start: u64,
-    item: FileExtentItem,
+pub(crate) struct FileExtent {
+    pub(crate) start: u64,
+    pub(crate) item: FileExtentItem,
 }
 
 impl FileExtent {
-    fn len(&self, ss: u64) -> u64 {
+    pub(crate) fn len(&self, ss: u64) -> u64 {
         match &self.item.body {
             FileExtentBody::Inline(_) => self.item.ram_bytes.div_ceil(ss) * ss,
             FileExtentBody::Extent { num_bytes, .. } => *num_bytes,
         }
     }
-    fn end(&self, ss: u64) -> u64 {
+    pub(crate) fn end(&self, ss: u64) -> u64 {
         self.start + self.len(ss)
     }
 }
@@ -131,7 +131,7 @@ pub(crate) fn cut(ks: u64, fe: &FileExtentItem, ke: u64, start: u64, end: u64) -
 }
 
 impl Core {
-    fn file_extents(&self, ino: Inode, from: u64, to: u64) -> Result<Vec<FileExtent>> {
+    pub(crate) fn file_extents(&self, ino: Inode, from: u64, to: u64) -> Result<Vec<FileExtent>> {
         let ss = self.disk.sectorsize() as u64;
         let mut out = Vec::new();
         let mut it = self.extent_items_from(ino, from)?;

@@ -18,6 +18,7 @@ pub mod namespace;
 pub mod ordered;
 pub mod orphan;
 pub mod read;
+pub(crate) mod reflink;
 pub mod seek;
 pub mod statfs;
 pub mod subvol;
