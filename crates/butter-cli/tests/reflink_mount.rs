@@ -1,7 +1,8 @@
 //! Reflink through `butter mount`: copy_file_range(2) of sector-aligned ranges clones them
 //! (as kernel btrfs does), so copying a large file costs no data space: the kernel, mounting
 //! the image afterwards, shows the copy's bytes as shared (`btrfs filesystem du`: nothing
-//! exclusive), both files read the same in butter and in the kernel, and both checkers pass.
+//! exclusive), both files read the same in butter and in the kernel, and both checkers pass;
+//! compressed and preallocated extents are shared as they are.
 //! Needs root, FUSE, loop devices and btrfs-progs; without them the test prints a notice and
 //! passes, unless CI is set.
 
@@ -106,5 +107,90 @@ fn copy_file_range_clones_through_the_mount() {
         Some(&"0"),
         "the copy has exclusive bytes:\n{du}"
     );
+    m.unmount();
+}
+
+/// Compressed extents (written by the kernel with compress-force) and preallocated ones
+/// (fallocate, part written) are shared as they are: the clones read the same in butter and
+/// in the kernel, own nothing exclusive, and both checkers pass.
+#[test]
+fn compressed_and_preallocated_extents_are_shared() {
+    if !fuse_mount::require(
+        "compressed_and_preallocated_extents_are_shared",
+        &["fallocate"],
+    ) {
+        return;
+    }
+    let sc = ScratchDir::new("reflink-kinds");
+    let img = sc.join("a.img");
+    fuse_mount::fresh_image(&img, 512 << 20);
+    // Compressible: runs of one byte.
+    let z: Vec<u8> = (0..4 * MIB).map(|i| (i / 1000) as u8).collect();
+    {
+        let m = LoopMount::btrfs(&img, &sc.dir("k0"), "compress-force=zstd");
+        let p = m.path();
+        fs::write(p.join("z"), &z).unwrap();
+        kernel::sh("fallocate", &["-l", "4M", p.join("p").to_str().unwrap()]);
+        let f = OpenOptions::new().write(true).open(p.join("p")).unwrap();
+        std::os::unix::fs::FileExt::write_all_at(&f, b"in the middle", MIB as u64).unwrap();
+        drop(f);
+        kernel::sync_all();
+        m.unmount();
+    }
+    let mut want_p = vec![0u8; 4 * MIB];
+    want_p[MIB..MIB + 13].copy_from_slice(b"in the middle");
+    {
+        let dir = sc.dir("b");
+        let m = ButterMount::start(&img, &dir, &[], &sc.join("b.log"));
+        for (name, len) in [("z", z.len()), ("p", want_p.len())] {
+            let src = File::open(dir.join(name)).unwrap();
+            let dst = OpenOptions::new()
+                .create(true)
+                .truncate(true)
+                .write(true)
+                .open(dir.join(format!("{name}2")))
+                .unwrap();
+            copy_range(&src, &dst, len);
+        }
+        assert!(
+            fs::read(dir.join("z2")).unwrap() == z,
+            "butter reads z2 differently"
+        );
+        assert!(
+            fs::read(dir.join("p2")).unwrap() == want_p,
+            "butter reads p2 differently"
+        );
+        m.unmount();
+    }
+    let (rc, out) = fuse_mount::butter_check(&img);
+    assert_eq!(rc, 0, "butter check:\n{out}");
+    kernel::assert_btrfs_check(&img);
+    let m = LoopMount::btrfs(&img, &sc.dir("k"), "");
+    assert!(
+        fs::read(m.path().join("z2")).unwrap() == z,
+        "the kernel reads z2 differently"
+    );
+    assert!(
+        fs::read(m.path().join("p2")).unwrap() == want_p,
+        "the kernel reads p2 differently"
+    );
+    for name in ["z2", "p2"] {
+        let du = kernel::sh(
+            "btrfs",
+            &[
+                "filesystem",
+                "du",
+                "--raw",
+                m.path().join(name).to_str().unwrap(),
+            ],
+        );
+        let row: Vec<&str> = du
+            .lines()
+            .last()
+            .unwrap_or_default()
+            .split_whitespace()
+            .collect();
+        assert_eq!(row.get(1), Some(&"0"), "{name} has exclusive bytes:\n{du}");
+    }
     m.unmount();
 }
