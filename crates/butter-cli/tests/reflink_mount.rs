@@ -12,6 +12,7 @@ use common::fuse_mount::{self, ButterMount};
 use common::kernel::{self, LoopMount, ScratchDir};
 use std::fs::{self, File, OpenOptions};
 use std::os::fd::AsRawFd;
+use std::path::Path;
 
 const MIB: usize = 1 << 20;
 
@@ -45,6 +46,49 @@ fn copy_range(src: &File, dst: &File, len: usize) {
     }
 }
 
+/// Copies file `name` of the mounted directory `dir` to `copy` with copy_file_range.
+fn copy_file(dir: &Path, name: &str, copy: &str) {
+    let src = File::open(dir.join(name)).unwrap();
+    let dst = OpenOptions::new()
+        .create(true)
+        .truncate(true)
+        .write(true)
+        .open(dir.join(copy))
+        .unwrap();
+    copy_range(&src, &dst, src.metadata().unwrap().len() as usize);
+}
+
+/// Both checkers on `img`, then a kernel mount of it: each (file, bytes) of `files` reads
+/// those bytes, and each of `clones` owns nothing exclusive (`btrfs filesystem du`: Total,
+/// Exclusive, Set shared, Filename).
+fn verify_in_kernel(sc: &ScratchDir, img: &Path, files: &[(&str, &[u8])], clones: &[&str]) {
+    let (rc, out) = fuse_mount::butter_check(img);
+    assert_eq!(rc, 0, "butter check:\n{out}");
+    kernel::assert_btrfs_check(img);
+    let m = LoopMount::btrfs(img, &sc.dir("k"), "");
+    for (name, want) in files {
+        assert!(
+            fs::read(m.path().join(name)).unwrap() == *want,
+            "the kernel reads {name} differently"
+        );
+    }
+    for name in clones {
+        let path = m.path().join(name);
+        let du = kernel::sh(
+            "btrfs",
+            &["filesystem", "du", "--raw", path.to_str().unwrap()],
+        );
+        let row: Vec<&str> = du
+            .lines()
+            .last()
+            .unwrap_or_default()
+            .split_whitespace()
+            .collect();
+        assert_eq!(row.get(1), Some(&"0"), "{name} has exclusive bytes:\n{du}");
+    }
+    m.unmount();
+}
+
 #[test]
 fn copy_file_range_clones_through_the_mount() {
     if !fuse_mount::require("copy_file_range_clones_through_the_mount", &[]) {
@@ -59,55 +103,14 @@ fn copy_file_range_clones_through_the_mount() {
         let m = ButterMount::start(&img, &dir, &[], &sc.join("b.log"));
         fs::write(dir.join("src"), &want).unwrap();
         File::open(dir.join("src")).unwrap().sync_all().unwrap();
-        let src = File::open(dir.join("src")).unwrap();
-        let dst = OpenOptions::new()
-            .create(true)
-            .truncate(true)
-            .write(true)
-            .open(dir.join("copy"))
-            .unwrap();
-        copy_range(&src, &dst, want.len());
-        drop((src, dst));
+        copy_file(&dir, "src", "copy");
         assert!(
             fs::read(dir.join("copy")).unwrap() == want,
             "the copy reads differently"
         );
         m.unmount();
     }
-    let (rc, out) = fuse_mount::butter_check(&img);
-    assert_eq!(rc, 0, "butter check:\n{out}");
-    kernel::assert_btrfs_check(&img);
-    let m = LoopMount::btrfs(&img, &sc.dir("k"), "");
-    assert!(
-        fs::read(m.path().join("copy")).unwrap() == want,
-        "the kernel reads the copy differently"
-    );
-    assert!(
-        fs::read(m.path().join("src")).unwrap() == want,
-        "the kernel reads the source differently"
-    );
-    // Total, Exclusive, Set shared, Filename: the copy owns nothing of its own.
-    let du = kernel::sh(
-        "btrfs",
-        &[
-            "filesystem",
-            "du",
-            "--raw",
-            m.path().join("copy").to_str().unwrap(),
-        ],
-    );
-    let row: Vec<&str> = du
-        .lines()
-        .last()
-        .unwrap_or_default()
-        .split_whitespace()
-        .collect();
-    assert_eq!(
-        row.get(1),
-        Some(&"0"),
-        "the copy has exclusive bytes:\n{du}"
-    );
-    m.unmount();
+    verify_in_kernel(&sc, &img, &[("src", &want), ("copy", &want)], &["copy"]);
 }
 
 /// Compressed extents (written by the kernel with compress-force) and preallocated ones
@@ -142,16 +145,8 @@ fn compressed_and_preallocated_extents_are_shared() {
     {
         let dir = sc.dir("b");
         let m = ButterMount::start(&img, &dir, &[], &sc.join("b.log"));
-        for (name, len) in [("z", z.len()), ("p", want_p.len())] {
-            let src = File::open(dir.join(name)).unwrap();
-            let dst = OpenOptions::new()
-                .create(true)
-                .truncate(true)
-                .write(true)
-                .open(dir.join(format!("{name}2")))
-                .unwrap();
-            copy_range(&src, &dst, len);
-        }
+        copy_file(&dir, "z", "z2");
+        copy_file(&dir, "p", "p2");
         assert!(
             fs::read(dir.join("z2")).unwrap() == z,
             "butter reads z2 differently"
@@ -162,35 +157,5 @@ fn compressed_and_preallocated_extents_are_shared() {
         );
         m.unmount();
     }
-    let (rc, out) = fuse_mount::butter_check(&img);
-    assert_eq!(rc, 0, "butter check:\n{out}");
-    kernel::assert_btrfs_check(&img);
-    let m = LoopMount::btrfs(&img, &sc.dir("k"), "");
-    assert!(
-        fs::read(m.path().join("z2")).unwrap() == z,
-        "the kernel reads z2 differently"
-    );
-    assert!(
-        fs::read(m.path().join("p2")).unwrap() == want_p,
-        "the kernel reads p2 differently"
-    );
-    for name in ["z2", "p2"] {
-        let du = kernel::sh(
-            "btrfs",
-            &[
-                "filesystem",
-                "du",
-                "--raw",
-                m.path().join(name).to_str().unwrap(),
-            ],
-        );
-        let row: Vec<&str> = du
-            .lines()
-            .last()
-            .unwrap_or_default()
-            .split_whitespace()
-            .collect();
-        assert_eq!(row.get(1), Some(&"0"), "{name} has exclusive bytes:\n{du}");
-    }
-    m.unmount();
+    verify_in_kernel(&sc, &img, &[("z2", &z), ("p2", &want_p)], &["z2", "p2"]);
 }
