@@ -101,3 +101,42 @@ fn clones_share_extents_and_read_back() {
     butter_check(&fs).unwrap();
     btrfs_check(&img, "reflink").unwrap();
 }
+
+/// A clone right after writes that are still gathered in memory (delayed allocation) or in
+/// flight clones those bytes too: the source's pending writes are completed first.
+#[test]
+fn a_clone_takes_writes_not_yet_in_the_trees() {
+    let dev = Arc::new(RamDevice::new(fresh_image(
+        128 << 20,
+        Profile::Dup,
+        Profile::Single,
+    )));
+    let fs = Fs::open_device_rw(dev.clone()).unwrap();
+    let me = Owner::default();
+    let top = fs.root_inode();
+    let x = fs.create(top, b"x", 0o644, me).unwrap();
+    let y = fs.create(top, b"y", 0o644, me).unwrap();
+    // Small appends (gathered in memory), then one large write (its data written out of
+    // the writer lock, its extent pending).
+    let mut want = Vec::new();
+    for i in 0..8u64 {
+        let part = content(100 + i, 20_000);
+        fs.write(x, want.len() as u64, &part).unwrap();
+        want.extend_from_slice(&part);
+    }
+    let big = content(200, 2 * MIB as usize);
+    fs.write(x, want.len() as u64, &big).unwrap();
+    want.extend_from_slice(&big);
+    assert_eq!(
+        fs.clone_range(x, 0, y, 0, want.len() as u64).unwrap(),
+        want.len() as u64
+    );
+    assert!(read_all(&fs, y) == want, "the clone misses pending writes");
+    fs.commit().unwrap();
+    drop(fs);
+    let img = dev.durable_bytes();
+    let fs = Fs::open_device(Arc::new(RamDevice::new(img.clone()))).unwrap();
+    assert!(read_all(&fs, y) == want, "after a reopen");
+    butter_check(&fs).unwrap();
+    btrfs_check(&img, "reflink-pending").unwrap();
+}
