@@ -38,6 +38,8 @@ enum Command {
     Property(cmd::property::PropertyArgs),
     /// Extract a subvolume (with subvolumes below it) into a directory.
     Restore(cmd::restore::RestoreArgs),
+    /// Apply a send stream (today: print it with --dump, as btrfs receive --dump does).
+    Receive(cmd::receive::ReceiveArgs),
     /// Mount an image through FUSE.
     Mount(cmd::mount::MountArgs),
     /// Unmount a butter mount; returns once its final commit is on disk.
@@ -62,6 +64,7 @@ fn main() -> ExitCode {
         Command::Subvolume(a) => cmd::subvol::subvolume(a),
         Command::Property(a) => cmd::property::property(a),
         Command::Restore(a) => cmd::restore::restore(a),
+        Command::Receive(a) => cmd::receive::receive(a),
         Command::Mount(a) => cmd::mount::mount(a),
         Command::Unmount(a) => cmd::unmount::unmount(a),
         Command::Check(a) => cmd::check::check(a),

@@ -5,6 +5,7 @@ pub mod ls;
 pub mod mkfs;
 pub mod mount;
 pub mod property;
+pub mod receive;
 pub mod restore;
 pub mod subvol;
 pub mod unmount;

@@ -14,6 +14,7 @@ pub mod header;
 pub mod items;
 pub mod key;
 pub mod print;
+pub mod send_stream;
 pub mod superblock;
 
 pub(crate) use crate::ids::tree_name;
