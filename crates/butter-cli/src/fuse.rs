@@ -1523,7 +1523,7 @@ impl Filesystem for ButterFuse {
         _flags: fuser::CopyFileRangeFlags,
         reply: fuser::ReplyWrite,
     ) {
-        // Read and write in steps; the reply counts bytes in 32 bits.
+        // Cloned where the engine can, copied otherwise; the reply counts bytes in 32 bits.
         match self.change_op(
             "copy_file_range",
             ino_in.0,
@@ -1531,35 +1531,11 @@ impl Filesystem for ButterFuse {
             || {
                 let src = self.inode(ino_in.0)?;
                 let dst = self.inode(ino_out.0)?;
-                let len = len.min(1 << 30);
-                // Sector-aligned ranges are cloned (the extents are shared, as kernel btrfs
-                // does; the length may end at the source's end); anything the clone refuses
-                // is copied.
-                let ss = u64::from(self.fs.sectorsize().max(1));
-                if offset_in.is_multiple_of(ss) && offset_out.is_multiple_of(ss) {
-                    match self.fs.clone_range(src, offset_in, dst, offset_out, len) {
-                        Ok(n) => return Ok(n as u32),
-                        Err(butter::Error::Unsupported(_) | butter::Error::Invalid(_)) => {}
-                        Err(e) => return Err(fs_err(e)),
-                    }
-                }
-                let mut done = 0u64;
-                while done < len {
-                    let step = (len - done).min(u64::from(MAX_WRITE)) as usize;
-                    let data = self.fs.read(src, offset_in + done, step)?;
-                    if data.is_empty() {
-                        break;
-                    }
-                    let n = self
-                        .fs
-                        .write(dst, offset_out + done, &data)
-                        .map_err(fs_err)?;
-                    done += n as u64;
-                    if n < step {
-                        break;
-                    }
-                }
-                Ok(done as u32)
+                let n = self
+                    .fs
+                    .copy_file_range(src, offset_in, dst, offset_out, len.min(1 << 30))
+                    .map_err(fs_err)?;
+                Ok(n as u32)
             },
         ) {
             Ok(n) => reply.written(n),

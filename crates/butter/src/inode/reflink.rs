@@ -149,6 +149,28 @@ impl Core {
         Ok(len)
     }
 
+    /// copy_file_range(2): `len` bytes of `src` from `src_off` into `dst` at `dst_off`,
+    /// cloned where the clone takes them (sector-aligned offsets, see [`Core::clone_range`]),
+    /// as kernel btrfs does, and copied otherwise. Returns the bytes done (fewer at the end
+    /// of `src`).
+    pub fn copy_file_range(
+        &self,
+        src: Inode,
+        src_off: u64,
+        dst: Inode,
+        dst_off: u64,
+        len: u64,
+    ) -> Result<u64> {
+        let ss = self.disk.sectorsize() as u64;
+        if src_off.is_multiple_of(ss) && dst_off.is_multiple_of(ss) {
+            match self.clone_range(src, src_off, dst, dst_off, len) {
+                Err(Error::Unsupported(_) | Error::Invalid(_)) => {}
+                r => return r,
+            }
+        }
+        self.copy_range(src, src_off, dst, dst_off, len)
+    }
+
     /// The bytes of `src`'s range written into `dst` (what a clone does where there is no
     /// extent to share).
     fn copy_range(
