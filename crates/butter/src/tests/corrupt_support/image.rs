@@ -20,6 +20,9 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::{Arc, OnceLock};
 
+// The tool runner the oracle suites share (a tool that fails panics with its output).
+pub(crate) use crate::tests::oracle_support::{run, tool};
+
 pub(crate) const IMAGE_SIZE: u64 = 128 << 20;
 
 /// Returns false after printing a notice, or panics when `CI` is set.
@@ -29,16 +32,6 @@ pub(crate) fn unavailable(why: &str) -> bool {
     }
     eprintln!("NOTICE: skipping corruption image test: {why}");
     false
-}
-
-fn tool(name: &str) -> Option<PathBuf> {
-    let mut dirs: Vec<PathBuf> = std::env::var_os("PATH")
-        .map(|p| std::env::split_paths(&p).collect())
-        .unwrap_or_default();
-    for d in ["/usr/sbin", "/sbin", "/usr/bin", "/bin"] {
-        dirs.push(PathBuf::from(d));
-    }
-    dirs.into_iter().map(|d| d.join(name)).find(|p| p.is_file())
 }
 
 pub(crate) fn have_mkfs() -> bool {
@@ -72,23 +65,6 @@ pub(crate) fn have_root_and_loop() -> bool {
         return unavailable("the kernel has no btrfs");
     }
     true
-}
-
-/// Runs a tool; panics with its stderr on failure.
-pub(crate) fn run(name: &str, args: &[&str]) -> String {
-    let path = tool(name).unwrap_or_else(|| PathBuf::from(name));
-    let out = Command::new(&path)
-        .args(args)
-        .output()
-        .unwrap_or_else(|e| panic!("{name} {args:?}: {e}"));
-    if !out.status.success() {
-        panic!(
-            "{name} {args:?} failed ({}): {}",
-            out.status,
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 /// /tmp/corrupt/<name>-<pid>, emptied first, removed on drop.
