@@ -324,6 +324,16 @@ pub fn rewrite_block(
     edit: impl FnOnce(&mut [u8]),
 ) -> Result<Vec<(u64, Vec<u8>)>> {
     let disk = open_disk(dev.clone())?;
+    rewrite_on(&disk, dev.as_ref(), bytenr, edit)
+}
+
+/// [`rewrite_block`] on a disk already open.
+fn rewrite_on(
+    disk: &Disk,
+    dev: &dyn BlockDevice,
+    bytenr: u64,
+    edit: impl FnOnce(&mut [u8]),
+) -> Result<Vec<(u64, Vec<u8>)>> {
     let ns = disk.nodesize() as usize;
     let copies = disk.chunk_map().map(bytenr, ns as u64)?;
     let mut before = Vec::with_capacity(copies.len());
@@ -407,7 +417,7 @@ pub fn rewrite_item(
     let hdr = HEADER_SIZE + slot * ITEM_SIZE;
     let data = HEADER_SIZE + data_off as usize;
     let mut key = None;
-    rewrite_block(dev, bytenr, |block| {
+    rewrite_on(&disk, dev.as_ref(), bytenr, |block| {
         edit(block, hdr, data);
         key = Some(Key::from_bytes(&block[hdr..hdr + DISK_KEY_SIZE]));
     })?;
