@@ -265,15 +265,6 @@ fn time_or_now(t: TimeOrNow) -> Timespec {
     }
 }
 
-/// The kernel-internal dev_t btrfs stores (major << 20 | minor) from FUSE's 32-bit
-/// userspace encoding (the inverse of [`fuse_rdev`]).
-pub fn btrfs_rdev(rdev: u32) -> u64 {
-    let rdev = u64::from(rdev);
-    let major = (rdev & 0xfff00) >> 8;
-    let minor = (rdev & 0xff) | ((rdev >> 12) & 0xfff00);
-    (major << 20) | minor
-}
-
 /// Errors that are an answer, not a failure (logged quietly), by variant; the rest are logged.
 fn fs_err(e: Error) -> OpError {
     match &e {
@@ -864,7 +855,8 @@ impl Filesystem for ButterFuse {
     ) {
         let r = self.write_op("mknod", parent.0, || {
             self.create_node(req, parent.0, name, mode, umask, |d, n, m, o| {
-                self.fs.mknod(d, n, m, btrfs_rdev(rdev), o)
+                self.fs
+                    .mknod(d, n, m, butter::format::items::rdev_from_user(rdev), o)
             })
         });
         self.reply_entry(reply, r);
@@ -1603,14 +1595,6 @@ fn kind_from_mode(mode: u32, ino: Inode) -> butter::Result<FileType> {
     })
 }
 
-/// btrfs stores `rdev` as the kernel's internal dev_t (major << 20 | minor); FUSE wants the
-/// 32-bit userspace encoding, which it decodes with `new_decode_dev`.
-pub fn fuse_rdev(rdev: u64) -> u32 {
-    let major = (rdev >> 20) & 0xfff;
-    let minor = rdev & 0xf_ffff;
-    ((minor & 0xff) | (major << 8) | ((minor & !0xff) << 12)) as u32
-}
-
 fn system_time(t: Timespec) -> SystemTime {
     let nsec = Duration::from_nanos(u64::from(t.nsec.min(999_999_999)));
     let base = if t.sec >= 0 {
@@ -1644,7 +1628,7 @@ pub fn file_attr(
         nlink: i.nlink,
         uid: i.uid,
         gid: i.gid,
-        rdev: fuse_rdev(i.rdev),
+        rdev: butter::format::items::rdev_to_user(i.rdev),
         blksize: sectorsize as u32,
         flags: 0,
     })
@@ -1932,18 +1916,6 @@ mod tests {
         assert_eq!(m.inode(TABLE_BASE + 2), Some(odd));
         let one = Inode { root: 5, ino: 1 };
         assert_eq!(m.node_id(one), TABLE_BASE + 3);
-    }
-
-    #[test]
-    fn rdev_encoding() {
-        // /dev/null is 1:3, kernel-internal (1 << 20) | 3.
-        assert_eq!(fuse_rdev((1 << 20) | 3), 0x103);
-        // major 259, minor 0x12345
-        let internal = (259u64 << 20) | 0x12345;
-        let enc = fuse_rdev(internal);
-        let major = (enc & 0xfff00) >> 8;
-        let minor = (enc & 0xff) | ((enc >> 12) & 0xfff00);
-        assert_eq!((major, minor), (259, 0x12345));
     }
 
     #[test]

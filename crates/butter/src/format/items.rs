@@ -53,6 +53,23 @@ impl Timespec {
     }
 }
 
+/// The device number btrfs stores in an inode's `rdev` (the kernel's internal dev_t,
+/// major << 20 | minor) from the userspace encoding of stat(2), mknod(2), FUSE and send
+/// streams (12-bit major, 20-bit minor, split as `new_encode_dev` splits them).
+pub fn rdev_from_user(dev: u32) -> u64 {
+    let dev = u64::from(dev);
+    let major = (dev & 0xfff00) >> 8;
+    let minor = (dev & 0xff) | ((dev >> 12) & 0xfff00);
+    (major << 20) | minor
+}
+
+/// The userspace encoding of a stored `rdev` (the inverse of [`rdev_from_user`]).
+pub fn rdev_to_user(rdev: u64) -> u32 {
+    let major = (rdev >> 20) & 0xfff;
+    let minor = rdev & 0xf_ffff;
+    ((minor & 0xff) | (major << 8) | ((minor & !0xff) << 12)) as u32
+}
+
 /// INODE_ITEM (160 bytes).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct InodeItem {
@@ -958,6 +975,16 @@ impl ExtentItem {
 #[cfg(test)]
 mod encode_tests {
     use super::*;
+
+    #[test]
+    fn rdev_encodings_round_trip() {
+        // /dev/null is 1:3: stored (1 << 20) | 3, 0x103 in userspace.
+        assert_eq!(rdev_to_user((1 << 20) | 3), 0x103);
+        assert_eq!(rdev_from_user(0x103), (1 << 20) | 3);
+        // Major 259, minor 0x12345: the minor's high bits move above the major.
+        let stored = (259u64 << 20) | 0x12345;
+        assert_eq!(rdev_from_user(rdev_to_user(stored)), stored);
+    }
 
     fn ts(sec: i64, nsec: u32) -> Timespec {
         Timespec { sec, nsec }
