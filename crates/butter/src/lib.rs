@@ -16,7 +16,8 @@
 //! - `tree_log`: fsync through the log tree, and log replay;
 //! - `check`: the checker;
 //! - `inspect`: the on-disk structures as text (dump-super, dump-tree);
-//! - `fs`: the facade the CLI and the FUSE front end use (`Fs`).
+//! - `fs`: the facade the CLI and the FUSE front end use (`Fs`);
+//! - `receive`: send streams applied to an image.
 
 pub mod error;
 pub mod format;
@@ -34,6 +35,7 @@ pub mod inode;
 pub mod inspect;
 pub mod io;
 pub mod mkfs;
+pub mod receive;
 pub mod space;
 pub mod transaction;
 pub mod tree_log;

@@ -49,10 +49,12 @@ const ORDER: &[&str] = &[
     "inode/file",
     "inode/namespace",
     "inode/reflink",
+    "inode/encoded",
     "inode/orphan",
     "inode/seek",
     "inode/statfs",
     "inode/subvol",
+    "inode/received",
     "inode",
     "tree_log/write",
     "tree_log/replay",
@@ -60,6 +62,7 @@ const ORDER: &[&str] = &[
     "check",
     "inspect",
     "fs",
+    "receive",
 ];
 
 /// Edges that run against `ORDER` today (from, to). Only ever remove entries.

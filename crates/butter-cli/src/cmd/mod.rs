@@ -4,6 +4,7 @@ pub mod dump;
 pub mod ls;
 pub mod mkfs;
 pub mod mount;
+pub mod progress;
 pub mod property;
 pub mod receive;
 pub mod restore;

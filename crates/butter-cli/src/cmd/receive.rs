@@ -1,5 +1,5 @@
-//! `butter receive`: send streams, from a file or standard input. `--dump` prints one, as
-//! `btrfs receive --dump` does; receiving into an image is not done yet and says so.
+//! `butter receive`: send streams, from a file or standard input, applied to a directory of
+//! an image (butter::receive), or printed as `btrfs receive --dump` prints them.
 
 use super::{CliError, CliResult};
 use std::path::PathBuf;
@@ -15,9 +15,12 @@ pub struct ReceiveArgs {
     /// Stop at an `end` command instead of at the end of the input.
     #[arg(short = 'e')]
     pub end: bool,
-    /// Stop after N errors (0: never).
-    #[arg(short = 'E', value_name = "N")]
+    /// Stop after N commands failed (0: never; default 1).
+    #[arg(short = 'E', long = "max-errors", value_name = "N")]
     pub max_errors: Option<u64>,
+    /// No progress line.
+    #[arg(short = 'q', long)]
+    pub quiet: bool,
     /// Image file or block device to receive into.
     #[arg(required_unless_present = "dump")]
     pub image: Option<PathBuf>,
@@ -27,24 +30,24 @@ pub struct ReceiveArgs {
 }
 
 pub fn receive(a: ReceiveArgs) -> CliResult {
-    if !a.dump {
-        return Err(CliError(
-            "receiving a stream into an image is not implemented yet; `butter receive --dump` \
-             prints what a stream holds"
-                .into(),
-        ));
-    }
     let name = a
         .file
         .as_ref()
         .map(|f| f.display().to_string())
         .unwrap_or_else(|| "standard input".into());
     let input: Box<dyn std::io::Read> = match &a.file {
-        Some(f) => Box::new(std::io::BufReader::new(
+        Some(f) => Box::new(std::io::BufReader::with_capacity(
+            1 << 20,
             std::fs::File::open(f).map_err(|e| CliError(format!("cannot open {name}: {e}")))?,
         )),
-        None => Box::new(std::io::BufReader::new(std::io::stdin().lock())),
+        None => Box::new(std::io::BufReader::with_capacity(
+            1 << 20,
+            std::io::stdin().lock(),
+        )),
     };
+    if !a.dump {
+        return apply(&a, input, &name);
+    }
     let mut out = std::io::BufWriter::new(std::io::stdout().lock());
     let r = butter::format::send_stream::dump(input, &mut out);
     let flushed = std::io::Write::flush(&mut out);
@@ -60,5 +63,73 @@ pub fn receive(a: ReceiveArgs) -> CliResult {
         _ => CliError(format!("{name}: {e}")),
     })?;
     flushed?;
+    Ok(())
+}
+
+/// Receives the stream into the image.
+fn apply(a: &ReceiveArgs, input: Box<dyn std::io::Read>, name: &str) -> CliResult {
+    let (Some(image), Some(dir)) = (&a.image, &a.dir) else {
+        return Err(CliError(
+            "receive needs an IMAGE and a DIR inside it".into(),
+        ));
+    };
+    let fs = super::subvol::open_rw(image)?;
+    let at = fs.resolve(dir).map_err(|e| {
+        CliError(format!(
+            "{dir:?} in {}: {}\n  DIR is a directory inside the image, from its top (e.g. / or \
+             /backups)",
+            image.display(),
+            CliError::from(e)
+        ))
+    })?;
+    let opts = butter::receive::ReceiveOptions {
+        stop_at_end: a.end,
+        max_errors: a.max_errors.unwrap_or(1),
+    };
+    let mut meter = super::progress::Meter::new("receiving", !a.quiet);
+    let report = butter::receive::receive(&fs, at, input, &opts, &mut |p| {
+        meter.tick(p.bytes, p.commands)
+    });
+    let closed = fs.close();
+    meter.done(report.progress.bytes, report.progress.commands);
+    let mut incomplete = false;
+    for s in &report.subvolumes {
+        if s.complete {
+            eprintln!("At subvol {} (id {})", s.name, s.id);
+        } else {
+            incomplete = true;
+            eprintln!(
+                "Incomplete subvol {} (id {}): left writable, without a received uuid",
+                s.name, s.id
+            );
+        }
+    }
+    if let Some(e) = &report.stopped {
+        let mut hint = match e {
+            butter::Error::Corrupt { .. } | butter::Error::BadChecksum { .. } => {
+                "\n  the stream is damaged there; make it again with btrfs send or butter send"
+            }
+            _ => "",
+        }
+        .to_string();
+        if incomplete {
+            hint.push_str(
+                "\n  what was received before it stays in the image; delete the incomplete \
+                 subvolume before receiving the stream again",
+            );
+        }
+        if let Err(c) = &closed {
+            hint.push_str(&format!("\n  closing the image failed too: {c}"));
+        }
+        return Err(CliError(format!("{name}: {e}{hint}")));
+    }
+    closed.map_err(|e| CliError(format!("closing {}: {e}", image.display())))?;
+    if !report.errors.is_empty() {
+        return Err(CliError(format!(
+            "{name}: {} command(s) failed:\n  {}",
+            report.errors.len(),
+            report.errors.join("\n  ")
+        )));
+    }
     Ok(())
 }

@@ -21,36 +21,39 @@ const CMD_HEADER: usize = 10;
 const MAX_PAYLOAD: usize = 64 << 20;
 
 /// Attribute types.
-mod attr {
-    pub(super) const UUID: u16 = 1;
-    pub(super) const CTRANSID: u16 = 2;
-    pub(super) const SIZE: u16 = 4;
-    pub(super) const MODE: u16 = 5;
-    pub(super) const UID: u16 = 6;
-    pub(super) const GID: u16 = 7;
-    pub(super) const RDEV: u16 = 8;
-    pub(super) const CTIME: u16 = 9;
-    pub(super) const MTIME: u16 = 10;
-    pub(super) const ATIME: u16 = 11;
-    pub(super) const XATTR_NAME: u16 = 13;
-    pub(super) const XATTR_DATA: u16 = 14;
-    pub(super) const PATH: u16 = 15;
-    pub(super) const PATH_TO: u16 = 16;
-    pub(super) const PATH_LINK: u16 = 17;
-    pub(super) const FILE_OFFSET: u16 = 18;
-    pub(super) const DATA: u16 = 19;
-    pub(super) const CLONE_UUID: u16 = 20;
-    pub(super) const CLONE_CTRANSID: u16 = 21;
-    pub(super) const CLONE_PATH: u16 = 22;
-    pub(super) const CLONE_OFFSET: u16 = 23;
-    pub(super) const CLONE_LEN: u16 = 24;
-    pub(super) const FALLOCATE_MODE: u16 = 25;
-    pub(super) const FILEATTR: u16 = 26;
-    pub(super) const UNENCODED_FILE_LEN: u16 = 27;
-    pub(super) const UNENCODED_LEN: u16 = 28;
-    pub(super) const UNENCODED_OFFSET: u16 = 29;
-    pub(super) const COMPRESSION: u16 = 30;
-    pub(super) const ENCRYPTION: u16 = 31;
+pub(crate) mod attr {
+    pub(crate) const UUID: u16 = 1;
+    pub(crate) const CTRANSID: u16 = 2;
+    pub(crate) const SIZE: u16 = 4;
+    pub(crate) const MODE: u16 = 5;
+    pub(crate) const UID: u16 = 6;
+    pub(crate) const GID: u16 = 7;
+    pub(crate) const RDEV: u16 = 8;
+    pub(crate) const CTIME: u16 = 9;
+    pub(crate) const MTIME: u16 = 10;
+    pub(crate) const ATIME: u16 = 11;
+    pub(crate) const XATTR_NAME: u16 = 13;
+    pub(crate) const XATTR_DATA: u16 = 14;
+    pub(crate) const PATH: u16 = 15;
+    pub(crate) const PATH_TO: u16 = 16;
+    pub(crate) const PATH_LINK: u16 = 17;
+    pub(crate) const FILE_OFFSET: u16 = 18;
+    pub(crate) const DATA: u16 = 19;
+    pub(crate) const CLONE_UUID: u16 = 20;
+    pub(crate) const CLONE_CTRANSID: u16 = 21;
+    pub(crate) const CLONE_PATH: u16 = 22;
+    pub(crate) const CLONE_OFFSET: u16 = 23;
+    pub(crate) const CLONE_LEN: u16 = 24;
+    pub(crate) const FALLOCATE_MODE: u16 = 25;
+    pub(crate) const FILEATTR: u16 = 26;
+    pub(crate) const UNENCODED_FILE_LEN: u16 = 27;
+    pub(crate) const UNENCODED_LEN: u16 = 28;
+    pub(crate) const UNENCODED_OFFSET: u16 = 29;
+    pub(crate) const COMPRESSION: u16 = 30;
+    pub(crate) const ENCRYPTION: u16 = 31;
+    /// The highest attribute type a stream may carry (32 to 35 are version 3's verity
+    /// attributes).
+    pub(crate) const MAX: u16 = 35;
 }
 
 /// Command numbers and the names `btrfs receive --dump` gives them.
@@ -90,6 +93,8 @@ pub struct Command {
     pub kind: u16,
     /// Byte offset of its header in the stream.
     pub offset: u64,
+    /// Its place in the input, counting from 1 (across the streams of a multi-stream send).
+    pub index: u64,
     attrs: Vec<(u16, Vec<u8>)>,
 }
 
@@ -103,14 +108,10 @@ impl Command {
     }
 
     fn loc(&self) -> Location {
-        Location::what(format!(
-            "send stream command {} at byte {}",
-            self.name().unwrap_or("(unknown)"),
-            self.offset
-        ))
+        command_loc(self.index, self.kind, self.offset)
     }
 
-    fn bytes(&self, ty: u16) -> Result<&[u8]> {
+    pub(crate) fn bytes(&self, ty: u16) -> Result<&[u8]> {
         self.attrs
             .iter()
             .find(|(t, _)| *t == ty)
@@ -119,7 +120,7 @@ impl Command {
     }
 
     /// A number attribute: little endian, 1, 2, 4 or 8 bytes (u8 to u64 attributes).
-    fn u64(&self, ty: u16) -> Result<u64> {
+    pub(crate) fn u64(&self, ty: u16) -> Result<u64> {
         let b = self.bytes(ty)?;
         if ![1, 2, 4, 8].contains(&b.len()) {
             return Err(Error::corrupt(
@@ -132,7 +133,7 @@ impl Command {
         Ok(u64::from_le_bytes(a))
     }
 
-    fn u64_or(&self, ty: u16, default: u64) -> Result<u64> {
+    pub(crate) fn u64_or(&self, ty: u16, default: u64) -> Result<u64> {
         if self.attrs.iter().any(|(t, _)| *t == ty) {
             self.u64(ty)
         } else {
@@ -140,23 +141,27 @@ impl Command {
         }
     }
 
-    fn uuid(&self, ty: u16) -> Result<String> {
+    /// A uuid attribute (16 bytes).
+    pub(crate) fn uuid_bytes(&self, ty: u16) -> Result<[u8; 16]> {
         let b = self.bytes(ty)?;
-        let a: [u8; 16] = b.try_into().map_err(|_| {
+        b.try_into().map_err(|_| {
             Error::corrupt(
                 self.loc(),
                 format!("attribute {ty} is {} bytes, not 16", b.len()),
             )
-        })?;
-        Ok(crate::format::fmt_uuid(&a))
+        })
+    }
+
+    fn uuid(&self, ty: u16) -> Result<String> {
+        Ok(crate::format::fmt_uuid(&self.uuid_bytes(ty)?))
     }
 
     fn text(&self, ty: u16) -> Result<String> {
         Ok(String::from_utf8_lossy(self.bytes(ty)?).into_owned())
     }
 
-    /// A timespec attribute (u64 seconds, u32 nanoseconds) as `--dump` prints it.
-    fn time(&self, ty: u16) -> Result<String> {
+    /// A timespec attribute: u64 seconds, u32 nanoseconds.
+    pub(crate) fn timespec(&self, ty: u16) -> Result<(i64, u32)> {
         let b = self.bytes(ty)?;
         if b.len() != 12 {
             return Err(Error::corrupt(
@@ -164,10 +169,30 @@ impl Command {
                 format!("time attribute {ty} is {} bytes, not 12", b.len()),
             ));
         }
-        let secs = i64::from_le_bytes(b[..8].try_into().unwrap_or([0; 8]));
+        let mut s = [0u8; 8];
+        s.copy_from_slice(&b[..8]);
+        let mut n = [0u8; 4];
+        n.copy_from_slice(&b[8..]);
+        Ok((i64::from_le_bytes(s), u32::from_le_bytes(n)))
+    }
+
+    /// A timespec attribute as `--dump` prints it.
+    fn time(&self, ty: u16) -> Result<String> {
+        let (secs, _) = self.timespec(ty)?;
         let t = crate::format::print::utc_datetime(secs).replacen(' ', "T", 1);
         Ok(format!("{t}+0000"))
     }
+}
+
+/// Where command number `index` (counting from 1), of type `kind`, starts: the words every
+/// error about a command uses.
+pub(crate) fn command_loc(index: u64, kind: u16, at: u64) -> Location {
+    let name = COMMANDS
+        .iter()
+        .find(|(k, _)| *k == kind)
+        .map(|(_, n)| *n)
+        .unwrap_or("unknown");
+    Location::what(format!("send stream command {index} ({name}) at byte {at}"))
 }
 
 /// Reads the commands of a send stream one by one.
@@ -176,6 +201,8 @@ pub struct StreamReader<R: Read> {
     version: u32,
     offset: u64,
     ended: bool,
+    /// Commands read so far.
+    count: u64,
 }
 
 impl<R: Read> StreamReader<R> {
@@ -198,12 +225,18 @@ impl<R: Read> StreamReader<R> {
             version,
             offset: 17,
             ended: false,
+            count: 0,
         })
     }
 
     /// The stream's version.
     pub fn version(&self) -> u32 {
         self.version
+    }
+
+    /// Bytes of the stream read so far.
+    pub fn offset(&self) -> u64 {
+        self.offset
     }
 
     /// The next command; `None` at the end of the input (several streams may follow each
@@ -243,7 +276,9 @@ impl<R: Read> StreamReader<R> {
         let len = u32::from_le_bytes([h[0], h[1], h[2], h[3]]) as usize;
         let kind = u16::from_le_bytes([h[4], h[5]]);
         let crc = u32::from_le_bytes([h[6], h[7], h[8], h[9]]);
-        let loc = || Location::what(format!("send stream command {kind} at byte {at}"));
+        self.count += 1;
+        let index = self.count;
+        let loc = || command_loc(index, kind, at);
         if len > MAX_PAYLOAD {
             return Err(Error::corrupt(
                 loc(),
@@ -262,19 +297,19 @@ impl<R: Read> StreamReader<R> {
                 format!("crc32c stored {crc:#010x}, computed {want:#010x}"),
             ));
         }
-        let attrs = self.attributes(&payload, kind, at)?;
+        let attrs = self.attributes(&payload, loc)?;
         if kind == 21 {
             self.ended = true;
         }
         Ok(Some(Command {
             kind,
             offset: at,
+            index,
             attrs,
         }))
     }
 
-    fn attributes(&self, p: &[u8], kind: u16, at: u64) -> Result<Vec<(u16, Vec<u8>)>> {
-        let loc = || Location::what(format!("send stream command {kind} at byte {at}"));
+    fn attributes(&self, p: &[u8], loc: impl Fn() -> Location) -> Result<Vec<(u16, Vec<u8>)>> {
         let mut out = Vec::new();
         let mut i = 0;
         while i < p.len() {
@@ -282,6 +317,9 @@ impl<R: Read> StreamReader<R> {
                 return Err(Error::corrupt(loc(), "an attribute header is cut short"));
             }
             let ty = u16::from_le_bytes([p[i], p[i + 1]]);
+            if ty == 0 || ty > attr::MAX {
+                return Err(Error::corrupt(loc(), format!("unknown attribute {ty}")));
+            }
             if ty == attr::DATA && self.version >= 2 {
                 out.push((ty, p[i + 2..].to_vec()));
                 break;

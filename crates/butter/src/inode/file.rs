@@ -1048,7 +1048,7 @@ impl Core {
     }
 
     /// The data checksums of `data`, one per sector, as the checksum tree stores them.
-    fn sector_sums(&self, data: &[u8]) -> Vec<u8> {
+    pub(crate) fn sector_sums(&self, data: &[u8]) -> Vec<u8> {
         let ss = self.disk.sectorsize() as usize;
         let ct = self.disk.sb.csum_type;
         let mut sums = Vec::with_capacity(data.len() / ss * ct.size());

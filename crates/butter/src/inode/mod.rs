@@ -9,15 +9,19 @@
 //! - `file`: file data writes, truncate, fallocate, hole punching;
 //! - `namespace`: create, link, unlink, rename, setattr, xattrs;
 //! - `seek`, `statfs`, `subvol`: SEEK_DATA/SEEK_HOLE, free space, subvolumes and snapshots;
+//! - `encoded`: compressed extents stored as they come (receive's ENCODED_WRITE);
+//! - `received`: subvolumes by uuid, and marking a subvolume received;
 //! - `orphan`: inodes unlinked while open, deleted at the last close or the next open.
 
 pub mod core;
+pub(crate) mod encoded;
 pub mod file;
 pub mod flags;
 pub mod namespace;
 pub mod ordered;
 pub mod orphan;
 pub mod read;
+pub(crate) mod received;
 pub(crate) mod reflink;
 pub mod seek;
 pub mod statfs;

@@ -36,7 +36,7 @@ use std::sync::Arc;
 const INODE_ROOT_ITEM_INIT: u64 = 1 << 31;
 
 /// The uuid tree key for `uuid` with item type `ty`.
-fn uuid_key(uuid: &[u8; 16], ty: u8) -> Key {
+pub(crate) fn uuid_key(uuid: &[u8; 16], ty: u8) -> Key {
     let mut a = [0u8; 8];
     let mut b = [0u8; 8];
     a.copy_from_slice(&uuid[..8]);
@@ -52,7 +52,13 @@ impl Core {
     }
 
     /// Adds `id` to the uuid tree under `uuid`.
-    fn uuid_tree_add(&self, w: &mut Writer, uuid: &[u8; 16], ty: u8, id: u64) -> Result<()> {
+    pub(crate) fn uuid_tree_add(
+        &self,
+        w: &mut Writer,
+        uuid: &[u8; 16],
+        ty: u8,
+        id: u64,
+    ) -> Result<()> {
         if !self.has_uuid_tree()? {
             return Ok(());
         }
@@ -92,7 +98,13 @@ impl Core {
     }
 
     /// Removes `id` from the uuid tree's entry for `uuid` (the item goes with its last id).
-    fn uuid_tree_remove(&self, w: &mut Writer, uuid: &[u8; 16], ty: u8, id: u64) -> Result<()> {
+    pub(crate) fn uuid_tree_remove(
+        &self,
+        w: &mut Writer,
+        uuid: &[u8; 16],
+        ty: u8,
+        id: u64,
+    ) -> Result<()> {
         if !self.has_uuid_tree()? {
             return Ok(());
         }
@@ -535,7 +547,7 @@ impl Core {
     }
 
     /// The key of subvolume `id`'s ROOT_ITEM.
-    fn root_item_key(&self, w: &mut Writer, id: u64) -> Result<Key> {
+    pub(crate) fn root_item_key(&self, w: &mut Writer, id: u64) -> Result<Key> {
         w.tree_state(id)?
             .item_key
             .ok_or_else(|| Error::NotFound(format!("root item of subvolume {id}")))

@@ -1,0 +1,236 @@
+//! Encoded writes: a compressed extent stored as it comes, without decompressing and
+//! compressing it again (what the kernel's ENCODED_WRITE ioctl does for `btrfs receive` of a
+//! stream sent with `--compressed-data`).
+//!
+//! The kernel's rules: the compressed bytes must be fewer than the decoded ones; the write
+//! starts on a sector, and ends on one unless it reaches the end of the file; the file's
+//! part starts on a sector of the decoded extent. A whole small file at offset 0 becomes an
+//! inline compressed extent (decoded length in `ram_bytes`). Otherwise the bytes go into a
+//! new data extent of their own length (rounded up to a sector, the rest zero), whose
+//! checksums cover the compressed bytes; its item says the decoded extent's length rounded
+//! up to a sector (`ram_bytes`), which part of it the file uses (`offset`, `num_bytes`) and
+//! how it is compressed. The bytes are not trusted: they are decoded once to check that they
+//! decode, and nothing is written when they do not.
+
+use crate::error::{Error, Result};
+use crate::format::compress::decompress;
+use crate::format::items::*;
+use crate::format::*;
+use crate::ids::Inode;
+use crate::inode::core::Core;
+use crate::transaction::extent_refs::RefKey;
+
+/// The most file data one compressed extent holds (the kernel's limit too).
+const MAX_DECODED: u64 = crate::inode::read::MAX_COMPRESSED;
+
+/// One compressed extent for [`Core::write_encoded`], as a send stream's ENCODED_WRITE
+/// carries it.
+pub(crate) struct EncodedExtent<'a> {
+    /// The compressed bytes.
+    pub data: &'a [u8],
+    /// Bytes of the file the extent covers from the write's offset.
+    pub file_len: u64,
+    /// Length of the decoded extent.
+    pub decoded_len: u64,
+    /// Where in the decoded extent the file's bytes start.
+    pub decoded_offset: u64,
+    /// On-disk compression code: 1 zlib, 2 lzo, 3 zstd.
+    pub compression: u8,
+}
+
+impl Core {
+    /// Stores `e` at `offset` of `ino` as a compressed extent. [`Error::Unsupported`] when it
+    /// cannot be stored as it is (where the kernel's encoded write refuses it too: no smaller
+    /// than decoded, unaligned; and here also a file without checksums or with inline data, a
+    /// filesystem without NO_HOLES): the caller writes the decoded bytes instead.
+    /// [`Error::Invalid`] when the extent itself is wrong (lengths out of range, bytes that do
+    /// not decode).
+    pub(crate) fn write_encoded(
+        &self,
+        ino: Inode,
+        offset: u64,
+        e: &EncodedExtent<'_>,
+    ) -> Result<()> {
+        self.require_rw_subvol(ino.root)?;
+        let ss = self.disk.sectorsize() as u64;
+        if !(1..=3).contains(&e.compression) {
+            return Err(Error::Invalid(format!(
+                "encoded write with compression code {}",
+                e.compression
+            )));
+        }
+        if e.data.is_empty()
+            || e.data.len() as u64 > MAX_DECODED
+            || e.decoded_len == 0
+            || e.decoded_len > MAX_DECODED
+            || e.file_len == 0
+            || e.decoded_offset
+                .checked_add(e.file_len)
+                .is_none_or(|end| end > e.decoded_len)
+        {
+            return Err(Error::Invalid(format!(
+                "encoded write of {} bytes decoding to {} (file bytes {} from {}): lengths out \
+                 of range",
+                e.data.len(),
+                e.decoded_len,
+                e.file_len,
+                e.decoded_offset
+            )));
+        }
+        if !offset.is_multiple_of(ss) || !e.decoded_offset.is_multiple_of(ss) {
+            return Err(Error::Unsupported(format!(
+                "an encoded write at {offset} (from {} of the decoded extent), not on sectors",
+                e.decoded_offset
+            )));
+        }
+        if e.data.len() as u64 >= e.decoded_len {
+            return Err(Error::Unsupported(
+                "an encoded extent no smaller than its decoded bytes".into(),
+            ));
+        }
+        let span = e.file_len.div_ceil(ss) * ss;
+        if offset.checked_add(span).is_none_or(|x| x > i64::MAX as u64) {
+            return Err(Error::Invalid(
+                "encoded write past the largest file size".into(),
+            ));
+        }
+        if !self.disk.sb.has_incompat(INCOMPAT_NO_HOLES) {
+            return Err(Error::Unsupported(
+                "encoded writes on a filesystem without the no-holes feature".into(),
+            ));
+        }
+        let ram_bytes = e.decoded_len.div_ceil(ss) * ss;
+        // The bytes must decode: a compressed extent that does not would fail every read.
+        decompress(e.compression, e.data, ram_bytes as usize, ss as u32)
+            .map_err(|err| Error::Invalid(format!("encoded write: {err}")))?;
+        self.flush_delalloc_unlocked(ino)?;
+        let item = self.inode_item(ino)?;
+        if item.mode & 0o170000 != 0o100000 {
+            return Err(Error::Invalid(format!(
+                "encoded write to inode {} that is not a regular file",
+                ino.ino
+            )));
+        }
+        crate::inode::flags::require_changeable(&item, ino)?;
+        if item.flags & (INODE_NODATASUM | INODE_NODATACOW) != 0 {
+            return Err(Error::Unsupported(
+                "a compressed extent in a file without checksums".into(),
+            ));
+        }
+        if !e.file_len.is_multiple_of(ss) && offset + e.file_len < item.size {
+            return Err(Error::Unsupported(
+                "an encoded extent ending inside a sector short of the end of the file".into(),
+            ));
+        }
+        if self
+            .file_extents(ino, 0, 1)?
+            .first()
+            .is_some_and(|x| matches!(x.item.body, FileExtentBody::Inline(_)))
+        {
+            return Err(Error::Unsupported(
+                "an encoded extent in a file with inline data".into(),
+            ));
+        }
+        let _range = self.ordered.lock(ino, offset, offset + span);
+        let inline = offset == 0
+            && e.decoded_offset == 0
+            && e.file_len == e.decoded_len
+            && e.file_len < ss
+            && item.size <= e.file_len
+            && e.data.len() <= crate::inode::file::max_inline(&self.disk);
+        if inline {
+            return self.op(true, |w| {
+                let mut item = self.inode_item_raw(ino)?;
+                let fe = FileExtentItem {
+                    generation: w.transid,
+                    ram_bytes: e.file_len,
+                    compression: e.compression,
+                    encryption: 0,
+                    other_encoding: 0,
+                    ty: FILE_EXTENT_INLINE,
+                    body: FileExtentBody::Inline(e.data.to_vec()),
+                };
+                let (removed, _) = self.replace_extents(w, ino, 0, span, None)?;
+                w.insert_item(
+                    ino.root,
+                    Key::new(ino.ino, EXTENT_DATA_KEY, 0),
+                    &fe.to_bytes(),
+                )?;
+                item.nbytes = item.nbytes - removed.min(item.nbytes) + e.file_len;
+                self.finish_encoded(w, ino, &mut item, e)
+            });
+        }
+        let disk_len = (e.data.len() as u64).div_ceil(ss) * ss;
+        let mut buf = e.data.to_vec();
+        buf.resize(disk_len as usize, 0);
+        self.op(true, |w| {
+            let mut item = self.inode_item_raw(ino)?;
+            let bytenr = w.alloc_data_or_commit(disk_len)?;
+            if let Err(err) = self.disk.write_logical(bytenr, &buf) {
+                // Nothing references the space: it comes back after the commit.
+                w.allocator.pin(bytenr, disk_len)?;
+                return Err(err);
+            }
+            w.delete_csums(bytenr, disk_len)?;
+            w.insert_csums(bytenr, &self.sector_sums(&buf))?;
+            let fe = FileExtentItem {
+                generation: w.transid,
+                ram_bytes,
+                compression: e.compression,
+                encryption: 0,
+                other_encoding: 0,
+                ty: FILE_EXTENT_REG,
+                body: FileExtentBody::Extent {
+                    disk_bytenr: bytenr,
+                    disk_num_bytes: disk_len,
+                    offset: e.decoded_offset,
+                    num_bytes: span,
+                },
+            };
+            let (removed, added) =
+                self.replace_extents(w, ino, offset, offset + span, Some((offset, fe)))?;
+            w.refs.add_data_ref(
+                bytenr,
+                disk_len,
+                true,
+                RefKey::Data {
+                    root: ino.root,
+                    ino: ino.ino,
+                    offset: offset.wrapping_sub(e.decoded_offset),
+                },
+                1,
+            );
+            item.nbytes = item.nbytes - removed.min(item.nbytes) + added;
+            let end = offset + e.file_len;
+            if end > item.size {
+                w.log.note_change(ino, item.size, end);
+                item.size = end;
+            }
+            self.finish_encoded(w, ino, &mut item, e)
+        })
+    }
+
+    /// The inode and superblock side of an encoded write whose extent is in: the size, the
+    /// times, the compression feature bit, and a commit for the next fsync (the log does not
+    /// carry encoded extents).
+    fn finish_encoded(
+        &self,
+        w: &mut crate::transaction::Writer,
+        ino: Inode,
+        item: &mut InodeItem,
+        e: &EncodedExtent<'_>,
+    ) -> Result<()> {
+        if e.file_len > item.size {
+            w.log.note_change(ino, item.size, e.file_len);
+            item.size = e.file_len;
+        }
+        w.log.note_needs_commit(ino);
+        w.sb.incompat_flags |= match e.compression {
+            COMPRESS_LZO => INCOMPAT_COMPRESS_LZO,
+            COMPRESS_ZSTD => INCOMPAT_COMPRESS_ZSTD,
+            _ => 0,
+        };
+        Self::touch_at(w, item, true, Timespec::now());
+        self.write_inode(w, ino, item)
+    }
+}
