@@ -38,8 +38,10 @@ enum Command {
     Property(cmd::property::PropertyArgs),
     /// Extract a subvolume (with subvolumes below it) into a directory.
     Restore(cmd::restore::RestoreArgs),
-    /// Apply a send stream (today: print it with --dump, as btrfs receive --dump does).
+    /// Apply a send stream to a directory of an image (or print it with --dump).
     Receive(cmd::receive::ReceiveArgs),
+    /// Write read-only snapshots as a send stream, in full or incremental.
+    Send(cmd::send::SendArgs),
     /// Mount an image through FUSE.
     Mount(cmd::mount::MountArgs),
     /// Unmount a butter mount; returns once its final commit is on disk.
@@ -65,6 +67,7 @@ fn main() -> ExitCode {
         Command::Property(a) => cmd::property::property(a),
         Command::Restore(a) => cmd::restore::restore(a),
         Command::Receive(a) => cmd::receive::receive(a),
+        Command::Send(a) => cmd::send::send(a),
         Command::Mount(a) => cmd::mount::mount(a),
         Command::Unmount(a) => cmd::unmount::unmount(a),
         Command::Check(a) => cmd::check::check(a),

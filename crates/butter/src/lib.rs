@@ -17,7 +17,8 @@
 //! - `check`: the checker;
 //! - `inspect`: the on-disk structures as text (dump-super, dump-tree);
 //! - `fs`: the facade the CLI and the FUSE front end use (`Fs`);
-//! - `receive`: send streams applied to an image.
+//! - `receive`: send streams applied to an image;
+//! - `send`: read-only snapshots as send streams, in full or incremental.
 
 pub mod error;
 pub mod format;
@@ -36,6 +37,7 @@ pub mod inspect;
 pub mod io;
 pub mod mkfs;
 pub mod receive;
+pub mod send;
 pub mod space;
 pub mod transaction;
 pub mod tree_log;

@@ -63,6 +63,7 @@ const ORDER: &[&str] = &[
     "inspect",
     "fs",
     "receive",
+    "send",
 ];
 
 /// Edges that run against `ORDER` today (from, to). Only ever remove entries.

@@ -8,6 +8,7 @@ pub mod progress;
 pub mod property;
 pub mod receive;
 pub mod restore;
+pub mod send;
 pub mod subvol;
 pub mod unmount;
 

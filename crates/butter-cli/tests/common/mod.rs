@@ -34,4 +34,5 @@ pub mod gen;
 pub mod kernel;
 pub mod manifest;
 pub mod model;
+pub mod send_source;
 pub mod variant;

@@ -22,6 +22,7 @@ const MAX_PAYLOAD: usize = 64 << 20;
 
 /// Attribute types.
 pub(crate) mod attr {
+    pub(crate) const INO: u16 = 3;
     pub(crate) const UUID: u16 = 1;
     pub(crate) const CTRANSID: u16 = 2;
     pub(crate) const SIZE: u16 = 4;
@@ -32,6 +33,7 @@ pub(crate) mod attr {
     pub(crate) const CTIME: u16 = 9;
     pub(crate) const MTIME: u16 = 10;
     pub(crate) const ATIME: u16 = 11;
+    pub(crate) const OTIME: u16 = 12;
     pub(crate) const XATTR_NAME: u16 = 13;
     pub(crate) const XATTR_DATA: u16 = 14;
     pub(crate) const PATH: u16 = 15;
@@ -54,6 +56,35 @@ pub(crate) mod attr {
     /// The highest attribute type a stream may carry (32 to 35 are version 3's verity
     /// attributes).
     pub(crate) const MAX: u16 = 35;
+}
+
+/// Command numbers.
+pub(crate) mod cmd {
+    pub(crate) const SUBVOL: u16 = 1;
+    pub(crate) const SNAPSHOT: u16 = 2;
+    pub(crate) const MKFILE: u16 = 3;
+    pub(crate) const MKDIR: u16 = 4;
+    pub(crate) const MKNOD: u16 = 5;
+    pub(crate) const MKFIFO: u16 = 6;
+    pub(crate) const MKSOCK: u16 = 7;
+    pub(crate) const SYMLINK: u16 = 8;
+    pub(crate) const RENAME: u16 = 9;
+    pub(crate) const LINK: u16 = 10;
+    pub(crate) const UNLINK: u16 = 11;
+    pub(crate) const RMDIR: u16 = 12;
+    pub(crate) const SET_XATTR: u16 = 13;
+    pub(crate) const REMOVE_XATTR: u16 = 14;
+    pub(crate) const WRITE: u16 = 15;
+    pub(crate) const CLONE: u16 = 16;
+    pub(crate) const TRUNCATE: u16 = 17;
+    pub(crate) const CHMOD: u16 = 18;
+    pub(crate) const CHOWN: u16 = 19;
+    pub(crate) const UTIMES: u16 = 20;
+    pub(crate) const END: u16 = 21;
+    pub(crate) const UPDATE_EXTENT: u16 = 22;
+    pub(crate) const FALLOCATE: u16 = 23;
+    pub(crate) const FILEATTR: u16 = 24;
+    pub(crate) const ENCODED_WRITE: u16 = 25;
 }
 
 /// Command numbers and the names `btrfs receive --dump` gives them.
@@ -516,4 +547,112 @@ pub fn dump(r: impl Read, out: &mut dyn Write) -> Result<()> {
         emit(out, line)?;
     }
     Ok(())
+}
+
+/// Writes a send stream: the header, then commands whose attributes are added one by one.
+/// From version 2 on, DATA is the last attribute of its command and has no length.
+pub(crate) struct StreamWriter<W: Write> {
+    w: W,
+    version: u32,
+    /// The command being built: header space, then attributes.
+    cmd: Vec<u8>,
+    /// Bytes written so far.
+    written: u64,
+    /// Commands written so far.
+    commands: u64,
+}
+
+impl<W: Write> StreamWriter<W> {
+    /// Starts a stream of `version` (1 or 2) on `w`, with its header unless it continues
+    /// one already started.
+    pub(crate) fn new(mut w: W, version: u32, header: bool) -> Result<Self> {
+        let mut head = MAGIC.to_vec();
+        head.extend_from_slice(&version.to_le_bytes());
+        if !header {
+            head.clear();
+        }
+        w.write_all(&head)
+            .map_err(|e| Error::io("writing the send stream", 0, e))?;
+        Ok(StreamWriter {
+            w,
+            version,
+            cmd: Vec::with_capacity(64 << 10),
+            written: head.len() as u64,
+            commands: 0,
+        })
+    }
+
+    pub(crate) fn version(&self) -> u32 {
+        self.version
+    }
+
+    /// Bytes and commands written so far.
+    pub(crate) fn written(&self) -> (u64, u64) {
+        (self.written, self.commands)
+    }
+
+    /// Starts command `kind`; attributes follow, [`StreamWriter::end_cmd`] writes it.
+    pub(crate) fn begin(&mut self, kind: u16) -> &mut Self {
+        self.cmd.clear();
+        self.cmd.extend_from_slice(&[0; CMD_HEADER]);
+        self.cmd[4..6].copy_from_slice(&kind.to_le_bytes());
+        self
+    }
+
+    /// An attribute with its length.
+    pub(crate) fn attr(&mut self, ty: u16, value: &[u8]) -> &mut Self {
+        self.cmd.extend_from_slice(&ty.to_le_bytes());
+        self.cmd
+            .extend_from_slice(&(value.len().min(u16::MAX as usize) as u16).to_le_bytes());
+        self.cmd.extend_from_slice(value);
+        self
+    }
+
+    pub(crate) fn u64(&mut self, ty: u16, v: u64) -> &mut Self {
+        self.attr(ty, &v.to_le_bytes())
+    }
+
+    pub(crate) fn u32(&mut self, ty: u16, v: u32) -> &mut Self {
+        self.attr(ty, &v.to_le_bytes())
+    }
+
+    /// A timespec attribute: u64 seconds, u32 nanoseconds.
+    pub(crate) fn time(&mut self, ty: u16, sec: i64, nsec: u32) -> &mut Self {
+        let mut b = [0u8; 12];
+        b[..8].copy_from_slice(&sec.to_le_bytes());
+        b[8..].copy_from_slice(&nsec.to_le_bytes());
+        self.attr(ty, &b)
+    }
+
+    /// The DATA attribute: with a length in version 1, to the end of the command after.
+    pub(crate) fn data(&mut self, value: &[u8]) -> &mut Self {
+        if self.version >= 2 {
+            self.cmd.extend_from_slice(&attr::DATA.to_le_bytes());
+            self.cmd.extend_from_slice(value);
+            self
+        } else {
+            self.attr(attr::DATA, value)
+        }
+    }
+
+    /// Seals the command (length and crc32c) and writes it.
+    pub(crate) fn end_cmd(&mut self) -> Result<()> {
+        let len = (self.cmd.len() - CMD_HEADER) as u32;
+        self.cmd[..4].copy_from_slice(&len.to_le_bytes());
+        let crc = crc_raw(&[&self.cmd]);
+        self.cmd[6..10].copy_from_slice(&crc.to_le_bytes());
+        self.w
+            .write_all(&self.cmd)
+            .map_err(|e| Error::io("writing the send stream", self.written, e))?;
+        self.written += self.cmd.len() as u64;
+        self.commands += 1;
+        Ok(())
+    }
+
+    /// Flushes the output.
+    pub(crate) fn flush(&mut self) -> Result<()> {
+        self.w
+            .flush()
+            .map_err(|e| Error::io("writing the send stream", self.written, e))
+    }
 }

@@ -495,7 +495,7 @@ impl Core {
     /// Reads `len` bytes at `logical` (sector aligned), verifying each sector's checksum when
     /// the csum tree has one; tries every copy. For the error message, sector `i` is at file
     /// offset `file_off + i * file_step` (step 0 for compressed extents: the extent's offset).
-    fn read_verified(
+    pub(crate) fn read_verified(
         &self,
         ino: Inode,
         file_off: u64,
