@@ -14,7 +14,9 @@ mod common;
 use common::fuse_mount::{self, butter_check, BUTTER};
 use common::kernel::{self, LoopMount, ScratchDir};
 use common::manifest::{self, CompareOpts, Manifest, TakeOpts};
-use common::send_source::{make_source, received_opts, send, sh, show_field};
+use common::send_source::{
+    make_compressed_source, make_source, received_opts, send, sh, show_field,
+};
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -117,32 +119,7 @@ fn kernel_streams_received_by_butter_match_their_sources() {
     // Protocol 2 with compressed data, into a block-group-tree image of mkfs.btrfs: the
     // compressed extents are stored as they come.
     {
-        let m = LoopMount::btrfs(&src, &sc.dir("src"), "compress=zstd");
-        sh(
-            "btrfs subvolume create c >/dev/null
-             for a in zstd zlib lzo; do
-               mkdir c/$a; btrfs property set c/$a compression $a
-               python3 -c \"import random; r=random.Random(7); w=[b'alpha',b'beta ',b'gamma\\n']
-open('c/$a/text','wb').write(b''.join(r.choice(w) for _ in range(200000)))
-open('c/$a/small','wb').write(b'y'*2500)\"
-             done
-             head -c 300000 /dev/urandom > c/random
-             sync; btrfs subvolume snapshot -r c c0 >/dev/null",
-            m.path(),
-        );
-        send(
-            m.path(),
-            &[
-                "--proto",
-                "2",
-                "--compressed-data",
-                "-f",
-                s(&streams.join("c0")),
-                "c0",
-            ],
-        );
-        let want = manifest::take(&m.path().join("c0"), &TakeOpts::default());
-        m.unmount();
+        let want = make_compressed_source(&src, &sc.dir("src"), &streams.join("c0"));
         let dst2 = sc.join("dst2.img");
         kernel::mkfs_btrfs(&dst2, 256 << 20, &["-O", "block-group-tree"]);
         butter_ok(&["receive", "-f", s(&streams.join("c0")), s(&dst2), "/"]);

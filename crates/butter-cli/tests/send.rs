@@ -13,7 +13,7 @@ mod common;
 use common::fuse_mount::{self, butter_check, BUTTER};
 use common::kernel::{self, LoopMount, ScratchDir};
 use common::manifest::{self, Manifest, TakeOpts};
-use common::send_source::{make_source, received_opts, sh};
+use common::send_source::{make_compressed_source, make_source, received_opts, sh};
 use std::fs;
 use std::path::Path;
 use std::process::Command;
@@ -94,6 +94,52 @@ fn butter_streams_round_trip_through_both_receivers() {
         kb * 100 <= ka * 105,
         "butter's full stream is {kb} bytes, the kernel's {ka}"
     );
+
+    // Without data, and with compressed data in protocol 2: the kernel's commands too.
+    {
+        let m = LoopMount::btrfs_ro(&src, &sc.dir("src"));
+        common::send_source::send(
+            m.path(),
+            &["--no-data", "-f", s(&kstreams.join("nodata")), "s0"],
+        );
+        m.unmount();
+    }
+    let nodata = ours.join("nodata");
+    butter_ok(&["send", "-q", "--no-data", "-f", s(&nodata), s(&src), "/s0"]);
+    assert_eq!(dump(&kstreams.join("nodata")), dump(&nodata), "--no-data");
+    let cwant = make_compressed_source(&src, &sc.dir("src"), &kstreams.join("c0"));
+    let c0 = ours.join("c0");
+    butter_ok(&[
+        "send",
+        "-q",
+        "--proto",
+        "2",
+        "--compressed-data",
+        "-f",
+        s(&c0),
+        s(&src),
+        "/c0",
+    ]);
+    assert_eq!(
+        dump(&kstreams.join("c0")),
+        dump(&c0),
+        "--proto 2 --compressed-data"
+    );
+    {
+        let kimg = sc.join("kc.img");
+        fuse_mount::fresh_image(&kimg, 256 << 20);
+        let m = LoopMount::btrfs(&kimg, &sc.dir("k"), "");
+        kernel_receive(&c0, m.path());
+        let got = manifest::take(&m.path().join("c0"), &TakeOpts::default());
+        manifest::assert_same(
+            &cwant,
+            &got,
+            &received_opts(),
+            "compressed c0 by btrfs receive",
+        );
+        m.unmount();
+        assert_clean(&kimg, "after btrfs receive of compressed data");
+    }
 
     // The chain, both protocols.
     for proto in ["1", "2"] {

@@ -126,3 +126,30 @@ pub fn make_source(img: &Path, mnt: &Path, streams: &Path) -> (Vec<Manifest>, Ve
     m.unmount();
     (mans, uuids)
 }
+
+/// A subvolume `c` written with zstd, zlib and lzo (one directory each, by the
+/// btrfs.compression property), small files inline and compressed, and incompressible data;
+/// its read-only snapshot `c0` sent by the kernel with protocol 2 and compressed data into
+/// `stream`. Returns the manifest of `c0`.
+pub fn make_compressed_source(img: &Path, mnt: &Path, stream: &Path) -> Manifest {
+    let m = LoopMount::btrfs(img, mnt, "compress=zstd");
+    sh(
+        "btrfs subvolume create c >/dev/null
+         for a in zstd zlib lzo; do
+           mkdir c/$a; btrfs property set c/$a compression $a
+           python3 -c \"import random; r=random.Random(7); w=[b'alpha',b'beta ',b'gamma\\n']
+open('c/$a/text','wb').write(b''.join(r.choice(w) for _ in range(200000)))
+open('c/$a/small','wb').write(b'y'*2500)\"
+         done
+         head -c 300000 /dev/urandom > c/random
+         sync; btrfs subvolume snapshot -r c c0 >/dev/null",
+        m.path(),
+    );
+    send(
+        m.path(),
+        &["--proto", "2", "--compressed-data", "-f", s(stream), "c0"],
+    );
+    let want = manifest::take(&m.path().join("c0"), &TakeOpts::default());
+    m.unmount();
+    want
+}

@@ -1057,6 +1057,22 @@ impl<W: Write> Sender<'_, W> {
             return Ok(0);
         }
         let path = self.names.path(id)?;
+        if let FileExtentBody::Extent {
+            disk_bytenr,
+            offset: eoff,
+            ..
+        } = fe.body
+        {
+            let wanted = clone::Wanted {
+                bytenr: disk_bytenr,
+                extent_offset: eoff,
+                len,
+            };
+            if self.try_clone(info, &path, off, &wanted)? {
+                self.sent_upto.insert(info.ino, off + len);
+                return Ok(off + len);
+            }
+        }
         if self.opts.no_data {
             self.w
                 .begin(cmd::UPDATE_EXTENT)
@@ -1075,15 +1091,6 @@ impl<W: Write> Sender<'_, W> {
             ..
         } = fe.body
         {
-            let wanted = clone::Wanted {
-                bytenr: disk_bytenr,
-                extent_offset: eoff,
-                len,
-            };
-            if self.try_clone(info, &path, off, &wanted)? {
-                self.sent_upto.insert(info.ino, off + len);
-                return Ok(off + len);
-            }
             if self.opts.compressed_data && fe.compression != COMPRESS_NONE && disk_num_bytes <= len
             {
                 let raw = self.fs.read_verified(
