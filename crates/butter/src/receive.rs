@@ -108,7 +108,14 @@ struct Receiver<'a> {
     report: ReceiveReport,
     /// The last path a WRITE or CLONE resolved, for the many writes of one file.
     last: Option<(Vec<u8>, Inode)>,
+    /// Data and commands at the last commit.
+    committed: (u64, u64),
 }
+
+/// A long stream commits along the way, so the running transaction (and the memory its
+/// changes hold) stays bounded: after this much file data or this many commands.
+const COMMIT_DATA: u64 = 256 << 20;
+const COMMIT_COMMANDS: u64 = 100_000;
 
 /// Applies the send stream `input` to `fs`, making its subvolumes in directory `dir`.
 /// `progress` is called after every command. The report says which subvolumes were made and
@@ -127,6 +134,7 @@ pub fn receive(
         cur: None,
         report: ReceiveReport::default(),
         last: None,
+        committed: (0, 0),
     };
     if let Err(e) = r.run(input, opts, progress) {
         r.record_unfinished();
@@ -186,6 +194,13 @@ impl Receiver<'_> {
                 self.report.errors.push(e.to_string());
             }
             progress(&self.report.progress);
+            let p = self.report.progress;
+            if p.data - self.committed.0 >= COMMIT_DATA
+                || p.commands - self.committed.1 >= COMMIT_COMMANDS
+            {
+                self.fs.commit()?;
+                self.committed = (p.data, p.commands);
+            }
             if c.kind == 21 {
                 self.finish()?;
                 if opts.stop_at_end {

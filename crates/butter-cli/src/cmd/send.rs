@@ -29,6 +29,10 @@ pub struct SendArgs {
     /// No progress line.
     #[arg(short = 'q', long)]
     pub quiet: bool,
+    /// Readahead of a full send's tree walk: `always` (every leaf and node ahead, the
+    /// default) or `forward` (only past leaves that had to be read); for benchmarks.
+    #[arg(long, value_name = "always|forward", default_value = "always", hide = true)]
+    pub readahead: String,
     /// Image file or block device.
     pub image: PathBuf,
     /// Read-only snapshots to send, paths inside the image (e.g. /snaps/monday).
@@ -91,7 +95,7 @@ pub fn send(a: SendArgs) -> CliResult {
             clone_sources: clone_sources.clone(),
             omit_header: i > 0,
             omit_end: i + 1 < ids.len(),
-            ..Default::default()
+            readahead_always: a.readahead != "forward",
         };
         let r = butter::send::send(&fs, *id, &opts, &mut out, &mut |p| {
             meter.tick(bytes + p.bytes, commands + p.commands)

@@ -591,6 +591,14 @@ impl Disk {
         Ok(disk)
     }
 
+    /// Bounds the block cache to at most `bytes` of tree blocks (never grows it): for a
+    /// streaming walk (send) that reads each block about once.
+    pub(crate) fn limit_cache(&self, bytes: u64) {
+        let blocks = (bytes / self.sb.nodesize.max(1) as u64).max(64) as usize;
+        let mut c = self.cache.lock().unwrap_or_else(|e| e.into_inner());
+        c.capacity = c.capacity.min(blocks);
+    }
+
     pub(crate) fn nodesize(&self) -> u32 {
         self.sb.nodesize
     }

@@ -32,7 +32,7 @@ use crate::fs::Fs;
 use crate::ids::Inode;
 use crate::io::disk_io::Readahead;
 use names::{dir_id, Id, Names, ROOT_ID};
-use std::collections::{BTreeMap, BTreeSet, HashSet, VecDeque};
+use std::collections::{BTreeSet, HashSet, VecDeque};
 use std::io::Write;
 use tree::{InodeInfo, Snap};
 
@@ -82,6 +82,9 @@ pub struct SendProgress {
     pub commands: u64,
 }
 
+/// The block cache a send keeps.
+const SEND_CACHE: u64 = 64 << 20;
+
 /// Directories whose times may wait for the end of the stream (the kernel's bound).
 const DIR_TIMES_KEPT: usize = 64;
 
@@ -117,6 +120,9 @@ pub fn send(
             "compressed data needs stream version 2 (--proto 2)".into(),
         ));
     }
+    // A send reads most blocks once: a small cache keeps its memory bounded whatever the
+    // snapshot's size.
+    fs.disk().limit_cache(SEND_CACHE);
     let snap = readonly_snap(fs, id, "the subvolume to send")?;
     let parent = match opts.parent {
         Some(p) => Some(readonly_snap(fs, p, "the parent")?),
@@ -140,7 +146,6 @@ pub fn send(
         cur_ino: 0,
         changed: BTreeSet::new(),
         orphan_ops: false,
-        sent_upto: BTreeMap::new(),
         progress,
     };
     match &parent {
@@ -225,8 +230,6 @@ struct Sender<'a, W: Write> {
     changed: BTreeSet<u64>,
     /// Whether orphan names came and went in the root (its times are owed then).
     orphan_ops: bool,
-    /// How far each inode's data went out in this stream (for clones from the snapshot).
-    sent_upto: BTreeMap<u64, u64>,
     progress: &'a mut dyn FnMut(&SendProgress),
 }
 
@@ -383,7 +386,13 @@ impl<W: Write> Sender<'_, W> {
                 .u64(attr::SIZE, info.item.size);
             self.w.end_cmd()?;
         }
-        self.finish_attrs(None, &info)
+        self.finish_attrs(None, &info)?;
+        // A finished file's names are the snapshot's from now on; only directories (which
+        // paths go through) stay in the model, so its size follows the directories.
+        if !info.is_dir() {
+            self.names.forget(Self::id(&info));
+        }
+        Ok(())
     }
 
     fn subvol_name(&self) -> Result<Vec<u8>> {
@@ -1069,7 +1078,6 @@ impl<W: Write> Sender<'_, W> {
                 len,
             };
             if self.try_clone(info, &path, off, &wanted)? {
-                self.sent_upto.insert(info.ino, off + len);
                 return Ok(off + len);
             }
         }
@@ -1081,7 +1089,6 @@ impl<W: Write> Sender<'_, W> {
                 .u64(attr::SIZE, len);
             self.w.end_cmd()?;
             self.tick();
-            self.sent_upto.insert(info.ino, off + len);
             return Ok(off + len);
         }
         if let FileExtentBody::Extent {
@@ -1114,7 +1121,6 @@ impl<W: Write> Sender<'_, W> {
                     &raw,
                     true,
                 )?;
-                self.sent_upto.insert(info.ino, off + len);
                 return Ok(off + len);
             }
         }
@@ -1124,12 +1130,10 @@ impl<W: Write> Sender<'_, W> {
                 && raw.len() as u64 <= len
             {
                 self.encoded(&path, off, len, fe.ram_bytes, 0, fe.compression, raw, false)?;
-                self.sent_upto.insert(info.ino, off + len);
                 return Ok(off + len);
             }
         }
         self.write_range(info.ino, &path, off, len)?;
-        self.sent_upto.insert(info.ino, off + len);
         Ok(off + len)
     }
 
@@ -1221,23 +1225,16 @@ impl<W: Write> Sender<'_, W> {
             snaps.push(p);
         }
         snaps.extend(self.clones.iter());
-        let sent = &self.sent_upto;
         let cur = info.ino;
         let incremental = self.parent.is_some();
         let changed = &self.changed;
+        // A file of this snapshot is on the receiver as the snapshot has it when the stream
+        // is past it (inodes go in order, a file's extents too) or it did not change.
         let usable = |snap: usize, ino: u64, o: u64| -> bool {
-            if snap > 0 {
-                return true;
-            }
-            if ino == cur {
-                return o + w.len <= off && sent.get(&ino).is_some_and(|e| o + w.len <= *e);
-            }
-            // Another file of this snapshot: its range must be on the receiver already,
-            // sent earlier in this stream or unchanged from the parent.
-            if let Some(e) = sent.get(&ino) {
-                return o + w.len <= *e;
-            }
-            incremental && !changed.contains(&ino)
+            snap > 0
+                || (ino == cur && o + w.len <= off)
+                || ino < cur
+                || (incremental && !changed.contains(&ino))
         };
         let only_self = self.parent.is_none() && self.clones.is_empty();
         let Some(src) = clone::find(self.fs, &snaps, w, only_self, &usable)? else {
@@ -1258,8 +1255,11 @@ impl<W: Write> Sender<'_, W> {
             }
         }
         let src_path = if src.snap == 0 {
-            let gen = self.gen_in(snap, src.ino)?;
-            self.names.path((src.ino, gen))?
+            match self.current_path(src.ino) {
+                Ok(p) => p,
+                // An inode the stream never sent (no names): not a source.
+                Err(_) => return Ok(false),
+            }
         } else {
             self.path_in(snap, src.ino)?
         };
@@ -1276,6 +1276,23 @@ impl<W: Write> Sender<'_, W> {
         self.w.end_cmd()?;
         self.tick();
         Ok(true)
+    }
+
+    /// The receiver's path now of inode `ino` of the snapshot, one the stream is past or
+    /// that did not change: its first name in the snapshot, under its directory's path now.
+    fn current_path(&mut self, ino: u64) -> Result<Vec<u8>> {
+        let info = tree::inode_info(self.fs, self.snap, ino)?
+            .filter(|i| i.item.nlink > 0)
+            .ok_or_else(|| Error::Internal(format!("send: inode {ino} is not in the snapshot")))?;
+        let Some((dir, name)) = info.names.first().cloned() else {
+            return Err(Error::Internal(format!("send: inode {ino} has no name")));
+        };
+        let gen = if dir == FIRST_FREE_OBJECTID {
+            0
+        } else {
+            self.gen_in(self.snap, dir)?
+        };
+        self.names.join(dir_id(dir, gen), &name)
     }
 
     /// The path of `ino` in `snap` as it is (a snapshot the receiver has unchanged).

@@ -202,7 +202,8 @@ impl<'a> Names<'a> {
         let old = self.names(id)?;
         for (dir, name) in &old {
             self.at.remove(&(*dir, name.clone()));
-            if !names.contains(&(*dir, name.clone())) {
+            // Only a base snapshot's names need remembering as gone.
+            if self.base.is_some() && !names.contains(&(*dir, name.clone())) {
                 self.gone.insert((*dir, name.clone()));
             }
         }
@@ -212,6 +213,16 @@ impl<'a> Names<'a> {
         }
         self.touched.insert(id, names);
         Ok(())
+    }
+
+    /// Drops `id` from the model (a full send's finished file: nothing names it again but
+    /// through the snapshot).
+    pub(crate) fn forget(&mut self, id: Id) {
+        if let Some(names) = self.touched.remove(&id) {
+            for (dir, name) in names {
+                self.at.remove(&(dir, name));
+            }
+        }
     }
 
     /// An orphan name for `id` free in the root directory.
