@@ -49,7 +49,7 @@ pub mod tree_log;
 extern crate self as butter;
 
 /// The bodies of the libFuzzer targets in `fuzz/` (`cargo +nightly fuzz run tree_block`,
-/// `open_image`), for the fuzz crate only: built with the `fuzzing` feature. The input formats
+/// `open_image`, `receive_stream`), for the fuzz crate only: built with the `fuzzing` feature. The input formats
 /// are described in `src/tests/corrupt_support/fuzz_logic.rs`; the test suite replays the same
 /// bodies over the committed corpus (`src/tests/fuzz_regress.rs`).
 #[cfg(feature = "fuzzing")]
@@ -65,6 +65,13 @@ pub mod fuzz {
     /// full with bounded reads. Panics only if the engine does.
     pub(crate) fn open_image_one(data: &[u8]) {
         crate::tests::corrupt_support::fuzz_logic::open_image_one(data);
+    }
+
+    /// One `receive_stream` run: the bytes as a send stream, dumped, then received into a
+    /// fresh image on a RAM device, which must check clean afterwards. Panics only if the
+    /// engine does or the image is left damaged.
+    pub(crate) fn receive_stream_one(data: &[u8]) {
+        crate::tests::corrupt_support::fuzz_logic::receive_stream_one(data);
     }
 }
 

@@ -154,6 +154,9 @@ impl Receiver<'_> {
             return Err(Error::ReadOnly);
         }
         self.fs.require_dir(self.dir)?;
+        // Receive works near the blocks it just wrote: a small cache keeps its memory
+        // bounded whatever the stream's size.
+        self.fs.disk().limit_cache(64 << 20);
         let mut s = StreamReader::new(input)?;
         while let Some(c) = s.next_command()? {
             let applied = self.apply(&c);

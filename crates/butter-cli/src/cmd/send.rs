@@ -31,7 +31,12 @@ pub struct SendArgs {
     pub quiet: bool,
     /// Readahead of a full send's tree walk: `always` (every leaf and node ahead, the
     /// default) or `forward` (only past leaves that had to be read); for benchmarks.
-    #[arg(long, value_name = "always|forward", default_value = "always", hide = true)]
+    #[arg(
+        long,
+        value_name = "always|forward",
+        default_value = "always",
+        hide = true
+    )]
     pub readahead: String,
     /// Image file or block device.
     pub image: PathBuf,

@@ -598,28 +598,34 @@ impl<W: Write> Sender<'_, W> {
             .u64(attr::CLONE_CTRANSID, pctransid);
         self.w.end_cmd()?;
         self.changed = tree::changed_inodes(self.fs, parent, self.snap)?;
-        // Old and new forms of each changed inode (no names: not there).
-        let mut pairs: Vec<(Option<InodeInfo>, Option<InodeInfo>)> = Vec::new();
-        for &ino in &self.changed {
-            let old = tree::inode_info(self.fs, parent, ino)?.filter(|i| i.item.nlink > 0);
-            let new = tree::inode_info(self.fs, self.snap, ino)?.filter(|i| i.item.nlink > 0);
-            if old.is_some() || new.is_some() {
-                pairs.push((old, new));
-            }
-        }
+        // Each pass reads the old and new forms of the changed inodes again (the blocks are
+        // cached): memory holds the list of changed inode numbers, not the inodes.
+        let changed: Vec<u64> = self.changed.iter().copied().collect();
+        let fs = self.fs;
+        let snap = self.snap;
+        let pairs = || {
+            changed.iter().map(
+                move |&ino| -> Result<(Option<InodeInfo>, Option<InodeInfo>)> {
+                    let old = tree::inode_info(fs, parent, ino)?.filter(|i| i.item.nlink > 0);
+                    let new = tree::inode_info(fs, snap, ino)?.filter(|i| i.item.nlink > 0);
+                    Ok((old, new))
+                },
+            )
+        };
         // No command may run before its inode's turn comes in pass 3 and 4.
         self.cur_ino = u64::MAX;
         let same = |o: &InodeInfo, n: &InodeInfo| o.gen() == n.gen() && o.kind() == n.kind();
         let mut deleted_dirs = Vec::new();
         // Pass 1: names that go away.
-        for (old, new) in &pairs {
+        for pair in pairs() {
+            let (old, new) = pair?;
             let Some(o) = old else { continue };
             if o.ino == FIRST_FREE_OBJECTID {
                 continue;
             }
-            let oid = Self::id(o);
-            match new {
-                Some(n) if same(o, n) => {
+            let oid = Self::id(&o);
+            match &new {
+                Some(n) if same(&o, n) => {
                     let want = self.wanted_names(n, self.snap)?;
                     self.drop_names(oid, &want)?;
                 }
@@ -639,21 +645,23 @@ impl<W: Write> Sender<'_, W> {
             }
         }
         // Pass 2: new inodes, under orphan names.
-        for (old, new) in &pairs {
+        for pair in pairs() {
+            let (old, new) = pair?;
             let Some(n) = new else { continue };
-            if n.ino == FIRST_FREE_OBJECTID || old.as_ref().is_some_and(|o| same(o, n)) {
+            if n.ino == FIRST_FREE_OBJECTID || old.as_ref().is_some_and(|o| same(o, &n)) {
                 continue;
             }
-            self.create_orphan(n)?;
+            self.create_orphan(&n)?;
         }
         // Pass 3: every new name; then the deleted directories, empty now, go.
-        for (_, new) in &pairs {
+        for pair in pairs() {
+            let (_, new) = pair?;
             let Some(n) = new else { continue };
             if n.ino == FIRST_FREE_OBJECTID {
                 continue;
             }
-            let id = Self::id(n);
-            let want = self.wanted_names(n, self.snap)?;
+            let id = Self::id(&n);
+            let want = self.wanted_names(&n, self.snap)?;
             self.give_names(id, &want)?;
         }
         for id in deleted_dirs {
@@ -662,16 +670,20 @@ impl<W: Write> Sender<'_, W> {
             self.names.set(id, Vec::new())?;
             self.orphans.remove(&id);
         }
+        // Every name is the snapshot's now: the model starts over from the snapshot.
+        self.names = Names::new(self.fs, Some(self.snap));
+        self.orphans.clear();
         // Pass 4: contents, owners, modes, times.
-        for (old, new) in &pairs {
+        for pair in pairs() {
+            let (old, new) = pair?;
             let Some(n) = new else { continue };
             self.cur_ino = n.ino;
-            let old = old.as_ref().filter(|o| same(o, n));
-            self.set_xattrs(old, n)?;
+            let old = old.as_ref().filter(|o| same(o, &n));
+            self.set_xattrs(old, &n)?;
             if n.kind() == 0o100000 {
-                self.file_changes(old, n)?;
+                self.file_changes(old, &n)?;
             }
-            self.finish_attrs(old, n)?;
+            self.finish_attrs(old, &n)?;
         }
         self.flush_dir_times()
     }

@@ -292,3 +292,61 @@ pub(crate) fn open_image_one(data: &[u8]) {
         }
     }
 }
+
+/// A fresh 128 MiB image (mkfs defaults, fixed uuid and time) every `receive_stream` run
+/// starts from; made once.
+fn receive_template() -> Vec<u8> {
+    static TEMPLATE: std::sync::OnceLock<Vec<u8>> = std::sync::OnceLock::new();
+    TEMPLATE
+        .get_or_init(|| {
+            let dev = RamDevice::new(vec![0u8; 128 << 20]);
+            let opts = butter::mkfs::MkfsOptions {
+                size: 128 << 20,
+                fsid: Some([7; 16]),
+                time: Some(1_700_000_000),
+                ..Default::default()
+            };
+            if let Err(e) = butter::mkfs::mkfs(&dev, &opts) {
+                panic!("mkfs of the receive template: {e}");
+            }
+            dev.durable_bytes()
+        })
+        .clone()
+}
+
+/// One `receive_stream` run: the bytes as a send stream, printed as `--dump` prints it, then
+/// received (no error limit) into the root of a fresh image on a RAM device. Whatever the
+/// stream holds, the image must check clean afterwards; panics when it does not (or when the
+/// engine panics).
+pub(crate) fn receive_stream_one(data: &[u8]) {
+    let _ = butter::format::send_stream::dump(data, &mut std::io::sink());
+    let dev = Arc::new(RamDevice::new(receive_template()));
+    let fs = match Fs::open_device_rw(dev.clone()) {
+        Ok(fs) => fs,
+        Err(e) => panic!("the fresh image does not open: {e}"),
+    };
+    let root = match fs.subvol_root_inode(FS_TREE_OBJECTID) {
+        Ok(r) => r,
+        Err(e) => panic!("the fresh image has no root: {e}"),
+    };
+    let opts = butter::receive::ReceiveOptions {
+        stop_at_end: false,
+        max_errors: 0,
+    };
+    let report = butter::receive::receive(&fs, root, data, &opts, &mut |_| {});
+    let _ = report.stopped.map(|e| e.to_string());
+    let closed = fs.close();
+    drop(fs);
+    if let Err(e) = closed {
+        panic!("closing after receive: {e}");
+    }
+    let fs = match Fs::open_device(dev) {
+        Ok(fs) => fs,
+        Err(e) => panic!("the image does not open after receive: {e}"),
+    };
+    match butter::check::check(&fs, &mut |_| {}) {
+        Ok(r) if r.is_clean() => {}
+        Ok(r) => panic!("the image is not clean after receive: {:?}", r.findings),
+        Err(e) => panic!("the check after receive failed: {e}"),
+    }
+}
