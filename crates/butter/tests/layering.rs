@@ -53,6 +53,7 @@ const ORDER: &[&str] = &[
     "inode/seek",
     "inode/statfs",
     "inode/subvol",
+    "inode/subvol_delete",
     "inode",
     "tree_log/write",
     "tree_log/replay",

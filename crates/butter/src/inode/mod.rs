@@ -9,6 +9,7 @@
 //! - `file`: file data writes, truncate, fallocate, hole punching;
 //! - `namespace`: create, link, unlink, rename, setattr, xattrs;
 //! - `seek`, `statfs`, `subvol`: SEEK_DATA/SEEK_HOLE, free space, subvolumes and snapshots;
+//! - `subvol_delete`: deleting a subvolume and dropping its tree, resumable across commits;
 //! - `orphan`: inodes unlinked while open, deleted at the last close or the next open.
 
 pub mod core;
@@ -22,3 +23,4 @@ pub(crate) mod reflink;
 pub mod seek;
 pub mod statfs;
 pub mod subvol;
+pub mod subvol_delete;

@@ -92,7 +92,13 @@ impl Core {
     }
 
     /// Removes `id` from the uuid tree's entry for `uuid` (the item goes with its last id).
-    fn uuid_tree_remove(&self, w: &mut Writer, uuid: &[u8; 16], ty: u8, id: u64) -> Result<()> {
+    pub(crate) fn uuid_tree_remove(
+        &self,
+        w: &mut Writer,
+        uuid: &[u8; 16],
+        ty: u8,
+        id: u64,
+    ) -> Result<()> {
         if !self.has_uuid_tree()? {
             return Ok(());
         }
@@ -535,7 +541,7 @@ impl Core {
     }
 
     /// The key of subvolume `id`'s ROOT_ITEM.
-    fn root_item_key(&self, w: &mut Writer, id: u64) -> Result<Key> {
+    pub(crate) fn root_item_key(&self, w: &mut Writer, id: u64) -> Result<Key> {
         w.tree_state(id)?
             .item_key
             .ok_or_else(|| Error::NotFound(format!("root item of subvolume {id}")))
