@@ -33,10 +33,19 @@ pub enum SubvolCmd {
     /// kernel does: the drop is committed in steps, and a drop cut off (by butter or the
     /// kernel) goes on at the next read-write open.
     Delete {
+        /// The subvolume by id instead of by path (wherever it is linked).
+        #[arg(
+            short = 'i',
+            long = "subvolid",
+            value_name = "N",
+            conflicts_with = "path"
+        )]
+        id: Option<u64>,
         /// Image file or block device.
         image: PathBuf,
         /// Root directory of the subvolume inside the image.
-        path: String,
+        #[arg(required_unless_present = "id")]
+        path: Option<String>,
     },
     /// Finish the drops of deleted subvolumes left unfinished (any read-write open does it),
     /// then report that none is left.
@@ -155,24 +164,41 @@ pub fn subvolume(a: SubvolumeArgs) -> CliResult {
             );
             Ok(())
         }
-        SubvolCmd::Delete { image, path } => {
+        SubvolCmd::Delete { id, image, path } => {
             let fs = open_rw(&image)?;
-            let trimmed = path.trim_matches('/');
-            if trimmed.is_empty() || trimmed == "." {
-                return Err(CliError(format!(
-                    "cannot delete {path:?}: it is the top level of the default subvolume,                      not a subvolume linked in a directory"
-                )));
-            }
-            let id = subvolume_at(&fs, &path)?;
-            let (dir, name) = parent_and_name(&fs, &path)?;
-            fs.delete_subvolume(dir, &name).map_err(|e| {
-                CliError(format!(
-                    "cannot delete subvolume {id} at {path:?}: {}",
-                    CliError::from(e)
-                ))
-            })?;
+            let (id, shown) = match (id, path) {
+                (Some(id), _) => {
+                    fs.delete_subvolume_by_id(id).map_err(|e| {
+                        CliError(format!(
+                            "cannot delete subvolume {id}: {}",
+                            CliError::from(e)
+                        ))
+                    })?;
+                    (id, format!("id {id}"))
+                }
+                (None, Some(path)) => {
+                    let trimmed = path.trim_matches('/');
+                    if trimmed.is_empty() || trimmed == "." {
+                        return Err(CliError(format!(
+                            "cannot delete {path:?}: it is the top level of the default \
+                             subvolume, not a subvolume linked in a directory (the top level, \
+                             id 5, is never deleted)"
+                        )));
+                    }
+                    let id = subvolume_at(&fs, &path)?;
+                    let (dir, name) = parent_and_name(&fs, &path)?;
+                    fs.delete_subvolume(dir, &name).map_err(|e| {
+                        CliError(format!(
+                            "cannot delete subvolume {id} at {path:?}: {}",
+                            CliError::from(e)
+                        ))
+                    })?;
+                    (id, format!("'{path}'"))
+                }
+                (None, None) => return Err(CliError("give a PATH or --subvolid".into())),
+            };
             fs.commit()?;
-            println!("Delete subvolume {id}: '{path}'");
+            println!("Delete subvolume {id}: {shown}");
             Ok(())
         }
         SubvolCmd::Sync { image } => {

@@ -188,6 +188,43 @@ impl Core {
         Ok(id)
     }
 
+    /// [`Core::delete_subvolume`] of subvolume `id`, wherever it is linked (its ROOT_BACKREF
+    /// names the directory and the name).
+    pub fn delete_subvolume_by_id(&self, id: u64) -> Result<()> {
+        if id == FS_TREE_OBJECTID {
+            return Err(Error::NotPermitted(
+                "the top-level subvolume (5) cannot be deleted".into(),
+            ));
+        }
+        if !(FIRST_FREE_OBJECTID..=LAST_FREE_OBJECTID).contains(&id) {
+            return Err(Error::Invalid(format!("{id} is not a subvolume id")));
+        }
+        let it = crate::ctree::lookup_le(
+            &self.disk,
+            &self.tree_root(),
+            &Key::new(id, ROOT_BACKREF_KEY, u64::MAX),
+        )?;
+        let (parent, rr) = match it {
+            Some(it) if it.key.objectid == id && it.key.ty == ROOT_BACKREF_KEY => (
+                it.key.offset,
+                RootRef::parse(it.data()).map_err(|e| it.annotate(e))?,
+            ),
+            _ => {
+                return Err(Error::NotFound(format!(
+                    "subvolume {id} (it is linked nowhere: no ROOT_BACKREF)"
+                )))
+            }
+        };
+        self.delete_subvolume(
+            Inode {
+                root: parent,
+                ino: rr.dirid,
+            },
+            &rr.name,
+        )?;
+        Ok(())
+    }
+
     /// A subvolume linked inside subvolume `id` (a ROOT_REF from it), if any.
     fn first_child_subvolume(&self, id: u64) -> Result<Option<u64>> {
         let it = crate::ctree::lookup_le(
