@@ -497,6 +497,9 @@ fn power_cut_sample_with_kernel() {
         write_image(&img, &path);
         let (ok, out) = oracle_support::btrfs_check(&path);
         assert!(ok, "k={k}: btrfs check of the cut image:\n{out}");
+        // Read-only, butter's checker accepts the half-dropped tree as it is.
+        check_now(&(Arc::new(RamDevice::new(img.clone())) as Arc<dyn BlockDevice>))
+            .unwrap_or_else(|e| panic!("k={k}: the cut image as it is: {e}"));
         // butter finishes it.
         verify_cut_image(s, &img, k);
         // The kernel finishes it.
@@ -547,4 +550,163 @@ fn verify_cut_image(s: &CrashSetup, img: &[u8], k: u64) {
         }
     }
     verify_cut(s, pages, &format!("real cut k={k}")).unwrap_or_else(|e| panic!("{e}"));
+}
+
+/// The drop level recorded in the ROOT_ITEM of tree `id` on an image (None when the item is
+/// gone).
+fn drop_state(img: Arc<dyn BlockDevice>, id: u64) -> Option<(u32, u8)> {
+    let fs = Fs::open_device(img).ok()?;
+    let ri = fs.find_root_item(id).ok()??;
+    Some((ri.refs, ri.drop_level))
+}
+
+/// A three-level tree (4 KiB nodes) dropped in tiny batches: progress gets recorded at level 1
+/// and at level 2, and every committed state in between reopens, finishes the drop and checks
+/// clean.
+#[test]
+fn deep_tree_progress_at_every_level() {
+    fixed_time();
+    let size = 128 * MIB;
+    let dev = Arc::new(RamDevice::new(vec![0u8; size as usize]));
+    let opts = butter::mkfs::MkfsOptions {
+        size,
+        nodesize: 4096,
+        metadata: Profile::Single,
+        data: Profile::Single,
+        fsid: Some(*b"butter-droptest!"),
+        time: Some(1_700_000_000),
+        ..Default::default()
+    };
+    butter::mkfs::mkfs(&*dev, &opts).unwrap();
+    let fs = Fs::open_device_rw(dev.clone()).unwrap();
+    let root = fs.root_inode();
+    let mut ids = Vec::new();
+    for name in ["a", "sv"] {
+        let sv = fs
+            .create_subvolume(root, name.as_bytes(), 0o755, OWNER, None)
+            .unwrap();
+        ids.push(sv.root);
+        for d in 0..10u64 {
+            let dir = fs
+                .mkdir(sv, format!("d{d}").as_bytes(), 0o755, OWNER)
+                .unwrap();
+            for i in 0..150u64 {
+                let f = fs
+                    .create(dir, format!("f{i}").as_bytes(), 0o644, OWNER)
+                    .unwrap();
+                fs.write(f, 0, &content(d * 1000 + i, 100 + (i as usize % 5) * 700))
+                    .unwrap();
+            }
+        }
+    }
+    fs.commit().unwrap();
+    fs.create_snapshot(ids[1], root, b"snap", false, None)
+        .unwrap();
+    fs.commit().unwrap();
+    let snap = look(&fs, root, "snap");
+    for d in [1u64, 5, 9] {
+        let dir = look(&fs, snap, &format!("d{d}"));
+        let f = look(&fs, dir, "f3");
+        fs.write(f, 0, b"changed").unwrap();
+    }
+    fs.commit().unwrap();
+    for id in &ids {
+        assert_eq!(fs.subvol_root(*id).unwrap().level, 2, "tree {id}");
+    }
+    let want = without(&without(&manifest(&fs).unwrap(), "a"), "sv");
+    drop(fs);
+
+    let base = Arc::new(dev.live_bytes());
+    let ram = Arc::new(RamDevice::new((*base).clone()));
+    let tr = Arc::new(TraceDevice::new(ram.clone()));
+    {
+        let _b = batch_lock();
+        butter::inode::subvol_delete::set_drop_batch(3);
+        let fs = Fs::open_device_rw(tr.clone()).unwrap();
+        fs.delete_subvolume(root, b"a").unwrap();
+        fs.delete_subvolume(root, b"sv").unwrap();
+        butter::inode::subvol_delete::set_drop_batch(512);
+    }
+    let ops = tr.take();
+    let mut live: HashMap<u64, Vec<u8>> = HashMap::new();
+    let mut levels = std::collections::BTreeSet::new();
+    let mut states = 0;
+    let mut at_level2: Option<Vec<u8>> = None;
+    for op in &ops {
+        match op {
+            Op::Write { offset, data } => apply_write(&base, &mut live, *offset, data),
+            Op::Flush => {
+                let img: Arc<dyn BlockDevice> =
+                    Arc::new(OverlayDevice::new(base.clone(), live.clone()));
+                for id in &ids {
+                    if let Some((0, level)) = drop_state(img.clone(), *id) {
+                        levels.insert(level);
+                        if level == 2 && at_level2.is_none() {
+                            at_level2 =
+                                Some(OverlayDevice::new(base.clone(), live.clone()).bytes());
+                        }
+                    }
+                }
+                states += 1;
+                if states % 4 != 0 {
+                    continue;
+                }
+                // As it is (read-only): a half-dropped tree checks clean.
+                check_now(&img).unwrap_or_else(|e| panic!("state {states} as it is: {e}"));
+                let dev = Arc::new(OverlayDevice::new(base.clone(), live.clone()));
+                let fs = Fs::open_device_rw(dev.clone()).unwrap();
+                for id in &ids {
+                    let left = fs.find_root_item(*id).unwrap();
+                    assert!(
+                        left.as_ref().is_none_or(|r| r.refs == 1),
+                        "state {states}: {left:?}"
+                    );
+                }
+                let m = manifest(&fs).unwrap();
+                let any = m == want
+                    || without(&m, "a") == want
+                    || without(&without(&m, "a"), "sv") == want;
+                assert!(any, "state {states}: {}", diff(&want, &m));
+                drop(fs);
+                check_now(&(dev as Arc<dyn BlockDevice>))
+                    .unwrap_or_else(|e| panic!("state {states}: {e}"));
+            }
+        }
+    }
+    eprintln!("{states} committed states; drop levels recorded: {levels:?}");
+    assert!(
+        levels.contains(&1) && levels.contains(&2),
+        "drop levels recorded: {levels:?}"
+    );
+    // The kernel continues a drop butter left at level 2.
+    assert!(
+        oracle_support::have_root_and_loop(),
+        "this test needs root, loop devices, kernel btrfs and btrfs-progs"
+    );
+    let sc = Scratch::new("subvol-delete-level2");
+    let path = sc.join("l2.img");
+    write_image(&at_level2.unwrap_or_default(), &path);
+    let (ok, out) = oracle_support::btrfs_check(&path);
+    assert!(ok, "btrfs check of the level-2 drop state:\n{out}");
+    let mnt = sc.join("m");
+    let m = LoopMount::new(&path, &mnt, "");
+    oracle_support::run("btrfs", &["subvolume", "sync", mnt.to_str().unwrap()]);
+    assert!(mnt.join("snap/d1/f3").exists());
+    m.unmount();
+    let (ok, out) = oracle_support::btrfs_check(&path);
+    assert!(ok, "btrfs check after the kernel finished the drop:\n{out}");
+    let roots = oracle_support::run(
+        "btrfs",
+        &[
+            "inspect-internal",
+            "dump-tree",
+            "-t",
+            "root",
+            path.to_str().unwrap(),
+        ],
+    );
+    assert!(
+        !roots.contains("ORPHAN_ITEM"),
+        "orphan items left:\n{roots}"
+    );
 }
