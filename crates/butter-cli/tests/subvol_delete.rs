@@ -6,13 +6,15 @@
 //!   and `btrfs check`; the kernel mounts it, the other subvolume's files hash the same, the
 //!   deleted one is gone from `btrfs subvolume list` and from the uuid tree, and the data
 //!   space came back (deleting the snapshot gives back exactly what it added).
-//! - The same on a subvolume, a snapshot and a read-only snapshot made by the kernel.
+//! - The same on a subvolume, a snapshot, a read-only snapshot and a received copy made by the
+//!   kernel (the copy's RECEIVED_SUBVOL uuid entry goes too).
 //! - A drop the kernel left half done (a large subvolume deleted, unmounted while the cleaner
 //!   works: the ROOT_ITEM has refs 0 and a drop progress): `butter subvolume sync` (any
 //!   read-write open) finishes it; ROOT_ITEM and ORPHAN item are gone, both checkers are
 //!   clean, the kernel mounts it.
 //! - Refusals with clear messages: the top level, the default subvolume, a path that is no
 //!   subvolume root, a subvolume holding another.
+//! - With quotas on: the qgroup items stay, `btrfs check` accepts the result, a rescan works.
 //!
 //! Needs root, loop devices, kernel btrfs and btrfs-progs: without them the tests fail.
 
@@ -300,14 +302,29 @@ fn delete_kernel_made_subvolume_and_snapshots() {
         ],
     );
     change(&p.join("snap"));
+    // A received copy of the read-only snapshot (received uuid, RECEIVED_SUBVOL uuid entry).
+    fs::create_dir(p.join("recv")).unwrap();
+    let stream = sc.join("ro.stream");
+    kernel::sh("btrfs", &["send", "-q", "-f", s(&stream), s(&p.join("ro"))]);
+    kernel::sh(
+        "btrfs",
+        &["receive", "-q", "-f", s(&stream), s(&p.join("recv"))],
+    );
     kernel::sync_all();
     let sv_hash = hash_tree(&p.join("sv"));
     let snap_hash = hash_tree(&p.join("snap"));
     m.unmount();
-    let (sv, snap, ro) = (
+    let (sv, snap, ro, recv) = (
         subvol_id(&img, "sv"),
         subvol_id(&img, "snap"),
         subvol_id(&img, "ro"),
+        subvol_id(&img, "recv/ro"),
+    );
+    let uuids = kernel::dump_tree(&img, &["-t", "uuid"]);
+    assert!(
+        uuids.contains("UUID_KEY_RECEIVED_SUBVOL")
+            && uuids.contains(&format!("subvol_id {recv}\n")),
+        "{uuids}"
     );
     let img2 = sc.join("b.img");
     fs::copy(&img, &img2).unwrap();
@@ -316,8 +333,17 @@ fn delete_kernel_made_subvolume_and_snapshots() {
     butter_ok(&["subvolume", "delete", s(&img), "snap"]);
     verify_deleted(&sc, &img, snap, "snap", "sv", &sv_hash);
     butter_ok(&["subvolume", "delete", s(&img), "ro"]);
-    let after = verify_deleted(&sc, &img, ro, "ro", "sv", &sv_hash);
-    assert_eq!(after, before, "data in use after deleting both snapshots");
+    verify_deleted(&sc, &img, ro, "ro", "sv", &sv_hash);
+    butter_ok(&["subvolume", "delete", s(&img), "recv/ro"]);
+    let after = verify_deleted(&sc, &img, recv, "recv/ro", "sv", &sv_hash);
+    assert!(
+        !kernel::dump_tree(&img, &["-t", "uuid"]).contains("UUID_KEY_RECEIVED_SUBVOL"),
+        "the received uuid's entry is left"
+    );
+    assert_eq!(
+        after, before,
+        "data in use after deleting the snapshots and the copy"
+    );
 
     // The source, while its snapshots live; then the read-only snapshot.
     butter_ok(&["subvolume", "delete", s(&img2), "sv"]);
