@@ -129,6 +129,12 @@ impl Fs {
             );
             fs.commit()?;
         }
+        // Subvolumes deleted while their drop was cut off (by butter or the kernel): the drop
+        // goes on from its recorded progress, as the kernel's cleaner continues it at mount.
+        let n = fs.drop_dead_trees()?;
+        if n > 0 {
+            log::info!("finished dropping {n} deleted subvolumes");
+        }
         Ok(fs)
     }
 

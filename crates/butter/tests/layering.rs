@@ -55,6 +55,7 @@ const ORDER: &[&str] = &[
     "inode/statfs",
     "inode/subvol",
     "inode/received",
+    "inode/subvol_delete",
     "inode",
     "tree_log/write",
     "tree_log/replay",

@@ -1,5 +1,5 @@
-//! `butter subvolume create|snapshot|list|show|get-default|set-default`: subvolumes of an image,
-//! without mounting it.
+//! `butter subvolume create|snapshot|delete|sync|list|show|get-default|set-default`: subvolumes
+//! of an image, without mounting it.
 //!
 //! Paths are inside the image, from the root of its default subvolume (as on a mount).
 
@@ -28,6 +28,30 @@ pub enum SubvolCmd {
         source: String,
         /// Path of the snapshot inside the image.
         dest: String,
+    },
+    /// Delete the subvolume or snapshot at PATH (read-only ones too) and free its tree, as the
+    /// kernel does: the drop is committed in steps, and a drop cut off (by butter or the
+    /// kernel) goes on at the next read-write open.
+    Delete {
+        /// The subvolume by id instead of by path (wherever it is linked).
+        #[arg(
+            short = 'i',
+            long = "subvolid",
+            value_name = "N",
+            conflicts_with = "path"
+        )]
+        id: Option<u64>,
+        /// Image file or block device.
+        image: PathBuf,
+        /// Root directory of the subvolume inside the image.
+        #[arg(required_unless_present = "id")]
+        path: Option<String>,
+    },
+    /// Finish the drops of deleted subvolumes left unfinished (any read-write open does it),
+    /// then report that none is left.
+    Sync {
+        /// Image file or block device.
+        image: PathBuf,
     },
     /// List subvolumes and snapshots (same as `butter subvolumes`).
     List(super::ls::SubvolArgs),
@@ -138,6 +162,50 @@ pub fn subvolume(a: SubvolumeArgs) -> CliResult {
                 if readonly { "a readonly " } else { "a " },
                 ino.root
             );
+            Ok(())
+        }
+        SubvolCmd::Delete { id, image, path } => {
+            let fs = open_rw(&image)?;
+            let (id, shown) = match (id, path) {
+                (Some(id), _) => {
+                    fs.delete_subvolume_by_id(id).map_err(|e| {
+                        CliError(format!(
+                            "cannot delete subvolume {id}: {}",
+                            CliError::from(e)
+                        ))
+                    })?;
+                    (id, format!("id {id}"))
+                }
+                (None, Some(path)) => {
+                    let trimmed = path.trim_matches('/');
+                    if trimmed.is_empty() || trimmed == "." {
+                        return Err(CliError(format!(
+                            "cannot delete {path:?}: it is the top level of the default \
+                             subvolume, not a subvolume linked in a directory (the top level, \
+                             id 5, is never deleted)"
+                        )));
+                    }
+                    let id = subvolume_at(&fs, &path)?;
+                    let (dir, name) = parent_and_name(&fs, &path)?;
+                    fs.delete_subvolume(dir, &name).map_err(|e| {
+                        CliError(format!(
+                            "cannot delete subvolume {id} at {path:?}: {}",
+                            CliError::from(e)
+                        ))
+                    })?;
+                    (id, format!("'{path}'"))
+                }
+                (None, None) => return Err(CliError("give a PATH or --subvolid".into())),
+            };
+            fs.commit()?;
+            println!("Delete subvolume {id}: {shown}");
+            Ok(())
+        }
+        SubvolCmd::Sync { image } => {
+            // The read-write open finishes every drop left unfinished.
+            let fs = open_rw(&image)?;
+            fs.commit()?;
+            println!("No deleted subvolume is left to drop");
             Ok(())
         }
         SubvolCmd::List(a) => super::ls::subvolumes(a),

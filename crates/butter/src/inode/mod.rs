@@ -11,6 +11,7 @@
 //! - `seek`, `statfs`, `subvol`: SEEK_DATA/SEEK_HOLE, free space, subvolumes and snapshots;
 //! - `encoded`: compressed extents stored as they come (receive's ENCODED_WRITE);
 //! - `received`: subvolumes by uuid, and marking a subvolume received;
+//! - `subvol_delete`: deleting a subvolume and dropping its tree, resumable across commits;
 //! - `orphan`: inodes unlinked while open, deleted at the last close or the next open.
 
 pub mod core;
@@ -26,3 +27,4 @@ pub(crate) mod reflink;
 pub mod seek;
 pub mod statfs;
 pub mod subvol;
+pub mod subvol_delete;

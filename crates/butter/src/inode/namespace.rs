@@ -62,7 +62,7 @@ fn mode_to_ft(mode: u32) -> u8 {
 
 /// Rewrites an item that packs several entries (refs, dir items, xattrs) without entry `skip`;
 /// deletes the item when that was its only entry.
-fn rewrite_without<T>(
+pub(crate) fn rewrite_without<T>(
     w: &mut Writer,
     root: u64,
     key: Key,

@@ -35,6 +35,8 @@ mod fuzz_regress;
 #[cfg(test)]
 mod read_basic;
 #[cfg(test)]
+mod subvol_delete;
+#[cfg(test)]
 mod write_api;
 
 pub(crate) mod corrupt_support;
