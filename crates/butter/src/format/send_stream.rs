@@ -119,19 +119,19 @@ const COMMANDS: &[(u16, &str)] = &[
 
 /// One command of a stream, its attributes as they came.
 #[derive(Debug, Clone)]
-pub struct Command {
+pub(crate) struct Command {
     /// The command number (1 subvol, 2 snapshot, ... 21 end).
-    pub kind: u16,
+    pub(crate) kind: u16,
     /// Byte offset of its header in the stream.
-    pub offset: u64,
+    pub(crate) offset: u64,
     /// Its place in the input, counting from 1 (across the streams of a multi-stream send).
-    pub index: u64,
+    pub(crate) index: u64,
     attrs: Vec<(u16, Vec<u8>)>,
 }
 
 impl Command {
     /// The name `btrfs receive --dump` prints for it.
-    pub fn name(&self) -> Option<&'static str> {
+    pub(crate) fn name(&self) -> Option<&'static str> {
         COMMANDS
             .iter()
             .find(|(k, _)| *k == self.kind)
@@ -227,7 +227,7 @@ pub(crate) fn command_loc(index: u64, kind: u16, at: u64) -> Location {
 }
 
 /// Reads the commands of a send stream one by one.
-pub struct StreamReader<R: Read> {
+pub(crate) struct StreamReader<R: Read> {
     r: R,
     version: u32,
     offset: u64,
@@ -238,7 +238,7 @@ pub struct StreamReader<R: Read> {
 
 impl<R: Read> StreamReader<R> {
     /// Checks the stream's magic and version (1 to 3).
-    pub fn new(mut r: R) -> Result<Self> {
+    pub(crate) fn new(mut r: R) -> Result<Self> {
         let mut head = [0u8; 17];
         read_full(&mut r, &mut head, 0, "the stream header")?;
         let loc = || Location::what("send stream header at byte 0");
@@ -260,19 +260,14 @@ impl<R: Read> StreamReader<R> {
         })
     }
 
-    /// The stream's version.
-    pub fn version(&self) -> u32 {
-        self.version
-    }
-
     /// Bytes of the stream read so far.
-    pub fn offset(&self) -> u64 {
+    pub(crate) fn offset(&self) -> u64 {
         self.offset
     }
 
     /// The next command; `None` at the end of the input (several streams may follow each
     /// other: a new magic after an `end` command starts the next).
-    pub fn next_command(&mut self) -> Result<Option<Command>> {
+    pub(crate) fn next_command(&mut self) -> Result<Option<Command>> {
         let at = self.offset;
         let mut h = [0u8; CMD_HEADER];
         let mut got = 0;
