@@ -10,26 +10,13 @@ mod common;
 
 use common::fuse_mount::{self, BUTTER};
 use common::kernel::{self, LoopMount, ScratchDir};
+use common::send_source::sh;
 use std::fs;
 use std::path::Path;
 use std::process::Command;
 
 fn s(p: &Path) -> &str {
     p.to_str().unwrap()
-}
-
-fn sh(script: &str, dir: &Path) {
-    let out = Command::new("sh")
-        .arg("-ec")
-        .arg(script)
-        .current_dir(dir)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{script}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
 }
 
 /// (exit status success, stdout, stderr) of `prog args`.

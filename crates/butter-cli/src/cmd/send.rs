@@ -45,31 +45,22 @@ pub struct SendArgs {
     pub subvols: Vec<String>,
 }
 
-/// The subvolume whose root directory `path` is.
-fn subvol_id(fs: &Fs, path: &str) -> Result<u64, CliError> {
-    let ino = fs
-        .resolve(path)
-        .map_err(|e| CliError(format!("{path:?}: {}", CliError::from(e))))?;
-    if ino != fs.subvol_root_inode(ino.root)? {
-        return Err(CliError(format!(
-            "{path:?} is not the root of a subvolume (see `butter subvolume list`)"
-        )));
-    }
-    Ok(ino.root)
-}
-
 pub fn send(a: SendArgs) -> CliResult {
     let fs = super::open_fs(&a.image)?;
-    let parent = a.parent.as_deref().map(|p| subvol_id(&fs, p)).transpose()?;
+    let parent = a
+        .parent
+        .as_deref()
+        .map(|p| super::subvol::subvolume_at(&fs, p))
+        .transpose()?;
     let clone_sources = a
         .clone_sources
         .iter()
-        .map(|p| subvol_id(&fs, p))
+        .map(|p| super::subvol::subvolume_at(&fs, p))
         .collect::<Result<Vec<_>, _>>()?;
     let ids = a
         .subvols
         .iter()
-        .map(|p| subvol_id(&fs, p))
+        .map(|p| super::subvol::subvolume_at(&fs, p))
         .collect::<Result<Vec<_>, _>>()?;
     let mut out: Box<dyn Write> = match &a.file {
         Some(f) => Box::new(std::io::BufWriter::with_capacity(

@@ -241,7 +241,7 @@ pub fn subvolume(a: SubvolumeArgs) -> CliResult {
 }
 
 /// The id of the subvolume whose root directory `path` is.
-fn subvolume_at(fs: &Fs, path: &str) -> Result<u64, CliError> {
+pub(crate) fn subvolume_at(fs: &Fs, path: &str) -> Result<u64, CliError> {
     let ino = fs
         .resolve(path)
         .map_err(|e| CliError(format!("{path:?}: {}", CliError::from(e))))?;

@@ -277,6 +277,14 @@ impl<W: Write> Sender<'_, W> {
         }
     }
 
+    fn rename_cmd(&mut self, from: &[u8], to: &[u8]) -> Result<()> {
+        self.w
+            .begin(cmd::RENAME)
+            .attr(attr::PATH, from)
+            .attr(attr::PATH_TO, to);
+        self.w.end_cmd()
+    }
+
     fn path_cmd(&mut self, kind: u16, path: &[u8]) -> Result<()> {
         self.w.begin(kind).attr(attr::PATH, path);
         self.w.end_cmd()?;
@@ -520,11 +528,7 @@ impl<W: Write> Sender<'_, W> {
             let mut have = self.names.names(id)?;
             if self.orphans.contains(&id) {
                 let from = self.names.path(id)?;
-                self.w
-                    .begin(cmd::RENAME)
-                    .attr(attr::PATH, &from)
-                    .attr(attr::PATH_TO, &to);
-                self.w.end_cmd()?;
+                self.rename_cmd(&from, &to)?;
                 have.retain(|(d, n)| !(*d == ROOT_ID && self.orphan_named(id, n)));
                 self.orphans.remove(&id);
             } else {
@@ -562,11 +566,7 @@ impl<W: Write> Sender<'_, W> {
         if rest.is_empty() {
             let oname = self.names.orphan_name(other)?;
             let to = self.names.join(ROOT_ID, &oname)?;
-            self.w
-                .begin(cmd::RENAME)
-                .attr(attr::PATH, &path)
-                .attr(attr::PATH_TO, &to);
-            self.w.end_cmd()?;
+            self.rename_cmd(&path, &to)?;
             self.names.set(other, vec![(ROOT_ID, oname)])?;
             self.orphans.insert(other);
             self.orphan_ops = true;
@@ -723,11 +723,7 @@ impl<W: Write> Sender<'_, W> {
             {
                 let from = self.names.path(id)?;
                 let to = self.names.join(*dir, name)?;
-                self.w
-                    .begin(cmd::RENAME)
-                    .attr(attr::PATH, &from)
-                    .attr(attr::PATH_TO, &to);
-                self.w.end_cmd()?;
+                self.rename_cmd(&from, &to)?;
                 self.tick();
                 self.touch_dir(removed[0].0);
                 self.touch_dir(*dir);
@@ -746,11 +742,7 @@ impl<W: Write> Sender<'_, W> {
         let from = self.names.path(id)?;
         let oname = self.names.orphan_name(id)?;
         let to = self.names.join(ROOT_ID, &oname)?;
-        self.w
-            .begin(cmd::RENAME)
-            .attr(attr::PATH, &from)
-            .attr(attr::PATH_TO, &to);
-        self.w.end_cmd()?;
+        self.rename_cmd(&from, &to)?;
         self.tick();
         self.touch_dir(dir);
         self.orphan_ops = true;
