@@ -362,3 +362,91 @@ fn incremental_model_random_rounds() {
     assert_clean(&bimg, "butter's received image");
     assert_clean(&src, "the source");
 }
+
+/// Inode numbers reused: btrfs hands out the highest number + 1 after a mount, so deleting
+/// the newest inodes, remounting and creating again reuses their numbers for other inodes
+/// (a directory's number for a file of the same name, a file's for a directory). The
+/// incremental stream must take the old inodes away before the new ones come.
+#[test]
+fn incremental_with_reused_inode_numbers() {
+    if !fuse_mount::require("incremental_with_reused_inode_numbers", &["python3"]) {
+        return;
+    }
+    let sc = ScratchDir::new("send-reuse");
+    let src = sc.join("src.img");
+    fuse_mount::fresh_image(&src, 256 << 20);
+    let ino = |p: &Path| {
+        use std::os::unix::fs::MetadataExt;
+        fs::symlink_metadata(p).unwrap().ino()
+    };
+    let mut mans = Vec::new();
+    let (old_d, old_f);
+    {
+        let m = LoopMount::btrfs(&src, &sc.dir("src"), "");
+        sh(
+            "btrfs subvolume create x >/dev/null
+             cd x; echo keep > a; mkdir d; echo inner > d/in; echo last > f; cd ..
+             btrfs subvolume snapshot -r x r0 >/dev/null",
+            m.path(),
+        );
+        old_d = ino(&m.path().join("x/d"));
+        old_f = ino(&m.path().join("x/f"));
+        mans.push(manifest::take(&m.path().join("r0"), &TakeOpts::default()));
+        sh("rm -rf x/d x/f", m.path());
+        m.unmount();
+    }
+    {
+        let m = LoopMount::btrfs(&src, &sc.dir("src"), "");
+        // New inodes take the numbers of d, d/in and f: a file named d, a directory named f.
+        sh(
+            "cd x; echo now-a-file > d; mkdir f; echo x > f/g; mv a f/a; cd ..
+             btrfs subvolume snapshot -r x r1 >/dev/null",
+            m.path(),
+        );
+        let reused = [ino(&m.path().join("x/d")), ino(&m.path().join("x/f"))];
+        assert!(
+            reused.contains(&old_d) || reused.contains(&old_f),
+            "no inode number was reused (old {old_d}, {old_f}; new {reused:?})"
+        );
+        mans.push(manifest::take(&m.path().join("r1"), &TakeOpts::default()));
+        m.unmount();
+    }
+    let full = sc.join("r0.stream");
+    let inc = sc.join("r1.stream");
+    butter_ok(&["send", "-q", "-f", s(&full), s(&src), "/r0"]);
+    butter_ok(&["send", "-q", "-p", "/r0", "-f", s(&inc), s(&src), "/r1"]);
+    let kimg = sc.join("k.img");
+    fuse_mount::fresh_image(&kimg, 256 << 20);
+    {
+        let m = LoopMount::btrfs(&kimg, &sc.dir("k"), "");
+        for (i, st) in [&full, &inc].iter().enumerate() {
+            kernel_receive(st, m.path());
+            let got = manifest::take(&m.path().join(format!("r{i}")), &TakeOpts::default());
+            manifest::assert_same(
+                &mans[i],
+                &got,
+                &received_opts(),
+                &format!("r{i} by btrfs receive"),
+            );
+        }
+        m.unmount();
+    }
+    let bimg = sc.join("b.img");
+    new_butter_image(&bimg);
+    for st in [&full, &inc] {
+        butter_ok(&["receive", "-q", "-f", s(st), s(&bimg), "/"]);
+    }
+    assert_clean(&bimg, "butter's received image");
+    assert_clean(&kimg, "the kernel's received image");
+    let m = LoopMount::btrfs_ro(&bimg, &sc.dir("b"));
+    for (i, want) in mans.iter().enumerate() {
+        let got = manifest::take(&m.path().join(format!("r{i}")), &TakeOpts::default());
+        manifest::assert_same(
+            want,
+            &got,
+            &received_opts(),
+            &format!("r{i} by butter receive"),
+        );
+    }
+    m.unmount();
+}
