@@ -110,17 +110,25 @@ fn env_u64(name: &str, default: u64) -> u64 {
 #[test]
 fn fsx_on_butter_mount() {
     let ops = env_u64("BUTTER_FSX_OPS", SUITE_OPS);
-    fsx_run("fuse-fsx", &[], ops);
+    fsx_run("fuse-fsx", &[], &[], ops);
 }
 
 /// The same on a block-group-tree image (mkfs.btrfs's default since 6.19), a third as long.
 #[test]
 fn fsx_on_block_group_tree() {
     let ops = env_u64("BUTTER_FSX_OPS", SUITE_OPS) / 3;
-    fsx_run("fuse-fsx-bgt", &["-O", "block-group-tree"], ops);
+    fsx_run("fuse-fsx-bgt", &["-O", "block-group-tree"], &[], ops);
 }
 
-fn fsx_run(name: &str, mkfs_args: &[&str], ops: u64) {
+/// The same with every write compressed (`compress-force=zstd`), a third as long: partial
+/// overwrites, truncates and holes over compressed extents.
+#[test]
+fn fsx_with_compression() {
+    let ops = env_u64("BUTTER_FSX_OPS", SUITE_OPS) / 3;
+    fsx_run("fuse-fsx-zstd", &[], &["-o", "compress-force=zstd"], ops);
+}
+
+fn fsx_run(name: &str, mkfs_args: &[&str], mount_args: &[&str], ops: u64) {
     if !fuse_mount::require("fuse_fsx", &["fsx"]) {
         return;
     }
@@ -133,7 +141,7 @@ fn fsx_run(name: &str, mkfs_args: &[&str], ops: u64) {
     let bm = ButterMount::start(
         &img,
         &scratch.join("bmnt"),
-        &[],
+        mount_args,
         &scratch.join("butter.log"),
     );
 

@@ -117,6 +117,8 @@ impl Fs {
         fs.set_fsync_skips_writes_in_progress(opts.fsync_skips_writes_in_progress);
         fs.set_unlocked_writeback(opts.unlocked_writeback);
         fs.set_delayed_allocation(opts.delayed_allocation);
+        fs.core.compress = opts.compress;
+        fs.core.compress_force = opts.compress_force && opts.compress.is_some();
         let mut w = crate::tree_log::replay::start_writer(&fs)?;
         w.set_combined_replace(opts.combined_replace);
         fs.core.writer = Some(Mutex::new(w));
@@ -174,6 +176,8 @@ impl Fs {
             ),
             fsync_waits_for_writes: std::sync::atomic::AtomicBool::new(false),
             gate: Default::default(),
+            compress: None,
+            compress_force: false,
         };
         fs.csum_root = match fs.find_root_item(CSUM_TREE_OBJECTID)? {
             Some(ri) => Some(Root {
@@ -367,6 +371,11 @@ pub struct RwOptions {
     /// each replacement deletes and inserts in descents of their own (for the benchmark's
     /// comparison).
     pub combined_replace: bool,
+    /// Compress written data (the kernel's `compress=`): files whose start compresses, and
+    /// files with the compress flag or property. Default off.
+    pub compress: Option<crate::format::compress::Compression>,
+    /// Compress every file (the kernel's `compress-force=`), with `compress`'s algorithm.
+    pub compress_force: bool,
 }
 
 impl Default for RwOptions {
@@ -377,6 +386,8 @@ impl Default for RwOptions {
             unlocked_writeback: true,
             delayed_allocation: true,
             combined_replace: true,
+            compress: None,
+            compress_force: false,
         }
     }
 }

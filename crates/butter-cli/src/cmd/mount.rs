@@ -36,7 +36,9 @@ pub struct MountArgs {
     /// writes in progress and completing its ordered extents, i.e. without the fsync rule
     /// that skips writes in progress, for comparison; or a full commit), allow_other,
     /// allow_root, fsname=NAME, subtype=NAME, subvol=PATH, subvolid=N, dev, nodev, suid,
-    /// nosuid, exec, noexec, atime, noatime.
+    /// nosuid, exec, noexec, atime, noatime, compress[=ALG[:LEVEL]] (compress written data:
+    /// zlib 1-9, lzo, zstd 1-15; zlib:3 when ALG is not given), compress-force[=ALG[:LEVEL]]
+    /// (every file, even one whose start does not compress), compress=no.
     #[arg(short = 'o', value_name = "OPTIONS")]
     pub options: Vec<String>,
     /// Mount this subvolume (path from the top-level subvolume) instead of the default one.
@@ -81,6 +83,9 @@ struct Plan {
     /// Appends gather in memory before allocation (`nodelalloc`: each write is allocated and
     /// written when it comes).
     delalloc: bool,
+    /// `compress=` / `compress-force=`.
+    compress: Option<butter::format::compress::Compression>,
+    compress_force: bool,
     subvol: Subvol,
     cfg: MountConfig,
 }
@@ -92,6 +97,8 @@ fn plan(a: &MountArgs) -> Result<Plan, CliError> {
     let mut fsync_log = true;
     let mut fsync_rule = true;
     let mut delalloc = true;
+    let mut compress = None;
+    let mut compress_force = false;
     let mut subvol = match (&a.subvol, a.subvol_id) {
         (Some(p), _) => Subvol::Path(p.clone()),
         (None, Some(id)) => Subvol::Id(id),
@@ -138,6 +145,15 @@ fn plan(a: &MountArgs) -> Result<Plan, CliError> {
             }
             ("nodelalloc", None) => {
                 delalloc = false;
+                None
+            }
+            ("compress" | "compress-force", v) => {
+                compress = match v {
+                    None => Some(butter::format::compress::Compression::ZLIB),
+                    Some(v) => butter::format::compress::Compression::parse(v)
+                        .map_err(|e| CliError(format!("{key}={v}: {}", CliError::from(e))))?,
+                };
+                compress_force = key == "compress-force" && compress.is_some();
                 None
             }
             ("fsync", Some("log")) => {
@@ -214,6 +230,8 @@ fn plan(a: &MountArgs) -> Result<Plan, CliError> {
         fsync_log,
         fsync_rule,
         delalloc,
+        compress,
+        compress_force,
         subvol,
         cfg,
     })
@@ -272,6 +290,8 @@ pub fn mount(a: MountArgs) -> CliResult {
             fsync_log: p.fsync_log,
             fsync_skips_writes_in_progress: p.fsync_rule,
             delayed_allocation: p.delalloc,
+            compress: p.compress,
+            compress_force: p.compress_force,
             ..Default::default()
         };
         Fs::open_rw_with(&a.image, opts).map_err(|e| match e {
@@ -442,6 +462,13 @@ mod tests {
         assert!(parse(&["img", "dir"]).unwrap().fsync_rule);
         assert!(parse(&["img", "dir"]).unwrap().delalloc);
         assert!(!parse(&["-o", "nodelalloc", "img", "dir"]).unwrap().delalloc);
+        let c = parse(&["-o", "compress=zstd:7", "img", "dir"]).unwrap();
+        assert_eq!(c.compress.map(|c| c.name()), Some("zstd"));
+        assert!(!c.compress_force);
+        let f = parse(&["-o", "compress-force=lzo", "img", "dir"]).unwrap();
+        assert!(f.compress_force);
+        assert!(parse(&["-o", "compress=zstd:16", "img", "dir"]).is_err());
+        assert!(parse(&["-o", "compress=brotli", "img", "dir"]).is_err());
         assert!(parse(&["-o", "fsync=sometimes", "img", "dir"]).is_err());
         assert!(parse(&["-o", "nologreplay", "img", "dir"]).is_err());
         assert!(parse(&["--subvol", "a", "--subvol-id", "5", "img", "dir"]).is_err());

@@ -1,4 +1,6 @@
-//! Decompression of compressed file extents (regular and inline).
+//! Compressed file extents (regular and inline): decompression, and the compression the
+//! write path uses ([`compress`], with the [`Compression`] a mount option, a property or an
+//! inode flag asks for).
 //!
 //! The file extent item's `compression` byte selects the codec; `ram_bytes` is the length of
 //! the decompressed data. A compressed regular extent holds at most 128 KiB of data
@@ -42,6 +44,116 @@ pub(crate) const COMPRESS_ZLIB: u8 = 1;
 pub(crate) const COMPRESS_LZO: u8 = 2;
 /// On-disk `compression` code: zstd.
 pub(crate) const COMPRESS_ZSTD: u8 = 3;
+
+/// An algorithm and level to compress with, as `-o compress=ALG[:LEVEL]` names them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Compression {
+    /// On-disk code: 1 zlib, 2 lzo, 3 zstd.
+    code: u8,
+    /// zlib 1 to 9, zstd 1 to 15; 0 for lzo (no levels).
+    level: u8,
+}
+
+impl Compression {
+    /// zlib at level 3 (the kernel's default algorithm and level).
+    pub const ZLIB: Compression = Compression { code: 1, level: 3 };
+
+    /// Parses `zlib`, `lzo`, `zstd`, each with an optional `:LEVEL` (zlib 1-9, zstd 1-15;
+    /// 3 when not given), as the kernel's `compress=` option and the `btrfs.compression`
+    /// property spell them. `None` for `no` and `none` (the property's way to turn it off).
+    pub fn parse(s: &str) -> Result<Option<Compression>> {
+        let (alg, level) = match s.split_once(':') {
+            Some((a, l)) => (a, Some(l)),
+            None => (s, None),
+        };
+        let (code, max) = match alg {
+            "zlib" => (COMPRESS_ZLIB, 9),
+            "lzo" => (COMPRESS_LZO, 0),
+            "zstd" => (COMPRESS_ZSTD, 15),
+            "no" | "none" if level.is_none() => return Ok(None),
+            _ => {
+                return Err(Error::Invalid(format!(
+                    "compression {s:?}: zlib, lzo or zstd, with :LEVEL for zlib (1-9) and \
+                     zstd (1-15)"
+                )))
+            }
+        };
+        let level = match level {
+            None if max == 0 => 0,
+            None => 3,
+            Some(l) => match l.parse::<u8>() {
+                Ok(n) if max > 0 && (1..=max).contains(&n) => n,
+                _ => {
+                    return Err(Error::Invalid(format!(
+                        "compression level {l:?} for {alg} (zlib 1-9, zstd 1-15, lzo none)"
+                    )))
+                }
+            },
+        };
+        Ok(Some(Compression { code, level }))
+    }
+
+    /// The on-disk code of the file extent item.
+    pub(crate) fn code(self) -> u8 {
+        self.code
+    }
+
+    /// The algorithm's name, as the property stores it.
+    pub fn name(self) -> &'static str {
+        match self.code {
+            COMPRESS_ZLIB => "zlib",
+            COMPRESS_LZO => "lzo",
+            _ => "zstd",
+        }
+    }
+}
+
+/// `input` compressed with `c` in the stream format its code reads back (see the module
+/// docs); `None` when the codec fails (it does not on valid input).
+pub(crate) fn compress(c: Compression, input: &[u8], sectorsize: u32) -> Option<Vec<u8>> {
+    match c.code {
+        COMPRESS_ZLIB => {
+            use std::io::Write;
+            let mut e = flate2::write::ZlibEncoder::new(
+                Vec::with_capacity(input.len() / 2),
+                flate2::Compression::new(u32::from(c.level)),
+            );
+            e.write_all(input).ok()?;
+            e.finish().ok()
+        }
+        COMPRESS_LZO => Some(lzo_frame(input, sectorsize as usize)),
+        _ => {
+            // A window of at most 2^17 bytes, as btrfs's decoder requires.
+            let mut z = zstd::bulk::Compressor::new(i32::from(c.level)).ok()?;
+            z.set_parameter(zstd::zstd_safe::CParameter::WindowLog(ZSTD_WINDOW_LOG_MAX))
+                .ok()?;
+            z.compress(input).ok()
+        }
+    }
+}
+
+/// Frames `data` the way btrfs does for LZO: one segment per sector of input, a segment
+/// header never straddling a sector boundary.
+fn lzo_frame(data: &[u8], sectorsize: usize) -> Vec<u8> {
+    let mut v = vec![0u8; LZO_LEN];
+    for chunk in data.chunks(sectorsize) {
+        let left = sectorsize - v.len() % sectorsize;
+        if left < LZO_LEN {
+            v.resize(v.len() + left, 0);
+        }
+        let c = match lzokay_native::compress(chunk) {
+            Ok(c) => c,
+            // The encoder has no failure on valid input; a segment that could not be
+            // compressed makes the whole result useless: the caller stores it plain.
+            Err(_) => return vec![0u8; data.len() + sectorsize],
+        };
+        v.extend_from_slice(&(c.len() as u32).to_le_bytes());
+        v.extend_from_slice(&c);
+    }
+    let total = v.len() as u32;
+    v[..4].copy_from_slice(&total.to_le_bytes());
+    v
+}
 
 /// Largest window (log2 bytes) of a zstd frame that btrfs accepts.
 const ZSTD_WINDOW_LOG_MAX: u32 = 17;
@@ -783,25 +895,32 @@ mod tests {
         e.finish().unwrap()
     }
 
+    #[test]
+    fn compress_reads_back_with_every_algorithm_and_level() {
+        let data: Vec<u8> = (0..131072u32).map(|i| (i / 7 % 251) as u8).collect();
+        for spec in ["zlib:1", "zlib:9", "lzo", "zstd:1", "zstd:15", "zstd"] {
+            let c = Compression::parse(spec).unwrap().unwrap();
+            for ss in [4096u32, 65536] {
+                let z = compress(c, &data, ss).unwrap();
+                assert!(z.len() < data.len() / 4, "{spec}: {} bytes", z.len());
+                let back = decompress(c.code(), &z, data.len(), ss).unwrap();
+                same(&back, &data, spec);
+            }
+        }
+        assert_eq!(Compression::parse("none").unwrap(), None);
+        assert_eq!(Compression::parse("zstd").unwrap().unwrap().level, 3);
+        for bad in ["zlib:0", "zlib:10", "zstd:16", "lzo:1", "brotli", "no:1", ""] {
+            assert!(Compression::parse(bad).is_err(), "{bad} accepted");
+        }
+    }
+
     fn zstd(data: &[u8]) -> Vec<u8> {
         zstd::bulk::compress(data, 3).unwrap()
     }
 
-    /// Frames `data` the way btrfs does for LZO: one segment per sector of input, a segment
-    /// header never straddling a sector boundary, padded to a whole number of sectors.
+    /// [`super::lzo_frame`] padded to a whole number of sectors, as an extent stores it.
     fn lzo_frame(data: &[u8], sectorsize: usize) -> Vec<u8> {
-        let mut v = vec![0u8; LZO_LEN];
-        for chunk in data.chunks(sectorsize) {
-            let left = sectorsize - v.len() % sectorsize;
-            if left < LZO_LEN {
-                v.resize(v.len() + left, 0);
-            }
-            let c = lzokay_native::compress(chunk).unwrap();
-            v.extend_from_slice(&(c.len() as u32).to_le_bytes());
-            v.extend_from_slice(&c);
-        }
-        let total = v.len() as u32;
-        v[..4].copy_from_slice(&total.to_le_bytes());
+        let mut v = super::lzo_frame(data, sectorsize);
         let padded = v.len().div_ceil(sectorsize) * sectorsize;
         v.resize(padded, 0);
         v

@@ -43,6 +43,10 @@ pub struct Core {
     pub(crate) fsync_waits_for_writes: std::sync::atomic::AtomicBool,
     /// The reader/writer gate and the abort latch for concurrent callers (crate::gate).
     pub(crate) gate: crate::gate::Gate,
+    /// Compression of written data (`-o compress=`), and whether it is forced
+    /// (`compress-force=`: every file, incompressible starts included).
+    pub(crate) compress: Option<crate::format::compress::Compression>,
+    pub(crate) compress_force: bool,
 }
 
 impl Core {

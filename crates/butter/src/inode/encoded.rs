@@ -13,12 +13,22 @@
 //! decode, and nothing is written when they do not.
 
 use crate::error::{Error, Result};
-use crate::format::compress::decompress;
+use crate::format::compress::{compress, decompress, Compression};
 use crate::format::items::*;
 use crate::format::*;
 use crate::ids::Inode;
 use crate::inode::core::Core;
 use crate::transaction::extent_refs::RefKey;
+
+/// Where a compressed extent goes: `span` bytes of the file from `offset`, taken from
+/// `decoded_offset` of the decoded extent of `ram_bytes`, compressed with `code`.
+pub(crate) struct Placed {
+    pub(crate) offset: u64,
+    pub(crate) span: u64,
+    pub(crate) ram_bytes: u64,
+    pub(crate) decoded_offset: u64,
+    pub(crate) code: u8,
+}
 
 /// The most file data one compressed extent holds (the kernel's limit too).
 const MAX_DECODED: u64 = crate::inode::read::MAX_COMPRESSED;
@@ -157,7 +167,7 @@ impl Core {
                     &fe.to_bytes(),
                 )?;
                 item.nbytes = item.nbytes - removed.min(item.nbytes) + e.file_len;
-                self.finish_encoded(w, ino, &mut item, e)
+                self.finish_encoded(w, ino, &mut item, e.file_len, e.compression)
             });
         }
         let disk_len = (e.data.len() as u64).div_ceil(ss) * ss;
@@ -165,67 +175,192 @@ impl Core {
         buf.resize(disk_len as usize, 0);
         self.op(true, |w| {
             let mut item = self.inode_item_raw(ino)?;
-            let bytenr = w.alloc_data_or_commit(disk_len)?;
-            if let Err(err) = self.disk.write_logical(bytenr, &buf) {
-                // Nothing references the space: it comes back after the commit.
-                w.allocator.pin(bytenr, disk_len)?;
-                return Err(err);
-            }
-            w.delete_csums(bytenr, disk_len)?;
-            w.insert_csums(bytenr, &self.sector_sums(&buf))?;
-            let fe = FileExtentItem {
-                generation: w.transid,
+            let placed = Placed {
+                offset,
+                span,
                 ram_bytes,
-                compression: e.compression,
-                encryption: 0,
-                other_encoding: 0,
-                ty: FILE_EXTENT_REG,
-                body: FileExtentBody::Extent {
-                    disk_bytenr: bytenr,
-                    disk_num_bytes: disk_len,
-                    offset: e.decoded_offset,
-                    num_bytes: span,
-                },
+                decoded_offset: e.decoded_offset,
+                code: e.compression,
             };
-            let (removed, added) =
-                self.replace_extents(w, ino, offset, offset + span, Some((offset, fe)))?;
-            w.refs.add_data_ref(
-                bytenr,
-                disk_len,
-                true,
-                RefKey::Data {
-                    root: ino.root,
-                    ino: ino.ino,
-                    offset: offset.wrapping_sub(e.decoded_offset),
-                },
-                1,
-            );
-            item.nbytes = item.nbytes - removed.min(item.nbytes) + added;
+            self.put_compressed(w, ino, &mut item, &placed, &buf)?;
             let end = offset + e.file_len;
             if end > item.size {
                 w.log.note_change(ino, item.size, end);
                 item.size = end;
             }
-            self.finish_encoded(w, ino, &mut item, e)
+            self.finish_encoded(w, ino, &mut item, e.file_len, e.compression)
         })
     }
 
-    /// The inode and superblock side of an encoded write whose extent is in: the size, the
-    /// times, the compression feature bit, and a commit for the next fsync (the log does not
-    /// carry encoded extents).
+    /// Puts the compressed bytes `disk` (padded to whole sectors) into a new data extent with
+    /// its checksums, and a file extent item for `p` over whatever the range held; counts
+    /// the change in `item.nbytes`.
+    pub(crate) fn put_compressed(
+        &self,
+        w: &mut crate::transaction::Writer,
+        ino: Inode,
+        item: &mut InodeItem,
+        p: &Placed,
+        disk: &[u8],
+    ) -> Result<()> {
+        let disk_len = disk.len() as u64;
+        let bytenr = w.alloc_data_or_commit(disk_len)?;
+        if let Err(err) = self.disk.write_logical(bytenr, disk) {
+            // Nothing references the space: it comes back after the commit.
+            w.allocator.pin(bytenr, disk_len)?;
+            return Err(err);
+        }
+        w.delete_csums(bytenr, disk_len)?;
+        w.insert_csums(bytenr, &self.sector_sums(disk))?;
+        let fe = FileExtentItem {
+            generation: w.transid,
+            ram_bytes: p.ram_bytes,
+            compression: p.code,
+            encryption: 0,
+            other_encoding: 0,
+            ty: FILE_EXTENT_REG,
+            body: FileExtentBody::Extent {
+                disk_bytenr: bytenr,
+                disk_num_bytes: disk_len,
+                offset: p.decoded_offset,
+                num_bytes: p.span,
+            },
+        };
+        let (removed, added) =
+            self.replace_extents(w, ino, p.offset, p.offset + p.span, Some((p.offset, fe)))?;
+        w.refs.add_data_ref(
+            bytenr,
+            disk_len,
+            true,
+            RefKey::Data {
+                root: ino.root,
+                ino: ino.ino,
+                offset: p.offset.wrapping_sub(p.decoded_offset),
+            },
+            1,
+        );
+        item.nbytes = item.nbytes - removed.min(item.nbytes) + added;
+        Ok(())
+    }
+
+    /// The compression a write to `ino` (whose inode is `item`) uses, as the kernel decides:
+    /// none for files without checksums; with `compress-force` always, else unless the file
+    /// is marked NOCOMPRESS and when the mount compresses, the file has the compress flag or
+    /// the `btrfs.compression` property. The algorithm: the property's, else the mount's,
+    /// else zlib.
+    pub(crate) fn compression_for(
+        &self,
+        ino: Inode,
+        item: &InodeItem,
+    ) -> Result<Option<Compression>> {
+        if item.flags & (INODE_NODATASUM | INODE_NODATACOW) != 0 {
+            return Ok(None);
+        }
+        if !self.compress_force && item.flags & INODE_NOCOMPRESS != 0 {
+            return Ok(None);
+        }
+        let prop = match self.getxattr(ino, crate::inode::flags::COMPRESSION_PROP)? {
+            Some(v) => Compression::parse(&String::from_utf8_lossy(&v))
+                .ok()
+                .flatten(),
+            None => None,
+        };
+        let wanted = self.compress_force
+            || self.compress.is_some()
+            || prop.is_some()
+            || item.flags & INODE_COMPRESS != 0;
+        if !wanted {
+            return Ok(None);
+        }
+        Ok(Some(prop.or(self.compress).unwrap_or(Compression::ZLIB)))
+    }
+
+    /// Writes sector-aligned `buf` at file offset `a` of `ino` compressed with `c`, in
+    /// extents of at most 128 KiB of file data each: a piece whose compressed bytes take
+    /// fewer sectors is stored compressed, the others plain (and an incompressible start of
+    /// the file marks it NOCOMPRESS, unless compression is forced). The file grows to at
+    /// least `size_to`.
+    pub(crate) fn write_compressed(
+        &self,
+        ino: Inode,
+        a: u64,
+        buf: &[u8],
+        size_to: u64,
+        c: Compression,
+        guard: &crate::inode::ordered::RangeGuard<'_>,
+    ) -> Result<()> {
+        let ss = self.disk.sectorsize() as u64;
+        let total = buf.len() as u64;
+        let mut done = 0u64;
+        while done < total {
+            let len = (total - done).min(MAX_DECODED);
+            let chunk = &buf[done as usize..(done + len) as usize];
+            let file_off = a + done;
+            let reach = if done + len == total {
+                size_to
+            } else {
+                (file_off + len).min(size_to)
+            };
+            done += len;
+            let packed =
+                compress(c, chunk, ss as u32).filter(|z| (z.len() as u64).div_ceil(ss) * ss < len);
+            let Some(mut z) = packed else {
+                if file_off == 0 && !self.compress_force {
+                    self.mark_nocompress(ino)?;
+                }
+                self.write_extents_plain(ino, file_off, chunk, reach, guard)?;
+                continue;
+            };
+            z.resize(((z.len() as u64).div_ceil(ss) * ss) as usize, 0);
+            self.op(true, |w| {
+                let mut item = self.inode_item_raw(ino)?;
+                let placed = Placed {
+                    offset: file_off,
+                    span: len,
+                    ram_bytes: len,
+                    decoded_offset: 0,
+                    code: c.code(),
+                };
+                self.put_compressed(w, ino, &mut item, &placed, &z)?;
+                if reach > item.size {
+                    w.log.note_change(ino, item.size, reach);
+                    item.size = reach;
+                }
+                self.finish_encoded(w, ino, &mut item, 0, c.code())
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Sets NOCOMPRESS on `ino`, as the kernel does when a file's start does not compress.
+    fn mark_nocompress(&self, ino: Inode) -> Result<()> {
+        self.op(false, |w| {
+            let mut item = self.inode_item_raw(ino)?;
+            if item.flags & INODE_NOCOMPRESS == 0 {
+                item.flags |= INODE_NOCOMPRESS;
+                self.write_inode(w, ino, &item)?;
+            }
+            Ok(())
+        })
+    }
+
+    /// The inode and superblock side of a compressed extent put in: the size (at least
+    /// `size_from_0`, for an extent at offset 0), the times, the compression feature bit,
+    /// and a commit for the next fsync (the log does not carry compressed extents).
     fn finish_encoded(
         &self,
         w: &mut crate::transaction::Writer,
         ino: Inode,
         item: &mut InodeItem,
-        e: &EncodedExtent<'_>,
+        size_from_0: u64,
+        code: u8,
     ) -> Result<()> {
-        if e.file_len > item.size {
-            w.log.note_change(ino, item.size, e.file_len);
-            item.size = e.file_len;
+        if size_from_0 > item.size {
+            w.log.note_change(ino, item.size, size_from_0);
+            item.size = size_from_0;
         }
         w.log.note_needs_commit(ino);
-        w.sb.incompat_flags |= match e.compression {
+        w.sb.incompat_flags |= match code {
             COMPRESS_LZO => INCOMPAT_COMPRESS_LZO,
             COMPRESS_ZSTD => INCOMPAT_COMPRESS_ZSTD,
             _ => 0,

@@ -596,8 +596,27 @@ impl Core {
             }
             return Ok(data.len());
         }
+        if !has_inline && !nosum {
+            if let Some(c) = self.compression_for(ino, &item)? {
+                self.write_compressed(ino, a, &buf, end, c, &guard)?;
+                return Ok(data.len());
+            }
+        }
         self.write_extents(ino, a, &buf, end, has_inline, Some(&guard), nosum)?;
         Ok(data.len())
+    }
+
+    /// Plain extents for sector-aligned `buf` at `a` (a piece a compressed write keeps
+    /// uncompressed), under the write's range lock `guard`.
+    pub(crate) fn write_extents_plain(
+        &self,
+        ino: Inode,
+        a: u64,
+        buf: &[u8],
+        size_to: u64,
+        guard: &crate::inode::ordered::RangeGuard<'_>,
+    ) -> Result<()> {
+        self.write_extents(ino, a, buf, size_to, false, Some(guard), false)
     }
 
     /// A write to a NODATACOW (and NODATASUM) file, as the kernel's run_delalloc_nocow does
@@ -728,14 +747,30 @@ impl Core {
         let key = Key::new(ino.ino, EXTENT_DATA_KEY, 0);
         let old = w.read_item(ino.root, &key)?;
         w.log.note_change(ino, 0, u64::MAX);
+        // Compressed when the file's compression makes it smaller, as the kernel does.
+        let packed = match self.compression_for(ino, &item)? {
+            Some(c) => crate::format::compress::compress(c, content, self.disk.sectorsize())
+                .filter(|z| z.len() < content.len())
+                .map(|z| (c.code(), z)),
+            None => None,
+        };
+        if packed.is_some() {
+            w.log.note_needs_commit(ino);
+        }
+        let (compression, body) = packed.unwrap_or((0, content.to_vec()));
+        if compression == COMPRESS_LZO {
+            w.sb.incompat_flags |= INCOMPAT_COMPRESS_LZO;
+        } else if compression == COMPRESS_ZSTD {
+            w.sb.incompat_flags |= INCOMPAT_COMPRESS_ZSTD;
+        }
         let fe = FileExtentItem {
             generation: w.transid,
             ram_bytes: content.len() as u64,
-            compression: 0,
+            compression,
             encryption: 0,
             other_encoding: 0,
             ty: FILE_EXTENT_INLINE,
-            body: FileExtentBody::Inline(content.to_vec()),
+            body: FileExtentBody::Inline(body),
         };
         if let Some(old) = old {
             let ofe = FileExtentItem::parse(&old)?;
@@ -926,6 +961,10 @@ impl Core {
         let item = self.inode_item_raw(ino)?;
         let special = INODE_NODATASUM | INODE_NODATACOW | INODE_IMMUTABLE | INODE_APPEND;
         if item.mode & 0o170000 != 0o100000 || item.size != offset || item.flags & special != 0 {
+            return Ok(false);
+        }
+        // Compressed files are written as they come, in extents of at most 128 KiB.
+        if self.compression_for(ino, &item)?.is_some() {
             return Ok(false);
         }
         let free = self.data_space_left(&mut w)?;
@@ -1303,6 +1342,20 @@ impl Core {
                     fe.body = FileExtentBody::Inline(d[..size as usize].to_vec());
                     w.replace_item(ino.root, key, &fe.to_bytes())?;
                     removed += d.len() as u64 - size;
+                } else if x.item.compression != 0 && size < x.item.ram_bytes {
+                    // A compressed inline extent is cut as decoded bytes, stored plain.
+                    let plain = crate::format::compress::decompress(
+                        x.item.compression,
+                        d,
+                        x.item.ram_bytes as usize,
+                        ss as u32,
+                    )?;
+                    let mut fe = x.item.clone();
+                    fe.ram_bytes = size;
+                    fe.compression = 0;
+                    fe.body = FileExtentBody::Inline(plain[..size as usize].to_vec());
+                    w.replace_item(ino.root, key, &fe.to_bytes())?;
+                    removed += x.item.ram_bytes - size;
                 }
                 continue;
             }

@@ -262,7 +262,7 @@ impl Core {
             f |= INODE_COMPRESS;
             f &= !INODE_NOCOMPRESS;
             // The kernel names the mount's compression, zlib when it has none.
-            Some(b"zlib")
+            Some(self.compress.map(|c| c.name()).unwrap_or("zlib").as_bytes())
         } else {
             f &= !(INODE_COMPRESS | INODE_NOCOMPRESS);
             None
@@ -278,6 +278,49 @@ impl Core {
         self.op(false, |w| {
             let mut it = self.inode_item(ino)?;
             it.flags = f;
+            Self::touch(w, &mut it, false);
+            self.write_inode(w, ino, &it)
+        })
+    }
+
+    /// The `btrfs.compression` property set (`Some`) or removed (`None`), as the kernel's
+    /// property handler does: `zlib`, `lzo`, `zstd` (with `:LEVEL`) set the compress flag
+    /// and clear NOCOMPRESS; `no` and `none` set NOCOMPRESS; an empty value or removal drops
+    /// the property and both flags. Anything else is refused (EINVAL).
+    pub(crate) fn set_compression_property(
+        &self,
+        ino: Inode,
+        value: Option<&[u8]>,
+        xflags: u32,
+    ) -> Result<()> {
+        let value = value.filter(|v| !v.is_empty());
+        let parsed = match value {
+            Some(v) => Some(crate::format::compress::Compression::parse(
+                &String::from_utf8_lossy(v),
+            )?),
+            None => None,
+        };
+        match value {
+            Some(v) => self.setxattr_raw(ino, COMPRESSION_PROP, v, xflags)?,
+            None => {
+                if self.getxattr(ino, COMPRESSION_PROP)?.is_some() {
+                    self.removexattr_raw(ino, COMPRESSION_PROP)?;
+                }
+            }
+        }
+        self.op(false, |w| {
+            let mut it = self.inode_item(ino)?;
+            match parsed {
+                Some(Some(_)) => {
+                    it.flags |= INODE_COMPRESS;
+                    it.flags &= !INODE_NOCOMPRESS;
+                }
+                Some(None) => {
+                    it.flags |= INODE_NOCOMPRESS;
+                    it.flags &= !INODE_COMPRESS;
+                }
+                None => it.flags &= !(INODE_COMPRESS | INODE_NOCOMPRESS),
+            }
             Self::touch(w, &mut it, false);
             self.write_inode(w, ino, &it)
         })

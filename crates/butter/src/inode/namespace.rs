@@ -488,6 +488,24 @@ impl Core {
             otime: t,
         };
         w.insert_item(root, Key::new(ino, INODE_ITEM_KEY, 0), &item.to_bytes())?;
+        // The compression property goes down to new inodes, as the kernel's inherits it.
+        let prop = crate::inode::flags::COMPRESSION_PROP;
+        if let Some(v) = self.getxattr(dir, prop)? {
+            let mut body = Vec::new();
+            DirItem {
+                location: Key::new(0, 0, 0),
+                transid: w.transid,
+                file_type: FT_XATTR,
+                name: prop.to_vec(),
+                data: v,
+            }
+            .write(&mut body);
+            w.insert_item(
+                root,
+                Key::new(ino, XATTR_ITEM_KEY, hash::name_hash(prop)),
+                &body,
+            )?;
+        }
         Ok((Inode { root, ino }, item))
     }
 
@@ -944,6 +962,9 @@ impl Core {
     /// setxattr(2); `flags`: 1 = XATTR_CREATE, 2 = XATTR_REPLACE.
     pub fn setxattr(&self, ino: Inode, name: &[u8], value: &[u8], flags: u32) -> Result<()> {
         self.require_inode_changeable(ino)?;
+        if name == crate::inode::flags::COMPRESSION_PROP {
+            return self.set_compression_property(ino, Some(value), flags);
+        }
         self.setxattr_raw(ino, name, value, flags)
     }
 
@@ -1002,6 +1023,9 @@ impl Core {
 
     pub fn removexattr(&self, ino: Inode, name: &[u8]) -> Result<()> {
         self.require_inode_changeable(ino)?;
+        if name == crate::inode::flags::COMPRESSION_PROP {
+            return self.set_compression_property(ino, None, 0);
+        }
         self.removexattr_raw(ino, name)
     }
 
