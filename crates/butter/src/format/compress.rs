@@ -909,7 +909,9 @@ mod tests {
         }
         assert_eq!(Compression::parse("none").unwrap(), None);
         assert_eq!(Compression::parse("zstd").unwrap().unwrap().level, 3);
-        for bad in ["zlib:0", "zlib:10", "zstd:16", "lzo:1", "brotli", "no:1", ""] {
+        for bad in [
+            "zlib:0", "zlib:10", "zstd:16", "lzo:1", "brotli", "no:1", "",
+        ] {
             assert!(Compression::parse(bad).is_err(), "{bad} accepted");
         }
     }

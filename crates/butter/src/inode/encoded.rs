@@ -291,43 +291,47 @@ impl Core {
     ) -> Result<()> {
         let ss = self.disk.sectorsize() as u64;
         let total = buf.len() as u64;
-        let mut done = 0u64;
-        while done < total {
-            let len = (total - done).min(MAX_DECODED);
-            let chunk = &buf[done as usize..(done + len) as usize];
-            let file_off = a + done;
-            let reach = if done + len == total {
-                size_to
-            } else {
-                (file_off + len).min(size_to)
-            };
-            done += len;
-            let packed =
-                compress(c, chunk, ss as u32).filter(|z| (z.len() as u64).div_ceil(ss) * ss < len);
-            let Some(mut z) = packed else {
-                if file_off == 0 && !self.compress_force {
-                    self.mark_nocompress(ino)?;
-                }
-                self.write_extents_plain(ino, file_off, chunk, reach, guard)?;
-                continue;
-            };
-            z.resize(((z.len() as u64).div_ceil(ss) * ss) as usize, 0);
-            self.op(true, |w| {
-                let mut item = self.inode_item_raw(ino)?;
-                let placed = Placed {
-                    offset: file_off,
-                    span: len,
-                    ram_bytes: len,
-                    decoded_offset: 0,
-                    code: c.code(),
+        let pieces: Vec<(u64, u64)> = (0..total)
+            .step_by(MAX_DECODED as usize)
+            .map(|d| (d, (total - d).min(MAX_DECODED)))
+            .collect();
+        // Compressed a batch at a time, on as many threads as there are CPUs (the stores
+        // that follow take the writer lock one piece after the other).
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        for batch in pieces.chunks(threads * 4) {
+            let packed = compress_all(c, buf, batch, ss, threads);
+            for (&(done, len), packed) in batch.iter().zip(packed) {
+                let chunk = &buf[done as usize..(done + len) as usize];
+                let file_off = a + done;
+                let reach = if done + len == total {
+                    size_to
+                } else {
+                    (file_off + len).min(size_to)
                 };
-                self.put_compressed(w, ino, &mut item, &placed, &z)?;
-                if reach > item.size {
-                    w.log.note_change(ino, item.size, reach);
-                    item.size = reach;
-                }
-                self.finish_encoded(w, ino, &mut item, 0, c.code())
-            })?;
+                let Some(z) = packed else {
+                    if file_off == 0 && !self.compress_force {
+                        self.mark_nocompress(ino)?;
+                    }
+                    self.write_extents_plain(ino, file_off, chunk, reach, guard)?;
+                    continue;
+                };
+                self.op(true, |w| {
+                    let mut item = self.inode_item_raw(ino)?;
+                    let placed = Placed {
+                        offset: file_off,
+                        span: len,
+                        ram_bytes: len,
+                        decoded_offset: 0,
+                        code: c.code(),
+                    };
+                    self.put_compressed(w, ino, &mut item, &placed, &z)?;
+                    if reach > item.size {
+                        w.log.note_change(ino, item.size, reach);
+                        item.size = reach;
+                    }
+                    self.finish_encoded(w, ino, &mut item, 0, c.code())
+                })?;
+            }
         }
         Ok(())
     }
@@ -368,4 +372,45 @@ impl Core {
         Self::touch_at(w, item, true, Timespec::now());
         self.write_inode(w, ino, item)
     }
+}
+
+/// The pieces `(offset, len)` of `buf` compressed with `c`, padded to whole sectors; `None`
+/// for a piece that does not take fewer sectors compressed. Spread over `threads` threads
+/// when there is more than one piece.
+fn compress_all(
+    c: Compression,
+    buf: &[u8],
+    pieces: &[(u64, u64)],
+    ss: u64,
+    threads: usize,
+) -> Vec<Option<Vec<u8>>> {
+    let one = |&(d, len): &(u64, u64)| -> Option<Vec<u8>> {
+        let mut z = compress(c, &buf[d as usize..(d + len) as usize], ss as u32)?;
+        let padded = (z.len() as u64).div_ceil(ss) * ss;
+        if padded >= len {
+            return None;
+        }
+        z.resize(padded as usize, 0);
+        Some(z)
+    };
+    if threads <= 1 || pieces.len() <= 1 {
+        return pieces.iter().map(one).collect();
+    }
+    let per = pieces.len().div_ceil(threads);
+    std::thread::scope(|s| {
+        let handles: Vec<_> = pieces
+            .chunks(per)
+            .map(|part| {
+                (
+                    part.len(),
+                    s.spawn(move || part.iter().map(one).collect::<Vec<_>>()),
+                )
+            })
+            .collect();
+        // A thread that failed leaves its pieces plain: one answer per piece, always.
+        handles
+            .into_iter()
+            .flat_map(|(n, h)| h.join().unwrap_or_else(|_| vec![None; n]))
+            .collect()
+    })
 }

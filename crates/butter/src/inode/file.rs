@@ -557,7 +557,14 @@ impl Core {
         let new_size = item.size.max(end);
         // Only a small file can stay inline; only then is it worth looking at all its extents
         // (an extent past EOF, e.g. preallocated, keeps it out of line). Holes do not count.
-        let stays_inline = new_size <= mi
+        // Compressed, a file short of a sector may stay inline too (as the kernel's does)
+        // when its compressed bytes fit.
+        let compressing = if new_size > mi && new_size < ss {
+            self.compression_for(ino, &item)?
+        } else {
+            None
+        };
+        let stays_inline = (new_size <= mi || compressing.is_some())
             && (item.size == 0 || has_inline)
             && !self.file_extents(ino, 0, u64::MAX)?.iter().any(|x| {
                 matches!(x.item.body, FileExtentBody::Extent { disk_bytenr, .. } if disk_bytenr != 0)
@@ -567,8 +574,16 @@ impl Core {
             let mut content = self.read_range(ino, 0, item.size)?;
             content.resize(new_size as usize, 0);
             content[offset as usize..end as usize].copy_from_slice(data);
-            self.op(true, |w| self.write_inline(w, ino, &content))?;
-            return Ok(data.len());
+            let packed = match compressing {
+                Some(c) => crate::format::compress::compress(c, &content, ss as u32)
+                    .filter(|z| z.len() as u64 <= mi)
+                    .map(|z| (c.code(), z)),
+                None => None,
+            };
+            if new_size <= mi || packed.is_some() {
+                self.op(true, |w| self.write_inline(w, ino, &content, packed))?;
+                return Ok(data.len());
+            }
         }
         // Regular extents over the sector-aligned range; an inline extent is folded in.
         let a = if has_inline { 0 } else { offset / ss * ss };
@@ -742,17 +757,28 @@ impl Core {
     }
 
     /// Replaces the whole (small) content with one inline extent.
-    fn write_inline(&self, w: &mut Writer, ino: Inode, content: &[u8]) -> Result<()> {
+    /// The whole file as an inline extent: `packed` (compression code and bytes) when the
+    /// caller compressed it already, else compressed here when the file's compression makes
+    /// it smaller, as the kernel does.
+    fn write_inline(
+        &self,
+        w: &mut Writer,
+        ino: Inode,
+        content: &[u8],
+        packed: Option<(u8, Vec<u8>)>,
+    ) -> Result<()> {
         let mut item = self.inode_item(ino)?;
         let key = Key::new(ino.ino, EXTENT_DATA_KEY, 0);
         let old = w.read_item(ino.root, &key)?;
         w.log.note_change(ino, 0, u64::MAX);
-        // Compressed when the file's compression makes it smaller, as the kernel does.
-        let packed = match self.compression_for(ino, &item)? {
-            Some(c) => crate::format::compress::compress(c, content, self.disk.sectorsize())
-                .filter(|z| z.len() < content.len())
-                .map(|z| (c.code(), z)),
-            None => None,
+        let packed = match packed {
+            Some(p) => Some(p),
+            None => match self.compression_for(ino, &item)? {
+                Some(c) => crate::format::compress::compress(c, content, self.disk.sectorsize())
+                    .filter(|z| z.len() < content.len())
+                    .map(|z| (c.code(), z)),
+                None => None,
+            },
         };
         if packed.is_some() {
             w.log.note_needs_commit(ino);
