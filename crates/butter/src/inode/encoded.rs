@@ -295,45 +295,67 @@ impl Core {
             .step_by(MAX_DECODED as usize)
             .map(|d| (d, (total - d).min(MAX_DECODED)))
             .collect();
-        // Compressed a batch at a time, on as many threads as there are CPUs (the stores
-        // that follow take the writer lock one piece after the other).
+        // Compressed a batch at a time on as many threads as there are CPUs, the next batch
+        // while this thread stores the last one (under the writer lock, piece by piece).
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-        for batch in pieces.chunks(threads * 4) {
-            let packed = compress_all(c, buf, batch, ss, threads);
-            for (&(done, len), packed) in batch.iter().zip(packed) {
-                let chunk = &buf[done as usize..(done + len) as usize];
-                let file_off = a + done;
-                let reach = if done + len == total {
-                    size_to
-                } else {
-                    (file_off + len).min(size_to)
+        let batches: Vec<&[(u64, u64)]> = pieces.chunks(threads * 4).collect();
+        std::thread::scope(|s| -> Result<()> {
+            // A lone batch (most writes) is compressed here, without a thread to start.
+            let single = batches.len() == 1;
+            let start = |batch: &'_ [(u64, u64)]| {
+                if single {
+                    return Err(compress_all(c, buf, batch, ss, threads));
+                }
+                let batch = batch.to_vec();
+                Ok((
+                    batch.len(),
+                    s.spawn(move || compress_all(c, buf, &batch, ss, threads)),
+                ))
+            };
+            let mut next = batches.first().map(|b| start(b));
+            for (i, batch) in batches.iter().enumerate() {
+                let packed = match next.take() {
+                    Some(Err(ready)) => ready,
+                    // A compressing thread that failed leaves its pieces plain.
+                    Some(Ok((n, handle))) => handle.join().unwrap_or_else(|_| vec![None; n]),
+                    None => break,
                 };
-                let Some(z) = packed else {
-                    if file_off == 0 && !self.compress_force {
-                        self.mark_nocompress(ino)?;
-                    }
-                    self.write_extents_plain(ino, file_off, chunk, reach, guard)?;
-                    continue;
-                };
-                self.op(true, |w| {
-                    let mut item = self.inode_item_raw(ino)?;
-                    let placed = Placed {
-                        offset: file_off,
-                        span: len,
-                        ram_bytes: len,
-                        decoded_offset: 0,
-                        code: c.code(),
+                next = batches.get(i + 1).map(|b| start(b));
+                for (&(done, len), packed) in batch.iter().zip(packed) {
+                    let chunk = &buf[done as usize..(done + len) as usize];
+                    let file_off = a + done;
+                    let reach = if done + len == total {
+                        size_to
+                    } else {
+                        (file_off + len).min(size_to)
                     };
-                    self.put_compressed(w, ino, &mut item, &placed, &z)?;
-                    if reach > item.size {
-                        w.log.note_change(ino, item.size, reach);
-                        item.size = reach;
-                    }
-                    self.finish_encoded(w, ino, &mut item, 0, c.code())
-                })?;
+                    let Some(z) = packed else {
+                        if file_off == 0 && !self.compress_force {
+                            self.mark_nocompress(ino)?;
+                        }
+                        self.write_extents_plain(ino, file_off, chunk, reach, guard)?;
+                        continue;
+                    };
+                    self.op(true, |w| {
+                        let mut item = self.inode_item_raw(ino)?;
+                        let placed = Placed {
+                            offset: file_off,
+                            span: len,
+                            ram_bytes: len,
+                            decoded_offset: 0,
+                            code: c.code(),
+                        };
+                        self.put_compressed(w, ino, &mut item, &placed, &z)?;
+                        if reach > item.size {
+                            w.log.note_change(ino, item.size, reach);
+                            item.size = reach;
+                        }
+                        self.finish_encoded(w, ino, &mut item, 0, c.code())
+                    })?;
+                }
             }
-        }
-        Ok(())
+            Ok(())
+        })
     }
 
     /// Sets NOCOMPRESS on `ino`, as the kernel does when a file's start does not compress.
