@@ -15,8 +15,8 @@ use std::path::{Path, PathBuf};
 
 #[derive(clap::Args)]
 pub struct MkfsArgs {
-    /// Image file or block device.
-    pub image: PathBuf,
+    /// Image file or block device (not needed with `-O list-all`).
+    pub image: Option<PathBuf>,
     /// Size of the filesystem (suffixes K, M, G, T, P, E; powers of 1024). A regular file
     /// that is missing or smaller is created or extended to this size.
     #[arg(short = 'b', long = "byte-count", value_parser = parse_size)]
@@ -68,6 +68,10 @@ pub struct MkfsArgs {
     /// that does not shrink is stored plain. Uses every CPU.
     #[arg(long = "compress", value_name = "ALGO[:LEVEL]", requires = "rootdir")]
     pub compress: Option<String>,
+    /// Do not discard the device's blocks first (accepted as mkfs.btrfs takes it; butter
+    /// never discards).
+    #[arg(short = 'K', long = "nodiscard")]
+    pub nodiscard: bool,
 }
 
 /// A `--subvol` request: the path below the rootdir and whether it ends read-only.
@@ -414,10 +418,15 @@ pub fn mkfs(a: MkfsArgs) -> CliResult {
         }
         return Ok(());
     };
-    if let Some(dir) = mounted_at(&a.image) {
+    let Some(image) = a.image.clone() else {
+        return Err(CliError(
+            "mkfs needs an IMAGE: the file or block device to make the filesystem on".into(),
+        ));
+    };
+    if let Some(dir) = mounted_at(&image) {
         return Err(CliError(format!(
             "{} is mounted on {dir}; unmount it first",
-            a.image.display()
+            image.display()
         )));
     }
     let mut size = a.byte_count;
@@ -430,31 +439,31 @@ pub fn mkfs(a: MkfsArgs) -> CliResult {
                 dir.display()
             )));
         }
-        if size.is_none() && std::fs::symlink_metadata(&a.image).is_err() {
+        if size.is_none() && std::fs::symlink_metadata(&image).is_err() {
             let min = butter::mkfs::min_device_size(opts.metadata, opts.data);
             size = Some(rootdir::fitting_size(dir, min)?);
         }
     }
     // One writer: an image that a butter process has open read-write (or that backs a loop
     // device) is refused, -f or not, before a byte changes; the lock is held until mkfs ends.
-    let _sole_writer = match std::fs::metadata(&a.image) {
+    let _sole_writer = match std::fs::metadata(&image) {
         Ok(_) => Some(
-            FileDevice::open_exclusive(&a.image)
-                .map_err(|e| CliError(format!("{} is in use: {e}", a.image.display())))?,
+            FileDevice::open_exclusive(&image)
+                .map_err(|e| CliError(format!("{} is in use: {e}", image.display())))?,
         ),
         Err(_) => None,
     };
     // After the mount check: a mounted image is never extended.
-    let created = prepare_image(&a.image, size)?;
-    let result = make(&a, opts);
+    let created = prepare_image(&image, size)?;
+    let result = make(&a, &image, opts);
     if result.is_err() && created {
         // Leave nothing behind for a file this command created.
-        let _ = std::fs::remove_file(&a.image);
+        let _ = std::fs::remove_file(&image);
     }
     result
 }
 
-fn make(a: &MkfsArgs, opts: MkfsOptions) -> CliResult {
+fn make(a: &MkfsArgs, image: &std::path::Path, opts: MkfsOptions) -> CliResult {
     // Checked before anything is written.
     let mut subvols = Vec::new();
     if let Some(dir) = &a.rootdir {
@@ -467,14 +476,14 @@ fn make(a: &MkfsArgs, opts: MkfsOptions) -> CliResult {
         }
     }
     let dev = std::sync::Arc::new(
-        FileDevice::open(&a.image, true)
-            .map_err(|e| CliError(format!("cannot open {}: {e}", a.image.display())))?,
+        FileDevice::open(image, true)
+            .map_err(|e| CliError(format!("cannot open {}: {e}", image.display())))?,
     );
     if !a.force {
         if let Some(sig) = butter::mkfs::existing_signature(dev.as_ref())? {
             return Err(CliError(format!(
                 "{} appears to contain an existing filesystem ({sig}); use -f to overwrite it",
-                a.image.display()
+                image.display()
             )));
         }
     }
@@ -485,7 +494,7 @@ fn make(a: &MkfsArgs, opts: MkfsOptions) -> CliResult {
     let report = butter::mkfs::mkfs(dev.as_ref(), &o).map_err(|e| {
         CliError(format!(
             "cannot make a filesystem on {}: {e}",
-            a.image.display()
+            image.display()
         ))
     })?;
     if let Some(dir) = &a.rootdir {
@@ -513,7 +522,7 @@ fn make(a: &MkfsArgs, opts: MkfsOptions) -> CliResult {
         let fs = butter::fs::Fs::open_device_rw_with(dev.clone(), opts).map_err(|e| {
             CliError(format!(
                 "cannot open the new filesystem on {}: {e}",
-                a.image.display()
+                image.display()
             ))
         })?;
         let stats =
@@ -526,14 +535,14 @@ fn make(a: &MkfsArgs, opts: MkfsOptions) -> CliResult {
                 rootdir::Failure::Engine(e) => CliError(format!(
                     "cannot copy {} into {}: {}",
                     dir.display(),
-                    a.image.display(),
+                    image.display(),
                     CliError::from(e)
                 )),
                 rootdir::Failure::Source(m) => CliError(m),
             })?;
         if !a.quiet {
             let mut out = std::io::stdout().lock();
-            print_summary(&mut out, &report, &a.image)?;
+            print_summary(&mut out, &report, image)?;
             writeln!(
                 out,
                 "Rootdir:            {} ({} inodes, {} of data)",
@@ -547,7 +556,7 @@ fn make(a: &MkfsArgs, opts: MkfsOptions) -> CliResult {
     }
     if !a.quiet {
         let mut out = std::io::stdout().lock();
-        print_summary(&mut out, &report, &a.image)?;
+        print_summary(&mut out, &report, image)?;
         out.flush()?;
     }
     Ok(())
