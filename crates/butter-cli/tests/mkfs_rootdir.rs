@@ -245,3 +245,85 @@ fn rootdir_100k_files() {
     };
     assert_same(&want, &got, &opts, "100k tree");
 }
+
+/// `--subvol default:DIR` and `default-ro:DIR`, mkfs.btrfs's types: the kernel mounts that
+/// subvolume without subvol= (read-only for default-ro), `btrfs subvolume get-default` names
+/// it, the other types keep working beside it, and two defaults are refused before anything
+/// is written.
+#[test]
+fn rootdir_default_subvolumes() {
+    if !require_privileges() {
+        return;
+    }
+    let scratch = ScratchDir::new("rootdir-default");
+    let src = scratch.dir("src");
+    for d in ["root", "home", "var", "var/log"] {
+        std::fs::create_dir_all(src.join(d)).unwrap();
+        std::fs::write(src.join(d).join("marker"), d).unwrap();
+    }
+    for (ty, ro) in [("default", false), ("default-ro", true)] {
+        let img = scratch.join(format!("{ty}.img"));
+        butter_mkfs_rootdir(
+            &src,
+            &img,
+            &[
+                "--subvol",
+                &format!("{ty}:root"),
+                "--subvol",
+                "ro:home",
+                "--subvol",
+                "rw:var/log",
+            ],
+        );
+        butter_check(&img);
+        let (ok, text) = btrfs_check(&img);
+        assert!(ok, "{ty}: btrfs check:\n{text}");
+        let m = LoopMount::btrfs_ro(&img, &scratch.join("k"));
+        assert_eq!(
+            std::fs::read_to_string(m.path().join("marker")).unwrap(),
+            "root",
+            "{ty}: the kernel does not mount root by default"
+        );
+        let show = common::kernel::sh("btrfs", &["subvolume", "show", m.path().to_str().unwrap()]);
+        assert_eq!(show.contains("readonly"), ro, "{ty}: flags:\n{show}");
+        let def = common::kernel::sh(
+            "btrfs",
+            &["subvolume", "get-default", m.path().to_str().unwrap()],
+        );
+        assert!(def.contains("path root"), "{ty}: get-default says {def}");
+        m.unmount();
+        let m = LoopMount::new(
+            &img,
+            &scratch.join("k"),
+            common::kernel::FsType::Btrfs,
+            "ro,subvolid=5",
+        );
+        assert_eq!(
+            std::fs::read_to_string(m.path().join("var/log/marker")).unwrap(),
+            "var/log"
+        );
+        let home = common::kernel::sh(
+            "btrfs",
+            &["subvolume", "show", m.path().join("home").to_str().unwrap()],
+        );
+        assert!(home.contains("readonly"), "ro:home is not read-only");
+        m.unmount();
+    }
+    let bad = scratch.join("bad.img");
+    let out = Command::new(BUTTER)
+        .args([
+            "mkfs",
+            "-q",
+            "--subvol",
+            "default:root",
+            "--subvol",
+            "default:home",
+            "--rootdir",
+        ])
+        .arg(&src)
+        .arg(&bad)
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "two defaults accepted");
+    assert!(!bad.exists(), "a refused mkfs left an image");
+}

@@ -59,8 +59,9 @@ pub struct MkfsArgs {
     /// owners, times, xattrs). Without -b, a missing IMAGE is sized to fit.
     #[arg(short = 'r', long = "rootdir", value_name = "DIR")]
     pub rootdir: Option<PathBuf>,
-    /// With --rootdir: make the directory SUBDIR (relative to DIR) a subvolume; `ro:SUBDIR`
-    /// makes it a read-only one (`rw:SUBDIR` is the default). May repeat; nested ones work.
+    /// With --rootdir: make the directory SUBDIR (relative to DIR) a subvolume. TYPE is rw
+    /// (the default), ro (read-only), default (the subvolume a mount without subvol= shows)
+    /// or default-ro (both). May repeat (one default at most); nested ones work.
     #[arg(long = "subvol", value_name = "[TYPE:]SUBDIR", requires = "rootdir")]
     pub subvol: Vec<String>,
     /// With --rootdir: compress the copied files' data with ALGO (zlib, lzo, zstd; no or none
@@ -79,20 +80,18 @@ pub struct MkfsArgs {
 pub struct SubvolSpec {
     pub path: PathBuf,
     pub readonly: bool,
+    /// `default:` or `default-ro:`: the subvolume a mount without subvol= shows.
+    pub default: bool,
 }
 
 /// Parses `--subvol [TYPE:]SUBDIR` and checks SUBDIR is a directory below `rootdir`.
 fn parse_subvol(spec: &str, rootdir: &Path) -> Result<SubvolSpec, CliError> {
-    let (readonly, sub) = match spec.split_once(':') {
-        Some(("rw", s)) => (false, s),
-        Some(("ro", s)) => (true, s),
-        Some((t @ ("default" | "default-ro"), _)) => {
-            return Err(CliError(format!(
-                "--subvol {spec}: type {t:?} (setting the default subvolume) is not supported \
-                 yet; use rw: or ro: and `btrfs subvolume set-default` after mounting"
-            )))
-        }
-        _ => (false, spec),
+    let (readonly, default, sub) = match spec.split_once(':') {
+        Some(("rw", s)) => (false, false, s),
+        Some(("ro", s)) => (true, false, s),
+        Some(("default", s)) => (false, true, s),
+        Some(("default-ro", s)) => (true, true, s),
+        _ => (false, false, spec),
     };
     let path = PathBuf::from(sub.trim_end_matches('/'));
     if sub.is_empty()
@@ -107,7 +106,11 @@ fn parse_subvol(spec: &str, rootdir: &Path) -> Result<SubvolSpec, CliError> {
     }
     let full = rootdir.join(&path);
     match std::fs::symlink_metadata(&full) {
-        Ok(m) if m.is_dir() => Ok(SubvolSpec { path, readonly }),
+        Ok(m) if m.is_dir() => Ok(SubvolSpec {
+            path,
+            readonly,
+            default,
+        }),
         Ok(_) => Err(CliError(format!(
             "--subvol {spec}: {} is not a directory",
             full.display()
@@ -472,6 +475,11 @@ fn make(a: &MkfsArgs, image: &std::path::Path, opts: MkfsOptions) -> CliResult {
             if subvols.iter().any(|s: &SubvolSpec| s.path == sv.path) {
                 return Err(CliError(format!("--subvol {spec} is given twice")));
             }
+            if sv.default && subvols.iter().any(|s: &SubvolSpec| s.default) {
+                return Err(CliError(format!(
+                    "--subvol {spec}: only one subvolume can be the default"
+                )));
+            }
             subvols.push(sv);
         }
     }
@@ -700,6 +708,8 @@ mod rootdir {
         uuid_seed: Option<[u8; 16]>,
         /// Subvolumes to make read-only once filled.
         readonly: Vec<u64>,
+        /// The subvolume `default:`/`default-ro:` named.
+        default: Option<u64>,
         stats: Stats,
         since_commit_bytes: u64,
         since_commit_inodes: u64,
@@ -889,6 +899,9 @@ mod rootdir {
                         if sv.readonly {
                             self.readonly.push(ino.root);
                         }
+                        if sv.default {
+                            self.default = Some(ino.root);
+                        }
                         ino
                     }
                     None => fs.mkdir(dir, name, perm, owner(m))?,
@@ -1025,6 +1038,7 @@ mod rootdir {
             subvols,
             uuid_seed,
             readonly: Vec::new(),
+            default: None,
             stats: Stats::default(),
             since_commit_bytes: 0,
             since_commit_inodes: 0,
@@ -1048,6 +1062,9 @@ mod rootdir {
         )?;
         c.set_xattrs(root, src)?;
         c.copy_dir(src, root)?;
+        if let Some(id) = c.default {
+            fs.set_default_subvolume(id)?;
+        }
         for id in &c.readonly {
             fs.set_subvolume_readonly(*id, true)?;
         }
