@@ -327,3 +327,77 @@ fn rootdir_default_subvolumes() {
     assert!(!out.status.success(), "two defaults accepted");
     assert!(!bad.exists(), "a refused mkfs left an image");
 }
+
+/// `--inode-flags nodatacow:DIR` and `nodatasum:FILE`: the directory, everything below it
+/// but not a subvolume inside it, and the file carry the flags (the kernel's lsattr shows C;
+/// dump-tree shows NODATASUM and no checksums for their data), contents are intact, both
+/// checkers pass.
+#[test]
+fn rootdir_inode_flags() {
+    if !require_privileges() {
+        return;
+    }
+    let scratch = ScratchDir::new("rootdir-inode-flags");
+    let src = scratch.dir("src");
+    for d in ["vm/disks", "vm/sub", "data"] {
+        std::fs::create_dir_all(src.join(d)).unwrap();
+    }
+    let body: Vec<u8> = (0..300_000u32).map(|i| (i % 253) as u8).collect();
+    for f in [
+        "vm/disks/a.img",
+        "vm/sub/b.img",
+        "data/plain",
+        "data/nosum",
+        "top",
+    ] {
+        std::fs::write(src.join(f), &body).unwrap();
+    }
+    let img = scratch.join("f.img");
+    butter_mkfs_rootdir(
+        &src,
+        &img,
+        &[
+            "--subvol",
+            "vm/sub",
+            "--inode-flags",
+            "nodatacow:vm",
+            "--inode-flags",
+            "nodatasum:data/nosum",
+        ],
+    );
+    butter_check(&img);
+    let (ok, text) = btrfs_check(&img);
+    assert!(ok, "btrfs check:\n{text}");
+    let m = LoopMount::btrfs_ro(&img, &scratch.join("k"));
+    let attr = |p: &str| {
+        let out = common::kernel::sh("lsattr", &["-d", m.path().join(p).to_str().unwrap()]);
+        out.split_whitespace().next().unwrap_or("").to_string()
+    };
+    for p in ["vm", "vm/disks", "vm/disks/a.img"] {
+        assert!(attr(p).contains('C'), "{p} lacks nodatacow: {}", attr(p));
+    }
+    for p in ["vm/sub", "vm/sub/b.img", "data/plain", "data/nosum", "top"] {
+        assert!(!attr(p).contains('C'), "{p} has nodatacow: {}", attr(p));
+    }
+    for f in [
+        "vm/disks/a.img",
+        "vm/sub/b.img",
+        "data/plain",
+        "data/nosum",
+        "top",
+    ] {
+        assert_eq!(std::fs::read(m.path().join(f)).unwrap(), body, "{f}");
+    }
+    m.unmount();
+    let dump = common::kernel::dump_tree(&img, &["-t", "5"]);
+    let nosum = dump.matches("NODATASUM").count();
+    // vm/disks/a.img (nodatacow implies it) and data/nosum.
+    assert!(nosum >= 2, "NODATASUM on {nosum} inodes:\n{dump}");
+    let bad = Command::new(BUTTER)
+        .args(["mkfs", "-q", "--inode-flags", "nocompress:top", "--rootdir"])
+        .arg(&src)
+        .arg(scratch.join("bad.img"))
+        .output()
+        .unwrap();
+    assert!(!bad.status.success(), "an unknown flag was accepted");
+}

@@ -69,6 +69,12 @@ pub struct MkfsArgs {
     /// that does not shrink is stored plain. Uses every CPU.
     #[arg(long = "compress", value_name = "ALGO[:LEVEL]", requires = "rootdir")]
     pub compress: Option<String>,
+    /// With --rootdir: give the file or directory PATH (relative to DIR) the inode FLAGS,
+    /// comma separated: nodatacow (no copy on write, no checksums), nodatasum (no
+    /// checksums). A directory passes them to everything below it, but not into subvolumes.
+    /// May repeat.
+    #[arg(long = "inode-flags", value_name = "FLAGS:PATH", requires = "rootdir")]
+    pub inode_flags: Vec<String>,
     /// Do not discard the device's blocks first (accepted as mkfs.btrfs takes it; butter
     /// never discards).
     #[arg(short = 'K', long = "nodiscard")]
@@ -82,6 +88,55 @@ pub struct SubvolSpec {
     pub readonly: bool,
     /// `default:` or `default-ro:`: the subvolume a mount without subvol= shows.
     pub default: bool,
+}
+
+/// An `--inode-flags` request: the path below the rootdir and the flags it gets.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InodeFlagsSpec {
+    pub path: PathBuf,
+    pub nodatacow: bool,
+    pub nodatasum: bool,
+}
+
+/// Parses `--inode-flags FLAGS:PATH` and checks PATH exists below `rootdir`.
+fn parse_inode_flags(spec: &str, rootdir: &Path) -> Result<InodeFlagsSpec, CliError> {
+    let Some((flags, sub)) = spec.split_once(':') else {
+        return Err(CliError(format!(
+            "--inode-flags {spec}: expected FLAGS:PATH, e.g. nodatacow:var/lib/images"
+        )));
+    };
+    let (mut nodatacow, mut nodatasum) = (false, false);
+    for f in flags.split(',') {
+        match f {
+            "nodatacow" => nodatacow = true,
+            "nodatasum" => nodatasum = true,
+            other => {
+                return Err(CliError(format!(
+                    "--inode-flags {spec}: unknown flag {other:?} (nodatacow, nodatasum)"
+                )))
+            }
+        }
+    }
+    let path = PathBuf::from(sub.trim_end_matches('/'));
+    if sub.is_empty()
+        || path.is_absolute()
+        || path
+            .components()
+            .any(|c| !matches!(c, std::path::Component::Normal(_)))
+    {
+        return Err(CliError(format!(
+            "--inode-flags {spec}: give a path relative to the --rootdir directory, without . \
+             or .."
+        )));
+    }
+    let full = rootdir.join(&path);
+    std::fs::symlink_metadata(&full)
+        .map_err(|e| CliError(format!("--inode-flags {spec}: {}: {e}", full.display())))?;
+    Ok(InodeFlagsSpec {
+        path,
+        nodatacow,
+        nodatasum,
+    })
 }
 
 /// Parses `--subvol [TYPE:]SUBDIR` and checks SUBDIR is a directory below `rootdir`.
@@ -483,6 +538,12 @@ fn make(a: &MkfsArgs, image: &std::path::Path, opts: MkfsOptions) -> CliResult {
             subvols.push(sv);
         }
     }
+    let mut inode_flags = Vec::new();
+    if let Some(dir) = &a.rootdir {
+        for spec in &a.inode_flags {
+            inode_flags.push(parse_inode_flags(spec, dir)?);
+        }
+    }
     let dev = std::sync::Arc::new(
         FileDevice::open(image, true)
             .map_err(|e| CliError(format!("cannot open {}: {e}", image.display())))?,
@@ -533,8 +594,8 @@ fn make(a: &MkfsArgs, image: &std::path::Path, opts: MkfsOptions) -> CliResult {
                 image.display()
             ))
         })?;
-        let stats =
-            rootdir::populate(&fs, dir, &subvols, uuid_seed, a.quiet).map_err(|e| match e {
+        let stats = rootdir::populate(&fs, dir, (&subvols, &inode_flags), uuid_seed, a.quiet)
+            .map_err(|e| match e {
                 rootdir::Failure::Engine(butter::Error::NoSpace(why)) => CliError(format!(
                     "the image is too small for {}: use a larger -b ({} bytes now; {why})",
                     dir.display(),
@@ -704,6 +765,8 @@ mod rootdir {
         /// The --rootdir directory and the --subvol requests below it.
         src_root: &'a Path,
         subvols: &'a [super::SubvolSpec],
+        /// The --inode-flags requests.
+        inode_flags: &'a [super::InodeFlagsSpec],
         /// fsid to derive subvolume uuids from (reproducible images), else random ones.
         uuid_seed: Option<[u8; 16]>,
         /// Subvolumes to make read-only once filled.
@@ -906,6 +969,7 @@ mod rootdir {
                     }
                     None => fs.mkdir(dir, name, perm, owner(m))?,
                 };
+                self.apply_inode_flags(rel, ino)?;
                 self.count_inode()?;
                 self.set_xattrs(ino, p)?;
                 return self.copy_dir(p, ino);
@@ -923,6 +987,7 @@ mod rootdir {
                     })?
             } else if ft.is_file() {
                 let ino = fs.create(dir, name, perm, owner(m))?;
+                self.apply_inode_flags(p.strip_prefix(self.src_root).unwrap_or(p), ino)?;
                 self.copy_data(p, ino, m.len())?;
                 ino
             } else {
@@ -936,6 +1001,28 @@ mod rootdir {
             fs.setattr(ino, &final_attrs(after_read.as_ref().unwrap_or(m)))?;
             if m.nlink() > 1 {
                 self.links.insert(key, ino);
+            }
+            Ok(())
+        }
+
+        /// The --inode-flags that reach `rel`: those given for it or for a directory above it,
+        /// unless a subvolume lies between (subvolumes do not inherit them).
+        fn apply_inode_flags(&self, rel: &Path, ino: Inode) -> R<()> {
+            let (mut cow, mut sum) = (false, false);
+            for f in self.inode_flags {
+                if !rel.starts_with(&f.path) {
+                    continue;
+                }
+                let cut = self.subvols.iter().any(|s| {
+                    s.path != f.path && s.path.starts_with(&f.path) && rel.starts_with(&s.path)
+                });
+                if !cut {
+                    cow |= f.nodatacow;
+                    sum |= f.nodatasum;
+                }
+            }
+            if cow || sum {
+                self.fs.set_data_flags(ino, cow, sum)?;
             }
             Ok(())
         }
@@ -1023,7 +1110,7 @@ mod rootdir {
     pub fn populate(
         fs: &Fs,
         src: &Path,
-        subvols: &[super::SubvolSpec],
+        (subvols, inode_flags): (&[super::SubvolSpec], &[super::InodeFlagsSpec]),
         uuid_seed: Option<[u8; 16]>,
         quiet: bool,
     ) -> R<Stats> {
@@ -1036,6 +1123,7 @@ mod rootdir {
             links: HashMap::new(),
             src_root: src,
             subvols,
+            inode_flags,
             uuid_seed,
             readonly: Vec::new(),
             default: None,

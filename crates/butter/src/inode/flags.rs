@@ -325,4 +325,37 @@ impl Core {
             self.write_inode(w, ino, &it)
         })
     }
+
+    /// Marks `ino` NODATACOW and/or NODATASUM, as `mkfs.btrfs --inode-flags` does (a
+    /// NODATACOW regular file has no checksums either, as with `chattr +C`). A regular file
+    /// must still be empty: its data is written the way the flags say.
+    pub fn set_data_flags(&self, ino: Inode, nodatacow: bool, nodatasum: bool) -> Result<()> {
+        let item = self.require_inode_changeable(ino)?;
+        let regular = item.mode & 0o170000 == 0o100000;
+        if regular && item.size > 0 {
+            return Err(Error::Invalid(format!(
+                "inode {} holds data: NODATACOW and NODATASUM are set on empty files only",
+                ino.ino
+            )));
+        }
+        let mut add = 0;
+        if nodatacow {
+            add |= INODE_NODATACOW;
+            if regular {
+                add |= INODE_NODATASUM;
+            }
+        }
+        if nodatasum {
+            add |= INODE_NODATASUM;
+        }
+        if add == 0 || item.flags & add == add {
+            return Ok(());
+        }
+        self.op(false, |w| {
+            let mut it = self.inode_item(ino)?;
+            it.flags |= add;
+            Self::touch(w, &mut it, false);
+            self.write_inode(w, ino, &it)
+        })
+    }
 }
