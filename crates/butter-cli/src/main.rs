@@ -42,6 +42,8 @@ enum Command {
     Receive(cmd::receive::ReceiveArgs),
     /// Write read-only snapshots as a send stream, in full or incremental.
     Send(cmd::send::SendArgs),
+    /// Space use of the block groups (df) and the label, like `btrfs filesystem`.
+    Filesystem(cmd::filesystem::FilesystemArgs),
     /// Mount an image through FUSE.
     Mount(cmd::mount::MountArgs),
     /// Unmount a butter mount; returns once its final commit is on disk.
@@ -68,6 +70,7 @@ fn main() -> ExitCode {
         Command::Restore(a) => cmd::restore::restore(a),
         Command::Receive(a) => cmd::receive::receive(a),
         Command::Send(a) => cmd::send::send(a),
+        Command::Filesystem(a) => cmd::filesystem::filesystem(a),
         Command::Mount(a) => cmd::mount::mount(a),
         Command::Unmount(a) => cmd::unmount::unmount(a),
         Command::Check(a) => cmd::check::check(a),

@@ -288,7 +288,7 @@ fn apply_features(list: &str, opts: &mut MkfsOptions) -> Result<bool, CliError> 
 }
 
 /// Human size the way mkfs.btrfs prints it: 1.00GiB, 51.19MiB.
-fn human(n: u64) -> String {
+pub(crate) fn human(n: u64) -> String {
     let units = ["B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
     let mut v = n as f64;
     let mut u = 0;

@@ -1,6 +1,7 @@
 //! One module per subcommand.
 pub mod check;
 pub mod dump;
+pub mod filesystem;
 pub mod ls;
 pub mod mkfs;
 pub mod mount;

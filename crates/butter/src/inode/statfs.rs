@@ -69,6 +69,120 @@ impl Core {
     }
 }
 
+/// One kind of block group and its profile, as `btrfs filesystem df` lists them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SpaceUsage {
+    /// Type and profile bits (`BLOCK_GROUP_DATA`, `..._METADATA`, `..._SYSTEM`, `..._DUP`, ...).
+    pub flags: u64,
+    /// Bytes of the block groups (one copy).
+    pub total: u64,
+    /// Bytes used in them.
+    pub used: u64,
+}
+
+impl SpaceUsage {
+    /// "Data", "Metadata", "System" (both bits: "Data+Metadata").
+    pub fn kind(&self) -> &'static str {
+        let d = self.flags & BLOCK_GROUP_DATA != 0;
+        let m = self.flags & BLOCK_GROUP_METADATA != 0;
+        match (d, m, self.flags & BLOCK_GROUP_SYSTEM != 0) {
+            (_, _, true) => "System",
+            (true, true, _) => "Data+Metadata",
+            (true, false, _) => "Data",
+            _ => "Metadata",
+        }
+    }
+
+    /// "single", "DUP", "RAID1", ... as btrfs-progs names profiles.
+    pub fn profile(&self) -> &'static str {
+        match self.flags & BLOCK_GROUP_PROFILE_MASK {
+            BLOCK_GROUP_DUP => "DUP",
+            BLOCK_GROUP_RAID1 => "RAID1",
+            BLOCK_GROUP_RAID0 => "RAID0",
+            BLOCK_GROUP_RAID10 => "RAID10",
+            BLOCK_GROUP_RAID5 => "RAID5",
+            BLOCK_GROUP_RAID6 => "RAID6",
+            BLOCK_GROUP_RAID1C3 => "RAID1C3",
+            BLOCK_GROUP_RAID1C4 => "RAID1C4",
+            _ => "single",
+        }
+    }
+}
+
+impl Core {
+    /// Size and use of the block groups, per type and profile, as committed: what `btrfs
+    /// filesystem df` shows (Data, System, Metadata).
+    pub fn space_usage(&self) -> Result<Vec<SpaceUsage>> {
+        let tree = if self.find_root_item(BLOCK_GROUP_TREE_OBJECTID)?.is_some() {
+            BLOCK_GROUP_TREE_OBJECTID
+        } else {
+            EXTENT_TREE_OBJECTID
+        };
+        let root = self.subvol_root(tree)?;
+        let mut it = crate::ctree::TreeIter::new(
+            self.disk.clone(),
+            root,
+            Key::new(0, BLOCK_GROUP_ITEM_KEY, 0),
+            crate::io::disk_io::Readahead::Forward,
+        )?;
+        let mut out: Vec<SpaceUsage> = Vec::new();
+        while let Some(item) = it.next_item()? {
+            if item.key.ty != BLOCK_GROUP_ITEM_KEY {
+                continue;
+            }
+            let bg = crate::format::items::BlockGroupItem::parse(item.data())
+                .map_err(|e| item.annotate(e))?;
+            match out.iter_mut().find(|u| u.flags == bg.flags) {
+                Some(u) => {
+                    u.total += item.key.offset;
+                    u.used += bg.used;
+                }
+                None => out.push(SpaceUsage {
+                    flags: bg.flags,
+                    total: item.key.offset,
+                    used: bg.used,
+                }),
+            }
+        }
+        // The order btrfs filesystem df prints: data, system, metadata.
+        out.sort_by_key(|u| {
+            (
+                u.flags & BLOCK_GROUP_DATA == 0,
+                u.flags & BLOCK_GROUP_SYSTEM == 0,
+                u.flags,
+            )
+        });
+        Ok(out)
+    }
+
+    /// The filesystem's label.
+    pub fn label(&self) -> String {
+        match &self.writer {
+            Some(w) => w.lock().map(|w| w.sb.label.clone()).unwrap_or_default(),
+            None => self.disk.sb.label.clone(),
+        }
+    }
+
+    /// Sets the label (at most 255 bytes, no NUL), written with the next commit, as the
+    /// kernel's FS_IOC_SETFSLABEL does.
+    pub fn set_label(&self, label: &str) -> Result<()> {
+        if label.len() > 255 || label.contains('\0') {
+            return Err(crate::error::Error::Invalid(format!(
+                "label of {} bytes: at most 255, without NUL",
+                label.len()
+            )));
+        }
+        self.op(false, |w| {
+            w.sb.label = label.to_string();
+            // A transaction with a change to commit: the top-level subvolume's root item is
+            // rewritten as it is (the kernel's label change commits a transaction too).
+            let key = self.root_item_key(w, FS_TREE_OBJECTID)?;
+            w.update_item(ROOT_TREE_OBJECTID, &key, |_| Ok(()))?;
+            Ok(())
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use crate::inode::namespace::Owner;
