@@ -52,6 +52,38 @@ enum Command {
     Check(cmd::check::CheckArgs),
     /// Make a new, empty btrfs filesystem on an image file or device.
     Mkfs(cmd::mkfs::MkfsArgs),
+    /// Write a man page for butter and each of its commands into DIR (butter.1,
+    /// butter-mkfs.1, butter-subvolume-delete.1, ...).
+    Manpages {
+        /// Directory to write the pages into (created if missing).
+        dir: std::path::PathBuf,
+    },
+    /// Print a completion script for SHELL (bash, zsh, fish, elvish, powershell); e.g.
+    /// `butter completions bash > /etc/bash_completion.d/butter`.
+    Completions {
+        shell: clap_complete::Shell,
+    },
+}
+
+/// Man pages for `cmd` and, recursively, each of its subcommands: `butter-mkfs.1`, ...
+fn write_manpages(cmd: &clap::Command, prefix: &str, dir: &std::path::Path) -> cmd::CliResult {
+    let name = if prefix.is_empty() {
+        cmd.get_name().to_string()
+    } else {
+        format!("{prefix}-{}", cmd.get_name())
+    };
+    let page = cmd.clone().name(name.clone());
+    let mut out = Vec::new();
+    clap_mangen::Man::new(page).render(&mut out)?;
+    let path = dir.join(format!("{name}.1"));
+    std::fs::write(&path, out)
+        .map_err(|e| cmd::CliError(format!("writing {}: {e}", path.display())))?;
+    for sub in cmd.get_subcommands() {
+        if sub.get_name() != "help" {
+            write_manpages(sub, &name, dir)?;
+        }
+    }
+    Ok(())
 }
 
 fn main() -> ExitCode {
@@ -75,6 +107,18 @@ fn main() -> ExitCode {
         Command::Unmount(a) => cmd::unmount::unmount(a),
         Command::Check(a) => cmd::check::check(a),
         Command::Mkfs(a) => cmd::mkfs::mkfs(a),
+        Command::Manpages { dir } => std::fs::create_dir_all(&dir)
+            .map_err(|e| cmd::CliError(format!("creating {}: {e}", dir.display())))
+            .and_then(|()| {
+                let mut top = <Cli as clap::CommandFactory>::command();
+                top.build();
+                write_manpages(&top, "", &dir)
+            }),
+        Command::Completions { shell } => {
+            let mut top = <Cli as clap::CommandFactory>::command();
+            clap_complete::generate(shell, &mut top, "butter", &mut std::io::stdout());
+            Ok(())
+        }
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,
