@@ -42,6 +42,8 @@ enum Command {
     Receive(cmd::receive::ReceiveArgs),
     /// Write read-only snapshots as a send stream, in full or incremental.
     Send(cmd::send::SendArgs),
+    /// Disk usage against decoded sizes per compression type, as compsize prints them.
+    Compsize(cmd::compsize::CompsizeArgs),
     /// Space use of the block groups (df) and the label, like `btrfs filesystem`.
     Filesystem(cmd::filesystem::FilesystemArgs),
     /// Mount an image through FUSE.
@@ -60,9 +62,7 @@ enum Command {
     },
     /// Print a completion script for SHELL (bash, zsh, fish, elvish, powershell); e.g.
     /// `butter completions bash > /etc/bash_completion.d/butter`.
-    Completions {
-        shell: clap_complete::Shell,
-    },
+    Completions { shell: clap_complete::Shell },
 }
 
 /// Man pages for `cmd` and, recursively, each of its subcommands: `butter-mkfs.1`, ...
@@ -103,6 +103,7 @@ fn main() -> ExitCode {
         Command::Receive(a) => cmd::receive::receive(a),
         Command::Send(a) => cmd::send::send(a),
         Command::Filesystem(a) => cmd::filesystem::filesystem(a),
+        Command::Compsize(a) => cmd::compsize::compsize(a),
         Command::Mount(a) => cmd::mount::mount(a),
         Command::Unmount(a) => cmd::unmount::unmount(a),
         Command::Check(a) => cmd::check::check(a),

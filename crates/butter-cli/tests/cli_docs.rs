@@ -10,7 +10,11 @@ const BUTTER: &str = env!("CARGO_BIN_EXE_butter");
 fn manpages_cover_every_command() {
     let dir = std::env::temp_dir().join(format!("butter-man-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
-    let out = Command::new(BUTTER).arg("manpages").arg(&dir).output().unwrap();
+    let out = Command::new(BUTTER)
+        .arg("manpages")
+        .arg(&dir)
+        .output()
+        .unwrap();
     assert!(out.status.success(), "{out:?}");
     for (page, needle) in [
         ("butter.1", "mkfs"),
@@ -21,8 +25,8 @@ fn manpages_cover_every_command() {
         ("butter-mount.1", "compress"),
         ("butter-filesystem-df.1", "IMAGE"),
     ] {
-        let text = std::fs::read_to_string(dir.join(page))
-            .unwrap_or_else(|e| panic!("{page}: {e}"));
+        let text =
+            std::fs::read_to_string(dir.join(page)).unwrap_or_else(|e| panic!("{page}: {e}"));
         assert!(text.contains(".TH"), "{page} is no man page");
         assert!(text.contains(needle), "{page} does not mention {needle}");
     }
@@ -38,7 +42,14 @@ fn completions_know_every_command() {
             .unwrap();
         assert!(out.status.success(), "{shell}: {out:?}");
         let text = String::from_utf8_lossy(&out.stdout);
-        for cmd in ["mkfs", "send", "receive", "subvolume", "filesystem", "mount"] {
+        for cmd in [
+            "mkfs",
+            "send",
+            "receive",
+            "subvolume",
+            "filesystem",
+            "mount",
+        ] {
             assert!(text.contains(cmd), "{shell} completions lack {cmd}");
         }
     }

@@ -313,3 +313,64 @@ fn mkfs_rootdir_compress() {
         "a refused mkfs wrote an image"
     );
 }
+
+/// `butter compsize` prints what compsize prints on a kernel mount: for the whole
+/// filesystem and for a few paths, over compressed, plain, inline, preallocated and
+/// reflinked (counted once on disk) extents written by the kernel with compress-force.
+#[test]
+fn compsize_matches_compsize() {
+    if !fuse_mount::require("compsize_matches_compsize", &["compsize", "fallocate"]) {
+        return;
+    }
+    let sc = ScratchDir::new("compsize");
+    let img = sc.join("k.img");
+    kernel::mkfs_btrfs::<&str>(&img, 512 << 20, &[]);
+    {
+        let m = LoopMount::btrfs(&img, &sc.dir("m"), "compress-force=zstd");
+        let p = m.path();
+        fs::create_dir(p.join("d")).unwrap();
+        fs::write(p.join("d/text"), text(1, 2_000_000)).unwrap();
+        fs::write(p.join("d/noise"), noise(1, 500_000)).unwrap();
+        fs::write(p.join("small"), b"tiny file").unwrap();
+        fs::write(p.join("d/inline"), text(2, 3000)).unwrap();
+        let st = Command::new("cp")
+            .args(["--reflink=always"])
+            .arg(p.join("d/text"))
+            .arg(p.join("copy"))
+            .status()
+            .unwrap();
+        assert!(st.success());
+        let st = Command::new("fallocate")
+            .args(["-l", "1M"])
+            .arg(p.join("pre"))
+            .status()
+            .unwrap();
+        assert!(st.success());
+        m.unmount();
+    }
+    let m = LoopMount::btrfs_ro(&img, &sc.dir("m"));
+    for paths in [
+        vec![""],
+        vec!["d"],
+        vec!["d/text", "copy"],
+        vec!["small", "pre"],
+    ] {
+        let theirs = kernel::sh(
+            "compsize",
+            &paths
+                .iter()
+                .map(|p| m.path().join(p).to_str().unwrap().to_string())
+                .collect::<Vec<_>>(),
+        );
+        let mut args = vec!["compsize".to_string(), img.to_str().unwrap().to_string()];
+        args.extend(paths.iter().map(|p| format!("/{p}")));
+        let out = kernel::run_output(Command::new(BUTTER).args(&args));
+        assert!(out.status.success(), "butter compsize {paths:?}: {out:?}");
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout),
+            theirs,
+            "compsize {paths:?}"
+        );
+    }
+    m.unmount();
+}

@@ -1,5 +1,6 @@
 //! One module per subcommand.
 pub mod check;
+pub mod compsize;
 pub mod dump;
 pub mod filesystem;
 pub mod ls;
