@@ -3,7 +3,9 @@
 //! Options follow mkfs.btrfs: `-b` size (created or extended when IMAGE is a regular file),
 //! `-n`/`-s` node and sector size, `--csum`, `-m`/`-d` profiles, `-O`/`-R` features, `-L`,
 //! `-U`, `-f`, `-q`. SOURCE_DATE_EPOCH in the environment fixes every timestamp and derives
-//! the other uuids from the fsid, so the same options and `-U` give a byte-identical image.
+//! the other uuids from the fsid, so the same options and `-U` give a byte-identical image;
+//! DETERMINISTIC_SEED (as btrfs-progs' reproducible-build proposal names it) fixes the fsid
+//! too when `-U` is not given, so builders need no new flag.
 
 use super::{CliError, CliResult};
 use butter::format::csum::CsumType;
@@ -348,6 +350,17 @@ fn options(a: &MkfsArgs) -> Result<Option<MkfsOptions>, CliError> {
         o.label = l.clone();
     }
     o.fsid = a.uuid;
+    if o.fsid.is_none() {
+        if let Some(seed) = std::env::var_os("DETERMINISTIC_SEED")
+            .map(|v| v.to_string_lossy().into_owned())
+            .filter(|v| !v.is_empty() && v != "0")
+        {
+            o.fsid = Some(butter::mkfs::derived_uuid(
+                &[0u8; 16],
+                &format!("DETERMINISTIC_SEED={seed}"),
+            ));
+        }
+    }
     if let Some(v) = std::env::var_os("SOURCE_DATE_EPOCH") {
         let s = v.to_string_lossy();
         let t: u64 = s.trim().parse().map_err(|_| {
