@@ -437,3 +437,52 @@ fn rootdir_deterministic_seed() {
     assert!(a != c, "another seed gave the same image");
     butter_check(&scratch.join("a.img"));
 }
+
+/// `--shrink`: the filesystem and the image file end where the last chunk ends, no bigger
+/// than what `mkfs.btrfs --rootdir --shrink` makes of the same tree; the kernel shows the
+/// tree exactly and both checkers pass.
+#[test]
+fn rootdir_shrink() {
+    if !require_privileges() {
+        return;
+    }
+    let scratch = ScratchDir::new("rootdir-shrink");
+    let src_img = scratch.join("src.img");
+    common::kernel::mkfs_btrfs(&src_img, 1 << 30, &[] as &[&str]);
+    let mnt = LoopMount::btrfs(&src_img, &scratch.join("src"), "");
+    populate(mnt.path(), 11, Scale::Small);
+    let src = mnt.path().to_path_buf();
+    let img = scratch.join("b.img");
+    butter_mkfs_rootdir(&src, &img, &["--shrink"]);
+    let theirs = scratch.join("k.img");
+    std::fs::File::create(&theirs).unwrap();
+    let out = Command::new("mkfs.btrfs")
+        .args(["-q", "--shrink", "--rootdir"])
+        .arg(&src)
+        .arg(&theirs)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "mkfs.btrfs --shrink: {out:?}");
+    let (ours, progs) = (
+        std::fs::metadata(&img).unwrap().len(),
+        std::fs::metadata(&theirs).unwrap().len(),
+    );
+    assert!(
+        ours <= progs,
+        "--shrink made {ours} bytes, mkfs.btrfs --shrink {progs}"
+    );
+    butter_check(&img);
+    let (ok, text) = btrfs_check(&img);
+    assert!(ok, "btrfs check:\n{text}");
+    let want = take(&src, &TakeOpts::default());
+    let m = LoopMount::btrfs_ro(&img, &scratch.join("k"));
+    let got = take(m.path(), &TakeOpts::default());
+    m.unmount();
+    mnt.unmount();
+    let opts = CompareOpts {
+        root_attrs: false,
+        atime: false,
+        ..CompareOpts::restore()
+    };
+    assert_same(&want, &got, &opts, "--shrink");
+}

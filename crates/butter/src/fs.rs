@@ -121,6 +121,7 @@ impl Fs {
         fs.core.compress_force = opts.compress_force && opts.compress.is_some();
         let mut w = crate::tree_log::replay::start_writer(&fs)?;
         w.set_combined_replace(opts.combined_replace);
+        w.small_chunks = opts.small_chunks;
         fs.core.writer = Some(Mutex::new(w));
         // Files unlinked while open when the last writer stopped: their space comes back now,
         // as the kernel gives it back at mount.
@@ -376,6 +377,9 @@ pub struct RwOptions {
     pub compress: Option<crate::format::compress::Compression>,
     /// Compress every file (the kernel's `compress-force=`), with `compress`'s algorithm.
     pub compress_force: bool,
+    /// New chunks stay small (data 8 MiB, metadata 32 MiB), as mkfs.btrfs --rootdir makes
+    /// them: for images to be shrunk to their content ([`Core::shrink_to_fit`]).
+    pub small_chunks: bool,
 }
 
 impl Default for RwOptions {
@@ -388,6 +392,7 @@ impl Default for RwOptions {
             combined_replace: true,
             compress: None,
             compress_force: false,
+            small_chunks: false,
         }
     }
 }

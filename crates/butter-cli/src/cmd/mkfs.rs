@@ -77,6 +77,10 @@ pub struct MkfsArgs {
     /// May repeat.
     #[arg(long = "inode-flags", value_name = "FLAGS:PATH", requires = "rootdir")]
     pub inode_flags: Vec<String>,
+    /// With --rootdir: shrink the filesystem, and a regular image file, to what it holds (new
+    /// chunks are kept small, 8 MiB of data each, as mkfs.btrfs keeps them).
+    #[arg(long = "shrink", requires = "rootdir")]
+    pub shrink: bool,
     /// Do not discard the device's blocks first (accepted as mkfs.btrfs takes it; butter
     /// never discards).
     #[arg(short = 'K', long = "nodiscard")]
@@ -599,6 +603,7 @@ fn make(a: &MkfsArgs, image: &std::path::Path, opts: MkfsOptions) -> CliResult {
         let opts = butter::fs::RwOptions {
             compress,
             compress_force: compress.is_some(),
+            small_chunks: a.shrink,
             ..Default::default()
         };
         let fs = butter::fs::Fs::open_device_rw_with(dev.clone(), opts).map_err(|e| {
@@ -622,6 +627,30 @@ fn make(a: &MkfsArgs, image: &std::path::Path, opts: MkfsOptions) -> CliResult {
                 )),
                 rootdir::Failure::Source(m) => CliError(m),
             })?;
+        let mut report = report;
+        if a.shrink {
+            let end = fs.shrink_to_fit().map_err(|e| {
+                CliError(format!(
+                    "cannot shrink {}: {}",
+                    image.display(),
+                    CliError::from(e)
+                ))
+            })?;
+            drop(fs);
+            report.total_bytes = end;
+            if std::fs::metadata(image).is_ok_and(|m| m.file_type().is_file() && m.len() > end) {
+                std::fs::OpenOptions::new()
+                    .write(true)
+                    .open(image)
+                    .and_then(|f| f.set_len(end))
+                    .map_err(|e| {
+                        CliError(format!(
+                            "cannot cut {} to {end} bytes: {e}",
+                            image.display()
+                        ))
+                    })?;
+            }
+        }
         if !a.quiet {
             let mut out = std::io::stdout().lock();
             print_summary(&mut out, &report, image)?;

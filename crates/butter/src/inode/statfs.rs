@@ -155,6 +155,14 @@ impl Core {
         Ok(out)
     }
 
+    /// Shrinks the filesystem to end where its last chunk ends and commits; returns the new
+    /// size (the image file may be cut there). What `mkfs --shrink` does after filling.
+    pub fn shrink_to_fit(&self) -> Result<u64> {
+        let end = self.op(false, |w| w.shrink_device_to_chunks())?;
+        self.commit()?;
+        Ok(end)
+    }
+
     /// The filesystem's label.
     pub fn label(&self) -> String {
         match &self.writer {

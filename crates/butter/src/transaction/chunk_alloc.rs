@@ -73,13 +73,16 @@ impl Writer {
         }
         let total = self.dev_item.total_bytes;
         let max = match kind {
+            SpaceKind::Data if self.small_chunks => 8 << 20,
             SpaceKind::Data => 1 << 30,
+            SpaceKind::Metadata if self.small_chunks => 32 << 20,
             SpaceKind::Metadata => 256 << 20,
             SpaceKind::System => 32 << 20,
         };
+        let floor: u64 = if self.small_chunks { 1 << 20 } else { 16 << 20 };
         let tenth = (total / 10) / STRIPE * STRIPE;
         let mut want = (max as u64)
-            .min(tenth.max(16 << 20))
+            .min(tenth.max(floor))
             .max(min_len.div_ceil(STRIPE) * STRIPE);
         let holes = self.device_holes()?;
         let Some(&(hole, hole_len)) = holes.first() else {
@@ -192,5 +195,41 @@ pub(super) fn exclude_supers(bg: &mut BlockGroup, chunk: &ChunkItem) {
                 bg.exclude(bg.start + off, STRIPE);
             }
         }
+    }
+}
+
+impl Writer {
+    /// Makes the device end where its last chunk ends (what `mkfs --shrink` wants): the
+    /// device item (in the chunk tree and the superblock) and the filesystem size become
+    /// that end. Returns it; the caller commits, then may cut the image file there.
+    pub(crate) fn shrink_device_to_chunks(&mut self) -> Result<u64> {
+        let devid = self.disk.devid;
+        let root = self.current_root(DEV_TREE_OBJECTID)?;
+        let mut it = TreeIter::new(
+            self.disk.clone(),
+            root,
+            Key::new(devid, DEV_EXTENT_KEY, 0),
+            Readahead::None,
+        )?;
+        let mut end = 1u64 << 20;
+        while let Some(item) = it.next_item()? {
+            if item.key.objectid != devid || item.key.ty != DEV_EXTENT_KEY {
+                break;
+            }
+            let de = DevExtent::parse(item.data()).map_err(|e| item.annotate(e))?;
+            end = end.max(item.key.offset.saturating_add(de.length));
+        }
+        if end >= self.dev_item.total_bytes {
+            return Ok(self.dev_item.total_bytes);
+        }
+        self.dev_item.total_bytes = end;
+        self.sb.total_bytes = end;
+        let di = self.dev_item.to_bytes();
+        self.replace_item(
+            CHUNK_TREE_OBJECTID,
+            Key::new(DEV_ITEMS_OBJECTID, DEV_ITEM_KEY, devid),
+            &di,
+        )?;
+        Ok(end)
     }
 }

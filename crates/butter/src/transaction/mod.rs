@@ -79,6 +79,9 @@ pub(crate) struct Writer {
     /// One-descent extent replace: file extents are replaced in the leaf of one descent when
     /// possible.
     pub(crate) combined_replace: bool,
+    /// New chunks stay small (data 8 MiB, metadata 32 MiB), as mkfs.btrfs --rootdir makes
+    /// them, so a shrunk image wastes little past its data.
+    pub(crate) small_chunks: bool,
     /// The fsync log of the running transaction (crate::tree_log::write).
     pub(crate) log: crate::transaction::log_state::LogState,
     /// Ordered extents written but not yet in the trees (crate::inode::ordered). A commit must not
@@ -182,6 +185,7 @@ impl Writer {
             next_ino: HashMap::new(),
             next_index: HashMap::new(),
             combined_replace: true,
+            small_chunks: false,
             log: Default::default(),
             ordered_pending: 0,
             qgroups_marked: false,
