@@ -58,7 +58,7 @@ pub struct MkfsArgs {
     #[arg(short = 'q', long = "quiet")]
     pub quiet: bool,
     /// Copy the tree at DIR into the new filesystem (files, holes, links, devices, modes,
-    /// owners, times, xattrs). Without -b, a missing IMAGE is sized to fit.
+    /// owners, times, xattrs). Without -b, a missing or empty IMAGE file is sized to fit.
     #[arg(short = 'r', long = "rootdir", value_name = "DIR")]
     pub rootdir: Option<PathBuf>,
     /// With --rootdir: make the directory SUBDIR (relative to DIR) a subvolume. TYPE is rw
@@ -514,7 +514,13 @@ pub fn mkfs(a: MkfsArgs) -> CliResult {
                 dir.display()
             )));
         }
-        if size.is_none() && std::fs::symlink_metadata(&image).is_err() {
+        // A missing image, or an empty regular file (image builders hand one over), is
+        // sized to fit the tree.
+        let empty_or_missing = match std::fs::symlink_metadata(&image) {
+            Err(_) => true,
+            Ok(m) => m.file_type().is_file() && m.len() == 0,
+        };
+        if size.is_none() && empty_or_missing {
             let min = butter::mkfs::min_device_size(opts.metadata, opts.data);
             size = Some(rootdir::fitting_size(dir, min)?);
         }

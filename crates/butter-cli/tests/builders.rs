@@ -1,0 +1,167 @@
+//! The image builders' own mkfs.btrfs command lines, run with `butter mkfs` in their place:
+//! systemd-repart's (as an unprivileged user in a user namespace that maps it to root, as
+//! repart runs it), Yocto's two (image_types, and wic's under a libc-hooking fakeroot),
+//! NixOS's (under faketime and fakeroot, then `btrfs check`), and Buildroot's. Each image
+//! passes both checkers, the kernel shows the source tree with the owners those tools
+//! reported, and a second run with SOURCE_DATE_EPOCH and DETERMINISTIC_SEED=1 makes the same
+//! bytes. Needs root (to become an unprivileged user), loop devices, btrfs-progs, fakeroot
+//! and faketime; without them the test prints a notice and passes, unless CI is set.
+
+mod common;
+
+use common::fuse_mount::{self, butter_check, BUTTER};
+use common::kernel::{self, LoopMount, ScratchDir};
+use common::manifest::{self, CompareOpts, Manifest, TakeOpts};
+use std::path::Path;
+use std::process::Command;
+
+/// Runs `script` with `sh -c` as the unprivileged user nobody, in `dir`, with `env`.
+fn as_nobody(dir: &Path, script: &str, env: &[(&str, &str)]) -> std::process::Output {
+    let mut full = String::new();
+    for (k, v) in env {
+        full.push_str(&format!("export {k}='{v}'; "));
+    }
+    full.push_str(&format!("cd '{}' && {script}", dir.display()));
+    kernel::run_output(
+        Command::new("su")
+            .args(["nobody", "-s", "/bin/sh", "-c"])
+            .arg(full),
+    )
+}
+
+/// The source tree as seen through `wrapper` (fakeroot, unshare -r): owners as it reports.
+fn manifest_via(dir: &Path, src: &str, wrapper: &str) -> Manifest {
+    // Root under the wrapper sees every file as its own: the kernel must show root owners.
+    let out = as_nobody(dir, &format!("{wrapper} stat -c '%u %g' {src}"), &[]);
+    assert!(out.status.success(), "{wrapper} stat: {out:?}");
+    let owner = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    assert_eq!(
+        owner, "0 0",
+        "{wrapper} does not map the tree's owner to root"
+    );
+    manifest::take(&dir.join(src), &TakeOpts::default())
+}
+
+fn check_image(img: &Path, mnt: &Path, want: &Manifest, as_root: bool, what: &str) {
+    let (rc, out) = butter_check(img);
+    assert_eq!(rc, 0, "{what}: butter check:\n{out}");
+    kernel::assert_btrfs_check(img);
+    // The top level, whatever the default subvolume is.
+    let m = LoopMount::new(img, mnt, kernel::FsType::Btrfs, "ro,noatime,subvolid=5");
+    let got = manifest::take(m.path(), &TakeOpts::default());
+    m.unmount();
+    let opts = CompareOpts {
+        root_attrs: false,
+        atime: false,
+        owner: !as_root,
+        ..CompareOpts::restore()
+    };
+    manifest::assert_same(want, &got, &opts, what);
+    if as_root {
+        for (p, e) in &got.entries {
+            assert_eq!(
+                (e.uid, e.gid),
+                (0, 0),
+                "{what}: {} is not root's",
+                p.display()
+            );
+        }
+    }
+}
+
+#[test]
+fn image_builders_command_lines() {
+    if !fuse_mount::require(
+        "image_builders_command_lines",
+        &["fakeroot", "faketime", "unshare", "su"],
+    ) {
+        return;
+    }
+    let sc = ScratchDir::new("builders");
+    let dir = sc.dir("work");
+    // A tree nobody owns: a root filesystem's worth of kinds, and a directory for nodatacow.
+    let src = dir.join("root");
+    for d in ["etc", "var/lib/images", "home/user", "usr/bin"] {
+        std::fs::create_dir_all(src.join(d)).unwrap();
+    }
+    std::fs::write(src.join("etc/hostname"), "builder\n").unwrap();
+    std::fs::write(src.join("usr/bin/tool"), vec![0x7fu8; 200_000]).unwrap();
+    std::fs::write(src.join("var/lib/images/disk.raw"), vec![0u8; 300_000]).unwrap();
+    std::fs::write(src.join("home/user/notes"), "words ".repeat(5000)).unwrap();
+    std::os::unix::fs::symlink("../usr/bin/tool", src.join("etc/tool")).unwrap();
+    let st = Command::new("chown")
+        .args(["-R", "nobody:nogroup"])
+        .arg(&dir)
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let b = BUTTER;
+    let reproducible = [
+        ("SOURCE_DATE_EPOCH", "1700000000"),
+        ("DETERMINISTIC_SEED", "1"),
+    ];
+    let lines: Vec<(&str, String, Option<&str>)> = vec![
+        (
+            "systemd-repart",
+            format!(
+                "unshare -r {b} mkfs -q -L repart -U 11111111-2222-3333-4444-555555555555 \
+                 --nodiscard -r root --sectorsize=4096 --subvol default:home \
+                 --inode-flags nodatacow:var/lib/images --compress zstd:3 --shrink IMG"
+            ),
+            Some("unshare -r"),
+        ),
+        (
+            "yocto-image-types",
+            format!("{b} mkfs -n 4096 --shrink -r root IMG"),
+            None,
+        ),
+        (
+            "yocto-wic",
+            format!("fakeroot {b} mkfs -b 300M -r root -L wic IMG"),
+            Some("fakeroot"),
+        ),
+        (
+            "nixos",
+            format!(
+                "faketime -f '1970-01-01 00:00:01' fakeroot {b} mkfs -L nixos \
+                 -U 22222222-3333-4444-5555-666666666666 -r root --shrink IMG && btrfs check IMG"
+            ),
+            Some("fakeroot"),
+        ),
+        (
+            "buildroot",
+            format!(
+                "{b} mkfs -f -r root -L buildroot --byte-count 300M --nodesize 16384 \
+                 --sectorsize 4096 --features free-space-tree IMG"
+            ),
+            None,
+        ),
+    ];
+    for (name, line, wrapper) in lines {
+        let mut images = Vec::new();
+        for run in 0..2 {
+            let img = format!("{name}-{run}.img");
+            // The builders hand over an existing (empty) file; mkfs.btrfs takes either.
+            let out = as_nobody(
+                &dir,
+                &format!("touch {img} && {}", line.replace("IMG", &img)),
+                &reproducible,
+            );
+            assert!(
+                out.status.success(),
+                "{name}: {line}\n{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            images.push(dir.join(img));
+        }
+        assert!(
+            std::fs::read(&images[0]).unwrap() == std::fs::read(&images[1]).unwrap(),
+            "{name}: two runs with SOURCE_DATE_EPOCH and DETERMINISTIC_SEED=1 differ"
+        );
+        let want = match wrapper {
+            Some(w) => manifest_via(&dir, "root", w),
+            None => manifest::take(&src, &TakeOpts::default()),
+        };
+        check_image(&images[0], &sc.dir("k"), &want, wrapper.is_some(), name);
+    }
+}
