@@ -112,24 +112,48 @@ impl Compression {
 /// docs); `None` when the codec fails (it does not on valid input).
 pub(crate) fn compress(c: Compression, input: &[u8], sectorsize: u32) -> Option<Vec<u8>> {
     match c.code {
-        COMPRESS_ZLIB => {
-            use std::io::Write;
-            let mut e = flate2::write::ZlibEncoder::new(
-                Vec::with_capacity(input.len() / 2),
-                flate2::Compression::new(u32::from(c.level)),
-            );
-            e.write_all(input).ok()?;
-            e.finish().ok()
-        }
+        COMPRESS_ZLIB => ZLIB.with(|cell| {
+            // One deflate state per thread and level, reset between extents: making one
+            // costs more than compressing a small extent.
+            let mut slot = cell.borrow_mut();
+            let z = match slot.as_mut() {
+                Some((level, z)) if *level == c.level => {
+                    z.reset();
+                    z
+                }
+                _ => {
+                    let fresh =
+                        flate2::Compress::new(flate2::Compression::new(u32::from(c.level)), true);
+                    &mut slot.insert((c.level, fresh)).1
+                }
+            };
+            let mut out = Vec::with_capacity(input.len() + input.len() / 1000 + 64);
+            match z.compress_vec(input, &mut out, flate2::FlushCompress::Finish) {
+                Ok(flate2::Status::StreamEnd) => Some(out),
+                _ => None,
+            }
+        }),
         COMPRESS_LZO => Some(lzo_frame(input, sectorsize as usize)),
-        _ => {
-            // A window of at most 2^17 bytes, as btrfs's decoder requires.
-            let mut z = zstd::bulk::Compressor::new(i32::from(c.level)).ok()?;
-            z.set_parameter(zstd::zstd_safe::CParameter::WindowLog(ZSTD_WINDOW_LOG_MAX))
-                .ok()?;
-            z.compress(input).ok()
-        }
+        _ => ZSTD.with(|cell| {
+            let mut slot = cell.borrow_mut();
+            if slot.as_ref().is_none_or(|(level, _)| *level != c.level) {
+                let mut z = zstd::bulk::Compressor::new(i32::from(c.level)).ok()?;
+                // A window of at most 2^17 bytes, as btrfs's decoder requires.
+                z.set_parameter(zstd::zstd_safe::CParameter::WindowLog(ZSTD_WINDOW_LOG_MAX))
+                    .ok()?;
+                *slot = Some((c.level, z));
+            }
+            slot.as_mut()?.1.compress(input).ok()
+        }),
     }
+}
+
+thread_local! {
+    /// Each thread's compressor contexts, kept between extents (see [`compress`]).
+    static ZLIB: std::cell::RefCell<Option<(u8, flate2::Compress)>> =
+        const { std::cell::RefCell::new(None) };
+    static ZSTD: std::cell::RefCell<Option<(u8, zstd::bulk::Compressor<'static>)>> =
+        const { std::cell::RefCell::new(None) };
 }
 
 /// Frames `data` the way btrfs does for LZO: one segment per sector of input, a segment
