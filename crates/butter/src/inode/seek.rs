@@ -240,16 +240,12 @@ impl Core {
     /// The file extent items of `ino` with their sizes (holes left out), for space
     /// accounting: what on disk, what decoded, what the file refers to.
     pub fn extent_usage(&self, ino: Inode) -> Result<Vec<ExtentUse>> {
-        let root = self.subvol_root(ino.root)?;
-        let mut it = crate::ctree::TreeIter::range(
-            self.disk.clone(),
-            root,
-            Key::new(ino.ino, EXTENT_DATA_KEY, 0),
-            Key::new(ino.ino, EXTENT_DATA_KEY, u64::MAX),
-            crate::io::disk_io::Readahead::Forward,
-        )?;
+        let mut it = self.extent_items_from(ino, 0)?;
         let mut out = Vec::new();
         while let Some(item) = it.next_item()? {
+            if item.key.objectid != ino.ino || item.key.ty != EXTENT_DATA_KEY {
+                break;
+            }
             let fe = FileExtentItem::parse(item.data()).map_err(|e| item.annotate(e))?;
             match fe.body {
                 FileExtentBody::Inline(raw) => out.push(ExtentUse {
