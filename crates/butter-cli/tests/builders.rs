@@ -95,7 +95,14 @@ fn image_builders_command_lines() {
         .status()
         .unwrap();
     assert!(st.success());
-    let b = BUTTER;
+    // A copy of the binary where nobody can reach it (the checkout may not be).
+    let bin = sc.dir("bin").join("butter");
+    std::fs::copy(BUTTER, &bin).unwrap();
+    std::fs::set_permissions(&bin, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    for d in [sc.path(), &sc.join("bin")] {
+        std::fs::set_permissions(d, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    }
+    let b = bin.display().to_string();
     let reproducible = [
         ("SOURCE_DATE_EPOCH", "1700000000"),
         ("DETERMINISTIC_SEED", "1"),
