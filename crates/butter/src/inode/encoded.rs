@@ -245,9 +245,9 @@ impl Core {
 
     /// The compression a write to `ino` (whose inode is `item`) uses, as the kernel decides:
     /// none for files without checksums; with `compress-force` always, else unless the file
-    /// is marked NOCOMPRESS and when the mount compresses, the file has the compress flag or
-    /// the `btrfs.compression` property. The algorithm: the property's, else the mount's,
-    /// else zlib.
+    /// is marked NOCOMPRESS and when the mount compresses or the file has the compress flag
+    /// (which the `btrfs.compression` property sets). The algorithm: the property's, else
+    /// the mount's, else zlib.
     pub(crate) fn compression_for(
         &self,
         ino: Inode,
@@ -259,19 +259,17 @@ impl Core {
         if !self.compress_force && item.flags & INODE_NOCOMPRESS != 0 {
             return Ok(None);
         }
+        // Every write asks: without a mount option or the compress flag (which setting the
+        // property sets, here and in the kernel) there is nothing to look up.
+        if self.compress.is_none() && item.flags & INODE_COMPRESS == 0 {
+            return Ok(None);
+        }
         let prop = match self.getxattr(ino, crate::inode::flags::COMPRESSION_PROP)? {
             Some(v) => Compression::parse(&String::from_utf8_lossy(&v))
                 .ok()
                 .flatten(),
             None => None,
         };
-        let wanted = self.compress_force
-            || self.compress.is_some()
-            || prop.is_some()
-            || item.flags & INODE_COMPRESS != 0;
-        if !wanted {
-            return Ok(None);
-        }
         Ok(Some(prop.or(self.compress).unwrap_or(Compression::ZLIB)))
     }
 
