@@ -527,7 +527,8 @@ impl Receiver<'_> {
                     .map_err(|_| Error::Invalid("fallocate mode out of range".into()))?;
                 self.fs
                     .fallocate(ino, mode, c.u64(attr::FILE_OFFSET)?, c.u64(attr::SIZE)?)?;
-                self.report.progress.data += c.u64(attr::SIZE)?;
+                self.report.progress.data =
+                    self.report.progress.data.saturating_add(c.u64(attr::SIZE)?);
             }
             25 => self.encoded_write(c)?,
             26 => {
@@ -579,7 +580,7 @@ impl Receiver<'_> {
                 "clone of {len} bytes from offset {src_off}: the source has only {done}"
             )));
         }
-        self.report.progress.data += len;
+        self.report.progress.data = self.report.progress.data.saturating_add(len);
         Ok(())
     }
 
@@ -620,8 +621,8 @@ impl Receiver<'_> {
                 }
                 let plain = decompress(compression, data, e.decoded_len as usize, ss)
                     .map_err(|err| Error::Invalid(format!("encoded write: {err}")))?;
-                let from = e.decoded_offset as usize;
-                let to = from + e.file_len as usize;
+                let from = usize::try_from(e.decoded_offset).unwrap_or(usize::MAX);
+                let to = from.saturating_add(usize::try_from(e.file_len).unwrap_or(usize::MAX));
                 let bytes = plain.get(from..to).ok_or_else(|| {
                     Error::Invalid("encoded write: file bytes past the decoded extent".into())
                 })?;
@@ -629,7 +630,7 @@ impl Receiver<'_> {
             }
             r => {
                 r?;
-                self.report.progress.data += e.file_len;
+                self.report.progress.data = self.report.progress.data.saturating_add(e.file_len);
             }
         }
         Ok(())

@@ -148,10 +148,11 @@ fn holds(fs: &Fs, snap: &Snap, ino: u64, offset: u64, w: &Wanted) -> Result<bool
         return Ok(false);
     };
     // The item at it.key.offset maps file bytes to extent bytes from eoff.
-    let start_in_extent = eoff + (offset - it.key.offset);
+    // Offsets from back references and items are not trusted: no sum may wrap.
+    let start_in_extent = eoff.checked_add(offset - it.key.offset);
     Ok(disk_bytenr == w.bytenr
-        && start_in_extent == w.extent_offset
-        && offset + w.len <= it.key.offset + num_bytes)
+        && start_in_extent == Some(w.extent_offset)
+        && offset.saturating_add(w.len) <= it.key.offset.saturating_add(num_bytes))
 }
 
 /// A place among `snaps` holding `w`'s bytes, where `usable(snap index, ino, offset)` says

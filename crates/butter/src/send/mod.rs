@@ -193,8 +193,8 @@ fn unchanged_extent(olds: &[(u64, FileExtentItem)], off: u64, fe: &FileExtentIte
             && b == disk_bytenr
             && f.generation == fe.generation
             && *o <= off
-            && off + num_bytes <= o + n
-            && eo + (off - o) == offset
+            && off.saturating_add(num_bytes) <= o.saturating_add(n)
+            && eo.checked_add(off - o) == Some(offset)
     })
 }
 
@@ -804,7 +804,7 @@ impl<W: Write> Sender<'_, W> {
                         }
                     }
                 };
-                let e = (off + len).min(limit);
+                let e = off.saturating_add(len).min(limit);
                 if e > *off {
                     v.push((*off, e));
                 }
@@ -1236,7 +1236,7 @@ impl<W: Write> Sender<'_, W> {
         // is past it (inodes go in order, a file's extents too) or it did not change.
         let usable = |snap: usize, ino: u64, o: u64| -> bool {
             snap > 0
-                || (ino == cur && o + w.len <= off)
+                || (ino == cur && o.saturating_add(w.len) <= off)
                 || ino < cur
                 || (incremental && !changed.contains(&ino))
         };
@@ -1254,7 +1254,7 @@ impl<W: Write> Sender<'_, W> {
             let src_size = tree::inode_info(self.fs, snap, src.ino)?
                 .map(|i| i.item.size)
                 .unwrap_or(0);
-            if src.offset + w.len != src_size {
+            if src.offset.saturating_add(w.len) != src_size {
                 return Ok(false);
             }
         }
