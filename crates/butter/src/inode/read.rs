@@ -669,13 +669,18 @@ impl Core {
 
     /// Path of an inode relative to its subvolume's root (first name found), e.g. "a/b".
     pub(crate) fn inode_path(&self, ino: Inode) -> Result<String> {
+        Ok(String::from_utf8_lossy(&self.inode_path_bytes(ino)?).into_owned())
+    }
+
+    /// [`Core::inode_path`] with the names as they are (bytes).
+    pub(crate) fn inode_path_bytes(&self, ino: Inode) -> Result<Vec<u8>> {
         let root = self.subvol_root(ino.root)?;
-        let mut parts: Vec<String> = Vec::new();
+        let mut parts: Vec<Vec<u8>> = Vec::new();
         let mut cur = ino.ino;
         for _ in 0..4096 {
             if cur == FIRST_FREE_OBJECTID {
                 parts.reverse();
-                return Ok(parts.join("/"));
+                return Ok(parts.join(&b'/'));
             }
             let mut it = TreeIter::range(
                 self.disk.clone(),
@@ -695,14 +700,14 @@ impl Core {
                 let first = r
                     .first()
                     .ok_or_else(|| Error::corrupt(item.loc(), "empty inode ref"))?;
-                parts.push(String::from_utf8_lossy(&first.name).into_owned());
+                parts.push(first.name.clone());
                 cur = item.key.offset;
             } else {
                 let r = InodeExtref::parse_all(item.data()).map_err(|e| item.annotate(e))?;
                 let first = r
                     .first()
                     .ok_or_else(|| Error::corrupt(item.loc(), "empty inode extref"))?;
-                parts.push(String::from_utf8_lossy(&first.name).into_owned());
+                parts.push(first.name.clone());
                 cur = first.parent;
             }
         }

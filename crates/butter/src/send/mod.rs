@@ -1301,26 +1301,6 @@ impl<W: Write> Sender<'_, W> {
 
     /// The path of `ino` in `snap` as it is (a snapshot the receiver has unchanged).
     fn path_in(&self, snap: &Snap, ino: u64) -> Result<Vec<u8>> {
-        let mut parts: Vec<Vec<u8>> = Vec::new();
-        let mut cur = ino;
-        for _ in 0..4096 {
-            if cur == FIRST_FREE_OBJECTID {
-                parts.reverse();
-                return Ok(parts.join(&b'/'));
-            }
-            let info = tree::inode_info(self.fs, snap, cur)?;
-            let Some((dir, name)) = info.and_then(|i| i.names.into_iter().next()) else {
-                return Err(Error::corrupt(
-                    crate::error::Location::what(format!("inode {cur}")).with_tree(snap.id),
-                    "no name leads to it",
-                ));
-            };
-            parts.push(name);
-            cur = dir;
-        }
-        Err(Error::corrupt(
-            crate::error::Location::what(format!("inode {ino}")).with_tree(snap.id),
-            "its path does not reach the root",
-        ))
+        self.fs.inode_path_bytes(Inode { root: snap.id, ino })
     }
 }
