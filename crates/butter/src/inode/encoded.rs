@@ -18,7 +18,6 @@ use crate::format::items::*;
 use crate::format::*;
 use crate::ids::Inode;
 use crate::inode::core::Core;
-use crate::transaction::extent_refs::RefKey;
 
 /// Where a compressed extent goes: `span` bytes of the file from `offset`, taken from
 /// `decoded_offset` of the decoded extent of `ram_bytes`, compressed with `code`.
@@ -210,8 +209,7 @@ impl Core {
             w.allocator.pin(bytenr, disk_len)?;
             return Err(err);
         }
-        w.delete_csums(bytenr, disk_len)?;
-        w.insert_csums(bytenr, &self.sector_sums(disk))?;
+        Self::put_sums(w, bytenr, disk_len, &self.sector_sums(disk))?;
         let fe = FileExtentItem {
             generation: w.transid,
             ram_bytes: p.ram_bytes,
@@ -226,21 +224,7 @@ impl Core {
                 num_bytes: p.span,
             },
         };
-        let (removed, added) =
-            self.replace_extents(w, ino, p.offset, p.offset + p.span, Some((p.offset, fe)))?;
-        w.refs.add_data_ref(
-            bytenr,
-            disk_len,
-            true,
-            RefKey::Data {
-                root: ino.root,
-                ino: ino.ino,
-                offset: p.offset.wrapping_sub(p.decoded_offset),
-            },
-            1,
-        );
-        item.nbytes = item.nbytes - removed.min(item.nbytes) + added;
-        Ok(())
+        self.record_new_extent(w, ino, item, p.offset, fe)
     }
 
     /// The compression a write to `ino` (whose inode is `item`) uses, as the kernel decides:

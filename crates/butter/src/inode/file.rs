@@ -1271,10 +1271,7 @@ impl Core {
         stamp: Option<Timespec>,
     ) -> Result<()> {
         let ss = self.disk.sectorsize() as u64;
-        w.delete_csums(bytenr, len)?;
-        if !sums.is_empty() {
-            w.insert_csums(bytenr, sums)?;
-        }
+        Self::put_sums(w, bytenr, len, sums)?;
         let fe = FileExtentItem::regular(w.transid, bytenr, len);
         let mut item = self.inode_item_raw(ino)?;
         if drop_inline {
@@ -1289,20 +1286,7 @@ impl Core {
             }
         }
         self.fill_holes(w, ino, &mut item, file_off)?;
-        let (removed, added) =
-            self.replace_extents(w, ino, file_off, file_off + len, Some((file_off, fe)))?;
-        w.refs.add_data_ref(
-            bytenr,
-            len,
-            true,
-            RefKey::Data {
-                root: ino.root,
-                ino: ino.ino,
-                offset: file_off,
-            },
-            1,
-        );
-        item.nbytes = item.nbytes - removed.min(item.nbytes) + added;
+        self.record_new_extent(w, ino, &mut item, file_off, fe)?;
         if reach > item.size {
             // See `note_growth`: the part between the old size and this extent changed too.
             w.log.note_change(ino, item.size, reach);
@@ -1315,6 +1299,53 @@ impl Core {
             stamp.unwrap_or_else(crate::format::items::Timespec::now),
         );
         self.write_inode(w, ino, &item)
+    }
+
+    /// The checksums `sums` of a data extent just written at `bytenr` (none for a file
+    /// without them), replacing any the range had.
+    pub(crate) fn put_sums(w: &mut Writer, bytenr: u64, len: u64, sums: &[u8]) -> Result<()> {
+        w.delete_csums(bytenr, len)?;
+        if !sums.is_empty() {
+            w.insert_csums(bytenr, sums)?;
+        }
+        Ok(())
+    }
+
+    /// A data extent just written at the address `fe` names: its file extent item at
+    /// `file_off` over whatever that range held, and its first back reference;
+    /// `item.nbytes` follows. Shared by plain and compressed writes.
+    pub(crate) fn record_new_extent(
+        &self,
+        w: &mut Writer,
+        ino: Inode,
+        item: &mut InodeItem,
+        file_off: u64,
+        fe: FileExtentItem,
+    ) -> Result<()> {
+        let FileExtentBody::Extent {
+            disk_bytenr,
+            disk_num_bytes,
+            offset,
+            num_bytes,
+        } = fe.body
+        else {
+            return Err(Error::Internal("a new extent recorded as inline".into()));
+        };
+        let (removed, added) =
+            self.replace_extents(w, ino, file_off, file_off + num_bytes, Some((file_off, fe)))?;
+        w.refs.add_data_ref(
+            disk_bytenr,
+            disk_num_bytes,
+            true,
+            RefKey::Data {
+                root: ino.root,
+                ino: ino.ino,
+                offset: file_off.wrapping_sub(offset),
+            },
+            1,
+        );
+        item.nbytes = item.nbytes - removed.min(item.nbytes) + added;
+        Ok(())
     }
 
     /// Without NO_HOLES: explicit hole items from the current end of the file's extents up to
