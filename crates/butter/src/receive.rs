@@ -108,6 +108,9 @@ struct Receiver<'a> {
     report: ReceiveReport,
     /// The last path a WRITE or CLONE resolved, for the many writes of one file.
     last: Option<(Vec<u8>, Inode)>,
+    /// Subvolumes found by uuid (the clones of a stream keep asking for the same few);
+    /// emptied when a subvolume ends, since that adds a received uuid.
+    by_uuid: std::collections::HashMap<[u8; 16], Option<u64>>,
     /// Data and commands at the last commit.
     committed: (u64, u64),
 }
@@ -134,6 +137,7 @@ pub fn receive(
         cur: None,
         report: ReceiveReport::default(),
         last: None,
+        by_uuid: Default::default(),
         committed: (0, 0),
     };
     if let Err(e) = r.run(input, opts, progress) {
@@ -240,6 +244,7 @@ impl Receiver<'_> {
             return Ok(());
         }
         cur.ended = true;
+        self.by_uuid.clear();
         let (id, name, failed) = (cur.root.root, cur.name.clone(), cur.failed);
         if !failed {
             self.fs.finish_received(id, &cur.uuid, cur.stransid)?;
@@ -351,11 +356,16 @@ impl Receiver<'_> {
     }
 
     /// The subvolume the sender knew as `uuid`: received from it, else it itself.
-    fn subvol_by_uuid(&self, uuid: &[u8; 16]) -> Result<Option<u64>> {
-        if let Some(id) = self.fs.subvols_by_uuid(uuid, true)?.first() {
-            return Ok(Some(*id));
+    fn subvol_by_uuid(&mut self, uuid: &[u8; 16]) -> Result<Option<u64>> {
+        if let Some(found) = self.by_uuid.get(uuid) {
+            return Ok(*found);
         }
-        Ok(self.fs.subvols_by_uuid(uuid, false)?.first().copied())
+        let found = match self.fs.subvols_by_uuid(uuid, true)?.first() {
+            Some(id) => Some(*id),
+            None => self.fs.subvols_by_uuid(uuid, false)?.first().copied(),
+        };
+        self.by_uuid.insert(*uuid, found);
+        Ok(found)
     }
 
     fn apply(&mut self, c: &Command) -> Result<()> {
