@@ -634,11 +634,8 @@ impl<W: Write> Sender<'_, W> {
                         self.orphan(oid)?;
                         deleted_dirs.push(oid);
                     } else {
-                        for (dir, name) in self.names.names(oid)? {
-                            let p = self.names.join(dir, &name)?;
-                            self.path_cmd(cmd::UNLINK, &p)?;
-                            self.touch_dir(dir);
-                        }
+                        let names = self.names.names(oid)?;
+                        self.unlink_names(&names)?;
                         self.names.set(oid, Vec::new())?;
                     }
                 }
@@ -700,21 +697,13 @@ impl<W: Write> Sender<'_, W> {
         }
         let kept: Vec<(Id, Vec<u8>)> = have.iter().filter(|e| want.contains(e)).cloned().collect();
         if !kept.is_empty() {
-            for (dir, name) in &removed {
-                let p = self.names.join(*dir, name)?;
-                self.path_cmd(cmd::UNLINK, &p)?;
-                self.touch_dir(*dir);
-            }
+            self.unlink_names(&removed)?;
             return self.names.set(id, kept);
         }
         let added: Vec<(Id, Vec<u8>)> =
             want.iter().filter(|e| !have.contains(e)).cloned().collect();
         // The others first: one name stays to carry the inode.
-        for (dir, name) in &removed[1..] {
-            let p = self.names.join(*dir, name)?;
-            self.path_cmd(cmd::UNLINK, &p)?;
-            self.touch_dir(*dir);
-        }
+        self.unlink_names(&removed[1..])?;
         self.names.set(id, vec![removed[0].clone()])?;
         if let [(dir, name)] = added.as_slice() {
             if self.names.exists(*dir)?
@@ -731,6 +720,17 @@ impl<W: Write> Sender<'_, W> {
             }
         }
         self.orphan(id)
+    }
+
+    /// UNLINK for each of `names` (directory, name) on the receiver now; the model is the
+    /// caller's to update.
+    fn unlink_names(&mut self, names: &[(Id, Vec<u8>)]) -> Result<()> {
+        for (dir, name) in names {
+            let p = self.names.join(*dir, name)?;
+            self.path_cmd(cmd::UNLINK, &p)?;
+            self.touch_dir(*dir);
+        }
+        Ok(())
     }
 
     /// Renames `id` (one name) to its orphan name in the root.
