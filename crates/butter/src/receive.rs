@@ -377,16 +377,8 @@ impl Receiver<'_> {
                 let name = Self::subvol_name(c)?;
                 let uuid = c.uuid_bytes(attr::UUID)?;
                 let stransid = c.u64(attr::CTRANSID)?;
-                if self.fs.lookup(self.dir, name)?.is_some() {
-                    return Err(Error::Exists(format!(
-                        "\"{}\" in the destination directory (receive into another directory, \
-                         or delete it first)",
-                        String::from_utf8_lossy(name)
-                    )));
-                }
-                let root_dir = if c.kind == 1 {
-                    self.fs
-                        .create_subvolume(self.dir, name, 0o755, root, None)?
+                let made = if c.kind == 1 {
+                    self.fs.create_subvolume(self.dir, name, 0o755, root, None)
                 } else {
                     let parent = c.uuid_bytes(attr::CLONE_UUID)?;
                     let id = self.subvol_by_uuid(&parent)?.ok_or_else(|| {
@@ -396,8 +388,16 @@ impl Receiver<'_> {
                             crate::format::fmt_uuid(&parent)
                         ))
                     })?;
-                    self.fs.create_snapshot(id, self.dir, name, false, None)?
+                    self.fs.create_snapshot(id, self.dir, name, false, None)
                 };
+                let root_dir = made.map_err(|e| match e {
+                    Error::Exists(_) => Error::Exists(format!(
+                        "\"{}\" in the destination directory (receive into another directory, \
+                         or delete it first)",
+                        String::from_utf8_lossy(name)
+                    )),
+                    e => e,
+                })?;
                 self.cur = Some(Current {
                     name: String::from_utf8_lossy(name).into_owned(),
                     root: root_dir,
