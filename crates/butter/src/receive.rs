@@ -26,7 +26,7 @@
 use crate::error::{Error, Result};
 use crate::format::compress::decompress;
 use crate::format::items::Timespec;
-use crate::format::send_stream::{attr, Command, StreamReader};
+use crate::format::send_stream::{attr, cmd, Command, StreamReader};
 use crate::fs::Fs;
 use crate::ids::Inode;
 use crate::inode::encoded::EncodedExtent;
@@ -208,7 +208,7 @@ impl Receiver<'_> {
                 self.fs.commit()?;
                 self.committed = (p.data, p.commands);
             }
-            if c.kind == 21 {
+            if c.kind == cmd::END {
                 self.finish()?;
                 if opts.stop_at_end {
                     break;
@@ -371,13 +371,13 @@ impl Receiver<'_> {
     fn apply(&mut self, c: &Command) -> Result<()> {
         let root = Owner::default();
         match c.kind {
-            1 | 2 => {
+            cmd::SUBVOL | cmd::SNAPSHOT => {
                 self.finish()?;
                 self.last = None;
                 let name = Self::subvol_name(c)?;
                 let uuid = c.uuid_bytes(attr::UUID)?;
                 let stransid = c.u64(attr::CTRANSID)?;
-                let made = if c.kind == 1 {
+                let made = if c.kind == cmd::SUBVOL {
                     self.fs.create_subvolume(self.dir, name, 0o755, root, None)
                 } else {
                     let parent = c.uuid_bytes(attr::CLONE_UUID)?;
@@ -407,17 +407,17 @@ impl Receiver<'_> {
                     ended: false,
                 });
             }
-            3 | 4 | 6 | 7 => {
+            cmd::MKFILE | cmd::MKDIR | cmd::MKFIFO | cmd::MKSOCK => {
                 let (dir, name) = self.parent_of(c, attr::PATH)?;
                 let mode = match c.kind {
-                    3 => 0o100600,
-                    4 => 0o040700,
-                    6 => 0o010600,
+                    cmd::MKFILE => 0o100600,
+                    cmd::MKDIR => 0o040700,
+                    cmd::MKFIFO => 0o010600,
                     _ => 0o140600,
                 };
                 self.fs.mknod(dir, name, mode, 0, root)?;
             }
-            5 => {
+            cmd::MKNOD => {
                 let (dir, name) = self.parent_of(c, attr::PATH)?;
                 let mode = c.u64(attr::MODE)? as u32;
                 if !matches!(mode & 0o170000, 0o020000 | 0o060000 | 0o010000 | 0o140000) {
@@ -430,32 +430,32 @@ impl Receiver<'_> {
                 let rdev = crate::format::items::rdev_from_user(dev);
                 self.fs.mknod(dir, name, mode & 0o177777, rdev, root)?;
             }
-            8 => {
+            cmd::SYMLINK => {
                 let (dir, name) = self.parent_of(c, attr::PATH)?;
                 self.fs
                     .symlink(dir, name, c.bytes(attr::PATH_LINK)?, root)?;
             }
-            9 => {
+            cmd::RENAME => {
                 let (from_dir, from) = self.parent_of(c, attr::PATH)?;
                 let (to_dir, to) = self.parent_of(c, attr::PATH_TO)?;
                 self.last = None;
                 self.fs.rename(from_dir, from, to_dir, to, 0)?;
             }
-            10 => {
+            cmd::LINK => {
                 let target = self.inode_at(c, attr::PATH_LINK)?;
                 let (dir, name) = self.parent_of(c, attr::PATH)?;
                 self.fs.link(target, dir, name)?;
             }
-            11 | 12 => {
+            cmd::UNLINK | cmd::RMDIR => {
                 let (dir, name) = self.parent_of(c, attr::PATH)?;
                 self.last = None;
-                if c.kind == 11 {
+                if c.kind == cmd::UNLINK {
                     self.fs.unlink(dir, name)?;
                 } else {
                     self.fs.rmdir(dir, name)?;
                 }
             }
-            13 => {
+            cmd::SET_XATTR => {
                 let ino = self.inode_at(c, attr::PATH)?;
                 self.fs.setxattr(
                     ino,
@@ -464,21 +464,21 @@ impl Receiver<'_> {
                     0,
                 )?;
             }
-            14 => {
+            cmd::REMOVE_XATTR => {
                 let ino = self.inode_at(c, attr::PATH)?;
                 self.fs.removexattr(ino, c.bytes(attr::XATTR_NAME)?)?;
             }
-            15 => {
+            cmd::WRITE => {
                 let ino = self.file_at(c)?;
                 let data = c.bytes(attr::DATA)?;
                 self.write_all(ino, c.u64(attr::FILE_OFFSET)?, data)?;
             }
-            16 => self.clone(c)?,
-            17 => {
+            cmd::CLONE => self.clone(c)?,
+            cmd::TRUNCATE => {
                 let ino = self.file_at(c)?;
                 self.fs.truncate(ino, c.u64(attr::SIZE)?)?;
             }
-            18 => {
+            cmd::CHMOD => {
                 let ino = self.inode_at(c, attr::PATH)?;
                 let mode = c.u64(attr::MODE)? as u32;
                 self.fs.setattr(
@@ -489,7 +489,7 @@ impl Receiver<'_> {
                     },
                 )?;
             }
-            19 => {
+            cmd::CHOWN => {
                 let ino = self.inode_at(c, attr::PATH)?;
                 let id = |ty| -> Result<u32> {
                     let v = c.u64(ty)?;
@@ -504,7 +504,7 @@ impl Receiver<'_> {
                     },
                 )?;
             }
-            20 => {
+            cmd::UTIMES => {
                 let ino = self.inode_at(c, attr::PATH)?;
                 let time = |ty| -> Result<Timespec> {
                     let (sec, nsec) = c.timespec(ty)?;
@@ -523,15 +523,15 @@ impl Receiver<'_> {
                 )?;
             }
             // END: the caller finishes the subvolume once the command is counted.
-            21 => {
+            cmd::END => {
                 self.cur()?;
             }
             // UPDATE_EXTENT (a send with --no-data) and FILEATTR change nothing here, as in
             // btrfs receive.
-            22 | 24 => {
+            cmd::UPDATE_EXTENT | cmd::FILEATTR => {
                 self.inode_at(c, attr::PATH)?;
             }
-            23 => {
+            cmd::FALLOCATE => {
                 let ino = self.file_at(c)?;
                 let mode = u32::try_from(c.u64(attr::FALLOCATE_MODE)?)
                     .map_err(|_| Error::Invalid("fallocate mode out of range".into()))?;
@@ -540,8 +540,8 @@ impl Receiver<'_> {
                 self.report.progress.data =
                     self.report.progress.data.saturating_add(c.u64(attr::SIZE)?);
             }
-            25 => self.encoded_write(c)?,
-            26 => {
+            cmd::ENCODED_WRITE => self.encoded_write(c)?,
+            cmd::ENABLE_VERITY => {
                 return Err(Error::Unsupported(
                     "fs-verity (enable_verity): butter does not write verity data".into(),
                 ))

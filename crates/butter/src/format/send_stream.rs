@@ -85,6 +85,7 @@ pub(crate) mod cmd {
     pub(crate) const FALLOCATE: u16 = 23;
     pub(crate) const FILEATTR: u16 = 24;
     pub(crate) const ENCODED_WRITE: u16 = 25;
+    pub(crate) const ENABLE_VERITY: u16 = 26;
 }
 
 /// Command numbers and the names `btrfs receive --dump` gives them.
@@ -324,7 +325,7 @@ impl<R: Read> StreamReader<R> {
             ));
         }
         let attrs = self.attributes(&payload, loc)?;
-        if kind == 21 {
+        if kind == cmd::END {
             self.ended = true;
         }
         Ok(Some(Command {
