@@ -587,21 +587,28 @@ impl Core {
         }
         // Regular extents over the sector-aligned range; an inline extent is folded in.
         let a = if has_inline { 0 } else { offset / ss * ss };
-        let mut buf = vec![0u8; (b - a) as usize];
-        if a < offset || has_inline {
-            let head_end = offset.min(item.size);
-            if head_end > a {
-                let h = self.read_range(ino, a, head_end)?;
-                buf[..h.len()].copy_from_slice(&h);
+        // A write of whole sectors is written from the caller's bytes as they are: no copy
+        // (of up to a megabyte) while the write holds the gate.
+        let buf: std::borrow::Cow<'_, [u8]> = if a == offset && b == end {
+            std::borrow::Cow::Borrowed(data)
+        } else {
+            let mut buf = vec![0u8; (b - a) as usize];
+            if a < offset || has_inline {
+                let head_end = offset.min(item.size);
+                if head_end > a {
+                    let h = self.read_range(ino, a, head_end)?;
+                    buf[..h.len()].copy_from_slice(&h);
+                }
             }
-        }
-        if b > end && end < item.size {
-            let t = self.read_range(ino, end, b.min(item.size))?;
-            let o = (end - a) as usize;
-            buf[o..o + t.len()].copy_from_slice(&t);
-        }
-        let o = (offset - a) as usize;
-        buf[o..o + data.len()].copy_from_slice(data);
+            if b > end && end < item.size {
+                let t = self.read_range(ino, end, b.min(item.size))?;
+                let o = (end - a) as usize;
+                buf[o..o + t.len()].copy_from_slice(&t);
+            }
+            let o = (offset - a) as usize;
+            buf[o..o + data.len()].copy_from_slice(data);
+            std::borrow::Cow::Owned(buf)
+        };
         let nosum = item.flags & INODE_NODATASUM != 0;
         if item.flags & INODE_NODATACOW != 0 && nosum && !has_inline {
             // In place where the file alone owns the extent; the rest copied on write.
