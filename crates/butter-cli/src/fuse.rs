@@ -348,12 +348,12 @@ impl ButterFuse {
         self.guard(op, node, f)
     }
 
-    /// [`ButterFuse::guard`] for a reading operation that only reads xattr items: pending
-    /// ordered extents and delayed-allocation buffers cannot change what it sees, and it
-    /// never completes them, so it takes the shared lock as it is. (The kernel asks for
-    /// `security.capability` before every write; completing the file's writes there would
-    /// write each delayed-allocation buffer back after a single append.)
-    fn xattr_read_op<T>(
+    /// [`ButterFuse::guard`] for a reading operation that only reads xattr or directory
+    /// items: pending ordered extents and delayed-allocation buffers cannot change what it
+    /// sees, and it never completes them, so it takes the shared lock as it is. (The kernel
+    /// asks for `security.capability` before every write; completing the file's writes there
+    /// would write each delayed-allocation buffer back after a single append.)
+    fn items_read_op<T>(
         &self,
         op: &str,
         node: u64,
@@ -732,7 +732,10 @@ impl Filesystem for ButterFuse {
     }
 
     fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
-        let r = self.read_op("lookup", parent.0, || {
+        // The name first, under the gate as it is (pending writes never change directory
+        // items), then the attributes under the gate for that inode alone: a lookup does not
+        // wait for other files' writes to complete.
+        let found = self.items_read_op("lookup", parent.0, || {
             let dir = self.inode(parent.0)?;
             let name = name.as_bytes();
             if name.len() > NAME_MAX {
@@ -750,7 +753,11 @@ impl Filesystem for ButterFuse {
                         .target
                 }
             };
-            self.entry(parent.0, target)
+            Ok(target)
+        });
+        let r = found.and_then(|target| {
+            let _g = self.fs.read_gate_on(target);
+            self.guard("lookup", parent.0, || self.entry(parent.0, target))
         });
         self.reply_entry(reply, r);
     }
@@ -1318,7 +1325,7 @@ impl Filesystem for ButterFuse {
     }
 
     fn getxattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, size: u32, reply: ReplyXattr) {
-        match self.xattr_read_op("getxattr", ino.0, || {
+        match self.items_read_op("getxattr", ino.0, || {
             self.fs
                 .getxattr(self.inode(ino.0)?, name.as_bytes())?
                 .ok_or(OpError::Quiet(libc::ENODATA))
@@ -1329,7 +1336,7 @@ impl Filesystem for ButterFuse {
     }
 
     fn listxattr(&self, _req: &Request, ino: INodeNo, size: u32, reply: ReplyXattr) {
-        match self.xattr_read_op("listxattr", ino.0, || {
+        match self.items_read_op("listxattr", ino.0, || {
             let mut out = Vec::new();
             for name in self.fs.listxattr(self.inode(ino.0)?)? {
                 out.extend_from_slice(&name);

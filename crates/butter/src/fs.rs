@@ -218,7 +218,7 @@ impl Fs {
     /// Passes the gate as a reader, after completing pending ordered extents (a reader would
     /// complete them, changing trees under the other readers).
     pub fn read_gate(&self) -> crate::gate::GateRead<'_> {
-        self.read_gate_unless(|| self.has_pending_ordered())
+        self.read_gate_unless(None)
     }
 
     /// [`Fs::read_gate`] for a read of `ino` alone (its data, attributes, flags): completes
@@ -226,12 +226,17 @@ impl Fs {
     /// for the completion of another file's writes. (Pending extents and delayed appends
     /// appear only under the exclusive gate, so none appear for `ino` while this is held.)
     pub fn read_gate_on(&self, ino: Inode) -> crate::gate::GateRead<'_> {
-        self.read_gate_unless(|| self.ordered.has_pending(ino))
+        self.read_gate_unless(Some(ino))
     }
 
-    /// The shared passage once `pending` (pending ordered extents the read would complete)
-    /// is false: while it is true, they are completed under the exclusive gate first.
-    fn read_gate_unless(&self, pending: impl Fn() -> bool) -> crate::gate::GateRead<'_> {
+    /// The shared passage once no pending ordered extent (of `only`, or of any file) is left
+    /// for the read to complete: while one is, it is completed under the exclusive gate first
+    /// (only `only`'s: other files' writes stay pending).
+    fn read_gate_unless(&self, only: Option<Inode>) -> crate::gate::GateRead<'_> {
+        let pending = || match only {
+            Some(ino) => self.ordered.has_pending(ino),
+            None => self.has_pending_ordered(),
+        };
         loop {
             let g = self.gate.read();
             if !pending() || self.stopped().is_some() {
@@ -239,7 +244,11 @@ impl Fs {
             }
             drop(g);
             let _c = self.gate.change();
-            if let Err(e) = self.complete_ordered_extents() {
+            let done = match only {
+                Some(ino) => self.complete_ordered_extents_of(ino),
+                None => self.complete_ordered_extents(),
+            };
+            if let Err(e) = done {
                 self.stop(format!("completing writes: {e}"));
             }
         }
@@ -250,7 +259,8 @@ impl Fs {
     /// Once changes stopped, the orphan item stays for the next read-write open.
     pub fn release(&self, ino: Inode) -> Result<()> {
         let last = {
-            let _r = self.read_gate_on(ino);
+            // The link count is all it reads: the file's writes in flight stay pending.
+            let _r = self.gate.read();
             self.note_closed(ino)?
         };
         if !last {

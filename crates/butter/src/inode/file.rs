@@ -1197,9 +1197,20 @@ impl Core {
     /// unrecorded: the transaction is aborted (the image keeps its last commit and the fsync
     /// log, which has what was fsynced), the rest are abandoned and the error returned.
     pub(crate) fn complete_ordered(&self, w: &mut Writer) -> Result<()> {
+        self.complete_ordered_for(w, None)
+    }
+
+    /// [`Core::complete_ordered`] for `ino` alone: its pending ordered extents and its
+    /// delayed-allocation buffer, what a read or a change of that inode needs; other files'
+    /// writes complete later (a commit, a change that needs them all, their own readers).
+    pub(crate) fn complete_ordered_of(&self, w: &mut Writer, ino: Inode) -> Result<()> {
+        self.complete_ordered_for(w, Some(ino))
+    }
+
+    fn complete_ordered_for(&self, w: &mut Writer, only: Option<Inode>) -> Result<()> {
         self.release_lost(w);
         let mut failed = None;
-        for (ino, list) in self.ordered.take_pending() {
+        for (ino, list) in self.ordered.take_pending(only) {
             w.ordered_pending = w.ordered_pending.saturating_sub(list.len());
             for p in &list {
                 if failed.is_none() {
@@ -1222,10 +1233,18 @@ impl Core {
             self.ordered.completed(ino, &list);
         }
         // Then the delayed allocations (no pending extent is left, so a commit for space may
-        // run).
-        for (ino, d) in self.ordered.take_delalloc(None) {
+        // run; for one inode's, other files' may be left: no commit then, and everything is
+        // completed instead when the space cannot be had without one).
+        for (ino, d) in self.ordered.take_delalloc(only) {
             if failed.is_none() {
-                let r = self.write_back_delalloc(w, &d, true).and_then(|p| match p {
+                let back = match self.write_back_delalloc(w, &d, only.is_none()) {
+                    Err(Error::NoSpace(_)) if only.is_some() => {
+                        self.ordered.untake_delalloc(ino, d);
+                        return self.complete_ordered_for(w, None);
+                    }
+                    r => r,
+                };
+                let r = back.and_then(|p| match p {
                     Ok(p) => self.complete_pending(w, ino, &p),
                     // Only the buffer is lost: nothing changed, the transaction goes on.
                     Err(e) => {

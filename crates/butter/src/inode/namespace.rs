@@ -131,6 +131,16 @@ impl Core {
         Ok(())
     }
 
+    /// [`Core::complete_ordered_extents`] for `ino` alone: its pending ordered extents and
+    /// its delayed-allocation buffer go into the trees, other files' stay pending.
+    pub(crate) fn complete_ordered_extents_of(&self, ino: Inode) -> Result<()> {
+        if self.ordered.has_pending(ino) {
+            let mut w = self.writer_keeping_ordered()?;
+            self.complete_ordered_of(&mut w, ino)?;
+        }
+        Ok(())
+    }
+
     /// Whether some write returned whose extent is not in the trees yet (crate::inode::ordered):
     /// reading the trees completes it first, see [`Core::complete_ordered_extents`].
     pub(crate) fn has_pending_ordered(&self) -> bool {
@@ -140,7 +150,32 @@ impl Core {
     /// Runs one filesystem operation in the running transaction. `grows` says it adds data
     /// or items (refused when space is nearly gone); deletions may use the reserve.
     pub(crate) fn op<R>(&self, grows: bool, f: impl FnOnce(&mut Writer) -> Result<R>) -> Result<R> {
-        let mut w = self.writer()?;
+        let w = self.writer()?;
+        Self::run_op(w, grows, f)
+    }
+
+    /// [`Core::op`] for a change that touches no file with writes pending (a new inode in a
+    /// directory: directories never have pending data): other files' ordered extents and
+    /// delayed-allocation buffers stay pending, so a create does not wait for the completion
+    /// of a stream of writes to another file. Everything is completed first when the change
+    /// may need a chunk or a commit for space (a commit needs them all in the trees).
+    pub(crate) fn op_beside_pending<R>(
+        &self,
+        grows: bool,
+        f: impl FnOnce(&mut Writer) -> Result<R>,
+    ) -> Result<R> {
+        let mut w = self.writer_keeping_ordered()?;
+        if self.ordered.any_pending() && !w.metadata_reserved() {
+            self.complete_ordered(&mut w)?;
+        }
+        Self::run_op(w, grows, f)
+    }
+
+    fn run_op<R>(
+        mut w: MutexGuard<'_, Writer>,
+        grows: bool,
+        f: impl FnOnce(&mut Writer) -> Result<R>,
+    ) -> Result<R> {
         w.reserve_metadata(grows)?;
         let r = f(&mut w);
         if let Err(e) = &r {
@@ -545,7 +580,7 @@ impl Core {
         } else {
             0
         };
-        self.op(true, |w| {
+        self.op_beside_pending(true, |w| {
             let (ino, _) = self.new_inode(w, dir, mode, rdev, owner)?;
             self.add_entry(w, dir, name, ino, ft)?;
             Ok(ino)
@@ -731,7 +766,8 @@ impl Core {
         if !self.is_writable() {
             return Ok(false);
         }
-        Ok(matches!(self.inode_item(ino), Ok(item) if item.nlink == 0))
+        // The link count: pending writes of the file do not change it.
+        Ok(matches!(self.inode_item_raw(ino), Ok(item) if item.nlink == 0))
     }
 
     /// Deletes an unlinked inode no handle holds (again checked here).

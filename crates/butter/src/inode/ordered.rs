@@ -584,14 +584,15 @@ impl OrderedTrees {
 
     /// Takes every pending ordered extent out, for their completion (under the writer lock).
     /// Their ranges keep `ORDERED` until [`OrderedTrees::completed`].
-    pub(crate) fn take_pending(&self) -> Vec<(Inode, Vec<Pending>)> {
+    /// With `only`, those of that inode alone.
+    pub(crate) fn take_pending(&self, only: Option<Inode>) -> Vec<(Inode, Vec<Pending>)> {
         if !self.any_pending() {
             return Vec::new();
         }
         let mut out = Vec::new();
-        let mut inodes = self.wait_flushes(self.inodes(), None);
+        let mut inodes = self.wait_flushes(self.inodes(), only);
         for (ino, w) in inodes.iter_mut() {
-            if !w.pending.is_empty() {
+            if only.is_none_or(|x| x == *ino) && !w.pending.is_empty() {
                 let list = std::mem::take(&mut w.pending);
                 w.completing += list.len();
                 out.push((*ino, list));

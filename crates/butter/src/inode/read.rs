@@ -93,7 +93,7 @@ impl Core {
     /// (crate::inode::ordered): its size and times count every write that returned.
     pub fn inode_item(&self, ino: Inode) -> Result<InodeItem> {
         if self.ordered.has_pending(ino) {
-            match self.complete_ordered_extents() {
+            match self.complete_ordered_extents_of(ino) {
                 // Changes stopped: what the trees have is all there is.
                 Ok(()) | Err(Error::Aborted(_)) => {}
                 Err(e) => return Err(e),

@@ -308,16 +308,18 @@ impl Writer {
     /// device is full and `for_growth`.
     pub(crate) fn reserve_metadata(&mut self, for_growth: bool) -> Result<()> {
         self.check_writable()?;
-        let ns = self.disk.nodesize() as u64;
-        let want = (ns * 256).max(4 << 20);
-        for (kind, want) in [(SpaceKind::System, ns * 16), (SpaceKind::Metadata, want)] {
+        for (kind, want) in self.metadata_wanted() {
             if self.allocator.free_bytes(kind) >= want {
                 continue;
             }
             if self.alloc_chunk(kind, 0).is_ok() {
                 continue;
             }
-            let floor = if for_growth { want / 2 } else { ns * 32 };
+            let floor = if for_growth {
+                want / 2
+            } else {
+                self.disk.nodesize() as u64 * 32
+            };
             if self.allocator.free_bytes(kind) < floor && self.has_changes() {
                 // The blocks this transaction COWed away are freed only when it commits (and
                 // then pinned until the commit ends): commit to get them back before refusing.
@@ -334,5 +336,22 @@ impl Writer {
             }
         }
         Ok(())
+    }
+
+    /// What [`Writer::reserve_metadata`] keeps free, per space kind.
+    fn metadata_wanted(&self) -> [(SpaceKind, u64); 2] {
+        let ns = self.disk.nodesize() as u64;
+        [
+            (SpaceKind::System, ns * 16),
+            (SpaceKind::Metadata, (ns * 256).max(4 << 20)),
+        ]
+    }
+
+    /// Whether [`Writer::reserve_metadata`] has nothing to do: the space it keeps free is
+    /// free (no chunk to allocate, no commit for space).
+    pub(crate) fn metadata_reserved(&self) -> bool {
+        self.metadata_wanted()
+            .iter()
+            .all(|&(kind, want)| self.allocator.free_bytes(kind) >= want)
     }
 }
