@@ -305,7 +305,7 @@ fn usage(fs: &Fs, image: &std::path::Path, raw: bool) -> Result<String, CliError
         free_est = (free_est as f64 + r_total_unused as f64 / data_ratio) as u64;
         free_min = (free_min as f64 + r_total_unused as f64 / max_ratio) as u64;
     }
-    let statfs_free = statfs_free(fs, &spaces, &chunks, reserve);
+    let statfs_free = statfs_free(fs, &spaces, &chunks);
 
     let w = if raw { 18 } else { 10 };
     let p = |n: u64| pretty(n, raw, false);
@@ -383,12 +383,13 @@ fn usage(fs: &Fs, image: &std::path::Path, raw: bool) -> Result<String, CliError
 
 /// What statfs(2) says is free for data, as the kernel's btrfs_statfs computes it: the free
 /// bytes of the data block groups, plus the unallocated device space a data chunk could
-/// still take (aligned to 64 KiB, less the first MiB), per copy, cut to whole sectors.
+/// still take (aligned to 64 KiB, less the first MiB), per copy, cut to whole sectors. The
+/// kernel's zero when metadata is full and the reserve no longer fits is a runtime state
+/// an idle image is never in; it is left out.
 fn statfs_free(
     fs: &Fs,
     spaces: &[butter::inode::statfs::SpaceUsage],
     chunks: &[butter::inode::statfs::ChunkAllocation],
-    _reserve: u64,
 ) -> u64 {
     const STRIPE_LEN: u64 = 64 << 10;
     let sb = &fs.disk().sb;
