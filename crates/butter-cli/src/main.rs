@@ -44,7 +44,8 @@ enum Command {
     Send(cmd::send::SendArgs),
     /// Disk usage against decoded sizes per compression type, as compsize prints them.
     Compsize(cmd::compsize::CompsizeArgs),
-    /// Space use of the block groups (df) and the label, like `btrfs filesystem`.
+    /// Space use of the block groups (df, usage), of files (du) and the label, like
+    /// `btrfs filesystem`.
     Filesystem(cmd::filesystem::FilesystemArgs),
     /// Mount an image through FUSE.
     Mount(cmd::mount::MountArgs),

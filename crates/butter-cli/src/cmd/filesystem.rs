@@ -1,7 +1,17 @@
-//! `butter filesystem df|label`: the space of an image's block groups, and its label, as
-//! `btrfs filesystem df` and `btrfs filesystem label` show them.
+//! `butter filesystem df|usage|du|label`: the space of an image's block groups, its
+//! allocation on the device, the disk use of files, and the label, as `btrfs filesystem df`,
+//! `usage`, `du` and `label` show them.
+//!
+//! What `usage` cannot read from an image, because the running kernel makes it up at mount:
+//! the global block reserve (printed as the kernel sizes it from the on-disk sizes of the
+//! extent, checksum, free space and block group trees, with nothing of it in use) and the
+//! statfs free space (computed as the kernel's statfs computes it from the block groups and
+//! the unallocated device space, with that reserve). A kernel whose formulas differ prints
+//! other numbers on those two lines.
 
 use super::{CliError, CliResult};
+use butter::fs::{Fs, Inode};
+use std::collections::HashSet;
 use std::path::PathBuf;
 
 #[derive(clap::Subcommand)]
@@ -11,6 +21,31 @@ pub enum FilesystemCmd {
     Df {
         /// Image file or block device.
         image: PathBuf,
+    },
+    /// Allocation of the device and use of the block groups, as `btrfs filesystem usage`
+    /// prints them for a mounted filesystem, as of the last commit (single device).
+    Usage {
+        /// Sizes in bytes.
+        #[arg(short = 'b', long = "raw")]
+        raw: bool,
+        /// Image file or block device.
+        image: PathBuf,
+    },
+    /// Disk use of files and directories, as `btrfs filesystem du` prints it: each file's
+    /// extents (Total), those no other file, subvolume or snapshot refers to (Exclusive),
+    /// and per argument the shared bytes counted once (Set shared).
+    Du {
+        /// Only a total for each argument.
+        #[arg(short = 's', long = "summarize")]
+        summarize: bool,
+        /// Sizes in bytes.
+        #[arg(long = "raw")]
+        raw: bool,
+        /// Image file or block device.
+        image: PathBuf,
+        /// Files and directories inside the image (relative to the default subvolume).
+        #[arg(required = true)]
+        paths: Vec<String>,
     },
     /// Print the label, or set it to NEW (at most 255 bytes).
     Label {
@@ -42,6 +77,20 @@ pub fn filesystem(a: FilesystemArgs) -> CliResult {
             }
             Ok(())
         }
+        FilesystemCmd::Usage { raw, image } => {
+            let fs = super::open_fs(&image)?;
+            print!("{}", usage(&fs, &image, raw)?);
+            Ok(())
+        }
+        FilesystemCmd::Du {
+            summarize,
+            raw,
+            image,
+            paths,
+        } => {
+            let fs = super::open_fs(&image)?;
+            du(&fs, &paths, summarize, raw)
+        }
         FilesystemCmd::Label { image, new: None } => {
             let fs = super::open_fs(&image)?;
             println!("{}", fs.label());
@@ -57,5 +106,506 @@ pub fn filesystem(a: FilesystemArgs) -> CliResult {
             fs.close()?;
             Ok(())
         }
+    }
+}
+
+// Block group type and profile bits (the on-disk format's).
+const BG_DATA: u64 = 1 << 0;
+const BG_SYSTEM: u64 = 1 << 1;
+const BG_METADATA: u64 = 1 << 2;
+const BG_TYPE_MASK: u64 = BG_DATA | BG_SYSTEM | BG_METADATA;
+const BG_RAID0: u64 = 1 << 3;
+const BG_RAID1: u64 = 1 << 4;
+const BG_DUP: u64 = 1 << 5;
+const BG_RAID10: u64 = 1 << 6;
+const BG_RAID5: u64 = 1 << 7;
+const BG_RAID6: u64 = 1 << 8;
+const BG_RAID1C3: u64 = 1 << 9;
+const BG_RAID1C4: u64 = 1 << 10;
+const BG_PROFILE_MASK: u64 =
+    BG_RAID0 | BG_RAID1 | BG_DUP | BG_RAID10 | BG_RAID5 | BG_RAID6 | BG_RAID1C3 | BG_RAID1C4;
+const BG_RAID1_MASK: u64 = BG_RAID1 | BG_RAID1C3 | BG_RAID1C4;
+
+/// Copies of each byte a profile keeps.
+fn ncopies(flags: u64) -> u64 {
+    match flags & BG_PROFILE_MASK {
+        BG_RAID1 | BG_DUP | BG_RAID10 => 2,
+        BG_RAID1C3 => 3,
+        BG_RAID1C4 => 4,
+        _ => 1,
+    }
+}
+
+/// A size as btrfs-progs prints it: bytes (`raw`; `signed` reads the value as negative
+/// when its top bit is set), or in binary units with two decimals of the value cut to the
+/// unit below first (1536 is 1.50KiB, 0 is 0.00B), computed in single precision as progs
+/// does.
+fn pretty(n: u64, raw: bool, signed: bool) -> String {
+    const UNITS: [&str; 7] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
+    if raw {
+        return if signed {
+            (n as i64).to_string()
+        } else {
+            n.to_string()
+        };
+    }
+    let mut divs = 0;
+    let fraction = if signed && (n as i64) < 0 {
+        let mut v = n as i64;
+        let mut last = v;
+        while v.unsigned_abs() >= 1024 {
+            last = v;
+            v /= 1024;
+            divs += 1;
+        }
+        let base = if divs == 0 { 1.0 } else { 1024.0f32 };
+        last as f32 / base
+    } else {
+        let mut v = n;
+        let mut last = v;
+        while v >= 1024 {
+            last = v;
+            v /= 1024;
+            divs += 1;
+        }
+        let base = if divs == 0 { 1.0 } else { 1024.0f32 };
+        last as f32 / base
+    };
+    format!("{:.2}{}", f64::from(fraction), UNITS[divs])
+}
+
+/// progs' order of block group kinds: data, then metadata, then system; profiles in bit
+/// order within a kind.
+fn cmp_block_groups(a: u64, b: u64) -> std::cmp::Ordering {
+    let mask = if a & BG_TYPE_MASK == b & BG_TYPE_MASK {
+        BG_PROFILE_MASK
+    } else if b & BG_SYSTEM != 0 {
+        return std::cmp::Ordering::Less;
+    } else if a & BG_SYSTEM != 0 {
+        return std::cmp::Ordering::Greater;
+    } else {
+        BG_TYPE_MASK
+    };
+    (a & mask).cmp(&(b & mask))
+}
+
+/// The bytes a chunk entry takes on its device, as progs counts them.
+fn chunk_size_on_device(a: &butter::inode::statfs::ChunkAllocation) -> u64 {
+    if a.flags & (BG_RAID1_MASK | BG_DUP) != 0 {
+        return a.bytes;
+    }
+    let parity = match a.flags & BG_PROFILE_MASK {
+        BG_RAID5 => 1,
+        BG_RAID6 => 2,
+        _ => 0,
+    };
+    let sub = if a.flags & BG_RAID10 != 0 { 2 } else { 1 };
+    let div = (u64::from(a.num_stripes).saturating_sub(parity) / sub).max(1);
+    a.bytes / div
+}
+
+/// The global block reserve as the kernel sizes it at mount (btrfs_update_global_block_rsv,
+/// Linux 6.4 and later): the bytes the extent, checksum, free space and block group trees
+/// use, at least what an unlink and its delayed references need, at most 512 MiB.
+fn global_reserve(fs: &Fs) -> Result<u64, CliError> {
+    const EXTENT: u64 = 2;
+    const CSUM: u64 = 7;
+    const FREE_SPACE: u64 = 10;
+    const BLOCK_GROUP: u64 = 11;
+    const COMPAT_RO_FREE_SPACE_TREE: u64 = 1 << 0;
+    const UNLINK_UNITS: u64 = 6;
+    let sb = &fs.disk().sb;
+    let mut bytes = 0u64;
+    // The root tree counts one item (its bytes, the kernel's in-memory root item, are 0).
+    let mut items = 1u64;
+    for id in [EXTENT, CSUM, FREE_SPACE, BLOCK_GROUP] {
+        if let Some(ri) = fs.find_root_item(id)? {
+            bytes = bytes.saturating_add(ri.bytes_used);
+            items += 1;
+        }
+    }
+    let per_item = u64::from(sb.nodesize) * 8 * 2;
+    let mut refs = per_item * UNLINK_UNITS;
+    if sb.compat_ro_flags & COMPAT_RO_FREE_SPACE_TREE != 0 {
+        refs *= 2;
+    }
+    let min = per_item * (items + UNLINK_UNITS) + refs;
+    Ok(bytes.max(min).min(512 << 20))
+}
+
+fn usage(fs: &Fs, image: &std::path::Path, raw: bool) -> Result<String, CliError> {
+    use std::fmt::Write;
+    let mut spaces = fs.space_usage()?;
+    spaces.sort_by(|a, b| cmp_block_groups(a.flags, b.flags));
+    if spaces.is_empty() {
+        return Err(CliError("no chunks found".into()));
+    }
+    if spaces.iter().any(|s| s.flags & (BG_RAID5 | BG_RAID6) != 0) {
+        return Err(CliError("RAID5/6 block groups are not supported".into()));
+    }
+    let chunks = fs.chunk_allocations();
+    let sb = &fs.disk().sb;
+    let devid = sb.dev_item.devid;
+    let dev_size = sb.dev_item.total_bytes;
+    let device_size = fs.disk().dev.len();
+    let slack = if device_size > 0 {
+        device_size.wrapping_sub(dev_size)
+    } else {
+        0
+    };
+    let reserve = global_reserve(fs)?;
+
+    let (mut r_data_used, mut r_data_chunks, mut l_data_chunks) = (0u64, 0u64, 0u64);
+    let (mut r_meta_used, mut r_meta_chunks, mut l_meta_chunks) = (0u64, 0u64, 0u64);
+    let (mut r_sys_used, mut r_sys_chunks) = (0u64, 0u64);
+    let mut max_ratio = 1.0f64;
+    let mut mixed = false;
+    for s in &spaces {
+        let ratio = ncopies(s.flags);
+        max_ratio = max_ratio.max(ratio as f64);
+        if s.flags & (BG_DATA | BG_METADATA) == BG_DATA | BG_METADATA {
+            mixed = true;
+        }
+        if s.flags & BG_DATA != 0 {
+            r_data_used = r_data_used.saturating_add(s.used.saturating_mul(ratio));
+            r_data_chunks = r_data_chunks.saturating_add(s.total.saturating_mul(ratio));
+            l_data_chunks = l_data_chunks.saturating_add(s.total);
+        }
+        if s.flags & BG_METADATA != 0 {
+            r_meta_used = r_meta_used.saturating_add(s.used.saturating_mul(ratio));
+            r_meta_chunks = r_meta_chunks.saturating_add(s.total.saturating_mul(ratio));
+            l_meta_chunks = l_meta_chunks.saturating_add(s.total);
+        }
+        if s.flags & BG_SYSTEM != 0 {
+            r_sys_used = r_sys_used.saturating_add(s.used.saturating_mul(ratio));
+            r_sys_chunks = r_sys_chunks.saturating_add(s.total.saturating_mul(ratio));
+        }
+    }
+    let mut r_total_chunks = r_data_chunks.saturating_add(r_sys_chunks);
+    let mut r_total_used = r_data_used.saturating_add(r_sys_used);
+    if !mixed {
+        r_total_chunks = r_total_chunks.saturating_add(r_meta_chunks);
+        r_total_used = r_total_used.saturating_add(r_meta_used);
+    }
+    let r_total_unused = dev_size.wrapping_sub(r_total_chunks);
+    let data_ratio = r_data_chunks as f64 / l_data_chunks as f64;
+    let meta_ratio = if mixed {
+        data_ratio
+    } else {
+        r_meta_chunks as f64 / l_meta_chunks as f64
+    };
+    // progs' arithmetic: u64 divided by a double, truncated back.
+    let mut free_est = (r_data_chunks.wrapping_sub(r_data_used) as f64 / data_ratio) as u64;
+    if mixed {
+        // The reserve, none of it in use, comes off the shared space.
+        free_est = free_est.wrapping_sub(reserve);
+    }
+    let mut free_min = free_est;
+    if r_total_unused >= 16 << 20 {
+        free_est = (free_est as f64 + r_total_unused as f64 / data_ratio) as u64;
+        free_min = (free_min as f64 + r_total_unused as f64 / max_ratio) as u64;
+    }
+    let statfs_free = statfs_free(fs, &spaces, &chunks);
+
+    let w = if raw { 18 } else { 10 };
+    let p = |n: u64| pretty(n, raw, false);
+    let mut o = String::new();
+    let _ = writeln!(o, "Overall:");
+    let _ = writeln!(o, "    Device size:\t\t{:>w$}", p(dev_size));
+    let _ = writeln!(o, "    Device allocated:\t\t{:>w$}", p(r_total_chunks));
+    let _ = writeln!(
+        o,
+        "    Device unallocated:\t\t{:>w$}",
+        pretty(r_total_unused, raw, true)
+    );
+    let _ = writeln!(o, "    Device missing:\t\t{:>w$}", p(0));
+    let _ = writeln!(o, "    Device slack:\t\t{:>w$}", p(slack));
+    let _ = writeln!(o, "    Used:\t\t\t{:>w$}", p(r_total_used));
+    let _ = writeln!(
+        o,
+        "    Free (estimated):\t\t{:>w$}\t(min: {})",
+        p(free_est),
+        p(free_min)
+    );
+    let _ = writeln!(o, "    Free (statfs, df):\t\t{:>w$}", p(statfs_free));
+    let _ = writeln!(o, "    Data ratio:\t\t\t{data_ratio:>w$.2}");
+    let _ = writeln!(o, "    Metadata ratio:\t\t{meta_ratio:>w$.2}");
+    let _ = writeln!(
+        o,
+        "    Global reserve:\t\t{:>w$}\t(used: {})",
+        p(reserve),
+        p(0)
+    );
+    let multi = multiple_profiles(&spaces);
+    if multi.is_empty() {
+        let _ = writeln!(o, "    Multiple profiles:\t\t{:>w$}", "no");
+    } else {
+        let _ = writeln!(o, "    Multiple profiles:\t\t{:>w$}\t({multi})", "yes");
+    }
+    let _ = writeln!(o);
+    let path = image.display();
+    for s in &spaces {
+        let pct = 100.0f32 * s.used as f32 / (s.total.wrapping_add(1)) as f32;
+        let _ = writeln!(
+            o,
+            "{},{}: Size:{}, Used:{} ({:.2}%)",
+            s.kind(),
+            s.profile(),
+            p(s.total),
+            p(s.used),
+            f64::from(pct)
+        );
+        let on_dev: u64 = chunks
+            .iter()
+            .filter(|c| c.flags == s.flags && c.devid == devid)
+            .map(chunk_size_on_device)
+            .fold(0u64, u64::saturating_add);
+        if on_dev > 0 {
+            let _ = writeln!(o, "   {path}\t{:>10}", p(on_dev));
+        }
+        let _ = writeln!(o);
+    }
+    if !chunks.is_empty() {
+        let all: u64 = chunks
+            .iter()
+            .filter(|c| c.devid == devid)
+            .map(chunk_size_on_device)
+            .fold(0u64, u64::saturating_add);
+        let _ = writeln!(o, "Unallocated:");
+        let _ = writeln!(
+            o,
+            "   {path}\t{:>10}",
+            pretty(dev_size.wrapping_sub(all), raw, true)
+        );
+    }
+    Ok(o)
+}
+
+/// What statfs(2) says is free for data, as the kernel's btrfs_statfs computes it: the free
+/// bytes of the data block groups, plus the unallocated device space a data chunk could
+/// still take (aligned to 64 KiB, less the first MiB), per copy, cut to whole sectors. The
+/// kernel's zero when metadata is full and the reserve no longer fits is a runtime state
+/// an idle image is never in; it is left out.
+fn statfs_free(
+    fs: &Fs,
+    spaces: &[butter::inode::statfs::SpaceUsage],
+    chunks: &[butter::inode::statfs::ChunkAllocation],
+) -> u64 {
+    const STRIPE_LEN: u64 = 64 << 10;
+    let sb = &fs.disk().sb;
+    let mut free_data = 0u64;
+    let mut factor = 1u64;
+    let mut data_flags = 0u64;
+    for s in spaces.iter().filter(|s| s.flags & BG_DATA != 0) {
+        let f = ncopies(s.flags);
+        free_data = free_data.saturating_add(s.total.saturating_sub(s.used).saturating_mul(f));
+        factor = f;
+        data_flags = s.flags;
+    }
+    let allocated: u64 = chunks
+        .iter()
+        .filter(|c| c.devid == sb.dev_item.devid)
+        .map(chunk_size_on_device)
+        .fold(0u64, u64::saturating_add);
+    let min_stripe = if data_flags & BG_DUP != 0 {
+        2 * STRIPE_LEN
+    } else {
+        STRIPE_LEN
+    };
+    let mut avail = sb.dev_item.total_bytes.saturating_sub(allocated);
+    avail -= avail % STRIPE_LEN;
+    let unalloc = if avail <= (1 << 20) + min_stripe {
+        0
+    } else {
+        avail - (1 << 20)
+    };
+    let copies = if data_flags & BG_RAID1_MASK != 0 {
+        ncopies(data_flags)
+    } else {
+        1
+    };
+    let bavail = (free_data / factor).saturating_add(unalloc.saturating_mul(copies) / factor);
+    let sector = u64::from(sb.sectorsize.max(1));
+    bavail / sector * sector
+}
+
+/// The kinds of block groups that have more than one profile ("data, metadata"), as progs
+/// lists them; empty when none has.
+fn multiple_profiles(spaces: &[butter::inode::statfs::SpaceUsage]) -> String {
+    // Data, metadata, mixed, system: their profiles, with "single" as a bit of its own.
+    const SINGLE: u64 = 1 << 48;
+    let mut seen = [0u64; 4];
+    for s in spaces {
+        let mut p = s.flags & BG_PROFILE_MASK;
+        if p == 0 {
+            p = SINGLE;
+        }
+        let i = if s.flags & (BG_DATA | BG_METADATA) == BG_DATA | BG_METADATA {
+            2
+        } else if s.flags & BG_DATA != 0 {
+            0
+        } else if s.flags & BG_METADATA != 0 {
+            1
+        } else {
+            3
+        };
+        seen[i] |= p;
+    }
+    let names = ["data", "metadata", "data+metadata", "system"];
+    names
+        .iter()
+        .zip(seen)
+        .filter(|(_, p)| p.count_ones() > 1)
+        .map(|(n, _)| *n)
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// One argument's walk: the inodes seen (a file with several names counts once) and the
+/// shared ranges of the files below a top-level directory, as FIEMAP reports them
+/// (start, length).
+struct DuWalk<'a> {
+    fs: &'a Fs,
+    summarize: bool,
+    raw: bool,
+    seen: HashSet<Inode>,
+}
+
+/// Bytes in the union of ranges `(start, len)`.
+fn union_bytes(mut r: Vec<(u64, u64)>) -> u64 {
+    r.sort_unstable();
+    let mut total = 0u64;
+    let mut cur: Option<(u64, u64)> = None; // [start, end)
+    for (s, l) in r {
+        let e = s.saturating_add(l);
+        match cur {
+            Some((cs, ce)) if s < ce => cur = Some((cs, ce.max(e))),
+            Some((cs, ce)) => {
+                total = total.saturating_add(ce - cs);
+                cur = Some((s, e));
+            }
+            None => cur = Some((s, e)),
+        }
+    }
+    if let Some((cs, ce)) = cur {
+        total = total.saturating_add(ce - cs);
+    }
+    total
+}
+
+fn du(fs: &Fs, paths: &[String], summarize: bool, raw: bool) -> CliResult {
+    println!(
+        "{:>10}  {:>10}  {:>10}  Filename",
+        "Total", "Exclusive", "Set shared"
+    );
+    let mut failed = false;
+    for p in paths {
+        let mut w = DuWalk {
+            fs,
+            summarize,
+            raw,
+            seen: HashSet::new(),
+        };
+        let r = fs
+            .resolve(p)
+            .map_err(CliError::from)
+            .and_then(|ino| w.add(p, ino, None, true).map(|_| ()));
+        if let Err(e) = r {
+            eprintln!("ERROR: cannot check space of '{p}': {e}");
+            failed = true;
+        }
+    }
+    if failed {
+        return Err(CliError("some paths could not be measured".into()));
+    }
+    Ok(())
+}
+
+impl DuWalk<'_> {
+    /// Measures `ino` (named `path`), prints its line, and returns its (total, shared)
+    /// bytes; shared ranges go to `set` (a top-level directory's collection).
+    fn add(
+        &mut self,
+        path: &str,
+        ino: Inode,
+        set: Option<&mut Vec<(u64, u64)>>,
+        top: bool,
+    ) -> Result<(u64, u64), CliError> {
+        let st = self.fs.stat(ino)?;
+        if !st.is_reg() && !st.is_dir() {
+            return Ok((0, 0));
+        }
+        // The placeholder of a subvolume a snapshot does not hold has no tree of its own.
+        if ino.ino != butter::fs::EMPTY_SUBVOL_DIR_OBJECTID && !self.seen.insert(ino) {
+            return Ok((0, 0));
+        }
+        let (mut total, mut shared) = (0u64, 0u64);
+        let mut set_shared = None;
+        if st.is_reg() {
+            let mut set = set;
+            for e in self.fs.extent_sharing(ino)? {
+                // FIEMAP: inline extents take no data space; a compressed extent reports its
+                // start on disk, a plain one where the item's part starts.
+                if e.inline || e.length == 0 {
+                    continue;
+                }
+                total = total.saturating_add(e.length);
+                if e.shared {
+                    shared = shared.saturating_add(e.length);
+                    if let Some(s) = set.as_deref_mut() {
+                        let phys = if e.compression != 0 {
+                            e.disk_bytenr
+                        } else {
+                            e.disk_bytenr.saturating_add(e.extent_offset)
+                        };
+                        s.push((phys, e.length));
+                    }
+                }
+            }
+        } else {
+            let mut own = Vec::new();
+            let mut set = if top { Some(&mut own) } else { set };
+            let mut after = 0;
+            loop {
+                let batch = self.fs.readdir(ino, after, 512)?;
+                let Some(last) = batch.last() else {
+                    break;
+                };
+                after = last.index;
+                for e in batch {
+                    let ty = e.mode_type();
+                    if ty != libc::S_IFREG && ty != libc::S_IFDIR {
+                        continue;
+                    }
+                    let name = String::from_utf8_lossy(&e.name);
+                    let child = if path.is_empty() || path.ends_with('/') {
+                        format!("{path}{name}")
+                    } else {
+                        format!("{path}/{name}")
+                    };
+                    let (t, s) = self.add(&child, e.target, set.as_deref_mut(), false)?;
+                    total = total.saturating_add(t);
+                    shared = shared.saturating_add(s);
+                }
+            }
+            if top {
+                set_shared = Some(union_bytes(own));
+            }
+        }
+        if !self.summarize || top {
+            let third = if top {
+                pretty(set_shared.unwrap_or(shared), self.raw, false)
+            } else {
+                "-".to_string()
+            };
+            println!(
+                "{:>10}  {:>10}  {:>10}  {}",
+                pretty(total, self.raw, false),
+                pretty(total.wrapping_sub(shared), self.raw, false),
+                third,
+                path
+            );
+        }
+        Ok((total, shared))
     }
 }

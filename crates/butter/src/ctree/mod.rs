@@ -439,6 +439,12 @@ impl TreeIter {
         })
     }
 
+    /// The blocks from the root down to the leaf of the item [`TreeIter::next_item`] gave
+    /// last (None once the iteration ended).
+    pub(crate) fn path(&self) -> Option<&Path> {
+        self.path.as_ref()
+    }
+
     pub(crate) fn next_item(&mut self) -> Result<Option<ItemRef>> {
         let Some(path) = self.path.as_mut() else {
             return Ok(None);

@@ -281,3 +281,158 @@ impl Core {
         Ok(out)
     }
 }
+
+/// One file extent item of a file with whether its data is shared, as the kernel's FIEMAP
+/// reports it (FIEMAP_EXTENT_SHARED) and `btrfs filesystem du` counts it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ExtentShare {
+    /// Where in the file the item starts.
+    pub file_offset: u64,
+    /// Bytes of the file the item covers (for an inline item: its decoded length).
+    pub length: u64,
+    /// The data extent's address (0 for inline) and where in it the item starts.
+    pub disk_bytenr: u64,
+    pub extent_offset: u64,
+    /// Compression code: 0 none, 1 zlib, 2 lzo, 3 zstd.
+    pub compression: u8,
+    pub inline: bool,
+    pub prealloc: bool,
+    /// Another file, another subvolume, or another place in this file refers to the data
+    /// extent, or the leaf holding the item is shared with a snapshot (always false inline).
+    pub shared: bool,
+}
+
+impl Core {
+    /// The file extent items of `ino` (holes left out) with whether each one's data is
+    /// shared, as of the last commit, by the kernel's rule (btrfs_is_data_extent_shared):
+    ///
+    /// - the data extent has a reference other than this file's own one (another inode,
+    ///   another subvolume, or this file at another `file offset - extent offset`, as a
+    ///   reflink inside the file makes): shared. One reference counted twice (a partly
+    ///   overwritten extent whose two ends this file still uses) is not;
+    /// - otherwise, if the item is older than the subvolume's last snapshot, a tree block on
+    ///   the path from the subvolume's root to the item's leaf that has more than one
+    ///   reference (a snapshot shares it) makes it shared.
+    ///
+    /// A data extent with no extent item is damage and an error.
+    pub fn extent_sharing(&self, ino: Inode) -> Result<Vec<ExtentShare>> {
+        use crate::space::delayed_refs::RefKey;
+        use std::collections::HashMap;
+        let extent_root = self.subvol_root(EXTENT_TREE_OBJECTID)?;
+        let last_snapshot = self.subvol_item(ino.root)?.last_snapshot;
+        // Per data extent: whether its references alone make it shared; per tree block:
+        // whether it has more than one reference.
+        let mut direct: HashMap<u64, bool> = HashMap::new();
+        let mut blocks: HashMap<u64, bool> = HashMap::new();
+        let mut it = self.extent_items_from(ino, 0)?;
+        let mut out = Vec::new();
+        while let Some(item) = it.next_item()? {
+            if item.key.objectid != ino.ino || item.key.ty != EXTENT_DATA_KEY {
+                break;
+            }
+            let fe = FileExtentItem::parse(item.data()).map_err(|e| item.annotate(e))?;
+            let (disk_bytenr, extent_offset, length) = match fe.body {
+                FileExtentBody::Inline(_) => {
+                    out.push(ExtentShare {
+                        file_offset: item.key.offset,
+                        length: fe.ram_bytes,
+                        disk_bytenr: 0,
+                        extent_offset: 0,
+                        compression: fe.compression,
+                        inline: true,
+                        prealloc: false,
+                        shared: false,
+                    });
+                    continue;
+                }
+                FileExtentBody::Extent { disk_bytenr: 0, .. } => continue,
+                FileExtentBody::Extent {
+                    disk_bytenr,
+                    offset,
+                    num_bytes,
+                    ..
+                } => (disk_bytenr, offset, num_bytes),
+            };
+            let by_refs = match direct.get(&disk_bytenr) {
+                Some(s) => *s,
+                None => {
+                    let rec = crate::ctree::extent_record::read_extent_record(
+                        &self.disk,
+                        extent_root,
+                        disk_bytenr,
+                    )?
+                    .ok_or_else(|| {
+                        crate::error::Error::corrupt(
+                            item.loc(),
+                            format!(
+                                "file extent points at {disk_bytenr}, which has no extent item"
+                            ),
+                        )
+                    })?;
+                    let mine = |k: &RefKey| match *k {
+                        RefKey::Data { root, ino: i, .. } => root == ino.root && i == ino.ino,
+                        // A full back reference from a leaf: the kernel looks at the leaf's
+                        // own references, as below for this item's path.
+                        RefKey::SharedData(_) => true,
+                        _ => false,
+                    };
+                    let s = rec.refs.len() > 1 || !rec.refs.keys().all(mine);
+                    direct.insert(disk_bytenr, s);
+                    s
+                }
+            };
+            let shared = by_refs
+                || (fe.generation <= last_snapshot
+                    && self.path_shared(&it, extent_root, &mut blocks)?);
+            out.push(ExtentShare {
+                file_offset: item.key.offset,
+                length,
+                disk_bytenr,
+                extent_offset,
+                compression: fe.compression,
+                inline: false,
+                prealloc: fe.ty == FILE_EXTENT_PREALLOC,
+                shared,
+            });
+        }
+        Ok(out)
+    }
+
+    /// Whether a block on the path to the iterator's current leaf has more than one
+    /// reference (`cache`: answers per block).
+    fn path_shared(
+        &self,
+        it: &crate::ctree::TreeIter,
+        extent_root: crate::ctree::Root,
+        cache: &mut std::collections::HashMap<u64, bool>,
+    ) -> Result<bool> {
+        let Some(path) = it.path() else {
+            return Ok(false);
+        };
+        for (block, _) in &path.nodes {
+            let shared = match cache.get(&block.bytenr) {
+                Some(s) => *s,
+                None => {
+                    let rec = crate::ctree::extent_record::read_extent_record(
+                        &self.disk,
+                        extent_root,
+                        block.bytenr,
+                    )?
+                    .ok_or_else(|| {
+                        crate::error::Error::corrupt(
+                            block.loc(None),
+                            "tree block has no extent item",
+                        )
+                    })?;
+                    let s = rec.refs.values().fold(0u64, |a, b| a.saturating_add(*b)) > 1;
+                    cache.insert(block.bytenr, s);
+                    s
+                }
+            };
+            if shared {
+                return Ok(true);
+            }
+        }
+        Ok(false)
+    }
+}

@@ -80,6 +80,18 @@ pub struct SpaceUsage {
     pub used: u64,
 }
 
+/// Space of one chunk type and profile on one device ([`Core::chunk_allocations`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ChunkAllocation {
+    /// Type and profile bits, as in [`SpaceUsage::flags`].
+    pub flags: u64,
+    pub devid: u64,
+    /// Stripes per chunk (DUP: 2).
+    pub num_stripes: u16,
+    /// Bytes on the device: the chunks' lengths once per stripe there.
+    pub bytes: u64,
+}
+
 impl SpaceUsage {
     /// "Data", "Metadata", "System" (both bits: "Data+Metadata").
     pub fn kind(&self) -> &'static str {
@@ -153,6 +165,32 @@ impl Core {
             )
         });
         Ok(out)
+    }
+
+    /// The chunks' space per type and profile, device and stripe count, from the chunk tree
+    /// as opened: each stripe of a chunk adds the chunk's length to its device's entry (a DUP
+    /// chunk twice on one device), what `btrfs filesystem usage` lists under each type.
+    pub fn chunk_allocations(&self) -> Vec<ChunkAllocation> {
+        let mut out: Vec<ChunkAllocation> = Vec::new();
+        for c in self.disk.chunk_map().chunks() {
+            for s in &c.item.stripes {
+                let found = out.iter_mut().find(|a| {
+                    a.flags == c.item.ty
+                        && a.devid == s.devid
+                        && a.num_stripes == c.item.num_stripes
+                });
+                match found {
+                    Some(a) => a.bytes = a.bytes.saturating_add(c.item.length),
+                    None => out.push(ChunkAllocation {
+                        flags: c.item.ty,
+                        devid: s.devid,
+                        num_stripes: c.item.num_stripes,
+                        bytes: c.item.length,
+                    }),
+                }
+            }
+        }
+        out
     }
 
     /// Shrinks the filesystem to end where its last chunk ends and commits; returns the new
