@@ -332,6 +332,8 @@ impl OrderedTrees {
                 out.push((*i, d));
             }
         }
+        // In inode order, not the map's: what is written must not depend on hashing.
+        out.sort_unstable_by_key(|(ino, _)| *ino);
         out
     }
 
@@ -598,6 +600,8 @@ impl OrderedTrees {
                 out.push((*ino, list));
             }
         }
+        // In inode order, not the map's: what is written must not depend on hashing.
+        out.sort_unstable_by_key(|(ino, _)| *ino);
         out
     }
 
