@@ -450,6 +450,12 @@ impl Core {
             // Logged for its directory: its other directories are not in this log.
             return Ok(Plan::Commit);
         }
+        if fmt == 0o100000 && self.ordered.has_delalloc(ino) {
+            // Appends still in memory (a file logged with its directory, whose own fsync
+            // would have written them back first): not in the trees, not pending, so the log
+            // would lack them; the commit writes them back.
+            return Ok(Plan::Commit);
+        }
         let mut changed: Vec<(u64, u64)> = w
             .log
             .changed
