@@ -61,6 +61,58 @@ fn codes(img: &Path) -> String {
     kernel::dump_tree(img, &["-t", "5"])
 }
 
+/// Small appends gather in memory and are compressed at their write-back, as the kernel
+/// compresses at writeback: a file written 4 KiB at a time (more than one full buffer, with
+/// an fsync half way, which commits) ends as compressed extents of 128 KiB, not as 4 KiB
+/// pieces that cannot save a sector. Reads back through butter and the kernel, both
+/// checkers clean.
+#[test]
+fn small_appends_are_compressed_at_write_back() {
+    if !fuse_mount::require("small_appends_are_compressed_at_write_back", &[]) {
+        return;
+    }
+    let sc = ScratchDir::new("compress-appends");
+    let img = sc.join("a.img");
+    new_image(&img);
+    let opts = RwOptions {
+        compress: Compression::parse("zstd:3").unwrap(),
+        ..Default::default()
+    };
+    let body = text(42, (9 << 20) + 1234);
+    {
+        let fs = Fs::open_rw_with(&img, opts).unwrap();
+        let top = fs.subvol_root_inode(5).unwrap();
+        let o = Owner { uid: 0, gid: 0 };
+        let f = fs.create(top, b"log", 0o644, o).unwrap();
+        for (i, piece) in body.chunks(4096).enumerate() {
+            fs.write(f, (i * 4096) as u64, piece).unwrap();
+            if i == 700 {
+                fs.gated_fsync(f).unwrap();
+            }
+        }
+        assert_eq!(fs.read(f, 0, body.len() + 10).unwrap(), body);
+        let uses = fs.extent_usage(f).unwrap();
+        let compressed = uses.iter().filter(|u| u.compression == 3).count();
+        let plain: Vec<_> = uses.iter().filter(|u| u.compression == 0).collect();
+        assert!(
+            compressed >= body.len() / (128 << 10) - 2,
+            "only {compressed} zstd extents of {} for 9 MiB of 4 KiB appends",
+            uses.len()
+        );
+        assert!(
+            plain.len() <= 1,
+            "appends stayed plain: {} of {} extents",
+            plain.len(),
+            uses.len()
+        );
+        fs.close().unwrap();
+    }
+    clean(&img, "appends");
+    let m = LoopMount::btrfs_ro(&img, &sc.dir("k"));
+    assert!(fs::read(m.path().join("log")).unwrap() == body);
+    m.unmount();
+}
+
 #[test]
 fn library_writes_compress_with_every_algorithm() {
     if !fuse_mount::require("library_writes_compress_with_every_algorithm", &[]) {

@@ -340,6 +340,80 @@ impl Core {
         })
     }
 
+    /// Writes back `ino`'s delayed-allocation buffer `d` compressed with `c`, as the kernel
+    /// compresses at writeback: in pieces of at most 128 KiB, compressed on every CPU at
+    /// once, a piece that saves a sector stored compressed and the others plain (an
+    /// incompressible start of the file marks it NOCOMPRESS unless compression is forced),
+    /// each extent with the time of the appends. Under the writer lock, in a completion of
+    /// every pending extent (a commit for space may run).
+    pub(crate) fn write_back_compressed(
+        &self,
+        w: &mut crate::transaction::Writer,
+        ino: Inode,
+        d: &crate::inode::ordered::Delalloc,
+        c: Compression,
+    ) -> Result<()> {
+        let ss = self.disk.sectorsize() as u64;
+        let mut buf = d.data.clone();
+        buf.resize((buf.len() as u64).div_ceil(ss) as usize * ss as usize, 0);
+        let total = buf.len() as u64;
+        let size_to = d.start + d.data.len() as u64;
+        let pieces: Vec<(u64, u64)> = (0..total)
+            .step_by(MAX_DECODED as usize)
+            .map(|o| (o, (total - o).min(MAX_DECODED)))
+            .collect();
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let packed = compress_all(c, &buf, &pieces, ss, threads);
+        for (&(done, len), packed) in pieces.iter().zip(packed) {
+            let file_off = d.start + done;
+            let reach = if done + len == total {
+                size_to
+            } else {
+                (file_off + len).min(size_to)
+            };
+            let Some(z) = packed else {
+                if file_off == 0 && !self.compress_force {
+                    let mut item = self.inode_item_raw(ino)?;
+                    if item.flags & INODE_NOCOMPRESS == 0 {
+                        item.flags |= INODE_NOCOMPRESS;
+                        self.write_inode(w, ino, &item)?;
+                    }
+                }
+                let chunk = &buf[done as usize..(done + len) as usize];
+                let bytenr = w.alloc_data_or_commit(len)?;
+                if let Err(e) = self.disk.write_logical(bytenr, chunk) {
+                    // Nothing references the space: it comes back after the commit.
+                    w.allocator.pin(bytenr, len)?;
+                    return Err(e);
+                }
+                let sums = self.sector_sums(chunk);
+                let range = (file_off, len, reach);
+                self.finish_ordered(w, ino, range, bytenr, &sums, false, Some(d.stamp))?;
+                continue;
+            };
+            let mut item = self.inode_item_raw(ino)?;
+            let placed = Placed {
+                offset: file_off,
+                span: len,
+                ram_bytes: len,
+                decoded_offset: 0,
+                code: c.code(),
+            };
+            self.put_compressed(w, ino, &mut item, &placed, &z)?;
+            if reach > item.size {
+                w.log.note_change(ino, item.size, reach);
+                item.size = reach;
+            }
+            self.finish_encoded_at(w, ino, &mut item, 0, c.code(), d.stamp)?;
+        }
+        Ok(())
+    }
+
+    /// The compression `ino`'s buffered appends get at their write-back, if any.
+    pub(crate) fn buffer_compression(&self, ino: Inode) -> Result<Option<Compression>> {
+        self.compression_for(ino, &self.inode_item_raw(ino)?)
+    }
+
     /// Sets NOCOMPRESS on `ino`, as the kernel does when a file's start does not compress.
     fn mark_nocompress(&self, ino: Inode) -> Result<()> {
         self.op(false, |w| {
@@ -363,6 +437,19 @@ impl Core {
         size_from_0: u64,
         code: u8,
     ) -> Result<()> {
+        self.finish_encoded_at(w, ino, item, size_from_0, code, Timespec::now())
+    }
+
+    /// [`Core::finish_encoded`] with the time of the write.
+    fn finish_encoded_at(
+        &self,
+        w: &mut crate::transaction::Writer,
+        ino: Inode,
+        item: &mut InodeItem,
+        size_from_0: u64,
+        code: u8,
+        stamp: Timespec,
+    ) -> Result<()> {
         if size_from_0 > item.size {
             w.log.note_change(ino, item.size, size_from_0);
             item.size = size_from_0;
@@ -373,7 +460,7 @@ impl Core {
             COMPRESS_ZSTD => INCOMPAT_COMPRESS_ZSTD,
             _ => 0,
         };
-        Self::touch_at(w, item, true, Timespec::now());
+        Self::touch_at(w, item, true, stamp);
         self.write_inode(w, ino, item)
     }
 }

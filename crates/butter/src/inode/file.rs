@@ -996,8 +996,13 @@ impl Core {
         if item.mode & 0o170000 != 0o100000 || item.size != offset || item.flags & special != 0 {
             return Ok(false);
         }
-        // Compressed files are written as they come, in extents of at most 128 KiB.
-        if self.compression_for(ino, &item)?.is_some() {
+        // A compressed file's appends gather too, and are compressed at their write-back;
+        // one still shorter than a sector is written as it comes (it may stay inline,
+        // compressed).
+        if offset == 0
+            && (data.len() as u64) < ss
+            && self.compression_for(ino, &item)?.is_some()
+        {
             return Ok(false);
         }
         let free = self.data_space_left(&mut w)?;
@@ -1050,6 +1055,11 @@ impl Core {
     /// a commit, the buffer stays for a write-back under the lock.
     pub(crate) fn flush_delalloc_unlocked(&self, ino: Inode) -> Result<()> {
         if !self.ordered.has_delalloc(ino) {
+            return Ok(());
+        }
+        // A compressed file's buffer goes back in compressed pieces under the writer lock
+        // (Core::write_back_compressed), at the next completion.
+        if self.buffer_compression(ino)?.is_some() {
             return Ok(());
         }
         let ss = self.disk.sectorsize() as u64;
@@ -1160,6 +1170,15 @@ impl Core {
     /// cannot be had without a commit, everything is completed instead (a commit may follow).
     pub(crate) fn write_back_for_fsync(&self, w: &mut Writer, ino: Inode) -> Result<()> {
         for (i, d) in self.ordered.take_delalloc(Some(ino)) {
+            if self.buffer_compression(i)?.is_some() {
+                // Compressed extents are not logged: log_inode commits instead before this.
+                self.ordered.untake_delalloc(i, d);
+                return Err(Error::Internal(format!(
+                    "the buffered appends of compressed inode {} (subvolume {}) reached the \
+                     fsync log",
+                    i.ino, i.root
+                )));
+            }
             match self.write_back_delalloc(w, &d, false) {
                 Ok(Ok(p)) => {
                     self.ordered.add_pending(i, p);
@@ -1237,6 +1256,40 @@ impl Core {
         // completed instead when the space cannot be had without one).
         for (ino, d) in self.ordered.take_delalloc(only) {
             if failed.is_none() {
+                // A compressed file's buffer goes back compressed, in a completion of every
+                // pending extent only (it may commit for space).
+                let compress = match self.buffer_compression(ino) {
+                    Ok(c) => c,
+                    Err(e) => {
+                        w.abort(format!(
+                            "writing back {} bytes appended to inode {} (subvolume {}): {e}",
+                            d.data.len(),
+                            ino.ino,
+                            ino.root
+                        ));
+                        failed = Some(e);
+                        self.ordered.delalloc_done(ino, &d);
+                        continue;
+                    }
+                };
+                if let Some(c) = compress {
+                    if only.is_some() {
+                        self.ordered.untake_delalloc(ino, d);
+                        return self.complete_ordered_for(w, None);
+                    }
+                    if let Err(e) = self.write_back_compressed(w, ino, &d, c) {
+                        w.abort(format!(
+                            "writing back {} bytes appended to inode {} (subvolume {}) \
+                             compressed: {e}",
+                            d.data.len(),
+                            ino.ino,
+                            ino.root
+                        ));
+                        failed = Some(e);
+                    }
+                    self.ordered.delalloc_done(ino, &d);
+                    continue;
+                }
                 let back = match self.write_back_delalloc(w, &d, only.is_none()) {
                     Err(Error::NoSpace(_)) if only.is_some() => {
                         self.ordered.untake_delalloc(ino, d);
@@ -1286,7 +1339,7 @@ impl Core {
     /// the file grows to `reach` if it is smaller. `range`: (file offset, length, reach);
     /// `stamp`: the time of the write (now if `None`).
     #[allow(clippy::too_many_arguments)]
-    fn finish_ordered(
+    pub(super) fn finish_ordered(
         &self,
         w: &mut Writer,
         ino: Inode,

@@ -312,6 +312,11 @@ impl Core {
         // progress), not completed first; without the rule, or where the log would need the
         // hole items their completion inserts (a file system without NO_HOLES), they are
         // completed first.
+        // Buffered appends of a compressed file become compressed extents, which the log
+        // does not carry: the fsync commits (which writes them back).
+        if self.ordered.has_delalloc(ino) && self.buffer_compression(ino)?.is_some() {
+            return Ok(LogTicket::Commit);
+        }
         // Its buffered appends go to the device first, without the writer lock (other
         // fsyncs and changes go on meanwhile).
         self.flush_delalloc_unlocked(ino)?;
