@@ -12,12 +12,10 @@
 //!   express commit instead, as does every fsync with `fsync=commit`). Close (`flush`) is
 //!   not durable, as on the kernel's btrfs. SIGKILL leaves the image at its last commit plus
 //!   the log; the next read-write open replays it.
-//! - **Ordering.** The engine changes its trees block by block, so one `RwLock` orders
-//!   operations: changes and commits take it exclusively, reads (lookup, getattr, read,
-//!   readdir, xattr reads, lseek, statfs) share it and run in parallel with each other. A
-//!   commit gives it up once its trees are final, so reads go on during its block writes and
-//!   flushes (a slow fsync does not stall reads); the next change waits for the commit on a
-//!   mutex taken before the lock.
+//! - **Ordering** is the engine's gate (crate `butter::gate`): changes and commits pass it
+//!   exclusively, reads (lookup, getattr, read, readdir, xattr reads, lseek, statfs) share it
+//!   and run in parallel with each other; a write's data goes to the device out of it, and a
+//!   read of one file waits only for that file's writes to complete.
 //! - **Permissions** are the kernel's (`default_permissions`). With `FUSE_POSIX_ACL` (asked
 //!   for in `init`) the kernel also enforces ACLs from the `system.posix_acl_*` xattrs we
 //!   store as given (the xattr format btrfs stores), and leaves umask to us (`FUSE_DONT_MASK`):

@@ -17,8 +17,9 @@
 //!   ([`Gate::inode`]), before the gate: one data write or data change per file at a time.
 //! - A read passes only once no write's ordered extent waits for its completion (a reader
 //!   would complete it, changing trees under the other readers): pending ones are completed
-//!   under the exclusive gate first. Writes register pending ones only while they hold the
-//!   gate exclusively, so none appear while it is held.
+//!   under the exclusive gate first; for a read of one file (`Fs::read_gate_on`), that
+//!   file's alone. Writes register pending ones only while they hold the gate exclusively, so
+//!   none appear while it is held.
 //! - The latch: a change that failed in a way that may have left half of it in the running
 //!   transaction (I/O, damage met on the way, a broken invariant, a panic) stops all further
 //!   changes and commits; the image keeps its last commit, like the kernel's transaction

@@ -999,10 +999,7 @@ impl Core {
         // A compressed file's appends gather too, and are compressed at their write-back;
         // one still shorter than a sector is written as it comes (it may stay inline,
         // compressed).
-        if offset == 0
-            && (data.len() as u64) < ss
-            && self.compression_for(ino, &item)?.is_some()
-        {
+        if offset == 0 && (data.len() as u64) < ss && self.compression_for(ino, &item)?.is_some() {
             return Ok(false);
         }
         let free = self.data_space_left(&mut w)?;

@@ -11,11 +11,13 @@
 //!    here), and the write returns.
 //!
 //! The completion (inserting the checksums and the file extent item, taking the extent out of
-//! the held set, updating the inode) comes later, in one batch for every pending extent: the
-//! next time anything takes the writer lock to change the trees ([`crate::inode::core::Core::writer`]),
-//! reads the inode ([`crate::inode::core::Core::inode_item`]) or commits. Everything that looks at a
-//! file therefore sees its returned writes; only the fsync log looks at pending extents
-//! directly. That is seed 003's split: an fsync waits for the writeback of its data (done
+//! the held set, updating the inode) comes later: for every pending extent in one batch when
+//! anything takes the writer lock to change the trees ([`crate::inode::core::Core::writer`])
+//! or commits; for one file's alone when that file is read or its inode looked at
+//! ([`crate::inode::core::Core::inode_item`], the gate's `read_gate_on`), and not at all for
+//! a create, which touches no file with writes (so a stream of writes to one file is not
+//! completed by every create beside it). Everything that looks at a file therefore sees its
+//! returned writes; only the fsync log looks at pending extents directly. That is seed 003's split: an fsync waits for the writeback of its data (done
 //! before the write returned) and logs pending extents from here, with their checksums,
 //! without waiting for their completion (crate::tree_log::write); a transaction commit completes
 //! every pending extent first, so the extents an fsync logged are in the commit, and a power
@@ -35,7 +37,9 @@
 //! a pending ordered extent still `writing`; its data goes to the device without the lock,
 //! and whoever takes pending extents meanwhile waits for it. The fsync then logs it as a
 //! pending extent (not completed); everything else that completes pending extents writes
-//! the remaining buffers back (under the lock) and completes them too. A buffer starts only
+//! the remaining buffers back (under the lock) and completes them too. A compressed file's
+//! buffer goes back only there, under the lock, compressed in 128 KiB pieces on every CPU
+//! (`Core::write_back_compressed`); its fsync commits. A buffer starts only
 //! while the free data space holds all buffers plus [`DELALLOC_MARGIN`], so its allocation
 //! later does not fail. A buffer whose data write fails is dropped (nothing in the trees
 //! changed) and the file's next fsync fails ([`crate::Error::WriteLost`]), once.
