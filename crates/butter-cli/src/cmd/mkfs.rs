@@ -5,7 +5,9 @@
 //! `-U`, `-f`, `-q`. SOURCE_DATE_EPOCH in the environment fixes every timestamp and derives
 //! the other uuids from the fsid, so the same options and `-U` give a byte-identical image;
 //! DETERMINISTIC_SEED (as btrfs-progs' reproducible-build proposal names it) fixes the fsid
-//! too when `-U` is not given, so builders need no new flag.
+//! too when `-U` is not given, so builders need no new flag. `--rootdir DIR` copies a tree
+//! in through the write engine; with `--reflink` the files' data is cloned into the image
+//! file instead of written, the image's bytes unchanged (`reflink`).
 
 use super::{CliError, CliResult};
 use butter::format::csum::CsumType;
@@ -14,6 +16,8 @@ use butter::io::device::FileDevice;
 use butter::mkfs::{MkfsOptions, MkfsReport, Profile};
 use std::io::Write;
 use std::path::{Path, PathBuf};
+
+mod reflink;
 
 #[derive(clap::Args)]
 pub struct MkfsArgs {
@@ -81,6 +85,14 @@ pub struct MkfsArgs {
     /// chunks are kept small, 8 MiB of data each, as mkfs.btrfs keeps them).
     #[arg(long = "shrink", requires = "rootdir")]
     pub shrink: bool,
+    /// With --rootdir: clone the files' data into IMAGE (FICLONERANGE) instead of writing
+    /// it, where IMAGE and DIR are on one filesystem that can (btrfs, xfs): the image's data
+    /// shares its blocks with the files. The image's bytes are the same as without it; where
+    /// cloning is refused the data is written, with a warning when nothing could be cloned.
+    /// Data is stored uncompressed (--compress is ignored, as mkfs.btrfs does). IMAGE must
+    /// be a regular file.
+    #[arg(long = "reflink", requires = "rootdir")]
+    pub reflink: bool,
     /// Do not discard the device's blocks first (accepted as mkfs.btrfs takes it; butter
     /// never discards).
     #[arg(short = 'K', long = "nodiscard")]
@@ -504,6 +516,18 @@ pub fn mkfs(a: MkfsArgs) -> CliResult {
             image.display()
         )));
     }
+    if a.reflink {
+        // Clones go into a file: a block device (or anything else) cannot take them.
+        if let Ok(m) = std::fs::metadata(&image) {
+            if !m.file_type().is_file() {
+                return Err(CliError(format!(
+                    "--reflink clones file data into an image file, and {} is not a regular \
+                     file",
+                    image.display()
+                )));
+            }
+        }
+    }
     let mut size = a.byte_count;
     if let Some(dir) = &a.rootdir {
         let meta = std::fs::metadata(dir)
@@ -599,11 +623,19 @@ fn make(a: &MkfsArgs, image: &std::path::Path, opts: MkfsOptions) -> CliResult {
                 std::env::set_var("BUTTER_FIXED_TIME", t.to_string());
             }
         }
-        let compress = match &a.compress {
+        let mut compress = match &a.compress {
             Some(v) => butter::format::compress::Compression::parse(v)
                 .map_err(|e| CliError(format!("--compress {v}: {}", CliError::from(e))))?,
             None => None,
         };
+        if a.reflink && compress.is_some() {
+            // As mkfs.btrfs: a clone shares the source's plain bytes, so nothing is compressed.
+            eprintln!(
+                "butter mkfs: warning: --compress is ignored with --reflink: cloned data is \
+                 stored uncompressed"
+            );
+            compress = None;
+        }
         // Every piece that shrinks is compressed, whatever the file's start does (mkfs.btrfs
         // does not give up on a file after its first piece either).
         let opts = butter::fs::RwOptions {
@@ -612,27 +644,49 @@ fn make(a: &MkfsArgs, image: &std::path::Path, opts: MkfsOptions) -> CliResult {
             small_chunks: a.shrink,
             ..Default::default()
         };
-        let fs = butter::fs::Fs::open_device_rw_with(dev.clone(), opts).map_err(|e| {
+        let cloning = if a.reflink {
+            let c = reflink::CloningDevice::new(dev.clone(), image, o.sectorsize).map_err(|e| {
+                CliError(format!(
+                    "--reflink: cannot open {} for clones: {e}",
+                    image.display()
+                ))
+            })?;
+            Some(std::sync::Arc::new(c))
+        } else {
+            None
+        };
+        let rw_dev: std::sync::Arc<dyn butter::io::device::BlockDevice> = match &cloning {
+            Some(c) => c.clone(),
+            None => dev.clone(),
+        };
+        let fs = butter::fs::Fs::open_device_rw_with(rw_dev, opts).map_err(|e| {
             CliError(format!(
                 "cannot open the new filesystem on {}: {e}",
                 image.display()
             ))
         })?;
-        let stats = rootdir::populate(&fs, dir, (&subvols, &inode_flags), uuid_seed, a.quiet)
-            .map_err(|e| match e {
-                rootdir::Failure::Engine(butter::Error::NoSpace(why)) => CliError(format!(
-                    "the image is too small for {}: use a larger -b ({} bytes now; {why})",
-                    dir.display(),
-                    report.total_bytes
-                )),
-                rootdir::Failure::Engine(e) => CliError(format!(
-                    "cannot copy {} into {}: {}",
-                    dir.display(),
-                    image.display(),
-                    CliError::from(e)
-                )),
-                rootdir::Failure::Source(m) => CliError(m),
-            })?;
+        let stats = rootdir::populate(
+            &fs,
+            dir,
+            (&subvols, &inode_flags),
+            uuid_seed,
+            cloning.as_deref(),
+            a.quiet,
+        )
+        .map_err(|e| match e {
+            rootdir::Failure::Engine(butter::Error::NoSpace(why)) => CliError(format!(
+                "the image is too small for {}: use a larger -b ({} bytes now; {why})",
+                dir.display(),
+                report.total_bytes
+            )),
+            rootdir::Failure::Engine(e) => CliError(format!(
+                "cannot copy {} into {}: {}",
+                dir.display(),
+                image.display(),
+                CliError::from(e)
+            )),
+            rootdir::Failure::Source(m) => CliError(m),
+        })?;
         let mut report = report;
         if a.shrink {
             let end = fs.shrink_to_fit().map_err(|e| {
@@ -657,6 +711,10 @@ fn make(a: &MkfsArgs, image: &std::path::Path, opts: MkfsOptions) -> CliResult {
                     })?;
             }
         }
+        let outcome = cloning.map(|c| c.outcome());
+        if let Some(why) = outcome.as_ref().and_then(|o| o.no_effect.as_ref()) {
+            eprintln!("butter mkfs: warning: --reflink had no effect, the data was written: {why}");
+        }
         if !a.quiet {
             let mut out = std::io::stdout().lock();
             print_summary(&mut out, &report, image)?;
@@ -667,6 +725,9 @@ fn make(a: &MkfsArgs, image: &std::path::Path, opts: MkfsOptions) -> CliResult {
                 stats.inodes,
                 human(stats.bytes)
             )?;
+            if let Some(o) = &outcome {
+                writeln!(out, "Reflinked:          {}", human(o.cloned))?;
+            }
             out.flush()?;
         }
         return Ok(());
@@ -681,6 +742,7 @@ fn make(a: &MkfsArgs, image: &std::path::Path, opts: MkfsOptions) -> CliResult {
 
 /// `--rootdir`: copying a directory tree into the new filesystem through the write engine.
 mod rootdir {
+    use super::reflink::CloningDevice;
     use super::CliError;
     use butter::format::items::Timespec;
     use butter::fs::{Fs, Inode};
@@ -807,6 +869,8 @@ mod rootdir {
 
     struct Copier<'a> {
         fs: &'a Fs,
+        /// --reflink: the image's device, told what each read of a source file holds.
+        cloning: Option<&'a CloningDevice>,
         /// Hard-linked source inodes (st_dev, st_ino, subvolume) already copied, and where to
         /// (links cannot cross subvolumes: each subvolume gets its own copy).
         links: HashMap<(u64, u64, u64), Inode>,
@@ -942,6 +1006,10 @@ mod rootdir {
             if self.since_commit_bytes >= COMMIT_BYTES || self.since_commit_inodes >= COMMIT_INODES
             {
                 self.fs.commit()?;
+                // Everything read so far is on the image now.
+                if let Some(c) = self.cloning {
+                    c.forget();
+                }
                 self.since_commit_bytes = 0;
                 self.since_commit_inodes = 0;
             }
@@ -1119,6 +1187,9 @@ mod rootdir {
                     if n == 0 {
                         break; // shrank under us
                     }
+                    if let Some(c) = self.cloning {
+                        c.register(p, off, &buf[..n]);
+                    }
                     let mut done = 0;
                     while done < n {
                         let w = self.fs.write(ino, off + done as u64, &buf[done..n])?;
@@ -1160,6 +1231,7 @@ mod rootdir {
         src: &Path,
         (subvols, inode_flags): (&[super::SubvolSpec], &[super::InodeFlagsSpec]),
         uuid_seed: Option<[u8; 16]>,
+        cloning: Option<&CloningDevice>,
         quiet: bool,
     ) -> R<Stats> {
         let meta = std::fs::metadata(src).map_err(|e| src_err("stat", src, e))?;
@@ -1168,6 +1240,7 @@ mod rootdir {
         let now = Instant::now();
         let mut c = Copier {
             fs,
+            cloning,
             links: HashMap::new(),
             src_root: src,
             subvols,
@@ -1205,6 +1278,9 @@ mod rootdir {
             fs.set_subvolume_readonly(*id, true)?;
         }
         fs.commit()?;
+        if let Some(cl) = c.cloning {
+            cl.forget();
+        }
         c.progress.done(&c.stats);
         Ok(c.stats)
     }
