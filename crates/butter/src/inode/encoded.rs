@@ -318,21 +318,9 @@ impl Core {
                         self.write_extents_plain(ino, file_off, chunk, reach, guard)?;
                         continue;
                     };
+                    let piece = (file_off, len, reach);
                     self.op(true, |w| {
-                        let mut item = self.inode_item_raw(ino)?;
-                        let placed = Placed {
-                            offset: file_off,
-                            span: len,
-                            ram_bytes: len,
-                            decoded_offset: 0,
-                            code: c.code(),
-                        };
-                        self.put_compressed(w, ino, &mut item, &placed, &z)?;
-                        if reach > item.size {
-                            w.log.note_change(ino, item.size, reach);
-                            item.size = reach;
-                        }
-                        self.finish_encoded(w, ino, &mut item, 0, c.code())
+                        self.put_piece(w, ino, piece, &z, c, Timespec::now())
                     })?;
                 }
             }
@@ -391,22 +379,36 @@ impl Core {
                 self.finish_ordered(w, ino, range, bytenr, &sums, false, Some(d.stamp))?;
                 continue;
             };
-            let mut item = self.inode_item_raw(ino)?;
-            let placed = Placed {
-                offset: file_off,
-                span: len,
-                ram_bytes: len,
-                decoded_offset: 0,
-                code: c.code(),
-            };
-            self.put_compressed(w, ino, &mut item, &placed, &z)?;
-            if reach > item.size {
-                w.log.note_change(ino, item.size, reach);
-                item.size = reach;
-            }
-            self.finish_encoded_at(w, ino, &mut item, 0, c.code(), d.stamp)?;
+            self.put_piece(w, ino, (file_off, len, reach), &z, c, d.stamp)?;
         }
         Ok(())
+    }
+
+    /// One compressed piece of a write: `z` (padded to whole sectors) as the extent of
+    /// `(file offset, length, reach)`, the file growing to `reach`, stamped `stamp`.
+    fn put_piece(
+        &self,
+        w: &mut crate::transaction::Writer,
+        ino: Inode,
+        (file_off, len, reach): (u64, u64, u64),
+        z: &[u8],
+        c: Compression,
+        stamp: Timespec,
+    ) -> Result<()> {
+        let mut item = self.inode_item_raw(ino)?;
+        let placed = Placed {
+            offset: file_off,
+            span: len,
+            ram_bytes: len,
+            decoded_offset: 0,
+            code: c.code(),
+        };
+        self.put_compressed(w, ino, &mut item, &placed, z)?;
+        if reach > item.size {
+            w.log.note_change(ino, item.size, reach);
+            item.size = reach;
+        }
+        self.finish_encoded_at(w, ino, &mut item, 0, c.code(), stamp)
     }
 
     /// The compression `ino`'s buffered appends get at their write-back, if any.

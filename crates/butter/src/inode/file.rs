@@ -1254,54 +1254,31 @@ impl Core {
         for (ino, d) in self.ordered.take_delalloc(only) {
             if failed.is_none() {
                 // A compressed file's buffer goes back compressed, in a completion of every
-                // pending extent only (it may commit for space).
-                let compress = match self.buffer_compression(ino) {
-                    Ok(c) => c,
-                    Err(e) => {
-                        w.abort(format!(
-                            "writing back {} bytes appended to inode {} (subvolume {}): {e}",
-                            d.data.len(),
-                            ino.ino,
-                            ino.root
-                        ));
-                        failed = Some(e);
-                        self.ordered.delalloc_done(ino, &d);
-                        continue;
-                    }
-                };
-                if let Some(c) = compress {
-                    if only.is_some() {
+                // pending extent only (it may commit for space); a buffer that needs a commit
+                // for its space, the same.
+                let r = match self.buffer_compression(ino) {
+                    Ok(Some(_)) if only.is_some() => {
                         self.ordered.untake_delalloc(ino, d);
                         return self.complete_ordered_for(w, None);
                     }
-                    if let Err(e) = self.write_back_compressed(w, ino, &d, c) {
-                        w.abort(format!(
-                            "writing back {} bytes appended to inode {} (subvolume {}) \
-                             compressed: {e}",
-                            d.data.len(),
-                            ino.ino,
-                            ino.root
-                        ));
-                        failed = Some(e);
-                    }
-                    self.ordered.delalloc_done(ino, &d);
-                    continue;
-                }
-                let back = match self.write_back_delalloc(w, &d, only.is_none()) {
-                    Err(Error::NoSpace(_)) if only.is_some() => {
-                        self.ordered.untake_delalloc(ino, d);
-                        return self.complete_ordered_for(w, None);
-                    }
-                    r => r,
+                    Ok(Some(c)) => self.write_back_compressed(w, ino, &d, c),
+                    Ok(None) => match self.write_back_delalloc(w, &d, only.is_none()) {
+                        Err(Error::NoSpace(_)) if only.is_some() => {
+                            self.ordered.untake_delalloc(ino, d);
+                            return self.complete_ordered_for(w, None);
+                        }
+                        back => back.and_then(|p| match p {
+                            Ok(p) => self.complete_pending(w, ino, &p),
+                            // Only the buffer is lost: nothing changed, the transaction goes
+                            // on.
+                            Err(e) => {
+                                self.lose_delalloc(ino, &d, &e);
+                                Ok(())
+                            }
+                        }),
+                    },
+                    Err(e) => Err(e),
                 };
-                let r = back.and_then(|p| match p {
-                    Ok(p) => self.complete_pending(w, ino, &p),
-                    // Only the buffer is lost: nothing changed, the transaction goes on.
-                    Err(e) => {
-                        self.lose_delalloc(ino, &d, &e);
-                        Ok(())
-                    }
-                });
                 if let Err(e) = r {
                     w.abort(format!(
                         "writing back {} bytes appended to inode {} (subvolume {}): {e}",
