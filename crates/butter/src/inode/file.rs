@@ -1163,18 +1163,23 @@ impl Core {
     }
 
     /// An fsync of `ino` writes back its delayed-allocation buffer as a pending ordered
-    /// extent (which the log then takes from memory), without completing it. When the space
-    /// cannot be had without a commit, everything is completed instead (a commit may follow).
-    pub(crate) fn write_back_for_fsync(&self, w: &mut Writer, ino: Inode) -> Result<()> {
+    /// extent (which the log then takes from memory), without completing it. True: the fsync
+    /// must commit instead, the buffer left for the commit to write back: a compressed file's
+    /// (the log does not carry compressed extents) or one whose space cannot be had without a
+    /// commit. (An fsync holds the gate shared: it must not complete other files' writes.)
+    pub(crate) fn write_back_for_fsync(&self, w: &mut Writer, ino: Inode) -> Result<bool> {
         for (i, d) in self.ordered.take_delalloc(Some(ino)) {
-            if self.buffer_compression(i)?.is_some() {
-                // Compressed extents are not logged: log_inode commits instead before this.
-                self.ordered.untake_delalloc(i, d);
-                return Err(Error::Internal(format!(
-                    "the buffered appends of compressed inode {} (subvolume {}) reached the \
-                     fsync log",
-                    i.ino, i.root
-                )));
+            match self.buffer_compression(i) {
+                Ok(None) => {}
+                Ok(Some(_)) => {
+                    self.ordered.untake_delalloc(i, d);
+                    return Ok(true);
+                }
+                Err(e) => {
+                    // Nothing changed: the buffer stays for a later write-back.
+                    self.ordered.untake_delalloc(i, d);
+                    return Err(e);
+                }
             }
             match self.write_back_delalloc(w, &d, false) {
                 Ok(Ok(p)) => {
@@ -1187,10 +1192,8 @@ impl Core {
                     self.ordered.delalloc_done(i, &d);
                 }
                 Err(Error::NoSpace(_)) => {
-                    // Give the buffer back, then complete everything (with a commit for space
-                    // if need be).
                     self.ordered.untake_delalloc(i, d);
-                    return self.complete_ordered(w);
+                    return Ok(true);
                 }
                 Err(e) => {
                     self.ordered.delalloc_done(i, &d);
@@ -1204,7 +1207,7 @@ impl Core {
                 }
             }
         }
-        Ok(())
+        Ok(false)
     }
 
     /// Completes every pending ordered extent (crate::inode::ordered), oldest first per inode: each

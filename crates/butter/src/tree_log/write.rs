@@ -312,11 +312,6 @@ impl Core {
         // progress), not completed first; without the rule, or where the log would need the
         // hole items their completion inserts (a file system without NO_HOLES), they are
         // completed first.
-        // Buffered appends of a compressed file become compressed extents, which the log
-        // does not carry: the fsync commits (which writes them back).
-        if self.ordered.has_delalloc(ino) && self.buffer_compression(ino)?.is_some() {
-            return Ok(LogTicket::Commit);
-        }
         // Its buffered appends go to the device first, without the writer lock (other
         // fsyncs and changes go on meanwhile).
         self.flush_delalloc_unlocked(ino)?;
@@ -324,8 +319,12 @@ impl Core {
             self.writer()?
         } else {
             let mut w = self.writer_keeping_ordered()?;
-            // Its appends not yet allocated: written back now, logged as pending extents.
-            self.write_back_for_fsync(&mut w, ino)?;
+            // Its appends not yet allocated: written back now, logged as pending extents;
+            // a compressed file's, or where space needs a commit, the fsync commits instead
+            // (which writes them back).
+            if self.write_back_for_fsync(&mut w, ino)? {
+                return Ok(LogTicket::Commit);
+            }
             w
         };
         // Appends lost to a failed write-back since the last fsync: this fsync fails (once,
