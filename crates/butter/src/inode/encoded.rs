@@ -278,31 +278,33 @@ impl Core {
             .map(|d| (d, (total - d).min(MAX_DECODED)))
             .collect();
         // Compressed a batch at a time on as many threads as there are CPUs, the next batch
-        // while this thread stores the last one (under the writer lock, piece by piece).
+        // while this thread stores the last one (under the writer lock, piece by piece). A
+        // data write through a front end waits for the compression out of the gate
+        // (crate::gate), as for its data I/O: other files are read and changed meanwhile.
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
         let batches: Vec<&[(u64, u64)]> = pieces.chunks(threads * 4).collect();
         std::thread::scope(|s| -> Result<()> {
             // A lone batch (most writes) is compressed here, without a thread to start.
             let single = batches.len() == 1;
-            let start = |batch: &'_ [(u64, u64)]| {
-                if single {
-                    return Err(compress_all(c, buf, batch, ss, threads));
-                }
+            let start = |batch: &[(u64, u64)]| {
                 let batch = batch.to_vec();
-                Ok((
+                (
                     batch.len(),
                     s.spawn(move || compress_all(c, buf, &batch, ss, threads)),
-                ))
+                )
             };
-            let mut next = batches.first().map(|b| start(b));
+            let mut next = batches.first().filter(|_| !single).map(|b| start(b));
             for (i, batch) in batches.iter().enumerate() {
-                let packed = match next.take() {
-                    Some(Err(ready)) => ready,
+                let packed = if single {
+                    self.outside_gate(|| Ok(compress_all(c, buf, batch, ss, threads)))?
+                } else {
                     // A compressing thread that failed leaves its pieces plain.
-                    Some(Ok((n, handle))) => handle.join().unwrap_or_else(|_| vec![None; n]),
-                    None => break,
+                    let Some((n, handle)) = next.take() else {
+                        break;
+                    };
+                    self.outside_gate(|| Ok(handle.join().unwrap_or_else(|_| vec![None; n])))?
                 };
-                next = batches.get(i + 1).map(|b| start(b));
+                next = batches.get(i + 1).filter(|_| !single).map(|b| start(b));
                 for (&(done, len), packed) in batch.iter().zip(packed) {
                     let chunk = &buf[done as usize..(done + len) as usize];
                     let file_off = a + done;
