@@ -273,10 +273,7 @@ impl Core {
     ) -> Result<()> {
         let ss = self.disk.sectorsize() as u64;
         let total = buf.len() as u64;
-        let pieces: Vec<(u64, u64)> = (0..total)
-            .step_by(MAX_DECODED as usize)
-            .map(|d| (d, (total - d).min(MAX_DECODED)))
-            .collect();
+        let pieces = pieces_of(total);
         // Compressed a batch at a time on as many threads as there are CPUs, the next batch
         // while this thread stores the last one (under the writer lock, piece by piece). A
         // data write through a front end waits for the compression out of the gate
@@ -307,12 +304,7 @@ impl Core {
                 next = batches.get(i + 1).filter(|_| !single).map(|b| start(b));
                 for (&(done, len), packed) in batch.iter().zip(packed) {
                     let chunk = &buf[done as usize..(done + len) as usize];
-                    let file_off = a + done;
-                    let reach = if done + len == total {
-                        size_to
-                    } else {
-                        (file_off + len).min(size_to)
-                    };
+                    let (file_off, reach) = piece_place(a, done, len, total, size_to);
                     let Some(z) = packed else {
                         if file_off == 0 && !self.compress_force {
                             self.mark_nocompress(ino)?;
@@ -348,26 +340,14 @@ impl Core {
         buf.resize((buf.len() as u64).div_ceil(ss) as usize * ss as usize, 0);
         let total = buf.len() as u64;
         let size_to = d.start + d.data.len() as u64;
-        let pieces: Vec<(u64, u64)> = (0..total)
-            .step_by(MAX_DECODED as usize)
-            .map(|o| (o, (total - o).min(MAX_DECODED)))
-            .collect();
+        let pieces = pieces_of(total);
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
         let packed = compress_all(c, &buf, &pieces, ss, threads);
         for (&(done, len), packed) in pieces.iter().zip(packed) {
-            let file_off = d.start + done;
-            let reach = if done + len == total {
-                size_to
-            } else {
-                (file_off + len).min(size_to)
-            };
+            let (file_off, reach) = piece_place(d.start, done, len, total, size_to);
             let Some(z) = packed else {
                 if file_off == 0 && !self.compress_force {
-                    let mut item = self.inode_item_raw(ino)?;
-                    if item.flags & INODE_NOCOMPRESS == 0 {
-                        item.flags |= INODE_NOCOMPRESS;
-                        self.write_inode(w, ino, &item)?;
-                    }
+                    self.set_nocompress(w, ino)?;
                 }
                 let chunk = &buf[done as usize..(done + len) as usize];
                 let bytenr = w.alloc_data_or_commit(len)?;
@@ -420,14 +400,17 @@ impl Core {
 
     /// Sets NOCOMPRESS on `ino`, as the kernel does when a file's start does not compress.
     fn mark_nocompress(&self, ino: Inode) -> Result<()> {
-        self.op(false, |w| {
-            let mut item = self.inode_item_raw(ino)?;
-            if item.flags & INODE_NOCOMPRESS == 0 {
-                item.flags |= INODE_NOCOMPRESS;
-                self.write_inode(w, ino, &item)?;
-            }
-            Ok(())
-        })
+        self.op(false, |w| self.set_nocompress(w, ino))
+    }
+
+    /// [`Core::mark_nocompress`] in the running operation.
+    fn set_nocompress(&self, w: &mut crate::transaction::Writer, ino: Inode) -> Result<()> {
+        let mut item = self.inode_item_raw(ino)?;
+        if item.flags & INODE_NOCOMPRESS == 0 {
+            item.flags |= INODE_NOCOMPRESS;
+            self.write_inode(w, ino, &item)?;
+        }
+        Ok(())
     }
 
     /// The inode and superblock side of a compressed extent put in: the size (at least
@@ -467,6 +450,27 @@ impl Core {
         Self::touch_at(w, item, true, stamp);
         self.write_inode(w, ino, item)
     }
+}
+
+/// A write of `total` (sector-aligned) bytes cut into compressed extents' pieces: `(offset
+/// in the write, length)`, at most 128 KiB of file data each.
+fn pieces_of(total: u64) -> Vec<(u64, u64)> {
+    (0..total)
+        .step_by(MAX_DECODED as usize)
+        .map(|o| (o, (total - o).min(MAX_DECODED)))
+        .collect()
+}
+
+/// Where piece `(done, len)` of a write of `total` bytes at file offset `start` goes, and how
+/// long the file is once it is in (the write's end `size_to` for the last piece).
+fn piece_place(start: u64, done: u64, len: u64, total: u64, size_to: u64) -> (u64, u64) {
+    let file_off = start + done;
+    let reach = if done + len == total {
+        size_to
+    } else {
+        (file_off + len).min(size_to)
+    };
+    (file_off, reach)
 }
 
 /// The pieces `(offset, len)` of `buf` compressed with `c`, padded to whole sectors; `None`
