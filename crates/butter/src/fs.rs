@@ -119,6 +119,7 @@ impl Fs {
         fs.set_delayed_allocation(opts.delayed_allocation);
         fs.core.compress = opts.compress;
         fs.core.compress_force = opts.compress_force && opts.compress.is_some();
+        fs.core.max_inline = crate::inode::file::max_inline_for(&fs.core.disk, opts.max_inline);
         let mut w = crate::tree_log::replay::start_writer(&fs)?;
         w.set_combined_replace(opts.combined_replace);
         w.small_chunks = opts.small_chunks;
@@ -152,6 +153,8 @@ impl Fs {
 
     fn open_device_nolog(dev: Arc<dyn BlockDevice>) -> Result<Fs> {
         let disk = crate::ctree::open_disk(dev)?;
+        let max_inline =
+            crate::inode::file::max_inline_for(&disk, crate::inode::file::DEFAULT_MAX_INLINE);
         let sb = &disk.sb;
         let tree_root = Root::of_root_tree(sb);
         if sb.log_root != 0 {
@@ -179,6 +182,7 @@ impl Fs {
             gate: Default::default(),
             compress: None,
             compress_force: false,
+            max_inline,
         };
         fs.csum_root = match fs.find_root_item(CSUM_TREE_OBJECTID)? {
             Some(ri) => Some(Root {
@@ -390,6 +394,10 @@ pub struct RwOptions {
     /// New chunks stay small (data 8 MiB, metadata 32 MiB), as mkfs.btrfs --rootdir makes
     /// them: for images to be shrunk to their content ([`Core::shrink_to_fit`]).
     pub small_chunks: bool,
+    /// Files up to this many bytes are stored inline, in the leaf with their inode (the
+    /// kernel's `max_inline=`; default 2048), at most what one inline extent holds (less than
+    /// a sector). mkfs.btrfs --rootdir inlines every file shorter than a sector.
+    pub max_inline: u64,
 }
 
 impl Default for RwOptions {
@@ -403,6 +411,7 @@ impl Default for RwOptions {
             compress: None,
             compress_force: false,
             small_chunks: false,
+            max_inline: crate::inode::file::DEFAULT_MAX_INLINE,
         }
     }
 }

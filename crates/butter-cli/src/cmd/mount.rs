@@ -38,7 +38,8 @@ pub struct MountArgs {
     /// allow_root, fsname=NAME, subtype=NAME, subvol=PATH, subvolid=N, dev, nodev, suid,
     /// nosuid, exec, noexec, atime, noatime, compress[=ALG[:LEVEL]] (compress written data:
     /// zlib 1-9, lzo, zstd 1-15; zlib:3 when ALG is not given), compress-force[=ALG[:LEVEL]]
-    /// (every file, even one whose start does not compress), compress=no.
+    /// (every file, even one whose start does not compress), compress=no, max_inline=BYTES
+    /// (files up to this size are kept in the metadata, inline; default 2048).
     #[arg(short = 'o', value_name = "OPTIONS")]
     pub options: Vec<String>,
     /// Mount this subvolume (path from the top-level subvolume) instead of the default one.
@@ -86,6 +87,8 @@ struct Plan {
     /// `compress=` / `compress-force=`.
     compress: Option<butter::format::compress::Compression>,
     compress_force: bool,
+    /// `max_inline=`.
+    max_inline: u64,
     subvol: Subvol,
     cfg: MountConfig,
 }
@@ -99,6 +102,7 @@ fn plan(a: &MountArgs) -> Result<Plan, CliError> {
     let mut delalloc = true;
     let mut compress = None;
     let mut compress_force = false;
+    let mut max_inline = butter::inode::file::DEFAULT_MAX_INLINE;
     let mut subvol = match (&a.subvol, a.subvol_id) {
         (Some(p), _) => Subvol::Path(p.clone()),
         (None, Some(id)) => Subvol::Id(id),
@@ -154,6 +158,11 @@ fn plan(a: &MountArgs) -> Result<Plan, CliError> {
                         .map_err(|e| CliError(format!("{key}={v}: {}", CliError::from(e))))?,
                 };
                 compress_force = key == "compress-force" && compress.is_some();
+                None
+            }
+            ("max_inline", Some(v)) => {
+                max_inline = crate::cmd::mkfs::parse_size(v)
+                    .map_err(|e| CliError(format!("max_inline={v}: {e}")))?;
                 None
             }
             ("fsync", Some("log")) => {
@@ -232,6 +241,7 @@ fn plan(a: &MountArgs) -> Result<Plan, CliError> {
         delalloc,
         compress,
         compress_force,
+        max_inline,
         subvol,
         cfg,
     })
@@ -292,6 +302,7 @@ pub fn mount(a: MountArgs) -> CliResult {
             delayed_allocation: p.delalloc,
             compress: p.compress,
             compress_force: p.compress_force,
+            max_inline: p.max_inline,
             ..Default::default()
         };
         Fs::open_rw_with(&a.image, opts).map_err(|e| match e {
@@ -465,6 +476,10 @@ mod tests {
         let c = parse(&["-o", "compress=zstd:7", "img", "dir"]).unwrap();
         assert_eq!(c.compress.map(|c| c.name()), Some("zstd"));
         assert!(!c.compress_force);
+        assert_eq!(c.max_inline, 2048);
+        let m = parse(&["-o", "max_inline=4k,max_inline=3000", "img", "dir"]).unwrap();
+        assert_eq!(m.max_inline, 3000);
+        assert!(parse(&["-o", "max_inline=lots", "img", "dir"]).is_err());
         let f = parse(&["-o", "compress-force=lzo", "img", "dir"]).unwrap();
         assert!(f.compress_force);
         assert!(parse(&["-o", "compress=zstd:16", "img", "dir"]).is_err());

@@ -47,6 +47,9 @@ pub struct Core {
     /// (`compress-force=`: every file, incompressible starts included).
     pub(crate) compress: Option<crate::format::compress::Compression>,
     pub(crate) compress_force: bool,
+    /// Largest file stored inline, in bytes (the kernel's `max_inline=`, bounded by what one
+    /// inline extent holds).
+    pub(crate) max_inline: usize,
 }
 
 impl Core {

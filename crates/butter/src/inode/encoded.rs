@@ -146,7 +146,7 @@ impl Core {
             && e.file_len == e.decoded_len
             && e.file_len < ss
             && item.size <= e.file_len
-            && e.data.len() <= crate::inode::file::max_inline(&self.disk);
+            && e.data.len() <= self.max_inline;
         if inline {
             return self.op(true, |w| {
                 let mut item = self.inode_item_raw(ino)?;
@@ -261,7 +261,8 @@ impl Core {
     /// extents of at most 128 KiB of file data each: a piece whose compressed bytes take
     /// fewer sectors is stored compressed, the others plain (and an incompressible start of
     /// the file marks it NOCOMPRESS, unless compression is forced). The file grows to at
-    /// least `size_to`.
+    /// least `size_to`. `ahead`: the pieces compressed already ([`Precompressed`]).
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn write_compressed(
         &self,
         ino: Inode,
@@ -270,15 +271,20 @@ impl Core {
         size_to: u64,
         c: Compression,
         guard: &crate::inode::ordered::RangeGuard<'_>,
+        ahead: Option<&[Option<Vec<u8>>]>,
     ) -> Result<()> {
         let ss = self.disk.sectorsize() as u64;
         let total = buf.len() as u64;
         let pieces = pieces_of(total);
+        if let Some(packed) = ahead.filter(|p| p.len() == pieces.len()) {
+            let place = (a, total, size_to);
+            return self.store_pieces(ino, buf, place, c, (&pieces, packed), guard);
+        }
         // Compressed a batch at a time on as many threads as there are CPUs, the next batch
         // while this thread stores the last one (under the writer lock, piece by piece). A
         // data write through a front end waits for the compression out of the gate
         // (crate::gate), as for its data I/O: other files are read and changed meanwhile.
-        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let threads = cpus();
         let batches: Vec<&[(u64, u64)]> = pieces.chunks(threads * 4).collect();
         std::thread::scope(|s| -> Result<()> {
             // A lone batch (most writes) is compressed here, without a thread to start.
@@ -302,24 +308,41 @@ impl Core {
                     self.outside_gate(|| Ok(handle.join().unwrap_or_else(|_| vec![None; n])))?
                 };
                 next = batches.get(i + 1).filter(|_| !single).map(|b| start(b));
-                for (&(done, len), packed) in batch.iter().zip(packed) {
-                    let chunk = &buf[done as usize..(done + len) as usize];
-                    let (file_off, reach) = piece_place(a, done, len, total, size_to);
-                    let Some(z) = packed else {
-                        if file_off == 0 && !self.compress_force {
-                            self.mark_nocompress(ino)?;
-                        }
-                        self.write_extents_plain(ino, file_off, chunk, reach, guard)?;
-                        continue;
-                    };
-                    let piece = (file_off, len, reach);
-                    self.op(true, |w| {
-                        self.put_piece(w, ino, piece, &z, c, Timespec::now())
-                    })?;
-                }
+                let place = (a, total, size_to);
+                self.store_pieces(ino, buf, place, c, (batch, &packed), guard)?;
             }
             Ok(())
         })
+    }
+
+    /// Stores `pieces` of a compressed write of `buf` (`total` bytes at file offset `a`, the
+    /// file growing to `size_to`) with their compressed bytes `packed`: a piece without them
+    /// plain (marking an incompressible start NOCOMPRESS unless compression is forced).
+    fn store_pieces(
+        &self,
+        ino: Inode,
+        buf: &[u8],
+        (a, total, size_to): (u64, u64, u64),
+        c: Compression,
+        (pieces, packed): (&[(u64, u64)], &[Packed]),
+        guard: &crate::inode::ordered::RangeGuard<'_>,
+    ) -> Result<()> {
+        for ((done, len), packed) in runs(pieces, packed) {
+            let chunk = &buf[done as usize..(done + len) as usize];
+            let (file_off, reach) = piece_place(a, done, len, total, size_to);
+            let Some(z) = packed else {
+                if file_off == 0 && !self.compress_force {
+                    self.mark_nocompress(ino)?;
+                }
+                self.write_extents_plain(ino, file_off, chunk, reach, guard)?;
+                continue;
+            };
+            let piece = (file_off, len, reach);
+            self.op(true, |w| {
+                self.put_piece(w, ino, piece, z, c, Timespec::now())
+            })?;
+        }
+        Ok(())
     }
 
     /// Writes back `ino`'s delayed-allocation buffer `d` compressed with `c`, as the kernel
@@ -341,9 +364,8 @@ impl Core {
         let total = buf.len() as u64;
         let size_to = d.start + d.data.len() as u64;
         let pieces = pieces_of(total);
-        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let packed = compress_all(c, &buf, &pieces, ss, threads);
-        for (&(done, len), packed) in pieces.iter().zip(packed) {
+        let packed = compress_all(c, &buf, &pieces, ss, cpus());
+        for ((done, len), packed) in runs(&pieces, &packed) {
             let (file_off, reach) = piece_place(d.start, done, len, total, size_to);
             let Some(z) = packed else {
                 if file_off == 0 && !self.compress_force {
@@ -361,7 +383,7 @@ impl Core {
                 self.finish_ordered(w, ino, range, bytenr, &sums, false, Some(d.stamp))?;
                 continue;
             };
-            self.put_piece(w, ino, (file_off, len, reach), &z, c, d.stamp)?;
+            self.put_piece(w, ino, (file_off, len, reach), z, c, d.stamp)?;
         }
         Ok(())
     }
@@ -483,15 +505,7 @@ fn compress_all(
     ss: u64,
     threads: usize,
 ) -> Vec<Option<Vec<u8>>> {
-    let one = |&(d, len): &(u64, u64)| -> Option<Vec<u8>> {
-        let mut z = compress(c, &buf[d as usize..(d + len) as usize], ss as u32)?;
-        let padded = (z.len() as u64).div_ceil(ss) * ss;
-        if padded >= len {
-            return None;
-        }
-        z.resize(padded as usize, 0);
-        Some(z)
-    };
+    let one = |&(d, len): &(u64, u64)| pack(c, &buf[d as usize..(d + len) as usize], ss);
     if threads <= 1 || pieces.len() <= 1 {
         return pieces.iter().map(one).collect();
     }
@@ -512,4 +526,90 @@ fn compress_all(
             .flat_map(|(n, h)| h.join().unwrap_or_else(|_| vec![None; n]))
             .collect()
     })
+}
+
+/// A piece's compressed bytes (padded to whole sectors), `None` where it stays plain.
+type Packed = Option<Vec<u8>>;
+
+/// `(offset in the write, length)` of one extent of a compressed write, with its compressed
+/// bytes (`None`: plain).
+type Run<'a> = ((u64, u64), Option<&'a [u8]>);
+
+/// The pieces of a compressed write as they go in: each compressed one alone (with its
+/// bytes), consecutive ones that stay plain as one extent (as mkfs.btrfs stores them).
+fn runs<'a>(pieces: &[(u64, u64)], packed: &'a [Packed]) -> Vec<Run<'a>> {
+    let mut out: Vec<Run<'a>> = Vec::new();
+    for (&(done, len), z) in pieces.iter().zip(packed) {
+        match (z, out.last_mut()) {
+            (None, Some(((d, l), None))) if *d + *l == done => *l += len,
+            _ => out.push(((done, len), z.as_deref())),
+        }
+    }
+    out
+}
+
+/// `piece` compressed with `c` and padded to whole sectors, or `None` when that does not take
+/// fewer sectors than the piece.
+fn pack(c: Compression, piece: &[u8], ss: u64) -> Option<Vec<u8>> {
+    let mut z = compress(c, piece, ss as u32)?;
+    let padded = (z.len() as u64).div_ceil(ss) * ss;
+    if padded >= piece.len() as u64 {
+        return None;
+    }
+    z.resize(padded as usize, 0);
+    Some(z)
+}
+
+/// The CPUs this process may run on (asked once: the answer reads cgroup files).
+pub(crate) fn cpus() -> usize {
+    static CPUS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *CPUS.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+}
+
+/// File data compressed ahead of its write, on any thread and off every lock
+/// ([`Core::write_precompressed`]): a caller with many files to write (mkfs --rootdir)
+/// compresses the next ones on every CPU while the engine stores the last.
+#[derive(PartialEq, Eq)]
+pub struct Precompressed {
+    c: Compression,
+    len: usize,
+    /// Shorter than a sector: the data compressed as it is, for an inline extent, if that
+    /// made it smaller. Else each piece of at most 128 KiB of the data (the last padded with
+    /// zeros to a sector) as [`pack`] leaves it.
+    pieces: Vec<Option<Vec<u8>>>,
+}
+
+impl Precompressed {
+    /// Compresses `data`, to be written at offset 0 of a file or at a sector boundary, with
+    /// `c` on a filesystem of `sectorsize`.
+    pub fn new(c: Compression, data: &[u8], sectorsize: u32) -> Precompressed {
+        let ss = u64::from(sectorsize.max(512));
+        let pieces = if (data.len() as u64) < ss {
+            vec![compress(c, data, sectorsize).filter(|z| z.len() < data.len())]
+        } else {
+            pieces_of((data.len() as u64).div_ceil(ss) * ss)
+                .iter()
+                .map(|&(d, len)| {
+                    let (d, end) = (d as usize, (d + len) as usize);
+                    if end <= data.len() {
+                        pack(c, &data[d..end], ss)
+                    } else {
+                        let mut last = data[d..].to_vec();
+                        last.resize(end - d, 0);
+                        pack(c, &last, ss)
+                    }
+                })
+                .collect()
+        };
+        Precompressed {
+            c,
+            len: data.len(),
+            pieces,
+        }
+    }
+
+    /// The compressed bytes for a write of `len` bytes with `c`, if these are theirs.
+    pub(crate) fn pieces_for(&self, c: Compression, len: usize) -> Option<&[Option<Vec<u8>>]> {
+        (self.c == c && self.len == len).then_some(&self.pieces[..])
+    }
 }

@@ -18,6 +18,7 @@ use crate::format::items::*;
 use crate::format::*;
 use crate::ids::Inode;
 use crate::inode::core::Core;
+pub use crate::inode::encoded::Precompressed;
 use crate::io::disk_io::{Disk, TreeBlock};
 use crate::transaction::extent_refs::RefKey;
 use crate::transaction::Writer;
@@ -28,12 +29,20 @@ type WritebackFn<'a> = dyn Fn(u64, &[u8]) -> Result<Vec<u8>> + 'a;
 /// Largest data extent butter writes (the kernel's limit for one extent).
 pub(crate) const MAX_EXTENT: u64 = 128 << 20;
 
-/// Largest inline file: the kernel's default max_inline (2048), bounded by what fits in a leaf
-/// and below one sector.
-pub(crate) fn max_inline(disk: &Disk) -> usize {
+/// The kernel's default `max_inline` (bytes): files up to this size are stored inline.
+pub const DEFAULT_MAX_INLINE: u64 = 2048;
+
+/// Most bytes of one inline extent: what fits in a leaf, below one sector.
+pub(crate) fn inline_limit(disk: &Disk) -> usize {
     let ns = disk.nodesize() as usize;
     let leaf_max = crate::ctree::ops::max_item_size(ns) - FileExtentItem::INLINE_HEADER;
-    2048.min(leaf_max).min(disk.sectorsize() as usize - 1)
+    leaf_max.min(disk.sectorsize() as usize - 1)
+}
+
+/// Largest inline file for a `max_inline` of `wanted` bytes (the mount option's value),
+/// bounded by [`inline_limit`].
+pub(crate) fn max_inline_for(disk: &Disk, wanted: u64) -> usize {
+    (wanted.min(usize::MAX as u64) as usize).min(inline_limit(disk))
 }
 
 /// fallocate(2) modes.
@@ -501,12 +510,38 @@ impl Core {
     /// overlapping writes to a file happen one after the other; regular extents are written
     /// as ordered extents, their data without the writer lock.
     pub fn write(&self, ino: Inode, offset: u64, data: &[u8]) -> Result<usize> {
+        self.write_with(ino, offset, data, None)
+    }
+
+    /// [`Core::write`] of `data` compressed already by [`Precompressed::new`] (on another
+    /// thread, say): where the file is compressed with the same algorithm and level, those
+    /// bytes are stored (an inline extent, or the extents' pieces) and nothing is compressed
+    /// here; elsewhere `data` is written as by [`Core::write`]. Not gathered for delayed
+    /// allocation: the data goes to the device now.
+    pub fn write_precompressed(
+        &self,
+        ino: Inode,
+        offset: u64,
+        data: &[u8],
+        ahead: &Precompressed,
+    ) -> Result<usize> {
+        self.write_with(ino, offset, data, Some(ahead))
+    }
+
+    fn write_with(
+        &self,
+        ino: Inode,
+        offset: u64,
+        data: &[u8],
+        ahead: Option<&Precompressed>,
+    ) -> Result<usize> {
         if data.is_empty() {
             return Ok(0);
         }
         self.require_rw_subvol(ino.root)?;
-        if self.ordered.try_append(ino, offset, data)
-            || self.try_start_delalloc(ino, offset, data)?
+        if ahead.is_none()
+            && (self.ordered.try_append(ino, offset, data)
+                || self.try_start_delalloc(ino, offset, data)?)
         {
             return Ok(data.len());
         }
@@ -515,7 +550,7 @@ impl Core {
             .filter(|e| *e <= i64::MAX as u64)
             .ok_or_else(|| Error::Invalid("write past the largest file size".into()))?;
         let ss = self.disk.sectorsize() as u64;
-        let mi = max_inline(&self.disk) as u64;
+        let mi = self.max_inline as u64;
         let b = end.div_ceil(ss) * ss;
         // An inline extent is rewritten whole: a write that meets one locks from 0.
         let mut lock_from = if offset <= mi { 0 } else { offset / ss * ss };
@@ -558,8 +593,8 @@ impl Core {
         // Only a small file can stay inline; only then is it worth looking at all its extents
         // (an extent past EOF, e.g. preallocated, keeps it out of line). Holes do not count.
         // Compressed, a file short of a sector may stay inline too (as the kernel's does)
-        // when its compressed bytes fit.
-        let compressing = if new_size > mi && new_size < ss {
+        // when its compressed bytes fit; a small one is compressed when that makes it smaller.
+        let compressing = if new_size < ss {
             self.compression_for(ino, &item)?
         } else {
             None
@@ -575,9 +610,13 @@ impl Core {
             content.resize(new_size as usize, 0);
             content[offset as usize..end as usize].copy_from_slice(data);
             let packed = match compressing {
-                Some(c) => crate::format::compress::compress(c, &content, ss as u32)
-                    .filter(|z| z.len() as u64 <= mi)
-                    .map(|z| (c.code(), z)),
+                Some(c) => match ahead.and_then(|p| p.pieces_for(c, content.len())) {
+                    // Compressed ahead: the whole file is this write's data.
+                    Some([z]) if offset == 0 => z.clone(),
+                    _ => crate::format::compress::compress(c, &content, ss as u32),
+                }
+                .filter(|z| z.len() < content.len() && z.len() as u64 <= mi)
+                .map(|z| (c.code(), z)),
                 None => None,
             };
             if new_size <= mi || packed.is_some() {
@@ -620,7 +659,12 @@ impl Core {
         }
         if !has_inline && !nosum {
             if let Some(c) = self.compression_for(ino, &item)? {
-                self.write_compressed(ino, a, &buf, end, c, &guard)?;
+                // Compressed ahead: the pieces of this write's data, from a sector, padded with
+                // zeros as `buf` is (no old bytes after its end).
+                let ahead = ahead
+                    .filter(|_| a == offset && (b == end || end >= item.size))
+                    .and_then(|p| p.pieces_for(c, data.len()));
+                self.write_compressed(ino, a, &buf, end, c, &guard, ahead)?;
                 return Ok(data.len());
             }
         }
@@ -763,10 +807,8 @@ impl Core {
         Ok(sums.iter().all(|c| c.is_none()))
     }
 
-    /// Replaces the whole (small) content with one inline extent.
-    /// The whole file as an inline extent: `packed` (compression code and bytes) when the
-    /// caller compressed it already, else compressed here when the file's compression makes
-    /// it smaller, as the kernel does.
+    /// Replaces the whole (small) content with one inline extent: `packed` (compression code
+    /// and bytes) when it is stored compressed, else plain.
     fn write_inline(
         &self,
         w: &mut Writer,
@@ -778,15 +820,6 @@ impl Core {
         let key = Key::new(ino.ino, EXTENT_DATA_KEY, 0);
         let old = w.read_item(ino.root, &key)?;
         w.log.note_change(ino, 0, u64::MAX);
-        let packed = match packed {
-            Some(p) => Some(p),
-            None => match self.compression_for(ino, &item)? {
-                Some(c) => crate::format::compress::compress(c, content, self.disk.sectorsize())
-                    .filter(|z| z.len() < content.len())
-                    .map(|z| (c.code(), z)),
-                None => None,
-            },
-        };
         if packed.is_some() {
             w.log.note_needs_commit(ino);
         }
@@ -975,7 +1008,7 @@ impl Core {
     /// without the lock.
     fn try_start_delalloc(&self, ino: Inode, offset: u64, data: &[u8]) -> Result<bool> {
         let ss = self.disk.sectorsize() as u64;
-        let mi = max_inline(&self.disk) as u64;
+        let mi = self.max_inline as u64;
         if !offset.is_multiple_of(ss)
             || (offset <= mi && data.len() as u64 <= mi)
             || data.len() as u64 > crate::inode::ordered::DELALLOC_APPEND_MAX

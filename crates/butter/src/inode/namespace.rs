@@ -601,7 +601,7 @@ impl Core {
         self.require_dir_changeable(dir, true)?;
         if target.is_empty()
             || target.len() >= self.disk.sectorsize() as usize
-            || target.len() > crate::inode::file::max_inline(&self.disk)
+            || target.len() > crate::inode::file::inline_limit(&self.disk)
         {
             return Err(Error::NameTooLong(format!(
                 "symlink target of {} bytes",
