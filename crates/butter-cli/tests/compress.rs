@@ -11,6 +11,7 @@ mod common;
 
 use butter::format::compress::Compression;
 use butter::fs::{Fs, RwOptions};
+use butter::inode::file::Precompressed;
 use butter::inode::namespace::Owner;
 use common::fuse_mount::{self, butter_check, ButterMount, BUTTER};
 use common::kernel::{self, LoopMount, ScratchDir};
@@ -199,6 +200,102 @@ fn library_writes_compress_with_every_algorithm() {
     }
 }
 
+/// Data compressed ahead of its write ([`Precompressed`], as mkfs compresses on its
+/// workers) is stored as an ordinary write stores it: two images, one written with
+/// `write` and one with `write_precompressed`, hold extents of the same shapes and read back
+/// the same through butter and the kernel, both checkers clean. Data compressed ahead that
+/// does not fit the write (another algorithm, an overwrite ending inside old data) is
+/// written as an ordinary write.
+#[test]
+fn precompressed_writes_match_ordinary_ones() {
+    if !fuse_mount::require("precompressed_writes_match_ordinary_ones", &[]) {
+        return;
+    }
+    let sc = ScratchDir::new("compress-ahead");
+    let zstd = Compression::parse("zstd:3").unwrap();
+    let zlib = Compression::parse("zlib:3").unwrap().unwrap();
+    let sizes = [100, 1500, 3000, 4096, 40_000, 300_001];
+    let mut shapes = Vec::new();
+    let mut files = Vec::new();
+    for ahead in [false, true] {
+        let img = sc.join(format!("{ahead}.img"));
+        new_image(&img);
+        let opts = RwOptions {
+            compress: zstd,
+            compress_force: true,
+            ..Default::default()
+        };
+        files.clear();
+        {
+            let fs = Fs::open_rw_with(&img, opts).unwrap();
+            let top = fs.subvol_root_inode(5).unwrap();
+            let o = Owner { uid: 0, gid: 0 };
+            let put = |name: &str, at: u64, data: &[u8], c: Compression| {
+                let ino = match fs.lookup(top, name.as_bytes()).unwrap() {
+                    Some(e) => e.target,
+                    None => fs.create(top, name.as_bytes(), 0o644, o).unwrap(),
+                };
+                let n = if ahead {
+                    let z = Precompressed::new(c, data, 4096);
+                    fs.write_precompressed(ino, at, data, &z).unwrap()
+                } else {
+                    fs.write(ino, at, data).unwrap()
+                };
+                assert_eq!(n, data.len(), "{name}: short write");
+            };
+            for (i, &len) in sizes.iter().enumerate() {
+                let t = text(i as u64, len);
+                put(&format!("text{len}"), 0, &t, zstd.unwrap());
+                files.push((format!("text{len}"), t));
+                let r = noise(i as u64, len);
+                put(&format!("noise{len}"), 0, &r, zstd.unwrap());
+                files.push((format!("noise{len}"), r));
+            }
+            // Compressed ahead with another algorithm: compressed here instead.
+            let other = text(99, 200_000);
+            put("other", 0, &other, zlib);
+            files.push(("other".into(), other));
+            // An overwrite ending inside the file's old data (its last sector holds old
+            // bytes, not the zeros compressed ahead).
+            let mut mid = text(7, 20_000);
+            put("mid", 0, &mid, zstd.unwrap());
+            let patch = noise(8, 5000);
+            put("mid", 4096, &patch, zstd.unwrap());
+            mid[4096..9096].copy_from_slice(&patch);
+            files.push(("mid".into(), mid));
+            for (name, data) in &files {
+                let ino = fs.lookup(top, name.as_bytes()).unwrap().unwrap().target;
+                assert_eq!(
+                    &fs.read(ino, 0, data.len() + 10).unwrap(),
+                    data,
+                    "{name} through butter (ahead: {ahead})"
+                );
+            }
+            fs.close().unwrap();
+        }
+        clean(&img, &format!("ahead: {ahead}"));
+        let m = LoopMount::btrfs_ro(&img, &sc.dir("k"));
+        for (name, data) in &files {
+            assert_eq!(
+                &fs::read(m.path().join(name)).unwrap(),
+                data,
+                "{name} through the kernel (ahead: {ahead})"
+            );
+        }
+        m.unmount();
+        shapes.push(extent_shapes(&img));
+    }
+    assert!(
+        shapes[0].iter().any(|e| e.starts_with("inline") && e.ends_with("compression 3")),
+        "no compressed inline extent: {:?}",
+        shapes[0]
+    );
+    assert_eq!(
+        shapes[0], shapes[1],
+        "extents written by write (left) and write_precompressed (right)"
+    );
+}
+
 #[test]
 fn mount_options_flag_and_property_compress() {
     if !fuse_mount::require(
@@ -292,10 +389,34 @@ fn mount_options_flag_and_property_compress() {
     }
 }
 
+/// The file extents of the top-level tree as (kind, file bytes, compression code), sorted:
+/// inline extents with their decoded length, regular ones with their `nr` and `ram`.
+fn extent_shapes(img: &Path) -> Vec<String> {
+    let dump = kernel::dump_tree(img, &["-t", "5"]);
+    let mut out = Vec::new();
+    let mut regular = None;
+    for line in dump.lines().map(str::trim) {
+        let w: Vec<&str> = line.split_whitespace().collect();
+        if line.starts_with("inline extent data size") && w.len() >= 9 {
+            out.push(format!("inline ram {} compression {}", w[6], w[8]));
+        } else if line.starts_with("extent data offset") && w.len() >= 8 {
+            regular = Some(format!("regular nr {} ram {}", w[5], w[7]));
+        } else if line.starts_with("extent compression") && w.len() >= 3 {
+            if let Some(r) = regular.take() {
+                out.push(format!("{r} compression {}", w[2]));
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
 /// `butter mkfs --rootdir --compress ALGO[:LEVEL]`: the kernel shows the source tree exactly,
 /// both checkers pass, the extents are compressed, and two runs with the same uuid and
-/// SOURCE_DATE_EPOCH make the same bytes (the compression runs on several threads; the image
-/// does not depend on which finishes first).
+/// SOURCE_DATE_EPOCH make the same bytes (the files are read and compressed ahead on several
+/// threads; the image does not depend on which finishes first). The extents have the shapes
+/// mkfs.btrfs gives the same tree: every file shorter than a sector inline (compressed where
+/// that makes it smaller), the others in compressed extents of 128 KiB where they shrink.
 #[test]
 fn mkfs_rootdir_compress() {
     if !fuse_mount::require("mkfs_rootdir_compress", &[]) {
@@ -337,6 +458,23 @@ fn mkfs_rootdir_compress() {
             "--compress {alg}: two runs differ"
         );
         clean(&images[0], alg);
+        let theirs = sc.join(format!("{alg}-progs.img"));
+        let src_arg = src.to_string_lossy().into_owned();
+        kernel::mkfs_btrfs(
+            &theirs,
+            512 << 20,
+            &["--rootdir", src_arg.as_str(), "--compress", alg],
+        );
+        let (ours, progs) = (extent_shapes(&images[0]), extent_shapes(&theirs));
+        assert!(
+            ours.iter()
+                .any(|e| e.starts_with("inline") && !e.ends_with("compression 0")),
+            "--compress {alg}: no compressed inline extent in {ours:?}"
+        );
+        assert_eq!(
+            ours, progs,
+            "--compress {alg}: file extents of butter mkfs (left) and mkfs.btrfs (right)"
+        );
         let name = Compression::parse(alg).unwrap().unwrap().name();
         assert!(
             codes(&images[0]).contains(&format!("({name})")),

@@ -17,6 +17,7 @@ use butter::mkfs::{MkfsOptions, MkfsReport, Profile};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
+mod prefetch;
 mod reflink;
 
 #[derive(clap::Args)]
@@ -642,6 +643,9 @@ fn make(a: &MkfsArgs, image: &std::path::Path, opts: MkfsOptions) -> CliResult {
             compress,
             compress_force: compress.is_some(),
             small_chunks: a.shrink,
+            // As mkfs.btrfs: every file shorter than a sector is inline (the kernel's own
+            // writes stop at 2048 bytes).
+            max_inline: u64::from(o.sectorsize) - 1,
             ..Default::default()
         };
         let cloning = if a.reflink {
@@ -665,12 +669,17 @@ fn make(a: &MkfsArgs, image: &std::path::Path, opts: MkfsOptions) -> CliResult {
                 image.display()
             ))
         })?;
+        // Files read and compressed ahead on every CPU (not with --reflink: its clones are
+        // matched to the copy's own reads).
+        let prefetch = cloning
+            .is_none()
+            .then(|| prefetch::Prefetch::start(dir, compress, o.sectorsize));
         let stats = rootdir::populate(
             &fs,
             dir,
             (&subvols, &inode_flags),
             uuid_seed,
-            cloning.as_deref(),
+            (cloning.as_deref(), prefetch.as_ref()),
             a.quiet,
         )
         .map_err(|e| match e {
@@ -742,6 +751,7 @@ fn make(a: &MkfsArgs, image: &std::path::Path, opts: MkfsOptions) -> CliResult {
 
 /// `--rootdir`: copying a directory tree into the new filesystem through the write engine.
 mod rootdir {
+    use super::prefetch::Prefetch;
     use super::reflink::CloningDevice;
     use super::CliError;
     use butter::format::items::Timespec;
@@ -871,6 +881,8 @@ mod rootdir {
         fs: &'a Fs,
         /// --reflink: the image's device, told what each read of a source file holds.
         cloning: Option<&'a CloningDevice>,
+        /// Small files read and compressed ahead.
+        prefetch: Option<&'a Prefetch>,
         /// Hard-linked source inodes (st_dev, st_ino, subvolume) already copied, and where to
         /// (links cannot cross subvolumes: each subvolume gets its own copy).
         links: HashMap<(u64, u64, u64), Inode>,
@@ -1149,6 +1161,26 @@ mod rootdir {
             if size == 0 {
                 return Ok(());
             }
+            // A whole file at once, read (and compressed) ahead: the same bytes and the same
+            // writes whether a worker or this thread prepared them.
+            let ready = self
+                .prefetch
+                .filter(|_| size <= super::prefetch::MAX_FILE)
+                .and_then(|pf| pf.get(p, size));
+            if let Some(r) = ready {
+                let n = match &r.packed {
+                    Some(z) => self.fs.write_precompressed(ino, 0, &r.data, z)?,
+                    None => self.fs.write(ino, 0, &r.data)?,
+                };
+                if n < r.data.len() {
+                    return Err(Failure::Engine(butter::Error::NoSpace(
+                        "short write".into(),
+                    )));
+                }
+                self.stats.bytes += size;
+                self.since_commit_bytes += size;
+                return self.maybe_commit();
+            }
             // O_NOATIME: reading must not change the source (nor a second run's image).
             let f = std::fs::OpenOptions::new()
                 .read(true)
@@ -1231,7 +1263,7 @@ mod rootdir {
         src: &Path,
         (subvols, inode_flags): (&[super::SubvolSpec], &[super::InodeFlagsSpec]),
         uuid_seed: Option<[u8; 16]>,
-        cloning: Option<&CloningDevice>,
+        (cloning, prefetch): (Option<&CloningDevice>, Option<&Prefetch>),
         quiet: bool,
     ) -> R<Stats> {
         let meta = std::fs::metadata(src).map_err(|e| src_err("stat", src, e))?;
@@ -1241,6 +1273,7 @@ mod rootdir {
         let mut c = Copier {
             fs,
             cloning,
+            prefetch,
             links: HashMap::new(),
             src_root: src,
             subvols,
