@@ -185,6 +185,82 @@ const ZSTD_WINDOW_LOG_MAX: u32 = 17;
 /// Size of a btrfs LZO length field (total length and segment headers).
 const LZO_LEN: usize = 4;
 
+
+/// Most file data one compressed extent holds (the kernel's limit too).
+pub(crate) const MAX_PIECE: u64 = 128 * 1024;
+
+/// A piece's compressed bytes (padded to whole sectors), `None` where it stays plain.
+pub(crate) type Packed = Option<Vec<u8>>;
+
+/// A write of `total` (sector-aligned) bytes cut into compressed extents' pieces: `(offset
+/// in the write, length)`, at most 128 KiB of file data each.
+pub(crate) fn pieces_of(total: u64) -> Vec<(u64, u64)> {
+    (0..total)
+        .step_by(MAX_PIECE as usize)
+        .map(|o| (o, (total - o).min(MAX_PIECE)))
+        .collect()
+}
+
+/// `piece` compressed with `c` and padded to whole sectors, or `None` when that does not take
+/// fewer sectors than the piece.
+pub(crate) fn pack(c: Compression, piece: &[u8], ss: u64) -> Option<Vec<u8>> {
+    let mut z = compress(c, piece, ss as u32)?;
+    let padded = (z.len() as u64).div_ceil(ss) * ss;
+    if padded >= piece.len() as u64 {
+        return None;
+    }
+    z.resize(padded as usize, 0);
+    Some(z)
+}
+
+/// File data compressed ahead of its write, on any thread and off every lock
+/// (`Core::write_precompressed`): a caller with many files to write (mkfs --rootdir)
+/// compresses the next ones on every CPU while the engine stores the last.
+#[derive(PartialEq, Eq)]
+pub struct Precompressed {
+    c: Compression,
+    len: usize,
+    /// Shorter than a sector: the data compressed as it is, for an inline extent, if that
+    /// made it smaller. Else each piece of at most 128 KiB of the data (the last padded with
+    /// zeros to a sector) as [`pack`] leaves it.
+    pieces: Vec<Option<Vec<u8>>>,
+}
+
+impl Precompressed {
+    /// Compresses `data`, to be written at offset 0 of a file or at a sector boundary, with
+    /// `c` on a filesystem of `sectorsize`.
+    pub fn new(c: Compression, data: &[u8], sectorsize: u32) -> Precompressed {
+        let ss = u64::from(sectorsize.max(512));
+        let pieces = if (data.len() as u64) < ss {
+            vec![compress(c, data, sectorsize).filter(|z| z.len() < data.len())]
+        } else {
+            pieces_of((data.len() as u64).div_ceil(ss) * ss)
+                .iter()
+                .map(|&(d, len)| {
+                    let (d, end) = (d as usize, (d + len) as usize);
+                    if end <= data.len() {
+                        pack(c, &data[d..end], ss)
+                    } else {
+                        let mut last = data[d..].to_vec();
+                        last.resize(end - d, 0);
+                        pack(c, &last, ss)
+                    }
+                })
+                .collect()
+        };
+        Precompressed {
+            c,
+            len: data.len(),
+            pieces,
+        }
+    }
+
+    /// The compressed bytes for a write of `len` bytes with `c`, if these are theirs.
+    pub(crate) fn pieces_for(&self, c: Compression, len: usize) -> Option<&[Option<Vec<u8>>]> {
+        (self.c == c && self.len == len).then_some(&self.pieces[..])
+    }
+}
+
 #[cfg(test)]
 /// Name of a compression code for messages ("zlib", "lzo", "zstd", "none").
 pub(crate) fn compression_name(compression: u8) -> &'static str {

@@ -13,7 +13,7 @@
 //! decode, and nothing is written when they do not.
 
 use crate::error::{Error, Result};
-use crate::format::compress::{compress, decompress, Compression};
+use crate::format::compress::{decompress, pack, pieces_of, Compression, Packed};
 use crate::format::items::*;
 use crate::format::*;
 use crate::ids::Inode;
@@ -261,7 +261,7 @@ impl Core {
     /// extents of at most 128 KiB of file data each: a piece whose compressed bytes take
     /// fewer sectors is stored compressed, the others plain (and an incompressible start of
     /// the file marks it NOCOMPRESS, unless compression is forced). The file grows to at
-    /// least `size_to`. `ahead`: the pieces compressed already ([`Precompressed`]).
+    /// least `size_to`. `ahead`: the pieces compressed already ([`crate::format::compress::Precompressed`]).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn write_compressed(
         &self,
@@ -474,15 +474,6 @@ impl Core {
     }
 }
 
-/// A write of `total` (sector-aligned) bytes cut into compressed extents' pieces: `(offset
-/// in the write, length)`, at most 128 KiB of file data each.
-fn pieces_of(total: u64) -> Vec<(u64, u64)> {
-    (0..total)
-        .step_by(MAX_DECODED as usize)
-        .map(|o| (o, (total - o).min(MAX_DECODED)))
-        .collect()
-}
-
 /// Where piece `(done, len)` of a write of `total` bytes at file offset `start` goes, and how
 /// long the file is once it is in (the write's end `size_to` for the last piece).
 fn piece_place(start: u64, done: u64, len: u64, total: u64, size_to: u64) -> (u64, u64) {
@@ -528,9 +519,6 @@ fn compress_all(
     })
 }
 
-/// A piece's compressed bytes (padded to whole sectors), `None` where it stays plain.
-type Packed = Option<Vec<u8>>;
-
 /// `(offset in the write, length)` of one extent of a compressed write, with its compressed
 /// bytes (`None`: plain).
 type Run<'a> = ((u64, u64), Option<&'a [u8]>);
@@ -548,68 +536,8 @@ fn runs<'a>(pieces: &[(u64, u64)], packed: &'a [Packed]) -> Vec<Run<'a>> {
     out
 }
 
-/// `piece` compressed with `c` and padded to whole sectors, or `None` when that does not take
-/// fewer sectors than the piece.
-fn pack(c: Compression, piece: &[u8], ss: u64) -> Option<Vec<u8>> {
-    let mut z = compress(c, piece, ss as u32)?;
-    let padded = (z.len() as u64).div_ceil(ss) * ss;
-    if padded >= piece.len() as u64 {
-        return None;
-    }
-    z.resize(padded as usize, 0);
-    Some(z)
-}
-
 /// The CPUs this process may run on (asked once: the answer reads cgroup files).
 pub(crate) fn cpus() -> usize {
     static CPUS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *CPUS.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
-}
-
-/// File data compressed ahead of its write, on any thread and off every lock
-/// ([`Core::write_precompressed`]): a caller with many files to write (mkfs --rootdir)
-/// compresses the next ones on every CPU while the engine stores the last.
-#[derive(PartialEq, Eq)]
-pub struct Precompressed {
-    c: Compression,
-    len: usize,
-    /// Shorter than a sector: the data compressed as it is, for an inline extent, if that
-    /// made it smaller. Else each piece of at most 128 KiB of the data (the last padded with
-    /// zeros to a sector) as [`pack`] leaves it.
-    pieces: Vec<Option<Vec<u8>>>,
-}
-
-impl Precompressed {
-    /// Compresses `data`, to be written at offset 0 of a file or at a sector boundary, with
-    /// `c` on a filesystem of `sectorsize`.
-    pub fn new(c: Compression, data: &[u8], sectorsize: u32) -> Precompressed {
-        let ss = u64::from(sectorsize.max(512));
-        let pieces = if (data.len() as u64) < ss {
-            vec![compress(c, data, sectorsize).filter(|z| z.len() < data.len())]
-        } else {
-            pieces_of((data.len() as u64).div_ceil(ss) * ss)
-                .iter()
-                .map(|&(d, len)| {
-                    let (d, end) = (d as usize, (d + len) as usize);
-                    if end <= data.len() {
-                        pack(c, &data[d..end], ss)
-                    } else {
-                        let mut last = data[d..].to_vec();
-                        last.resize(end - d, 0);
-                        pack(c, &last, ss)
-                    }
-                })
-                .collect()
-        };
-        Precompressed {
-            c,
-            len: data.len(),
-            pieces,
-        }
-    }
-
-    /// The compressed bytes for a write of `len` bytes with `c`, if these are theirs.
-    pub(crate) fn pieces_for(&self, c: Compression, len: usize) -> Option<&[Option<Vec<u8>>]> {
-        (self.c == c && self.len == len).then_some(&self.pieces[..])
-    }
 }

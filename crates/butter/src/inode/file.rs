@@ -18,7 +18,7 @@ use crate::format::items::*;
 use crate::format::*;
 use crate::ids::Inode;
 use crate::inode::core::Core;
-pub use crate::inode::encoded::Precompressed;
+pub use crate::format::compress::Precompressed;
 use crate::io::disk_io::{Disk, TreeBlock};
 use crate::transaction::extent_refs::RefKey;
 use crate::transaction::Writer;
