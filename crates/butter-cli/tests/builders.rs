@@ -4,8 +4,10 @@
 //! NixOS's (under faketime and fakeroot, then `btrfs check`), and Buildroot's. Each image
 //! passes both checkers, the kernel shows the source tree with the owners those tools
 //! reported, and a second run with SOURCE_DATE_EPOCH and DETERMINISTIC_SEED=1 makes the same
-//! bytes. Needs root (to become an unprivileged user), loop devices, btrfs-progs, fakeroot
-//! and faketime; without them the test prints a notice and passes, unless CI is set.
+//! bytes. Yocto's wic line also runs under pseudo, the fakeroot Yocto itself uses, with
+//! owners, modes and a device node that exist only in pseudo's database. Needs root (to become
+//! an unprivileged user), loop devices, btrfs-progs, fakeroot, faketime and pseudo; without
+//! them the test prints a notice and passes, unless CI is set.
 
 mod common;
 
@@ -171,4 +173,105 @@ fn image_builders_command_lines() {
         };
         check_image(&images[0], &sc.dir("k"), &want, wrapper.is_some(), name);
     }
+}
+
+/// `find ROOT` under `wrapper` (empty: none): each entry's path, owner, mode, type and device
+/// numbers, and for everything but directories its size and mtime; sorted.
+fn listing(dir: &Path, root: &str, wrapper: &str, env: &[(&str, &str)]) -> Vec<String> {
+    let script = format!(
+        "cd {root} && {wrapper} sh -c \"find . -type d -exec stat -c '%n %u %g %a %F' {{}} + && \
+         find . ! -type d -exec stat -c '%n %u %g %a %F %t:%T %s %Y' {{}} +\""
+    );
+    let out = if wrapper.is_empty() {
+        kernel::run_output(Command::new("sh").arg("-c").arg(format!("cd '{}' && {script}", dir.display())))
+    } else {
+        as_nobody(dir, &script, env)
+    };
+    assert!(out.status.success(), "listing {root} under '{wrapper}': {out:?}");
+    let mut v: Vec<String> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(str::to_string)
+        .collect();
+    v.sort();
+    v
+}
+
+/// Yocto's wic line under pseudo (the LD_PRELOAD fakeroot Yocto builds with): the tree is
+/// chowned to root, one file to 5:6, a program made setuid and a character device made, all
+/// only in pseudo's database (the real files stay nobody's, the device a plain file). The
+/// image shows what pseudo reports: the kernel's listing of the image equals pseudo's of the
+/// tree, the files' bytes are the source's, both checkers pass, and two runs make the same
+/// bytes.
+#[test]
+fn yocto_wic_under_pseudo() {
+    if !fuse_mount::require("yocto_wic_under_pseudo", &["pseudo", "su"]) {
+        return;
+    }
+    let sc = ScratchDir::new("builders-pseudo");
+    let dir = sc.dir("work");
+    let src = dir.join("root");
+    for d in ["etc", "usr/bin", "dev"] {
+        std::fs::create_dir_all(src.join(d)).unwrap();
+    }
+    std::fs::write(src.join("etc/hostname"), "yocto\n").unwrap();
+    std::fs::write(src.join("etc/motd"), "words ".repeat(3000)).unwrap();
+    std::fs::write(src.join("usr/bin/tool"), vec![0x7fu8; 150_000]).unwrap();
+    std::os::unix::fs::symlink("../usr/bin/tool", src.join("etc/tool")).unwrap();
+    let st = Command::new("chown")
+        .args(["-R", "nobody:nogroup"])
+        .arg(&dir)
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let bin = sc.dir("bin").join("butter");
+    std::fs::copy(BUTTER, &bin).unwrap();
+    std::fs::set_permissions(&bin, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    for d in [sc.path(), &sc.join("bin")] {
+        std::fs::set_permissions(d, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    }
+    let state = dir.join("pseudo-state").display().to_string();
+    let env = [
+        ("PSEUDO_PREFIX", "/usr"),
+        ("PSEUDO_LIBDIR", "/usr/lib/x86_64-linux-gnu/pseudo"),
+        ("PSEUDO_LOCALSTATEDIR", state.as_str()),
+        ("SOURCE_DATE_EPOCH", "1700000000"),
+        ("DETERMINISTIC_SEED", "1"),
+    ];
+    let setup = "pseudo sh -c 'chown -R 0:0 root && chown 5:6 root/etc/hostname && \
+                 chmod 4711 root/usr/bin/tool && mknod root/dev/null c 1 3'";
+    let out = as_nobody(&dir, setup, &env);
+    assert!(out.status.success(), "pseudo setup: {out:?}");
+    let theirs = listing(&dir, "root", "pseudo", &env);
+    assert!(
+        theirs.iter().any(|l| l.starts_with("./dev/null 0 0 644 character special file 1:3")),
+        "pseudo did not fake the device: {theirs:?}"
+    );
+    let b = bin.display().to_string();
+    let mut images = Vec::new();
+    for run in 0..2 {
+        let img = format!("wic-{run}.img");
+        let line = format!("touch {img} && pseudo {b} mkfs -b 300M -r root -L wic {img}");
+        let out = as_nobody(&dir, &line, &env);
+        assert!(out.status.success(), "{line}: {out:?}");
+        images.push(dir.join(img));
+    }
+    assert!(
+        std::fs::read(&images[0]).unwrap() == std::fs::read(&images[1]).unwrap(),
+        "two runs under pseudo with SOURCE_DATE_EPOCH and DETERMINISTIC_SEED=1 differ"
+    );
+    let (rc, out) = butter_check(&images[0]);
+    assert_eq!(rc, 0, "butter check:\n{out}");
+    kernel::assert_btrfs_check(&images[0]);
+    let mnt = sc.dir("k");
+    let m = LoopMount::new(&images[0], &mnt, kernel::FsType::Btrfs, "ro,noatime");
+    let ours = listing(m.path(), ".", "", &[]);
+    for f in ["etc/hostname", "etc/motd", "usr/bin/tool"] {
+        assert!(
+            std::fs::read(m.path().join(f)).unwrap() == std::fs::read(src.join(f)).unwrap(),
+            "{f}: bytes differ"
+        );
+    }
+    m.unmount();
+    // The top directory: mkfs gives the image's root the source root's attributes.
+    assert_eq!(ours, theirs, "the image (left) against pseudo's view of the tree (right)");
 }
