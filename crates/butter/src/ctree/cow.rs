@@ -374,6 +374,12 @@ impl CowCtx {
                     None => true,
                 };
                 if let (Some(g), false) = (growth, fits) {
+                    if let Growth::Insert { items, data_len } = g {
+                        let need = items * ITEM_SIZE + data_len;
+                        if self.push_for_room(tree, &path, bytenr, slot, need)? {
+                            continue 'restart;
+                        }
+                    }
                     let plan = {
                         let mut buf = blk.data.to_vec();
                         LeafMut::trusted(&mut buf)?.plan_split(slot, g)?
@@ -386,6 +392,101 @@ impl CowCtx {
                 return Ok(path);
             }
         }
+    }
+
+    /// Makes room for an insert of `need` bytes at `slot` of the full leaf `leaf` by moving
+    /// items into a sibling under the same parent that has room, before any split (as btrfs
+    /// pushes leaves left and right): where inserts land in the middle of a tree (a
+    /// directory's entries, by name hash) leaves stay full instead of being split in halves.
+    /// As many items move as the sibling takes while the leaf the new item lands in keeps
+    /// room for it. True when items moved (the caller searches again).
+    fn push_for_room(
+        &mut self,
+        tree: u64,
+        path: &WPath,
+        leaf: u64,
+        slot: usize,
+        need: usize,
+    ) -> Result<bool> {
+        if path.nodes.len() < 2 {
+            return Ok(false);
+        }
+        let (parent, pslot) = path.nodes[1];
+        let pblk = self.dirty_block(parent)?;
+        let lblk = self.dirty_block(leaf)?;
+        let n = lblk.nritems();
+        if n < 2 {
+            return Ok(false);
+        }
+        let size = |i: usize| lblk.item(i).size as usize + ITEM_SIZE;
+        let lfree = lblk.leaf_free_space();
+        // Left: items [0, k) move; the new item lands on the left when slot <= k.
+        if pslot > 0 {
+            let sib = self.block(pblk.ptr(pslot - 1).blockptr, &Self::child_expect(&pblk, pslot - 1))?;
+            let sfree = sib.leaf_free_space();
+            let (mut moved, mut best) = (0, None);
+            for k in 1..n {
+                moved += size(k - 1);
+                if moved > sfree {
+                    break;
+                }
+                let room = if slot <= k { sfree - moved } else { lfree + moved };
+                if room >= need {
+                    best = Some(k);
+                }
+            }
+            if let Some(k) = best {
+                let sib = self.cow(tree, sib, Some((parent, pslot - 1)))?;
+                let mut lbuf = self.dirty_block(leaf)?.data.to_vec();
+                let mut sbuf = self.dirty_block(sib)?.data.to_vec();
+                let first = {
+                    let mut l = LeafMut::trusted(&mut lbuf)?;
+                    let mut s = LeafMut::trusted(&mut sbuf)?;
+                    ctree_ops::push_leaf_left(&mut s, &mut l, k)?
+                };
+                let first = first.ok_or_else(|| {
+                    Error::Internal(format!("a push left emptied leaf {leaf} of tree {tree}"))
+                })?;
+                self.put(leaf, lbuf)?;
+                self.put(sib, sbuf)?;
+                self.modify(parent, |buf| NodeMut::trusted(buf)?.set_key(pslot, first))?;
+                return Ok(true);
+            }
+        }
+        // Right: items [k, n) move; the new item lands on the right when slot > k.
+        if pslot + 1 < pblk.nritems() {
+            let sib = self.block(pblk.ptr(pslot + 1).blockptr, &Self::child_expect(&pblk, pslot + 1))?;
+            let sfree = sib.leaf_free_space();
+            let (mut moved, mut best) = (0, None);
+            for k in (1..n).rev() {
+                moved += size(k);
+                if moved > sfree {
+                    break;
+                }
+                let room = if slot > k { sfree - moved } else { lfree + moved };
+                if room >= need {
+                    best = Some(k);
+                }
+            }
+            if let Some(k) = best {
+                let sib = self.cow(tree, sib, Some((parent, pslot + 1)))?;
+                let mut lbuf = self.dirty_block(leaf)?.data.to_vec();
+                let mut sbuf = self.dirty_block(sib)?.data.to_vec();
+                let first = {
+                    let mut l = LeafMut::trusted(&mut lbuf)?;
+                    let mut s = LeafMut::trusted(&mut sbuf)?;
+                    ctree_ops::push_leaf_right(&mut l, &mut s, n - k)?
+                };
+                let first = first.ok_or_else(|| {
+                    Error::Internal(format!("a push right left leaf {sib} of tree {tree} empty"))
+                })?;
+                self.put(leaf, lbuf)?;
+                self.put(sib, sbuf)?;
+                self.modify(parent, |buf| NodeMut::trusted(buf)?.set_key(pslot + 1, first))?;
+                return Ok(true);
+            }
+        }
+        Ok(false)
     }
 
     /// Makes `tree` one level taller: a new root node pointing at the old root.
