@@ -25,10 +25,11 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 /// Files up to this size are prepared ahead (larger ones are copied in pieces).
 pub const MAX_FILE: u64 = 8 << 20;
-/// Most bytes of file data prepared and not yet claimed.
-const BUDGET: u64 = 64 << 20;
+/// Most bytes of file data prepared and not yet claimed (each file counted twice when it
+/// is compressed: its bytes and, at most as many, compressed).
+const BUDGET: u64 = 32 << 20;
 /// Most files listed and not yet taken by a worker.
-const MAX_QUEUED: usize = 1 << 16;
+const MAX_QUEUED: usize = 1 << 13;
 /// Most files being prepared or prepared and not yet claimed.
 const MAX_READY: usize = 1 << 12;
 
@@ -239,6 +240,15 @@ fn walk(s: &Shared, dir: &Path, seq: &mut u64) {
     }
 }
 
+/// What preparing a file of `size` bytes takes from the budget.
+fn cost(s: &Shared, size: u64) -> u64 {
+    if s.compress.is_some() {
+        size * 2
+    } else {
+        size
+    }
+}
+
 /// A worker: takes the next listed file when the budget has room for it, prepares it.
 fn work(s: &Shared) {
     loop {
@@ -252,7 +262,7 @@ fn work(s: &Shared) {
                 let fits = room
                     && g.queue
                         .front()
-                        .is_some_and(|j| g.bytes == 0 || g.bytes + j.size <= BUDGET);
+                        .is_some_and(|j| g.bytes == 0 || g.bytes + cost(s, j.size) <= BUDGET);
                 if fits {
                     break;
                 }
@@ -264,7 +274,7 @@ fn work(s: &Shared) {
             let Some(j) = g.queue.pop_front() else {
                 continue;
             };
-            g.bytes += j.size;
+            g.bytes += cost(s, j.size);
             g.running.insert(j.path.clone(), j.seq);
             s.changed.notify_all();
             j
@@ -274,12 +284,12 @@ fn work(s: &Shared) {
         g.running.remove(&job.path);
         if job.seq < g.claimed_upto || !g.seq_of.contains_key(&job.path) {
             // Passed by the copy meanwhile.
-            g.bytes -= job.size;
+            g.bytes -= cost(s, job.size);
             if g.seq_of.get(&job.path) == Some(&job.seq) && job.seq < g.claimed_upto {
                 g.seq_of.remove(&job.path);
             }
         } else {
-            g.done.insert(job.seq, (job.path, job.size, ready));
+            g.done.insert(job.seq, (job.path, cost(s, job.size), ready));
         }
         drop(g);
         s.changed.notify_all();
