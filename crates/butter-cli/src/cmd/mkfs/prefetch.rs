@@ -2,7 +2,7 @@
 //!
 //! The copy itself runs on one thread, in the order that makes images reproducible (depth
 //! first, names sorted by their bytes). A walker thread lists the regular files in that same
-//! order, and worker threads (one per CPU) read them and compress them with
+//! order, and worker threads (two per CPU) read them and compress them with
 //! [`Precompressed::new`], so that the engine only stores what was prepared: reading and
 //! compressing, most of mkfs's work, run beside the copy and on every CPU.
 //!
@@ -137,7 +137,9 @@ impl Prefetch {
             s.lock().walked = true;
             s.changed.notify_all();
         }));
-        let workers = std::thread::available_parallelism().map_or(1, |n| n.get());
+        // Twice the CPUs: a worker waiting for a cold disk leaves its CPU to one compressing
+        // (100,000 files read from this VM's disk: 30 s with one per CPU, 22 s with two).
+        let workers = 2 * std::thread::available_parallelism().map_or(1, |n| n.get());
         for _ in 0..workers {
             let s = shared.clone();
             threads.push(std::thread::spawn(move || work(&s)));
