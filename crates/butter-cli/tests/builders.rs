@@ -183,11 +183,18 @@ fn listing(dir: &Path, root: &str, wrapper: &str, env: &[(&str, &str)]) -> Vec<S
          find . ! -type d -exec stat -c '%n %u %g %a %F %t:%T %s %Y' {{}} +\""
     );
     let out = if wrapper.is_empty() {
-        kernel::run_output(Command::new("sh").arg("-c").arg(format!("cd '{}' && {script}", dir.display())))
+        kernel::run_output(
+            Command::new("sh")
+                .arg("-c")
+                .arg(format!("cd '{}' && {script}", dir.display())),
+        )
     } else {
         as_nobody(dir, &script, env)
     };
-    assert!(out.status.success(), "listing {root} under '{wrapper}': {out:?}");
+    assert!(
+        out.status.success(),
+        "listing {root} under '{wrapper}': {out:?}"
+    );
     let mut v: Vec<String> = String::from_utf8_lossy(&out.stdout)
         .lines()
         .map(str::to_string)
@@ -243,7 +250,9 @@ fn yocto_wic_under_pseudo() {
     assert!(out.status.success(), "pseudo setup: {out:?}");
     let theirs = listing(&dir, "root", "pseudo", &env);
     assert!(
-        theirs.iter().any(|l| l.starts_with("./dev/null 0 0 644 character special file 1:3")),
+        theirs
+            .iter()
+            .any(|l| l.starts_with("./dev/null 0 0 644 character special file 1:3")),
         "pseudo did not fake the device: {theirs:?}"
     );
     let b = bin.display().to_string();
@@ -273,5 +282,8 @@ fn yocto_wic_under_pseudo() {
     }
     m.unmount();
     // The top directory: mkfs gives the image's root the source root's attributes.
-    assert_eq!(ours, theirs, "the image (left) against pseudo's view of the tree (right)");
+    assert_eq!(
+        ours, theirs,
+        "the image (left) against pseudo's view of the tree (right)"
+    );
 }

@@ -286,7 +286,9 @@ fn precompressed_writes_match_ordinary_ones() {
         shapes.push(extent_shapes(&img));
     }
     assert!(
-        shapes[0].iter().any(|e| e.starts_with("inline") && e.ends_with("compression 3")),
+        shapes[0]
+            .iter()
+            .any(|e| e.starts_with("inline") && e.ends_with("compression 3")),
         "no compressed inline extent: {:?}",
         shapes[0]
     );

@@ -422,7 +422,10 @@ impl CowCtx {
         let lfree = lblk.leaf_free_space();
         // Left: items [0, k) move; the new item lands on the left when slot <= k.
         if pslot > 0 {
-            let sib = self.block(pblk.ptr(pslot - 1).blockptr, &Self::child_expect(&pblk, pslot - 1))?;
+            let sib = self.block(
+                pblk.ptr(pslot - 1).blockptr,
+                &Self::child_expect(&pblk, pslot - 1),
+            )?;
             let sfree = sib.leaf_free_space();
             let (mut moved, mut best) = (0, None);
             for k in 1..n {
@@ -430,7 +433,11 @@ impl CowCtx {
                 if moved > sfree {
                     break;
                 }
-                let room = if slot <= k { sfree - moved } else { lfree + moved };
+                let room = if slot <= k {
+                    sfree - moved
+                } else {
+                    lfree + moved
+                };
                 if room >= need {
                     best = Some(k);
                 }
@@ -455,7 +462,10 @@ impl CowCtx {
         }
         // Right: items [k, n) move; the new item lands on the right when slot > k.
         if pslot + 1 < pblk.nritems() {
-            let sib = self.block(pblk.ptr(pslot + 1).blockptr, &Self::child_expect(&pblk, pslot + 1))?;
+            let sib = self.block(
+                pblk.ptr(pslot + 1).blockptr,
+                &Self::child_expect(&pblk, pslot + 1),
+            )?;
             let sfree = sib.leaf_free_space();
             let (mut moved, mut best) = (0, None);
             for k in (1..n).rev() {
@@ -463,7 +473,11 @@ impl CowCtx {
                 if moved > sfree {
                     break;
                 }
-                let room = if slot > k { sfree - moved } else { lfree + moved };
+                let room = if slot > k {
+                    sfree - moved
+                } else {
+                    lfree + moved
+                };
                 if room >= need {
                     best = Some(k);
                 }
@@ -482,7 +496,9 @@ impl CowCtx {
                 })?;
                 self.put(leaf, lbuf)?;
                 self.put(sib, sbuf)?;
-                self.modify(parent, |buf| NodeMut::trusted(buf)?.set_key(pslot + 1, first))?;
+                self.modify(parent, |buf| {
+                    NodeMut::trusted(buf)?.set_key(pslot + 1, first)
+                })?;
                 return Ok(true);
             }
         }

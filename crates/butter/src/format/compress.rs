@@ -185,7 +185,6 @@ const ZSTD_WINDOW_LOG_MAX: u32 = 17;
 /// Size of a btrfs LZO length field (total length and segment headers).
 const LZO_LEN: usize = 4;
 
-
 /// Most file data one compressed extent holds (the kernel's limit too).
 pub(crate) const MAX_PIECE: u64 = 128 * 1024;
 

@@ -14,11 +14,11 @@
 use crate::ctree::cow::Intent;
 use crate::ctree::ops::LeafMut;
 use crate::error::{Error, Result};
+pub use crate::format::compress::Precompressed;
 use crate::format::items::*;
 use crate::format::*;
 use crate::ids::Inode;
 use crate::inode::core::Core;
-pub use crate::format::compress::Precompressed;
 use crate::io::disk_io::{Disk, TreeBlock};
 use crate::transaction::extent_refs::RefKey;
 use crate::transaction::Writer;

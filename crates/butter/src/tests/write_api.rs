@@ -170,9 +170,13 @@ fn a_directorys_entries_fill_their_leaves() {
     }
     fs.commit().unwrap();
     let r = fs.subvol_root(FS_TREE_OBJECTID).unwrap();
-    let (mut path, _) =
-        butter::ctree::search_slot(fs.disk(), &r, &Key::MIN, butter::io::disk_io::Readahead::None)
-            .unwrap();
+    let (mut path, _) = butter::ctree::search_slot(
+        fs.disk(),
+        &r,
+        &Key::MIN,
+        butter::io::disk_io::Readahead::None,
+    )
+    .unwrap();
     let (mut leaves, mut free) = (0usize, 0usize);
     loop {
         leaves += 1;

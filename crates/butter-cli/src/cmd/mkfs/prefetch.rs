@@ -304,14 +304,19 @@ mod tests {
     use std::io::{Seek, SeekFrom, Write};
 
     fn tree(tag: &str) -> PathBuf {
-        let root = std::env::temp_dir().join(format!("butter-prefetch-{tag}-{}", std::process::id()));
+        let root =
+            std::env::temp_dir().join(format!("butter-prefetch-{tag}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&root);
         std::fs::create_dir_all(root.join("sub")).unwrap();
         for i in 0..40u32 {
             let body: Vec<u8> = (0..(i as usize * 997 + 10))
                 .map(|j| b"alpha beta gamma\n"[(j + i as usize) % 17])
                 .collect();
-            let dir = if i % 3 == 0 { root.join("sub") } else { root.clone() };
+            let dir = if i % 3 == 0 {
+                root.join("sub")
+            } else {
+                root.clone()
+            };
             std::fs::write(dir.join(format!("f{i:02}")), body).unwrap();
         }
         // A file with a hole: copied in pieces, never prepared.
@@ -328,7 +333,11 @@ mod tests {
         let pf = Prefetch::start(&root, zstd, 4096);
         let mut names: Vec<PathBuf> = (0..40u32)
             .map(|i| {
-                let dir = if i % 3 == 0 { root.join("sub") } else { root.clone() };
+                let dir = if i % 3 == 0 {
+                    root.join("sub")
+                } else {
+                    root.clone()
+                };
                 dir.join(format!("f{i:02}"))
             })
             .collect();
@@ -350,7 +359,10 @@ mod tests {
                 );
             }
         }
-        assert!(pf.get(&root.join("holes"), (1 << 20) + 3).is_none(), "a file with a hole was prepared");
+        assert!(
+            pf.get(&root.join("holes"), (1 << 20) + 3).is_none(),
+            "a file with a hole was prepared"
+        );
         // Another size than the file has: not that file.
         assert!(pf.get(&root.join("f05"), 3).is_none());
         drop(pf);
