@@ -418,89 +418,46 @@ impl CowCtx {
         if n < 2 {
             return Ok(false);
         }
-        let size = |i: usize| lblk.item(i).size as usize + ITEM_SIZE;
+        let sizes: Vec<usize> = (0..n)
+            .map(|i| lblk.item(i).size as usize + ITEM_SIZE)
+            .collect();
         let lfree = lblk.leaf_free_space();
-        // Left: items [0, k) move; the new item lands on the left when slot <= k.
-        if pslot > 0 {
+        // Left first, then right: the sibling's slot in the parent, and whether it is the left.
+        let sides = [(pslot.checked_sub(1), true), (Some(pslot + 1), false)];
+        for (sib_slot, left) in sides {
+            let Some(sib_slot) = sib_slot.filter(|&s| s < pblk.nritems()) else {
+                continue;
+            };
             let sib = self.block(
-                pblk.ptr(pslot - 1).blockptr,
-                &Self::child_expect(&pblk, pslot - 1),
+                pblk.ptr(sib_slot).blockptr,
+                &Self::child_expect(&pblk, sib_slot),
             )?;
-            let sfree = sib.leaf_free_space();
-            let (mut moved, mut best) = (0, None);
-            for k in 1..n {
-                moved += size(k - 1);
-                if moved > sfree {
-                    break;
-                }
-                let room = if slot <= k {
-                    sfree - moved
-                } else {
-                    lfree + moved
-                };
-                if room >= need {
-                    best = Some(k);
-                }
-            }
-            if let Some(k) = best {
-                let sib = self.cow(tree, sib, Some((parent, pslot - 1)))?;
-                let mut lbuf = self.dirty_block(leaf)?.data.to_vec();
-                let mut sbuf = self.dirty_block(sib)?.data.to_vec();
-                let first = {
-                    let mut l = LeafMut::trusted(&mut lbuf)?;
-                    let mut s = LeafMut::trusted(&mut sbuf)?;
+            let Some(k) = push_point(&sizes, slot, need, lfree, sib.leaf_free_space(), left) else {
+                continue;
+            };
+            let sib = self.cow(tree, sib, Some((parent, sib_slot)))?;
+            let mut lbuf = self.dirty_block(leaf)?.data.to_vec();
+            let mut sbuf = self.dirty_block(sib)?.data.to_vec();
+            let first = {
+                let mut l = LeafMut::trusted(&mut lbuf)?;
+                let mut s = LeafMut::trusted(&mut sbuf)?;
+                if left {
                     ctree_ops::push_leaf_left(&mut s, &mut l, k)?
-                };
-                let first = first.ok_or_else(|| {
-                    Error::Internal(format!("a push left emptied leaf {leaf} of tree {tree}"))
-                })?;
-                self.put(leaf, lbuf)?;
-                self.put(sib, sbuf)?;
-                self.modify(parent, |buf| NodeMut::trusted(buf)?.set_key(pslot, first))?;
-                return Ok(true);
-            }
-        }
-        // Right: items [k, n) move; the new item lands on the right when slot > k.
-        if pslot + 1 < pblk.nritems() {
-            let sib = self.block(
-                pblk.ptr(pslot + 1).blockptr,
-                &Self::child_expect(&pblk, pslot + 1),
-            )?;
-            let sfree = sib.leaf_free_space();
-            let (mut moved, mut best) = (0, None);
-            for k in (1..n).rev() {
-                moved += size(k);
-                if moved > sfree {
-                    break;
-                }
-                let room = if slot > k {
-                    sfree - moved
                 } else {
-                    lfree + moved
-                };
-                if room >= need {
-                    best = Some(k);
-                }
-            }
-            if let Some(k) = best {
-                let sib = self.cow(tree, sib, Some((parent, pslot + 1)))?;
-                let mut lbuf = self.dirty_block(leaf)?.data.to_vec();
-                let mut sbuf = self.dirty_block(sib)?.data.to_vec();
-                let first = {
-                    let mut l = LeafMut::trusted(&mut lbuf)?;
-                    let mut s = LeafMut::trusted(&mut sbuf)?;
                     ctree_ops::push_leaf_right(&mut l, &mut s, n - k)?
-                };
-                let first = first.ok_or_else(|| {
-                    Error::Internal(format!("a push right left leaf {sib} of tree {tree} empty"))
-                })?;
-                self.put(leaf, lbuf)?;
-                self.put(sib, sbuf)?;
-                self.modify(parent, |buf| {
-                    NodeMut::trusted(buf)?.set_key(pslot + 1, first)
-                })?;
-                return Ok(true);
-            }
+                }
+            };
+            // The right one of the two leaves starts at another key now.
+            let (right, right_slot) = if left { (leaf, pslot) } else { (sib, sib_slot) };
+            let first = first.ok_or_else(|| {
+                Error::Internal(format!("a push emptied leaf {right} of tree {tree}"))
+            })?;
+            self.put(leaf, lbuf)?;
+            self.put(sib, sbuf)?;
+            self.modify(parent, |buf| {
+                NodeMut::trusted(buf)?.set_key(right_slot, first)
+            })?;
+            return Ok(true);
         }
         Ok(false)
     }
@@ -1062,3 +1019,38 @@ pub(crate) fn tree_ref(tree: u64) -> RefKey {
 
 #[allow(dead_code)]
 fn _loc(_: Location) {}
+
+/// Where to cut a full leaf (item sizes with headers `sizes`, `lfree` bytes free) for a push
+/// into its left (`left`) or right sibling (`sfree` bytes free) that makes room for `need`
+/// bytes at `slot`: items `[0, k)` go left, or `[k, n)` go right, as many as the sibling
+/// takes while the leaf the new item lands in keeps room for it (left when `slot <= k`, right
+/// when `slot > k`). `None` when no cut does; the leaf keeps at least one item.
+fn push_point(
+    sizes: &[usize],
+    slot: usize,
+    need: usize,
+    lfree: usize,
+    sfree: usize,
+    left: bool,
+) -> Option<usize> {
+    let n = sizes.len();
+    let (mut moved, mut best) = (0, None);
+    // One more item moves at each step: from the leaf's start (left) or its end (right).
+    for j in 1..n {
+        let k = if left { j } else { n - j };
+        moved += if left { sizes[k - 1] } else { sizes[k] };
+        if moved > sfree {
+            break;
+        }
+        let into_sibling = if left { slot <= k } else { slot > k };
+        let room = if into_sibling {
+            sfree - moved
+        } else {
+            lfree + moved
+        };
+        if room >= need {
+            best = Some(k);
+        }
+    }
+    best
+}
