@@ -31,6 +31,24 @@ fn as_nobody(dir: &Path, script: &str, env: &[(&str, &str)]) -> std::process::Ou
     )
 }
 
+/// Gives `dir` (the tree and the images) to nobody, and a copy of the butter binary where
+/// nobody can reach it (the checkout may not be); returns the copy's path.
+fn hand_to_nobody(sc: &ScratchDir, dir: &Path) -> String {
+    let st = Command::new("chown")
+        .args(["-R", "nobody:nogroup"])
+        .arg(dir)
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let bin = sc.dir("bin").join("butter");
+    std::fs::copy(BUTTER, &bin).unwrap();
+    std::fs::set_permissions(&bin, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    for d in [sc.path(), &sc.join("bin")] {
+        std::fs::set_permissions(d, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    }
+    bin.display().to_string()
+}
+
 /// The source tree as seen through `wrapper` (fakeroot, unshare -r): owners as it reports.
 fn manifest_via(dir: &Path, src: &str, wrapper: &str) -> Manifest {
     // Root under the wrapper sees every file as its own: the kernel must show root owners.
@@ -91,20 +109,7 @@ fn image_builders_command_lines() {
     std::fs::write(src.join("var/lib/images/disk.raw"), vec![0u8; 300_000]).unwrap();
     std::fs::write(src.join("home/user/notes"), "words ".repeat(5000)).unwrap();
     std::os::unix::fs::symlink("../usr/bin/tool", src.join("etc/tool")).unwrap();
-    let st = Command::new("chown")
-        .args(["-R", "nobody:nogroup"])
-        .arg(&dir)
-        .status()
-        .unwrap();
-    assert!(st.success());
-    // A copy of the binary where nobody can reach it (the checkout may not be).
-    let bin = sc.dir("bin").join("butter");
-    std::fs::copy(BUTTER, &bin).unwrap();
-    std::fs::set_permissions(&bin, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
-    for d in [sc.path(), &sc.join("bin")] {
-        std::fs::set_permissions(d, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
-    }
-    let b = bin.display().to_string();
+    let b = hand_to_nobody(&sc, &dir);
     let reproducible = [
         ("SOURCE_DATE_EPOCH", "1700000000"),
         ("DETERMINISTIC_SEED", "1"),
@@ -224,18 +229,7 @@ fn yocto_wic_under_pseudo() {
     std::fs::write(src.join("etc/motd"), "words ".repeat(3000)).unwrap();
     std::fs::write(src.join("usr/bin/tool"), vec![0x7fu8; 150_000]).unwrap();
     std::os::unix::fs::symlink("../usr/bin/tool", src.join("etc/tool")).unwrap();
-    let st = Command::new("chown")
-        .args(["-R", "nobody:nogroup"])
-        .arg(&dir)
-        .status()
-        .unwrap();
-    assert!(st.success());
-    let bin = sc.dir("bin").join("butter");
-    std::fs::copy(BUTTER, &bin).unwrap();
-    std::fs::set_permissions(&bin, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
-    for d in [sc.path(), &sc.join("bin")] {
-        std::fs::set_permissions(d, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
-    }
+    let b = hand_to_nobody(&sc, &dir);
     let state = dir.join("pseudo-state").display().to_string();
     let env = [
         ("PSEUDO_PREFIX", "/usr"),
@@ -255,7 +249,6 @@ fn yocto_wic_under_pseudo() {
             .any(|l| l.starts_with("./dev/null 0 0 644 character special file 1:3")),
         "pseudo did not fake the device: {theirs:?}"
     );
-    let b = bin.display().to_string();
     let mut images = Vec::new();
     for run in 0..2 {
         let img = format!("wic-{run}.img");
