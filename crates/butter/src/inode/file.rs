@@ -594,11 +594,8 @@ impl Core {
         // (an extent past EOF, e.g. preallocated, keeps it out of line). Holes do not count.
         // Compressed, a file short of a sector may stay inline too (as the kernel's does)
         // when its compressed bytes fit; a small one is compressed when that makes it smaller.
-        let compressing = if new_size < ss {
-            self.compression_for(ino, &item)?
-        } else {
-            None
-        };
+        let compression = self.compression_for(ino, &item)?;
+        let compressing = compression.filter(|_| new_size < ss);
         let stays_inline = (new_size <= mi || compressing.is_some())
             && (item.size == 0 || has_inline)
             && !self.file_extents(ino, 0, u64::MAX)?.iter().any(|x| {
@@ -658,7 +655,7 @@ impl Core {
             return Ok(data.len());
         }
         if !has_inline && !nosum {
-            if let Some(c) = self.compression_for(ino, &item)? {
+            if let Some(c) = compression {
                 // Compressed ahead: the pieces of this write's data, from a sector, padded with
                 // zeros as `buf` is (no old bytes after its end).
                 let ahead = ahead
