@@ -166,7 +166,14 @@ impl Core {
                     &fe.to_bytes(),
                 )?;
                 item.nbytes = item.nbytes - removed.min(item.nbytes) + e.file_len;
-                self.finish_encoded(w, ino, &mut item, e.file_len, e.compression)
+                self.finish_encoded(
+                    w,
+                    ino,
+                    &mut item,
+                    e.file_len,
+                    e.compression,
+                    Timespec::now(),
+                )
             });
         }
         let disk_len = (e.data.len() as u64).div_ceil(ss) * ss;
@@ -187,7 +194,14 @@ impl Core {
                 w.log.note_change(ino, item.size, end);
                 item.size = end;
             }
-            self.finish_encoded(w, ino, &mut item, e.file_len, e.compression)
+            self.finish_encoded(
+                w,
+                ino,
+                &mut item,
+                e.file_len,
+                e.compression,
+                Timespec::now(),
+            )
         })
     }
 
@@ -412,7 +426,7 @@ impl Core {
             w.log.note_change(ino, item.size, reach);
             item.size = reach;
         }
-        self.finish_encoded_at(w, ino, &mut item, 0, c.code(), stamp)
+        self.finish_encoded(w, ino, &mut item, 0, c.code(), stamp)
     }
 
     /// The compression `ino`'s buffered appends get at their write-back, if any.
@@ -437,20 +451,9 @@ impl Core {
 
     /// The inode and superblock side of a compressed extent put in: the size (at least
     /// `size_from_0`, for an extent at offset 0), the times, the compression feature bit,
-    /// and a commit for the next fsync (the log does not carry compressed extents).
+    /// and a commit for the next fsync (the log does not carry compressed extents); `stamp`: the
+    /// time of the write.
     fn finish_encoded(
-        &self,
-        w: &mut crate::transaction::Writer,
-        ino: Inode,
-        item: &mut InodeItem,
-        size_from_0: u64,
-        code: u8,
-    ) -> Result<()> {
-        self.finish_encoded_at(w, ino, item, size_from_0, code, Timespec::now())
-    }
-
-    /// [`Core::finish_encoded`] with the time of the write.
-    fn finish_encoded_at(
         &self,
         w: &mut crate::transaction::Writer,
         ino: Inode,
