@@ -123,6 +123,10 @@ impl Fs {
         let mut w = crate::tree_log::replay::start_writer(&fs)?;
         w.set_combined_replace(opts.combined_replace);
         w.small_chunks = opts.small_chunks;
+        if opts.legacy_allocator {
+            w.use_legacy_allocator()?;
+        }
+        fs.core.allocator = Some(w.allocator.clone());
         fs.core.writer = Some(Mutex::new(w));
         // Files unlinked while open when the last writer stopped: their space comes back now,
         // as the kernel gives it back at mount.
@@ -169,6 +173,7 @@ impl Fs {
             csum_root: None,
             live: Default::default(),
             writer: None,
+            allocator: None,
             open_files: Mutex::new(HashMap::new()),
             roots: Mutex::new(HashMap::new()),
             default_subvol: FS_TREE_OBJECTID.into(),
@@ -398,6 +403,10 @@ pub struct RwOptions {
     /// kernel's `max_inline=`; default 2048), at most what one inline extent holds (less than
     /// a sector). mkfs.btrfs --rootdir inlines every file shorter than a sector.
     pub max_inline: u64,
+    /// The block allocator as it was before seed 001 (one goal per space kind, one next-fit
+    /// cursor per block group, data allocated under the writer lock), for the benchmarks'
+    /// comparison. Default off.
+    pub legacy_allocator: bool,
 }
 
 impl Default for RwOptions {
@@ -412,6 +421,7 @@ impl Default for RwOptions {
             compress_force: false,
             small_chunks: false,
             max_inline: crate::inode::file::DEFAULT_MAX_INLINE,
+            legacy_allocator: false,
         }
     }
 }
@@ -423,6 +433,8 @@ pub struct CloseReport {
     pub ordered: crate::inode::ordered::OrderedStats,
     /// Times a write's data went to the device out of the gate (crate::gate).
     pub data_io_out_of_gate: u64,
+    /// What the block allocator did (crate::space::alloc).
+    pub alloc: crate::space::alloc::AllocStats,
 }
 
 impl Fs {
@@ -481,6 +493,7 @@ impl Fs {
             },
             ordered: self.ordered_stats(),
             data_io_out_of_gate: self.gate.steps_out(),
+            alloc: self.alloc_stats(),
         })
     }
 }

@@ -50,7 +50,8 @@ pub(crate) struct CowCtx {
     pub(crate) transid: u64,
     pub(crate) trees: BTreeMap<u64, TreeState>,
     pub(crate) refs: DelayedRefs,
-    pub(crate) allocator: Allocator,
+    /// Shared with the file layer, which allocates data space without the writer lock.
+    pub(crate) allocator: Arc<Allocator>,
     pub(crate) chunk_tree_uuid: [u8; 16],
     /// The superblock's bytes_used as the running transaction has it.
     pub(crate) sb_bytes_used: u64,

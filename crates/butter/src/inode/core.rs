@@ -23,6 +23,9 @@ pub struct Core {
     pub(crate) live: crate::transaction::LiveRoots,
     /// The write engine, when opened read-write.
     pub(crate) writer: Option<Mutex<crate::transaction::Writer>>,
+    /// The write engine's allocator, shared: data space is allocated without the writer
+    /// lock (crate::space::alloc), except with the legacy allocator.
+    pub(crate) allocator: Option<Arc<crate::space::alloc::Allocator>>,
     /// Open handles per inode (an unlinked open file is kept as an orphan).
     pub(crate) open_files: Mutex<HashMap<Inode, u32>>,
     pub(crate) roots: Mutex<HashMap<u64, (Root, RootItem)>>,
@@ -211,6 +214,14 @@ impl Core {
             }
         }
         r
+    }
+
+    /// What the block allocator did so far (all zeros when read-only).
+    pub fn alloc_stats(&self) -> crate::space::alloc::AllocStats {
+        self.allocator
+            .as_ref()
+            .map(|a| a.stats())
+            .unwrap_or_default()
     }
 
     /// Stops changes and commits for good (the latch); the first reason is kept.

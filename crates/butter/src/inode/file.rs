@@ -32,6 +32,15 @@ pub(crate) const MAX_EXTENT: u64 = 128 << 20;
 /// The kernel's default `max_inline` (bytes): files up to this size are stored inline.
 pub const DEFAULT_MAX_INLINE: u64 = 2048;
 
+/// The allocator's view of a file extent's place: `ino` at file offset `offset`.
+pub(crate) fn for_file(ino: Inode, offset: u64) -> Option<crate::space::alloc::ForFile> {
+    Some(crate::space::alloc::ForFile {
+        root: ino.root,
+        ino: ino.ino,
+        offset,
+    })
+}
+
 /// Most bytes of one inline extent: what fits in a leaf, below one sector.
 pub(crate) fn inline_limit(disk: &Disk) -> usize {
     let ns = disk.nodesize() as usize;
@@ -897,11 +906,8 @@ impl Core {
                     .load(std::sync::atomic::Ordering::Relaxed)
             {
                 self.op(true, |w| {
-                    let bytenr = if defer.is_some() {
-                        w.alloc_data_held_or_commit(len)?
-                    } else {
-                        w.alloc_data_or_commit(len)?
-                    };
+                    let bytenr =
+                        w.alloc_data_or_commit_for(len, for_file(ino, file_off), defer.is_some())?;
                     match (writeback(bytenr, chunk), defer) {
                         (Ok(sums), Some(g)) => {
                             Self::defer_ordered(w, g, range, bytenr, sums);
@@ -934,6 +940,29 @@ impl Core {
             done += len;
         }
         Ok(())
+    }
+
+    /// Held data space (see [`crate::space::alloc::BlockGroup::held`]) for `len` bytes of
+    /// `ino` at file offset `offset`, whose data is written before its extent goes in the
+    /// trees: taken from the shared allocator without the writer lock (crate::space::alloc);
+    /// under the writer lock only when no group has room (a chunk or a commit is needed), or
+    /// with the legacy allocator.
+    pub(crate) fn alloc_data_held(&self, ino: Inode, offset: u64, len: u64) -> Result<u64> {
+        if let Some(a) = self.allocator.as_ref().filter(|a| !a.is_legacy()) {
+            let want = crate::space::alloc::Want {
+                kind: crate::space::alloc::SpaceKind::Data,
+                len,
+                align: self.disk.sectorsize() as u64,
+                file: for_file(ino, offset),
+                held: true,
+            };
+            if let Some(at) = a.alloc_for(&want) {
+                return Ok(at);
+            }
+        }
+        self.op(true, |w| {
+            w.alloc_data_held_or_commit(len, for_file(ino, offset))
+        })
     }
 
     /// The extent of `range` written at `bytenr` (held) becomes a pending ordered extent of
@@ -969,7 +998,7 @@ impl Core {
         writeback: &WritebackFn<'_>,
     ) -> Result<bool> {
         let len = range.1;
-        let bytenr = self.op(true, |w| w.alloc_data_held_or_commit(len))?;
+        let bytenr = self.alloc_data_held(ino, range.0, len)?;
         // The data goes out of the gate (crate::gate): nothing in the trees changes until
         // the extent is recorded below.
         let written = self.outside_gate(|| writeback(bytenr, chunk));
@@ -990,8 +1019,8 @@ impl Core {
         if r.is_err() {
             // Nothing references the space: it goes back to the free space (on disk it never
             // left it).
-            if let Ok(mut w) = self.writer() {
-                w.allocator.release_held(bytenr, len);
+            if let Some(a) = &self.allocator {
+                a.release_held(bytenr, len);
             }
         }
         r
@@ -1043,6 +1072,7 @@ impl Core {
     fn write_back_delalloc(
         &self,
         w: &mut Writer,
+        ino: Inode,
         d: &crate::inode::ordered::Delalloc,
         commit_ok: bool,
     ) -> Result<Result<crate::inode::ordered::Pending>> {
@@ -1050,12 +1080,11 @@ impl Core {
         let mut buf = d.data.clone();
         buf.resize((buf.len() as u64).div_ceil(ss) as usize * ss as usize, 0);
         let len = buf.len() as u64;
+        let file = for_file(ino, d.start);
         let bytenr = if commit_ok {
-            w.alloc_data_held_or_commit(len)?
+            w.alloc_data_held_or_commit(len, file)?
         } else {
-            let at = w.alloc_data(len)?;
-            w.allocator.hold(at, len)?;
-            at
+            w.alloc_data_for(len, file, true)?
         };
         let written = self.disk.write_logical(bytenr, &buf);
         if let Err(e) = written {
@@ -1096,10 +1125,7 @@ impl Core {
                 return Ok(());
             };
             let len = (d.data.len() as u64).div_ceil(ss) * ss;
-            let at = w.alloc_data(len).and_then(|at| {
-                w.allocator.hold(at, len)?;
-                Ok(at)
-            });
+            let at = w.alloc_data_for(len, for_file(ino, d.start), true);
             let at = match at {
                 Ok(at) => at,
                 Err(e) => {
@@ -1211,7 +1237,7 @@ impl Core {
                     return Err(e);
                 }
             }
-            match self.write_back_delalloc(w, &d, false) {
+            match self.write_back_delalloc(w, i, &d, false) {
                 Ok(Ok(p)) => {
                     self.ordered.add_pending(i, p);
                     w.ordered_pending += 1;
@@ -1295,7 +1321,7 @@ impl Core {
                         return self.complete_ordered_for(w, None);
                     }
                     Ok(Some(c)) => self.write_back_compressed(w, ino, &d, c),
-                    Ok(None) => match self.write_back_delalloc(w, &d, only.is_none()) {
+                    Ok(None) => match self.write_back_delalloc(w, ino, &d, only.is_none()) {
                         Err(Error::NoSpace(_)) if only.is_some() => {
                             self.ordered.untake_delalloc(ino, d);
                             return self.complete_ordered_for(w, None);
@@ -1645,9 +1671,11 @@ impl Core {
         for (hs, he) in holes {
             let mut s = hs;
             while s < he {
-                let l = (he - s).min(MAX_EXTENT);
-                self.op(true, |w| {
-                    let bytenr = w.alloc_data_or_commit(l)?;
+                // The largest extent the free space allows, up to the largest a file extent
+                // may be.
+                let want = (he - s).min(MAX_EXTENT);
+                let l = self.op(true, |w| {
+                    let (bytenr, l) = w.alloc_data_upto(want, for_file(ino, s))?;
                     let fe = FileExtentItem {
                         generation: w.transid,
                         ram_bytes: l,
@@ -1681,7 +1709,8 @@ impl Core {
                     // place) in inodes flagged PREALLOC, and sets it on fallocate too.
                     item.flags |= INODE_PREALLOC;
                     Self::touch(w, &mut item, false);
-                    self.write_inode(w, ino, &item)
+                    self.write_inode(w, ino, &item)?;
+                    Ok(l)
                 })?;
                 s += l;
             }

@@ -1,22 +1,43 @@
-//! Block groups and free space in memory: the allocator of the write engine.
+//! Block groups and free space in memory: the allocator of the write engine (seed 001).
 //!
-//! Every block group (one chunk) keeps its own free-extent map behind its own lock, and the
-//! allocator keeps an index of groups ordered by free bytes per type, so the scalable
-//! allocator of seed 001 (try-lock busy groups, per-inode goals) can grow from here without
-//! changing the callers. Today the write engine runs one transaction at a time, so the locks are
-//! uncontended.
+//! A shared component with its own locking, called with or without the writer lock:
+//!
+//! - every block group (one chunk) keeps its free extents behind a lock of its own; a search
+//!   *tries* each candidate's lock and moves past a busy group, and blocks only when every
+//!   candidate that could serve it was busy;
+//! - the groups of each space kind are indexed by the order (log2) of their largest free
+//!   extent in an ordered map: a search looks at groups whose largest extent is big enough,
+//!   from the goal's group onward, wrapping around; a group with nothing free is in no index;
+//! - goals: a file's next extent goes right after its previous one when that space is free
+//!   (the file's nearby extent is the hint, as kernel btrfs uses it); otherwise the stream goal
+//!   of the file's inode hash (as many goals as CPUs, rounded up to a power of two, updated
+//!   without a lock). A file whose next place was taken by another stream moves to the middle
+//!   of the largest free extent, so files appended at the same time spread out instead of
+//!   interleaving;
+//! - free and pinned byte counts per kind are atomics; freed extents merge with their
+//!   neighbours as they go in ([`RangeSet::add`]).
 //!
 //! Space freed in the running transaction is *pinned*: it stays unusable until the transaction
-//! commits, because the last committed trees may still point at it. The free space tree and the
-//! block group items are derived from this state at commit: on-disk free = free + pinned.
+//! commits, because the last committed trees may still point at it. Space handed out but not
+//! yet recorded in the trees (data being written, fsync log blocks) is *held*. The free space
+//! tree and the block group items are derived from this state at commit: on-disk free = free +
+//! pinned + held (+ the superblock copies). An allocation made without the writer lock is
+//! always held (taken from free and held in one step under the group's lock), so it never
+//! changes what a commit running meanwhile writes; only the writer turns held space into used
+//! space ([`Allocator::claim_held`]) or frees space ([`Allocator::pin`]).
+//!
+//! The allocator as it was before seed 001 (one hint per kind, one next-fit cursor per group,
+//! groups by free bytes, data allocated under the writer lock) stays selectable
+//! ([`Allocator::new_legacy`], `RwOptions::legacy_allocator`) for the benchmarks.
 //!
 //! The superblock copies (64 KiB, 64 MiB, 256 GiB on the device) are carved out of the groups
 //! whose stripes cover them, a whole 64 KiB stripe unit each, as the kernel does.
 
 use crate::error::{Error, Location, Result};
 use crate::format::*;
-use std::collections::{BTreeMap, BTreeSet};
-use std::sync::Mutex;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock, TryLockError};
 
 /// Unit that excluded superblock ranges are rounded to (the kernel's stripe length).
 pub(crate) const STRIPE_LEN: u64 = 64 * 1024;
@@ -26,11 +47,14 @@ pub(crate) fn super_mirror_offsets() -> [u64; 3] {
     [64 * 1024, 64 << 20, 256 << 30]
 }
 
-/// A sorted set of disjoint, non-adjacent byte ranges (start -> length).
+/// A sorted set of disjoint, non-adjacent byte ranges (start -> length), which knows its
+/// largest range.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub(crate) struct RangeSet {
     map: BTreeMap<u64, u64>,
     total: u64,
+    /// Range lengths and how many ranges have each.
+    lens: BTreeMap<u64, u32>,
 }
 
 impl RangeSet {
@@ -40,8 +64,28 @@ impl RangeSet {
     pub(crate) fn total(&self) -> u64 {
         self.total
     }
+    /// Length of the largest range (0 when empty).
+    pub(crate) fn largest(&self) -> u64 {
+        self.lens.keys().next_back().copied().unwrap_or(0)
+    }
     pub(crate) fn iter(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
         self.map.iter().map(|(s, l)| (*s, *l))
+    }
+    fn put(&mut self, s: u64, l: u64) {
+        self.map.insert(s, l);
+        self.total += l;
+        *self.lens.entry(l).or_insert(0) += 1;
+    }
+    fn take(&mut self, s: u64) -> Option<u64> {
+        let l = self.map.remove(&s)?;
+        self.total -= l;
+        if let Some(n) = self.lens.get_mut(&l) {
+            *n -= 1;
+            if *n == 0 {
+                self.lens.remove(&l);
+            }
+        }
+        Some(l)
     }
     /// Adds `[start, start + len)`, merging with neighbours. Overlap with what is there is an
     /// engine bug (double free) and is refused.
@@ -58,11 +102,6 @@ impl RangeSet {
                     "range {start}+{len} overlaps free range {ps}+{pl} already present"
                 ));
             }
-            if ps + pl == start {
-                s = ps;
-                self.map.remove(&ps);
-                self.total -= pl;
-            }
         }
         if let Some((&ns, &nl)) = self.map.range(start..).next() {
             if ns < end {
@@ -70,14 +109,20 @@ impl RangeSet {
                     "range {start}+{len} overlaps free range {ns}+{nl} already present"
                 ));
             }
-            if ns == end {
-                e = ns + nl;
-                self.map.remove(&ns);
-                self.total -= nl;
+        }
+        if let Some((&ps, &pl)) = self.map.range(..=start).next_back() {
+            if ps + pl == start {
+                s = ps;
+                self.take(ps);
             }
         }
-        self.map.insert(s, e - s);
-        self.total += e - s;
+        if let Some((&ns, &nl)) = self.map.range(start..).next() {
+            if ns == end {
+                e = ns + nl;
+                self.take(ns);
+            }
+        }
+        self.put(s, e - s);
         Ok(())
     }
     /// Removes `[start, start + len)` where present (parts not present are ignored).
@@ -94,15 +139,12 @@ impl RangeSet {
             .map(|(s, l)| (*s, *l))
             .collect();
         for (s, l) in overlapping {
-            self.map.remove(&s);
-            self.total -= l;
+            self.take(s);
             if s < start {
-                self.map.insert(s, start - s);
-                self.total += start - s;
+                self.put(s, start - s);
             }
             if s + l > end {
-                self.map.insert(end, s + l - end);
-                self.total += s + l - end;
+                self.put(end, s + l - end);
             }
         }
     }
@@ -148,6 +190,17 @@ impl RangeSet {
         }
         None
     }
+    /// A largest range: (start, length).
+    pub(crate) fn a_largest(&self) -> Option<(u64, u64)> {
+        let want = self.largest();
+        if want == 0 {
+            return None;
+        }
+        self.map
+            .iter()
+            .find(|(_, l)| **l == want)
+            .map(|(s, l)| (*s, *l))
+    }
     /// The union of two sets.
     pub(crate) fn union(&self, other: &RangeSet) -> RangeSet {
         let mut v: Vec<(u64, u64)> = self.iter().chain(other.iter()).collect();
@@ -158,16 +211,14 @@ impl RangeSet {
             cur = match cur {
                 Some((cs, ce)) if s <= ce => Some((cs, ce.max(s + l))),
                 Some((cs, ce)) => {
-                    out.map.insert(cs, ce - cs);
-                    out.total += ce - cs;
+                    out.put(cs, ce - cs);
                     Some((s, s + l))
                 }
                 None => Some((s, s + l)),
             };
         }
         if let Some((cs, ce)) = cur {
-            out.map.insert(cs, ce - cs);
-            out.total += ce - cs;
+            out.put(cs, ce - cs);
         }
         out
     }
@@ -201,8 +252,10 @@ pub(crate) struct BlockGroup {
     pub new: bool,
     /// The free space tree describes this group with bitmaps.
     pub fst_bitmaps: bool,
-    /// Next-fit cursor.
+    /// Next-fit cursor (the legacy allocator's).
     cursor: u64,
+    /// The order this group is indexed under (None: nothing free, in no index).
+    indexed: Option<u8>,
 }
 
 impl BlockGroup {
@@ -222,6 +275,7 @@ impl BlockGroup {
             new: false,
             fst_bitmaps: false,
             cursor: start,
+            indexed: None,
         }
     }
     pub(crate) fn end(&self) -> u64 {
@@ -245,9 +299,17 @@ impl BlockGroup {
             .union(&self.excluded)
             .union(&self.held)
     }
-    fn alloc(&mut self, len: u64, align: u64) -> Option<u64> {
-        let at = self.free.find(len, align, self.cursor)?;
+    /// Takes `[at, at + len)` out of the free space.
+    fn take(&mut self, at: u64, len: u64, held: bool) -> u64 {
         self.free.remove(at, len);
+        if held {
+            let _ = self.held.add(at, len);
+        }
+        at
+    }
+    /// The legacy allocator's next fit.
+    fn alloc_next_fit(&mut self, len: u64, align: u64) -> Option<u64> {
+        let at = self.free.find(len, align, self.cursor)?;
         self.cursor = at + len;
         Some(at)
     }
@@ -280,24 +342,148 @@ impl SpaceKind {
             None
         }
     }
-}
-
-/// All block groups of the filesystem.
-#[derive(Debug, Default)]
-pub(crate) struct Allocator {
-    groups: BTreeMap<u64, Mutex<BlockGroup>>,
-    /// (kind, free bytes, group start): groups ordered by free space per kind.
-    index: BTreeSet<(SpaceKind, u64, u64)>,
-    /// Last group that satisfied an allocation, per kind (locality).
-    hint: [Option<u64>; 3],
-}
-
-fn kind_slot(k: SpaceKind) -> usize {
-    match k {
-        SpaceKind::Data => 0,
-        SpaceKind::Metadata => 1,
-        SpaceKind::System => 2,
+    fn slot(self) -> usize {
+        match self {
+            SpaceKind::Data => 0,
+            SpaceKind::Metadata => 1,
+            SpaceKind::System => 2,
+        }
     }
+}
+
+/// What the allocator did, for the benchmarks and the report at unmount.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct AllocStats {
+    /// Allocations served.
+    pub allocations: u64,
+    /// Times a group's lock was busy and the search moved on.
+    pub trylock_misses: u64,
+    /// Times a search blocked on a group's lock (every candidate was busy), or, with the
+    /// legacy allocator, found a group's lock taken and waited for it.
+    pub blocking_waits: u64,
+    /// Groups whose free space a search looked at.
+    pub groups_visited: u64,
+    /// Allocations placed exactly at their goal (right after the file's previous extent, or
+    /// at the stream goal).
+    pub goal_hits: u64,
+}
+
+impl AllocStats {
+    /// What happened since `earlier`.
+    pub fn since(&self, earlier: &AllocStats) -> AllocStats {
+        AllocStats {
+            allocations: self.allocations - earlier.allocations,
+            trylock_misses: self.trylock_misses - earlier.trylock_misses,
+            blocking_waits: self.blocking_waits - earlier.blocking_waits,
+            groups_visited: self.groups_visited - earlier.groups_visited,
+            goal_hits: self.goal_hits - earlier.goal_hits,
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    allocations: AtomicU64,
+    trylock_misses: AtomicU64,
+    blocking_waits: AtomicU64,
+    groups_visited: AtomicU64,
+    goal_hits: AtomicU64,
+}
+
+/// A file an allocation is for: where the file's previous extent ended is remembered per
+/// file, so its next extent can go right after it.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ForFile {
+    /// Subvolume and inode number.
+    pub root: u64,
+    pub ino: u64,
+    /// File offset the extent starts at.
+    pub offset: u64,
+}
+
+impl ForFile {
+    fn hash(&self) -> u64 {
+        // A multiplicative hash; only spreading matters.
+        (self.ino ^ self.root.rotate_left(32)).wrapping_mul(0x9e37_79b9_7f4a_7c15)
+    }
+}
+
+/// One allocation request.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Want {
+    pub kind: SpaceKind,
+    pub len: u64,
+    pub align: u64,
+    pub file: Option<ForFile>,
+    /// Hold what is handed out (see [`BlockGroup::held`]): required without the writer lock.
+    pub held: bool,
+}
+
+const NO_GOAL: u64 = u64::MAX;
+/// Shards of the per-file hints, and the files each remembers at most.
+const FILE_SHARDS: usize = 64;
+const FILE_SHARD_CAP: usize = 1024;
+
+/// Per file (subvolume, inode): (file offset its last extent ended at, where that extent
+/// ended on disk).
+type FileEnds = HashMap<(u64, u64), (u64, u64)>;
+
+/// A group in the allocator: its fixed range outside the lock, its state inside.
+#[derive(Debug)]
+struct Group {
+    start: u64,
+    end: u64,
+    kind: SpaceKind,
+    bg: Mutex<BlockGroup>,
+}
+
+/// Per space kind: the ordered index and the counts.
+#[derive(Debug, Default)]
+struct KindState {
+    /// (order of the largest free extent, group start) of every group with free space.
+    by_largest: Mutex<BTreeSet<(u8, u64)>>,
+    free: AtomicU64,
+    pinned: AtomicU64,
+    /// End of the last allocation of this kind (the goal when nothing better is known).
+    last: AtomicU64,
+}
+
+/// All block groups of the filesystem (see the module doc).
+#[derive(Debug)]
+pub(crate) struct Allocator {
+    groups: RwLock<BTreeMap<u64, Arc<Group>>>,
+    kinds: [KindState; 3],
+    /// Stream goals of data allocations, by inode hash.
+    streams: Box<[AtomicU64]>,
+    /// Per file (by hash): (file offset its last extent ended at, where that extent ended).
+    files: Box<[Mutex<FileEnds>]>,
+    /// The allocator as it was before seed 001, and its hint per kind.
+    legacy: bool,
+    legacy_hint: Mutex<[Option<u64>; 3]>,
+    counters: Counters,
+}
+
+impl Default for Allocator {
+    fn default() -> Self {
+        Allocator::with_streams(cpu_goals(), false)
+    }
+}
+
+/// Order (floor log2) of a non-zero length.
+fn order_of(len: u64) -> u8 {
+    (63 - len.max(1).leading_zeros()) as u8
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Stream goals: as many as CPUs, rounded up to a power of two.
+fn cpu_goals() -> usize {
+    std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1)
+        .next_power_of_two()
 }
 
 impl Allocator {
@@ -305,91 +491,404 @@ impl Allocator {
         Allocator::default()
     }
 
-    pub(crate) fn add_group(&mut self, bg: BlockGroup) -> Result<()> {
+    /// The allocator as it was before seed 001 (for the benchmarks' comparison).
+    pub(crate) fn new_legacy() -> Allocator {
+        Allocator::with_streams(cpu_goals(), true)
+    }
+
+    fn with_streams(n: usize, legacy: bool) -> Allocator {
+        Allocator {
+            groups: RwLock::default(),
+            kinds: Default::default(),
+            streams: (0..n.max(1)).map(|_| AtomicU64::new(NO_GOAL)).collect(),
+            files: (0..FILE_SHARDS).map(|_| Mutex::default()).collect(),
+            legacy,
+            legacy_hint: Mutex::default(),
+            counters: Counters::default(),
+        }
+    }
+
+    /// Whether this is the allocator as it was before seed 001.
+    pub(crate) fn is_legacy(&self) -> bool {
+        self.legacy
+    }
+
+    /// What the allocator did so far.
+    pub(crate) fn stats(&self) -> AllocStats {
+        let c = &self.counters;
+        AllocStats {
+            allocations: c.allocations.load(Relaxed),
+            trylock_misses: c.trylock_misses.load(Relaxed),
+            blocking_waits: c.blocking_waits.load(Relaxed),
+            groups_visited: c.groups_visited.load(Relaxed),
+            goal_hits: c.goal_hits.load(Relaxed),
+        }
+    }
+
+    fn kind(&self, k: SpaceKind) -> &KindState {
+        &self.kinds[k.slot()]
+    }
+
+    fn group_arc(&self, bytenr: u64) -> Option<Arc<Group>> {
+        let groups = self.groups.read().unwrap_or_else(|e| e.into_inner());
+        let (_, g) = groups.range(..=bytenr).next_back()?;
+        (bytenr < g.end).then(|| g.clone())
+    }
+
+    pub(crate) fn add_group(&self, mut bg: BlockGroup) -> Result<()> {
         let kind = SpaceKind::of_flags(bg.flags).ok_or_else(|| {
             Error::Unsupported(format!(
                 "block group at {} has type flags {:#x}",
                 bg.start, bg.flags
             ))
         })?;
-        if let Some(prev) = self.group_containing(bg.start) {
+        let mut groups = self.groups.write().unwrap_or_else(|e| e.into_inner());
+        let overlap = groups
+            .range(..bg.end())
+            .next_back()
+            .filter(|(_, g)| g.end > bg.start);
+        if let Some((prev, _)) = overlap {
             return Err(Error::corrupt(
                 Location::what(format!("block group at {}", bg.start)),
                 format!("overlaps the block group at {prev}"),
             ));
         }
-        self.index.insert((kind, bg.free.total(), bg.start));
-        self.groups.insert(bg.start, Mutex::new(bg));
+        let ks = self.kind(kind);
+        ks.free.fetch_add(bg.free.total(), Relaxed);
+        ks.pinned.fetch_add(bg.pinned.total(), Relaxed);
+        bg.indexed = None;
+        let g = Arc::new(Group {
+            start: bg.start,
+            end: bg.end(),
+            kind,
+            bg: Mutex::new(bg),
+        });
+        {
+            let mut b = lock(&g.bg);
+            self.reindex(&g, &mut b);
+        }
+        groups.insert(g.start, g);
         Ok(())
+    }
+
+    /// Puts the group under the index entry its largest free extent calls for (caller holds
+    /// the group's lock: the group's entry changes only under it).
+    fn reindex(&self, g: &Group, b: &mut BlockGroup) {
+        let want = (b.free.total() > 0).then(|| order_of(b.free.largest()));
+        if want != b.indexed {
+            let mut ix = lock(&self.kind(g.kind).by_largest);
+            if let Some(o) = b.indexed {
+                ix.remove(&(o, g.start));
+            }
+            if let Some(o) = want {
+                ix.insert((o, g.start));
+            }
+            b.indexed = want;
+        }
     }
 
     /// Start of the group containing `bytenr`.
     pub(crate) fn group_containing(&self, bytenr: u64) -> Option<u64> {
-        let (s, g) = self.groups.range(..=bytenr).next_back()?;
-        let g = g.lock().unwrap_or_else(|e| e.into_inner());
-        (bytenr < g.end()).then_some(*s)
+        self.group_arc(bytenr).map(|g| g.start)
+    }
+
+    /// Runs `f` on a locked group, keeping the counts and the index in step.
+    fn edit<R>(&self, g: &Group, b: &mut BlockGroup, f: impl FnOnce(&mut BlockGroup) -> R) -> R {
+        let (free0, pinned0) = (b.free.total(), b.pinned.total());
+        let r = f(b);
+        let ks = self.kind(g.kind);
+        let (free1, pinned1) = (b.free.total(), b.pinned.total());
+        if free1 >= free0 {
+            ks.free.fetch_add(free1 - free0, Relaxed);
+        } else {
+            ks.free.fetch_sub(free0 - free1, Relaxed);
+        }
+        if pinned1 >= pinned0 {
+            ks.pinned.fetch_add(pinned1 - pinned0, Relaxed);
+        } else {
+            ks.pinned.fetch_sub(pinned0 - pinned1, Relaxed);
+        }
+        self.reindex(g, b);
+        r
     }
 
     /// Runs `f` on the group containing `bytenr` (under its lock), keeping the index in step.
     pub(crate) fn with_group<R>(
-        &mut self,
+        &self,
         bytenr: u64,
         f: impl FnOnce(&mut BlockGroup) -> R,
     ) -> Option<R> {
-        let (s, m) = self.groups.range(..=bytenr).next_back()?;
-        let mut g = m.lock().unwrap_or_else(|e| e.into_inner());
-        if bytenr >= g.end() {
-            return None;
-        }
-        let kind = SpaceKind::of_flags(g.flags)?;
-        let before = g.free.total();
-        let r = f(&mut g);
-        let after = g.free.total();
-        let start = *s;
-        drop(g);
-        if before != after {
-            self.index.remove(&(kind, before, start));
-            self.index.insert((kind, after, start));
-        }
-        Some(r)
+        let g = self.group_arc(bytenr)?;
+        let mut b = lock(&g.bg);
+        Some(self.edit(&g, &mut b, f))
     }
 
     /// Every group start, in order.
     pub(crate) fn starts(&self) -> Vec<u64> {
-        self.groups.keys().copied().collect()
+        let groups = self.groups.read().unwrap_or_else(|e| e.into_inner());
+        groups.keys().copied().collect()
     }
 
     /// Allocates `len` bytes aligned to `align` from a group of `kind`. `None` when no group
     /// has room (the caller may add a chunk, or commit to release pinned space).
-    pub(crate) fn alloc(&mut self, kind: SpaceKind, len: u64, align: u64) -> Option<u64> {
-        // No address is a sentinel: a group may start at logical 0 (old mkfs put the system
-        // chunk there), so "no hint yet" is None, and a hint is only taken for its own kind.
-        let hint = self.hint[kind_slot(kind)];
-        let mut order: Vec<u64> = Vec::new();
-        if let Some(h) = hint.filter(|h| {
-            self.groups.get(h).is_some_and(|g| {
-                let flags = g.lock().unwrap_or_else(|e| e.into_inner()).flags;
-                SpaceKind::of_flags(flags) == Some(kind)
+    pub(crate) fn alloc(&self, kind: SpaceKind, len: u64, align: u64) -> Option<u64> {
+        self.alloc_for(&Want {
+            kind,
+            len,
+            align,
+            file: None,
+            held: false,
+        })
+    }
+
+    /// Allocates what `want` asks for (see the module doc for where it goes).
+    pub(crate) fn alloc_for(&self, want: &Want) -> Option<u64> {
+        if want.len == 0 {
+            return None;
+        }
+        let at = if self.legacy {
+            self.alloc_legacy(want)
+        } else {
+            self.alloc_scalable(want)
+        }?;
+        self.counters.allocations.fetch_add(1, Relaxed);
+        Some(at)
+    }
+
+    /// Allocates up to `want.len` bytes (at least `min`, both multiples of `want.align`): all
+    /// of it where a free extent that long exists, else the largest free extent there is.
+    /// Returns (start, length).
+    pub(crate) fn alloc_upto(&self, want: &Want, min: u64) -> Option<(u64, u64)> {
+        if let Some(at) = self.alloc_for(want) {
+            return Some((at, want.len));
+        }
+        // The largest extent of the group with the largest one.
+        let (_, start) = {
+            let ix = lock(&self.kind(want.kind).by_largest);
+            *ix.iter().next_back()?
+        };
+        let g = self.group_arc(start)?;
+        let mut b = lock(&g.bg);
+        let (s, l) = b.free.a_largest()?;
+        let a = s.div_ceil(want.align) * want.align;
+        let avail = (s + l).saturating_sub(a) / want.align * want.align;
+        let got = avail.min(want.len);
+        if got < min.max(want.align) {
+            return None;
+        }
+        self.edit(&g, &mut b, |b| b.take(a, got, want.held));
+        drop(b);
+        self.after_alloc(want, a, got);
+        self.counters.allocations.fetch_add(1, Relaxed);
+        Some((a, got))
+    }
+
+    /// Records where an allocation went: the file's hint, the stream goal, the kind's last.
+    fn after_alloc(&self, want: &Want, at: u64, len: u64) {
+        let end = at + len;
+        self.kind(want.kind).last.store(end, Relaxed);
+        if let Some(f) = want.file {
+            let h = f.hash();
+            self.streams[(h >> 32) as usize & (self.streams.len() - 1)].store(end, Relaxed);
+            let mut shard = lock(&self.files[h as usize % FILE_SHARDS]);
+            if shard.len() >= FILE_SHARD_CAP {
+                shard.clear();
+            }
+            shard.insert((f.root, f.ino), (f.offset + len, end));
+        }
+    }
+
+    /// The goal of a request: (address, whether it is the file's own continuation).
+    fn goal(&self, want: &Want) -> Option<(u64, bool)> {
+        if let Some(f) = want.file {
+            let h = f.hash();
+            let shard = lock(&self.files[h as usize % FILE_SHARDS]);
+            if let Some(&(file_end, disk_end)) = shard.get(&(f.root, f.ino)) {
+                if file_end == f.offset {
+                    return Some((disk_end, true));
+                }
+            }
+            drop(shard);
+            let s = self.streams[(h >> 32) as usize & (self.streams.len() - 1)].load(Relaxed);
+            if s != NO_GOAL {
+                return Some((s, false));
+            }
+        }
+        let last = self.kind(want.kind).last.load(Relaxed);
+        (last != NO_GOAL && last != 0).then_some((last, false))
+    }
+
+    /// Tries to place `want` in the locked group `b`, from `goal` on. Counts goal hits.
+    fn place(&self, want: &Want, b: &mut BlockGroup, goal: Option<(u64, bool)>) -> Option<u64> {
+        let in_group = goal.filter(|(a, _)| *a >= b.start && *a < b.end());
+        let at = match in_group {
+            Some((a, own)) => {
+                let a_al = a.div_ceil(want.align) * want.align;
+                if b.free.contains(a_al, want.len) {
+                    self.counters.goal_hits.fetch_add(1, Relaxed);
+                    a_al
+                } else if own {
+                    // The file's next place went to another stream: move to the middle of
+                    // the largest free extent (room to grow for this file and for whoever
+                    // is appending before it), unless that is no longer than the request.
+                    match b.free.a_largest() {
+                        Some((s, l)) if l >= want.len * 4 => {
+                            let mid = (s + l / 2) / want.align * want.align;
+                            let mid = mid.max(s.div_ceil(want.align) * want.align);
+                            if mid + want.len <= s + l {
+                                mid
+                            } else {
+                                b.free.find(want.len, want.align, a)?
+                            }
+                        }
+                        _ => b.free.find(want.len, want.align, a)?,
+                    }
+                } else {
+                    b.free.find(want.len, want.align, a)?
+                }
+            }
+            None => b.free.find(want.len, want.align, b.start)?,
+        };
+        Some(b.take(at, want.len, want.held))
+    }
+
+    fn alloc_scalable(&self, want: &Want) -> Option<u64> {
+        let goal = self.goal(want);
+        let mut busy: Vec<u64> = Vec::new();
+        // The goal's group first: most allocations end there.
+        let goal_group = goal
+            .and_then(|(a, _)| self.group_arc(a))
+            .filter(|g| g.kind == want.kind);
+        if let Some(g) = &goal_group {
+            match self.try_place(want, g, goal) {
+                Ok(Some(at)) => return Some(at),
+                Ok(None) => {}
+                Err(()) => busy.push(g.start),
+            }
+        }
+        // Then every group whose largest free extent is big enough, by order, each order's
+        // groups from the goal onward, wrapping around; then those whose largest extent may
+        // be big enough (the request's own order).
+        let from = goal.map_or(0, |(a, _)| a);
+        let skip = goal_group.map(|g| g.start);
+        let cands: Vec<u64> = {
+            let need = order_of(want.len);
+            let sure = if want.len.is_power_of_two() {
+                need
+            } else {
+                need + 1
+            };
+            let ix = lock(&self.kind(want.kind).by_largest);
+            let mut c: Vec<(u8, bool, u64)> = ix
+                .range((sure, 0)..)
+                .map(|&(o, s)| (o, s < from, s))
+                .collect();
+            c.sort_unstable();
+            let mut c: Vec<u64> = c.into_iter().map(|(_, _, s)| s).collect();
+            if sure != need {
+                let mut maybe: Vec<(bool, u64)> = ix
+                    .range((need, 0)..(sure, 0))
+                    .map(|&(_, s)| (s < from, s))
+                    .collect();
+                maybe.sort_unstable();
+                c.extend(maybe.into_iter().map(|(_, s)| s));
+            }
+            c
+        };
+        for s in cands.into_iter().filter(|s| Some(*s) != skip) {
+            let Some(g) = self.group_arc(s) else { continue };
+            match self.try_place(want, &g, goal) {
+                Ok(Some(at)) => return Some(at),
+                Ok(None) => {}
+                Err(()) => busy.push(s),
+            }
+        }
+        // Every group that could have served was busy: wait for them in turn.
+        for g in busy.into_iter().filter_map(|s| self.group_arc(s)) {
+            self.counters.blocking_waits.fetch_add(1, Relaxed);
+            let mut b = lock(&g.bg);
+            if let Some(at) = self.place_locked(want, &g, &mut b, goal) {
+                return Some(at);
+            }
+        }
+        None
+    }
+
+    /// [`Allocator::place`] in `g` if its lock is free: Err(()) when it is busy.
+    fn try_place(
+        &self,
+        want: &Want,
+        g: &Group,
+        goal: Option<(u64, bool)>,
+    ) -> std::result::Result<Option<u64>, ()> {
+        let mut b = match g.bg.try_lock() {
+            Ok(b) => b,
+            Err(TryLockError::Poisoned(e)) => e.into_inner(),
+            Err(TryLockError::WouldBlock) => {
+                self.counters.trylock_misses.fetch_add(1, Relaxed);
+                return Err(());
+            }
+        };
+        Ok(self.place_locked(want, g, &mut b, goal))
+    }
+
+    fn place_locked(
+        &self,
+        want: &Want,
+        g: &Group,
+        b: &mut BlockGroup,
+        goal: Option<(u64, bool)>,
+    ) -> Option<u64> {
+        self.counters.groups_visited.fetch_add(1, Relaxed);
+        if b.free.largest() < want.len {
+            return None;
+        }
+        let at = self.edit(g, b, |b| self.place(want, b, goal))?;
+        self.after_alloc(want, at, want.len);
+        Some(at)
+    }
+
+    /// Before seed 001: the kind's hint group first, then groups by free bytes (most first),
+    /// next fit from each group's cursor, every lock waited for.
+    fn alloc_legacy(&self, want: &Want) -> Option<u64> {
+        let slot = want.kind.slot();
+        let hint = lock(&self.legacy_hint)[slot];
+        let groups: Vec<Arc<Group>> = {
+            let all = self.groups.read().unwrap_or_else(|e| e.into_inner());
+            all.values()
+                .filter(|g| g.kind == want.kind)
+                .cloned()
+                .collect()
+        };
+        let mut order: Vec<(u64, Arc<Group>)> = groups
+            .into_iter()
+            .map(|g| {
+                let free = lock(&g.bg).free.total();
+                (free, g)
             })
-        }) {
-            order.push(h);
+            .filter(|(f, g)| *f >= want.len || Some(g.start) == hint)
+            .collect();
+        order.sort_by(|a, b| b.0.cmp(&a.0).then(b.1.start.cmp(&a.1.start)));
+        if let Some(i) = order.iter().position(|(_, g)| Some(g.start) == hint) {
+            let h = order.remove(i);
+            order.insert(0, h);
         }
-        // Then the groups with the most free space first.
-        for (_, free, start) in self
-            .index
-            .range((kind, 0, 0)..=(kind, u64::MAX, u64::MAX))
-            .rev()
-        {
-            if *free < len {
-                break;
-            }
-            if Some(*start) != hint {
-                order.push(*start);
-            }
-        }
-        for start in order {
-            if let Some(Some(at)) = self.with_group(start, |g| g.alloc(len, align)) {
-                self.hint[kind_slot(kind)] = Some(start);
+        for (_, g) in order {
+            let mut b = match g.bg.try_lock() {
+                Ok(b) => b,
+                Err(TryLockError::Poisoned(e)) => e.into_inner(),
+                Err(TryLockError::WouldBlock) => {
+                    self.counters.blocking_waits.fetch_add(1, Relaxed);
+                    lock(&g.bg)
+                }
+            };
+            self.counters.groups_visited.fetch_add(1, Relaxed);
+            let got = self.edit(&g, &mut b, |b| {
+                let at = b.alloc_next_fit(want.len, want.align)?;
+                Some(b.take(at, want.len, want.held))
+            });
+            if let Some(at) = got {
+                lock(&self.legacy_hint)[slot] = Some(g.start);
                 return Some(at);
             }
         }
@@ -397,12 +896,12 @@ impl Allocator {
     }
 
     /// Removes a range from the free space of its group (it is in use).
-    pub(crate) fn reserve(&mut self, start: u64, len: u64) {
+    pub(crate) fn reserve(&self, start: u64, len: u64) {
         self.with_group(start, |g| g.free.remove(start, len));
     }
 
     /// Pins a range freed in the running transaction.
-    pub(crate) fn pin(&mut self, start: u64, len: u64) -> Result<()> {
+    pub(crate) fn pin(&self, start: u64, len: u64) -> Result<()> {
         match self.with_group(start, |g| {
             g.dirty = true;
             g.pinned.add(start, len)
@@ -421,33 +920,24 @@ impl Allocator {
 
     /// Allocates a block for the fsync log: taken from the free space and held (see
     /// [`BlockGroup::held`]) without touching the group's used count or its on-disk items.
-    pub(crate) fn alloc_held(&mut self, kind: SpaceKind, len: u64, align: u64) -> Option<u64> {
-        let at = self.alloc(kind, len, align)?;
-        match self.with_group(at, |g| g.held.add(at, len)) {
-            Some(Ok(())) => Some(at),
-            _ => None,
-        }
-    }
-
-    /// Holds a range [`Allocator::alloc`] just returned (see [`BlockGroup::held`]).
-    pub(crate) fn hold(&mut self, start: u64, len: u64) -> Result<()> {
-        match self.with_group(start, |g| g.held.add(start, len)) {
-            Some(Ok(())) => Ok(()),
-            Some(Err(e)) => Err(Error::Internal(format!("holding {start}+{len}: {e}"))),
-            None => Err(Error::Internal(format!(
-                "held extent {start}+{len} is in no block group"
-            ))),
-        }
+    pub(crate) fn alloc_held(&self, kind: SpaceKind, len: u64, align: u64) -> Option<u64> {
+        self.alloc_for(&Want {
+            kind,
+            len,
+            align,
+            file: None,
+            held: true,
+        })
     }
 
     /// A held range becomes an ordinary allocation: the caller has just recorded it in the
     /// trees (its extent item and used count come with the commit's delayed references).
-    pub(crate) fn claim_held(&mut self, start: u64, len: u64) {
+    pub(crate) fn claim_held(&self, start: u64, len: u64) {
         self.with_group(start, |g| g.held.remove(start, len));
     }
 
-    /// Gives held log blocks back to the free space.
-    pub(crate) fn release_held(&mut self, start: u64, len: u64) {
+    /// Gives held space back to the free space.
+    pub(crate) fn release_held(&self, start: u64, len: u64) {
         self.with_group(start, |g| {
             if g.held.contains(start, len) {
                 g.held.remove(start, len);
@@ -456,8 +946,8 @@ impl Allocator {
         });
     }
 
-    /// After a commit: pinned space becomes allocatable.
-    pub(crate) fn unpin_all(&mut self) {
+    /// After a commit: pinned space becomes allocatable (merged with its free neighbours).
+    pub(crate) fn unpin_all(&self) {
         for s in self.starts() {
             self.with_group(s, |g| {
                 let pinned = std::mem::take(&mut g.pinned);
@@ -470,24 +960,16 @@ impl Allocator {
 
     /// Pinned bytes of one kind (space a commit would release).
     pub(crate) fn pinned_bytes(&self, kind: SpaceKind) -> u64 {
-        self.groups
-            .values()
-            .map(|m| m.lock().unwrap_or_else(|e| e.into_inner()))
-            .filter(|g| SpaceKind::of_flags(g.flags) == Some(kind))
-            .map(|g| g.pinned.total())
-            .sum()
+        self.kind(kind).pinned.load(Relaxed)
     }
 
     /// Free bytes of one kind.
     pub(crate) fn free_bytes(&self, kind: SpaceKind) -> u64 {
-        self.index
-            .range((kind, 0, 0)..=(kind, u64::MAX, u64::MAX))
-            .map(|(_, f, _)| *f)
-            .sum()
+        self.kind(kind).free.load(Relaxed)
     }
 
     /// Adds `delta` to the used count of the group holding `bytenr`.
-    pub(crate) fn account_used(&mut self, bytenr: u64, len: u64, add: bool) -> Result<()> {
+    pub(crate) fn account_used(&self, bytenr: u64, len: u64, add: bool) -> Result<()> {
         let r = self.with_group(bytenr, |g| {
             g.dirty = true;
             if add {
@@ -514,7 +996,7 @@ impl Allocator {
     }
 
     /// Runs `f` on every group in address order.
-    pub(crate) fn for_each(&mut self, mut f: impl FnMut(&mut BlockGroup)) {
+    pub(crate) fn for_each(&self, mut f: impl FnMut(&mut BlockGroup)) {
         for s in self.starts() {
             self.with_group(s, &mut f);
         }
@@ -522,11 +1004,8 @@ impl Allocator {
 
     /// Highest end of any group (the next chunk's logical address goes at or above it).
     pub(crate) fn logical_end(&self) -> u64 {
-        self.groups
-            .values()
-            .map(|g| g.lock().unwrap_or_else(|e| e.into_inner()).end())
-            .max()
-            .unwrap_or(0)
+        let groups = self.groups.read().unwrap_or_else(|e| e.into_inner());
+        groups.values().map(|g| g.end).max().unwrap_or(0)
     }
 }
 
@@ -539,12 +1018,16 @@ mod tests {
         let mut r = RangeSet::new();
         r.add(0, 100).unwrap();
         r.add(200, 100).unwrap();
+        assert_eq!(r.largest(), 100);
         r.add(100, 100).unwrap();
         assert_eq!(r.iter().collect::<Vec<_>>(), vec![(0, 300)]);
+        assert_eq!((r.largest(), r.iter().count()), (300, 1));
         assert!(r.add(50, 10).is_err());
         r.remove(10, 20);
         assert_eq!(r.iter().collect::<Vec<_>>(), vec![(0, 10), (30, 270)]);
         assert_eq!(r.total(), 280);
+        assert_eq!(r.largest(), 270);
+        assert_eq!(r.a_largest(), Some((30, 270)));
         assert_eq!(r.find(16, 16, 0), Some(32));
         assert_eq!(r.find(4, 1, 5), Some(5));
         assert_eq!(r.find(8, 1, 5), Some(30));
@@ -554,20 +1037,145 @@ mod tests {
         assert!(r.intersects(5, 10));
         let mut o = RangeSet::new();
         o.add(10, 20).unwrap();
-        assert_eq!(r.union(&o).iter().collect::<Vec<_>>(), vec![(0, 300)]);
+        let u = r.union(&o);
+        assert_eq!(u.iter().collect::<Vec<_>>(), vec![(0, 300)]);
+        assert_eq!(u.largest(), 300);
+        r.remove(0, 300);
+        assert_eq!((r.total(), r.largest(), r.iter().count()), (0, 0, 0));
+    }
+
+    fn one_group(kind: u64, legacy: bool) -> Allocator {
+        let a = if legacy {
+            Allocator::new_legacy()
+        } else {
+            Allocator::new()
+        };
+        a.add_group(BlockGroup::new(1 << 20, 1 << 20, kind))
+            .unwrap();
+        a
     }
 
     #[test]
     fn allocator_pins_until_commit() {
-        let mut a = Allocator::new();
-        a.add_group(BlockGroup::new(1 << 20, 1 << 20, BLOCK_GROUP_METADATA))
+        for legacy in [false, true] {
+            let a = one_group(BLOCK_GROUP_METADATA, legacy);
+            let x = a.alloc(SpaceKind::Metadata, 16384, 16384).unwrap();
+            assert_eq!(x, 1 << 20);
+            a.pin(x, 16384).unwrap();
+            assert_eq!(a.free_bytes(SpaceKind::Metadata), (1 << 20) - 16384);
+            assert_eq!(a.pinned_bytes(SpaceKind::Metadata), 16384);
+            a.unpin_all();
+            assert_eq!(a.free_bytes(SpaceKind::Metadata), 1 << 20);
+            assert_eq!(a.pinned_bytes(SpaceKind::Metadata), 0);
+            assert!(a.alloc(SpaceKind::Data, 4096, 4096).is_none());
+        }
+    }
+
+    fn data(file: Option<(u64, u64)>, len: u64) -> Want {
+        Want {
+            kind: SpaceKind::Data,
+            len,
+            align: 4096,
+            file: file.map(|(ino, offset)| ForFile {
+                root: 5,
+                ino,
+                offset,
+            }),
+            held: true,
+        }
+    }
+
+    /// Two files appended in turns: each stays in one piece after the first collision, and
+    /// the legacy allocator interleaves them.
+    #[test]
+    fn files_appended_together_do_not_interleave() {
+        let extents = |legacy: bool| {
+            let a = one_group(BLOCK_GROUP_DATA, legacy);
+            let mut runs = [0u32; 2];
+            let mut last = [None::<u64>; 2];
+            for i in 0..64u64 {
+                for f in 0..2 {
+                    let at = a
+                        .alloc_for(&data(Some((257 + f as u64, i * 4096)), 4096))
+                        .unwrap();
+                    if last[f] != Some(at) {
+                        runs[f] += 1;
+                    }
+                    last[f] = Some(at + 4096);
+                }
+            }
+            runs
+        };
+        let new = extents(false);
+        assert!(new.iter().all(|r| *r <= 2), "scalable: {new:?}");
+        let old = extents(true);
+        assert!(old.iter().all(|r| *r >= 32), "legacy: {old:?}");
+    }
+
+    #[test]
+    fn upto_takes_the_largest_extent_when_none_is_long_enough() {
+        let a = one_group(BLOCK_GROUP_DATA, false);
+        // Free: 64 KiB pieces with 4 KiB taken between them, one 128 KiB piece.
+        let base = 1u64 << 20;
+        a.reserve(base + (64 << 10), 4096);
+        a.reserve(base + (132 << 10), 4096);
+        a.reserve(base + (264 << 10), (1 << 20) - (264 << 10));
+        let w = data(None, 256 << 10);
+        assert_eq!(a.alloc_for(&w), None);
+        assert_eq!(
+            a.alloc_upto(&w, 4096),
+            Some((base + (136 << 10), 128 << 10))
+        );
+        assert_eq!(a.alloc_upto(&w, 128 << 10), None);
+        assert_eq!(a.alloc_upto(&w, 4096).map(|x| x.1), Some(64 << 10));
+    }
+
+    #[test]
+    fn index_follows_the_largest_free_extent() {
+        let a = Allocator::new();
+        a.add_group(BlockGroup::new(1 << 20, 1 << 20, BLOCK_GROUP_DATA))
             .unwrap();
-        let x = a.alloc(SpaceKind::Metadata, 16384, 16384).unwrap();
-        assert_eq!(x, 1 << 20);
-        a.pin(x, 16384).unwrap();
-        assert_eq!(a.free_bytes(SpaceKind::Metadata), (1 << 20) - 16384);
-        a.unpin_all();
-        assert_eq!(a.free_bytes(SpaceKind::Metadata), 1 << 20);
-        assert!(a.alloc(SpaceKind::Data, 4096, 4096).is_none());
+        a.add_group(BlockGroup::new(2 << 20, 1 << 20, BLOCK_GROUP_DATA))
+            .unwrap();
+        // Fragment the first group: nothing longer than 4 KiB free.
+        for i in 0..128u64 {
+            a.reserve((1 << 20) + i * 8192, 4096);
+        }
+        let ix: Vec<(u8, u64)> = lock(&a.kinds[0].by_largest).iter().copied().collect();
+        assert_eq!(ix, vec![(12, 1 << 20), (20, 2 << 20)]);
+        // A 64 KiB request goes to the second group without looking at the first.
+        let before = a.stats();
+        let at = a.alloc(SpaceKind::Data, 65536, 4096).unwrap();
+        assert!(at >= 2 << 20);
+        assert_eq!(a.stats().since(&before).groups_visited, 1);
+        // A group with nothing free leaves the index.
+        a.reserve(2 << 20, 1 << 20);
+        let ix: Vec<(u8, u64)> = lock(&a.kinds[0].by_largest).iter().copied().collect();
+        assert_eq!(ix, vec![(12, 1 << 20)]);
+        assert_eq!(a.free_bytes(SpaceKind::Data), 128 * 4096);
+    }
+
+    /// A busy group is passed over when another can serve, and waited for when none can.
+    #[test]
+    fn busy_groups_are_skipped_then_waited_for() {
+        let a = Arc::new(Allocator::new());
+        a.add_group(BlockGroup::new(1 << 20, 1 << 20, BLOCK_GROUP_DATA))
+            .unwrap();
+        a.add_group(BlockGroup::new(2 << 20, 1 << 20, BLOCK_GROUP_DATA))
+            .unwrap();
+        let first = a.group_arc(1 << 20).unwrap();
+        let held = lock(&first.bg);
+        let at = a.alloc(SpaceKind::Data, 4096, 4096).unwrap();
+        assert!(at >= 2 << 20);
+        let s = a.stats();
+        assert_eq!((s.trylock_misses, s.blocking_waits), (1, 0));
+        // Fill the second group; the next allocation must wait for the first.
+        a.reserve(2 << 20, 1 << 20);
+        let a2 = a.clone();
+        let t = std::thread::spawn(move || a2.alloc(SpaceKind::Data, 4096, 4096));
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        drop(held);
+        assert_eq!(t.join().unwrap(), Some(1 << 20));
+        assert_eq!(a.stats().blocking_waits, 1);
     }
 }

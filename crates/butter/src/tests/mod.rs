@@ -13,6 +13,8 @@
 //! `butter::fuzz`.
 
 #[cfg(test)]
+mod alloc_model;
+#[cfg(test)]
 mod check_damage;
 #[cfg(test)]
 mod check_more;

@@ -110,7 +110,7 @@ impl Writer {
         // The superblock no longer names a log: its blocks go back once no log write is in
         // flight.
         let ns = self.disk.nodesize() as u64;
-        self.log.committed(&mut self.ctx.allocator, ns);
+        self.log.committed(&self.ctx.allocator, ns);
         // The transaction is on disk.
         self.allocator.unpin_all();
         self.allocator.for_each(|g| {

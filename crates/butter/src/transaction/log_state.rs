@@ -237,11 +237,7 @@ impl LogState {
     }
 
     /// After a transaction commit wrote its superblock (whose log pointer is clear).
-    pub(crate) fn committed(
-        &mut self,
-        allocator: &mut crate::space::alloc::Allocator,
-        nodesize: u64,
-    ) {
+    pub(crate) fn committed(&mut self, allocator: &crate::space::alloc::Allocator, nodesize: u64) {
         self.trees.clear();
         self.root_tree = LogTree::default();
         self.changed.clear();

@@ -29,7 +29,7 @@ use crate::error::{Error, Result};
 use crate::format::superblock::{DevItem, Superblock};
 use crate::format::*;
 use crate::io::disk_io::Disk;
-use crate::space::alloc::{Allocator, SpaceKind};
+use crate::space::alloc::{Allocator, ForFile, SpaceKind, Want};
 use crate::space::delayed_refs::DelayedRefs;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -166,7 +166,7 @@ impl Writer {
                 transid: sb.generation + 1,
                 trees: BTreeMap::new(),
                 refs: DelayedRefs::default(),
-                allocator: Allocator::new(),
+                allocator: Arc::new(Allocator::new()),
                 chunk_tree_uuid: root_block.header.chunk_tree_uuid,
                 sb_bytes_used: sb.bytes_used,
                 live,
@@ -220,6 +220,18 @@ impl Writer {
         Ok(w)
     }
 
+    /// Replaces the allocator by the one from before seed 001 (for the benchmarks), right
+    /// after the open: the block groups are loaded again from the trees.
+    pub(crate) fn use_legacy_allocator(&mut self) -> Result<()> {
+        if self.has_changes() || self.log.pending() {
+            return Err(Error::Internal(
+                "the allocator can only be chosen before anything is changed".into(),
+            ));
+        }
+        self.ctx.allocator = Arc::new(Allocator::new_legacy());
+        self.load_block_groups()
+    }
+
     /// Registers a tree created in the running transaction; the caller inserts its ROOT_ITEM
     /// under `item_key` (commit keeps the item's root pointer current).
     pub(crate) fn add_new_tree(
@@ -264,15 +276,30 @@ impl Writer {
         !self.refs.is_empty() || !self.disk.overlay_addresses().is_empty()
     }
 
-    /// Allocates `len` bytes of data space (sector aligned), adding a data chunk if needed.
-    pub(crate) fn alloc_data(&mut self, len: u64) -> Result<u64> {
+    /// Allocates `len` bytes of data space (sector aligned) for `file` (its next extent goes after its previous one when
+    /// that space is free), `held` (see [`crate::space::alloc::BlockGroup::held`]): for an
+    /// extent whose data is written before its file extent item goes in. A new chunk is
+    /// added only when the allocation fails under the writer lock, so writers that found
+    /// the groups full at the same moment add one chunk between them.
+    pub(crate) fn alloc_data_for(
+        &mut self,
+        len: u64,
+        file: Option<ForFile>,
+        held: bool,
+    ) -> Result<u64> {
         self.check_writable()?;
-        let ss = self.disk.sectorsize() as u64;
-        if let Some(b) = self.allocator.alloc(SpaceKind::Data, len, ss) {
+        let want = Want {
+            kind: SpaceKind::Data,
+            len,
+            align: self.disk.sectorsize() as u64,
+            file,
+            held,
+        };
+        if let Some(b) = self.allocator.alloc_for(&want) {
             return Ok(b);
         }
         if self.alloc_chunk(SpaceKind::Data, len).is_ok() {
-            if let Some(b) = self.allocator.alloc(SpaceKind::Data, len, ss) {
+            if let Some(b) = self.allocator.alloc_for(&want) {
                 return Ok(b);
             }
         }
@@ -281,14 +308,24 @@ impl Writer {
         )))
     }
 
-    /// [`Writer::alloc_data`] at the start of an operation (before it changed a tree): when
+    /// [`Writer::alloc_data_for`] at the start of an operation (before it changed a tree): when
     /// the device is full, commits first, since extents this transaction dropped are freed
     /// (and become allocatable) only by a commit.
     pub(crate) fn alloc_data_or_commit(&mut self, len: u64) -> Result<u64> {
-        match self.alloc_data(len) {
+        self.alloc_data_or_commit_for(len, None, false)
+    }
+
+    /// [`Writer::alloc_data_or_commit`] with [`Writer::alloc_data_for`]'s `file` and `held`.
+    pub(crate) fn alloc_data_or_commit_for(
+        &mut self,
+        len: u64,
+        file: Option<ForFile>,
+        held: bool,
+    ) -> Result<u64> {
+        match self.alloc_data_for(len, file, held) {
             Err(Error::NoSpace(_)) if self.has_changes() => {
                 self.commit()?;
-                self.alloc_data(len)
+                self.alloc_data_for(len, file, held)
             }
             r => r,
         }
@@ -297,10 +334,36 @@ impl Writer {
     /// [`Writer::alloc_data_or_commit`], the range held (see [`crate::space::alloc::BlockGroup::held`])
     /// for an ordered extent: its data is written without the writer lock, and until its file
     /// extent item goes in, a commit leaves the range free on disk.
-    pub(crate) fn alloc_data_held_or_commit(&mut self, len: u64) -> Result<u64> {
-        let at = self.alloc_data_or_commit(len)?;
-        self.allocator.hold(at, len)?;
-        Ok(at)
+    pub(crate) fn alloc_data_held_or_commit(
+        &mut self,
+        len: u64,
+        file: Option<ForFile>,
+    ) -> Result<u64> {
+        self.alloc_data_or_commit_for(len, file, true)
+    }
+
+    /// Up to `len` bytes of data space for `file` (fallocate): all of it where a free extent
+    /// that long exists, else the largest one there is (a sector at least), adding a chunk or
+    /// committing first when there is none. Returns (start, length).
+    pub(crate) fn alloc_data_upto(
+        &mut self,
+        len: u64,
+        file: Option<ForFile>,
+    ) -> Result<(u64, u64)> {
+        self.check_writable()?;
+        let ss = self.disk.sectorsize() as u64;
+        let want = Want {
+            kind: SpaceKind::Data,
+            len,
+            align: ss,
+            file,
+            held: false,
+        };
+        if let Some(r) = self.allocator.alloc_upto(&want, ss) {
+            return Ok(r);
+        }
+        let at = self.alloc_data_or_commit_for(len.min(ss), file, false)?;
+        Ok((at, len.min(ss)))
     }
 
     /// Before an operation: make sure metadata and system space will not run out in the middle

@@ -148,7 +148,7 @@ impl Writer {
         let mut root_tree = std::mem::take(&mut self.log.root_tree);
         let mut out = Vec::new();
         let mut new_blocks = Vec::new();
-        let allocator = &mut self.allocator;
+        let allocator = &self.allocator;
         let mut new_block = || -> Result<(u64, NewHeader)> {
             let b = allocator
                 .alloc_held(SpaceKind::Metadata, ns as u64, ns as u64)
