@@ -724,6 +724,16 @@ impl Filesystem for ButterFuse {
                     o.locked_waits,
                     r.data_io_out_of_gate
                 );
+                let a = r.alloc;
+                log::info!(
+                    "allocator: {} allocations, {} try-lock misses, {} blocking waits, {} \
+                     groups visited, {} goal hits",
+                    a.allocations,
+                    a.trylock_misses,
+                    a.blocking_waits,
+                    a.groups_visited,
+                    a.goal_hits
+                );
             }
             Err(e) => self.fs.stop(format!("final commit at unmount: {e}")),
         }

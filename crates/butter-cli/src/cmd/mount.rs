@@ -39,7 +39,9 @@ pub struct MountArgs {
     /// nosuid, exec, noexec, atime, noatime, compress[=ALG[:LEVEL]] (compress written data:
     /// zlib 1-9, lzo, zstd 1-15; zlib:3 when ALG is not given), compress-force[=ALG[:LEVEL]]
     /// (every file, even one whose start does not compress), compress=no, max_inline=BYTES
-    /// (files up to this size are kept in the metadata, inline; default 2048).
+    /// (files up to this size are kept in the metadata, inline; default 2048),
+    /// allocator=scalable|legacy (the block allocator: seed 001's, the default, or the one
+    /// from before it, for benchmarks).
     #[arg(short = 'o', value_name = "OPTIONS")]
     pub options: Vec<String>,
     /// Mount this subvolume (path from the top-level subvolume) instead of the default one.
@@ -89,6 +91,8 @@ struct Plan {
     compress_force: bool,
     /// `max_inline=`.
     max_inline: u64,
+    /// `allocator=legacy`: the block allocator from before seed 001 (for benchmarks).
+    legacy_allocator: bool,
     subvol: Subvol,
     cfg: MountConfig,
 }
@@ -103,6 +107,7 @@ fn plan(a: &MountArgs) -> Result<Plan, CliError> {
     let mut compress = None;
     let mut compress_force = false;
     let mut max_inline = butter::inode::file::DEFAULT_MAX_INLINE;
+    let mut legacy_allocator = false;
     let mut subvol = match (&a.subvol, a.subvol_id) {
         (Some(p), _) => Subvol::Path(p.clone()),
         (None, Some(id)) => Subvol::Id(id),
@@ -164,6 +169,20 @@ fn plan(a: &MountArgs) -> Result<Plan, CliError> {
                 max_inline = crate::cmd::mkfs::parse_size(v)
                     .map_err(|e| CliError(format!("max_inline={v}: {e}")))?;
                 None
+            }
+            ("allocator", Some("scalable")) => {
+                legacy_allocator = false;
+                None
+            }
+            ("allocator", Some("legacy")) => {
+                legacy_allocator = true;
+                None
+            }
+            ("allocator", Some(v)) => {
+                return Err(CliError(format!(
+                    "allocator={v}: expected allocator=scalable (the default) or \
+                     allocator=legacy"
+                )))
             }
             ("fsync", Some("log")) => {
                 (fsync_log, fsync_rule) = (true, true);
@@ -242,6 +261,7 @@ fn plan(a: &MountArgs) -> Result<Plan, CliError> {
         compress,
         compress_force,
         max_inline,
+        legacy_allocator,
         subvol,
         cfg,
     })
@@ -303,6 +323,7 @@ pub fn mount(a: MountArgs) -> CliResult {
             compress: p.compress,
             compress_force: p.compress_force,
             max_inline: p.max_inline,
+            legacy_allocator: p.legacy_allocator,
             ..Default::default()
         };
         Fs::open_rw_with(&a.image, opts).map_err(|e| match e {
@@ -480,6 +501,10 @@ mod tests {
         let m = parse(&["-o", "max_inline=4k,max_inline=3000", "img", "dir"]).unwrap();
         assert_eq!(m.max_inline, 3000);
         assert!(parse(&["-o", "max_inline=lots", "img", "dir"]).is_err());
+        assert!(!m.legacy_allocator);
+        let l = parse(&["-o", "allocator=legacy", "img", "dir"]).unwrap();
+        assert!(l.legacy_allocator);
+        assert!(parse(&["-o", "allocator=buddy", "img", "dir"]).is_err());
         let f = parse(&["-o", "compress-force=lzo", "img", "dir"]).unwrap();
         assert!(f.compress_force);
         assert!(parse(&["-o", "compress=zstd:16", "img", "dir"]).is_err());
