@@ -1472,6 +1472,17 @@ impl Filesystem for ButterFuse {
         mode: i32,
         reply: ReplyEmpty,
     ) {
+        // An fallocate at the file's end is served in memory (delayed preallocation), beside
+        // other files' changes; anything else passes the gate as a change.
+        if let Ok(i) = self.inode(ino.0) {
+            if mode >= 0
+                && self
+                    .fs
+                    .fallocate_in_memory_gated(i, mode as u32, offset, length)
+            {
+                return reply.ok();
+            }
+        }
         match self.change_op("fallocate", ino.0, Passage::Data(ino.0), || {
             let known =
                 libc::FALLOC_FL_KEEP_SIZE | libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_ZERO_RANGE;

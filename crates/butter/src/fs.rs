@@ -127,6 +127,7 @@ impl Fs {
             w.use_legacy_allocator()?;
         }
         fs.core.allocator = Some(w.allocator.clone());
+        fs.core.writer_aborted = w.abort_flag.clone();
         fs.core.writer = Some(Mutex::new(w));
         // Files unlinked while open when the last writer stopped: their space comes back now,
         // as the kernel gives it back at mount.
@@ -174,12 +175,14 @@ impl Fs {
             live: Default::default(),
             writer: None,
             allocator: None,
+            writer_aborted: Default::default(),
             open_files: Mutex::new(HashMap::new()),
             roots: Mutex::new(HashMap::new()),
             default_subvol: FS_TREE_OBJECTID.into(),
             log_sync: Mutex::new(()),
             fsync_log: std::sync::atomic::AtomicBool::new(true),
             ordered: Default::default(),
+            prealloc: Default::default(),
             unlocked_writeback_above: std::sync::atomic::AtomicU64::new(
                 crate::inode::ordered::SHORT_WRITEBACK,
             ),
@@ -233,22 +236,29 @@ impl Fs {
     /// [`Fs::read_gate`] for a read of `ino` alone (its data, attributes, flags): completes
     /// pending ordered extents only when `ino` has some, so reading one file does not wait
     /// for the completion of another file's writes. (Pending extents and delayed appends
-    /// appear only under the exclusive gate, so none appear for `ino` while this is held.)
+    /// appear only under the exclusive gate, so none appear for `ino` while this is held; a
+    /// delayed preallocation may, from an fallocate that began after the read, and stays in
+    /// memory: the read does not see it, and no reader completes one.)
     pub fn read_gate_on(&self, ino: Inode) -> crate::gate::GateRead<'_> {
         self.read_gate_unless(Some(ino))
     }
 
-    /// The shared passage once no pending ordered extent (of `only`, or of any file) is left
-    /// for the read to complete: while one is, it is completed under the exclusive gate first
-    /// (only `only`'s: other files' writes stay pending).
+    /// The shared passage once no pending ordered extent or delayed preallocation (of
+    /// `only`, or of any file) is left for the read to complete: while one is, it is completed
+    /// under the exclusive gate first (only `only`'s: other files' writes stay pending).
+    /// Delayed preallocations are completed once: those made after that come from
+    /// fallocates that began after the read.
     fn read_gate_unless(&self, only: Option<Inode>) -> crate::gate::GateRead<'_> {
-        let pending = || match only {
-            Some(ino) => self.ordered.has_pending(ino),
-            None => self.has_pending_ordered(),
+        let mut preallocs_done = false;
+        let pending = |preallocs_done: bool| {
+            (match only {
+                Some(ino) => self.ordered.has_pending(ino),
+                None => self.has_pending_ordered(),
+            }) || (!preallocs_done && self.prealloc.has(only))
         };
         loop {
             let g = self.gate.read();
-            if !pending() || self.stopped().is_some() {
+            if !pending(preallocs_done) || self.stopped().is_some() {
                 return g;
             }
             drop(g);
@@ -256,11 +266,79 @@ impl Fs {
             let done = match only {
                 Some(ino) => self.complete_ordered_extents_of(ino),
                 None => self.complete_ordered_extents(),
-            };
+            }
+            .and_then(|()| self.complete_preallocs_gated(only));
+            preallocs_done = true;
             if let Err(e) = done {
                 self.stop(format!("completing writes: {e}"));
             }
         }
+    }
+
+    /// Delayed preallocations (of `only`, or every file's) into the trees; the caller holds
+    /// the exclusive gate.
+    fn complete_preallocs_gated(&self, only: Option<Inode>) -> Result<()> {
+        if !self.prealloc.has(only) {
+            return Ok(());
+        }
+        let mut w = self.writer_keeping_ordered()?;
+        self.complete_preallocs(&mut w, only)
+    }
+
+    /// fallocate(2) under the gate: an fallocate of whole sectors at a file's sector-aligned
+    /// end is served in memory (delayed preallocation, crate::inode::ordered::Preallocs) under
+    /// the file's inode passage and a lane of the gate (`Gate::lane`: no change of the trees
+    /// runs meanwhile, readers and other files' in-memory changes do), so fallocates of
+    /// different files run side by side without sharing a lock; any other passes the
+    /// exclusive gate.
+    pub fn gated_fallocate(&self, ino: Inode, mode: u32, offset: u64, len: u64) -> Result<()> {
+        if self.fallocate_in_memory_gated(ino, mode, offset, len) {
+            return Ok(());
+        }
+        let _g = self.change_gate_on(ino)?;
+        self.latch_on_failure("fallocate", self.fallocate(ino, mode, offset, len))
+    }
+
+    /// truncate(2) under the gate: a truncate of a file with a delayed preallocation back to
+    /// where that starts is served in memory (see [`Fs::gated_fallocate`]); any other passes
+    /// the exclusive gate.
+    pub fn gated_truncate(&self, ino: Inode, size: u64) -> Result<()> {
+        if self.is_writable() && !self.has_stopped() {
+            let _p = self.gate.inode(ino);
+            if let Some(_lane) = self.gate.lane(ino) {
+                if self.truncate_in_memory(ino, size) {
+                    return Ok(());
+                }
+            }
+        }
+        let _g = self.change_gate_on(ino)?;
+        self.latch_on_failure("truncate", self.truncate(ino, size))
+    }
+
+    /// The in-memory half of [`Fs::gated_fallocate`]: whether it served the fallocate.
+    pub fn fallocate_in_memory_gated(&self, ino: Inode, mode: u32, offset: u64, len: u64) -> bool {
+        if !self.is_writable() || self.has_stopped() {
+            return false;
+        }
+        let _p = self.gate.inode(ino);
+        let Some(_lane) = self.gate.lane(ino) else {
+            return false;
+        };
+        // Anything it cannot judge cheaply (or that fails) goes the ordinary way, which
+        // reports it.
+        self.fallocate_in_memory(ino, mode, offset, len)
+            .unwrap_or(false)
+    }
+
+    /// A change's result; one that may have left half of it in the running transaction stops
+    /// changes and commits (the latch).
+    fn latch_on_failure<T>(&self, what: &str, r: Result<T>) -> Result<T> {
+        if let Err(e) = &r {
+            if e.stops_changes() {
+                self.stop(format!("{what} failed: {e}"));
+            }
+        }
+        r
     }
 
     /// One handle on `ino` closed (a front end's release). The last handle of an unlinked
@@ -342,6 +420,12 @@ impl Fs {
             .fsync_waits_for_writes
             .load(std::sync::atomic::Ordering::Relaxed)
             .then(|| self.gate.inode(ino));
+        // A delayed preallocation of the file goes into the trees first, under the exclusive
+        // gate (the log copies trees; no reader may see them change).
+        if self.prealloc.has(Some(ino)) {
+            let _c = self.change_gate()?;
+            self.latch_on_failure("fsync", self.complete_preallocs_gated(Some(ino)))?;
+        }
         let ticket = {
             // Shared: the trees do not change under a reader; the writer lock keeps other
             // fsyncs out of the log meanwhile.

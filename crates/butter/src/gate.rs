@@ -30,11 +30,36 @@
 //! (crate::fs); this module holds the locks and the latch.
 
 use crate::ids::Inode;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::thread::ThreadId;
 
 /// Inode passages: files hash onto this many locks (a collision only serializes two files).
 const INODE_PASSAGES: usize = 64;
+/// Lanes of in-memory file changes.
+const LANES: usize = 16;
+
+/// One per cache line: threads on different ones do not slow each other down.
+#[repr(align(64))]
+pub(crate) struct Padded<T>(pub(crate) T);
+
+impl<T> std::ops::Deref for Padded<T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        &self.0
+    }
+}
+
+/// In a lane ([`Gate::lane`]).
+pub(crate) struct InLane<'a> {
+    lane: &'a AtomicUsize,
+}
+
+impl Drop for InLane<'_> {
+    fn drop(&mut self) {
+        self.lane.fetch_sub(1, Ordering::SeqCst);
+    }
+}
 
 /// The gate and the latch (one per filesystem; the policies that use them are
 /// `Fs::read_gate`, `Fs::change_gate`, `Core::stop`, `Fs::gated_fsync` and `Fs::gated_commit`).
@@ -42,8 +67,14 @@ pub(crate) struct Gate {
     state: Mutex<State>,
     /// Signalled whenever a passage is let go of.
     freed: Condvar,
-    inodes: Vec<Mutex<()>>,
+    inodes: Vec<Padded<Mutex<()>>>,
+    /// The lanes of in-memory file changes ([`Gate::lane`]), and whether an exclusive holder
+    /// keeps them out.
+    lanes: Vec<Padded<AtomicUsize>>,
+    lanes_closed: AtomicBool,
     stopped: Mutex<Option<String>>,
+    /// `stopped` is set (checked without its lock).
+    latched_flag: std::sync::atomic::AtomicBool,
     /// Times a data write stepped out for its I/O.
     steps_out: std::sync::atomic::AtomicU64,
 }
@@ -66,8 +97,13 @@ impl Default for Gate {
         Gate {
             state: Mutex::default(),
             freed: Condvar::new(),
-            inodes: (0..INODE_PASSAGES).map(|_| Mutex::new(())).collect(),
+            inodes: (0..INODE_PASSAGES)
+                .map(|_| Padded(Mutex::new(())))
+                .collect(),
+            lanes: (0..LANES).map(|_| Padded(AtomicUsize::new(0))).collect(),
+            lanes_closed: AtomicBool::new(false),
             stopped: Mutex::default(),
+            latched_flag: Default::default(),
             steps_out: Default::default(),
         }
     }
@@ -139,7 +175,35 @@ impl Gate {
         }
         s.waiting -= 1;
         s.exclusive = true;
+        self.close_lanes();
         s
+    }
+
+    /// A lane for an in-memory change of one file (a delayed preallocation, crate::inode::ordered),
+    /// which must not run beside a change of the trees, but may beside readers and other
+    /// files' in-memory changes: none while the gate is held exclusively (`None`: take the
+    /// ordinary way). The caller holds the file's inode passage. Lanes are counters on cache
+    /// lines of their own, so in-memory changes of different files share no lock.
+    pub(crate) fn lane(&self, ino: Inode) -> Option<InLane<'_>> {
+        if self.lanes_closed.load(Ordering::SeqCst) {
+            return None;
+        }
+        let lane = &self.lanes[(ino.ino ^ ino.root.rotate_left(7)) as usize % LANES].0;
+        lane.fetch_add(1, Ordering::SeqCst);
+        let entered = InLane { lane };
+        // Seen open after counting in: an exclusive holder closing them now waits for us.
+        (!self.lanes_closed.load(Ordering::SeqCst)).then_some(entered)
+    }
+
+    /// Keeps in-memory changes out, for the exclusive holder (under the state lock): closed
+    /// first, then every lane waited for (they are short and take no lock).
+    fn close_lanes(&self) {
+        self.lanes_closed.store(true, Ordering::SeqCst);
+        for l in &self.lanes {
+            while l.load(Ordering::SeqCst) > 0 {
+                std::thread::yield_now();
+            }
+        }
     }
 
     /// Exclusive passage, `changes` first.
@@ -169,6 +233,7 @@ impl Gate {
             .wrapping_add(ino.ino)
             .wrapping_mul(0x9e37_79b9_7f4a_7c15);
         self.inodes[(h >> 58) as usize % INODE_PASSAGES]
+            .0
             .lock()
             .unwrap_or_else(|e| e.into_inner())
     }
@@ -192,6 +257,7 @@ impl Gate {
             return SteppedOut { gate: None };
         }
         s.exclusive = false;
+        self.lanes_closed.store(false, Ordering::SeqCst);
         s.changes = false;
         s.data_writer = None;
         drop(s);
@@ -211,10 +277,17 @@ impl Gate {
         let mut s = self.stopped.lock().unwrap_or_else(|e| e.into_inner());
         if s.is_none() {
             *s = Some(why);
+            self.latched_flag
+                .store(true, std::sync::atomic::Ordering::SeqCst);
             true
         } else {
             false
         }
+    }
+
+    /// Whether the latch is set (without its lock).
+    pub(crate) fn is_latched(&self) -> bool {
+        self.latched_flag.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// Why the latch is set, if it is.
@@ -241,9 +314,11 @@ impl Drop for GateRead<'_> {
     fn drop(&mut self) {
         let mut s = self.gate.state();
         s.readers -= 1;
-        let last = s.readers == 0;
+        // Only a change waits for the readers to leave (and counts itself in `waiting`
+        // first): no wake-up (a system call) when none does.
+        let wake = s.readers == 0 && s.waiting > 0;
         drop(s);
-        if last {
+        if wake {
             self.gate.freed.notify_all();
         }
     }
@@ -261,7 +336,10 @@ impl Drop for ChangesHeld<'_> {
 
 impl Drop for ExclusiveHeld<'_> {
     fn drop(&mut self) {
-        self.gate.state().exclusive = false;
+        let mut s = self.gate.state();
+        s.exclusive = false;
+        self.gate.lanes_closed.store(false, Ordering::SeqCst);
+        drop(s);
         self.gate.freed.notify_all();
     }
 }

@@ -60,9 +60,18 @@ pub(crate) struct CowCtx {
     pub(crate) descents: u64,
     /// Why the transaction aborted, once it has: nothing more may be changed or written.
     pub(crate) aborted: Option<String>,
+    /// Set with `aborted`, for those who check without the writer lock.
+    pub(crate) abort_flag: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl CowCtx {
+    /// Records why the transaction aborted.
+    pub(crate) fn set_aborted(&mut self, why: String) {
+        self.aborted = Some(why);
+        self.abort_flag
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+
     pub(crate) fn check_writable(&self) -> Result<()> {
         match &self.aborted {
             Some(r) => Err(Error::Aborted(r.clone())),

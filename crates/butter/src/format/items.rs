@@ -30,15 +30,29 @@ impl Timespec {
     /// The current time, as inode times take it; `BUTTER_FIXED_TIME` (seconds) fixes it, for
     /// reproducible tests.
     pub(crate) fn now() -> Timespec {
-        if let Some(t) = std::env::var("BUTTER_FIXED_TIME")
+        Self::fixed().unwrap_or_else(|| Self::of_system(std::time::SystemTime::now()))
+    }
+
+    /// The wall-clock time of `at`, a moment in the past (for a change whose stamp is
+    /// written later; an Instant costs no environment lookup). The fixed time when one is
+    /// set.
+    pub(crate) fn of_instant(at: std::time::Instant) -> Timespec {
+        Self::fixed().unwrap_or_else(|| {
+            let now = std::time::SystemTime::now();
+            Self::of_system(now.checked_sub(at.elapsed()).unwrap_or(now))
+        })
+    }
+
+    /// `BUTTER_FIXED_TIME` (seconds), for reproducible images.
+    fn fixed() -> Option<Timespec> {
+        std::env::var("BUTTER_FIXED_TIME")
             .ok()
             .and_then(|v| v.parse::<i64>().ok())
-        {
-            return Timespec { sec: t, nsec: 0 };
-        }
-        let d = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap_or_default();
+            .map(|t| Timespec { sec: t, nsec: 0 })
+    }
+
+    fn of_system(t: std::time::SystemTime) -> Timespec {
+        let d = t.duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
         Timespec {
             sec: d.as_secs() as i64,
             nsec: d.subsec_nanos(),

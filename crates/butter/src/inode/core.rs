@@ -26,6 +26,8 @@ pub struct Core {
     /// The write engine's allocator, shared: data space is allocated without the writer
     /// lock (crate::space::alloc), except with the legacy allocator.
     pub(crate) allocator: Option<Arc<crate::space::alloc::Allocator>>,
+    /// The write engine's abort, readable without the writer lock.
+    pub(crate) writer_aborted: Arc<std::sync::atomic::AtomicBool>,
     /// Open handles per inode (an unlinked open file is kept as an orphan).
     pub(crate) open_files: Mutex<HashMap<Inode, u32>>,
     pub(crate) roots: Mutex<HashMap<u64, (Root, RootItem)>>,
@@ -38,6 +40,8 @@ pub struct Core {
     pub(crate) fsync_log: std::sync::atomic::AtomicBool,
     /// Range locks and ordered extents of the writes in progress (crate::inode::ordered).
     pub(crate) ordered: crate::inode::ordered::OrderedTrees,
+    /// Delayed preallocation: fallocates at files' ends kept in memory.
+    pub(crate) prealloc: crate::inode::ordered::Preallocs,
     /// Extents longer than this are written without the writer lock (crate::inode::ordered);
     /// `u64::MAX` turns that off (for the benchmark's comparison).
     pub(crate) unlocked_writeback_above: std::sync::atomic::AtomicU64,
@@ -232,6 +236,14 @@ impl Core {
                  the image keeps its last commit (unmount, then run `butter check`)"
             );
         }
+    }
+
+    /// Whether changes stopped (as [`Core::stopped`], without taking the writer lock).
+    pub(crate) fn has_stopped(&self) -> bool {
+        self.gate.is_latched()
+            || self
+                .writer_aborted
+                .load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// Why changes stopped, if they did (the latch, or the write engine's abort).

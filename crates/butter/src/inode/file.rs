@@ -1045,7 +1045,9 @@ impl Core {
         // A full buffer (this append did not fit) goes to the device without the writer lock
         // first; its completion below is only tree updates.
         self.flush_delalloc_unlocked(ino)?;
-        let mut w = if self.ordered.has_pending(ino) {
+        // (A delayed preallocation of the file is completed too: the buffer must start where
+        // the file really ends.)
+        let mut w = if self.ordered.has_pending(ino) || self.prealloc.has(Some(ino)) {
             self.writer()?
         } else {
             self.writer_keeping_ordered()?
@@ -1676,38 +1678,8 @@ impl Core {
                 let want = (he - s).min(MAX_EXTENT);
                 let l = self.op(true, |w| {
                     let (bytenr, l) = w.alloc_data_upto(want, for_file(ino, s))?;
-                    let fe = FileExtentItem {
-                        generation: w.transid,
-                        ram_bytes: l,
-                        compression: 0,
-                        encryption: 0,
-                        other_encoding: 0,
-                        ty: FILE_EXTENT_PREALLOC,
-                        body: FileExtentBody::Extent {
-                            disk_bytenr: bytenr,
-                            disk_num_bytes: l,
-                            offset: 0,
-                            num_bytes: l,
-                        },
-                    };
                     let mut item = self.inode_item(ino)?;
-                    self.fill_holes(w, ino, &mut item, s)?;
-                    let (removed, added) = self.replace_extents(w, ino, s, s + l, Some((s, fe)))?;
-                    w.refs.add_data_ref(
-                        bytenr,
-                        l,
-                        true,
-                        RefKey::Data {
-                            root: ino.root,
-                            ino: ino.ino,
-                            offset: s,
-                        },
-                        1,
-                    );
-                    item.nbytes = item.nbytes - removed.min(item.nbytes) + added;
-                    // The kernel only looks for preallocated extents (to write into them in
-                    // place) in inodes flagged PREALLOC, and sets it on fallocate too.
-                    item.flags |= INODE_PREALLOC;
+                    self.insert_prealloc(w, ino, &mut item, (s, bytenr, l))?;
                     Self::touch(w, &mut item, false);
                     self.write_inode(w, ino, &item)?;
                     Ok(l)
@@ -1724,6 +1696,214 @@ impl Core {
             })?;
         }
         Ok(())
+    }
+
+    /// A preallocated extent `(file offset, disk start, length)` goes into `ino`'s trees
+    /// (holes before it filled where the filesystem keeps hole items), with its data
+    /// reference; `item` (written by the caller) gets its nbytes and the PREALLOC flag.
+    fn insert_prealloc(
+        &self,
+        w: &mut Writer,
+        ino: Inode,
+        item: &mut InodeItem,
+        (s, bytenr, l): (u64, u64, u64),
+    ) -> Result<()> {
+        let fe = FileExtentItem {
+            generation: w.transid,
+            ram_bytes: l,
+            compression: 0,
+            encryption: 0,
+            other_encoding: 0,
+            ty: FILE_EXTENT_PREALLOC,
+            body: FileExtentBody::Extent {
+                disk_bytenr: bytenr,
+                disk_num_bytes: l,
+                offset: 0,
+                num_bytes: l,
+            },
+        };
+        self.fill_holes(w, ino, item, s)?;
+        let (removed, added) = self.replace_extents(w, ino, s, s + l, Some((s, fe)))?;
+        w.refs.add_data_ref(
+            bytenr,
+            l,
+            true,
+            RefKey::Data {
+                root: ino.root,
+                ino: ino.ino,
+                offset: s,
+            },
+            1,
+        );
+        item.nbytes = item.nbytes - removed.min(item.nbytes) + added;
+        // The kernel only looks for preallocated extents (to write into them in place) in
+        // inodes flagged PREALLOC, and sets it on fallocate too.
+        item.flags |= INODE_PREALLOC;
+        Ok(())
+    }
+
+    /// Delayed preallocation (crate::inode::ordered::Preallocs): an fallocate of whole sectors
+    /// at a regular file's sector-aligned end (mode 0), its space allocated now and held, the
+    /// rest in memory until the completion. `Ok(false)`: it takes the ordinary path. The
+    /// caller holds the file's inode passage and the shared gate (crate::gate), so nothing
+    /// changes the file's trees meanwhile.
+    pub(crate) fn fallocate_in_memory(
+        &self,
+        ino: Inode,
+        mode: u32,
+        offset: u64,
+        len: u64,
+    ) -> Result<bool> {
+        let ss = self.disk.sectorsize() as u64;
+        let Some(a) = self.allocator.as_ref().filter(|a| !a.is_legacy()) else {
+            return Ok(false);
+        };
+        if mode != 0
+            || len == 0
+            || len > MAX_EXTENT
+            || !offset.is_multiple_of(ss)
+            || !len.is_multiple_of(ss)
+            || offset.checked_add(len).is_none_or(|e| e > i64::MAX as u64)
+        {
+            return Ok(false);
+        }
+        let done = self.prealloc.with(ino, |cur| -> (bool, Result<bool>) {
+            let r = (|| -> Result<bool> {
+                // Where the file ends: with its delayed preallocation, or in the trees (a regular
+                // file without writes in flight and nothing at or past its end).
+                let end = match cur {
+                    Some(p) => p.size,
+                    None => {
+                        if self.ordered.has_pending(ino) {
+                            return Ok(false);
+                        }
+                        self.require_rw_subvol(ino.root)?;
+                        let item = self.inode_item_raw(ino)?;
+                        let special = INODE_IMMUTABLE | INODE_APPEND;
+                        if item.mode & 0o170000 != 0o100000
+                            || item.flags & special != 0
+                            || item.size != offset
+                            || !self.file_extents(ino, offset, u64::MAX)?.is_empty()
+                        {
+                            return Ok(false);
+                        }
+                        item.size
+                    }
+                };
+                if end != offset {
+                    return Ok(false);
+                }
+                let want = crate::space::alloc::Want {
+                    kind: crate::space::alloc::SpaceKind::Data,
+                    len,
+                    align: ss,
+                    file: for_file(ino, offset),
+                    held: true,
+                };
+                // No room without a new chunk or a commit: the ordinary path.
+                let Some(at) = a.alloc_for(&want) else {
+                    return Ok(false);
+                };
+                let p = cur.get_or_insert_with(|| crate::inode::ordered::Prealloc::new(offset));
+                p.append(offset, at, len, MAX_EXTENT);
+                p.size = offset + len;
+                p.stamp();
+                Ok(true)
+            })();
+            (matches!(r, Ok(true)), r)
+        })?;
+        Ok(done)
+    }
+
+    /// A truncate of a file with a delayed preallocation back to where it starts (the size
+    /// its trees have), in memory: the preallocated space goes straight back (it was never in
+    /// a tree). `false`: it takes the ordinary path. The caller holds what
+    /// [`Core::fallocate_in_memory`]'s holds.
+    pub(crate) fn truncate_in_memory(&self, ino: Inode, size: u64) -> bool {
+        let Some(a) = self.allocator.as_ref() else {
+            return false;
+        };
+        let done = self.prealloc.with(ino, |cur| {
+            let Some(p) = cur.as_mut() else {
+                return (false, false);
+            };
+            if size != p.start {
+                return (false, false);
+            }
+            for (_, b, l) in p.take_extents() {
+                a.release_held(b, l);
+            }
+            if p.size != size {
+                p.size = size;
+                p.stamp();
+                p.mtime = true;
+            }
+            (true, true)
+        });
+        done
+    }
+
+    /// Puts delayed preallocations (every file's, or `only`'s) into the trees: under the
+    /// writer lock and the exclusive gate. A failure aborts the transaction (the image keeps
+    /// its last commit) and gives up the rest.
+    pub(crate) fn complete_preallocs(&self, w: &mut Writer, only: Option<Inode>) -> Result<()> {
+        let mut failed = None;
+        for (ino, p) in self.prealloc.take(only) {
+            if failed.is_none() {
+                match self.complete_prealloc(w, ino, &p) {
+                    Ok(()) => continue,
+                    Err(e) => {
+                        w.abort(format!(
+                            "recording the preallocation of {} bytes at {} of inode {} \
+                             (subvolume {}): {e}",
+                            p.size - p.start,
+                            p.start,
+                            ino.ino,
+                            ino.root
+                        ));
+                        failed = Some(e);
+                        continue;
+                    }
+                }
+            }
+            for (_, b, l) in p.extents() {
+                w.allocator.release_held(b, l);
+            }
+        }
+        failed.map_or(Ok(()), Err)
+    }
+
+    fn complete_prealloc(
+        &self,
+        w: &mut Writer,
+        ino: Inode,
+        p: &crate::inode::ordered::Prealloc,
+    ) -> Result<()> {
+        let mut item = match self.inode_item_raw(ino) {
+            Ok(item) => item,
+            // Gone (its subvolume deleted meanwhile): the space was never in a tree.
+            Err(Error::NotFound(_)) => {
+                for (_, b, l) in p.extents() {
+                    w.allocator.release_held(b, l);
+                }
+                return Ok(());
+            }
+            Err(e) => return Err(e),
+        };
+        if p.size > item.size {
+            w.log.note_change(ino, item.size, p.size);
+        }
+        for x in p.extents() {
+            self.insert_prealloc(w, ino, &mut item, x)?;
+            w.allocator.claim_held(x.1, x.2);
+        }
+        item.size = p.size;
+        let stamp = p.stamp.map_or_else(
+            crate::format::items::Timespec::now,
+            crate::format::items::Timespec::of_instant,
+        );
+        Self::touch_at(w, &mut item, p.mtime, stamp);
+        self.write_inode(w, ino, &item)
     }
 
     /// Makes `[from, to)` read as zeros: partial sectors are rewritten, whole sectors lose
@@ -1857,7 +2037,12 @@ fn next_key_on_path(w: &mut Writer, path: &crate::ctree::cow::WPath) -> Result<O
 impl Core {
     /// Counters of the ordered extents since the filesystem was opened.
     pub fn ordered_stats(&self) -> crate::inode::ordered::OrderedStats {
-        self.ordered.stats()
+        let (in_memory, completed) = self.prealloc.stats();
+        crate::inode::ordered::OrderedStats {
+            preallocs_in_memory: in_memory,
+            preallocs_completed: completed,
+            ..self.ordered.stats()
+        }
     }
 
     /// B-tree descents the write engine made so far (every root-to-leaf search, restarts

@@ -109,6 +109,9 @@ impl Core {
         if self.ordered.any_pending() {
             self.complete_ordered(&mut g)?;
         }
+        if self.prealloc.has(None) {
+            self.complete_preallocs(&mut g, None)?;
+        }
         Ok(g)
     }
 

@@ -33,7 +33,8 @@ impl Core {
                 free: sb.total_bytes.saturating_sub(sb.bytes_used),
             });
         }
-        let mut w = self.writer()?;
+        // Reads only: pending writes stay pending (a statfs passes the gate as a reader).
+        let mut w = self.writer_keeping_ordered()?;
         let free = self.data_space_left(&mut w)?;
         drop(w);
         let total = sb.dev_item.total_bytes.min(self.disk.dev.len());

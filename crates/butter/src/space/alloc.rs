@@ -35,7 +35,7 @@
 
 use crate::error::{Error, Location, Result};
 use crate::format::*;
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock, TryLockError};
 
@@ -189,6 +189,10 @@ impl RangeSet {
             }
         }
         None
+    }
+    /// Ranges starting at or after `from`, in order.
+    pub(crate) fn iter_from(&self, from: u64) -> impl Iterator<Item = (u64, u64)> + '_ {
+        self.map.range(from..).map(|(s, l)| (*s, *l))
     }
     /// A largest range: (start, length).
     pub(crate) fn a_largest(&self) -> Option<(u64, u64)> {
@@ -423,10 +427,34 @@ const NO_GOAL: u64 = u64::MAX;
 /// Shards of the per-file hints, and the files each remembers at most.
 const FILE_SHARDS: usize = 64;
 const FILE_SHARD_CAP: usize = 1024;
+/// A file appended to (its extent went right after its previous one) gets a window: the
+/// next bytes after its end, up to this many, held for it, so its next extents come from
+/// there without any group's lock (as ext4's per-inode preallocation).
+const WINDOW: u64 = 1 << 20;
+/// Most files with a window at a time.
+const MAX_WINDOWS: usize = 64;
 
-/// Per file (subvolume, inode): (file offset its last extent ended at, where that extent
-/// ended on disk).
-type FileEnds = HashMap<(u64, u64), (u64, u64)>;
+/// Where a file's last extent ended, in the file and on disk, and its window: `[disk_end,
+/// window_end)` held for it (empty when `window_end == disk_end`).
+#[derive(Debug, Clone, Copy)]
+struct FileEnd {
+    file_end: u64,
+    disk_end: u64,
+    window_end: u64,
+}
+
+/// Some files' ends (per subvolume, inode), and the allocations served from their windows
+/// (counted here, under the lock taken anyway, not on a cache line all CPUs write).
+#[derive(Debug, Default)]
+struct FileEnds {
+    map: rustc_hash::FxHashMap<(u64, u64), FileEnd>,
+    from_windows: u64,
+}
+
+/// A lock on a cache line of its own.
+#[derive(Debug, Default)]
+#[repr(align(64))]
+struct Padded<T>(T);
 
 /// A group in the allocator: its fixed range outside the lock, its state inside.
 #[derive(Debug)]
@@ -456,11 +484,13 @@ pub(crate) struct Allocator {
     /// Stream goals of data allocations, by inode hash.
     streams: Box<[AtomicU64]>,
     /// Per file (by hash): (file offset its last extent ended at, where that extent ended).
-    files: Box<[Mutex<FileEnds>]>,
+    files: Box<[Padded<Mutex<FileEnds>>]>,
     /// The allocator as it was before seed 001, and its hint per kind.
     legacy: bool,
     legacy_hint: Mutex<[Option<u64>; 3]>,
     counters: Counters,
+    /// Files with a window now.
+    windows: std::sync::atomic::AtomicUsize,
 }
 
 impl Default for Allocator {
@@ -501,10 +531,22 @@ impl Allocator {
             groups: RwLock::default(),
             kinds: Default::default(),
             streams: (0..n.max(1)).map(|_| AtomicU64::new(NO_GOAL)).collect(),
-            files: (0..FILE_SHARDS).map(|_| Mutex::default()).collect(),
+            files: (0..FILE_SHARDS)
+                .map(|_| {
+                    // Sized up front: tables grown later could sit beside each other.
+                    Padded(Mutex::new(FileEnds {
+                        map: rustc_hash::FxHashMap::with_capacity_and_hasher(
+                            16,
+                            Default::default(),
+                        ),
+                        from_windows: 0,
+                    }))
+                })
+                .collect(),
             legacy,
             legacy_hint: Mutex::default(),
             counters: Counters::default(),
+            windows: Default::default(),
         }
     }
 
@@ -516,12 +558,13 @@ impl Allocator {
     /// What the allocator did so far.
     pub(crate) fn stats(&self) -> AllocStats {
         let c = &self.counters;
+        let windowed: u64 = self.files.iter().map(|m| lock(&m.0).from_windows).sum();
         AllocStats {
-            allocations: c.allocations.load(Relaxed),
+            allocations: c.allocations.load(Relaxed) + windowed,
             trylock_misses: c.trylock_misses.load(Relaxed),
             blocking_waits: c.blocking_waits.load(Relaxed),
             groups_visited: c.groups_visited.load(Relaxed),
-            goal_hits: c.goal_hits.load(Relaxed),
+            goal_hits: c.goal_hits.load(Relaxed) + windowed,
         }
     }
 
@@ -648,11 +691,71 @@ impl Allocator {
         }
         let at = if self.legacy {
             self.alloc_legacy(want)
+        } else if let Some(at) = self.take_from_window(want) {
+            return Some(at);
         } else {
-            self.alloc_scalable(want)
+            self.alloc_scalable(want).or_else(|| {
+                // Space held in windows is free for anyone once they are given back.
+                (self.windows.load(Relaxed) > 0 && self.release_windows() > 0)
+                    .then(|| self.alloc_scalable(want))
+                    .flatten()
+            })
         }?;
         self.counters.allocations.fetch_add(1, Relaxed);
         Some(at)
+    }
+
+    /// The next extent of a file appended to, from its window (no group lock: the window is
+    /// held already). Where the request does not continue the file or does not fit, the
+    /// window goes back (and the request takes the ordinary way, from the same place).
+    fn take_from_window(&self, want: &Want) -> Option<u64> {
+        let f = want.file?;
+        let h = f.hash();
+        let mut guard = lock(&self.files[h as usize % FILE_SHARDS].0);
+        let shard = &mut *guard;
+        let e = shard.map.get_mut(&(f.root, f.ino))?;
+        if e.window_end == e.disk_end {
+            return None;
+        }
+        if want.held
+            && e.file_end == f.offset
+            && e.disk_end.is_multiple_of(want.align)
+            && e.disk_end + want.len <= e.window_end
+        {
+            let at = e.disk_end;
+            e.file_end += want.len;
+            e.disk_end += want.len;
+            if e.disk_end == e.window_end {
+                self.windows.fetch_sub(1, Relaxed);
+            }
+            // An allocation and a goal hit (see `stats`).
+            shard.from_windows += 1;
+            return Some(at);
+        }
+        let (s, l) = (e.disk_end, e.window_end - e.disk_end);
+        e.window_end = e.disk_end;
+        drop(guard);
+        self.windows.fetch_sub(1, Relaxed);
+        self.release_held(s, l);
+        None
+    }
+
+    /// Gives every file's window back; returns how many there were.
+    pub(crate) fn release_windows(&self) -> usize {
+        let mut back = Vec::new();
+        for m in self.files.iter() {
+            for e in lock(&m.0).map.values_mut() {
+                if e.window_end > e.disk_end {
+                    back.push((e.disk_end, e.window_end - e.disk_end));
+                    e.window_end = e.disk_end;
+                }
+            }
+        }
+        self.windows.fetch_sub(back.len(), Relaxed);
+        for &(s, l) in &back {
+            self.release_held(s, l);
+        }
+        back.len()
     }
 
     /// Allocates up to `want.len` bytes (at least `min`, both multiples of `want.align`): all
@@ -685,16 +788,41 @@ impl Allocator {
 
     /// Records where an allocation went: the file's hint, the stream goal, the kind's last.
     fn after_alloc(&self, want: &Want, at: u64, len: u64) {
+        self.after_alloc_window(want, at, len, at + len);
+    }
+
+    /// [`Allocator::after_alloc`] for an allocation that left `[at + len, window_end)` held
+    /// as the file's window.
+    fn after_alloc_window(&self, want: &Want, at: u64, len: u64, window_end: u64) {
         let end = at + len;
         self.kind(want.kind).last.store(end, Relaxed);
-        if let Some(f) = want.file {
-            let h = f.hash();
-            self.streams[(h >> 32) as usize & (self.streams.len() - 1)].store(end, Relaxed);
-            let mut shard = lock(&self.files[h as usize % FILE_SHARDS]);
-            if shard.len() >= FILE_SHARD_CAP {
-                shard.clear();
+        let Some(f) = want.file else {
+            return;
+        };
+        let h = f.hash();
+        self.streams[(h >> 32) as usize & (self.streams.len() - 1)].store(end, Relaxed);
+        let mut back = Vec::new();
+        let mut shard = lock(&self.files[h as usize % FILE_SHARDS].0);
+        if shard.map.len() >= FILE_SHARD_CAP {
+            for e in shard.map.values().filter(|e| e.window_end > e.disk_end) {
+                back.push((e.disk_end, e.window_end - e.disk_end));
             }
-            shard.insert((f.root, f.ino), (f.offset + len, end));
+            shard.map.clear();
+        }
+        let new = FileEnd {
+            file_end: f.offset + len,
+            disk_end: end,
+            window_end,
+        };
+        if let Some(old) = shard.map.insert((f.root, f.ino), new) {
+            if old.window_end > old.disk_end {
+                back.push((old.disk_end, old.window_end - old.disk_end));
+            }
+        }
+        drop(shard);
+        self.windows.fetch_sub(back.len(), Relaxed);
+        for (s, l) in back {
+            self.release_held(s, l);
         }
     }
 
@@ -702,10 +830,10 @@ impl Allocator {
     fn goal(&self, want: &Want) -> Option<(u64, bool)> {
         if let Some(f) = want.file {
             let h = f.hash();
-            let shard = lock(&self.files[h as usize % FILE_SHARDS]);
-            if let Some(&(file_end, disk_end)) = shard.get(&(f.root, f.ino)) {
-                if file_end == f.offset {
-                    return Some((disk_end, true));
+            let shard = lock(&self.files[h as usize % FILE_SHARDS].0);
+            if let Some(e) = shard.map.get(&(f.root, f.ino)) {
+                if e.file_end == f.offset {
+                    return Some((e.disk_end, true));
                 }
             }
             drop(shard);
@@ -844,7 +972,29 @@ impl Allocator {
             return None;
         }
         let at = self.edit(g, b, |b| self.place(want, b, goal))?;
-        self.after_alloc(want, at, want.len);
+        // A file appended to (this extent right after its previous one) gets a window.
+        let mut window_end = at + want.len;
+        let appended = want.held && goal.is_some_and(|(a, own)| own && a == at);
+        if appended && self.windows.fetch_add(1, Relaxed) < MAX_WINDOWS {
+            window_end = self.edit(g, b, |b| {
+                let from = at + want.len;
+                let Some((s, l)) = b.free.iter_from(from).next() else {
+                    return from;
+                };
+                if s != from {
+                    return from;
+                }
+                let end = (from + l.min(WINDOW)).min(b.end());
+                b.take(from, end - from, true);
+                end
+            });
+            if window_end == at + want.len {
+                self.windows.fetch_sub(1, Relaxed);
+            }
+        } else if appended {
+            self.windows.fetch_sub(1, Relaxed);
+        }
+        self.after_alloc_window(want, at, want.len, window_end);
         Some(at)
     }
 

@@ -23,7 +23,7 @@ impl Writer {
                 Ok(())
             }
             Err(e) => {
-                self.aborted = Some(e.to_string());
+                self.set_aborted(e.to_string());
                 Err(e)
             }
         }
@@ -54,7 +54,7 @@ impl Writer {
             Err(e) => {
                 let reason = e.to_string();
                 log::error!("transaction {} aborted: {reason}", self.transid);
-                self.aborted = Some(reason);
+                self.set_aborted(reason);
                 Err(e)
             }
         }
@@ -65,7 +65,7 @@ impl Writer {
     pub(crate) fn abort(&mut self, reason: String) {
         log::error!("transaction {} aborted: {reason}", self.transid);
         if self.aborted.is_none() {
-            self.aborted = Some(reason);
+            self.set_aborted(reason);
         }
     }
 
@@ -242,7 +242,7 @@ impl Writer {
         sb.log_root_level = level;
         if let Err(e) = crate::io::super_io::write_primary(&*self.disk.dev, &sb, &self.sb_base) {
             // The primary copy may be torn: nothing more may be written.
-            self.aborted = Some(e.to_string());
+            self.set_aborted(e.to_string());
             return Err(e);
         }
         Ok(())

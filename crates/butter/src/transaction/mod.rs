@@ -172,6 +172,7 @@ impl Writer {
                 live,
                 descents: 0,
                 aborted: None,
+                abort_flag: Default::default(),
                 disk,
             },
             state: TransState::Running,

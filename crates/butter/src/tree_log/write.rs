@@ -294,6 +294,11 @@ impl Core {
     /// fsync(2) / fdatasync(2) of one inode: when it returns, the inode's data and metadata
     /// (and the names that make it reachable) survive a power cut.
     pub fn fsync(&self, ino: Inode, _datasync: bool) -> Result<()> {
+        // A delayed preallocation goes into the trees first (the log copies trees).
+        if self.prealloc.has(Some(ino)) {
+            let mut w = self.writer_keeping_ordered()?;
+            self.complete_preallocs(&mut w, Some(ino))?;
+        }
         match self.log_inode(ino)? {
             LogTicket::Logged(seq) => self.sync_log(seq),
             LogTicket::Durable => Ok(()),
@@ -316,7 +321,11 @@ impl Core {
         // fsyncs and changes go on meanwhile).
         self.flush_delalloc_unlocked(ino)?;
         let mut w = if self.fsync_completes_ordered() {
-            self.writer()?
+            // Ordered extents only: a delayed preallocation that appeared since the fsync
+            // began is not its business, and is completed under the exclusive gate only.
+            let mut w = self.writer_keeping_ordered()?;
+            self.complete_ordered(&mut w)?;
+            w
         } else {
             let mut w = self.writer_keeping_ordered()?;
             // Its appends not yet allocated: written back now, logged as pending extents;
