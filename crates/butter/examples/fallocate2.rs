@@ -167,6 +167,7 @@ fn on_library(dir: &Path, workers: usize, secs: f64, legacy: bool) -> butter::Re
         .map_err(std::io::Error::other)
     });
     let s = fs.alloc_stats().since(&s0);
+    let o = fs.ordered_stats();
     fs.close()?;
     drop(fs);
     let dev = Arc::new(
@@ -186,7 +187,8 @@ fn on_library(dir: &Path, workers: usize, secs: f64, legacy: bool) -> butter::Re
     println!(
         "workers={workers} allocator={} ops={ops} seconds={el:.2} ops_per_s={:.0} \
          allocations={} trylock_misses={} blocking_waits={} waits_per_alloc={:.4} \
-         groups_visited_per_alloc={:.2} goal_hits={} goal_hit_rate={:.3}",
+         groups_visited_per_alloc={:.2} goal_hits={} goal_hit_rate={:.3} \
+         in_memory={} completions={}",
         if legacy { "legacy" } else { "scalable" },
         ops as f64 / el,
         s.allocations,
@@ -196,6 +198,8 @@ fn on_library(dir: &Path, workers: usize, secs: f64, legacy: bool) -> butter::Re
         per(s.groups_visited),
         s.goal_hits,
         per(s.goal_hits),
+        o.preallocs_in_memory,
+        o.preallocs_completed,
     );
     Ok(())
 }

@@ -317,17 +317,54 @@ impl Fs {
 
     /// The in-memory half of [`Fs::gated_fallocate`]: whether it served the fallocate.
     pub fn fallocate_in_memory_gated(&self, ino: Inode, mode: u32, offset: u64, len: u64) -> bool {
-        if !self.is_writable() || self.has_stopped() {
-            return false;
+        let mut attempt = 0;
+        let mut closed = 0;
+        loop {
+            if !self.is_writable() || self.has_stopped() {
+                return false;
+            }
+            let served = {
+                let _p = self.gate.inode(ino);
+                let Some(_lane) = self.gate.lane(ino) else {
+                    // A change of the trees runs (often short: a chunk added for another
+                    // file's fallocate): wait for it as a reader would, then try again. Its
+                    // own way would complete every file's delayed preallocation.
+                    closed += 1;
+                    if closed > 3 {
+                        return false;
+                    }
+                    drop(_p);
+                    drop(self.gate.read());
+                    continue;
+                };
+                // Anything it cannot judge cheaply (or that fails) goes the ordinary way,
+                // which reports it.
+                self.fallocate_in_memory(ino, mode, offset, len)
+            };
+            match served {
+                Ok(Some(done)) => return done,
+                Err(_) => return false,
+                // No data space: a commit gives back what the running transaction freed, or a
+                // new chunk comes (under the exclusive gate, other files' delayed
+                // preallocations left in memory), then once more. The ordinary way would
+                // complete them all, and their files' next truncates would take the ordinary
+                // way too.
+                Ok(None) if attempt == 0 => {
+                    attempt += 1;
+                    let Ok(_c) = self.change_gate() else {
+                        return false;
+                    };
+                    let added = self.make_data_space(len);
+                    if let Err(e) = &added {
+                        if e.stops_changes() {
+                            self.stop(format!("making data space: {e}"));
+                        }
+                        return false;
+                    }
+                }
+                Ok(None) => return false,
+            }
         }
-        let _p = self.gate.inode(ino);
-        let Some(_lane) = self.gate.lane(ino) else {
-            return false;
-        };
-        // Anything it cannot judge cheaply (or that fails) goes the ordinary way, which
-        // reports it.
-        self.fallocate_in_memory(ino, mode, offset, len)
-            .unwrap_or(false)
     }
 
     /// A change's result; one that may have left half of it in the running transaction stops

@@ -20,13 +20,20 @@
 //!   under the exclusive gate first; for a read of one file (`Fs::read_gate_on`), that
 //!   file's alone. Writes register pending ones only while they hold the gate exclusively, so
 //!   none appear while it is held.
+//! - Lanes ([`Gate::lane`]): an in-memory change of one file (a delayed preallocation,
+//!   crate::inode::ordered::Preallocs) takes the file's inode passage and a lane, not the
+//!   gate: it runs beside readers and beside other files' in-memory changes, never beside a
+//!   change of the trees (the exclusive holder closes the lanes and waits for them to
+//!   empty). Lanes are counters on cache lines of their own, so such changes of different
+//!   files share no lock. What they leave in memory is completed under the exclusive gate
+//!   only.
 //! - The latch: a change that failed in a way that may have left half of it in the running
 //!   transaction (I/O, damage met on the way, a broken invariant, a panic) stops all further
 //!   changes and commits; the image keeps its last commit, like the kernel's transaction
 //!   abort. The write engine's own abort (a failed commit) counts as stopped too.
 //!
 //! Lock order: inode passage -> range lock (crate::inode::ordered) -> `changes` -> gate -> the
-//! writer (crate::transaction) -> `log_sync`. The policies are methods of the facade
+//! writer (crate::transaction) -> `log_sync`; inode passage -> lane. The policies are methods of the facade
 //! (crate::fs); this module holds the locks and the latch.
 
 use crate::ids::Inode;

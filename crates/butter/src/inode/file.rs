@@ -1744,19 +1744,20 @@ impl Core {
 
     /// Delayed preallocation (crate::inode::ordered::Preallocs): an fallocate of whole sectors
     /// at a regular file's sector-aligned end (mode 0), its space allocated now and held, the
-    /// rest in memory until the completion. `Ok(false)`: it takes the ordinary path. The
-    /// caller holds the file's inode passage and the shared gate (crate::gate), so nothing
-    /// changes the file's trees meanwhile.
+    /// rest in memory until the completion. `Ok(Some(false))`: it takes the ordinary path;
+    /// `Ok(None)`: no data space without a new chunk (the caller adds one and tries again).
+    /// The caller holds the file's inode passage and a lane of the gate (crate::gate), so
+    /// nothing changes the file's trees meanwhile.
     pub(crate) fn fallocate_in_memory(
         &self,
         ino: Inode,
         mode: u32,
         offset: u64,
         len: u64,
-    ) -> Result<bool> {
+    ) -> Result<Option<bool>> {
         let ss = self.disk.sectorsize() as u64;
         let Some(a) = self.allocator.as_ref().filter(|a| !a.is_legacy()) else {
-            return Ok(false);
+            return Ok(Some(false));
         };
         if mode != 0
             || len == 0
@@ -1765,54 +1766,78 @@ impl Core {
             || !len.is_multiple_of(ss)
             || offset.checked_add(len).is_none_or(|e| e > i64::MAX as u64)
         {
-            return Ok(false);
+            return Ok(Some(false));
         }
-        let done = self.prealloc.with(ino, |cur| -> (bool, Result<bool>) {
-            let r = (|| -> Result<bool> {
-                // Where the file ends: with its delayed preallocation, or in the trees (a regular
-                // file without writes in flight and nothing at or past its end).
-                let end = match cur {
-                    Some(p) => p.size,
-                    None => {
-                        if self.ordered.has_pending(ino) {
-                            return Ok(false);
+        self.prealloc
+            .with(ino, |cur| -> (bool, Result<Option<bool>>) {
+                let r = (|| -> Result<Option<bool>> {
+                    // Where the file ends: with its delayed preallocation, or in the trees (a regular
+                    // file without writes in flight and nothing at or past its end).
+                    let end = match cur {
+                        Some(p) => p.size,
+                        None => {
+                            if self.ordered.has_pending(ino) {
+                                return Ok(Some(false));
+                            }
+                            self.require_rw_subvol(ino.root)?;
+                            let item = self.inode_item_raw(ino)?;
+                            let special = INODE_IMMUTABLE | INODE_APPEND;
+                            if item.mode & 0o170000 != 0o100000
+                                || item.flags & special != 0
+                                || item.size != offset
+                                || !self.file_extents(ino, offset, u64::MAX)?.is_empty()
+                            {
+                                return Ok(Some(false));
+                            }
+                            item.size
                         }
-                        self.require_rw_subvol(ino.root)?;
-                        let item = self.inode_item_raw(ino)?;
-                        let special = INODE_IMMUTABLE | INODE_APPEND;
-                        if item.mode & 0o170000 != 0o100000
-                            || item.flags & special != 0
-                            || item.size != offset
-                            || !self.file_extents(ino, offset, u64::MAX)?.is_empty()
-                        {
-                            return Ok(false);
-                        }
-                        item.size
+                    };
+                    if end != offset {
+                        return Ok(Some(false));
                     }
-                };
-                if end != offset {
-                    return Ok(false);
-                }
-                let want = crate::space::alloc::Want {
-                    kind: crate::space::alloc::SpaceKind::Data,
-                    len,
-                    align: ss,
-                    file: for_file(ino, offset),
-                    held: true,
-                };
-                // No room without a new chunk or a commit: the ordinary path.
-                let Some(at) = a.alloc_for(&want) else {
-                    return Ok(false);
-                };
-                let p = cur.get_or_insert_with(|| crate::inode::ordered::Prealloc::new(offset));
-                p.append(offset, at, len, MAX_EXTENT);
-                p.size = offset + len;
-                p.stamp();
-                Ok(true)
-            })();
-            (matches!(r, Ok(true)), r)
-        })?;
-        Ok(done)
+                    let want = crate::space::alloc::Want {
+                        kind: crate::space::alloc::SpaceKind::Data,
+                        len,
+                        align: ss,
+                        file: for_file(ino, offset),
+                        held: true,
+                    };
+                    // No room without a new chunk.
+                    let Some(at) = a.alloc_for(&want) else {
+                        return Ok(None);
+                    };
+                    let p = cur.get_or_insert_with(|| crate::inode::ordered::Prealloc::new(offset));
+                    p.append(offset, at, len, MAX_EXTENT);
+                    p.size = offset + len;
+                    p.stamp();
+                    Ok(Some(true))
+                })();
+                (matches!(r, Ok(Some(true))), r)
+            })
+    }
+
+    /// Data space for at least `len` bytes for [`Core::fallocate_in_memory`]'s caller (which
+    /// holds the exclusive gate), delayed preallocations left in memory: the files' windows
+    /// given back, then a commit when the running transaction freed enough (freed space comes
+    /// back only with a commit), else a new chunk.
+    pub(crate) fn make_data_space(&self, len: u64) -> Result<()> {
+        use crate::space::alloc::SpaceKind;
+        let mut w = self.writer_keeping_ordered()?;
+        let Some(a) = self.allocator.clone() else {
+            return Ok(());
+        };
+        a.release_windows();
+        let want = len.saturating_mul(64);
+        if a.free_bytes(SpaceKind::Data) >= want {
+            return Ok(());
+        }
+        if a.pinned_bytes(SpaceKind::Data) >= want {
+            // A commit needs the ordered extents in the trees (not the delayed
+            // preallocations: their space is held, free on disk, and they go in later).
+            self.complete_ordered(&mut w)?;
+            return w.commit();
+        }
+        w.alloc_chunk(SpaceKind::Data, len).map(|_| ())
     }
 
     /// A truncate of a file with a delayed preallocation back to where it starts (the size
@@ -1830,8 +1855,9 @@ impl Core {
             if size != p.start {
                 return (false, false);
             }
-            for (_, b, l) in p.take_extents() {
-                a.release_held(b, l);
+            // Last first: each joins the file's window, which starts where it ends.
+            for (_, b, l) in p.take_extents().into_iter().rev() {
+                a.release_to_file(ino.root, ino.ino, b, l);
             }
             if p.size != size {
                 p.size = size;

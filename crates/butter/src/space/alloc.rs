@@ -14,6 +14,11 @@
 //!   without a lock). A file whose next place was taken by another stream moves to the middle
 //!   of the largest free extent, so files appended at the same time spread out instead of
 //!   interleaving;
+//! - a file appended to (its extent went right after its previous one) gets a *window*: up
+//!   to 1 MiB after its end, held for it, from which its next extents come without taking
+//!   any group's lock (ext4's per-inode preallocation, in memory only: on disk the window is
+//!   free). Windows go back when the file stops continuing, when the file's entry is
+//!   evicted, and all at once when an allocation finds no room;
 //! - free and pinned byte counts per kind are atomics; freed extents merge with their
 //!   neighbours as they go in ([`RangeSet::add`]).
 //!
@@ -433,6 +438,8 @@ const FILE_SHARD_CAP: usize = 1024;
 const WINDOW: u64 = 1 << 20;
 /// Most files with a window at a time.
 const MAX_WINDOWS: usize = 64;
+/// Largest a window grows to with space given back into it ([`Allocator::release_to_file`]).
+const WINDOW_MAX: u64 = 4 << 20;
 
 /// Where a file's last extent ended, in the file and on disk, and its window: `[disk_end,
 /// window_end)` held for it (empty when `window_end == disk_end`).
@@ -696,7 +703,7 @@ impl Allocator {
         } else {
             self.alloc_scalable(want).or_else(|| {
                 // Space held in windows is free for anyone once they are given back.
-                (self.windows.load(Relaxed) > 0 && self.release_windows() > 0)
+                (self.release_windows() > 0)
                     .then(|| self.alloc_scalable(want))
                     .flatten()
             })
@@ -717,8 +724,9 @@ impl Allocator {
         if e.window_end == e.disk_end {
             return None;
         }
+        // Any extent of the file may come from its window (after its last one, where the
+        // file's data is): a file rewritten from its start after a truncate reuses it.
         if want.held
-            && e.file_end == f.offset
             && e.disk_end.is_multiple_of(want.align)
             && e.disk_end + want.len <= e.window_end
         {
@@ -738,6 +746,37 @@ impl Allocator {
         self.windows.fetch_sub(1, Relaxed);
         self.release_held(s, l);
         None
+    }
+
+    /// Gives back held space `[start, +len)` of the file `(root, ino)` that never went into a
+    /// tree (a truncated delayed preallocation): into the file's window when it ends where
+    /// the window starts (and the window stays within [`WINDOW_MAX`]), else to the free space.
+    /// Give the file's extents back last first, so they join one after the other.
+    pub(crate) fn release_to_file(&self, root: u64, ino: u64, start: u64, len: u64) {
+        let h = ForFile {
+            root,
+            ino,
+            offset: 0,
+        }
+        .hash();
+        let mut shard = lock(&self.files[h as usize % FILE_SHARDS].0);
+        if let Some(e) = shard.map.get_mut(&(root, ino)) {
+            let was_empty = e.window_end == e.disk_end;
+            // A window stays inside one block group: an extent handed out from it must not
+            // cross into the next group, even where the groups are adjacent.
+            if e.disk_end == start + len
+                && e.window_end - start <= WINDOW_MAX
+                && (was_empty || self.group_containing(start) == self.group_containing(e.disk_end))
+            {
+                if !was_empty || self.windows.fetch_add(1, Relaxed) < MAX_WINDOWS {
+                    e.disk_end = start;
+                    return;
+                }
+                self.windows.fetch_sub(1, Relaxed);
+            }
+        }
+        drop(shard);
+        self.release_held(start, len);
     }
 
     /// Gives every file's window back; returns how many there were.
@@ -1303,6 +1342,35 @@ mod tests {
         let ix: Vec<(u8, u64)> = lock(&a.kinds[0].by_largest).iter().copied().collect();
         assert_eq!(ix, vec![(12, 1 << 20)]);
         assert_eq!(a.free_bytes(SpaceKind::Data), 128 * 4096);
+    }
+
+    /// Space given back into a file's window joins it only inside the window's group: an
+    /// extent handed out from a window never crosses into an adjacent group.
+    #[test]
+    fn windows_never_cross_a_group_boundary() {
+        let a = Allocator::new();
+        let (ga, gb) = (1u64 << 20, 2u64 << 20);
+        a.add_group(BlockGroup::new(ga, 1 << 20, BLOCK_GROUP_DATA))
+            .unwrap();
+        a.add_group(BlockGroup::new(gb, 1 << 20, BLOCK_GROUP_DATA))
+            .unwrap();
+        // Only the last 8 KiB of the first group are free.
+        a.reserve(ga, (1 << 20) - 8192);
+        let first = a.alloc_for(&data(Some((300, 0)), 8192)).unwrap();
+        assert_eq!(first, gb - 8192);
+        // The file goes on in the next group and gets a window there.
+        let second = a.alloc_for(&data(Some((300, 8192)), 8192)).unwrap();
+        assert_eq!(second, gb);
+        // Both given back, last first: the second joins the window, the first may not.
+        a.release_to_file(5, 300, second, 8192);
+        a.release_to_file(5, 300, first, 8192);
+        assert!(a
+            .with_group(first, |g| g.free.contains(first, 8192))
+            .unwrap());
+        let again = a.alloc_for(&data(Some((300, 0)), 16384)).unwrap();
+        assert_eq!(again, gb, "from the window, inside the second group");
+        a.release_windows();
+        assert!(a.with_group(gb, |g| g.held.contains(gb, 16384)).unwrap());
     }
 
     /// A busy group is passed over when another can serve, and waited for when none can.
