@@ -6,8 +6,10 @@
 //!   *tries* each candidate's lock and moves past a busy group, and blocks only when every
 //!   candidate that could serve it was busy;
 //! - the groups of each space kind are indexed by the order (log2) of their largest free
-//!   extent in an ordered map: a search looks at groups whose largest extent is big enough,
-//!   from the goal's group onward, wrapping around; a group with nothing free is in no index;
+//!   extent and of their average free extent in ordered maps: after the goal's group, a
+//!   search looks at groups whose average extent is big enough (most of their free space
+//!   fits), then at those whose largest extent is, from the goal's group onward, wrapping
+//!   around; a group with nothing free is in no index;
 //! - goals: a file's next extent goes right after its previous one when that space is free
 //!   (the file's nearby extent is the hint, as kernel btrfs uses it); otherwise the stream goal
 //!   of the file's inode hash (as many goals as CPUs, rounded up to a power of two, updated
@@ -68,6 +70,10 @@ impl RangeSet {
     }
     pub(crate) fn total(&self) -> u64 {
         self.total
+    }
+    /// Number of ranges.
+    pub(crate) fn count(&self) -> u64 {
+        self.map.len() as u64
     }
     /// Length of the largest range (0 when empty).
     pub(crate) fn largest(&self) -> u64 {
@@ -263,8 +269,9 @@ pub(crate) struct BlockGroup {
     pub fst_bitmaps: bool,
     /// Next-fit cursor (the legacy allocator's).
     cursor: u64,
-    /// The order this group is indexed under (None: nothing free, in no index).
-    indexed: Option<u8>,
+    /// The orders this group is indexed under: of its largest free extent, of its average
+    /// free extent (None: nothing free, in no index).
+    indexed: Option<(u8, u8)>,
 }
 
 impl BlockGroup {
@@ -477,6 +484,8 @@ struct Group {
 struct KindState {
     /// (order of the largest free extent, group start) of every group with free space.
     by_largest: Mutex<BTreeSet<(u8, u64)>>,
+    /// (order of the average free extent, group start) of the same groups.
+    by_average: Mutex<BTreeSet<(u8, u64)>>,
     free: AtomicU64,
     pinned: AtomicU64,
     /// End of the last allocation of this kind (the goal when nothing better is known).
@@ -624,14 +633,29 @@ impl Allocator {
     /// Puts the group under the index entry its largest free extent calls for (caller holds
     /// the group's lock: the group's entry changes only under it).
     fn reindex(&self, g: &Group, b: &mut BlockGroup) {
-        let want = (b.free.total() > 0).then(|| order_of(b.free.largest()));
+        let want = (b.free.total() > 0).then(|| {
+            (
+                order_of(b.free.largest()),
+                order_of(b.free.total() / b.free.count().max(1)),
+            )
+        });
         if want != b.indexed {
-            let mut ix = lock(&self.kind(g.kind).by_largest);
-            if let Some(o) = b.indexed {
-                ix.remove(&(o, g.start));
-            }
-            if let Some(o) = want {
-                ix.insert((o, g.start));
+            let ks = self.kind(g.kind);
+            let (old_l, old_a) = (b.indexed.map(|x| x.0), b.indexed.map(|x| x.1));
+            let (new_l, new_a) = (want.map(|x| x.0), want.map(|x| x.1));
+            for (ix, old, new) in [
+                (&ks.by_largest, old_l, new_l),
+                (&ks.by_average, old_a, new_a),
+            ] {
+                if old != new {
+                    let mut ix = lock(ix);
+                    if let Some(o) = old {
+                        ix.remove(&(o, g.start));
+                    }
+                    if let Some(o) = new {
+                        ix.insert((o, g.start));
+                    }
+                }
             }
             b.indexed = want;
         }
@@ -933,9 +957,11 @@ impl Allocator {
                 Err(()) => busy.push(g.start),
             }
         }
-        // Then every group whose largest free extent is big enough, by order, each order's
-        // groups from the goal onward, wrapping around; then those whose largest extent may
-        // be big enough (the request's own order).
+        // Then the groups whose average free extent is big enough (most of their free
+        // extents fit: the search finds room where it starts), then every group whose largest
+        // free extent is big enough, by order, each order's groups from the goal onward,
+        // wrapping around; then those whose largest extent may be big enough (the request's
+        // own order).
         let from = goal.map_or(0, |(a, _)| a);
         let skip = goal_group.map(|g| g.start);
         let cands: Vec<u64> = {
@@ -945,13 +971,23 @@ impl Allocator {
             } else {
                 need + 1
             };
+            let mut c: Vec<u64> = {
+                let avg = lock(&self.kind(want.kind).by_average);
+                let mut a: Vec<(bool, u64)> = avg
+                    .range((sure, 0)..)
+                    .map(|&(_, s)| (s < from, s))
+                    .collect();
+                a.sort_unstable();
+                a.into_iter().map(|(_, s)| s).collect()
+            };
             let ix = lock(&self.kind(want.kind).by_largest);
-            let mut c: Vec<(u8, bool, u64)> = ix
+            let mut by_order: Vec<(u8, bool, u64)> = ix
                 .range((sure, 0)..)
+                .filter(|(_, s)| !c.contains(s))
                 .map(|&(o, s)| (o, s < from, s))
                 .collect();
-            c.sort_unstable();
-            let mut c: Vec<u64> = c.into_iter().map(|(_, _, s)| s).collect();
+            by_order.sort_unstable();
+            c.extend(by_order.into_iter().map(|(_, _, s)| s));
             if sure != need {
                 let mut maybe: Vec<(bool, u64)> = ix
                     .range((need, 0)..(sure, 0))
@@ -1332,6 +1368,8 @@ mod tests {
         }
         let ix: Vec<(u8, u64)> = lock(&a.kinds[0].by_largest).iter().copied().collect();
         assert_eq!(ix, vec![(12, 1 << 20), (20, 2 << 20)]);
+        let avg: Vec<(u8, u64)> = lock(&a.kinds[0].by_average).iter().copied().collect();
+        assert_eq!(avg, vec![(12, 1 << 20), (20, 2 << 20)]);
         // A 64 KiB request goes to the second group without looking at the first.
         let before = a.stats();
         let at = a.alloc(SpaceKind::Data, 65536, 4096).unwrap();
@@ -1341,6 +1379,8 @@ mod tests {
         a.reserve(2 << 20, 1 << 20);
         let ix: Vec<(u8, u64)> = lock(&a.kinds[0].by_largest).iter().copied().collect();
         assert_eq!(ix, vec![(12, 1 << 20)]);
+        let avg: Vec<(u8, u64)> = lock(&a.kinds[0].by_average).iter().copied().collect();
+        assert_eq!(avg, vec![(12, 1 << 20)]);
         assert_eq!(a.free_bytes(SpaceKind::Data), 128 * 4096);
     }
 
