@@ -13,7 +13,7 @@
 //!   data for that offset, or zeros (space handed out twice would show another's). The last
 //!   image also passes `btrfs check` (required when `CI` is set).
 
-use super::crash_support::{btrfs_check, butter_check, fresh_image, have_btrfs_progs};
+use super::crash_support::{btrfs_check, butter_check, fresh_image, have_btrfs_progs, Rng};
 use butter::ctree::{Root, TreeIter};
 use butter::format::items::BlockGroupItem;
 use butter::format::*;
@@ -28,17 +28,15 @@ use std::sync::{Arc, Mutex};
 
 const MIB: u64 = 1 << 20;
 
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
+/// A fresh 256 MiB image on a RAM device, open read-write.
+fn fresh_fs() -> (Arc<RamDevice>, Fs) {
+    let dev = Arc::new(RamDevice::new(fresh_image(
+        256 * MIB,
+        Profile::Single,
+        Profile::Single,
+    )));
+    let fs = Fs::open_device_rw(dev.clone()).unwrap();
+    (dev, fs)
 }
 
 /// The data groups: (start, length).
@@ -97,14 +95,20 @@ struct Model {
     commits: u32,
 }
 
+/// A commit (writer and model locked by the caller, so that allocations that get the space
+/// it unpins are recorded after it is given back): what was freed leaves the model.
+fn commit(w: &mut butter::transaction::Writer, m: &mut Model) {
+    w.force_commit().unwrap();
+    for (s, l) in std::mem::take(&mut m.pinned) {
+        m.taken.remove(s, l);
+    }
+    m.commits += 1;
+}
+
 #[test]
 fn allocator_against_a_model() {
-    let dev = Arc::new(RamDevice::new(fresh_image(
-        256 * MIB,
-        Profile::Single,
-        Profile::Single,
-    )));
-    let fs = Arc::new(Fs::open_device_rw(dev.clone()).unwrap());
+    let (dev, fs) = fresh_fs();
+    let fs = Arc::new(fs);
     let a = fs.allocator.clone().expect("read-write");
     let ss = fs.disk().sectorsize() as u64;
     // Enough data groups that the search moves between them.
@@ -218,15 +222,9 @@ fn allocator_against_a_model() {
                             m.pinned.push((at, len));
                         }
                         96..=99 => {
-                            // The model is locked across the commit: allocations that get
-                            // the space it unpins are recorded after it is given back.
                             let mut w = fs.writer().unwrap();
                             let mut m = model.lock().unwrap();
-                            w.force_commit().unwrap();
-                            for (s, l) in std::mem::take(&mut m.pinned) {
-                                m.taken.remove(s, l);
-                            }
-                            m.commits += 1;
+                            commit(&mut w, &mut m);
                             // Checked by the main thread's verify too; here: the allocator's
                             // own view has nothing pinned right after a commit.
                             assert_eq!(a.pinned_bytes(SpaceKind::Data), 0);
@@ -246,11 +244,7 @@ fn allocator_against_a_model() {
         {
             let mut w = fs.writer().unwrap();
             let mut m = model.lock().unwrap();
-            w.force_commit().unwrap();
-            for (s, l) in std::mem::take(&mut m.pinned) {
-                m.taken.remove(s, l);
-            }
-            m.commits += 1;
+            commit(&mut w, &mut m);
             verify(&fs, &m, &mut w);
             checked += 1;
         }
@@ -356,12 +350,8 @@ fn verify_files(fs: &Fs, files: &[(u64, Inode)], ss: usize) -> Result<(), String
 
 #[test]
 fn concurrent_files_survive_power_cuts() {
-    let dev = Arc::new(RamDevice::new(fresh_image(
-        256 * MIB,
-        Profile::Single,
-        Profile::Single,
-    )));
-    let fs = Arc::new(Fs::open_device_rw(dev.clone()).unwrap());
+    let (dev, fs) = fresh_fs();
+    let fs = Arc::new(fs);
     let ss = fs.disk().sectorsize() as usize;
     let root = fs.root_inode();
     let threads = 4u64;
@@ -460,12 +450,7 @@ fn concurrent_files_survive_power_cuts() {
 #[test]
 fn delayed_preallocation_ends_as_fallocate_does() {
     use butter::format::items::FileExtentBody;
-    let dev = Arc::new(RamDevice::new(fresh_image(
-        256 * MIB,
-        Profile::Single,
-        Profile::Single,
-    )));
-    let fs = Fs::open_device_rw(dev.clone()).unwrap();
+    let (dev, fs) = fresh_fs();
     let root = fs.root_inode();
     let mk = |name: &str| {
         let _g = fs.change_gate().unwrap();

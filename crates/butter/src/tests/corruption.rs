@@ -20,6 +20,7 @@
 //! `BUTTER_CORRUPT_TIMEOUT_SECS` sets the per-case hang limit (default 120).
 
 use super::corrupt_support;
+use super::crash_support::Rng;
 
 use butter::format::*;
 use corrupt_support::image::{kernel_image, rootdir_image};
@@ -173,19 +174,6 @@ fn item(m: &ImageMap, tree: u64, pred: impl Fn(&Key) -> bool) -> (&BlockInfo, us
     *m.find_items(tree, pred)
         .first()
         .expect("item present in the image")
-}
-
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
 }
 
 // ---------------------------------------------------------------------------------------------

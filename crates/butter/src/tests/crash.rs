@@ -267,17 +267,6 @@ fn writes(ops: &[Op]) -> Vec<(u64, &[u8])> {
         .collect()
 }
 
-/// Small xorshift for reproducible "random" subsets.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-}
-
 fn verify_pages(
     s: &Setup,
     pages: HashMap<u64, Vec<u8>>,
