@@ -1818,8 +1818,10 @@ impl Core {
 
     /// Data space for at least `len` bytes for [`Core::fallocate_in_memory`]'s caller (which
     /// holds the exclusive gate), delayed preallocations left in memory: the files' windows
-    /// given back, then a commit when the running transaction freed enough (freed space comes
-    /// back only with a commit), else a new chunk.
+    /// given back; then, unless that freed `len` (where the free space is in pieces shorter
+    /// than `len`, the caller's ordinary path takes the largest there are), a commit when the
+    /// running transaction freed enough (freed space comes back only with a commit), else a
+    /// new chunk.
     pub(crate) fn make_data_space(&self, len: u64) -> Result<()> {
         use crate::space::alloc::SpaceKind;
         let mut w = self.writer_keeping_ordered()?;
@@ -1827,11 +1829,10 @@ impl Core {
             return Ok(());
         };
         a.release_windows();
-        let want = len.saturating_mul(64);
-        if a.free_bytes(SpaceKind::Data) >= want {
+        if a.free_bytes(SpaceKind::Data) >= len {
             return Ok(());
         }
-        if a.pinned_bytes(SpaceKind::Data) >= want {
+        if a.pinned_bytes(SpaceKind::Data) >= len.saturating_mul(64) {
             // A commit needs the ordered extents in the trees (not the delayed
             // preallocations: their space is held, free on disk, and they go in later).
             self.complete_ordered(&mut w)?;
