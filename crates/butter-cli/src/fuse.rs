@@ -1017,7 +1017,11 @@ impl Filesystem for ButterFuse {
                     )
                     .map_err(fs_err)?;
             }
-            if flags.0 & libc::O_TRUNC != 0 && self.fs.inode_item(i)?.size != 0 {
+            // The inode must still be there: an unlink that ran between the kernel's lookup
+            // and this open (it had no handle to keep it) deleted it, and the open fails as
+            // it would have after the unlink (ENOENT), not the reads after it.
+            let size = self.fs.inode_item(i).map_err(fs_err)?.size;
+            if flags.0 & libc::O_TRUNC != 0 && size != 0 {
                 self.fs.truncate(i, 0).map_err(fs_err)?;
             }
             Ok(self.open_handle(i, flags.0))
