@@ -344,8 +344,9 @@ impl Writer {
     }
 
     /// Up to `len` bytes of data space for `file` (fallocate): all of it where a free extent
-    /// that long exists, else the largest one there is (a sector at least), adding a chunk or
-    /// committing first when there is none. Returns (start, length).
+    /// that long exists, else the largest one there is (a sector at least); when there is
+    /// none, after adding a chunk, or else after a commit (freed space comes back with it).
+    /// Returns (start, length).
     pub(crate) fn alloc_data_upto(
         &mut self,
         len: u64,
@@ -363,8 +364,12 @@ impl Writer {
         if let Some(r) = self.allocator.alloc_upto(&want, ss) {
             return Ok(r);
         }
-        let at = self.alloc_data_or_commit_for(len.min(ss), file, false)?;
-        Ok((at, len.min(ss)))
+        if self.alloc_chunk(SpaceKind::Data, len).is_err() && self.has_changes() {
+            self.commit()?;
+        }
+        self.allocator
+            .alloc_upto(&want, ss)
+            .ok_or_else(|| Error::NoSpace(format!("no free data space for {len} bytes")))
     }
 
     /// Before an operation: make sure metadata and system space will not run out in the middle
