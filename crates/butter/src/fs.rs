@@ -303,13 +303,8 @@ impl Fs {
     /// where that starts is served in memory (see [`Fs::gated_fallocate`]); any other passes
     /// the exclusive gate.
     pub fn gated_truncate(&self, ino: Inode, size: u64) -> Result<()> {
-        if self.is_writable() && !self.has_stopped() {
-            let _p = self.gate.inode(ino);
-            if let Some(_lane) = self.gate.lane(ino) {
-                if self.truncate_in_memory(ino, size) {
-                    return Ok(());
-                }
-            }
+        if self.in_lane(ino, || self.truncate_in_memory(ino, size)) == Some(true) {
+            return Ok(());
         }
         let _g = self.change_gate_on(ino)?;
         self.latch_on_failure("truncate", self.truncate(ino, size))
@@ -317,54 +312,50 @@ impl Fs {
 
     /// The in-memory half of [`Fs::gated_fallocate`]: whether it served the fallocate.
     pub fn fallocate_in_memory_gated(&self, ino: Inode, mode: u32, offset: u64, len: u64) -> bool {
-        let mut attempt = 0;
-        let mut closed = 0;
-        loop {
-            if !self.is_writable() || self.has_stopped() {
-                return false;
-            }
-            let served = {
-                let _p = self.gate.inode(ino);
-                let Some(_lane) = self.gate.lane(ino) else {
-                    // A change of the trees runs (often short: a chunk added for another
-                    // file's fallocate): wait for it as a reader would, then try again. Its
-                    // own way would complete every file's delayed preallocation.
-                    closed += 1;
-                    if closed > 3 {
-                        return false;
-                    }
-                    drop(_p);
-                    drop(self.gate.read());
-                    continue;
-                };
-                // Anything it cannot judge cheaply (or that fails) goes the ordinary way,
-                // which reports it.
-                self.fallocate_in_memory(ino, mode, offset, len)
-            };
-            match served {
-                Ok(Some(done)) => return done,
-                Err(_) => return false,
-                // No data space: a commit gives back what the running transaction freed, or a
-                // new chunk comes (under the exclusive gate, other files' delayed
+        for attempt in 0..2 {
+            // Anything it cannot judge cheaply (or that fails) goes the ordinary way, which
+            // reports it.
+            match self.in_lane(ino, || self.fallocate_in_memory(ino, mode, offset, len)) {
+                Some(Ok(Some(done))) => return done,
+                // No data space: a commit gives back what the running transaction freed, or
+                // a new chunk comes (under the exclusive gate, other files' delayed
                 // preallocations left in memory), then once more. The ordinary way would
-                // complete them all, and their files' next truncates would take the ordinary
-                // way too.
-                Ok(None) if attempt == 0 => {
-                    attempt += 1;
+                // complete them all, and their files' next truncates would take the
+                // ordinary way too.
+                Some(Ok(None)) if attempt == 0 => {
                     let Ok(_c) = self.change_gate() else {
                         return false;
                     };
-                    let added = self.make_data_space(len);
-                    if let Err(e) = &added {
+                    if let Err(e) = self.make_data_space(len) {
                         if e.stops_changes() {
                             self.stop(format!("making data space: {e}"));
                         }
                         return false;
                     }
                 }
-                Ok(None) => return false,
+                _ => return false,
             }
         }
+        false
+    }
+
+    /// Runs `f`, an in-memory change of `ino`, under the file's inode passage and a lane of
+    /// the gate (`Gate::lane`). While a change of the trees holds the gate (often short: a
+    /// chunk added for another file), waits for it as a reader would and tries again, a few
+    /// times: its own way would complete every file's delayed preallocation. `None`: not run.
+    fn in_lane<R>(&self, ino: Inode, f: impl Fn() -> R) -> Option<R> {
+        for _ in 0..4 {
+            if !self.is_writable() || self.has_stopped() {
+                return None;
+            }
+            let _p = self.gate.inode(ino);
+            if let Some(_lane) = self.gate.lane(ino) {
+                return Some(f());
+            }
+            drop(_p);
+            drop(self.gate.read());
+        }
+        None
     }
 
     /// A change's result; one that may have left half of it in the running transaction stops
