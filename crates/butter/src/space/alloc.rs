@@ -722,13 +722,15 @@ impl Allocator {
         }
         let at = if self.legacy {
             self.alloc_legacy(want)
-        } else if let Some(at) = self.take_from_window(want) {
-            return Some(at);
         } else {
-            self.alloc_scalable(want).or_else(|| {
+            let goal = match self.window_or_goal(want) {
+                Ok(at) => return Some(at),
+                Err(goal) => goal,
+            };
+            self.alloc_scalable(want, goal).or_else(|| {
                 // Space held in windows is free for anyone once they are given back.
                 (self.release_windows() > 0)
-                    .then(|| self.alloc_scalable(want))
+                    .then(|| self.alloc_scalable(want, goal))
                     .flatten()
             })
         }?;
@@ -736,17 +738,38 @@ impl Allocator {
         Some(at)
     }
 
-    /// The next extent of a file appended to, from its window (no group lock: the window is
-    /// held already). Where the request does not continue the file or does not fit, the
-    /// window goes back (and the request takes the ordinary way, from the same place).
-    fn take_from_window(&self, want: &Want) -> Option<u64> {
-        let f = want.file?;
+    /// With one look at the file's entry: its next extent from its window (no group lock:
+    /// the window is held already), or else the goal of the request, (address, whether it
+    /// is the file's own continuation): the file's previous end when the request continues
+    /// it, the stream goal of its inode hash, the kind's last end. A window that cannot serve
+    /// the request goes back (and the request takes the ordinary way, from the same place).
+    fn window_or_goal(&self, want: &Want) -> std::result::Result<u64, Option<(u64, bool)>> {
+        let last = || {
+            let last = self.kind(want.kind).last.load(Relaxed);
+            (last != NO_GOAL && last != 0).then_some((last, false))
+        };
+        let Some(f) = want.file else {
+            return Err(last());
+        };
         let h = f.hash();
+        let stream = || {
+            let s = self.streams[(h >> 32) as usize & (self.streams.len() - 1)].load(Relaxed);
+            if s != NO_GOAL {
+                Some((s, false))
+            } else {
+                last()
+            }
+        };
         let mut guard = lock(&self.files[h as usize % FILE_SHARDS].0);
         let shard = &mut *guard;
-        let e = shard.map.get_mut(&(f.root, f.ino))?;
+        let Some(e) = shard.map.get_mut(&(f.root, f.ino)) else {
+            drop(guard);
+            return Err(stream());
+        };
+        let own = (e.file_end == f.offset).then_some((e.disk_end, true));
         if e.window_end == e.disk_end {
-            return None;
+            drop(guard);
+            return Err(own.or_else(stream));
         }
         // Any extent of the file may come from its window (after its last one, where the
         // file's data is): a file rewritten from its start after a truncate reuses it.
@@ -755,21 +778,21 @@ impl Allocator {
             && e.disk_end + want.len <= e.window_end
         {
             let at = e.disk_end;
-            e.file_end += want.len;
+            e.file_end = f.offset + want.len;
             e.disk_end += want.len;
             if e.disk_end == e.window_end {
                 self.windows.fetch_sub(1, Relaxed);
             }
             // An allocation and a goal hit (see `stats`).
             shard.from_windows += 1;
-            return Some(at);
+            return Ok(at);
         }
         let (s, l) = (e.disk_end, e.window_end - e.disk_end);
         e.window_end = e.disk_end;
         drop(guard);
         self.windows.fetch_sub(1, Relaxed);
         self.release_held(s, l);
-        None
+        Err(own.or_else(stream))
     }
 
     /// Gives back held space `[start, +len)` of the file `(root, ino)` that never went into a
@@ -889,26 +912,6 @@ impl Allocator {
         }
     }
 
-    /// The goal of a request: (address, whether it is the file's own continuation).
-    fn goal(&self, want: &Want) -> Option<(u64, bool)> {
-        if let Some(f) = want.file {
-            let h = f.hash();
-            let shard = lock(&self.files[h as usize % FILE_SHARDS].0);
-            if let Some(e) = shard.map.get(&(f.root, f.ino)) {
-                if e.file_end == f.offset {
-                    return Some((e.disk_end, true));
-                }
-            }
-            drop(shard);
-            let s = self.streams[(h >> 32) as usize & (self.streams.len() - 1)].load(Relaxed);
-            if s != NO_GOAL {
-                return Some((s, false));
-            }
-        }
-        let last = self.kind(want.kind).last.load(Relaxed);
-        (last != NO_GOAL && last != 0).then_some((last, false))
-    }
-
     /// Tries to place `want` in the locked group `b`, from `goal` on. Counts goal hits.
     fn place(&self, want: &Want, b: &mut BlockGroup, goal: Option<(u64, bool)>) -> Option<u64> {
         let in_group = goal.filter(|(a, _)| *a >= b.start && *a < b.end());
@@ -943,8 +946,7 @@ impl Allocator {
         Some(b.take(at, want.len, want.held))
     }
 
-    fn alloc_scalable(&self, want: &Want) -> Option<u64> {
-        let goal = self.goal(want);
+    fn alloc_scalable(&self, want: &Want, goal: Option<(u64, bool)>) -> Option<u64> {
         let mut busy: Vec<u64> = Vec::new();
         // The goal's group first: most allocations end there.
         let goal_group = goal
@@ -1046,29 +1048,27 @@ impl Allocator {
         if b.free.largest() < want.len {
             return None;
         }
-        let at = self.edit(g, b, |b| self.place(want, b, goal))?;
-        // A file appended to (this extent right after its previous one) gets a window.
-        let mut window_end = at + want.len;
-        let appended = want.held && goal.is_some_and(|(a, own)| own && a == at);
-        if appended && self.windows.fetch_add(1, Relaxed) < MAX_WINDOWS {
-            window_end = self.edit(g, b, |b| {
-                let from = at + want.len;
-                let Some((s, l)) = b.free.iter_from(from).next() else {
-                    return from;
-                };
-                if s != from {
-                    return from;
+        let (at, window_end) = self.edit(g, b, |b| {
+            let at = self.place(want, b, goal)?;
+            // A file appended to (this extent right after its previous one) gets a window:
+            // the free run after it, up to WINDOW.
+            let from = at + want.len;
+            let appended = want.held && goal.is_some_and(|(a, own)| own && a == at);
+            let run = b.free.iter_from(from).next().filter(|(s, _)| *s == from);
+            let window_end = match run {
+                Some((_, l)) if appended && self.windows.fetch_add(1, Relaxed) < MAX_WINDOWS => {
+                    let end = (from + l.min(WINDOW)).min(b.end());
+                    b.take(from, end - from, true);
+                    end
                 }
-                let end = (from + l.min(WINDOW)).min(b.end());
-                b.take(from, end - from, true);
-                end
-            });
-            if window_end == at + want.len {
-                self.windows.fetch_sub(1, Relaxed);
-            }
-        } else if appended {
-            self.windows.fetch_sub(1, Relaxed);
-        }
+                Some(_) if appended => {
+                    self.windows.fetch_sub(1, Relaxed);
+                    from
+                }
+                _ => from,
+            };
+            Some((at, window_end))
+        })?;
         self.after_alloc_window(want, at, want.len, window_end);
         Some(at)
     }
