@@ -49,7 +49,8 @@
 //!   mean the same on both.
 //! - **Threads.** fuser runs `threads` event loops, each on its own cloned /dev/fuse
 //!   descriptor, calling into the shared `Fs` (which is Sync); replies go out from the thread
-//!   that read the request.
+//!   that read the request, except for writes of [`BULK_WRITE`] bytes or more: their engine
+//!   work and reply go to a bulk lane of the file (crate::bulk) while the worker waits.
 //! - **Ending.** [`serve`] returns when the mount goes away: an external unmount, or a signal
 //!   (SIGINT/SIGTERM/SIGHUP) on which it unmounts itself, lazily if the mount is busy.
 //! - **Caching.** Read-only: nothing changes, so entries and attributes are valid for
@@ -57,6 +58,7 @@
 //!   [`TTL_RW`], and page and directory caches start afresh at each open.
 
 use crate::acl;
+use crate::bulk::Bulk;
 use butter::format::items::{InodeItem, Timespec};
 use butter::fs::{Fs, Inode};
 use butter::inode::namespace::{Owner, SetAttr};
@@ -89,6 +91,9 @@ pub const TTL_RW: Duration = Duration::from_secs(1);
 
 /// Largest write the kernel may send in one request (it may cap it lower: its max_pages).
 pub const MAX_WRITE: u32 = 1 << 20;
+
+/// Writes of at least this many bytes are served on a bulk lane (crate::bulk).
+const BULK_WRITE: usize = 128 << 10;
 
 /// First node id handed out from the (subvolume, inode) table. Inode numbers of the mounted
 /// subvolume below it are used as they are; btrfs allocates inode numbers upwards from 256, so
@@ -235,6 +240,8 @@ pub struct ButterFuse {
     /// POSIX ACLs negotiated (FUSE_POSIX_ACL): we apply umask and default ACLs on create and
     /// keep mode bits and access ACLs in step.
     acl: bool,
+    /// Threads for the engine's part of large writes (read-write mounts).
+    bulk: Option<Bulk>,
 }
 
 /// A time from a fuser request. fuser 0.18 decodes a time before the epoch, (sec < 0,
@@ -297,6 +304,15 @@ impl ButterFuse {
             writable,
             ttl: if writable { TTL_RW } else { TTL },
             acl: false,
+            bulk: if writable {
+                Bulk::per_cpu()
+                    .map_err(|e| {
+                        log::warn!("no bulk lanes ({e}): large writes are served by the workers")
+                    })
+                    .ok()
+            } else {
+                None
+            },
         }
     }
 
@@ -1105,7 +1121,7 @@ impl Filesystem for ButterFuse {
         _lock_owner: Option<fuser::LockOwner>,
         reply: fuser::ReplyWrite,
     ) {
-        match self.change_op("write", ino.0, Passage::Write(ino.0), || {
+        let serve = || match self.change_op("write", ino.0, Passage::Write(ino.0), || {
             let i = self.inode(ino.0)?;
             let append = flags.0 & libc::O_APPEND != 0
                 || self
@@ -1124,6 +1140,12 @@ impl Filesystem for ButterFuse {
         }) {
             Ok(n) => reply.written(n),
             Err(e) => reply.error(e),
+        };
+        // A large write's engine work goes to the file's bulk lane (crate::bulk); small ones
+        // are served here.
+        match &self.bulk {
+            Some(bulk) if data.len() >= BULK_WRITE => bulk.run(ino.0, serve),
+            _ => serve(),
         }
     }
 

@@ -3,6 +3,7 @@
 //! One module per subcommand under `cmd/`; errors become messages only here.
 
 mod acl;
+mod bulk;
 mod cmd;
 mod fuse;
 
