@@ -357,13 +357,15 @@ def mixed_tables(work, results):
         "writes 1 MiB buffers (no fsync) to one file on the same mount the whole time. Latency "
         "percentiles are over every operation of all runs (nearest rank); ops/s is all operations "
         "over all windows. **p99 with/alone** above 1.00x means the stream slows the small "
-        "operations down (within noise, 1.00x is the goal). Stream MiB/s is measured over the "
+        "operations down (within noise, 1.00x is the goal); the median of the runs' ratios compares "
+        "phases a few seconds apart, which this machine's drifting background load affects alike. "
+        "nullfs, a FUSE filesystem that does no work, shows what FUSE itself gives. Stream MiB/s is measured over the "
         "small operations' window; the stream's own 1 MiB write latency is p99 (median of the "
         "runs) / max.\n"
     )
     header = [
         "system", "small operation", "alone p50 / p99 / max", "with stream p50 / p99 / max",
-        "p99 with/alone", "ops/s alone", "ops/s with stream", "stream MiB/s", "stream write p99 / max",
+        "p99 with/alone", "median of the runs' p99 with/alone", "ops/s alone", "ops/s with stream", "stream MiB/s", "stream write p99 / max",
     ]
     md.append("| " + " | ".join(header) + " |")
     md.append("|---|---|" + "---:|" * (len(header) - 2))
@@ -374,6 +376,11 @@ def mixed_tables(work, results):
                 continue
             trip = lambda r: "%s / %s / %s" % (fmt_lat(r["p50"]), fmt_lat(r["p99"]), fmt_lat(r["max"])) if r else "n/a"
             ratio = "%.2fx" % (w["p99"] / a["p99"]) if a and w and a["p99"] else "n/a"
+            runs = {}
+            for l in groups.get((s, op, "alone"), []) + groups.get((s, op, "stream"), []):
+                runs.setdefault(l[3], {})[l[2]] = int(l[7])
+            per = [r["stream"] / r["alone"] for r in runs.values() if r.get("alone") and "stream" in r]
+            run_ratio = "%.2fx" % statistics.median(per) if per else "n/a"
             what = ops_label[op]
             if op == "read" and a and "buffered" in a["direct"]:
                 what += " (buffered: O_DIRECT refused)"
@@ -386,6 +393,7 @@ def mixed_tables(work, results):
                         trip(a),
                         trip(w),
                         ratio,
+                        run_ratio,
                         "{:,.0f}".format(a["ops_s"]) if a else "n/a",
                         "{:,.0f}".format(w["ops_s"]) if w else "n/a",
                         "%.1f" % w["mib_s"] if w else "n/a",

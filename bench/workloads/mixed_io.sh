@@ -2,7 +2,8 @@
 # to one file through the same mount? (issue 15: butter's FUSE adapter holds its exclusive
 # lock for the whole of every write, so small reads and creates queue behind the stream.)
 #
-# Per system (butter's read-write FUSE mount, the kernel's btrfs, ext4; fresh equal images of
+# Per system (butter's read-write FUSE mount, the kernel's btrfs, ext4, and nullfs: a FUSE
+# filesystem that does no work, for what FUSE itself gives; fresh equal images of
 # BENCH_MIXED_IMAGE_MB, mkfs untimed, fusewrite.sh's fw_mount) and run, two fresh mounts:
 #   read:   64 files x 256 KiB made and fsynced (untimed); then 4 KiB random reads with O_DIRECT
 #           (butter: FOPEN_DIRECT_IO, so every read reaches the butter process) for
@@ -20,7 +21,7 @@
 register_workload mixed_io 70 "" \
 	"4 KiB O_DIRECT random reads and create+4 KiB write+close, alone and while another job streams 1 MiB buffered writes to one file; fresh image; p50/p99/max, ops/s, stream MiB/s"
 
-MX_SYSTEMS=${BENCH_MIXED_SYSTEMS:-butter kernel ext4}
+MX_SYSTEMS=${BENCH_MIXED_SYSTEMS:-butter kernel ext4 nullfs}
 if ((${QUICK:-0})); then
 	: "${BENCH_MIXED_SECONDS:=2}"
 fi
