@@ -1,6 +1,7 @@
 //! Many threads through one read-write `butter mount` at once, where the engine's gate lets
 //! them overlap: four writers stream large and small writes, overwrites, truncates and
-//! fsyncs into a file each (their data goes to the device out of the gate), while two others
+//! fsyncs into a file each (their data goes to the device out of the gate; writes of 128 KiB
+//! and more run on the mount's bulk lanes, one per CPU, which files share), while two others
 //! create, read back and unlink small files. Every byte each thread reads back matches its
 //! own model of the file, on the mount and again after the unmount, in the kernel's view.
 //!
