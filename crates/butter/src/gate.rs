@@ -41,8 +41,11 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::thread::ThreadId;
 
-/// Inode passages: files hash onto this many locks (a collision only serializes two files).
-const INODE_PASSAGES: usize = 64;
+/// Inode passages: files hash onto this many locks. A collision serializes two files: one
+/// waits for each whole write of the other (its data I/O included). With 64, about one small
+/// file in 64 written beside a stream of 1 MiB writes waited behind one (p99 of the small
+/// writes' wait for the gate 0.7 ms, against 0.15 ms with 1024).
+const INODE_PASSAGES: usize = 1024;
 /// Lanes of in-memory file changes.
 const LANES: usize = 16;
 
@@ -234,12 +237,7 @@ impl Gate {
 
     /// The inode passage of `ino` alone (see the module doc).
     pub(crate) fn inode(&self, ino: Inode) -> MutexGuard<'_, ()> {
-        let h = ino
-            .root
-            .wrapping_mul(0x9e37_79b9_7f4a_7c15)
-            .wrapping_add(ino.ino)
-            .wrapping_mul(0x9e37_79b9_7f4a_7c15);
-        self.inodes[(h >> 58) as usize % INODE_PASSAGES]
+        self.inodes[passage_of(ino)]
             .0
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -369,6 +367,16 @@ impl Drop for SteppedOut<'_> {
     }
 }
 
+/// Which inode passage `ino` takes (a multiplicative hash; consecutive inode numbers spread).
+fn passage_of(ino: Inode) -> usize {
+    let h = ino
+        .root
+        .wrapping_mul(0x9e37_79b9_7f4a_7c15)
+        .wrapping_add(ino.ino)
+        .wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    (h >> 32) as usize % INODE_PASSAGES
+}
+
 #[cfg(test)]
 mod tests {
     use crate::error::Error;
@@ -376,6 +384,33 @@ mod tests {
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::Arc;
     use std::time::Duration;
+
+    #[test]
+    fn files_made_one_after_another_rarely_share_an_inode_passage() {
+        use super::{passage_of, INODE_PASSAGES};
+        use crate::ids::Inode;
+        // A file being streamed to, and a thousand small files created after it (consecutive
+        // inode numbers, as a create loop makes them), in two subvolumes.
+        for root in [5u64, 257] {
+            let stream = passage_of(Inode { root, ino: 257 });
+            let mut used = vec![0usize; INODE_PASSAGES];
+            let mut beside_stream = 0;
+            for ino in 258..1258u64 {
+                let p = passage_of(Inode { root, ino });
+                used[p] += 1;
+                beside_stream += usize::from(p == stream);
+            }
+            assert!(
+                beside_stream <= 3,
+                "root {root}: {beside_stream} files share the stream's passage"
+            );
+            let distinct = used.iter().filter(|&&n| n > 0).count();
+            assert!(
+                distinct >= 600,
+                "root {root}: 1000 files on {distinct} passages"
+            );
+        }
+    }
 
     #[test]
     fn readers_share_the_gate_and_a_change_waits_for_them() {
