@@ -198,7 +198,7 @@ impl Gate {
         if self.lanes_closed.load(Ordering::SeqCst) {
             return None;
         }
-        let lane = &self.lanes[(ino.ino ^ ino.root.rotate_left(7)) as usize % LANES].0;
+        let lane = &self.lanes[ino.shard(LANES)].0;
         lane.fetch_add(1, Ordering::SeqCst);
         let entered = InLane { lane };
         // Seen open after counting in: an exclusive holder closing them now waits for us.
@@ -367,14 +367,9 @@ impl Drop for SteppedOut<'_> {
     }
 }
 
-/// Which inode passage `ino` takes (a multiplicative hash; consecutive inode numbers spread).
+/// Which inode passage `ino` takes.
 fn passage_of(ino: Inode) -> usize {
-    let h = ino
-        .root
-        .wrapping_mul(0x9e37_79b9_7f4a_7c15)
-        .wrapping_add(ino.ino)
-        .wrapping_mul(0x9e37_79b9_7f4a_7c15);
-    (h >> 32) as usize % INODE_PASSAGES
+    ino.shard(INODE_PASSAGES)
 }
 
 #[cfg(test)]

@@ -9,6 +9,19 @@ pub struct Inode {
     pub ino: u64,
 }
 
+/// A multiplicative hash of an inode, for spreading files over locks, shards and lanes (use
+/// its high bits); only the spreading matters, and consecutive inode numbers spread well.
+pub(crate) fn spread(root: u64, ino: u64) -> u64 {
+    (ino ^ root.rotate_left(32)).wrapping_mul(0x9e37_79b9_7f4a_7c15)
+}
+
+impl Inode {
+    /// Which of `n` shards `self` falls in ([`spread`]'s high bits).
+    pub(crate) fn shard(&self, n: usize) -> usize {
+        (spread(self.root, self.ino) >> 32) as usize % n
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
 pub struct Key {
     pub objectid: u64,

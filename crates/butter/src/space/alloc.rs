@@ -419,8 +419,7 @@ pub(crate) struct ForFile {
 
 impl ForFile {
     fn hash(&self) -> u64 {
-        // A multiplicative hash; only spreading matters.
-        (self.ino ^ self.root.rotate_left(32)).wrapping_mul(0x9e37_79b9_7f4a_7c15)
+        crate::ids::spread(self.root, self.ino)
     }
 }
 
