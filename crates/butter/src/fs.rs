@@ -326,10 +326,8 @@ impl Fs {
                     let Ok(_c) = self.change_gate() else {
                         return false;
                     };
-                    if let Err(e) = self.make_data_space(len) {
-                        if e.stops_changes() {
-                            self.stop(format!("making data space: {e}"));
-                        }
+                    let made = self.make_data_space(len);
+                    if self.latch_on_failure("making data space", made).is_err() {
                         return false;
                     }
                 }

@@ -1849,7 +1849,7 @@ impl Core {
         let Some(a) = self.allocator.as_ref() else {
             return false;
         };
-        let done = self.prealloc.with(ino, |cur| {
+        self.prealloc.with(ino, |cur| {
             let Some(p) = cur.as_mut() else {
                 return (false, false);
             };
@@ -1866,8 +1866,7 @@ impl Core {
                 p.mtime = true;
             }
             (true, true)
-        });
-        done
+        })
     }
 
     /// Puts delayed preallocations (every file's, or `only`'s) into the trees: under the
@@ -1893,9 +1892,7 @@ impl Core {
                     }
                 }
             }
-            for (_, b, l) in p.extents() {
-                w.allocator.release_held(b, l);
-            }
+            p.release_held(&w.allocator);
         }
         failed.map_or(Ok(()), Err)
     }
@@ -1910,9 +1907,7 @@ impl Core {
             Ok(item) => item,
             // Gone (its subvolume deleted meanwhile): the space was never in a tree.
             Err(Error::NotFound(_)) => {
-                for (_, b, l) in p.extents() {
-                    w.allocator.release_held(b, l);
-                }
+                p.release_held(&w.allocator);
                 return Ok(());
             }
             Err(e) => return Err(e),

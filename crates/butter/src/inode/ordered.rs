@@ -1280,7 +1280,7 @@ mod tests {
 /// is read through the gate or fsynced). Their space is allocated at once and held
 /// (crate::space::alloc), so an fallocate that returned cannot fail later for space, and a
 /// truncate that drops them gives the space straight back: it was never in a tree. They are
-/// made and dropped under the file's inode passage and the shared gate (crate::gate) and
+/// made and dropped under the file's inode passage and a lane of the gate (crate::gate) and
 /// completed only under the exclusive gate: a completion never runs beside one, nor beside a
 /// reader.
 pub(crate) struct Preallocs {
@@ -1357,6 +1357,13 @@ impl Prealloc {
         }
     }
 
+    /// Gives the held space of its extents back to `a` (they never went into a tree).
+    pub(crate) fn release_held(&self, a: &crate::space::alloc::Allocator) {
+        for (_, b, l) in self.extents() {
+            a.release_held(b, l);
+        }
+    }
+
     /// Takes every extent out.
     pub(crate) fn take_extents(&mut self) -> Vec<(u64, u64, u64)> {
         let mut v = std::mem::take(&mut self.earlier);
@@ -1398,8 +1405,10 @@ impl Default for Preallocs {
 
 impl Preallocs {
     fn files(&self, ino: Inode) -> std::sync::MutexGuard<'_, PreallocShard> {
-        let h = (ino.ino ^ ino.root.rotate_left(17)) as usize % PREALLOC_SHARDS;
-        self.shards[h].0.lock().unwrap_or_else(|e| e.into_inner())
+        self.shards[ino.shard(PREALLOC_SHARDS)]
+            .0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
     }
 
     /// Whether any file, or `ino`, has one.
