@@ -13,7 +13,6 @@
 mod common;
 
 use butter::check::{check, Report};
-use butter::format::{BLOCK_GROUP_ITEM_KEY, EXTENT_TREE_OBJECTID};
 use butter::fs::Fs;
 use common::damage::patch_item;
 use common::kernel::{self, LoopMount, ScratchDir};
@@ -103,9 +102,9 @@ fn damaged_block_group_used() {
     // The first block group item claims 4096 more used bytes than its extents add up to.
     patch_item(
         &img,
-        EXTENT_TREE_OBJECTID,
+        common::damage::ondisk::EXTENT_TREE,
         false,
-        |k, _| k.ty == BLOCK_GROUP_ITEM_KEY,
+        |k, _| k.ty == common::damage::ondisk::BLOCK_GROUP_ITEM,
         |blk, _, d| {
             let used = u64::from_le_bytes(blk[d..d + 8].try_into().unwrap());
             blk[d..d + 8].copy_from_slice(&used.wrapping_add(4096).to_le_bytes());

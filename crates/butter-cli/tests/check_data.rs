@@ -214,11 +214,11 @@ fn disk_bytenr_of(dump: &str, ino: u64) -> u64 {
 
 /// Rewrites the key offset of the csum tree's only item to `logical` (and reseals the leaf).
 fn move_csum_item(img: &Path, logical: u64) {
-    use butter::format::*;
+    use common::damage::ondisk::{CSUM_TREE, EXTENT_CSUM};
     patch_first_item(
         img,
-        CSUM_TREE_OBJECTID,
-        |k| k.ty == EXTENT_CSUM_KEY,
+        CSUM_TREE,
+        |k| k.ty == EXTENT_CSUM,
         |block, hdr, _| block[hdr + 9..hdr + 17].copy_from_slice(&logical.to_le_bytes()),
     );
 }
@@ -267,8 +267,8 @@ fn qgroup_numbers_are_checked() {
     // 0/256 referenced one sector more than its subvolume holds.
     patch_first_item(
         &img,
-        butter::format::QUOTA_TREE_OBJECTID,
-        |k| k.ty == butter::format::QGROUP_INFO_KEY && k.offset == 256,
+        common::damage::ondisk::QUOTA_TREE,
+        |k| k.ty == common::damage::ondisk::QGROUP_INFO && k.offset == 256,
         |b, _, d| {
             let v = u64::from_le_bytes(b[d + 8..d + 16].try_into().unwrap()) + 4096;
             b[d + 8..d + 16].copy_from_slice(&v.to_le_bytes());

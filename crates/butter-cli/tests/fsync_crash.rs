@@ -39,7 +39,7 @@ use butter::error::Error;
 use butter::fs::{Fs, Inode};
 use butter::inode::file::{FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE};
 use butter::inode::namespace::Owner;
-use butter::io::device::{Faults, RamDevice};
+use butter::internals::{Faults, RamDevice};
 use butter::mkfs::{mkfs, MkfsOptions};
 use common::fsync::*;
 use common::gen::Rng;
@@ -811,11 +811,12 @@ fn round(
         if let Some(e) = end.error {
             panic!("{what}: dry run (no power cut) failed: {e}");
         }
-        st.ordered_logged += fs.log_stats().map(|l| l.ordered_logged).unwrap_or(0);
-        st.delalloc += fs.ordered_stats().delalloc_flushed;
+        let stats = fs.stats().unwrap_or_default();
+        st.ordered_logged += stats.log.ordered_logged;
+        st.delalloc += stats.ordered.delalloc_flushed;
         st.renamed_over += end.model.renamed_over;
         st.reused_names += end.model.reused_names;
-        st.fallbacks += fs.log_stats().map(|l| l.fallbacks).unwrap_or(0);
+        st.fallbacks += stats.log.fallbacks;
         drop(fs);
         dev.write_count() - start
     };

@@ -646,7 +646,7 @@ fn corrupt_log_never_panics() {
     // The log's blocks.
     let blocks = {
         let dev = butter::io::device::FileDevice::open(&crash, false).unwrap();
-        butter::inspect::log_blocks(std::sync::Arc::new(dev)).unwrap()
+        butter::internals::log_blocks(std::sync::Arc::new(dev)).unwrap()
     };
     assert!(!blocks.is_empty(), "the crash image has no fsync log");
     let pristine = fs::read(&crash).unwrap();
@@ -676,7 +676,7 @@ fn corrupt_log_never_panics() {
         // Flip one byte of the block, reseal it and write every copy; `undo` puts it back.
         let mut off = 0;
         let dev = butter::io::device::FileDevice::open(&work, true).unwrap();
-        let undo = butter::inspect::rewrite_block(std::sync::Arc::new(dev), bytenr, |block| {
+        let undo = butter::internals::rewrite_block(std::sync::Arc::new(dev), bytenr, |block| {
             let ns = block.len();
             let nritems = u32::from_le_bytes(block[96..100].try_into().unwrap()) as usize;
             let used = 101 + nritems * 25;

@@ -97,7 +97,7 @@ fn tree_levels(img: &Path) -> (u8, u8) {
     let lvl = |id| fs.find_root_item(id).unwrap().unwrap().level;
     (
         lvl(butter::format::FS_TREE_OBJECTID),
-        lvl(butter::format::EXTENT_TREE_OBJECTID),
+        lvl(common::damage::ondisk::EXTENT_TREE),
     )
 }
 

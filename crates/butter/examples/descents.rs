@@ -11,7 +11,7 @@
 
 use butter::fs::Fs;
 use butter::inode::namespace::Owner;
-use butter::io::device::RamDevice;
+use butter::internals::RamDevice;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -43,7 +43,7 @@ fn run(combined: bool, overwrites: u64, unaligned: bool) -> butter::Result<(f64,
         x ^= x << 17;
         x
     };
-    let (d0, r0) = fs.descents()?;
+    let (d0, r0) = fs.stats()?.descents;
     let t = Instant::now();
     let data = vec![0xa5u8; 8192];
     for i in 0..overwrites {
@@ -61,7 +61,7 @@ fn run(combined: bool, overwrites: u64, unaligned: bool) -> butter::Result<(f64,
     fs.commit()?;
     let secs = t.elapsed().as_secs_f64();
     let (d, rd) = {
-        let (d, r) = fs.descents()?;
+        let (d, r) = fs.stats()?.descents;
         (d - d0, r - r0)
     };
     drop(fs);

@@ -156,7 +156,7 @@ fn on_library(dir: &Path, workers: usize, secs: f64, legacy: bool) -> butter::Re
         )?);
     }
     fs.commit()?;
-    let s0 = fs.alloc_stats();
+    let s0 = fs.stats()?.alloc;
     let f2 = fs.clone();
     let (ops, el) = drive(workers, secs, move |w, what| {
         let ino = files[w];
@@ -166,8 +166,9 @@ fn on_library(dir: &Path, workers: usize, secs: f64, legacy: bool) -> butter::Re
         }
         .map_err(std::io::Error::other)
     });
-    let s = fs.alloc_stats().since(&s0);
-    let o = fs.ordered_stats();
+    let end = fs.stats()?;
+    let s = end.alloc.since(&s0);
+    let o = end.ordered;
     fs.close()?;
     drop(fs);
     let dev = Arc::new(

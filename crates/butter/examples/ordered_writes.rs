@@ -83,7 +83,7 @@ fn streams(dir: &Path, unlocked: bool, delalloc: bool, s: &Streams) -> butter::R
     }
     let secs = t.elapsed().as_secs_f64();
     fs.commit()?;
-    let flushed = fs.ordered_stats().delalloc_flushed;
+    let flushed = fs.stats()?.ordered.delalloc_flushed;
     drop(fs);
     let _ = std::fs::remove_file(path);
     Ok((

@@ -29,6 +29,6 @@ fn main() -> butter::Result<()> {
         fs.truncate(big, 100_000)?;
         fs.commit()?;
     }
-    eprintln!("descents {}", fs.descents()?.0);
+    eprintln!("descents {}", fs.stats()?.descents.0);
     Ok(())
 }

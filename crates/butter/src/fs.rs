@@ -536,15 +536,20 @@ impl Default for RwOptions {
     }
 }
 
-/// What a filesystem did while it was open, as [`Fs::close`] reports it.
-#[derive(Debug, Clone)]
-pub struct CloseReport {
+/// What a filesystem has done since it was opened: [`Fs::stats`] at any time, [`Fs::close`]
+/// at the end.
+#[derive(Debug, Clone, Default)]
+pub struct Stats {
+    /// What fsync did (all zeros when read-only).
     pub log: crate::transaction::log_state::LogStats,
     pub ordered: crate::inode::ordered::OrderedStats,
     /// Times a write's data went to the device out of the gate (crate::gate).
     pub data_io_out_of_gate: u64,
     /// What the block allocator did (crate::space::alloc).
     pub alloc: crate::space::alloc::AllocStats,
+    /// B-tree descents the write engine made (every root-to-leaf search, restarts included),
+    /// and of those the descents that replaced file extents (zeros when read-only).
+    pub descents: (u64, u64),
 }
 
 impl Fs {
@@ -590,20 +595,29 @@ impl Fs {
     /// Ends the session: stops the periodic commits, makes the final commit (read-write) and
     /// reports what the filesystem did. An error says why the last changes are not on disk
     /// (the image keeps its last commit).
-    pub fn close(&self) -> Result<CloseReport> {
+    pub fn close(&self) -> Result<Stats> {
         self.stop_committer();
         if self.is_writable() {
             self.gated_commit()?;
         }
-        Ok(CloseReport {
-            log: if self.is_writable() {
-                self.log_stats()?
-            } else {
-                Default::default()
-            },
+        self.stats()
+    }
+
+    /// What the filesystem has done since it was opened. Reading it changes nothing: pending
+    /// writes stay pending.
+    pub fn stats(&self) -> Result<Stats> {
+        let (log, descents) = if self.is_writable() {
+            let w = self.writer_keeping_ordered()?;
+            (w.log.stats.clone(), w.descents())
+        } else {
+            Default::default()
+        };
+        Ok(Stats {
+            log,
             ordered: self.ordered_stats(),
             data_io_out_of_gate: self.gate.steps_out(),
             alloc: self.alloc_stats(),
+            descents,
         })
     }
 }

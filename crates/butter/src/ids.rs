@@ -77,12 +77,12 @@ impl Key {
 
 // Root objectids of the trees (re-exported by crate::format).
 pub(crate) const ROOT_TREE_OBJECTID: u64 = 1;
-pub const EXTENT_TREE_OBJECTID: u64 = 2;
+pub(crate) const EXTENT_TREE_OBJECTID: u64 = 2;
 pub(crate) const CHUNK_TREE_OBJECTID: u64 = 3;
 pub(crate) const DEV_TREE_OBJECTID: u64 = 4;
 pub const FS_TREE_OBJECTID: u64 = 5;
-pub const CSUM_TREE_OBJECTID: u64 = 7;
-pub const QUOTA_TREE_OBJECTID: u64 = 8;
+pub(crate) const CSUM_TREE_OBJECTID: u64 = 7;
+pub(crate) const QUOTA_TREE_OBJECTID: u64 = 8;
 pub(crate) const UUID_TREE_OBJECTID: u64 = 9;
 pub(crate) const FREE_SPACE_TREE_OBJECTID: u64 = 10;
 pub(crate) const BLOCK_GROUP_TREE_OBJECTID: u64 = 11;

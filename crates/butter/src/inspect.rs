@@ -216,7 +216,10 @@ impl Dumper<'_> {
 
 /// The root items of the root tree, in key order; a root item that does not decode comes back
 /// as its error (annotated with where it is).
-fn root_items(disk: &Arc<Disk>, tree_root: Root) -> Result<Vec<(Key, Result<RootItem>)>> {
+pub(crate) fn root_items(
+    disk: &Arc<Disk>,
+    tree_root: Root,
+) -> Result<Vec<(Key, Result<RootItem>)>> {
     let mut v = Vec::new();
     let mut it = TreeIter::new(disk.clone(), tree_root, Key::MIN, Readahead::None)?;
     while let Some(item) = it.next_item()? {
@@ -311,126 +314,4 @@ pub fn dump_tree(
         ))?;
     }
     Ok(())
-}
-
-/// Rewrites tree block `bytenr` of the filesystem on `dev` in place, as a repair or a
-/// test's deliberate damage does (what btrfs-corrupt-block does for progs): `edit` changes the
-/// bytes of its first copy, then the checksum is recomputed and every copy written and
-/// flushed. Nothing else is kept consistent; that is the caller's to do or to break. Returns
-/// each copy's (physical offset, bytes before), to undo the change with.
-pub fn rewrite_block(
-    dev: Arc<dyn BlockDevice>,
-    bytenr: u64,
-    edit: impl FnOnce(&mut [u8]),
-) -> Result<Vec<(u64, Vec<u8>)>> {
-    let disk = open_disk(dev.clone())?;
-    rewrite_on(&disk, dev.as_ref(), bytenr, edit)
-}
-
-/// [`rewrite_block`] on a disk already open.
-fn rewrite_on(
-    disk: &Disk,
-    dev: &dyn BlockDevice,
-    bytenr: u64,
-    edit: impl FnOnce(&mut [u8]),
-) -> Result<Vec<(u64, Vec<u8>)>> {
-    let ns = disk.nodesize() as usize;
-    let copies = disk.chunk_map().map(bytenr, ns as u64)?;
-    let mut before = Vec::with_capacity(copies.len());
-    for c in &copies {
-        let mut orig = vec![0u8; ns];
-        dev.read_at(&mut orig, c.physical)
-            .map_err(|e| Error::io(format!("reading tree block {bytenr}"), c.physical, e))?;
-        before.push((c.physical, orig));
-    }
-    let Some((_, first)) = before.first() else {
-        return Err(Error::corrupt(
-            crate::error::Location::what(format!("tree block {bytenr}")),
-            "no copy of it is mapped",
-        ));
-    };
-    let mut block = first.clone();
-    edit(&mut block);
-    let csum = disk
-        .sb
-        .csum_type
-        .compute(&block[crate::format::csum::CSUM_SLOT..]);
-    let n = disk.sb.csum_type.size();
-    block[..n].copy_from_slice(&csum[..n]);
-    for c in &copies {
-        dev.write_at(&block, c.physical)
-            .map_err(|e| Error::io(format!("writing tree block {bytenr}"), c.physical, e))?;
-    }
-    dev.flush()
-        .map_err(|e| Error::io("flushing the rewritten block", 0, e))?;
-    Ok(before)
-}
-
-/// Rewrites the first item (with `last`, the last) of tree `tree` for which `pick(key, data)`
-/// holds: `edit(block, item_header_offset, item_data_offset)` changes the bytes of its block,
-/// which [`rewrite_block`] then reseals and writes. Returns the item's key after the edit, its
-/// block and its slot; an error when no item matches.
-pub fn rewrite_item(
-    dev: Arc<dyn BlockDevice>,
-    tree: u64,
-    last: bool,
-    pick: impl Fn(&Key, &[u8]) -> bool,
-    edit: impl FnOnce(&mut [u8], usize, usize),
-) -> Result<(Key, u64, usize)> {
-    let disk = open_disk(dev.clone())?;
-    let sb = &disk.sb;
-    let tree_root = Root::of_root_tree(sb);
-    let root = if tree == ROOT_TREE_OBJECTID {
-        tree_root
-    } else {
-        let found = root_items(&disk, tree_root)?
-            .into_iter()
-            .find(|(k, _)| k.objectid == tree);
-        let Some((_, ri)) = found else {
-            return Err(Error::NotFound(format!("tree {tree} in the root tree")));
-        };
-        let ri = ri?;
-        Root {
-            id: tree,
-            bytenr: ri.bytenr,
-            level: ri.level,
-            generation: ri.generation,
-        }
-    };
-    let mut it = TreeIter::new(disk.clone(), root, Key::MIN, Readahead::None)?;
-    let mut found = None;
-    while let Some(item) = it.next_item()? {
-        if pick(&item.key, item.data()) {
-            found = Some((
-                item.block.bytenr,
-                item.slot,
-                item.block.item(item.slot).offset,
-            ));
-            if !last {
-                break;
-            }
-        }
-    }
-    let Some((bytenr, slot, data_off)) = found else {
-        return Err(Error::NotFound(format!("no item of tree {tree} matches")));
-    };
-    let hdr = HEADER_SIZE + slot * ITEM_SIZE;
-    let data = HEADER_SIZE + data_off as usize;
-    let mut key = None;
-    rewrite_on(&disk, dev.as_ref(), bytenr, |block| {
-        edit(block, hdr, data);
-        key = Some(Key::from_bytes(&block[hdr..hdr + DISK_KEY_SIZE]));
-    })?;
-    let key = key.unwrap_or(Key::MIN);
-    Ok((key, bytenr, slot))
-}
-
-/// The tree blocks of the fsync log the superblock on `dev` names (the log root tree's and
-/// every log tree's), in the order a walk from the log root meets them; empty when there is
-/// no log.
-pub fn log_blocks(dev: Arc<dyn BlockDevice>) -> Result<Vec<u64>> {
-    let disk = open_disk(dev)?;
-    Ok(crate::tree_log::replay::read_log(&disk)?
-        .map(|log| log.blocks)
-        .unwrap_or_default())
 }

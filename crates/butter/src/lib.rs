@@ -18,7 +18,9 @@
 //! - `inspect`: the on-disk structures as text (dump-super, dump-tree);
 //! - `fs`: the facade the CLI and the FUSE front end use (`Fs`);
 //! - `receive`: send streams applied to an image;
-//! - `send`: read-only snapshots as send streams, in full or incremental.
+//! - `send`: read-only snapshots as send streams, in full or incremental;
+//! - `internals`: for tests, benchmarks and fuzzing only (the `internals` feature): the RAM
+//!   device with fault injection, tools that damage an image on purpose.
 
 pub mod error;
 pub mod format;
@@ -34,6 +36,8 @@ pub mod gate;
 pub mod ids;
 pub mod inode;
 pub mod inspect;
+#[cfg(any(test, feature = "internals"))]
+pub mod internals;
 pub mod io;
 pub mod mkfs;
 pub mod receive;

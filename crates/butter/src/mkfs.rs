@@ -211,29 +211,6 @@ pub struct ChunkInfo {
     pub used: u64,
 }
 
-impl ChunkInfo {
-    /// What the chunk holds, as mkfs.btrfs's summary names it: "Data", "Metadata" or
-    /// "System" (mixed groups: the first of those that applies).
-    pub fn kind(&self) -> &'static str {
-        if self.flags & BLOCK_GROUP_DATA != 0 {
-            "Data"
-        } else if self.flags & BLOCK_GROUP_METADATA != 0 {
-            "Metadata"
-        } else {
-            "System"
-        }
-    }
-
-    /// Its profile as mkfs.btrfs's summary names it: "DUP" or "single".
-    pub fn profile(&self) -> &'static str {
-        if self.flags & BLOCK_GROUP_DUP != 0 {
-            "DUP"
-        } else {
-            "single"
-        }
-    }
-}
-
 /// What [`mkfs`] wrote.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MkfsReport {
@@ -1464,8 +1441,8 @@ fn write_image(
 /// For tests: a fresh filesystem of `size` bytes on a RAM device (fixed fsid and time, so
 /// runs are reproducible), opened read-write.
 #[cfg(test)]
-pub(crate) fn test_fs(size: u64) -> (std::sync::Arc<crate::io::device::RamDevice>, crate::fs::Fs) {
-    let dev = std::sync::Arc::new(crate::io::device::RamDevice::new(vec![0u8; size as usize]));
+pub(crate) fn test_fs(size: u64) -> (std::sync::Arc<crate::internals::RamDevice>, crate::fs::Fs) {
+    let dev = std::sync::Arc::new(crate::internals::RamDevice::new(vec![0u8; size as usize]));
     let opts = MkfsOptions {
         size,
         fsid: Some([7; 16]),
@@ -1482,7 +1459,8 @@ mod tests {
     use super::*;
     use crate::ctree::{Root, TreeIter};
     use crate::fs::Fs;
-    use crate::io::device::{Faults, FileDevice, RamDevice};
+    use crate::internals::{Faults, RamDevice};
+    use crate::io::device::FileDevice;
     use crate::io::disk_io::{read_superblock, Readahead};
     use std::path::PathBuf;
     use std::sync::Arc;

@@ -10,7 +10,8 @@ mod crash_support;
 
 use butter::error::Error;
 use butter::fs::{Fs, Inode};
-use butter::io::device::{BlockDevice, RamDevice};
+use butter::internals::RamDevice;
+use butter::io::device::BlockDevice;
 use butter::mkfs::{min_device_size, Profile};
 use crash_support::*;
 use std::sync::Arc;

@@ -12,7 +12,7 @@ mod crash_support;
 use butter::format::items::Timespec;
 use butter::fs::{Fs, Inode};
 use butter::inode::namespace::{Owner, SetAttr};
-use butter::io::device::RamDevice;
+use butter::internals::RamDevice;
 use butter::mkfs::Profile;
 use crash_support::{btrfs_check, butter_check, content, fresh_image};
 use sha2::{Digest, Sha256};

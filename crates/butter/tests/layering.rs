@@ -7,6 +7,9 @@
 //!
 //! `LAYERING_PRINT=1 cargo test --test layering -- --nocapture` prints every edge and the
 //! exceptions as they stand.
+//!
+//! The same walk holds the size of the public API: `pub` items outside unit tests and outside
+//! what only the `internals` feature builds stay within `PUB_ITEMS_MAX`.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
@@ -21,6 +24,7 @@ const ORDER: &[&str] = &[
     "extent_io",
     "format",
     "io/device",
+    "io/ram",
     "io/super_io",
     "io/volumes",
     "io/disk_io",
@@ -65,6 +69,7 @@ const ORDER: &[&str] = &[
     "fs",
     "receive",
     "send",
+    "internals",
 ];
 
 /// Edges that run against `ORDER` today (from, to). Only ever remove entries.
@@ -333,6 +338,109 @@ fn imports_follow_the_layer_order() {
         gone.is_empty(),
         "these exceptions no longer exist: remove them from EXCEPTIONS in tests/layering.rs: {gone:?}"
     );
+}
+
+/// At most this many `pub` items (fn, struct, enum, const, type, trait, static) in
+/// crates/butter/src: a quarter of the 810 the crate had before it was put in layers (issue 15).
+/// What a caller needs goes public deliberately; the rest is `pub(crate)`, and what only tests,
+/// benchmarks and the fuzz crate need goes under the `internals` feature.
+const PUB_ITEMS_MAX: usize = 202;
+
+/// Files (or folders) built only under `cfg(any(test, feature = "internals"))`, as the `mod`
+/// lines of lib.rs and the folders' mod.rs declare them: not part of the public API.
+fn internals_only(src: &Path) -> BTreeSet<std::path::PathBuf> {
+    let mut out = BTreeSet::new();
+    let mut files = Vec::new();
+    walk(src, &mut files);
+    for f in files {
+        let name = f.file_name().and_then(|n| n.to_str()).unwrap_or("");
+        if name != "lib.rs" && name != "mod.rs" {
+            continue;
+        }
+        let dir = f.parent().unwrap();
+        let text = std::fs::read_to_string(&f).unwrap();
+        let lines: Vec<&str> = text.lines().map(str::trim).collect();
+        for w in lines.windows(2) {
+            if w[0] != r#"#[cfg(any(test, feature = "internals"))]"# {
+                continue;
+            }
+            let decl = w[1]
+                .trim_start_matches("pub(crate) ")
+                .trim_start_matches("pub ");
+            if let Some(m) = decl.strip_prefix("mod ").and_then(|m| m.strip_suffix(';')) {
+                out.insert(dir.join(format!("{m}.rs")));
+                out.insert(dir.join(m));
+            }
+        }
+    }
+    out
+}
+
+/// The `pub` items of one source file's text, as `name` strings, unit tests left out.
+fn pub_items(text: &str) -> Vec<String> {
+    const KINDS: &[&str] = &[
+        "fn ",
+        "const fn ",
+        "unsafe fn ",
+        "struct ",
+        "enum ",
+        "const ",
+        "type ",
+        "trait ",
+        "static ",
+    ];
+    without_test_items(text)
+        .lines()
+        .filter_map(|l| {
+            let rest = l.trim_start().strip_prefix("pub ")?;
+            let kind = KINDS.iter().find(|k| rest.starts_with(**k))?;
+            Some(ident(&rest[kind.len()..]))
+        })
+        .collect()
+}
+
+#[test]
+fn the_public_api_stays_within_its_bound() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let hidden = internals_only(&src);
+    assert!(
+        hidden.iter().any(|p| p.ends_with("io/ram.rs")),
+        "the RAM device is expected under the internals feature: {hidden:?}"
+    );
+    let mut files = Vec::new();
+    walk(&src, &mut files);
+    let mut items = Vec::new();
+    for f in files {
+        let rel = f.strip_prefix(&src).unwrap();
+        let test_only =
+            rel.starts_with("tests") || rel.to_str().is_some_and(|r| r.ends_with("_tests.rs"));
+        if test_only || hidden.iter().any(|h| f.starts_with(h)) {
+            continue;
+        }
+        let text = std::fs::read_to_string(&f).unwrap();
+        for name in pub_items(&text) {
+            items.push(format!("{}: {name}", rel.display()));
+        }
+    }
+    if std::env::var_os("LAYERING_PRINT").is_some() {
+        for i in &items {
+            println!("pub {i}");
+        }
+    }
+    println!("{} pub items (at most {PUB_ITEMS_MAX})", items.len());
+    assert!(
+        items.len() <= PUB_ITEMS_MAX,
+        "{} pub items in crates/butter/src, at most {PUB_ITEMS_MAX}: make what only the crate uses \
+         pub(crate), and what only tests need part of `internals` \
+         (LAYERING_PRINT=1 cargo test --test layering -- --nocapture lists them)",
+        items.len()
+    );
+}
+
+#[test]
+fn pub_items_are_counted_outside_unit_tests() {
+    let src = "pub fn a() {}\npub(crate) fn b() {}\n    pub const C: u8 = 1;\npub use x::Y;\npub mod m;\n#[cfg(test)]\nmod tests {\n    pub fn helper() {}\n}\npub struct S;\n";
+    assert_eq!(pub_items(src), ["a", "C", "S"]);
 }
 
 #[test]

@@ -8,7 +8,7 @@ mod crash_support;
 
 use butter::fs::Fs;
 use butter::inode::namespace::Owner;
-use butter::io::device::RamDevice;
+use butter::internals::RamDevice;
 use butter::mkfs::Profile;
 use butter::Error;
 use crash_support::{btrfs_check, butter_check, content, fresh_image};

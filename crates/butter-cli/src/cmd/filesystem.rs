@@ -10,6 +10,7 @@
 //! other numbers on those two lines.
 
 use super::{CliError, CliResult};
+use butter::format::print::{block_group_kind, block_group_profile};
 use butter::fs::{Fs, Inode};
 use std::collections::HashSet;
 use std::path::PathBuf;
@@ -69,8 +70,8 @@ pub fn filesystem(a: FilesystemArgs) -> CliResult {
             for u in fs.space_usage()? {
                 println!(
                     "{}, {}: total={}, used={}",
-                    u.kind(),
-                    u.profile(),
+                    block_group_kind(u.flags),
+                    block_group_profile(u.flags),
                     super::mkfs::human(u.total),
                     super::mkfs::human(u.used)
                 );
@@ -349,8 +350,8 @@ fn usage(fs: &Fs, image: &std::path::Path, raw: bool) -> Result<String, CliError
         let _ = writeln!(
             o,
             "{},{}: Size:{}, Used:{} ({:.2}%)",
-            s.kind(),
-            s.profile(),
+            block_group_kind(s.flags),
+            block_group_profile(s.flags),
             p(s.total),
             p(s.used),
             f64::from(pct)

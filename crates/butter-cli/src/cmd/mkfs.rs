@@ -11,6 +11,7 @@
 
 use super::{CliError, CliResult};
 use butter::format::csum::CsumType;
+use butter::format::print::{block_group_kind, block_group_profile};
 use butter::format::*;
 use butter::io::device::FileDevice;
 use butter::mkfs::{MkfsOptions, MkfsReport, Profile};
@@ -464,13 +465,17 @@ fn print_summary(out: &mut impl Write, r: &MkfsReport, image: &Path) -> std::io:
     writeln!(out, "Sector size:        {}", r.sectorsize)?;
     writeln!(out, "Filesystem size:    {}", human(r.total_bytes))?;
     writeln!(out, "Block group profiles:")?;
-    for kind in ["Data", "Metadata", "System"] {
-        for c in r.chunks.iter().filter(|c| c.kind() == kind) {
+    for kind in ["Data", "Metadata", "Data+Metadata", "System"] {
+        for c in r
+            .chunks
+            .iter()
+            .filter(|c| block_group_kind(c.flags) == kind)
+        {
             writeln!(
                 out,
                 "  {:<18}{:<8}{:>17}",
                 format!("{kind}:"),
-                c.profile(),
+                block_group_profile(c.flags),
                 human(c.length)
             )?;
         }

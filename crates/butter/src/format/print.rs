@@ -27,6 +27,36 @@ use super::items::{
     FileExtentBody, FileExtentItem, FreeSpaceInfo, InodeExtref, InodeItem, InodeRef, RootItem,
     RootRef, Timespec,
 };
+
+/// What a block group or chunk of type and profile bits `flags` (`BLOCK_GROUP_*`) holds, as
+/// btrfs-progs names it: "Data", "Metadata", "System", or "Data+Metadata" (mixed groups).
+pub fn block_group_kind(flags: u64) -> &'static str {
+    let d = flags & BLOCK_GROUP_DATA != 0;
+    let m = flags & BLOCK_GROUP_METADATA != 0;
+    match (d, m, flags & BLOCK_GROUP_SYSTEM != 0) {
+        (_, _, true) => "System",
+        (true, true, _) => "Data+Metadata",
+        (true, false, _) => "Data",
+        _ => "Metadata",
+    }
+}
+
+/// The profile in `flags` (`BLOCK_GROUP_*`) as btrfs-progs names it: "single", "DUP",
+/// "RAID1", ...
+pub fn block_group_profile(flags: u64) -> &'static str {
+    match flags & BLOCK_GROUP_PROFILE_MASK {
+        BLOCK_GROUP_DUP => "DUP",
+        BLOCK_GROUP_RAID1 => "RAID1",
+        BLOCK_GROUP_RAID0 => "RAID0",
+        BLOCK_GROUP_RAID10 => "RAID10",
+        BLOCK_GROUP_RAID5 => "RAID5",
+        BLOCK_GROUP_RAID6 => "RAID6",
+        BLOCK_GROUP_RAID1C3 => "RAID1C3",
+        BLOCK_GROUP_RAID1C4 => "RAID1C4",
+        _ => "single",
+    }
+}
+
 #[cfg(test)]
 use super::superblock::Superblock;
 use super::superblock::{BackupRoot, DevItem};

@@ -221,7 +221,7 @@ impl Core {
     }
 
     /// What the block allocator did so far (all zeros when read-only).
-    pub fn alloc_stats(&self) -> crate::space::alloc::AllocStats {
+    pub(crate) fn alloc_stats(&self) -> crate::space::alloc::AllocStats {
         self.allocator
             .as_ref()
             .map(|a| a.stats())

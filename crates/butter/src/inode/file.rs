@@ -2058,20 +2058,13 @@ fn next_key_on_path(w: &mut Writer, path: &crate::ctree::cow::WPath) -> Result<O
 
 impl Core {
     /// Counters of the ordered extents since the filesystem was opened.
-    pub fn ordered_stats(&self) -> crate::inode::ordered::OrderedStats {
+    pub(crate) fn ordered_stats(&self) -> crate::inode::ordered::OrderedStats {
         let (in_memory, completed) = self.prealloc.stats();
         crate::inode::ordered::OrderedStats {
             preallocs_in_memory: in_memory,
             preallocs_completed: completed,
             ..self.ordered.stats()
         }
-    }
-
-    /// B-tree descents the write engine made so far (every root-to-leaf search, restarts
-    /// included), and of those the descents that replaced file extents. Reading them changes
-    /// nothing: pending writes stay pending.
-    pub fn descents(&self) -> Result<(u64, u64)> {
-        Ok(self.writer_keeping_ordered()?.descents())
     }
 
     /// Whether long extents are written without the writer lock (the default). Off, every

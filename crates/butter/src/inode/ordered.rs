@@ -731,7 +731,8 @@ mod tests {
     use super::*;
     use crate::fs::Fs;
     use crate::inode::namespace::Owner;
-    use crate::io::device::{BlockDevice, RamDevice};
+    use crate::internals::RamDevice;
+    use crate::io::device::BlockDevice;
     use std::sync::mpsc;
     use std::time::Duration;
 

@@ -93,35 +93,6 @@ pub struct ChunkAllocation {
     pub bytes: u64,
 }
 
-impl SpaceUsage {
-    /// "Data", "Metadata", "System" (both bits: "Data+Metadata").
-    pub fn kind(&self) -> &'static str {
-        let d = self.flags & BLOCK_GROUP_DATA != 0;
-        let m = self.flags & BLOCK_GROUP_METADATA != 0;
-        match (d, m, self.flags & BLOCK_GROUP_SYSTEM != 0) {
-            (_, _, true) => "System",
-            (true, true, _) => "Data+Metadata",
-            (true, false, _) => "Data",
-            _ => "Metadata",
-        }
-    }
-
-    /// "single", "DUP", "RAID1", ... as btrfs-progs names profiles.
-    pub fn profile(&self) -> &'static str {
-        match self.flags & BLOCK_GROUP_PROFILE_MASK {
-            BLOCK_GROUP_DUP => "DUP",
-            BLOCK_GROUP_RAID1 => "RAID1",
-            BLOCK_GROUP_RAID0 => "RAID0",
-            BLOCK_GROUP_RAID10 => "RAID10",
-            BLOCK_GROUP_RAID5 => "RAID5",
-            BLOCK_GROUP_RAID6 => "RAID6",
-            BLOCK_GROUP_RAID1C3 => "RAID1C3",
-            BLOCK_GROUP_RAID1C4 => "RAID1C4",
-            _ => "single",
-        }
-    }
-}
-
 impl Core {
     /// Size and use of the block groups, per type and profile, as committed: what `btrfs
     /// filesystem df` shows (Data, System, Metadata).

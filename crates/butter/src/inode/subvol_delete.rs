@@ -665,7 +665,7 @@ mod tests {
     use super::*;
     use crate::fs::Fs;
     use crate::inode::namespace::Owner;
-    use crate::io::device::RamDevice;
+    use crate::internals::RamDevice;
 
     /// A drop continued from recorded progress whose next shared block already lost the dead
     /// tree's reference (as a kernel cut off while giving full back references leaves it):

@@ -19,7 +19,7 @@ use butter::format::items::BlockGroupItem;
 use butter::format::*;
 use butter::fs::{Fs, Inode};
 use butter::inode::namespace::Owner;
-use butter::io::device::RamDevice;
+use butter::internals::RamDevice;
 use butter::io::disk_io::Readahead;
 use butter::mkfs::Profile;
 use butter::space::alloc::{Allocator, ForFile, RangeSet, SpaceKind, Want};

@@ -72,7 +72,7 @@ fn tree_root(fs: &Fs, id: u64) -> Root {
 
 /// Finds the first item of tree `id` matching `pred` (the last one if `last`), lets `edit`
 /// change the block (`edit(block, item_header_offset, item_data_offset)`), recomputes the
-/// block checksum and writes every copy (`butter::inspect::rewrite_item`). Returns the item's
+/// block checksum and writes every copy (`butter::internals::rewrite_item`). Returns the item's
 /// (key after edit, block, slot).
 fn patch_item(
     img: &Path,
@@ -82,7 +82,7 @@ fn patch_item(
     edit: impl FnOnce(&mut [u8], usize, usize),
 ) -> (Key, u64, usize) {
     let dev = FileDevice::open(img, true).unwrap();
-    butter::inspect::rewrite_item(Arc::new(dev), id, last, pred, edit)
+    butter::internals::rewrite_item(Arc::new(dev), id, last, pred, edit)
         .unwrap_or_else(|e| panic!("damaging an item of tree {id} in {}: {e}", img.display()))
 }
 
@@ -90,7 +90,7 @@ fn patch_item(
 /// Returns the original bytes of every copy (physical offset, bytes) to undo the damage.
 fn patch_block(img: &Path, bytenr: u64, edit: impl FnOnce(&mut [u8])) -> Vec<(u64, Vec<u8>)> {
     let dev = FileDevice::open(img, true).unwrap();
-    butter::inspect::rewrite_block(Arc::new(dev), bytenr, edit).unwrap()
+    butter::internals::rewrite_block(Arc::new(dev), bytenr, edit).unwrap()
 }
 
 fn add_u64(b: &mut [u8], off: usize, delta: u64) {

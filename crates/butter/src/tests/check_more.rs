@@ -173,7 +173,7 @@ fn find(img: &Path, id: u64, pred: impl Fn(&Key, &[u8]) -> bool) -> At {
 /// recomputes its checksum and writes every copy.
 fn patch(img: &Path, at: At, edit: impl FnOnce(&mut [u8], usize, usize)) {
     let dev = butter::io::device::FileDevice::open(img, true).unwrap();
-    butter::inspect::rewrite_block(Arc::new(dev), at.block, |block| {
+    butter::internals::rewrite_block(Arc::new(dev), at.block, |block| {
         let hdr = HEADER_SIZE + at.slot * ITEM_SIZE;
         assert_eq!(Key::from_bytes(&block[hdr..hdr + DISK_KEY_SIZE]), at.key);
         let data = HEADER_SIZE + le_u32(block, hdr + 17) as usize;

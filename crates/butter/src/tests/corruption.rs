@@ -41,9 +41,8 @@ struct Subject {
 
 fn make_subject(name: &'static str, per_level: usize, img: Arc<Vec<u8>>) -> Subject {
     let map = map_image(&img);
-    let fs =
-        butter::fs::Fs::open_device(Arc::new(butter::io::device::RamDevice::new(img.to_vec())))
-            .expect("undamaged image opens");
+    let fs = butter::fs::Fs::open_device(Arc::new(butter::internals::RamDevice::new(img.to_vec())))
+        .expect("undamaged image opens");
     let base = walk_everything(&fs).expect("undamaged image walks without error");
     Subject {
         name,
@@ -1945,7 +1944,7 @@ fn fault_cases(s: &Subject) -> Cases<'_> {
         ),
     ] {
         let mut case = Case::new(format!("{}: {name}", s.name), |_| {}, want);
-        case.faults = Some(butter::io::device::Faults {
+        case.faults = Some(butter::internals::Faults {
             bad_read_ranges: ranges,
             ..Default::default()
         });

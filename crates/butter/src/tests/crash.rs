@@ -23,7 +23,8 @@ use super::crash_support;
 
 use butter::error::Error;
 use butter::fs::{Fs, Inode};
-use butter::io::device::{BlockDevice, Faults, RamDevice};
+use butter::internals::{Faults, RamDevice};
+use butter::io::device::BlockDevice;
 use butter::mkfs::Profile;
 use crash_support::*;
 use std::collections::HashMap;

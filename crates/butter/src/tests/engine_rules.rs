@@ -7,7 +7,7 @@ use super::crash_support;
 
 use butter::fs::Fs;
 use butter::inode::namespace::Owner;
-use butter::io::device::RamDevice;
+use butter::internals::RamDevice;
 use butter::mkfs::Profile;
 use crash_support::{butter_check, fresh_image};
 use std::sync::atomic::{AtomicUsize, Ordering};

@@ -19,7 +19,7 @@
 use super::corrupt_support;
 
 use butter::format::csum::CsumType;
-use butter::io::device::RamDevice;
+use butter::internals::RamDevice;
 use corrupt_support::alloc_track;
 use corrupt_support::fuzz_logic::*;
 use std::path::{Path, PathBuf};

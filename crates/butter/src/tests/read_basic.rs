@@ -4,7 +4,8 @@
 use butter::ctree::{Root, TreeIter};
 use butter::format::*;
 use butter::fs::{Fs, Inode};
-use butter::io::device::{BlockDevice, RamDevice};
+use butter::internals::RamDevice;
+use butter::io::device::BlockDevice;
 use butter::io::disk_io::Readahead;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

@@ -72,7 +72,6 @@ use crate::ids::Inode;
 use crate::inode::core::Core;
 use crate::io::disk_io::Readahead;
 use crate::space::alloc::SpaceKind;
-pub(crate) use crate::transaction::log_state::LogStats;
 pub(crate) use crate::transaction::log_state::LogTicket;
 use crate::transaction::log_state::LogTree;
 use crate::transaction::Writer;
@@ -1080,8 +1079,9 @@ impl Core {
         Ok(())
     }
 
-    /// Log counters (fsyncs logged, fallbacks, log commits).
-    pub fn log_stats(&self) -> Result<LogStats> {
+    /// Log counters (fsyncs logged, fallbacks, log commits), for the unit tests.
+    #[cfg(test)]
+    pub(crate) fn log_stats(&self) -> Result<crate::transaction::log_state::LogStats> {
         Ok(self.writer_keeping_ordered()?.log.stats.clone())
     }
 }
@@ -1206,7 +1206,7 @@ mod tests {
     use super::*;
     use crate::fs::Fs;
     use crate::inode::namespace::Owner;
-    use crate::io::device::RamDevice;
+    use crate::internals::RamDevice;
     use std::sync::Arc;
 
     fn fresh() -> (Arc<RamDevice>, Fs) {

@@ -10,7 +10,8 @@
 
 use butter::fs::{Fs, Inode};
 use butter::inode::namespace::Owner;
-use butter::io::device::{BlockDevice, RamDevice};
+use butter::internals::RamDevice;
+use butter::io::device::BlockDevice;
 use butter::mkfs::{mkfs, MkfsOptions, Profile};
 use std::collections::{BTreeMap, HashMap};
 use std::hash::{Hash, Hasher};

@@ -26,7 +26,7 @@ use butter::format::items::*;
 use butter::format::superblock::{DevItem, Superblock};
 use butter::format::*;
 use butter::fs::Fs;
-use butter::io::device::RamDevice;
+use butter::internals::RamDevice;
 use butter::io::disk_io::{check_tree_block, Expect, TreeBlock};
 use butter::io::volumes::ChunkMap;
 use std::sync::Arc;

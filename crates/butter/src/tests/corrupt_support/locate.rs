@@ -14,7 +14,7 @@ use butter::format::csum::CsumType;
 use butter::format::header::KeyPtr;
 use butter::format::items::{FileExtentBody, FileExtentItem, RootItem};
 use butter::format::*;
-use butter::io::device::RamDevice;
+use butter::internals::RamDevice;
 use butter::io::disk_io::{Disk, Expect, Readahead};
 use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;

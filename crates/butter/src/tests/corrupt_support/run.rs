@@ -6,7 +6,8 @@
 use super::alloc_track::{self, AllocReport};
 use super::walk::{walk_tolerant, Walk, WalkError, WalkLimits};
 use butter::fs::Fs;
-use butter::io::device::{BlockDevice, Faults, RamDevice};
+use butter::internals::{Faults, RamDevice};
+use butter::io::device::BlockDevice;
 use butter::Error;
 use std::sync::mpsc;
 use std::sync::Arc;
