@@ -397,38 +397,20 @@ impl ButterFuse {
         passage: Passage,
         f: impl FnOnce() -> OpResult<T>,
     ) -> Result<T, Errno> {
-        // The engine's gate: EROFS when read-only or once changes stopped.
-        let gate = match passage {
-            Passage::Any => self.fs.change_gate(),
-            Passage::Data(n) | Passage::Write(n) => {
-                let i = match self.inode(n) {
-                    Ok(i) => i,
-                    Err(e) => return self.guard(op, node, || Err(e)),
-                };
-                if matches!(passage, Passage::Write(_)) {
-                    self.fs.write_gate(i)
-                } else {
-                    self.fs.change_gate_on(i)
-                }
+        self.guard(op, node, || {
+            // The engine's gate: EROFS when read-only or once changes stopped. The engine
+            // judges failures reported to it and a panic unwinding through it (its latch).
+            let gate = match passage {
+                Passage::Any => self.fs.change_gate(),
+                Passage::Data(n) => self.fs.change_gate_on(self.inode(n)?),
+                Passage::Write(n) => self.fs.write_gate(self.inode(n)?),
+            };
+            let g = gate.map_err(|_| OpError::Quiet(libc::EROFS))?;
+            let r = f();
+            if let Err(OpError::Fs(e)) = &r {
+                g.failed(op, e);
             }
-        };
-        let Ok(_g) = gate else {
-            return Err(Errno::from_i32(libc::EROFS));
-        };
-        let r = catch_unwind(AssertUnwindSafe(f));
-        // A failure that may have left half of the operation in the running transaction
-        // stops changes and commits (the engine's latch).
-        let why = match &r {
-            Ok(Err(OpError::Fs(e))) if e.stops_changes() => Some(format!("{op} failed: {e}")),
-            Err(_) => Some(format!("{op} panicked")),
-            _ => None,
-        };
-        if let Some(why) = why {
-            self.fs.stop(why);
-        }
-        self.guard(op, node, || match r {
-            Ok(r) => r,
-            Err(p) => std::panic::resume_unwind(p),
+            r
         })
     }
 
@@ -717,41 +699,39 @@ impl Filesystem for ButterFuse {
         if !self.writable {
             return;
         }
-        // The final commit; a failure (or changes stopped before) makes `serve` fail.
-        match self.fs.close() {
-            Ok(r) => {
-                let (st, o) = (r.log, r.ordered);
-                log::info!(
-                    "fsync: {} logged ({} ordered extents before their completion), {} \
-                     committed instead, {} already durable; {} log commits",
-                    st.logged,
-                    st.ordered_logged,
-                    st.fallbacks,
-                    st.already_durable,
-                    st.log_commits
-                );
-                log::info!(
-                    "writes: {} ordered extents ({} completed after the write returned), {} \
-                     delayed allocations written back, {} writes waited for an overlapping one, \
-                     {} data writes out of the gate",
-                    o.started,
-                    o.deferred,
-                    o.delalloc_flushed,
-                    o.locked_waits,
-                    r.data_io_out_of_gate
-                );
-                let a = r.alloc;
-                log::info!(
-                    "allocator: {} allocations, {} try-lock misses, {} blocking waits, {} \
-                     groups visited, {} goal hits",
-                    a.allocations,
-                    a.trylock_misses,
-                    a.blocking_waits,
-                    a.groups_visited,
-                    a.goal_hits
-                );
-            }
-            Err(e) => self.fs.stop(format!("final commit at unmount: {e}")),
+        // The final commit. A failure (or changes stopped before) makes `serve` fail; the
+        // engine has stopped changes (its latch) and logged why.
+        if let Ok(r) = self.fs.close() {
+            let (st, o) = (r.log, r.ordered);
+            log::info!(
+                "fsync: {} logged ({} ordered extents before their completion), {} \
+                 committed instead, {} already durable; {} log commits",
+                st.logged,
+                st.ordered_logged,
+                st.fallbacks,
+                st.already_durable,
+                st.log_commits
+            );
+            log::info!(
+                "writes: {} ordered extents ({} completed after the write returned), {} \
+                 delayed allocations written back, {} writes waited for an overlapping one, \
+                 {} data writes out of the gate",
+                o.started,
+                o.deferred,
+                o.delalloc_flushed,
+                o.locked_waits,
+                r.data_io_out_of_gate
+            );
+            let a = r.alloc;
+            log::info!(
+                "allocator: {} allocations, {} try-lock misses, {} blocking waits, {} \
+                 groups visited, {} goal hits",
+                a.allocations,
+                a.trylock_misses,
+                a.blocking_waits,
+                a.groups_visited,
+                a.goal_hits
+            );
         }
     }
 

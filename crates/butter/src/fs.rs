@@ -401,11 +401,17 @@ impl Fs {
     }
 
     /// Passes the gate as a change: `ReadOnly` when opened read-only, `Aborted` once changes
-    /// stopped. A failure of the change that [`Error::stops_changes`] (or a panic) must then
-    /// be reported with [`Fs::stop`].
+    /// stopped (also while this one waited). The change's failure goes to the guard
+    /// ([`crate::gate::GateChange::failed`]), which judges whether it stops changes; a panic
+    /// unwinding through the guard stops them.
     pub fn change_gate(&self) -> Result<crate::gate::GateChange<'_>> {
         self.may_change()?;
-        Ok(self.gate.change())
+        let g = self.gate.change();
+        // Changes may have stopped while this one waited (the change before it failed).
+        if self.has_stopped() {
+            self.may_change()?;
+        }
+        Ok(g)
     }
 
     /// [`Fs::change_gate`] for a change that may take `ino`'s range locks (a truncate,
@@ -413,7 +419,11 @@ impl Fs {
     /// passage first (crate::gate).
     pub fn change_gate_on(&self, ino: Inode) -> Result<crate::gate::GateChange<'_>> {
         self.may_change()?;
-        Ok(self.gate.change_inode(ino))
+        let g = self.gate.change_inode(ino);
+        if self.has_stopped() {
+            self.may_change()?;
+        }
+        Ok(g)
     }
 
     /// [`Fs::change_gate_on`] for [`Fs::write`]s to `ino`: the write steps out of the gate
@@ -598,7 +608,10 @@ impl Fs {
     pub fn close(&self) -> Result<Stats> {
         self.stop_committer();
         if self.is_writable() {
-            self.gated_commit()?;
+            if let Err(e) = self.gated_commit() {
+                self.stop(format!("the final commit failed: {e}"));
+                return Err(e);
+            }
         }
         self.stats()
     }

@@ -36,6 +36,7 @@
 //! writer (crate::transaction) -> `log_sync`; inode passage -> lane. The policies are methods of the facade
 //! (crate::fs); this module holds the locks and the latch.
 
+use crate::error::Error;
 use crate::ids::Inode;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard};
@@ -277,17 +278,21 @@ impl Gate {
         self.steps_out.load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// Sets the latch; the first reason is kept. Returns whether this call set it.
+    /// Sets the latch; the first reason is kept (and logged, with what the user can do).
+    /// Returns whether this call set it.
     pub(crate) fn latch(&self, why: String) -> bool {
         let mut s = self.stopped.lock().unwrap_or_else(|e| e.into_inner());
-        if s.is_none() {
-            *s = Some(why);
-            self.latched_flag
-                .store(true, std::sync::atomic::Ordering::SeqCst);
-            true
-        } else {
-            false
+        if s.is_some() {
+            return false;
         }
+        log::error!(
+            "{why}; the filesystem is read-only from now on and nothing more is committed: \
+             the image keeps its last commit (unmount, then run `butter check`)"
+        );
+        *s = Some(why);
+        self.latched_flag
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        true
     }
 
     /// Whether the latch is set (without its lock).
@@ -305,12 +310,34 @@ impl Gate {
 }
 
 impl GateChange<'_> {
+    /// Reports that the change this guard admits failed with `e`: a failure that may have
+    /// left half of it in the running transaction ([`Error::stops_changes`]) sets the latch
+    /// before the gate is let go of. (A panic that unwinds through the guard sets it too.)
+    pub fn failed(&self, what: &str, e: &Error) {
+        if e.stops_changes() {
+            self.exclusive.gate.latch(format!("{what} failed: {e}"));
+        }
+    }
+
     /// Marks this change as a data write of the calling thread: it may step out of the gate
     /// for its data I/O ([`Gate::step_out`]). Only for a change that holds its file's inode
     /// passage.
     pub(crate) fn let_data_out(&self) {
         if self.inode.is_some() {
             self.exclusive.gate.state().data_writer = Some(std::thread::current().id());
+        }
+    }
+}
+
+impl Drop for GateChange<'_> {
+    /// A panic that unwinds through a change may have left half of it in the running
+    /// transaction: the latch is set before the gate is let go of (the fields drop after
+    /// this), so no other change or commit sees the half.
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.exclusive
+                .gate
+                .latch("a change panicked half way".into());
         }
     }
 }
@@ -463,5 +490,49 @@ mod tests {
         let _r = fs.read_gate();
         assert!(fs.lookup(fs.root_inode(), b"before").unwrap().is_some());
         assert!(fs.stopped().unwrap().contains("half way"));
+    }
+
+    /// The latch belongs to the engine's change guard: a failure reported to it sets the
+    /// latch only when it may have left half a change behind, and a panic that unwinds
+    /// through it (on another thread, as a front end's worker would) sets it before the gate
+    /// is let go of, so the change waiting next is refused.
+    #[test]
+    fn the_change_guard_sets_the_latch_on_a_lasting_failure_or_a_panic() {
+        let (_dev, fs) = crate::mkfs::test_fs(256 << 20);
+        let fs = Arc::new(fs);
+        let me = Owner { uid: 0, gid: 0 };
+        {
+            let g = fs.change_gate().unwrap();
+            fs.create(fs.root_inode(), b"a", 0o644, me).unwrap();
+            g.failed("create", &Error::NotFound("a caller's mistake".into()));
+        }
+        assert!(fs.stopped().is_none(), "a caller's mistake stopped changes");
+        fs.gated_commit().unwrap();
+        // A failure that may have left half a change: the latch.
+        let (_dev2, other) = crate::mkfs::test_fs(256 << 20);
+        other
+            .change_gate()
+            .unwrap()
+            .failed("write", &Error::Internal("half way".into()));
+        assert!(other.stopped().unwrap().contains("write failed"));
+        assert!(matches!(other.change_gate(), Err(Error::Aborted(_))));
+        // A panic in one change while another waits for the gate.
+        let held = Arc::new(std::sync::Barrier::new(2));
+        let (fs1, h1) = (fs.clone(), held.clone());
+        let panicker = std::thread::spawn(move || {
+            let _g = fs1.change_gate().unwrap();
+            h1.wait();
+            std::thread::sleep(Duration::from_millis(50));
+            panic!("half a change");
+        });
+        held.wait();
+        let next = fs.change_gate();
+        assert!(panicker.join().is_err());
+        assert!(
+            matches!(next, Err(Error::Aborted(_))),
+            "the change waiting behind a panic passed"
+        );
+        assert!(fs.stopped().unwrap().contains("panicked"));
+        assert!(matches!(fs.gated_commit(), Err(Error::Aborted(_))));
     }
 }

@@ -229,13 +229,8 @@ impl Core {
     }
 
     /// Stops changes and commits for good (the latch); the first reason is kept.
-    pub fn stop(&self, why: String) {
-        if self.gate.latch(why.clone()) {
-            log::error!(
-                "{why}; the filesystem is read-only from now on and nothing more is committed: \
-                 the image keeps its last commit (unmount, then run `butter check`)"
-            );
-        }
+    pub(crate) fn stop(&self, why: String) {
+        self.gate.latch(why);
     }
 
     /// Whether changes stopped (as [`Core::stopped`], without taking the writer lock).
