@@ -9,10 +9,13 @@
 //! nullfs, has about 370 µs).
 //!
 //! A worker that receives a large write passes the engine's part of it to a lane chosen by
-//! the file, and waits; the lane's thread stays with that work (and so, mostly, on one CPU),
-//! one file's large writes always go to the same lane, and writes to different
-//! files run on different lanes at once, as many lanes as CPUs. The data is not copied: the
-//! worker lends it and waits until the lane is done with it.
+//! the file, and waits; one file's large writes always go to the same lane, and writes to
+//! different files run on different lanes at once, one lane per CPU the mount may run on,
+//! each kept to its CPU. The scheduler then brings the stream's worker and writer near its
+//! lane, and leaves the other CPUs to the small requests (interleaved mixed_io runs: 4 KiB
+//! reads beside the stream at a p99 of about 320 µs with the lanes kept to their CPUs, 520 µs
+//! with them free to move, and the stream faster too). The data is not copied: the worker
+//! lends it and waits until the lane is done with it.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::mpsc::{sync_channel, SyncSender};
@@ -26,14 +29,26 @@ pub(crate) struct Bulk {
 }
 
 impl Bulk {
-    /// `n` lanes (at least one), each a thread named `butter-bulk-N`.
+    /// `n` lanes (at least one), each a thread named `butter-bulk-N`, free to run anywhere.
+    #[cfg(test)]
     pub(crate) fn new(n: usize) -> std::io::Result<Bulk> {
+        Bulk::spawn(&vec![None; n.max(1)])
+    }
+
+    /// A lane per entry of `cpus`, each kept to its CPU where one is given (a lane that
+    /// cannot be kept there runs anywhere).
+    fn spawn(cpus: &[Option<usize>]) -> std::io::Result<Bulk> {
         let mut lanes = Vec::new();
-        for i in 0..n.max(1) {
+        for (i, &cpu) in cpus.iter().enumerate() {
             let (tx, rx) = sync_channel::<Job>(0);
             std::thread::Builder::new()
                 .name(format!("butter-bulk-{i}"))
                 .spawn(move || {
+                    if let Some(cpu) = cpu {
+                        if let Err(e) = keep_to_cpu(cpu) {
+                            log::debug!("bulk lane {i} stays free to move (CPU {cpu}: {e})");
+                        }
+                    }
                     for job in rx {
                         // A job catches its own panics (the FUSE adapter answers EIO); this
                         // keeps the lane alive whatever a job does.
@@ -45,9 +60,18 @@ impl Bulk {
         Ok(Bulk { lanes })
     }
 
-    /// As many lanes as the machine has CPUs.
+    /// A lane for each CPU this process may run on, kept to it.
     pub(crate) fn per_cpu() -> std::io::Result<Bulk> {
-        Bulk::new(std::thread::available_parallelism().map_or(1, |n| n.get()))
+        match allowed_cpus() {
+            Ok(cpus) if !cpus.is_empty() => {
+                Bulk::spawn(&cpus.into_iter().map(Some).collect::<Vec<_>>())
+            }
+            _ => Bulk::spawn(&vec![
+                None;
+                std::thread::available_parallelism()
+                    .map_or(1, |n| n.get())
+            ]),
+        }
     }
 
     /// Runs `f` on the lane of `key` (a file) and returns once it ran. `f` may borrow from
@@ -74,6 +98,38 @@ impl Bulk {
         // Never an Ok: nobody sends on `done`.
         let _ = finished.recv();
     }
+}
+
+/// The CPUs the calling thread may run on (its affinity mask, which cgroups and taskset
+/// narrow), in order.
+fn allowed_cpus() -> std::io::Result<Vec<usize>> {
+    // SAFETY: a zeroed cpu_set_t is an empty set; sched_getaffinity fills at most its size.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    let size = std::mem::size_of::<libc::cpu_set_t>();
+    // SAFETY: `set` is a valid cpu_set_t of `size` bytes; pid 0 is the calling thread.
+    if unsafe { libc::sched_getaffinity(0, size, &mut set) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: CPU_ISSET reads the set within its size (CPU_SETSIZE bits).
+    Ok((0..libc::CPU_SETSIZE as usize)
+        .filter(|&c| unsafe { libc::CPU_ISSET(c, &set) })
+        .collect())
+}
+
+/// Keeps the calling thread to `cpu`.
+fn keep_to_cpu(cpu: usize) -> std::io::Result<()> {
+    // SAFETY: as in allowed_cpus; CPU_SET writes within the set (cpu < CPU_SETSIZE, checked).
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    if cpu >= libc::CPU_SETSIZE as usize {
+        return Err(std::io::Error::from_raw_os_error(libc::EINVAL));
+    }
+    unsafe { libc::CPU_SET(cpu, &mut set) };
+    let size = std::mem::size_of::<libc::cpu_set_t>();
+    // SAFETY: `set` is a valid cpu_set_t of `size` bytes; pid 0 is the calling thread.
+    if unsafe { libc::sched_setaffinity(0, size, &set) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -104,6 +160,24 @@ mod tests {
         }
         assert!(names[0].starts_with("butter-bulk-"), "{names:?}");
         assert!(names.iter().all(|n| *n == names[0]), "{names:?}");
+    }
+
+    #[test]
+    fn per_cpu_lanes_each_keep_to_one_allowed_cpu() {
+        let allowed = super::allowed_cpus().unwrap();
+        assert!(!allowed.is_empty());
+        let bulk = Bulk::per_cpu().unwrap();
+        assert_eq!(bulk.lanes.len(), allowed.len());
+        let mut seen = std::collections::BTreeSet::new();
+        for key in 0..256u64 {
+            let mut mask = Vec::new();
+            bulk.run(key, || mask = super::allowed_cpus().unwrap());
+            assert_eq!(mask.len(), 1, "a lane free to move: {mask:?}");
+            assert!(allowed.contains(&mask[0]), "{mask:?} not in {allowed:?}");
+            seen.insert(mask[0]);
+        }
+        // Files spread over the lanes, so over the CPUs.
+        assert_eq!(seen.len(), allowed.len(), "{seen:?}");
     }
 
     #[test]
