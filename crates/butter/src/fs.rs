@@ -295,8 +295,8 @@ impl Fs {
         if self.fallocate_in_memory_gated(ino, mode, offset, len) {
             return Ok(());
         }
-        let _g = self.change_gate_on(ino)?;
-        self.latch_on_failure("fallocate", self.fallocate(ino, mode, offset, len))
+        let g = self.change_gate_on(ino)?;
+        g.settle("fallocate", self.fallocate(ino, mode, offset, len))
     }
 
     /// truncate(2) under the gate: a truncate of a file with a delayed preallocation back to
@@ -306,8 +306,8 @@ impl Fs {
         if self.in_lane(ino, || self.truncate_in_memory(ino, size)) == Some(true) {
             return Ok(());
         }
-        let _g = self.change_gate_on(ino)?;
-        self.latch_on_failure("truncate", self.truncate(ino, size))
+        let g = self.change_gate_on(ino)?;
+        g.settle("truncate", self.truncate(ino, size))
     }
 
     /// The in-memory half of [`Fs::gated_fallocate`]: whether it served the fallocate.
@@ -323,11 +323,12 @@ impl Fs {
                 // complete them all, and their files' next truncates would take the
                 // ordinary way too.
                 Some(Ok(None)) if attempt == 0 => {
-                    let Ok(_c) = self.change_gate() else {
+                    let Ok(c) = self.change_gate() else {
                         return false;
                     };
-                    let made = self.make_data_space(len);
-                    if self.latch_on_failure("making data space", made).is_err() {
+                    if c.settle("making data space", self.make_data_space(len))
+                        .is_err()
+                    {
                         return false;
                     }
                 }
@@ -356,17 +357,6 @@ impl Fs {
         None
     }
 
-    /// A change's result; one that may have left half of it in the running transaction stops
-    /// changes and commits (the latch).
-    fn latch_on_failure<T>(&self, what: &str, r: Result<T>) -> Result<T> {
-        if let Err(e) = &r {
-            if e.stops_changes() {
-                self.stop(format!("{what} failed: {e}"));
-            }
-        }
-        r
-    }
-
     /// One handle on `ino` closed (a front end's release). The last handle of an unlinked
     /// file deletes it now, under the gate; most releases change nothing and pass as readers.
     /// Once changes stopped, the orphan item stays for the next read-write open.
@@ -379,19 +369,13 @@ impl Fs {
         if !last {
             return Ok(());
         }
-        let Ok(_g) = self.change_gate_on(ino) else {
+        let Ok(g) = self.change_gate_on(ino) else {
             return Ok(());
         };
-        let r = self.delete_orphan(ino);
-        if let Err(e) = &r {
-            if e.stops_changes() {
-                self.stop(format!(
-                    "deleting unlinked inode {} at its last close: {e}",
-                    ino.ino
-                ));
-            }
-        }
-        r
+        g.settle(
+            &format!("deleting unlinked inode {} at its last close", ino.ino),
+            self.delete_orphan(ino),
+        )
     }
 
     /// Passes the gate as a reader without completing pending ordered extents: for reads
@@ -405,21 +389,25 @@ impl Fs {
     /// ([`crate::gate::GateChange::failed`]), which judges whether it stops changes; a panic
     /// unwinding through the guard stops them.
     pub fn change_gate(&self) -> Result<crate::gate::GateChange<'_>> {
-        self.may_change()?;
-        let g = self.gate.change();
-        // Changes may have stopped while this one waited (the change before it failed).
-        if self.has_stopped() {
-            self.may_change()?;
-        }
-        Ok(g)
+        self.admit(|| self.gate.change())
     }
 
     /// [`Fs::change_gate`] for a change that may take `ino`'s range locks (a truncate,
     /// fallocate, a write through another call, the deletion of an orphan): `ino`'s inode
     /// passage first (crate::gate).
     pub fn change_gate_on(&self, ino: Inode) -> Result<crate::gate::GateChange<'_>> {
+        self.admit(|| self.gate.change_inode(ino))
+    }
+
+    /// A change through the gate `take` passes, if changes may run: checked before it waits,
+    /// and again after, since changes may have stopped meanwhile (the change before it failed
+    /// half way).
+    fn admit<'a>(
+        &'a self,
+        take: impl FnOnce() -> crate::gate::GateChange<'a>,
+    ) -> Result<crate::gate::GateChange<'a>> {
         self.may_change()?;
-        let g = self.gate.change_inode(ino);
+        let g = take();
         if self.has_stopped() {
             self.may_change()?;
         }
@@ -459,8 +447,8 @@ impl Fs {
         // A delayed preallocation of the file goes into the trees first, under the exclusive
         // gate (the log copies trees; no reader may see them change).
         if self.prealloc.has(Some(ino)) {
-            let _c = self.change_gate()?;
-            self.latch_on_failure("fsync", self.complete_preallocs_gated(Some(ino)))?;
+            let c = self.change_gate()?;
+            c.settle("fsync", self.complete_preallocs_gated(Some(ino)))?;
         }
         let ticket = {
             // Shared: the trees do not change under a reader; the writer lock keeps other

@@ -319,6 +319,18 @@ impl GateChange<'_> {
         }
     }
 
+    /// The change's result, its failure reported first ([`GateChange::failed`]).
+    pub(crate) fn settle<T>(
+        &self,
+        what: &str,
+        r: crate::error::Result<T>,
+    ) -> crate::error::Result<T> {
+        if let Err(e) = &r {
+            self.failed(what, e);
+        }
+        r
+    }
+
     /// Marks this change as a data write of the calling thread: it may step out of the gate
     /// for its data I/O ([`Gate::step_out`]). Only for a change that holds its file's inode
     /// passage.
