@@ -548,6 +548,7 @@ impl Core {
             return Ok(0);
         }
         self.require_rw_subvol(ino.root)?;
+        self.settle_prealloc(ino)?;
         if ahead.is_none()
             && (self.ordered.try_append(ino, offset, data)
                 || self.try_start_delalloc(ino, offset, data)?)
@@ -1558,6 +1559,7 @@ impl Core {
 
     /// truncate(2).
     pub fn truncate(&self, ino: Inode, size: u64) -> Result<()> {
+        self.settle_prealloc(ino)?;
         let item = self.require_inode_changeable(ino)?;
         if item.mode & 0o170000 != 0o100000 {
             return Err(Error::Invalid(format!(
@@ -1602,6 +1604,7 @@ impl Core {
     /// (with KEEP_SIZE) and ZERO_RANGE.
     pub fn fallocate(&self, ino: Inode, mode: u32, offset: u64, len: u64) -> Result<()> {
         self.require_rw_subvol(ino.root)?;
+        self.settle_prealloc(ino)?;
         let item = self.inode_item(ino)?;
         if item.flags & INODE_IMMUTABLE != 0
             || (item.flags & INODE_APPEND != 0 && mode & !FALLOC_FL_KEEP_SIZE != 0)
@@ -1867,6 +1870,20 @@ impl Core {
             }
             (true, true)
         })
+    }
+
+    /// `ino`'s delayed preallocation, if it has one, into the trees now: for a change of the
+    /// file that reads its size or extents from the trees before it takes the writer lock (a
+    /// write, truncate, fallocate or clone decides from them what to do). Without this, a
+    /// small write at offset 0 after an fallocate at the end made the file inline at the
+    /// write's size, and the completion that came with the writer lock was overwritten.
+    /// The caller is a change of `ino` (the exclusive gate, in the mount).
+    pub(crate) fn settle_prealloc(&self, ino: Inode) -> Result<()> {
+        if self.prealloc.has(Some(ino)) {
+            let mut w = self.writer_keeping_ordered()?;
+            self.complete_preallocs(&mut w, Some(ino))?;
+        }
+        Ok(())
     }
 
     /// Puts delayed preallocations (every file's, or `only`'s) into the trees: under the

@@ -1452,6 +1452,18 @@ impl Preallocs {
         r
     }
 
+    /// What `ino`'s delayed preallocation will make of its inode item when it is completed:
+    /// (size, bytes it adds, the stamp of its last change, whether that changed the mtime).
+    pub(crate) fn view(&self, ino: Inode) -> Option<(u64, u64, Option<std::time::Instant>, bool)> {
+        if self.count.load(Ordering::SeqCst) == 0 {
+            return None;
+        }
+        let shard = self.files(ino);
+        let p = shard.files.get(&ino)?;
+        let added = p.extents().map(|(_, _, l)| l).sum();
+        Some((p.size, added, p.stamp, p.mtime))
+    }
+
     /// Takes every file's (or `only`'s) out for their completion, in inode order.
     pub(crate) fn take(&self, only: Option<Inode>) -> Vec<(Inode, Prealloc)> {
         if !self.has(None) {

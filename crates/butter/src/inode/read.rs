@@ -99,7 +99,24 @@ impl Core {
                 Err(e) => return Err(e),
             }
         }
-        self.inode_item_raw(ino)
+        let mut item = self.inode_item_raw(ino)?;
+        // A delayed preallocation (crate::inode::ordered::Preallocs) counts as done: its
+        // file is seen as it will be once it is in the trees (size, bytes, times), by every
+        // caller, whether or not the completion has run. It cannot run here: this may be a
+        // reader beside the lane that made it.
+        if let Some((size, added, stamp, mtime)) = self.prealloc.view(ino) {
+            let t = stamp.map_or_else(
+                crate::format::items::Timespec::now,
+                crate::format::items::Timespec::of_instant,
+            );
+            item.size = size;
+            item.nbytes += added;
+            item.ctime = t;
+            if mtime {
+                item.mtime = t;
+            }
+        }
+        Ok(item)
     }
 
     /// The inode item as the trees have it now (pending ordered extents not counted): for

@@ -37,6 +37,8 @@ impl Core {
             ));
         }
         let ss = self.disk.sectorsize() as u64;
+        self.settle_prealloc(src)?;
+        self.settle_prealloc(dst)?;
         let src_item = self.inode_item(src)?;
         let dst_item = self.inode_item(dst)?;
         for (ino, item) in [(src, &src_item), (dst, &dst_item)] {
