@@ -59,6 +59,7 @@
 
 use crate::acl;
 use crate::bulk::Bulk;
+use crate::setid::{self, Caller, SetIdNodes};
 use butter::format::items::{InodeItem, Timespec};
 use butter::fs::{Fs, Inode};
 use butter::inode::namespace::{Owner, SetAttr};
@@ -242,6 +243,8 @@ pub struct ButterFuse {
     acl: bool,
     /// Threads for the engine's part of large writes (read-write mounts).
     bulk: Option<Bulk>,
+    /// Nodes whose set-id bits a change may have to clear (crate::setid).
+    setid: SetIdNodes,
 }
 
 /// A time from a fuser request. fuser 0.18 decodes a time before the epoch, (sec < 0,
@@ -267,6 +270,15 @@ fn time_or_now(t: TimeOrNow) -> Timespec {
     match t {
         TimeOrNow::SpecificTime(t) => timespec(t),
         TimeOrNow::Now => timespec(SystemTime::now()),
+    }
+}
+
+/// The caller of a request, for crate::setid.
+fn caller_of(req: &Request) -> Caller {
+    Caller {
+        uid: req.uid(),
+        gid: req.gid(),
+        pid: req.pid(),
     }
 }
 
@@ -313,7 +325,38 @@ impl ButterFuse {
             } else {
                 None
             },
+            setid: SetIdNodes::default(),
         }
+    }
+
+    /// Large writes served on the worker that took them, not on bulk lanes (`-o nobulk`).
+    pub fn without_bulk_lanes(mut self) -> Self {
+        self.bulk = None;
+        self
+    }
+
+    /// Clears the set-id bits a change of `node`'s data by `caller` clears on the kernel's
+    /// filesystems (crate::setid); under the change's gate.
+    fn drop_setid(&self, caller: &Caller, node: u64, ino: Inode) -> OpResult<()> {
+        if !self.setid.may_have(node) {
+            return Ok(());
+        }
+        let item = self.fs.inode_item(ino)?;
+        let mode = item.mode;
+        let kill = setid::killed_by_change(caller, mode, item.gid);
+        if kill == 0 {
+            return Ok(());
+        }
+        let mode = mode & 0o7777 & !kill;
+        self.fs.setattr(
+            ino,
+            &SetAttr {
+                mode: Some(mode),
+                ..Default::default()
+            },
+        )?;
+        self.setid.note(node, mode);
+        Ok(())
     }
 
     /// Runs `f`, turning its failure or panic into an errno and a log line naming `op`.
@@ -449,6 +492,7 @@ impl ButterFuse {
     /// Attributes of node `node` (engine inode `ino`).
     fn attr(&self, node: u64, ino: Inode) -> OpResult<FileAttr> {
         let item = self.fs.inode_item(ino)?;
+        self.setid.note(node, item.mode);
         let ss = u64::from(self.fs.sectorsize().max(1));
         file_attr(self.map.st_ino(node), ino, &item, ss).map_err(OpError::Fs)
     }
@@ -798,7 +842,7 @@ impl Filesystem for ButterFuse {
 
     fn setattr(
         &self,
-        _req: &Request,
+        req: &Request,
         ino: INodeNo,
         mode: Option<u32>,
         uid: Option<u32>,
@@ -814,8 +858,28 @@ impl Filesystem for ButterFuse {
         _flags: Option<fuser::BsdFileFlags>,
         reply: ReplyAttr,
     ) {
+        let caller = caller_of(req);
         let r = self.change_op("setattr", ino.0, Passage::Data(ino.0), || {
             let i = self.inode(ino.0)?;
+            let mode = match mode {
+                Some(m) if self.setid.may_have(ino.0) || m & libc::S_ISGID != 0 => {
+                    let old = self.fs.inode_item(i)?;
+                    // The kernel clears the bits a change kills with a setattr of the mode
+                    // without them (a write through the page cache, a chown): that passes as
+                    // it is. A chmod is judged as the kernel's setattr_copy judges it.
+                    let killed =
+                        old.mode & 0o7777 & !setid::killed_by_change(&caller, old.mode, old.gid);
+                    if m & 0o7777 == killed && killed != old.mode & 0o7777 {
+                        Some(m)
+                    } else {
+                        Some(setid::chmod_mode(&caller, m, gid.unwrap_or(old.gid)))
+                    }
+                }
+                m => m,
+            };
+            if size.is_some() && mode.is_none() {
+                self.drop_setid(&caller, ino.0, i)?;
+            }
             let a = SetAttr {
                 mode,
                 uid,
@@ -998,7 +1062,7 @@ impl Filesystem for ButterFuse {
         self.reply_entry(reply, r);
     }
 
-    fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
+    fn open(&self, req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
         let writing = flags.acc_mode() != OpenAccMode::O_RDONLY || flags.0 & libc::O_TRUNC != 0;
         let run = || {
             let i = self.inode(ino.0)?;
@@ -1017,8 +1081,11 @@ impl Filesystem for ButterFuse {
             // and this open (it had no handle to keep it) deleted it, and the open fails as
             // it would have after the unlink (ENOENT), not the reads after it.
             let size = self.fs.inode_item(i).map_err(fs_err)?.size;
-            if flags.0 & libc::O_TRUNC != 0 && size != 0 {
-                self.fs.truncate(i, 0).map_err(fs_err)?;
+            if flags.0 & libc::O_TRUNC != 0 {
+                self.drop_setid(&caller_of(req), ino.0, i)?;
+                if size != 0 {
+                    self.fs.truncate(i, 0).map_err(fs_err)?;
+                }
             }
             Ok(self.open_handle(i, flags.0))
         };
@@ -1091,7 +1158,7 @@ impl Filesystem for ButterFuse {
 
     fn write(
         &self,
-        _req: &Request,
+        req: &Request,
         ino: INodeNo,
         fh: FileHandle,
         offset: u64,
@@ -1101,8 +1168,10 @@ impl Filesystem for ButterFuse {
         _lock_owner: Option<fuser::LockOwner>,
         reply: fuser::ReplyWrite,
     ) {
+        let caller = caller_of(req);
         let serve = || match self.change_op("write", ino.0, Passage::Write(ino.0), || {
             let i = self.inode(ino.0)?;
+            self.drop_setid(&caller, ino.0, i)?;
             let append = flags.0 & libc::O_APPEND != 0
                 || self
                     .handles
@@ -1470,7 +1539,7 @@ impl Filesystem for ButterFuse {
 
     fn fallocate(
         &self,
-        _req: &Request,
+        req: &Request,
         ino: INodeNo,
         _fh: FileHandle,
         offset: u64,
@@ -1480,8 +1549,10 @@ impl Filesystem for ButterFuse {
     ) {
         // An fallocate at the file's end is served in memory (delayed preallocation), beside
         // other files' changes; anything else passes the gate as a change.
+        let caller = caller_of(req);
         if let Ok(i) = self.inode(ino.0) {
             if mode >= 0
+                && !self.setid.may_have(ino.0)
                 && self
                     .fs
                     .fallocate_in_memory_gated(i, mode as u32, offset, length)
@@ -1495,8 +1566,10 @@ impl Filesystem for ButterFuse {
             if mode & !known != 0 {
                 return Err(OpError::Quiet(libc::EOPNOTSUPP));
             }
+            let i = self.inode(ino.0)?;
+            self.drop_setid(&caller, ino.0, i)?;
             self.fs
-                .fallocate(self.inode(ino.0)?, mode as u32, offset, length)
+                .fallocate(i, mode as u32, offset, length)
                 .map_err(|e| match e {
                     Error::Unsupported(_) => OpError::Quiet(libc::EOPNOTSUPP),
                     e => fs_err(e),
@@ -1536,7 +1609,7 @@ impl Filesystem for ButterFuse {
 
     fn copy_file_range(
         &self,
-        _req: &Request,
+        req: &Request,
         ino_in: INodeNo,
         _fh_in: FileHandle,
         offset_in: u64,
@@ -1555,6 +1628,7 @@ impl Filesystem for ButterFuse {
             || {
                 let src = self.inode(ino_in.0)?;
                 let dst = self.inode(ino_out.0)?;
+                self.drop_setid(&caller_of(req), ino_out.0, dst)?;
                 let n = self
                     .fs
                     .copy_file_range(src, offset_in, dst, offset_out, len.min(1 << 30))
@@ -1681,6 +1755,9 @@ pub struct MountConfig {
     pub threads: usize,
     /// Read-write mounts: commit this often (besides flush, fsync and unmount).
     pub commit_interval: Option<Duration>,
+    /// Large writes run on bulk lanes (crate::bulk); off (`-o nobulk`), on the worker that
+    /// took them.
+    pub bulk: bool,
 }
 
 /// Mounts `fs` (root directory `root`) on `dir`, read-write when `fs` was opened so, and
@@ -1700,7 +1777,7 @@ pub fn serve(
     let signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM, SIGHUP])?;
     let writable = fs.is_writable();
     let config = session_config(cfg, writable);
-    let session = mount_session(fs.clone(), root, dir, &config)?;
+    let session = mount_session(fs.clone(), root, dir, &config, cfg.bulk)?;
     let mountpoint: PathBuf = dir.canonicalize().unwrap_or_else(|_| dir.to_path_buf());
     log::info!(
         "mounted on {} ({})",
@@ -1770,8 +1847,10 @@ fn mount_session(
     root: Inode,
     dir: &Path,
     config: &Config,
+    bulk: bool,
 ) -> std::io::Result<Session<ButterFuse>> {
     let bf = ButterFuse::new(fs, root);
+    let bf = if bulk { bf } else { bf.without_bulk_lanes() };
     // Open to this user or not, as its own error (fuser would say a bare "Permission denied").
     fuse_device_access()?;
     Session::new(bf, dir, config).map_err(|e| {

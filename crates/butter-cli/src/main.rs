@@ -6,6 +6,7 @@ mod acl;
 mod bulk;
 mod cmd;
 mod fuse;
+mod setid;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;

@@ -41,7 +41,10 @@ pub struct MountArgs {
     /// (every file, even one whose start does not compress), compress=no, max_inline=BYTES
     /// (files up to this size are kept in the metadata, inline; default 2048),
     /// allocator=scalable|legacy (the block allocator: seed 001's, the default, or the one
-    /// from before it, for benchmarks).
+    /// from before it, for benchmarks), delalloc|nodelalloc (appends gather in memory before
+    /// they are allocated, the default; or each write is allocated when it comes),
+    /// bulk|nobulk (large writes run on threads of their own, one per CPU, the default; or
+    /// on the thread that took the request).
     #[arg(short = 'o', value_name = "OPTIONS")]
     pub options: Vec<String>,
     /// Mount this subvolume (path from the top-level subvolume) instead of the default one.
@@ -121,6 +124,7 @@ fn plan(a: &MountArgs) -> Result<Plan, CliError> {
         flags: Vec::new(),
         threads: a.threads.max(1),
         commit_interval: Some(Duration::from_secs(DEFAULT_COMMIT)),
+        bulk: true,
     };
     for opt in a.options.iter().flat_map(|o| o.split(',')) {
         let (key, value) = match opt.split_once('=') {
@@ -154,6 +158,14 @@ fn plan(a: &MountArgs) -> Result<Plan, CliError> {
             }
             ("nodelalloc", None) => {
                 delalloc = false;
+                None
+            }
+            ("bulk", None) => {
+                cfg.bulk = true;
+                None
+            }
+            ("nobulk", None) => {
+                cfg.bulk = false;
                 None
             }
             ("compress" | "compress-force", v) => {
