@@ -656,11 +656,23 @@ impl Core {
             std::borrow::Cow::Owned(buf)
         };
         let nosum = item.flags & INODE_NODATASUM != 0;
-        if item.flags & INODE_NODATACOW != 0 && nosum && !has_inline {
+        let nocow = item.flags & INODE_NODATACOW != 0 && nosum;
+        // A file with checksums is written in place too where it meets a preallocated extent
+        // (as the kernel does for a file it marked PREALLOC): the write fills the space the
+        // fallocate reserved, and gets checksums. Compressed writes are copied, as ever.
+        let into_prealloc = !nosum
+            && ahead.is_none()
+            && compression.is_none()
+            && item.flags & INODE_PREALLOC != 0
+            && self
+                .file_extents(ino, a, b)?
+                .iter()
+                .any(|x| x.item.ty == FILE_EXTENT_PREALLOC);
+        if (nocow || into_prealloc) && !has_inline {
             // In place where the file alone owns the extent; the rest copied on write.
-            for (s, e) in self.write_nocow(ino, a, &buf, end)? {
+            for (s, e) in self.write_nocow(ino, a, &buf, end, !nosum)? {
                 let sub = &buf[(s - a) as usize..(e - a) as usize];
-                self.write_extents(ino, s, sub, end.min(e), false, Some(&guard), true)?;
+                self.write_extents(ino, s, sub, end.min(e), false, Some(&guard), nosum)?;
             }
             return Ok(data.len());
         }
@@ -692,12 +704,21 @@ impl Core {
         self.write_extents(ino, a, buf, size_to, false, Some(guard), false)
     }
 
-    /// A write to a NODATACOW (and NODATASUM) file, as the kernel's run_delalloc_nocow does
-    /// it: sector-aligned `buf` at file offset `a` goes in place into the extents the file
-    /// alone owns ([`Core::can_nocow`]); a preallocated part written becomes a regular extent
-    /// (the item split as needed). Returns the file ranges left for copy on write (holes,
-    /// shared extents, ...). The file grows to at most `size_to` with what went in place.
-    fn write_nocow(&self, ino: Inode, a: u64, buf: &[u8], size_to: u64) -> Result<Vec<(u64, u64)>> {
+    /// A write in place, as the kernel's run_delalloc_nocow does it: sector-aligned `buf` at
+    /// file offset `a` goes into the extents the file alone owns ([`Core::can_nocow`]); a
+    /// preallocated part written becomes a regular extent (the item split as needed). With
+    /// `sums` (a file with checksums) only preallocated extents are written in place, and
+    /// what goes there gets its checksums. Returns the file ranges left for copy on write
+    /// (holes, shared extents, ...). The file grows to at most `size_to` with what went in
+    /// place.
+    fn write_nocow(
+        &self,
+        ino: Inode,
+        a: u64,
+        buf: &[u8],
+        size_to: u64,
+        sums: bool,
+    ) -> Result<Vec<(u64, u64)>> {
         let ss = self.disk.sectorsize() as u64;
         let b = a + buf.len() as u64;
         self.op(true, |w| {
@@ -731,13 +752,18 @@ impl Core {
                     push_cow(xs, xe);
                     continue;
                 };
-                if !self.can_nocow(w, ino, &x, last_snapshot)? {
+                if (sums && x.item.ty != FILE_EXTENT_PREALLOC)
+                    || !self.can_nocow(w, ino, &x, last_snapshot)?
+                {
                     push_cow(xs, xe);
                     continue;
                 }
                 let phys = disk_bytenr + offset + (xs - x.start);
-                self.disk
-                    .write_logical(phys, &buf[(xs - a) as usize..(xe - a) as usize])?;
+                let part = &buf[(xs - a) as usize..(xe - a) as usize];
+                self.disk.write_logical(phys, part)?;
+                if sums {
+                    Self::put_sums(w, phys, xe - xs, &self.sector_sums(part))?;
+                }
                 in_place = true;
                 grown_to = grown_to.max(xe.min(size_to));
                 if x.item.ty == FILE_EXTENT_PREALLOC {
@@ -1056,6 +1082,12 @@ impl Core {
         let item = self.inode_item_raw(ino)?;
         let special = INODE_NODATASUM | INODE_NODATACOW | INODE_IMMUTABLE | INODE_APPEND;
         if item.mode & 0o170000 != 0o100000 || item.size != offset || item.flags & special != 0 {
+            return Ok(false);
+        }
+        // Space preallocated past the end (KEEP_SIZE) is filled in place by an ordinary
+        // write, not replaced by a new extent at write-back.
+        if item.flags & INODE_PREALLOC != 0 && !self.file_extents(ino, offset, u64::MAX)?.is_empty()
+        {
             return Ok(false);
         }
         // A compressed file's appends gather too, and are compressed at their write-back;
