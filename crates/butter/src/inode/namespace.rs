@@ -683,7 +683,8 @@ impl Core {
         })
     }
 
-    /// One link of `ino` is gone: decrement nlink, delete the inode at zero (or orphan it).
+    /// One link of `ino` is gone: decrement nlink, delete the inode at zero (or orphan it,
+    /// while a handle holds it open: a directory too, which then shows nlink 0 to fstat).
     fn drop_link(&self, w: &mut Writer, ino: Inode) -> Result<()> {
         let mut item = self.inode_item(ino)?;
         item.nlink = item.nlink.saturating_sub(1);
@@ -700,6 +701,17 @@ impl Core {
             );
         }
         self.delete_inode(w, ino)
+    }
+
+    /// An empty directory lost its name: deleted, or an orphan while a handle holds it.
+    fn drop_dir(&self, w: &mut Writer, ino: Inode) -> Result<()> {
+        // A directory has one link however many subdirectories it held.
+        let mut it = self.inode_item(ino)?;
+        if it.nlink != 1 {
+            it.nlink = 1;
+            self.write_inode(w, ino, &it)?;
+        }
+        self.drop_link(w, ino)
     }
 
     /// Deletes every item of an inode, dropping its data references.
@@ -798,7 +810,12 @@ impl Core {
         }
         self.require_dir_changeable(dir, false)?;
         if e.target.root != dir.root {
-            return Err(Error::NotPermitted("rmdir of a subvolume".into()));
+            // As on the kernel's btrfs since Linux 4.18: an empty subvolume (or snapshot)
+            // goes with rmdir, deleted as `subvolume delete` deletes it.
+            if self.inode_item(e.target)?.size != 0 {
+                return Err(Error::NotEmpty(String::from_utf8_lossy(name).into_owned()));
+            }
+            return self.delete_subvolume(dir, name).map(|_| ());
         }
         let item = self.inode_item(e.target)?;
         crate::inode::flags::require_changeable(&item, e.target)?;
@@ -807,7 +824,7 @@ impl Core {
         }
         self.op(false, |w| {
             self.remove_entry(w, dir, name, e.target)?;
-            self.delete_inode(w, e.target)
+            self.drop_dir(w, e.target)
         })
     }
 
@@ -943,7 +960,7 @@ impl Core {
             if let Some(d) = &dst {
                 self.remove_entry(w, to_dir, to, d.target)?;
                 if d.file_type == FT_DIR {
-                    self.delete_inode(w, d.target)?;
+                    self.drop_dir(w, d.target)?;
                 } else {
                     self.drop_link(w, d.target)?;
                 }

@@ -230,6 +230,26 @@ impl Core {
 
     /// Directory entries with DIR_INDEX sequence number > `after`, in index order, at most
     /// `max` of them (0 = no limit).
+    /// The index of directory `dir`'s last entry now (0 when it has none): entries added
+    /// later get higher ones. A listing that stops there ends, however many entries are
+    /// renamed meanwhile (each rename gives its entry a new index), as the kernel's readdir
+    /// does since Linux 6.5.
+    pub fn last_dir_index(&self, dir: Inode) -> Result<u64> {
+        if dir.ino == EMPTY_SUBVOL_DIR_OBJECTID {
+            return Ok(0);
+        }
+        let root = self.subvol_root(dir.root)?;
+        let last = crate::ctree::lookup_le(
+            &self.disk,
+            &root,
+            &Key::new(dir.ino, DIR_INDEX_KEY, u64::MAX),
+        )?;
+        Ok(match last {
+            Some(i) if i.key.objectid == dir.ino && i.key.ty == DIR_INDEX_KEY => i.key.offset,
+            _ => 0,
+        })
+    }
+
     pub fn readdir(&self, dir: Inode, after: u64, max: usize) -> Result<Vec<DirEntry>> {
         if dir.ino == EMPTY_SUBVOL_DIR_OBJECTID {
             return Ok(Vec::new());
