@@ -234,6 +234,9 @@ pub struct ButterFuse {
     lookups: Mutex<HashMap<u64, u64>>,
     /// Open files by handle.
     handles: Mutex<HashMap<u64, Handle>>,
+    /// Open directories by handle: the inode, and the index of its last entry at the open
+    /// (a listing ends there, see `Core::last_dir_index`).
+    dirs: Mutex<HashMap<u64, (Inode, u64)>>,
     next_fh: AtomicU64,
     writable: bool,
     /// How long the kernel may cache entries and attributes.
@@ -245,6 +248,8 @@ pub struct ButterFuse {
     bulk: Option<Bulk>,
     /// Nodes whose set-id bits a change may have to clear (crate::setid).
     setid: SetIdNodes,
+    /// Tells the kernel to forget attributes it caches (set once the session exists).
+    notifier: Arc<std::sync::OnceLock<fuser::Notifier>>,
 }
 
 /// A time from a fuser request. fuser 0.18 decodes a time before the epoch, (sec < 0,
@@ -312,6 +317,7 @@ impl ButterFuse {
             parents: Mutex::new(parents),
             lookups: Mutex::new(HashMap::new()),
             handles: Mutex::new(HashMap::new()),
+            dirs: Mutex::new(HashMap::new()),
             next_fh: AtomicU64::new(1),
             writable,
             ttl: if writable { TTL_RW } else { TTL },
@@ -326,6 +332,7 @@ impl ButterFuse {
                 None
             },
             setid: SetIdNodes::default(),
+            notifier: Arc::default(),
         }
     }
 
@@ -356,6 +363,14 @@ impl ButterFuse {
             },
         )?;
         self.setid.note(node, mode);
+        // The kernel caches the mode it last saw; a change it did not ask for as a setattr
+        // (an O_DIRECT write, say) must reach it. Attributes only (offset -1): no page is
+        // touched, so this cannot wait on the request being served.
+        if let Some(n) = self.notifier.get() {
+            if let Err(e) = n.inval_inode(INodeNo(node), -1, 0) {
+                log::warn!("telling the kernel the mode of node {node} changed: {e}");
+            }
+        }
         Ok(())
     }
 
@@ -524,10 +539,17 @@ impl ButterFuse {
     fn fill_dir(
         &self,
         node: u64,
+        fh: u64,
         offset: u64,
         mut add: impl FnMut(&[u8], u64, Option<&butter::fs::DirEntry>) -> OpResult<bool>,
     ) -> OpResult<()> {
         let dir = self.inode(node)?;
+        let last = self
+            .dirs
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&fh)
+            .map_or(u64::MAX - 1, |d| d.1);
         if offset == 0 && add(b".", 1, None)? {
             return Ok(());
         }
@@ -542,6 +564,10 @@ impl ButterFuse {
             }
             for e in &batch {
                 after = e.index;
+                if e.index > last {
+                    // Added (or renamed) since the open: the listing ends before it.
+                    return Ok(());
+                }
                 if e.index == u64::MAX {
                     log::error!(
                         "readdir (node {node}): entry {:?} has index {}, beyond what a cookie can resume",
@@ -680,7 +706,13 @@ impl ButterFuse {
 
     /// Setting `system.posix_acl_access`: the mode's permission bits follow the ACL, and an
     /// ACL the mode says all of is not stored (as the kernel's filesystems do).
-    fn set_access_acl(&self, ino: Inode, value: &[u8], flags: u32) -> OpResult<()> {
+    fn set_access_acl(
+        &self,
+        caller: &Caller,
+        ino: Inode,
+        value: &[u8],
+        flags: u32,
+    ) -> OpResult<()> {
         let entries = acl::parse(value).ok_or(OpError::Quiet(libc::EINVAL))?;
         let (bits, equiv) = acl::mode_of(&entries);
         let item = self.fs.inode_item(ino)?;
@@ -695,7 +727,9 @@ impl ButterFuse {
                 .setxattr(ino, acl::ACCESS, value, flags)
                 .map_err(fs_err)?;
         }
-        let mode = (item.mode & 0o7000) | bits;
+        // As a chmod: set-group-id goes unless the caller is in the file's group
+        // (crate::setid).
+        let mode = setid::chmod_mode(caller, (item.mode & 0o7000) | bits, item.gid);
         if mode != item.mode & 0o7777 {
             self.fs.setattr(
                 ino,
@@ -716,6 +750,12 @@ impl Filesystem for ButterFuse {
             InitFlags::FUSE_DO_READDIRPLUS | InitFlags::FUSE_READDIRPLUS_AUTO,
             InitFlags::FUSE_CACHE_SYMLINKS,
             InitFlags::FUSE_PARALLEL_DIROPS,
+            // mmap of a file opened with O_DIRECT (FOPEN_DIRECT_IO), as local filesystems
+            // allow it.
+            InitFlags::FUSE_DIRECT_IO_ALLOW_MMAP,
+            // File handles (name_to_handle_at, open_by_handle_at, NFS): the kernel finds a
+            // node it forgot with a lookup of "." in it.
+            InitFlags::FUSE_EXPORT_SUPPORT,
         ] {
             if let Err(missing) = config.add_capabilities(cap) {
                 log::debug!("kernel lacks FUSE capability {missing:?}");
@@ -1163,7 +1203,7 @@ impl Filesystem for ButterFuse {
         fh: FileHandle,
         offset: u64,
         data: &[u8],
-        _write_flags: fuser::WriteFlags,
+        write_flags: fuser::WriteFlags,
         flags: OpenFlags,
         _lock_owner: Option<fuser::LockOwner>,
         reply: fuser::ReplyWrite,
@@ -1172,13 +1212,17 @@ impl Filesystem for ButterFuse {
         let serve = || match self.change_op("write", ino.0, Passage::Write(ino.0), || {
             let i = self.inode(ino.0)?;
             self.drop_setid(&caller, ino.0, i)?;
-            let append = flags.0 & libc::O_APPEND != 0
-                || self
-                    .handles
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .get(&fh.0)
-                    .is_some_and(|h| h.append);
+            // A page written back from a shared mapping (FUSE_WRITE_CACHE) goes where the page
+            // is, even through a handle opened with O_APPEND.
+            let from_page = write_flags.contains(fuser::WriteFlags::FUSE_WRITE_CACHE);
+            let append = !from_page
+                && (flags.0 & libc::O_APPEND != 0
+                    || self
+                        .handles
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .get(&fh.0)
+                        .is_some_and(|h| h.append));
             let offset = if append {
                 self.fs.inode_item(i)?.size
             } else {
@@ -1253,9 +1297,21 @@ impl Filesystem for ButterFuse {
     }
 
     fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
-        match self.read_op("opendir", ino.0, || self.inode(ino.0).map(|_| ())) {
-            Ok(()) => reply.opened(
-                FileHandle(0),
+        match self.read_op("opendir", ino.0, || {
+            let i = self.inode(ino.0)?;
+            let last = self.fs.last_dir_index(i)?;
+            // Held open: removed meanwhile (rmdir, a rename over it), it stays until the
+            // release, with nlink 0, as on the kernel's filesystems.
+            self.fs.note_open(i);
+            let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
+            self.dirs
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(fh, (i, last));
+            Ok(fh)
+        }) {
+            Ok(fh) => reply.opened(
+                FileHandle(fh),
                 if self.writable {
                     FopenFlags::empty()
                 } else {
@@ -1266,17 +1322,40 @@ impl Filesystem for ButterFuse {
         }
     }
 
+    fn releasedir(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        fh: FileHandle,
+        _flags: OpenFlags,
+        reply: ReplyEmpty,
+    ) {
+        let d = self
+            .dirs
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&fh.0);
+        let Some((dir, _)) = d else {
+            return reply.ok();
+        };
+        // The engine deletes the last handle's removed directory (Fs::release).
+        match self.guard("releasedir", ino.0, || Ok(self.fs.release(dir)?)) {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(e),
+        }
+    }
+
     fn readdir(
         &self,
         _req: &Request,
         ino: INodeNo,
-        _fh: FileHandle,
+        fh: FileHandle,
         offset: u64,
         mut reply: ReplyDirectory,
     ) {
         let r = self.read_op("readdir", ino.0, || {
             let parent = self.parent_of(ino.0);
-            self.fill_dir(ino.0, offset, |name, next, e| {
+            self.fill_dir(ino.0, fh.0, offset, |name, next, e| {
                 let (st_ino, kind) = match e {
                     None if name == b"." => (self.map.st_ino(ino.0), FileType::Directory),
                     None => (self.map.st_ino(parent), FileType::Directory),
@@ -1298,7 +1377,7 @@ impl Filesystem for ButterFuse {
         &self,
         _req: &Request,
         ino: INodeNo,
-        _fh: FileHandle,
+        fh: FileHandle,
         offset: u64,
         mut reply: ReplyDirectoryPlus,
     ) {
@@ -1307,7 +1386,7 @@ impl Filesystem for ButterFuse {
             let parent = self.parent_of(ino.0);
             // The kernel ignores the attributes sent with "." and "..": reuse the directory's.
             let mut dir_attr: Option<FileAttr> = None;
-            self.fill_dir(ino.0, offset, |name, next, e| {
+            self.fill_dir(ino.0, fh.0, offset, |name, next, e| {
                 let attr = match e {
                     None => {
                         let a = match dir_attr {
@@ -1379,7 +1458,7 @@ impl Filesystem for ButterFuse {
 
     fn setxattr(
         &self,
-        _req: &Request,
+        req: &Request,
         ino: INodeNo,
         name: &OsStr,
         value: &[u8],
@@ -1392,7 +1471,7 @@ impl Filesystem for ButterFuse {
             let name = name.as_bytes();
             let flags = (flags & (libc::XATTR_CREATE | libc::XATTR_REPLACE)) as u32;
             if self.acl && name == acl::ACCESS {
-                return self.set_access_acl(i, value, flags);
+                return self.set_access_acl(&caller_of(req), i, value, flags);
             }
             if self.acl && name == acl::DEFAULT {
                 if self.fs.inode_item(i)?.mode & libc::S_IFMT != libc::S_IFDIR {
@@ -1851,9 +1930,14 @@ fn mount_session(
 ) -> std::io::Result<Session<ButterFuse>> {
     let bf = ButterFuse::new(fs, root);
     let bf = if bulk { bf } else { bf.without_bulk_lanes() };
+    let notifier = bf.notifier.clone();
     // Open to this user or not, as its own error (fuser would say a bare "Permission denied").
     fuse_device_access()?;
-    Session::new(bf, dir, config).map_err(|e| {
+    let session = Session::new(bf, dir, config);
+    if let Ok(s) = &session {
+        let _ = notifier.set(s.notifier());
+    }
+    session.map_err(|e| {
         if e.kind() == std::io::ErrorKind::PermissionDenied {
             std::io::Error::new(
                 e.kind(),

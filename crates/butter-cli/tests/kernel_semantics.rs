@@ -192,6 +192,10 @@ fn set_id_bits_go_as_the_kernel_lets_them_go() {
                         args.push(fs_.clone());
                     }
                     let args: Vec<&str> = args.iter().map(String::as_str).collect();
+                    // The kernel caches the mode it saw (a change it did not make itself must
+                    // reach it).
+                    let before = mode(&f);
+                    assert_eq!(before, start);
                     let ok = if user {
                         as_user(cmd[0], &args)
                     } else {
@@ -234,6 +238,271 @@ fn set_id_bits_go_as_the_kernel_lets_them_go() {
             ok.success(),
             mode(&g)
         ));
+        seen
+    });
+}
+
+/// `filefrag -v` of `p`: (logical start, physical start, length, unwritten), in blocks.
+fn layout(p: &Path) -> Vec<(u64, i64, u64, bool)> {
+    let out = Command::new("filefrag").arg("-v").arg(p).output().unwrap();
+    assert!(out.status.success(), "filefrag {}", p.display());
+    let text = String::from_utf8_lossy(&out.stdout);
+    let mut v = Vec::new();
+    for line in text.lines() {
+        let f: Vec<&str> = line.split(':').map(str::trim).collect();
+        if f.len() < 5 || f[0].parse::<u64>().is_err() {
+            continue;
+        }
+        let range = |s: &str| -> (u64, u64) {
+            let (a, b) = s.split_once("..").unwrap();
+            (a.trim().parse().unwrap(), b.trim().parse().unwrap())
+        };
+        let (ls, _) = range(f[1]);
+        let (ps, _) = range(f[2]);
+        let len: u64 = f[3].parse().unwrap();
+        v.push((ls, ps as i64, len, line.contains("unwritten")));
+    }
+    v
+}
+
+#[test]
+fn writes_into_preallocated_space_fill_it_in_place_with_checksums() {
+    if !fuse_mount::require("prealloc_in_place", &["filefrag"]) {
+        return;
+    }
+    let scratch = ScratchDir::new("prealloc_in_place");
+    // The same changes on both: 1 MiB preallocated, then sector-aligned and unaligned
+    // writes inside it, and an append into space preallocated past the end (KEEP_SIZE).
+    let change = |dir: &Path| {
+        let p = dir.join("f");
+        let f = create(&p);
+        fallocate(&f, 0, 0, 1 << 20);
+        f.write_all_at(&[1u8; 65536], 131072).unwrap();
+        f.write_all_at(&[2u8; 100], 700_000).unwrap();
+        f.sync_all().unwrap();
+        let q = dir.join("g");
+        let g = create(&q);
+        g.write_all_at(&[3u8; 8192], 0).unwrap();
+        fallocate(&g, libc::FALLOC_FL_KEEP_SIZE, 8192, 65536);
+        drop(g);
+        let mut g = OpenOptions::new().append(true).open(&q).unwrap();
+        std::io::Write::write_all(&mut g, &[4u8; 16384]).unwrap();
+    };
+    let kimg = scratch.join("kernel.img");
+    fuse_mount::fresh_image(&kimg, IMAGE_SIZE);
+    let k = LoopMount::btrfs(&kimg, &scratch.dir("kmnt"), "");
+    change(k.path());
+    k.unmount();
+    let img = scratch.join("butter.img");
+    fuse_mount::fresh_image(&img, IMAGE_SIZE);
+    let m = ButterMount::start(&img, &scratch.dir("mnt"), &[], &scratch.join("butter.log"));
+    change(m.path());
+    let seen = manifest::take(m.path(), &TakeOpts::default());
+    m.unmount();
+    fuse_mount::verify_image(
+        &img,
+        &scratch.dir("verify"),
+        Some(&seen),
+        "prealloc_in_place",
+    );
+    let out = Command::new("btrfs")
+        .args(["check", "--readonly", "--check-data-csum"])
+        .arg(&img)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "btrfs check --check-data-csum of butter's image:\n{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // Which parts are written and which still preallocated must be the kernel's, and the
+    // preallocated ranges (all of f, g from its second block on) must still sit where the
+    // fallocate put them: one physical run, written parts inside it.
+    let mut want = Vec::new();
+    let mut got = Vec::new();
+    for (image, into) in [(&kimg, &mut want), (&img, &mut got)] {
+        let km = LoopMount::btrfs_ro(image, &scratch.dir("look"));
+        for (n, from) in [("f", 0), ("g", 2)] {
+            let l = layout(&km.path().join(n));
+            let shifts: Vec<i64> = l
+                .iter()
+                .filter(|x| x.0 >= from)
+                .map(|x| x.1 - x.0 as i64)
+                .collect();
+            // Runs of written and of preallocated blocks (FIEMAP merges what is contiguous
+            // on disk too, and the kernel's delayed allocation places data differently).
+            let mut parts: Vec<(u64, u64, bool)> = Vec::new();
+            for x in &l {
+                match parts.last_mut() {
+                    Some(p) if p.2 == x.3 && p.0 + p.1 == x.0 => p.1 += x.2,
+                    _ => parts.push((x.0, x.2, x.3)),
+                }
+            }
+            into.push((n, parts, shifts.windows(2).all(|w| w[0] == w[1]), l));
+        }
+        km.unmount();
+    }
+    for (g, w) in got.iter().zip(&want) {
+        assert!(
+            w.2,
+            "the kernel's {} is not one physical run: {:?}",
+            w.0, w.3
+        );
+        assert!(
+            g.2,
+            "butter's {} is not one physical run (copied on write?): {:?}",
+            g.0, g.3
+        );
+        assert_eq!(
+            (g.0, &g.1),
+            (w.0, &w.1),
+            "written and preallocated parts: butter's image (left), the kernel's (right)"
+        );
+    }
+}
+
+/// errno of an io::Result, 0 for success.
+fn errno_of<T>(r: std::io::Result<T>) -> i32 {
+    r.err().map_or(0, |e| e.raw_os_error().unwrap_or(-1))
+}
+
+#[test]
+fn rmdir_deletes_an_empty_subvolume() {
+    if !fuse_mount::require("rmdir_subvolume", &[]) {
+        return;
+    }
+    let scratch = ScratchDir::new("rmdir_subvolume");
+    // Two subvolumes, one with a file: rmdir takes the empty one and refuses the other.
+    let case = |dir: &Path| {
+        fs::write(dir.join("full/f"), b"x").unwrap();
+        let a = errno_of(fs::remove_dir(dir.join("empty")));
+        let b = errno_of(fs::remove_dir(dir.join("full")));
+        let mut names: Vec<String> = fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        (a, b, names)
+    };
+    let kimg = scratch.join("kernel.img");
+    fuse_mount::fresh_image(&kimg, IMAGE_SIZE);
+    let k = LoopMount::btrfs(&kimg, &scratch.dir("kmnt"), "");
+    for n in ["empty", "full"] {
+        common::kernel::run(
+            Command::new("btrfs")
+                .args(["subvolume", "create"])
+                .arg(k.path().join(n)),
+        );
+    }
+    let want = case(k.path());
+    k.unmount();
+    let img = scratch.join("butter.img");
+    fuse_mount::fresh_image(&img, IMAGE_SIZE);
+    for n in ["/empty", "/full"] {
+        common::kernel::run(
+            Command::new(fuse_mount::BUTTER)
+                .args(["subvolume", "create"])
+                .arg(&img)
+                .arg(n),
+        );
+    }
+    let m = ButterMount::start(&img, &scratch.dir("mnt"), &[], &scratch.join("butter.log"));
+    let got = case(m.path());
+    let seen = manifest::take(m.path(), &TakeOpts::default());
+    m.unmount();
+    assert_eq!(
+        got, want,
+        "rmdir of subvolumes: butter (left), the kernel (right)"
+    );
+    fuse_mount::verify_image(&img, &scratch.dir("verify"), Some(&seen), "rmdir_subvolume");
+}
+
+#[test]
+fn open_directories_outlive_their_removal_and_listings_end() {
+    on_both("open_dirs", &[], |dir| {
+        use std::os::fd::AsRawFd;
+        let mut seen = Vec::new();
+        // A directory renamed over while open, and one removed while open: fstat answers,
+        // with no links.
+        for (what, over) in [("renamed over", true), ("removed", false)] {
+            let a = dir.join("a");
+            let b = dir.join("b");
+            fs::create_dir(&a).unwrap();
+            if over {
+                fs::create_dir(&b).unwrap();
+            }
+            let held = File::open(if over { &b } else { &a }).unwrap();
+            if over {
+                fs::rename(&a, &b).unwrap();
+                fs::remove_dir(&b).unwrap();
+            } else {
+                fs::remove_dir(&a).unwrap();
+            }
+            // SAFETY: fstat into a zeroed struct on an open descriptor.
+            let mut st: libc::stat = unsafe { std::mem::zeroed() };
+            let r = unsafe { libc::fstat(held.as_raw_fd(), &mut st) };
+            seen.push(format!(
+                "{what}: fstat {r}, nlink {}",
+                if r == 0 { st.st_nlink } else { 99 }
+            ));
+        }
+        // A listing while every entry is renamed away and back ends, with each name once
+        // at least (the kernel's btrfs stops at the last entry there was at the open).
+        let d = dir.join("many");
+        fs::create_dir(&d).unwrap();
+        for i in 0..600 {
+            File::create(d.join(format!("f{i:04}"))).unwrap();
+        }
+        let mut n = 0;
+        let mut names = std::collections::BTreeSet::new();
+        for e in fs::read_dir(&d).unwrap() {
+            let name = e.unwrap().file_name();
+            n += 1;
+            assert!(n <= 3 * 600, "the listing does not end");
+            if names.insert(name.clone()) {
+                fs::rename(d.join(&name), d.join("tmp")).unwrap();
+                fs::rename(d.join("tmp"), d.join(&name)).unwrap();
+            }
+        }
+        seen.push(format!(
+            "listing: {} names, ends: {}",
+            names.len() >= 600,
+            n <= 1800
+        ));
+        // mmap of a file opened with O_DIRECT.
+        let p = dir.join("direct");
+        fs::write(&p, vec![5u8; 8192]).unwrap();
+        let f = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(libc::O_DIRECT)
+            .open(&p)
+            .unwrap();
+        // SAFETY: a shared read mapping of an open descriptor, unmapped at once.
+        let m = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                8192,
+                libc::PROT_READ,
+                libc::MAP_SHARED,
+                f.as_raw_fd(),
+                0,
+            )
+        };
+        let mapped = m != libc::MAP_FAILED;
+        if mapped {
+            // SAFETY: the mapping above, 8192 bytes.
+            seen.push(format!("mmap of O_DIRECT: byte {}", unsafe {
+                *(m as *const u8).add(100)
+            }));
+            unsafe { libc::munmap(m, 8192) };
+        } else {
+            seen.push(format!(
+                "mmap of O_DIRECT: {}",
+                std::io::Error::last_os_error()
+            ));
+        }
         seen
     });
 }
