@@ -7,6 +7,10 @@
 //! Afterwards: unmount, `butter check` and `btrfs check --readonly` clean, and a kernel mount
 //! shows the same tree (both files with the same content) as the butter mount did.
 //!
+//! A fourth run ([`FSX_CONFIG_NOSTAT`]) leaves out fsx's size check after every operation
+//! (`nosizechecks`: no stat, no lseek(SEEK_END)) and reads less, so only the reads look at
+//! the file between changes (issue 29, item 5).
+//!
 //! The suite runs a short version ([`SUITE_OPS`] operations per file, seconds); the long run
 //! (100k+ operations) is `bench/fsx_long.sh`. `BUTTER_FSX_OPS` and `BUTTER_FSX_SEED` override
 //! the operation count and the first seed.
@@ -56,6 +60,38 @@ punch_hole = 2
 sendfile = 1
 posix_fadvise = 1
 copy_file_range = 2
+"#;
+
+/// The same operations without fsx's size check after every operation (`nosizechecks`: no
+/// fstat and no lseek(SEEK_END) between them) and with fewer reads, so the mount's deferred
+/// work (delayed allocation, delayed preallocation, ordered extents) piles up between the
+/// looks; fsx still checks every read against its model.
+pub const FSX_CONFIG_NOSTAT: &str = r#"# fsx without stat after each operation (fuse_fsx.rs)
+flen = 4194304
+nomsyncafterwrite = false
+nosizechecks = true
+blockmode = false
+
+[opsize]
+max = 131072
+min = 0
+align = 1
+
+[weights]
+close_open = 1
+read = 3
+write = 12
+mapread = 2
+mapwrite = 4
+invalidate = 1
+truncate = 4
+fsync = 1
+fdatasync = 1
+posix_fallocate = 4
+punch_hole = 3
+sendfile = 1
+posix_fadvise = 1
+copy_file_range = 3
 "#;
 
 /// Starts `fsx` on `file` (its output to `artifacts/fsx.log`, its artifacts in `artifacts`).
@@ -110,14 +146,28 @@ fn env_u64(name: &str, default: u64) -> u64 {
 #[test]
 fn fsx_on_butter_mount() {
     let ops = env_u64("BUTTER_FSX_OPS", SUITE_OPS);
-    fsx_run("fuse-fsx", &[], &[], ops);
+    fsx_run("fuse-fsx", FSX_CONFIG, &[], &[], ops);
+}
+
+/// Without a stat after each operation ([`FSX_CONFIG_NOSTAT`]), half as long: what butter
+/// keeps in memory must come out right when only the reads look.
+#[test]
+fn fsx_without_size_checks() {
+    let ops = env_u64("BUTTER_FSX_OPS", SUITE_OPS) / 2;
+    fsx_run("fuse-fsx-nostat", FSX_CONFIG_NOSTAT, &[], &[], ops);
 }
 
 /// The same on a block-group-tree image (mkfs.btrfs's default since 6.19), a third as long.
 #[test]
 fn fsx_on_block_group_tree() {
     let ops = env_u64("BUTTER_FSX_OPS", SUITE_OPS) / 3;
-    fsx_run("fuse-fsx-bgt", &["-O", "block-group-tree"], &[], ops);
+    fsx_run(
+        "fuse-fsx-bgt",
+        FSX_CONFIG,
+        &["-O", "block-group-tree"],
+        &[],
+        ops,
+    );
 }
 
 /// The same with every write compressed (`compress-force=zstd`), a third as long: partial
@@ -125,17 +175,23 @@ fn fsx_on_block_group_tree() {
 #[test]
 fn fsx_with_compression() {
     let ops = env_u64("BUTTER_FSX_OPS", SUITE_OPS) / 3;
-    fsx_run("fuse-fsx-zstd", &[], &["-o", "compress-force=zstd"], ops);
+    fsx_run(
+        "fuse-fsx-zstd",
+        FSX_CONFIG,
+        &[],
+        &["-o", "compress-force=zstd"],
+        ops,
+    );
 }
 
-fn fsx_run(name: &str, mkfs_args: &[&str], mount_args: &[&str], ops: u64) {
+fn fsx_run(name: &str, config: &str, mkfs_args: &[&str], mount_args: &[&str], ops: u64) {
     if !fuse_mount::require("fuse_fsx", &["fsx"]) {
         return;
     }
     let seed = env_u64("BUTTER_FSX_SEED", SEED);
     let scratch = ScratchDir::new(name);
     let cfg = scratch.join("fsx.toml");
-    std::fs::write(&cfg, FSX_CONFIG).unwrap();
+    std::fs::write(&cfg, config).unwrap();
     let img = scratch.join("butter.img");
     common::kernel::mkfs_btrfs(&img, IMAGE_SIZE, mkfs_args);
     let bm = ButterMount::start(
