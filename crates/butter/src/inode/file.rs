@@ -631,6 +631,14 @@ impl Core {
                 return Ok(data.len());
             }
         }
+        // A write that starts past the first sector turns an inline extent into that sector
+        // alone (what lies between stays a hole, as on the kernel's btrfs).
+        let has_inline = if has_inline && offset >= ss {
+            self.uninline(ino, Some(&guard))?;
+            false
+        } else {
+            has_inline
+        };
         // Regular extents over the sector-aligned range; an inline extent is folded in.
         let a = if has_inline { 0 } else { offset / ss * ss };
         // A write of whole sectors is written from the caller's bytes as they are: no copy
@@ -689,6 +697,30 @@ impl Core {
         }
         self.write_extents(ino, a, &buf, end, has_inline, Some(&guard), nosum)?;
         Ok(data.len())
+    }
+
+    /// The inline extent of `ino` becomes a regular extent of the file's first sector, the
+    /// rest of the file staying holes (as the kernel turns it when a write or an fallocate
+    /// reaches past it), under the caller's range lock `guard` when it holds one.
+    fn uninline(
+        &self,
+        ino: Inode,
+        guard: Option<&crate::inode::ordered::RangeGuard<'_>>,
+    ) -> Result<()> {
+        let ss = self.disk.sectorsize() as u64;
+        let item = self.inode_item(ino)?;
+        let n = item.size.min(ss);
+        let mut buf = self.read_range(ino, 0, n)?;
+        buf.resize(ss as usize, 0);
+        self.write_extents(
+            ino,
+            0,
+            &buf,
+            n,
+            true,
+            guard,
+            item.flags & INODE_NODATASUM != 0,
+        )
     }
 
     /// Plain extents for sector-aligned `buf` at `a` (a piece a compressed write keeps
@@ -1676,19 +1708,7 @@ impl Core {
             .first()
             .is_some_and(|x| matches!(x.item.body, FileExtentBody::Inline(_)));
         if inline {
-            // Move inline content to a regular extent first.
-            let content = self.read_range(ino, 0, item.size)?;
-            let mut buf = content;
-            buf.resize((item.size.div_ceil(ss) * ss) as usize, 0);
-            self.write_extents(
-                ino,
-                0,
-                &buf,
-                item.size,
-                true,
-                None,
-                item.flags & INODE_NODATASUM != 0,
-            )?;
+            self.uninline(ino, None)?;
         }
         let mut holes: Vec<(u64, u64)> = Vec::new();
         let mut pos = a;
