@@ -363,15 +363,19 @@ impl ButterFuse {
             },
         )?;
         self.setid.note(node, mode);
-        // The kernel caches the mode it last saw; a change it did not ask for as a setattr
-        // (an O_DIRECT write, say) must reach it. Attributes only (offset -1): no page is
-        // touched, so this cannot wait on the request being served.
+        self.forget_attrs(node);
+        Ok(())
+    }
+
+    /// Tells the kernel to drop the attributes it caches for `node`: for a change it did not
+    /// ask for as a setattr (a mode an O_DIRECT write cleared, the ctime of chattr). Attributes
+    /// only (offset -1): no page is touched, so this cannot wait on the request being served.
+    fn forget_attrs(&self, node: u64) {
         if let Some(n) = self.notifier.get() {
             if let Err(e) = n.inval_inode(INodeNo(node), -1, 0) {
-                log::warn!("telling the kernel the mode of node {node} changed: {e}");
+                log::warn!("telling the kernel the attributes of node {node} changed: {e}");
             }
         }
-        Ok(())
     }
 
     /// Runs `f`, turning its failure or panic into an errno and a log line naming `op`.
@@ -925,6 +929,9 @@ impl Filesystem for ButterFuse {
                 uid,
                 gid,
                 size,
+                touch: [atime, mtime]
+                    .iter()
+                    .all(|t| !matches!(t, Some(TimeOrNow::SpecificTime(_)))),
                 atime: atime.map(time_or_now),
                 mtime: mtime.map(time_or_now),
                 ctime: ctime.map(timespec),
@@ -1562,6 +1569,7 @@ impl Filesystem for ButterFuse {
                 self.fs
                     .set_fsflags(self.inode(ino.0)?, f)
                     .map_err(set_err)?;
+                self.forget_attrs(ino.0);
                 Ok(Vec::new())
             }),
             FS_IOC_FSGETXATTR => self.read_op_on("fsgetxattr", ino.0, || {
@@ -1592,6 +1600,7 @@ impl Filesystem for ButterFuse {
                 self.fs
                     .set_fsflags(i, (old & !common) | mapped)
                     .map_err(set_err)?;
+                self.forget_attrs(ino.0);
                 Ok(Vec::new())
             }),
             _ => Err(Errno::from_i32(libc::ENOTTY)),

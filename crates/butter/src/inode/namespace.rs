@@ -41,6 +41,9 @@ pub struct SetAttr {
     pub atime: Option<Timespec>,
     pub mtime: Option<Timespec>,
     pub ctime: Option<Timespec>,
+    /// `atime` and `mtime` are the current time, not times of the caller's choosing
+    /// (utimes with NULL): allowed on an append-only inode, as the kernel allows it.
+    pub touch: bool,
 }
 
 /// rename(2) flags.
@@ -977,13 +980,12 @@ impl Core {
     pub fn setattr(&self, ino: Inode, a: &SetAttr) -> Result<crate::inode::read::Stat> {
         self.require_rw_subvol(ino.root)?;
         let item = self.inode_item(ino)?;
-        let attrs = a.mode.is_some()
-            || a.uid.is_some()
-            || a.gid.is_some()
-            || a.size.is_some()
-            || a.atime.is_some()
-            || a.mtime.is_some();
-        if attrs {
+        let times = a.atime.is_some() || a.mtime.is_some();
+        let attrs = a.mode.is_some() || a.uid.is_some() || a.gid.is_some() || a.size.is_some();
+        if attrs || (times && !a.touch) {
+            crate::inode::flags::require_changeable(&item, ino)?;
+        }
+        if times && item.flags & INODE_IMMUTABLE != 0 {
             crate::inode::flags::require_changeable(&item, ino)?;
         }
         if let Some(size) = a.size {
