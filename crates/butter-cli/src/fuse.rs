@@ -367,6 +367,18 @@ impl ButterFuse {
         Ok(())
     }
 
+    /// The end of a handle on `ino` (none: a handle never handed out): the engine deletes
+    /// the last handle's unlinked file or removed directory (Fs::release).
+    fn release_inode(&self, op: &str, node: u64, ino: Option<Inode>, reply: ReplyEmpty) {
+        let Some(ino) = ino else {
+            return reply.ok();
+        };
+        match self.guard(op, node, || Ok(self.fs.release(ino)?)) {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(e),
+        }
+    }
+
     /// Tells the kernel to drop the attributes it caches for `node`: for a change it did not
     /// ask for as a setattr (a mode an O_DIRECT write cleared, the ctime of chattr). Attributes
     /// only (offset -1): no page is touched, so this cannot wait on the request being served.
@@ -1279,14 +1291,7 @@ impl Filesystem for ButterFuse {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .remove(&fh.0);
-        let Some(h) = h else {
-            return reply.ok();
-        };
-        // The engine deletes the last handle's unlinked file (Fs::release).
-        match self.guard("release", ino.0, || Ok(self.fs.release(h.ino)?)) {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(e),
-        }
+        self.release_inode("release", ino.0, h.map(|h| h.ino), reply);
     }
 
     fn fsync(
@@ -1342,14 +1347,7 @@ impl Filesystem for ButterFuse {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .remove(&fh.0);
-        let Some((dir, _)) = d else {
-            return reply.ok();
-        };
-        // The engine deletes the last handle's removed directory (Fs::release).
-        match self.guard("releasedir", ino.0, || Ok(self.fs.release(dir)?)) {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(e),
-        }
+        self.release_inode("releasedir", ino.0, d.map(|d| d.0), reply);
     }
 
     fn readdir(

@@ -506,3 +506,47 @@ fn open_directories_outlive_their_removal_and_listings_end() {
         seen
     });
 }
+
+#[test]
+fn an_unlinked_open_file_reopens_through_proc() {
+    on_both("reopen_unlinked", &[], |dir| {
+        use std::os::fd::AsRawFd;
+        let p = dir.join("f");
+        fs::write(&p, b"still here").unwrap();
+        let held = File::open(&p).unwrap();
+        fs::remove_file(&p).unwrap();
+        // The kernel still holds the inode (an open file): /proc/self/fd reopens it, for
+        // reading and for writing, as on the kernel's btrfs.
+        let via = format!("/proc/self/fd/{}", held.as_raw_fd());
+        let read = fs::read(&via).map_err(|e| e.raw_os_error());
+        let wrote = OpenOptions::new()
+            .write(true)
+            .open(&via)
+            .and_then(|f| f.write_all_at(b"STILL", 0))
+            .map_err(|e| e.raw_os_error());
+        let after = fs::read(&via).map_err(|e| e.raw_os_error());
+        let nlink = held
+            .metadata()
+            .map(|m| m.nlink())
+            .map_err(|e| e.raw_os_error());
+        (read, wrote, after, nlink)
+    });
+}
+
+#[test]
+fn device_nodes_work_on_a_mount_made_by_root() {
+    on_both("dev_nodes", &[], |dir| {
+        // A mount root makes, like a loop mount of the kernel's btrfs, lets device nodes
+        // be opened (FUSE's own default is nodev).
+        let p = dir.join("null");
+        let c = std::ffi::CString::new(p.to_str().unwrap()).unwrap();
+        // SAFETY: mknod of a character device (1, 3: /dev/null) at a path we own.
+        let r = unsafe { libc::mknod(c.as_ptr(), libc::S_IFCHR | 0o666, libc::makedev(1, 3)) };
+        let opened = OpenOptions::new()
+            .write(true)
+            .open(&p)
+            .and_then(|mut f| std::io::Write::write_all(&mut f, b"gone"))
+            .map_err(|e| e.raw_os_error());
+        (r, opened)
+    });
+}

@@ -257,6 +257,20 @@ fn plan(a: &MountArgs) -> Result<Plan, CliError> {
     if rw {
         ro = false;
     }
+    // As root, device nodes and set-id programs work unless refused, as on any mount that
+    // mount(8) makes (the kernel's btrfs on a loop device included); FUSE's own default,
+    // which fusermount3 enforces for other users, is nodev,nosuid.
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } == 0 {
+        for (on, off) in [
+            (MountOption::Dev, MountOption::NoDev),
+            (MountOption::Suid, MountOption::NoSuid),
+        ] {
+            if !cfg.flags.iter().any(|f| *f == on || *f == off) {
+                cfg.flags.push(on);
+            }
+        }
+    }
     if nologreplay && !ro {
         return Err(CliError(
             "nologreplay needs a read-only mount (-o ro,nologreplay): a read-write mount must \
@@ -476,7 +490,14 @@ mod tests {
         assert!(p.cfg.allow_other);
         assert_eq!(p.cfg.fsname, "x");
         assert_eq!(p.subvol, Subvol::Id(257));
-        assert_eq!(p.cfg.flags, vec![MountOption::NoExec]);
+        assert!(p.cfg.flags.contains(&MountOption::NoExec));
+        // As root, dev and suid unless refused, as mount(8) mounts.
+        // SAFETY: geteuid has no preconditions.
+        let root = unsafe { libc::geteuid() } == 0;
+        assert_eq!(p.cfg.flags.contains(&MountOption::Dev), root);
+        assert_eq!(p.cfg.flags.contains(&MountOption::Suid), root);
+        let q = parse(&["-o", "nodev,nosuid", "img", "dir"]).unwrap();
+        assert_eq!(q.cfg.flags, vec![MountOption::NoDev, MountOption::NoSuid]);
         let p = parse(&["--ro", "--subvol", "a/b", "img", "dir"]).unwrap();
         assert_eq!(p.subvol, Subvol::Path("a/b".into()));
         assert!(!p.cfg.allow_other);
