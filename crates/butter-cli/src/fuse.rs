@@ -560,12 +560,19 @@ impl ButterFuse {
         mut add: impl FnMut(&[u8], u64, Option<&butter::fs::DirEntry>) -> OpResult<bool>,
     ) -> OpResult<()> {
         let dir = self.inode(node)?;
-        let last = self
-            .dirs
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(&fh)
-            .map_or(u64::MAX - 1, |d| d.1);
+        let last = {
+            let mut dirs = self.dirs.lock().unwrap_or_else(|e| e.into_inner());
+            match dirs.get_mut(&fh) {
+                // A listing from the start (the first, or after rewinddir) sees the entries
+                // there are now, as the kernel's btrfs refreshes its end on rewinddir.
+                Some(d) if offset == 0 => {
+                    d.1 = self.fs.last_dir_index(dir)?;
+                    d.1
+                }
+                Some(d) => d.1,
+                None => u64::MAX - 1,
+            }
+        };
         if offset == 0 && add(b".", 1, None)? {
             return Ok(());
         }

@@ -470,6 +470,27 @@ fn open_directories_outlive_their_removal_and_listings_end() {
             names.len() >= 600,
             n <= 1800
         ));
+        // rewinddir: a listing from the start again shows what was created since the open.
+        let c = std::ffi::CString::new(d.to_str().unwrap()).unwrap();
+        let count = |dp: *mut libc::DIR| {
+            let mut k = 0;
+            // SAFETY: readdir on an open DIR stream until it ends.
+            while !unsafe { libc::readdir(dp) }.is_null() {
+                k += 1;
+            }
+            k
+        };
+        // SAFETY: an open DIR stream, read, rewound, read again and closed.
+        unsafe {
+            let dp = libc::opendir(c.as_ptr());
+            assert!(!dp.is_null());
+            let first = count(dp);
+            File::create(d.join("late")).unwrap();
+            libc::rewinddir(dp);
+            let again = count(dp);
+            libc::closedir(dp);
+            seen.push(format!("rewinddir: {} more", again - first));
+        }
         // mmap of a file opened with O_DIRECT.
         let p = dir.join("direct");
         fs::write(&p, vec![5u8; 8192]).unwrap();
