@@ -1689,14 +1689,7 @@ impl Core {
             if mode & FALLOC_FL_KEEP_SIZE == 0 {
                 return Err(Error::Invalid("PUNCH_HOLE needs KEEP_SIZE".into()));
             }
-            // A punch that reaches the end takes the last sector whole (its bytes past the
-            // end read as zeros anyway), as the kernel's does: no zeros are written there.
-            let to = if end >= item.size && offset <= item.size / ss * ss {
-                item.size.div_ceil(ss) * ss
-            } else {
-                end.min(item.size)
-            };
-            return self.zero_range(ino, offset, to, false);
+            return self.zero_range(ino, offset, end.min(item.size), false);
         }
         if mode & FALLOC_FL_ZERO_RANGE != 0 {
             self.zero_range(ino, offset, end.min(item.size.max(offset)), true)?;
