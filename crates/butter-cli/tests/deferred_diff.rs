@@ -2339,6 +2339,21 @@ fn known_shapes() -> Vec<(&'static str, Vec<Op>)> {
                 pw(0, 16384, 100, 37),
             ],
         ),
+        // A punch past the end takes the last, partial sector whole: a hole, not zeros
+        // written (found by bench/deferred_diff.sh, seed 50030).
+        (
+            "punch-past-the-end-of-a-partial-last-sector",
+            vec![
+                open(0, 0, false),
+                pw(0, 929, 59502, 43),
+                fa(
+                    0,
+                    libc::FALLOC_FL_KEEP_SIZE | libc::FALLOC_FL_PUNCH_HOLE,
+                    0,
+                    1421312,
+                ),
+            ],
+        ),
         // Pages written back through a mapping go to their own offset, also when the
         // mapping's fd (or another one of the file) has O_APPEND.
         (

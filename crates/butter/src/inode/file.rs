@@ -1689,7 +1689,14 @@ impl Core {
             if mode & FALLOC_FL_KEEP_SIZE == 0 {
                 return Err(Error::Invalid("PUNCH_HOLE needs KEEP_SIZE".into()));
             }
-            return self.zero_range(ino, offset, end.min(item.size), false);
+            // A punch that reaches the end takes the last sector whole (its bytes past the
+            // end read as zeros anyway), as the kernel's does: no zeros are written there.
+            let to = if end >= item.size && offset <= item.size / ss * ss {
+                item.size.div_ceil(ss) * ss
+            } else {
+                end.min(item.size)
+            };
+            return self.zero_range(ino, offset, to, false);
         }
         if mode & FALLOC_FL_ZERO_RANGE != 0 {
             self.zero_range(ino, offset, end.min(item.size.max(offset)), true)?;
@@ -2010,6 +2017,11 @@ impl Core {
             .first()
             .is_some_and(|x| matches!(x.item.body, FileExtentBody::Inline(_)));
         if inline {
+            // Zeros written here never reach past the end: the file keeps its size.
+            let to = to.min(item.size);
+            if to <= from {
+                return Ok(());
+            }
             let zeros = vec![0u8; (to - from) as usize];
             self.write(ino, from, &zeros)?;
             return Ok(());
