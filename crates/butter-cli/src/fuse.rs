@@ -24,7 +24,8 @@
 //!   stored); chmod updates the ACL's mask. New inodes belong to the caller, with the group
 //!   (and for directories the set-group-id bit) of a set-group-id parent.
 //! - **Open files.** A handle per open; an unlinked file stays (an orphan in the engine)
-//!   until its last handle's `release`. O_APPEND handles write at the end whatever offset the
+//!   until its last handle's `release` and the kernel's `forget` of it (a lookup reference
+//!   holds a non-directory open in the engine: an O_PATH descriptor can reopen it). O_APPEND handles write at the end whatever offset the
 //!   kernel sends; O_DIRECT opens get FOPEN_DIRECT_IO; O_TRUNC truncates. File locks are not
 //!   implemented: the kernel keeps POSIX and flock locks locally (single mount, so correct).
 //! - **No writeback cache.** With FUSE_WRITEBACK_CACHE the kernel owns size and mtime and
@@ -230,8 +231,12 @@ pub struct ButterFuse {
     map: InodeMap,
     /// Parent node of each directory node seen through lookup/readdirplus (for "..").
     parents: Mutex<HashMap<u64, u64>>,
-    /// Lookup count of each node the kernel holds (lookup, create, ... minus forget).
-    lookups: Mutex<HashMap<u64, u64>>,
+    /// Lookup count of each node the kernel holds (lookup, create, ... minus forget), and
+    /// for a non-directory the engine inode that reference holds open: the kernel can open
+    /// an unlinked file it still knows (an O_PATH descriptor reopened through /proc), so the
+    /// engine keeps the file (an orphan) until the kernel forgets it, as the kernel's btrfs
+    /// keeps it until the last reference to the inode goes.
+    lookups: Mutex<HashMap<u64, (u64, Option<Inode>)>>,
     /// Open files by handle.
     handles: Mutex<HashMap<u64, Handle>>,
     /// Open directories by handle: the inode, and the index of its last entry at the open
@@ -510,14 +515,27 @@ impl ButterFuse {
             .insert(child, parent);
     }
 
-    /// The kernel got one more reference to `node` (an entry reply).
-    fn looked_up(&self, node: u64) {
-        *self
-            .lookups
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .entry(node)
-            .or_insert(0) += 1;
+    /// The kernel got one more reference to `node` (an entry reply with `attr`). The first
+    /// one of a non-directory holds the engine inode open until `forget`.
+    fn looked_up(&self, attr: &FileAttr) {
+        let node = attr.ino.0;
+        let mut l = self.lookups.lock().unwrap_or_else(|e| e.into_inner());
+        let e = l.entry(node).or_insert((0, None));
+        e.0 += 1;
+        if e.0 == 1 && attr.kind != FileType::Directory {
+            if let Ok(ino) = self.inode(node) {
+                self.fs.note_open(ino);
+                e.1 = Some(ino);
+            }
+        }
+    }
+
+    /// Lets go of the engine inode a lookup reference held: an unlinked file no handle
+    /// holds is deleted now.
+    fn unhold(&self, node: u64, ino: Inode) {
+        if let Err(e) = self.guard("forget", node, || Ok(self.fs.release(ino)?)) {
+            log::warn!("forgetting node {node}: {e:?}");
+        }
     }
 
     /// Attributes of node `node` (engine inode `ino`).
@@ -542,7 +560,7 @@ impl ButterFuse {
     fn reply_entry(&self, reply: ReplyEntry, r: Result<FileAttr, Errno>) {
         match r {
             Ok(attr) => {
-                self.looked_up(attr.ino.0);
+                self.looked_up(&attr);
                 reply.entry(&self.ttl, &attr, Generation(0))
             }
             Err(e) => reply.error(e),
@@ -806,6 +824,17 @@ impl Filesystem for ButterFuse {
         if !self.writable {
             return;
         }
+        // The kernel forgets what it still knows without telling: unlinked files that only
+        // its references held go now, as they do at the kernel's unmount.
+        let held: Vec<(u64, Inode)> = std::mem::take(
+            &mut *self.lookups.lock().unwrap_or_else(|e| e.into_inner()),
+        )
+        .into_iter()
+        .filter_map(|(node, (_, held))| Some((node, held?)))
+        .collect();
+        for (node, ino) in held {
+            self.unhold(node, ino);
+        }
         // The final commit. A failure (or changes stopped before) makes `serve` fail; the
         // engine has stopped changes (its latch) and logged why.
         if let Ok(r) = self.fs.close() {
@@ -876,15 +905,18 @@ impl Filesystem for ButterFuse {
     fn forget(&self, _req: &Request, ino: INodeNo, nlookup: u64) {
         let mut l = self.lookups.lock().unwrap_or_else(|e| e.into_inner());
         let gone = match l.get_mut(&ino.0) {
-            Some(n) => {
+            Some((n, _)) => {
                 *n = n.saturating_sub(nlookup);
                 *n == 0
             }
             None => false,
         };
         if gone {
-            l.remove(&ino.0);
+            let held = l.remove(&ino.0).and_then(|(_, held)| held);
             drop(l);
+            if let Some(i) = held {
+                self.unhold(ino.0, i);
+            }
             // The kernel no longer knows the node: it asks for ".." of it no more. Node ids
             // themselves stay valid (stable inode numbers), so nothing else is freed.
             if ino.0 != INodeNo::ROOT.0 {
@@ -1190,7 +1222,7 @@ impl Filesystem for ButterFuse {
         });
         match r {
             Ok((attr, fh)) => {
-                self.looked_up(attr.ino.0);
+                self.looked_up(&attr);
                 reply.created(
                     &self.ttl,
                     &attr,
@@ -1423,7 +1455,7 @@ impl Filesystem for ButterFuse {
                 );
                 // The kernel takes a reference for every entry it accepts, except the dots.
                 if !full && e.is_some() {
-                    self.looked_up(attr.ino.0);
+                    self.looked_up(&attr);
                 }
                 Ok(full)
             })

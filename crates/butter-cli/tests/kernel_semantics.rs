@@ -10,6 +10,8 @@
 //!   (allocate, punch, zero) and O_TRUNC open by a user without CAP_FSETID clear them as the
 //!   kernel clears them, root's leave them; a chmod by a user outside the file's group drops
 //!   set-group-id.
+//! - A file unlinked while open, or while only an O_PATH descriptor refers to it, reopens
+//!   through /proc as on the kernel.
 //!
 //! Every case ends with unmount, both checkers and a kernel mount that shows what the butter
 //! mount showed. Needs root, /dev/fuse, loop devices and kernel btrfs; fails under CI without.
@@ -551,6 +553,37 @@ fn an_unlinked_open_file_reopens_through_proc() {
             .map(|m| m.nlink())
             .map_err(|e| e.raw_os_error());
         (read, wrote, after, nlink)
+    });
+}
+
+#[test]
+fn an_unlinked_file_held_only_by_o_path_reopens_through_proc() {
+    on_both("reopen_unlinked_o_path", &[], |dir| {
+        use std::os::fd::AsRawFd;
+        let p = dir.join("f");
+        fs::write(&p, b"kept by a path").unwrap();
+        // An O_PATH descriptor is no open file to the filesystem: only the kernel's reference
+        // to the inode (FUSE's lookup count) keeps it. The kernel's btrfs keeps the unlinked
+        // file until that reference goes, so /proc reopens it.
+        let held = OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_PATH)
+            .open(&p)
+            .unwrap();
+        fs::remove_file(&p).unwrap();
+        let via = format!("/proc/self/fd/{}", held.as_raw_fd());
+        let read = fs::read(&via).map_err(|e| e.raw_os_error());
+        let wrote = OpenOptions::new()
+            .write(true)
+            .open(&via)
+            .and_then(|f| f.write_all_at(b"KEPT", 0))
+            .map_err(|e| e.raw_os_error());
+        let after = fs::read(&via).map_err(|e| e.raw_os_error());
+        drop(held);
+        // Once the reference went, so did the file: the directory is empty again and the
+        // space comes back (the checkers after unmount see no orphan left behind).
+        let left: Vec<_> = fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name()).collect();
+        (read, wrote, after, left)
     });
 }
 
