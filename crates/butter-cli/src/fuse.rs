@@ -499,13 +499,27 @@ impl ButterFuse {
         })
     }
 
-    fn parent_of(&self, node: u64) -> u64 {
-        self.parents
+    /// The directory holding directory node `node` (engine inode `dir`), for a lookup of
+    /// "..": the parent it was found under while the kernel knows it, else the engine's
+    /// back reference (a handle decoded after the kernel forgot the directory). Never above
+    /// the mounted subvolume's root.
+    fn parent_dir(&self, node: u64, dir: Inode) -> OpResult<Inode> {
+        if dir == self.map.root {
+            return Ok(dir);
+        }
+        let known = self
+            .parents
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .get(&node)
-            .copied()
-            .unwrap_or(node)
+            .copied();
+        if let Some(p) = known {
+            return self.inode(p);
+        }
+        Ok(self
+            .fs
+            .lookup(dir, b"..")?
+            .map_or(self.map.root, |e| e.target))
     }
 
     fn remember_parent(&self, child: u64, parent: u64) {
@@ -883,9 +897,7 @@ impl Filesystem for ButterFuse {
             }
             let target = match name {
                 b"." => dir,
-                b".." => self
-                    .inode(self.parent_of(parent.0))
-                    .unwrap_or(self.map.root),
+                b".." => self.parent_dir(parent.0, dir)?,
                 _ => {
                     self.fs
                         .lookup(dir, name)?
@@ -895,9 +907,25 @@ impl Filesystem for ButterFuse {
             };
             Ok(target)
         });
+        // "." and ".." (the kernel asks for them to decode a file handle) name no child of
+        // `parent`: nothing to remember as the target's parent.
+        let dots = matches!(name.as_bytes(), b"." | b"..");
         let r = found.and_then(|target| {
             let _g = self.fs.read_gate_on(target);
-            self.guard("lookup", parent.0, || self.entry(parent.0, target))
+            self.guard("lookup", parent.0, || {
+                if dots {
+                    // The node id goes in the reply's ino: the mounted root must come back as
+                    // node 1, the kernel's root, or a handle's path never reaches it.
+                    let node = self.map.node_id(target);
+                    let attr = self.attr(node, target)?;
+                    Ok(FileAttr {
+                        ino: INodeNo(node),
+                        ..attr
+                    })
+                } else {
+                    self.entry(parent.0, target)
+                }
+            })
         });
         self.reply_entry(reply, r);
     }
@@ -1398,7 +1426,9 @@ impl Filesystem for ButterFuse {
         mut reply: ReplyDirectory,
     ) {
         let r = self.read_op("readdir", ino.0, || {
-            let parent = self.parent_of(ino.0);
+            let parent = self
+                .map
+                .node_id(self.parent_dir(ino.0, self.inode(ino.0)?)?);
             self.fill_dir(ino.0, fh.0, offset, |name, next, e| {
                 let (st_ino, kind) = match e {
                     None if name == b"." => (self.map.st_ino(ino.0), FileType::Directory),
@@ -1427,7 +1457,7 @@ impl Filesystem for ButterFuse {
     ) {
         let r = self.read_op("readdirplus", ino.0, || {
             let dir = self.inode(ino.0)?;
-            let parent = self.parent_of(ino.0);
+            let parent = self.map.node_id(self.parent_dir(ino.0, dir)?);
             // The kernel ignores the attributes sent with "." and "..": reuse the directory's.
             let mut dir_attr: Option<FileAttr> = None;
             self.fill_dir(ino.0, fh.0, offset, |name, next, e| {

@@ -12,6 +12,8 @@
 //!   set-group-id.
 //! - A file unlinked while open, or while only an O_PATH descriptor refers to it, reopens
 //!   through /proc as on the kernel.
+//! - File handles (open_by_handle_at) of a file and directories open after the kernel
+//!   forgot the directories, also after a rename.
 //!
 //! Every case ends with unmount, both checkers and a kernel mount that shows what the butter
 //! mount showed. Needs root, /dev/fuse, loop devices and kernel btrfs; fails under CI without.
@@ -584,6 +586,79 @@ fn an_unlinked_file_held_only_by_o_path_reopens_through_proc() {
         // space comes back (the checkers after unmount see no orphan left behind).
         let left: Vec<_> = fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name()).collect();
         (read, wrote, after, left)
+    });
+}
+
+/// A file handle of `p` (name_to_handle_at): its type and bytes.
+fn handle_of(p: &Path) -> Vec<u8> {
+    let c = std::ffi::CString::new(p.to_str().unwrap()).unwrap();
+    // struct file_handle: handle_bytes (u32), handle_type (i32), then the bytes.
+    let mut buf = vec![0u8; 8 + libc::MAX_HANDLE_SZ as usize];
+    buf[..4].copy_from_slice(&(libc::MAX_HANDLE_SZ as u32).to_ne_bytes());
+    let mut mount_id: libc::c_int = 0;
+    // SAFETY: buf is large enough for MAX_HANDLE_SZ bytes after the header.
+    let r = unsafe {
+        libc::name_to_handle_at(
+            libc::AT_FDCWD,
+            c.as_ptr(),
+            buf.as_mut_ptr().cast(),
+            &mut mount_id,
+            0,
+        )
+    };
+    assert_eq!(r, 0, "name_to_handle_at {p:?}: {}", std::io::Error::last_os_error());
+    buf
+}
+
+/// Opens a handle from [`handle_of`] on the filesystem of `mount` (open_by_handle_at).
+fn open_handle(mount: &File, handle: &[u8], flags: i32) -> std::io::Result<File> {
+    use std::os::fd::{AsRawFd, FromRawFd};
+    let mut h = handle.to_vec();
+    // SAFETY: h holds a handle name_to_handle_at filled in.
+    let fd = unsafe { libc::open_by_handle_at(mount.as_raw_fd(), h.as_mut_ptr().cast(), flags) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: a descriptor we own from here on.
+    Ok(unsafe { File::from_raw_fd(fd) })
+}
+
+#[test]
+fn file_handles_open_after_the_kernel_forgot_their_directories() {
+    on_both("file_handles", &[], |dir| {
+        let d = dir.join("a").join("b");
+        fs::create_dir_all(&d).unwrap();
+        let f = d.join("f");
+        fs::write(&f, b"by handle").unwrap();
+        let handles = [handle_of(&f), handle_of(&d), handle_of(&dir.join("a"))];
+        // The kernel forgets every inode nothing holds (FUSE: FORGET for the directories),
+        // so opening a handle makes it find the file and connect each directory to the root
+        // again by asking for "..": as after an unmount and mount.
+        fs::write("/proc/sys/vm/drop_caches", "2").unwrap();
+        let mount = File::open(dir).unwrap();
+        let data = open_handle(&mount, &handles[0], libc::O_RDONLY)
+            .and_then(|mut h| {
+                let mut v = Vec::new();
+                std::io::Read::read_to_end(&mut h, &mut v).map(|_| v)
+            })
+            .map_err(|e| e.raw_os_error());
+        let dirs: Vec<_> = handles[1..]
+            .iter()
+            .map(|h| {
+                open_handle(&mount, h, libc::O_RDONLY | libc::O_DIRECTORY)
+                    .and_then(|f| f.metadata())
+                    .map(|m| m.is_dir())
+                    .map_err(|e| e.raw_os_error())
+            })
+            .collect();
+        // A renamed directory's handle still opens it.
+        fs::rename(dir.join("a"), dir.join("c")).unwrap();
+        fs::write("/proc/sys/vm/drop_caches", "2").unwrap();
+        let renamed = open_handle(&mount, &handles[0], libc::O_RDONLY)
+            .and_then(|f| f.metadata())
+            .map(|m| m.len())
+            .map_err(|e| e.raw_os_error());
+        (data, dirs, renamed)
     });
 }
 

@@ -213,8 +213,18 @@ impl Core {
         })
     }
 
-    /// Looks up `name` in directory `dir` through its DIR_ITEM hash.
+    /// Looks up `name` in directory `dir` through its DIR_ITEM hash. ".." is the directory's
+    /// parent, from its back reference (a subvolume's root: the directory it is linked in);
+    /// none for the top level's root.
     pub fn lookup(&self, dir: Inode, name: &[u8]) -> Result<Option<DirEntry>> {
+        if name == b".." {
+            return Ok(self.parent_dir(dir)?.map(|target| DirEntry {
+                name: name.to_vec(),
+                index: 0,
+                file_type: FT_DIR,
+                target,
+            }));
+        }
         let root = self.subvol_root(dir.root)?;
         let key = Key::new(dir.ino, DIR_ITEM_KEY, hash::name_hash(name));
         let Some(it) = ctree::lookup(&self.disk, &root, &key)? else {
@@ -702,6 +712,41 @@ impl Core {
             });
         }
         Ok(out)
+    }
+
+    /// The directory holding directory `dir`: the INODE_REF's parent, or for a subvolume's
+    /// root the directory its ROOT_BACKREF names. `None` where there is none (the top
+    /// level's root, the stand-in for an unlinked nested subvolume, a damaged directory).
+    fn parent_dir(&self, dir: Inode) -> Result<Option<Inode>> {
+        if dir.ino == FIRST_FREE_OBJECTID {
+            let mut it = TreeIter::range(
+                self.disk.clone(),
+                self.tree_root(),
+                Key::new(dir.root, ROOT_BACKREF_KEY, 0),
+                Key::new(dir.root, ROOT_BACKREF_KEY, u64::MAX),
+                Readahead::None,
+            )?;
+            let Some(item) = it.next_item()? else {
+                return Ok(None);
+            };
+            let r = RootRef::parse(item.data()).map_err(|e| item.annotate(e))?;
+            return Ok(Some(Inode {
+                root: item.key.offset,
+                ino: r.dirid,
+            }));
+        }
+        let root = self.subvol_root(dir.root)?;
+        let mut it = TreeIter::range(
+            self.disk.clone(),
+            root,
+            Key::new(dir.ino, INODE_REF_KEY, 0),
+            Key::new(dir.ino, INODE_REF_KEY, u64::MAX),
+            Readahead::None,
+        )?;
+        Ok(it.next_item()?.map(|item| Inode {
+            root: dir.root,
+            ino: item.key.offset,
+        }))
     }
 
     /// Path of an inode relative to its subvolume's root (first name found), e.g. "a/b".
