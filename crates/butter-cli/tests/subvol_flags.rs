@@ -6,6 +6,8 @@
 //!   (`Error::ReadOnlySubvol`); `butter property get/set ro` reads and flips the flag as
 //!   `btrfs property` does (a received subvolume needs `-f`, which clears its received
 //!   uuid as the kernel's SET_RECEIVED_SUBVOL does), and writes work after `ro false`.
+//!   Every one of them made by butter on an image butter made stays read-only under a
+//!   read-write kernel mount, and `btrfs send` takes it.
 //! - NODATACOW/NODATASUM (`chattr +C`): writes add no checksums; an extent the file alone
 //!   owns is overwritten in place (same disk bytenr), one shared with a snapshot is copied
 //!   on write (the snapshot keeps its data); new files inherit the flags from a +C
@@ -280,6 +282,70 @@ fn read_only_subvolumes_refuse_changes() {
     );
     let (ok, out, _) = butter(&["property", "get", s(&img), "recv/ksnap"]);
     assert!(ok && out == "ro=false\n", "{out}");
+}
+
+/// Read-only subvolumes made by every butter path on an image butter made stay read-only
+/// under the kernel: a read-write kernel mount refuses writes into them, `btrfs property`
+/// says ro=true and `btrfs send` takes them, and afterwards the flag is still on disk.
+#[test]
+fn read_only_snapshots_stay_read_only_under_the_kernel() {
+    if !fuse_mount::require("read_only_snapshots_stay_read_only_under_the_kernel", &[]) {
+        return;
+    }
+    let sc = ScratchDir::new("subvol-ro-kernel");
+    let src = sc.dir("src");
+    fs::create_dir(src.join("rosub")).unwrap();
+    fs::write(src.join("rosub/f"), b"data\n").unwrap();
+    fs::write(src.join("top"), b"top\n").unwrap();
+    let img = sc.join("t.img");
+    let ok = |args: &[&str]| {
+        let (ok, out, err) = butter(args);
+        assert!(ok, "butter {args:?}: {err}");
+        out
+    };
+    ok(&["mkfs", "-b", "300M", "--rootdir", s(&src), "--subvol", "ro:rosub", s(&img)]);
+    // A snapshot of the top level (the item mkfs wrote), of a new subvolume, a writable
+    // snapshot made read-only afterwards, and a received one.
+    ok(&["subvolume", "snapshot", "-r", s(&img), "/", "s"]);
+    ok(&["subvolume", "create", s(&img), "sv"]);
+    ok(&["subvolume", "snapshot", "-r", s(&img), "sv", "svsnap"]);
+    ok(&["subvolume", "snapshot", s(&img), "/", "w"]);
+    ok(&["property", "set", s(&img), "w", "ro", "true"]);
+    let stream = sc.join("s.stream");
+    ok(&["send", "-q", "-f", s(&stream), s(&img), "/s"]);
+    ok(&["subvolume", "create", s(&img), "in"]);
+    ok(&["receive", "-q", "-f", s(&stream), s(&img), "in"]);
+    let ro = ["rosub", "s", "svsnap", "w", "in/s"];
+    let (ok_check, out, err) = butter(&["check", s(&img)]);
+    assert!(ok_check && !out.contains("ROOT_ITEM_INIT"), "{out}{err}");
+
+    let m = LoopMount::btrfs(&img, &sc.dir("k"), "");
+    for d in ro {
+        let p = m.path().join(d);
+        assert_eq!(
+            sh("btrfs", &["property", "get", s(&p), "ro"]).trim(),
+            "ro=true",
+            "{d} under the kernel"
+        );
+        let e = fs::write(p.join("new"), b"x").expect_err(&format!("{d}: a write got in"));
+        assert_eq!(e.raw_os_error(), Some(libc::EROFS), "{d}: {e}");
+        let out = kernel::run_output(
+            Command::new("btrfs").args(["send", "-q", "-f", "/dev/null", s(&p)]),
+        );
+        assert!(
+            out.status.success(),
+            "btrfs send {d}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    // Writes elsewhere make the kernel commit the root items it holds.
+    fs::write(m.path().join("after"), b"x").unwrap();
+    m.unmount();
+    for d in ro {
+        let (ok, out, err) = butter(&["property", "get", s(&img), d, "ro"]);
+        assert!(ok && out == "ro=true\n", "{d} after the kernel's mount: {out}{err}");
+    }
+    both_checks_clean(&img, "read-only subvolumes after a kernel mount");
 }
 
 /// (disk bytenr, extent offset) of each EXTENT_DATA item of inode `ino` in `tree`.

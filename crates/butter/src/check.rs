@@ -763,6 +763,35 @@ impl Checker<'_> {
             } else {
                 id
             };
+            let subvolume =
+                id == FS_TREE_OBJECTID || (FIRST_FREE_OBJECTID..=LAST_FREE_OBJECTID).contains(&id);
+            if subvolume
+                && ri.inode.flags & INODE_ROOT_ITEM_INIT == 0
+                && (ri.flags != 0 || ri.byte_limit != 0)
+            {
+                // The kernel takes such an item for one from a kernel that left flags and
+                // limit uninitialised, and clears them: a read-only snapshot turns writable.
+                self.report.add(
+                    Severity::Warning,
+                    FindingKind::RootItemBad,
+                    self.root_items
+                        .get(&id)
+                        .map(|r| r.1.clone())
+                        .unwrap_or_else(|| Location::what(format!("root item of tree {id}"))),
+                    format!(
+                        "subvolume {id}: root item without the current-format mark \
+                         (ROOT_ITEM_INIT): the kernel clears its flags {:#x}{} and byte limit \
+                         {}; `butter property set IMAGE PATH ro true` (or false) rewrites it",
+                        ri.flags,
+                        if ri.flags & ROOT_SUBVOL_RDONLY != 0 {
+                            " (read-only)"
+                        } else {
+                            ""
+                        },
+                        ri.byte_limit
+                    ),
+                );
+            }
             if ri.drop_progress.objectid != 0 || ri.drop_level != 0 {
                 // A tree being deleted: the subtrees left of drop_progress (at drop_level and
                 // above) are already freed; the rest is still accounted in the extent tree.

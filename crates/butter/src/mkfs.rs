@@ -1041,7 +1041,19 @@ fn root_tree_items(
 ) -> Vec<(Key, Vec<u8>)> {
     let ns = u64::from(nodesize);
     let ri_inode = root_item_inode(nodesize);
-    let mut fs_root_item = root_item(tb.fs, nodesize, FIRST_FREE_OBJECTID, ri_inode.clone());
+    // Subvolume trees (the top level, and the data reloc tree, which is one to the kernel)
+    // carry ROOT_ITEM_INIT in their embedded inode, as mkfs.btrfs writes them: without it
+    // the kernel takes the item for an old-format one and clears its flags (read-only too)
+    // when it snapshots it.
+    let mut fs_root_item = root_item(
+        tb.fs,
+        nodesize,
+        FIRST_FREE_OBJECTID,
+        InodeItem {
+            flags: INODE_ROOT_ITEM_INIT,
+            ..ri_inode.clone()
+        },
+    );
     fs_root_item.uuid = fs_tree_uuid;
     fs_root_item.ctime = now;
     fs_root_item.otime = now;
@@ -1150,7 +1162,10 @@ fn root_tree_items(
             tb.reloc,
             nodesize,
             FIRST_FREE_OBJECTID,
-            InodeItem::default(),
+            InodeItem {
+                flags: INODE_ROOT_ITEM_INIT,
+                ..InodeItem::default()
+            },
         )
         .to_bytes()
         .to_vec(),

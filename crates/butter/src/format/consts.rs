@@ -178,6 +178,9 @@ pub(crate) const INODE_NODUMP: u64 = 1 << 8;
 pub(crate) const INODE_NOATIME: u64 = 1 << 9;
 pub(crate) const INODE_DIRSYNC: u64 = 1 << 10;
 pub(crate) const INODE_COMPRESS: u64 = 1 << 11;
+/// In the inode embedded in a ROOT_ITEM: the item is of the current format (the kernel
+/// clears the root flags of an item without it, read-only included).
+pub(crate) const INODE_ROOT_ITEM_INIT: u64 = 1 << 31;
 
 // ---- free space info flags ----
 pub(crate) const FREE_SPACE_USING_BITMAPS: u32 = 1 << 0;

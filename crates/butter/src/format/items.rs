@@ -811,6 +811,28 @@ impl FileExtentItem {
 }
 
 impl RootItem {
+    /// Marks the item as of the current format (ROOT_ITEM_INIT in its embedded inode), as the
+    /// kernel does before it changes one: an item without the mark is from a kernel that left
+    /// its flags and byte limit uninitialised, so they are cleared first.
+    pub(crate) fn init_current_format(&mut self) {
+        if self.inode.flags & INODE_ROOT_ITEM_INIT == 0 {
+            self.inode.flags |= INODE_ROOT_ITEM_INIT;
+            self.flags = 0;
+            self.byte_limit = 0;
+        }
+    }
+
+    /// [`RootItem::init_current_format`] on an item's bytes as stored (which may be of an
+    /// old, shorter size: at least the 216 bytes up to its flags).
+    pub(crate) fn init_current_format_in(b: &mut [u8]) {
+        let iflags = u64::from_le_bytes(b[64..72].try_into().unwrap_or_default());
+        if iflags & INODE_ROOT_ITEM_INIT == 0 {
+            put_u64(b, 64, iflags | INODE_ROOT_ITEM_INIT);
+            put_u64(b, 184, 0);
+            put_u64(b, 208, 0);
+        }
+    }
+
     /// The full 439-byte ROOT_ITEM body (with the v2 fields; the 64 reserved bytes at the end
     /// are zero).
     pub(crate) fn to_bytes(&self) -> [u8; Self::SIZE] {

@@ -93,6 +93,7 @@ impl Core {
                 ri.rtransid = transid;
                 ri.stime = Timespec { sec: 0, nsec: 0 };
                 ri.rtime = t;
+                ri.init_current_format();
                 ri.flags |= ROOT_SUBVOL_RDONLY;
                 let enc = ri.to_bytes();
                 b[..enc.len()].copy_from_slice(&enc);

@@ -32,8 +32,6 @@ use crate::io::disk_io::TreeBlock;
 use crate::transaction::Writer;
 use std::sync::Arc;
 
-/// Embedded inode flag of a ROOT_ITEM (set when the kernel creates a subvolume).
-const INODE_ROOT_ITEM_INIT: u64 = 1 << 31;
 
 /// The uuid tree key for `uuid` with item type `ty`.
 pub(crate) fn uuid_key(uuid: &[u8; 16], ty: u8) -> Key {
@@ -385,15 +383,21 @@ impl Core {
 
             let item_key = Key::new(id, ROOT_ITEM_KEY, transid);
             w.add_new_tree(id, new, copy.level(), item_key, transid);
+            // The copy is of the current format whatever the source's (an old-format
+            // source's flags do not count): without the mark the kernel would clear the
+            // snapshot's read-only flag.
+            let mut src_item = src_item;
+            src_item.init_current_format();
+            let src_flags = src_item.flags;
             let ri = RootItem {
                 generation: transid,
                 bytenr: new,
                 level: copy.level(),
                 last_snapshot: transid,
                 flags: if readonly {
-                    src_item.flags | ROOT_SUBVOL_RDONLY
+                    src_flags | ROOT_SUBVOL_RDONLY
                 } else {
-                    src_item.flags & !ROOT_SUBVOL_RDONLY
+                    src_flags & !ROOT_SUBVOL_RDONLY
                 },
                 refs: 1,
                 drop_progress: Key::MIN,
@@ -427,7 +431,12 @@ impl Core {
     /// received uuid: `btrfs property set -f` clears it afterwards
     /// ([`Core::clear_received_uuid`]).
     pub fn set_subvolume_readonly(&self, id: u64, readonly: bool) -> Result<()> {
-        if self.subvol_is_readonly(id)? == readonly {
+        let item = self.subvol_item(id)?;
+        // An old-format item is rewritten even when its flag already says so: the kernel
+        // would clear the flag of such an item.
+        if (item.flags & ROOT_SUBVOL_RDONLY != 0) == readonly
+            && item.inode.flags & INODE_ROOT_ITEM_INIT != 0
+        {
             return Ok(());
         }
         self.op(false, |w| {
@@ -441,6 +450,8 @@ impl Core {
                         format!("{} bytes, too short for its flags", b.len()),
                     ));
                 }
+                // The kernel marks the item current when it sets the flag (so that it stays).
+                RootItem::init_current_format_in(b);
                 let mut f = [0u8; 8];
                 f.copy_from_slice(&b[208..216]);
                 let mut flags = u64::from_le_bytes(f);

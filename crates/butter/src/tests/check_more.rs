@@ -278,6 +278,53 @@ fn mkfs_image_checks_clean_with_stale_free_space_warnings() {
     assert!(stale.iter().all(|f| f.severity == Severity::Warning));
 }
 
+/// A read-only subvolume whose root item lacks ROOT_ITEM_INIT (what butter's mkfs wrote
+/// before, and its snapshots copied) is one the kernel turns writable: a warning that names
+/// the item, and setting the flag again rewrites the item in the current format.
+#[test]
+fn mkfs_old_format_root_item_of_a_read_only_subvolume_is_a_warning() {
+    let Some(base) = mkfs_image() else { return };
+    let c = copy_of(&base, "cm-root-item-init");
+    let is_fs_root = |k: &Key, _: &[u8]| k.objectid == FS_TREE_OBJECTID && k.ty == ROOT_ITEM_KEY;
+    let at = find(&c.path, ROOT_TREE_OBJECTID, is_fs_root);
+    // mkfs.btrfs marks the top level's item: the mark is what the check looks at.
+    let before = check_img(&c.path);
+    assert!(
+        !show(&before).contains("ROOT_ITEM_INIT"),
+        "{}",
+        show(&before)
+    );
+    patch(&c.path, at, |b, _, d| {
+        let iflags = le_u64(b, d + 64);
+        assert_ne!(iflags & (1 << 31), 0, "mkfs.btrfs wrote no ROOT_ITEM_INIT");
+        set_u64(b, d + 64, iflags & !(1 << 31));
+        set_u64(b, d + 208, ROOT_SUBVOL_RDONLY);
+    });
+    let r = check_img(&c.path);
+    let w: Vec<_> = r
+        .findings
+        .iter()
+        .filter(|f| f.kind == FindingKind::RootItemBad && f.message.contains("ROOT_ITEM_INIT"))
+        .collect();
+    assert_eq!(w.len(), 1, "{}", show(&r));
+    assert_eq!(w[0].severity, Severity::Warning);
+    assert_eq!(w[0].location.key, Some(at.key), "{}", w[0]);
+    assert!(w[0].message.contains("read-only"), "{}", w[0]);
+    // Setting the flag (already set as butter reads it) rewrites the item with the mark.
+    {
+        let fs = Fs::open_rw(&c.path).unwrap();
+        fs.set_subvolume_readonly(FS_TREE_OBJECTID, true).unwrap();
+        fs.close().unwrap();
+    }
+    let after = find(&c.path, ROOT_TREE_OBJECTID, is_fs_root);
+    let fs = Fs::open(&c.path).unwrap();
+    let ri = fs.find_root_item(FS_TREE_OBJECTID).unwrap().unwrap();
+    assert_ne!(ri.inode.flags & (1 << 31), 0, "{after:?}");
+    assert_eq!(ri.flags & ROOT_SUBVOL_RDONLY, ROOT_SUBVOL_RDONLY);
+    let r = check_img(&c.path);
+    assert!(!show(&r).contains("ROOT_ITEM_INIT"), "{}", show(&r));
+}
+
 #[test]
 fn kernel_images_check_clean() {
     let (Some(k), Some(h)) = (kernel_image(), kernel_holes_image()) else {
