@@ -486,3 +486,110 @@ fn rootdir_shrink() {
     };
     assert_same(&want, &got, &opts, "--shrink");
 }
+
+/// SIGINT at points spread over a `mkfs --rootdir` never leaves an image that a checker or
+/// the kernel takes for a filesystem, unless the copy completed (then both checkers pass):
+/// the superblocks carry the temporary magic until the end. The command says what it left
+/// (exit 130); an image file it created itself is removed.
+#[test]
+fn rootdir_interrupted_leaves_no_filesystem() {
+    if !require_privileges() {
+        return;
+    }
+    let scratch = ScratchDir::new("mkfs-rootdir-sigint");
+    let src = scratch.dir("src");
+    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+    for d in 0..40 {
+        let dir = src.join(format!("d{d:02}"));
+        std::fs::create_dir(&dir).unwrap();
+        for f in 0..200 {
+            std::fs::write(dir.join(format!("f{f:03}")), format!("{d}/{f}\n").repeat(f % 9 + 1))
+                .unwrap();
+        }
+    }
+    let mut data = vec![0u8; 4 << 20];
+    for i in 0..8 {
+        for chunk in data.chunks_mut(8) {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            chunk.copy_from_slice(&x.to_le_bytes()[..chunk.len()]);
+        }
+        std::fs::write(src.join(format!("big{i}")), &data).unwrap();
+    }
+    let img = scratch.join("t.img");
+    let run = |delay: Option<std::time::Duration>, img: &Path| {
+        let mut child = Command::new(BUTTER)
+            .args(["mkfs", "-f", "-q", "-b", "1G", "--rootdir"])
+            .arg(&src)
+            .arg(img)
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("run butter");
+        if let Some(d) = delay {
+            std::thread::sleep(d);
+            // SAFETY: a signal to our own child.
+            unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
+        }
+        let out = child.wait_with_output().unwrap();
+        (out.status.code(), String::from_utf8_lossy(&out.stderr).into_owned())
+    };
+    std::fs::File::create(&img).unwrap().set_len(1 << 30).unwrap();
+    let t0 = std::time::Instant::now();
+    let (code, err) = run(None, &img);
+    let full = t0.elapsed();
+    assert_eq!(code, Some(0), "{err}");
+    butter_check(&img);
+    let (mut unfinished, mut complete) = (0, 0);
+    for k in 0..8u32 {
+        // Spread over the run, and past its end for the last points.
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let frac = (f64::from(k) + (x % 1000) as f64 / 1000.0) / 7.0;
+        let delay = full.mul_f64(frac);
+        let (code, err) = run(Some(delay), &img);
+        let (ok, text) = btrfs_check(&img);
+        if code == Some(0) {
+            complete += 1;
+            assert!(ok, "a complete copy fails btrfs check:\n{text}");
+            butter_check(&img);
+            continue;
+        }
+        unfinished += 1;
+        assert_eq!(code, Some(130), "interrupted at {delay:?}: {err}");
+        assert!(
+            err.contains("interrupted") && err.contains("left unfinished"),
+            "interrupted at {delay:?}: {err}"
+        );
+        assert!(!ok, "interrupted at {delay:?}, yet btrfs check passes:\n{text}");
+        let ours = Command::new(BUTTER).arg("check").arg(&img).output().unwrap();
+        assert!(!ours.status.success(), "butter check passes an unfinished image");
+        assert!(
+            String::from_utf8_lossy(&ours.stderr).contains("unfinished"),
+            "{}",
+            String::from_utf8_lossy(&ours.stderr)
+        );
+        let mnt = scratch.dir(&format!("m{k}"));
+        let mounted = Command::new("mount")
+            .args(["-t", "btrfs", "-o", "ro,loop"])
+            .arg(&img)
+            .arg(&mnt)
+            .output()
+            .unwrap();
+        if mounted.status.success() {
+            let _ = Command::new("umount").arg(&mnt).status();
+            panic!("the kernel mounted an image interrupted at {delay:?}");
+        }
+    }
+    assert!(unfinished >= 3, "only {unfinished} runs were interrupted (full run {full:?})");
+    assert!(complete <= 5, "{complete}");
+    // An image the command created itself is removed.
+    let fresh = scratch.join("fresh.img");
+    let (code, err) = run(Some(full / 3), &fresh);
+    if code != Some(0) {
+        assert_eq!(code, Some(130), "{err}");
+        assert!(err.contains("removed"), "{err}");
+        assert!(!fresh.exists(), "{err}");
+    }
+}

@@ -121,6 +121,12 @@ impl Fs {
         fs.core.compress_force = opts.compress_force && opts.compress.is_some();
         fs.core.max_inline = crate::inode::file::max_inline_for(&fs.core.disk, opts.max_inline);
         let mut w = crate::tree_log::replay::start_writer(&fs)?;
+        if opts.unfinished {
+            // From the first commit on, no copy of the superblock says "filesystem" until
+            // `close` (an interrupted build leaves an image no tool takes for a filesystem).
+            w.set_magic(MAGIC_TEMPORARY)?;
+            fs.unfinished.store(true, std::sync::atomic::Ordering::SeqCst);
+        }
         w.set_combined_replace(opts.combined_replace);
         w.small_chunks = opts.small_chunks;
         if opts.legacy_allocator {
@@ -176,6 +182,7 @@ impl Fs {
             writer: None,
             allocator: None,
             writer_aborted: Default::default(),
+            unfinished: Default::default(),
             open_files: Mutex::new(HashMap::new()),
             roots: Mutex::new(HashMap::new()),
             default_subvol: FS_TREE_OBJECTID.into(),
@@ -515,6 +522,10 @@ pub struct RwOptions {
     /// cursor per block group, data allocated under the writer lock), for the benchmarks'
     /// comparison. Default off.
     pub legacy_allocator: bool,
+    /// The filesystem is being made (mkfs --rootdir): every superblock written from the open
+    /// on carries the temporary magic, and only [`Fs::close`] writes the real one, so an
+    /// interrupted build leaves no valid-looking filesystem. Default off.
+    pub unfinished: bool,
 }
 
 impl Default for RwOptions {
@@ -530,6 +541,7 @@ impl Default for RwOptions {
             small_chunks: false,
             max_inline: crate::inode::file::DEFAULT_MAX_INLINE,
             legacy_allocator: false,
+            unfinished: false,
         }
     }
 }
@@ -599,6 +611,12 @@ impl Fs {
             if let Err(e) = self.gated_commit() {
                 self.stop(format!("the final commit failed: {e}"));
                 return Err(e);
+            }
+            if self.unfinished.swap(false, std::sync::atomic::Ordering::SeqCst) {
+                // Complete: the superblocks say "filesystem" again.
+                let _g = self.gate.commit();
+                let mut w = self.writer()?;
+                w.set_magic(MAGIC)?;
             }
         }
         self.stats()

@@ -564,6 +564,9 @@ pub fn mkfs(a: MkfsArgs) -> CliResult {
         ),
         Err(_) => None,
     };
+    if a.rootdir.is_some() {
+        catch_interrupts();
+    }
     // After the mount check: a mounted image is never extended.
     let created = prepare_image(&image, size)?;
     let result = make(&a, &image, opts);
@@ -571,7 +574,50 @@ pub fn mkfs(a: MkfsArgs) -> CliResult {
         // Leave nothing behind for a file this command created.
         let _ = std::fs::remove_file(&image);
     }
+    if let (Err(e), true) = (&result, interrupted()) {
+        let left = if created {
+            format!("{} is removed (this command had created it)", image.display())
+        } else {
+            format!(
+                "{} is left unfinished: its superblocks say it is still being made, so no \
+                 tool takes it for a filesystem",
+                image.display()
+            )
+        };
+        eprintln!("butter mkfs: {e}; {left}. Run the same butter mkfs again to make it.");
+        std::process::exit(130);
+    }
     result
+}
+
+/// Set by SIGINT, SIGTERM or SIGHUP during `mkfs --rootdir`: the copy stops at its next
+/// step and the command says what it left behind.
+fn stop_flag() -> &'static std::sync::Arc<std::sync::atomic::AtomicBool> {
+    static FLAG: std::sync::OnceLock<std::sync::Arc<std::sync::atomic::AtomicBool>> =
+        std::sync::OnceLock::new();
+    FLAG.get_or_init(Default::default)
+}
+
+/// The first SIGINT/SIGTERM/SIGHUP asks the copy to stop; a second one ends the process at
+/// once (the image stays unfinished either way: only a complete copy gets a valid superblock).
+fn catch_interrupts() {
+    use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
+    for sig in [SIGINT, SIGTERM, SIGHUP] {
+        let registered = signal_hook::flag::register_conditional_shutdown(
+            sig,
+            130,
+            stop_flag().clone(),
+        )
+        .and_then(|_| signal_hook::flag::register(sig, stop_flag().clone()));
+        if let Err(e) = registered {
+            log::warn!("cannot catch signal {sig}: {e}");
+        }
+    }
+}
+
+/// Whether an interrupt asked `mkfs --rootdir` to stop.
+fn interrupted() -> bool {
+    stop_flag().load(std::sync::atomic::Ordering::SeqCst)
 }
 
 fn make(a: &MkfsArgs, image: &std::path::Path, opts: MkfsOptions) -> CliResult {
@@ -651,6 +697,8 @@ fn make(a: &MkfsArgs, image: &std::path::Path, opts: MkfsOptions) -> CliResult {
             // As mkfs.btrfs: every file shorter than a sector is inline (the kernel's own
             // writes stop at 2048 bytes).
             max_inline: u64::from(o.sectorsize) - 1,
+            // No valid superblock until the copy is complete (`close` below).
+            unfinished: true,
             ..Default::default()
         };
         let cloning = if a.reflink {
@@ -679,6 +727,9 @@ fn make(a: &MkfsArgs, image: &std::path::Path, opts: MkfsOptions) -> CliResult {
         let prefetch = cloning
             .is_none()
             .then(|| prefetch::Prefetch::start(dir, compress, o.sectorsize));
+        if interrupted() {
+            return Err(CliError("interrupted before the copy began".into()));
+        }
         let stats = rootdir::populate(
             &fs,
             dir,
@@ -700,6 +751,9 @@ fn make(a: &MkfsArgs, image: &std::path::Path, opts: MkfsOptions) -> CliResult {
                 CliError::from(e)
             )),
             rootdir::Failure::Source(m) => CliError(m),
+            rootdir::Failure::Interrupted(n) => {
+                CliError(format!("interrupted after copying {n} files and directories"))
+            }
         })?;
         let mut report = report;
         if a.shrink {
@@ -710,20 +764,31 @@ fn make(a: &MkfsArgs, image: &std::path::Path, opts: MkfsOptions) -> CliResult {
                     CliError::from(e)
                 ))
             })?;
-            drop(fs);
             report.total_bytes = end;
-            if std::fs::metadata(image).is_ok_and(|m| m.file_type().is_file() && m.len() > end) {
-                std::fs::OpenOptions::new()
-                    .write(true)
-                    .open(image)
-                    .and_then(|f| f.set_len(end))
-                    .map_err(|e| {
-                        CliError(format!(
-                            "cannot cut {} to {end} bytes: {e}",
-                            image.display()
-                        ))
-                    })?;
-            }
+        }
+        // The copy is complete: the final commit writes the real superblocks.
+        fs.close().map_err(|e| {
+            CliError(format!(
+                "cannot finish the filesystem on {}: {}",
+                image.display(),
+                CliError::from(e)
+            ))
+        })?;
+        drop(fs);
+        let end = report.total_bytes;
+        if a.shrink
+            && std::fs::metadata(image).is_ok_and(|m| m.file_type().is_file() && m.len() > end)
+        {
+            std::fs::OpenOptions::new()
+                .write(true)
+                .open(image)
+                .and_then(|f| f.set_len(end))
+                .map_err(|e| {
+                    CliError(format!(
+                        "cannot cut {} to {end} bytes: {e}",
+                        image.display()
+                    ))
+                })?;
         }
         let outcome = cloning.map(|c| c.outcome());
         if let Some(why) = outcome.as_ref().and_then(|o| o.no_effect.as_ref()) {
@@ -784,6 +849,8 @@ mod rootdir {
     pub enum Failure {
         Engine(butter::Error),
         Source(String),
+        /// A signal asked the copy to stop, after this many inodes.
+        Interrupted(u64),
     }
 
     impl From<butter::Error> for Failure {
@@ -1020,6 +1087,9 @@ mod rootdir {
         }
 
         fn maybe_commit(&mut self) -> R<()> {
+            if super::interrupted() {
+                return Err(Failure::Interrupted(self.stats.inodes));
+            }
             if self.since_commit_bytes >= COMMIT_BYTES || self.since_commit_inodes >= COMMIT_INODES
             {
                 self.fs.commit()?;

@@ -191,6 +191,9 @@ pub(crate) const SUPER_INFO_SIZE: usize = 4096;
 pub(crate) const SUPER_MIRROR_MAX: usize = 3;
 pub(crate) const SUPER_MIRROR_SHIFT: u32 = 12;
 pub(crate) const MAGIC: u64 = 0x4D5F_5366_5248_425F; // "_BHRfS_M"
+/// The magic of a filesystem still being made ("!BHRfS_M", as mkfs.btrfs writes it while it
+/// fills an image): no reader takes it for a filesystem.
+pub(crate) const MAGIC_TEMPORARY: u64 = 0x4D5F_5366_5248_4221;
 pub(crate) const CSUM_SIZE: usize = 32;
 pub(crate) const LABEL_SIZE: usize = 256;
 pub(crate) const SYSTEM_CHUNK_ARRAY_SIZE: usize = 2048;

@@ -28,6 +28,9 @@ pub struct Core {
     pub(crate) allocator: Option<Arc<crate::space::alloc::Allocator>>,
     /// The write engine's abort, readable without the writer lock.
     pub(crate) writer_aborted: Arc<std::sync::atomic::AtomicBool>,
+    /// Opened to be made (`RwOptions::unfinished`): the superblocks carry the temporary
+    /// magic until `Fs::close`.
+    pub(crate) unfinished: std::sync::atomic::AtomicBool,
     /// Open handles per inode (an unlinked open file is kept as an orphan).
     pub(crate) open_files: Mutex<HashMap<Inode, u32>>,
     pub(crate) roots: Mutex<HashMap<u64, (Root, RootItem)>>,

@@ -451,6 +451,14 @@ pub(crate) fn probe_not_btrfs(dev: &dyn BlockDevice) -> Option<Error> {
         let mut magic = [0u8; 8];
         match dev.read_at(&mut magic, off) {
             Ok(()) if u64::from_le_bytes(magic) == MAGIC => return None,
+            Ok(()) if u64::from_le_bytes(magic) == MAGIC_TEMPORARY => {
+                return Some(Error::NotBtrfs(format!(
+                    "an unfinished filesystem: its making was interrupted (the superblock at \
+                     byte {} says it is still being made), so it holds no usable filesystem; \
+                     make it again with mkfs",
+                    off - 64
+                )))
+            }
             Ok(()) => {}
             // Cannot tell: let the superblock read report the I/O error.
             Err(_) => return None,

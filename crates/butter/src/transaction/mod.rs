@@ -277,6 +277,22 @@ impl Writer {
         !self.refs.is_empty() || !self.disk.overlay_addresses().is_empty()
     }
 
+    /// Rewrites every superblock copy of the last commit with `magic` (MAGIC_TEMPORARY while
+    /// a filesystem is being made, then MAGIC), which later commits keep. The temporary one
+    /// goes to the primary copy first, the real one last: at every moment either the primary
+    /// says "unfinished" or the whole filesystem is there.
+    pub(crate) fn set_magic(&mut self, magic: u64) -> Result<()> {
+        self.check_writable()?;
+        self.sb.magic = magic;
+        let order = if magic == MAGIC {
+            crate::io::super_io::Order::PrimaryLast
+        } else {
+            crate::io::super_io::Order::PrimaryFirst
+        };
+        crate::io::super_io::write_all(&*self.disk.dev, &self.sb, &self.sb_base, order)?;
+        Ok(())
+    }
+
     /// Allocates `len` bytes of data space (sector aligned) for `file` (its next extent goes after its previous one when
     /// that space is free), `held` (see [`crate::space::alloc::BlockGroup::held`]): for an
     /// extent whose data is written before its file extent item goes in. A new chunk is
