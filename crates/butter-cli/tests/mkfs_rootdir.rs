@@ -519,7 +519,7 @@ fn rootdir_interrupted_leaves_no_filesystem() {
     }
     let img = scratch.join("t.img");
     let run = |delay: Option<std::time::Duration>, img: &Path| {
-        let mut child = Command::new(BUTTER)
+        let child = Command::new(BUTTER)
             .args(["mkfs", "-f", "-q", "-b", "1G", "--rootdir"])
             .arg(&src)
             .arg(img)
@@ -570,7 +570,7 @@ fn rootdir_interrupted_leaves_no_filesystem() {
             "{}",
             String::from_utf8_lossy(&ours.stderr)
         );
-        let mnt = scratch.dir(&format!("m{k}"));
+        let mnt = scratch.dir(format!("m{k}"));
         let mounted = Command::new("mount")
             .args(["-t", "btrfs", "-o", "ro,loop"])
             .arg(&img)
