@@ -58,18 +58,41 @@ impl std::ops::Deref for Fs {
     }
 }
 
+/// Why an image could not be opened, in a user's words: a missing file or a permission is
+/// no I/O error at some byte.
+fn open_error(path: &FsPath, write: bool, e: std::io::Error) -> Error {
+    match e.kind() {
+        std::io::ErrorKind::NotFound => Error::NotFound(format!(
+            "{}: no such file or device (give the path of an image file or block device)",
+            path.display()
+        )),
+        std::io::ErrorKind::PermissionDenied => Error::NotPermitted(format!(
+            "{}: permission denied (run as a user who may {} it, or as root)",
+            path.display(),
+            if write { "write" } else { "read" }
+        )),
+        _ => Error::io(
+            format!(
+                "opening {}{}",
+                path.display(),
+                if write { " read-write" } else { "" }
+            ),
+            0,
+            e,
+        ),
+    }
+}
+
 impl Fs {
     /// Opens an image file or block device read-only.
     pub fn open(path: &FsPath) -> Result<Fs> {
-        let dev = FileDevice::open(path, false)
-            .map_err(|e| Error::io(format!("opening {}", path.display()), 0, e))?;
+        let dev = FileDevice::open(path, false).map_err(|e| open_error(path, false, e))?;
         Self::open_device(Arc::new(dev))
     }
 
     /// Opens an image file or block device read-only, with options.
     pub fn open_opts(path: &FsPath, opts: OpenOpts) -> Result<Fs> {
-        let dev = FileDevice::open(path, false)
-            .map_err(|e| Error::io(format!("opening {}", path.display()), 0, e))?;
+        let dev = FileDevice::open(path, false).map_err(|e| open_error(path, false, e))?;
         Self::open_device_opts(Arc::new(dev), opts)
     }
 
@@ -95,7 +118,7 @@ impl Fs {
                     path.display()
                 ))
             } else {
-                Error::io(format!("opening {} read-write", path.display()), 0, e)
+                open_error(path, true, e)
             }
         })?;
         Self::open_device_rw_with(Arc::new(dev), opts)

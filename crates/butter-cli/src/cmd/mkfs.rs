@@ -560,7 +560,17 @@ pub fn mkfs(a: MkfsArgs) -> CliResult {
     let _sole_writer = match std::fs::metadata(&image) {
         Ok(_) => Some(
             FileDevice::open_exclusive(&image)
-                .map_err(|e| CliError(format!("{} is in use: {e}", image.display())))?,
+                .map_err(|e| match e.kind() {
+                    std::io::ErrorKind::PermissionDenied => CliError(format!(
+                        "cannot open {} for writing: permission denied (run as a user who may \
+                         write it, or as root)",
+                        image.display()
+                    )),
+                    std::io::ErrorKind::ResourceBusy => {
+                        CliError(format!("{} is in use: {e}", image.display()))
+                    }
+                    _ => CliError(format!("cannot open {}: {e}", image.display())),
+                })?,
         ),
         Err(_) => None,
     };

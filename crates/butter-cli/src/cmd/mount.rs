@@ -323,11 +323,27 @@ fn subvol_root(fs: &Fs, s: &Subvol) -> Result<Inode, CliError> {
 
 pub fn mount(a: MountArgs) -> CliResult {
     let p = plan(&a)?;
-    if !a.dir.is_dir() {
-        return Err(CliError(format!(
-            "mount point {} is not a directory",
-            a.dir.display()
-        )));
+    match std::fs::metadata(&a.dir) {
+        Ok(m) if m.is_dir() => {}
+        Ok(_) => {
+            return Err(CliError(format!(
+                "mount point {} is not a directory",
+                a.dir.display()
+            )))
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(CliError(format!(
+                "mount point {} does not exist: create it first (mkdir -p {})",
+                a.dir.display(),
+                a.dir.display()
+            )))
+        }
+        Err(e) => {
+            return Err(CliError(format!(
+                "mount point {}: {e}",
+                a.dir.display()
+            )))
+        }
     }
     // Before anything starts a thread: fork(2) copies only the calling one.
     let ready_pipe = if a.daemon { Some(daemonize()?) } else { None };
@@ -354,6 +370,11 @@ pub fn mount(a: MountArgs) -> CliResult {
         };
         Fs::open_rw_with(&a.image, opts).map_err(|e| match e {
             butter::Error::NotPermitted(msg) => CliError(msg),
+            e @ butter::Error::NotFound(_) => CliError(format!(
+                "cannot open {}: {}",
+                a.image.display(),
+                CliError::from(e)
+            )),
             e => CliError(format!(
                 "cannot open {} read-write: {}; to mount it read-only use --ro",
                 a.image.display(),
@@ -369,10 +390,17 @@ pub fn mount(a: MountArgs) -> CliResult {
             root.root
         )));
     }
-    let ready = move || {
-        if let Some(fd) = ready_pipe {
-            detach(fd);
-        }
+    let (image, dir, ro) = (a.image.clone(), a.dir.clone(), p.ro);
+    let ready = move || match ready_pipe {
+        Some(fd) => detach(fd),
+        // In the foreground: say where it is and how it ends.
+        None => eprintln!(
+            "butter: {} is mounted on {} ({}); unmount it with `umount {}` (or Ctrl-C here)",
+            image.display(),
+            dir.display(),
+            if ro { "read-only" } else { "read-write" },
+            dir.display()
+        ),
     };
     fuse::serve(fs.clone(), root, &a.dir, &p.cfg, ready).map_err(|e| {
         CliError(format!(

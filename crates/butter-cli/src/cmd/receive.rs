@@ -18,7 +18,7 @@ pub struct ReceiveArgs {
     /// Stop after N commands failed (0: never; default 1).
     #[arg(short = 'E', long = "max-errors", value_name = "N")]
     pub max_errors: Option<u64>,
-    /// No progress line.
+    /// Quiet: no progress line and no "At subvol" lines, only errors.
     #[arg(short = 'q', long)]
     pub quiet: bool,
     /// Image file or block device to receive into.
@@ -95,7 +95,9 @@ fn apply(a: &ReceiveArgs, input: Box<dyn std::io::Read>, name: &str) -> CliResul
     let mut incomplete = false;
     for s in &report.subvolumes {
         if s.complete {
-            eprintln!("At subvol {} (id {})", s.name, s.id);
+            if !a.quiet {
+                eprintln!("At subvol {} (id {})", s.name, s.id);
+            }
         } else {
             incomplete = true;
             eprintln!(

@@ -241,7 +241,21 @@ impl<R: Read> StreamReader<R> {
     /// Checks the stream's magic and version (1 to 3).
     pub(crate) fn new(mut r: R) -> Result<Self> {
         let mut head = [0u8; 17];
-        read_full(&mut r, &mut head, 0, "the stream header")?;
+        // Nothing at all is no damaged stream: there is none (an empty file or pipe).
+        let first = loop {
+            match r.read(&mut head) {
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                r => break r.map_err(|e| Error::io("reading the send stream", 0, e))?,
+            }
+        };
+        if first == 0 {
+            return Err(Error::Invalid(
+                "the input is empty: there is no send stream in it (give one with -f FILE or \
+                 on standard input, as `btrfs send ... | butter receive ...`)"
+                    .into(),
+            ));
+        }
+        read_full(&mut r, &mut head[first..], first as u64, "the stream header")?;
         let loc = || Location::what("send stream header at byte 0");
         if &head[..13] != MAGIC {
             return Err(Error::corrupt(loc(), "not a btrfs send stream (bad magic)"));

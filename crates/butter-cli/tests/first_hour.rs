@@ -1,0 +1,162 @@
+//! What a new user meets first, said in their words: each case runs the command as a user
+//! would and checks what it prints.
+//!
+//! - A missing image is "no such file", not an I/O error at byte 0 (ls, cat, check, mount,
+//!   a read-write command).
+//! - A missing mount point says it does not exist and how to make it.
+//! - `mkfs -f` of an image the user may not write says "permission denied", not "in use".
+//! - An empty input to `receive` says there is no stream, not that a stream is damaged.
+//! - `receive -q` prints nothing but errors (no "At subvol").
+//! - A mount in the foreground says where it is mounted and how to unmount it.
+//!
+//! Needs root (a user switch, FUSE, btrfs-progs for the images); fails under CI without.
+
+mod common;
+
+use common::fuse_mount::{self, ButterMount, BUTTER};
+use common::kernel::{self, ScratchDir};
+use std::fs;
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::process::CommandExt;
+use std::path::Path;
+use std::process::{Command, Stdio};
+
+/// `butter ARGS...` with `stdin`: (exit code, stdout, stderr).
+fn butter_in(args: &[&str], stdin: Stdio) -> (Option<i32>, String, String) {
+    let out = kernel::run_output(Command::new(BUTTER).args(args).stdin(stdin));
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn butter(args: &[&str]) -> (Option<i32>, String, String) {
+    butter_in(args, Stdio::null())
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+#[test]
+fn a_missing_image_or_mount_point_is_named_as_missing() {
+    if !fuse_mount::require("a_missing_image_or_mount_point_is_named_as_missing", &[]) {
+        return;
+    }
+    let sc = ScratchDir::new("first-hour-missing");
+    let gone = sc.join("no-such.img");
+    for args in [
+        vec!["ls", s(&gone)],
+        vec!["cat", s(&gone), "etc/hostname"],
+        vec!["check", s(&gone)],
+        vec!["subvolume", "create", s(&gone), "sv"],
+        vec!["mount", s(&gone), s(&sc.dir("m"))],
+    ] {
+        let (code, _, err) = butter(&args);
+        assert_eq!(code, Some(1), "{args:?}: {err}");
+        assert!(
+            err.contains("no such file") && !err.contains("I/O error") && !err.contains("byte 0"),
+            "{args:?}: {err}"
+        );
+    }
+    let img = sc.join("t.img");
+    fuse_mount::fresh_image(&img, 256 << 20);
+    let nodir = sc.join("not-made-yet");
+    let (code, _, err) = butter(&["mount", s(&img), s(&nodir)]);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(
+        err.contains("does not exist") && err.contains("mkdir -p"),
+        "{err}"
+    );
+}
+
+#[test]
+fn mkfs_of_an_image_the_user_may_not_write_says_so() {
+    if !fuse_mount::require("mkfs_of_an_image_the_user_may_not_write_says_so", &[]) {
+        return;
+    }
+    let sc = ScratchDir::new("first-hour-perm");
+    fs::set_permissions(sc.path(), fs::Permissions::from_mode(0o755)).unwrap();
+    let img = sc.join("ro.img");
+    fs::File::create(&img).unwrap().set_len(256 << 20).unwrap();
+    fs::set_permissions(&img, fs::Permissions::from_mode(0o444)).unwrap();
+    let out = kernel::run_output(
+        Command::new(BUTTER)
+            .args(["mkfs", "-f", s(&img)])
+            .uid(65534)
+            .gid(65534),
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("permission denied") && !err.contains("in use"),
+        "{err}"
+    );
+}
+
+#[test]
+fn receive_of_nothing_and_receive_quiet() {
+    if !fuse_mount::require("receive_of_nothing_and_receive_quiet", &[]) {
+        return;
+    }
+    let sc = ScratchDir::new("first-hour-receive");
+    let img = sc.join("t.img");
+    fuse_mount::fresh_image(&img, 256 << 20);
+    // An empty input: no stream at all, not a damaged one.
+    let empty = sc.join("empty");
+    fs::write(&empty, b"").unwrap();
+    let (code, _, err) = butter_in(&["receive", s(&img), "/"], Stdio::from(fs::File::open(&empty).unwrap()));
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("empty") && !err.contains("damaged"), "{err}");
+    let (code, _, err) = butter(&["receive", "-f", s(&empty), s(&img), "/"]);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("empty") && !err.contains("damaged"), "{err}");
+    // -q: errors only.
+    let (code, _, err) = butter(&["subvolume", "create", s(&img), "sv"]);
+    assert_eq!(code, Some(0), "{err}");
+    let (code, _, err) = butter(&["subvolume", "snapshot", "-r", s(&img), "sv", "snap"]);
+    assert_eq!(code, Some(0), "{err}");
+    let stream = sc.join("s.stream");
+    let (code, _, err) = butter(&["send", "-q", "-f", s(&stream), s(&img), "/snap"]);
+    assert_eq!(code, Some(0), "{err}");
+    let (code, _, err) = butter(&["subvolume", "create", s(&img), "in"]);
+    assert_eq!(code, Some(0), "{err}");
+    let (code, out, err) = butter(&["receive", "-q", "-f", s(&stream), s(&img), "in"]);
+    assert_eq!(code, Some(0), "{err}");
+    assert_eq!((out.as_str(), err.as_str()), ("", ""), "receive -q printed");
+    // Without -q, btrfs receive's line.
+    let (code, _, err) = butter(&["subvolume", "create", s(&img), "in2"]);
+    assert_eq!(code, Some(0), "{err}");
+    let (code, _, err) = butter(&["receive", "-f", s(&stream), s(&img), "in2"]);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(err.contains("At subvol snap"), "{err}");
+    let (ok, text) = kernel::btrfs_check(&img);
+    assert!(ok, "{text}");
+}
+
+#[test]
+fn a_foreground_mount_says_where_it_is() {
+    if !fuse_mount::require("a_foreground_mount_says_where_it_is", &[]) {
+        return;
+    }
+    let sc = ScratchDir::new("first-hour-mount");
+    let img = sc.join("t.img");
+    fuse_mount::fresh_image(&img, 256 << 20);
+    let m = ButterMount::start(&img, &sc.dir("m"), &[], &sc.join("m.log"));
+    let dir = m.path().to_path_buf();
+    // The line comes once the mount is usable: wait for it a moment.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    let mut log = m.log_text();
+    while !log.contains("is mounted on") && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        log = m.log_text();
+    }
+    m.unmount();
+    assert!(
+        log.contains(&format!("is mounted on {} (read-write)", dir.display()))
+            && log.contains(&format!("umount {}", dir.display())),
+        "{log}"
+    );
+}
+
