@@ -1511,13 +1511,23 @@ impl Filesystem for ButterFuse {
     }
 
     fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
-        match self.read_op("statfs", INodeNo::ROOT.0, || Ok(self.fs.statfs()?)) {
+        let mut r = self.read_op("statfs", INodeNo::ROOT.0, || Ok(self.fs.statfs()?));
+        if matches!(&r, Ok(s) if s.pinned > 0) {
+            // Data freed since the last commit (a file removed) comes back at the commit;
+            // `sync` cannot ask for one (the kernel sends FUSE_SYNCFS to virtiofs only), so
+            // a look at the free space commits, as `sync; df` does on the kernel's btrfs.
+            if let Err(e) = self.fs.gated_commit() {
+                log::error!("statfs: committing the space freed since the last commit: {e}");
+            }
+            r = self.read_op("statfs", INodeNo::ROOT.0, || Ok(self.fs.statfs()?));
+        }
+        match r {
             Ok(s) => {
                 let bs = u64::from(s.bsize.max(1));
                 let free = s.free / bs;
                 reply.statfs(
                     s.total / bs,
-                    free,
+                    (s.unused / bs).max(free),
                     free,
                     0,
                     0,

@@ -8,6 +8,8 @@
 //! - An empty input to `receive` says there is no stream, not that a stream is damaged.
 //! - `receive -q` prints nothing but errors (no "At subvol").
 //! - A mount in the foreground says where it is mounted and how to unmount it.
+//! - `df` on a mount shows what the kernel's btrfs shows on the same image, and the space of
+//!   a removed file is back after `sync` (a look at the free space commits what was freed).
 //!
 //! Needs root (a user switch, FUSE, btrfs-progs for the images); fails under CI without.
 
@@ -160,3 +162,64 @@ fn a_foreground_mount_says_where_it_is() {
     );
 }
 
+/// (f_blocks, f_bfree, f_bavail) in bytes.
+fn statvfs(p: &Path) -> (u64, u64, u64) {
+    let c = std::ffi::CString::new(s(p)).unwrap();
+    // SAFETY: statvfs into a zeroed struct we own.
+    let mut v: libc::statvfs = unsafe { std::mem::zeroed() };
+    let r = unsafe { libc::statvfs(c.as_ptr(), &mut v) };
+    assert_eq!(r, 0, "statvfs {p:?}: {}", std::io::Error::last_os_error());
+    let f = v.f_frsize as u64;
+    (v.f_blocks as u64 * f, v.f_bfree as u64 * f, v.f_bavail as u64 * f)
+}
+
+/// `df` on a fresh mount shows what the kernel's btrfs shows on the same image (used: the
+/// bytes the block groups use and the global reserve, not the chunks allocated), and after
+/// `rm big; sync` the space is back at once.
+#[test]
+fn statfs_is_the_kernels_and_space_comes_back_after_rm() {
+    if !fuse_mount::require("statfs_is_the_kernels_and_space_comes_back_after_rm", &[]) {
+        return;
+    }
+    let sc = ScratchDir::new("first-hour-statfs");
+    let img = sc.join("t.img");
+    fuse_mount::fresh_image(&img, 256 << 20);
+    let copy = sc.join("k.img");
+    fs::copy(&img, &copy).unwrap();
+    let k = kernel::LoopMount::btrfs(&copy, &sc.dir("k"), "");
+    let want = statvfs(k.path());
+    k.unmount();
+    let m = ButterMount::start(&img, &sc.dir("m"), &[], &sc.join("m.log"));
+    let got = statvfs(m.path());
+    let near = |a: u64, b: u64| a.abs_diff(b) <= want.0 / 50;
+    assert_eq!(got.0, want.0, "size: butter {got:?}, kernel {want:?}");
+    assert!(
+        near(got.1, want.1) && near(got.2, want.2),
+        "free/available: butter {got:?}, kernel {want:?} (bytes)"
+    );
+    // 64 MiB written and made durable, then removed: `sync; df` has it back.
+    let big = m.path().join("big");
+    let f = fs::File::create(&big).unwrap();
+    std::io::Write::write_all(&mut &f, &vec![0x5au8; 64 << 20]).unwrap();
+    f.sync_all().unwrap();
+    drop(f);
+    let full = statvfs(m.path());
+    assert!(full.2 + (60 << 20) <= got.2, "64 MiB written, yet {full:?} vs {got:?}");
+    fs::remove_file(&big).unwrap();
+    kernel::sync_all();
+    // The file goes when the kernel forgets its inode (FUSE's FORGET, sent with the unlink
+    // and served beside this statfs): a moment, far from the 30 s of a timed commit.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
+    let mut after = statvfs(m.path());
+    while after.2 + (4 << 20) < got.2 && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        after = statvfs(m.path());
+    }
+    assert!(
+        after.2 + (4 << 20) >= got.2,
+        "after rm and sync: {after:?}, before the write: {got:?}"
+    );
+    m.unmount();
+    let (ok, text) = kernel::btrfs_check(&img);
+    assert!(ok, "{text}");
+}

@@ -205,35 +205,6 @@ fn chunk_size_on_device(a: &butter::inode::statfs::ChunkAllocation) -> u64 {
     a.bytes / div
 }
 
-/// The global block reserve as the kernel sizes it at mount (btrfs_update_global_block_rsv,
-/// Linux 6.4 and later): the bytes the extent, checksum, free space and block group trees
-/// use, at least what an unlink and its delayed references need, at most 512 MiB.
-fn global_reserve(fs: &Fs) -> Result<u64, CliError> {
-    const EXTENT: u64 = 2;
-    const CSUM: u64 = 7;
-    const FREE_SPACE: u64 = 10;
-    const BLOCK_GROUP: u64 = 11;
-    const COMPAT_RO_FREE_SPACE_TREE: u64 = 1 << 0;
-    const UNLINK_UNITS: u64 = 6;
-    let sb = &fs.disk().sb;
-    let mut bytes = 0u64;
-    // The root tree counts one item (its bytes, the kernel's in-memory root item, are 0).
-    let mut items = 1u64;
-    for id in [EXTENT, CSUM, FREE_SPACE, BLOCK_GROUP] {
-        if let Some(ri) = fs.find_root_item(id)? {
-            bytes = bytes.saturating_add(ri.bytes_used);
-            items += 1;
-        }
-    }
-    let per_item = u64::from(sb.nodesize) * 8 * 2;
-    let mut refs = per_item * UNLINK_UNITS;
-    if sb.compat_ro_flags & COMPAT_RO_FREE_SPACE_TREE != 0 {
-        refs *= 2;
-    }
-    let min = per_item * (items + UNLINK_UNITS) + refs;
-    Ok(bytes.max(min).min(512 << 20))
-}
-
 fn usage(fs: &Fs, image: &std::path::Path, raw: bool) -> Result<String, CliError> {
     use std::fmt::Write;
     let mut spaces = fs.space_usage()?;
@@ -254,7 +225,8 @@ fn usage(fs: &Fs, image: &std::path::Path, raw: bool) -> Result<String, CliError
     } else {
         0
     };
-    let reserve = global_reserve(fs)?;
+    // As the kernel sizes it at mount (Core::statfs).
+    let reserve = fs.statfs()?.reserve;
 
     let (mut r_data_used, mut r_data_chunks, mut l_data_chunks) = (0u64, 0u64, 0u64);
     let (mut r_meta_used, mut r_meta_chunks, mut l_meta_chunks) = (0u64, 0u64, 0u64);

@@ -18,31 +18,102 @@ pub struct StatFs {
     pub bsize: u32,
     /// Size of the device.
     pub total: u64,
-    /// Bytes file data can still use.
+    /// Bytes file data can still use (statfs's `f_bavail`).
     pub free: u64,
+    /// Bytes not used by anything (statfs's `f_bfree`), as the kernel's btrfs counts them:
+    /// the size less the bytes every block group uses (each copy of DUP and RAID1 counted)
+    /// and less the global block reserve. `df` shows the size less this as used.
+    pub unused: u64,
+    /// The global block reserve as the kernel sizes it at mount.
+    pub reserve: u64,
+    /// Data bytes freed (or whose last reference goes) in the running transaction: free once
+    /// it commits.
+    pub pinned: u64,
+}
+
+/// Copies of each byte a block group profile keeps.
+pub(crate) fn profile_copies(flags: u64) -> u64 {
+    if flags & (BLOCK_GROUP_DUP | BLOCK_GROUP_RAID1 | BLOCK_GROUP_RAID10) != 0 {
+        2
+    } else if flags & BLOCK_GROUP_RAID1C3 != 0 {
+        3
+    } else if flags & BLOCK_GROUP_RAID1C4 != 0 {
+        4
+    } else {
+        1
+    }
 }
 
 impl Core {
     pub fn statfs(&self) -> Result<StatFs> {
         let sb = &self.disk.sb;
         let bsize = sb.sectorsize.max(1);
+        let reserve = self.global_reserve()?;
         if !self.is_writable() {
+            let used: u64 = self
+                .space_usage()?
+                .iter()
+                .map(|s| s.used.saturating_mul(profile_copies(s.flags)))
+                .fold(0, u64::saturating_add);
             return Ok(StatFs {
                 bsize,
                 total: sb.total_bytes,
                 free: sb.total_bytes.saturating_sub(sb.bytes_used),
+                unused: sb.total_bytes.saturating_sub(used).saturating_sub(reserve),
+                reserve,
+                pinned: 0,
             });
         }
         // Reads only: pending writes stay pending (a statfs passes the gate as a reader).
         let mut w = self.writer_keeping_ordered()?;
         let free = self.data_space_left(&mut w)?;
+        let mut used = 0u64;
+        w.allocator.for_each(|g| {
+            used = used.saturating_add(g.used.saturating_mul(profile_copies(g.flags)));
+        });
+        let pinned = w
+            .allocator
+            .pinned_bytes(SpaceKind::Data)
+            .saturating_add(w.refs.data_bytes_dropped());
         drop(w);
         let total = sb.dev_item.total_bytes.min(self.disk.dev.len());
         Ok(StatFs {
             bsize,
             total,
             free: free.min(total),
+            unused: total.saturating_sub(used).saturating_sub(reserve),
+            reserve,
+            pinned,
         })
+    }
+
+    /// The global block reserve as the kernel sizes it at mount (btrfs_update_global_block_rsv,
+    /// Linux 6.4 and later): the bytes the extent, checksum, free space and block group trees
+    /// use, at least what an unlink and its delayed references need, at most 512 MiB.
+    fn global_reserve(&self) -> Result<u64> {
+        const UNLINK_UNITS: u64 = 6;
+        let sb = &self.disk.sb;
+        let mut bytes = 0u64;
+        // The root tree counts one item (its bytes, the kernel's in-memory root item, are 0).
+        let mut items = 1u64;
+        for id in [
+            EXTENT_TREE_OBJECTID,
+            CSUM_TREE_OBJECTID,
+            FREE_SPACE_TREE_OBJECTID,
+            BLOCK_GROUP_TREE_OBJECTID,
+        ] {
+            if let Some(ri) = self.find_root_item(id)? {
+                bytes = bytes.saturating_add(ri.bytes_used);
+                items += 1;
+            }
+        }
+        let per_item = u64::from(sb.nodesize) * 8 * 2;
+        let mut refs = per_item * UNLINK_UNITS;
+        if sb.compat_ro_flags & COMPAT_RO_FREE_SPACE_TREE != 0 {
+            refs *= 2;
+        }
+        let min = per_item * (items + UNLINK_UNITS) + refs;
+        Ok(bytes.max(min).min(512 << 20))
     }
 
     /// Bytes file data can still use: free space in data chunks plus the device space no

@@ -135,6 +135,16 @@ impl DelayedRefs {
         self.map.is_empty()
     }
 
+    /// Bytes of existing data extents whose references this transaction drops: space that
+    /// may come free when it commits.
+    pub(crate) fn data_bytes_dropped(&self) -> u64 {
+        self.map
+            .values()
+            .filter(|e| e.meta.is_none() && !e.is_new && e.deltas.values().sum::<i64>() < 0)
+            .map(|e| e.num_bytes)
+            .fold(0, u64::saturating_add)
+    }
+
     /// Net queued change of an extent's reference count, and flags queued to be set.
     pub(crate) fn pending(&self, bytenr: u64) -> (i64, u64) {
         match self.map.get(&bytenr) {
