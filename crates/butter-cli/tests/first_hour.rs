@@ -223,3 +223,33 @@ fn statfs_is_the_kernels_and_space_comes_back_after_rm() {
     let (ok, text) = kernel::btrfs_check(&img);
     assert!(ok, "{text}");
 }
+
+/// Mount options as users and fstab lines write them: what the kernel's btrfs accepts is
+/// accepted (what changes nothing for an image is ignored), zstd's negative levels compress,
+/// and the kernel reads what was written.
+#[test]
+fn mount_options_as_users_write_them() {
+    if !fuse_mount::require("mount_options_as_users_write_them", &[]) {
+        return;
+    }
+    let sc = ScratchDir::new("first-hour-options");
+    let img = sc.join("t.img");
+    fuse_mount::fresh_image(&img, 256 << 20);
+    let opts = "defaults,relatime,noatime,space_cache=v2,ssd,nossd,discard,discard=async,\
+                autodefrag,user_subvol_rm_allowed,x-systemd.automount,x-systemd.device-timeout=10,\
+                nofail,compress=zstd:-3";
+    let m = ButterMount::start(&img, &sc.dir("m"), &["-o", opts], &sc.join("m.log"));
+    let text = "compressible line of text\n".repeat(20_000);
+    fs::write(m.path().join("f"), &text).unwrap();
+    let want = common::manifest::take(m.path(), &Default::default());
+    m.unmount();
+    fuse_mount::verify_image(&img, &sc.dir("v"), Some(&want), "options as users write them");
+    // Compressed: the file's extents take less than its size.
+    let out = kernel::run_output(Command::new(BUTTER).args(["compsize", s(&img), "f"]));
+    let listing = String::from_utf8_lossy(&out.stdout);
+    assert!(listing.contains("zstd"), "{listing}");
+    // Still refused: what butter does not know.
+    let (code, _, err) = butter(&["mount", s(&img), s(&sc.dir("m2")), "-o", "frobnicate"]);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("unknown mount option 'frobnicate'"), "{err}");
+}

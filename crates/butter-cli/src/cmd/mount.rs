@@ -29,22 +29,26 @@ pub struct MountArgs {
     /// Mount read-only.
     #[arg(long)]
     pub ro: bool,
-    /// Mount options, comma separated, may repeat: ro, rw, nologreplay (with ro: ignore an
-    /// fsync log, show the last commit), commit=SECONDS (read-write: commit
-    /// this often, default 30, 0 = only at fsync/unmount), fsync=log|log-wait|commit (what an
-    /// fsync writes: the fsync log, the default; the fsync log after waiting for the file's
-    /// writes in progress and completing its ordered extents, i.e. without the fsync rule
-    /// that skips writes in progress, for comparison; or a full commit), allow_other,
+    /// Mount options, comma separated, may repeat: ro, rw, nologreplay (also rescue=nologreplay
+    /// or norecovery; with ro: ignore an fsync log, show the last commit), commit=SECONDS
+    /// (read-write: commit this often, default 30, 0 = only at fsync/unmount),
+    /// fsync=log|log-wait|commit (what an fsync writes: the fsync log, the default; the fsync
+    /// log after waiting for the file's writes in progress, for comparison; or a full commit,
+    /// also notreelog), allow_other,
     /// allow_root, fsname=NAME, subtype=NAME, subvol=PATH, subvolid=N, dev, nodev, suid,
     /// nosuid, exec, noexec, atime, noatime, compress[=ALG[:LEVEL]] (compress written data:
-    /// zlib 1-9, lzo, zstd 1-15; zlib:3 when ALG is not given), compress-force[=ALG[:LEVEL]]
+    /// zlib 1-9, lzo, zstd -15 to 15; zlib:3 when ALG is not given), compress-force[=ALG[:LEVEL]]
     /// (every file, even one whose start does not compress), compress=no, max_inline=BYTES
     /// (files up to this size are kept in the metadata, inline; default 2048),
-    /// allocator=scalable|legacy (the block allocator: seed 001's, the default, or the one
-    /// from before it, for benchmarks), delalloc|nodelalloc (appends gather in memory before
+    /// allocator=scalable|legacy (the block allocator: the scalable one, the default, or the
+    /// older one, for benchmarks), delalloc|nodelalloc (appends gather in memory before
     /// they are allocated, the default; or each write is allocated when it comes),
     /// bulk|nobulk (large writes run on threads of their own, one per CPU, the default; or
-    /// on the thread that took the request).
+    /// on the thread that took the request). Accepted and ignored, as options that change
+    /// nothing for an image: defaults, relatime and the other atime variants, lazytime,
+    /// space_cache[=v1|v2], ssd, nossd, ssd_spread, discard[=sync|async], nodiscard,
+    /// autodefrag, user_subvol_rm_allowed, barrier, flushoncommit, degraded, thread_pool=N,
+    /// mount(8)'s auto, noauto, nofail, user, _netdev, and every x-* option.
     #[arg(short = 'o', value_name = "OPTIONS")]
     pub options: Vec<String>,
     /// Mount this subvolume (path from the top-level subvolume) instead of the default one.
@@ -250,6 +254,37 @@ fn plan(a: &MountArgs) -> Result<Plan, CliError> {
             ("noexec", None) => Some(MountOption::NoExec),
             ("atime", None) => Some(MountOption::Atime),
             ("noatime", None) => Some(MountOption::NoAtime),
+            // The kernel's btrfs without a log tree: every fsync commits.
+            ("notreelog", None) => {
+                fsync_log = false;
+                None
+            }
+            ("treelog", None) => {
+                fsync_log = true;
+                None
+            }
+            ("rescue", Some("nologreplay")) | ("norecovery", None) => {
+                nologreplay = true;
+                None
+            }
+            // What users and fstab lines write that the kernel's btrfs accepts and that
+            // changes nothing here: taken and ignored, as the kernel ignores what does not
+            // apply (no discard on an image file, no SSD heuristics, space_cache is always
+            // the free space tree butter keeps, mount(8)'s own and x- options).
+            ("defaults" | "auto" | "noauto" | "nofail" | "_netdev" | "user" | "nouser"
+            | "users" | "owner" | "group" | "async" | "relatime" | "norelatime"
+            | "strictatime" | "nostrictatime" | "lazytime" | "nolazytime" | "diratime"
+            | "nodiratime" | "iversion" | "noiversion" | "ssd" | "nossd" | "ssd_spread"
+            | "nossd_spread" | "discard" | "nodiscard" | "autodefrag" | "noautodefrag"
+            | "user_subvol_rm_allowed" | "barrier" | "nobarrier" | "flushoncommit"
+            | "noflushoncommit" | "space_cache" | "nospace_cache" | "clear_cache"
+            | "skip_balance" | "rescan_uuid_tree" | "enospc_debug" | "noenospc_debug"
+            | "degraded" | "datacow" | "datasum" | "acl", None) => None,
+            ("space_cache", Some("v1" | "v2"))
+            | ("discard", Some("sync" | "async"))
+            | ("thread_pool" | "metadata_ratio", Some(_))
+            | ("fatal_errors", Some("bug" | "panic")) => None,
+            (k, _) if k.starts_with("x-") || k.starts_with("comment") => None,
             _ => return Err(CliError(format!("unknown mount option '{opt}'"))),
         };
         cfg.flags.extend(flag);

@@ -51,7 +51,9 @@ pub struct Compression {
     /// On-disk code: 1 zlib, 2 lzo, 3 zstd.
     code: u8,
     /// zlib 1 to 9, zstd 1 to 15; 0 for lzo (no levels).
-    level: u8,
+    /// zlib 1-9; zstd -15 to 15 (negative: the fast levels, as the kernel takes them since
+    /// Linux 6.15); lzo 0.
+    level: i8,
 }
 
 impl Compression {
@@ -69,23 +71,27 @@ impl Compression {
         let (code, max) = match alg {
             "zlib" => (COMPRESS_ZLIB, 9),
             "lzo" => (COMPRESS_LZO, 0),
-            "zstd" => (COMPRESS_ZSTD, 15),
+            "zstd" => (COMPRESS_ZSTD, 15i8),
             "no" | "none" if level.is_none() => return Ok(None),
             _ => {
                 return Err(Error::Invalid(format!(
                     "compression {s:?}: zlib, lzo or zstd, with :LEVEL for zlib (1-9) and \
-                     zstd (1-15)"
+                     zstd (-15 to 15)"
                 )))
             }
         };
+        // zstd: level 0 is the default, as the kernel reads it, and the negative levels are
+        // the fast ones.
+        let min = if code == COMPRESS_ZSTD { -max } else { 1 };
         let level = match level {
             None if max == 0 => 0,
             None => 3,
-            Some(l) => match l.parse::<u8>() {
-                Ok(n) if max > 0 && (1..=max).contains(&n) => n,
+            Some(l) => match l.parse::<i8>() {
+                Ok(0) if code == COMPRESS_ZSTD => 3,
+                Ok(n) if max > 0 && (min..=max).contains(&n) => n,
                 _ => {
                     return Err(Error::Invalid(format!(
-                        "compression level {l:?} for {alg} (zlib 1-9, zstd 1-15, lzo none)"
+                        "compression level {l:?} for {alg} (zlib 1-9, zstd -15 to 15, lzo none)"
                     )))
                 }
             },
@@ -123,7 +129,7 @@ pub(crate) fn compress(c: Compression, input: &[u8], sectorsize: u32) -> Option<
                 }
                 _ => {
                     let fresh =
-                        flate2::Compress::new(flate2::Compression::new(u32::from(c.level)), true);
+                        flate2::Compress::new(flate2::Compression::new(c.level.unsigned_abs().into()), true);
                     &mut slot.insert((c.level, fresh)).1
                 }
             };
@@ -150,9 +156,9 @@ pub(crate) fn compress(c: Compression, input: &[u8], sectorsize: u32) -> Option<
 
 thread_local! {
     /// Each thread's compressor contexts, kept between extents (see [`compress`]).
-    static ZLIB: std::cell::RefCell<Option<(u8, flate2::Compress)>> =
+    static ZLIB: std::cell::RefCell<Option<(i8, flate2::Compress)>> =
         const { std::cell::RefCell::new(None) };
-    static ZSTD: std::cell::RefCell<Option<(u8, zstd::bulk::Compressor<'static>)>> =
+    static ZSTD: std::cell::RefCell<Option<(i8, zstd::bulk::Compressor<'static>)>> =
         const { std::cell::RefCell::new(None) };
 }
 
@@ -997,7 +1003,7 @@ mod tests {
     #[test]
     fn compress_reads_back_with_every_algorithm_and_level() {
         let data: Vec<u8> = (0..131072u32).map(|i| (i / 7 % 251) as u8).collect();
-        for spec in ["zlib:1", "zlib:9", "lzo", "zstd:1", "zstd:15", "zstd"] {
+        for spec in ["zlib:1", "zlib:9", "lzo", "zstd:1", "zstd:15", "zstd", "zstd:-5"] {
             let c = Compression::parse(spec).unwrap().unwrap();
             for ss in [4096u32, 65536] {
                 let z = compress(c, &data, ss).unwrap();
@@ -1008,6 +1014,12 @@ mod tests {
         }
         assert_eq!(Compression::parse("none").unwrap(), None);
         assert_eq!(Compression::parse("zstd").unwrap().unwrap().level, 3);
+        // zstd's fast levels, as the kernel takes them; 0 is the default.
+        assert_eq!(Compression::parse("zstd:-3").unwrap().unwrap().level, -3);
+        assert_eq!(Compression::parse("zstd:-15").unwrap().unwrap().level, -15);
+        assert_eq!(Compression::parse("zstd:0").unwrap().unwrap().level, 3);
+        assert!(Compression::parse("zstd:-16").is_err());
+        assert!(Compression::parse("zlib:-1").is_err());
         for bad in [
             "zlib:0", "zlib:10", "zstd:16", "lzo:1", "brotli", "no:1", "",
         ] {
