@@ -3,6 +3,8 @@
 //! through a read-write mount, a snapshot sent and received into a second image, and the
 //! kernel's btrfs reading the copy as the directory plus the change.
 //!
+//! The release binary has no debug info (under 20 MB).
+//!
 //! Needs root, FUSE, loop devices and btrfs-progs; fails under CI without.
 
 mod common;
@@ -40,4 +42,14 @@ fn the_demo_runs_as_written() {
     ] {
         assert!(text.contains(step), "the demo did not show {step:?}:\n{text}");
     }
+}
+
+/// The binary the README points at is lean: no debug info in the release profile (58 MB
+/// with it; `cargo build --profile profiling` keeps it for perf and gdb).
+#[test]
+#[cfg(not(debug_assertions))]
+fn the_release_binary_is_lean() {
+    let bin = env!("CARGO_BIN_EXE_butter");
+    let len = std::fs::metadata(bin).unwrap().len();
+    assert!(len < 20 << 20, "{bin} is {len} bytes");
 }
