@@ -8,6 +8,7 @@
 //! - An empty input to `receive` says there is no stream, not that a stream is damaged.
 //! - `receive -q` prints nothing but errors (no "At subvol").
 //! - A mount in the foreground says where it is mounted and how to unmount it.
+//! - `ls IMAGE FILE` lists the file, as ls(1) does.
 //! - `df` on a mount shows what the kernel's btrfs shows on the same image, and the space of
 //!   a removed file is back after `sync` (a look at the free space commits what was freed).
 //!
@@ -252,4 +253,33 @@ fn mount_options_as_users_write_them() {
     let (code, _, err) = butter(&["mount", s(&img), s(&sc.dir("m2")), "-o", "frobnicate"]);
     assert_eq!(code, Some(1), "{err}");
     assert!(err.contains("unknown mount option 'frobnicate'"), "{err}");
+}
+
+/// `ls IMAGE FILE` lists the file, as ls(1) does, with -l too (a symlink shows its target).
+#[test]
+fn ls_of_a_file_lists_it() {
+    if !fuse_mount::require("ls_of_a_file_lists_it", &[]) {
+        return;
+    }
+    let sc = ScratchDir::new("first-hour-ls");
+    let src = sc.dir("src");
+    fs::create_dir(src.join("etc")).unwrap();
+    fs::write(src.join("etc/hostname"), b"host\n").unwrap();
+    std::os::unix::fs::symlink("hostname", src.join("etc/hn")).unwrap();
+    let img = sc.join("t.img");
+    let (code, _, err) = butter(&["mkfs", "-q", "-b", "256M", "--rootdir", s(&src), s(&img)]);
+    assert_eq!(code, Some(0), "{err}");
+    let (code, out, err) = butter(&["ls", s(&img), "etc/hostname"]);
+    assert_eq!((code, out.as_str()), (Some(0), "etc/hostname\n"), "{err}");
+    let (code, out, err) = butter(&["ls", "-l", s(&img), "etc/hostname"]);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(
+        out.starts_with("-rw-r--r--") && out.trim_end().ends_with(" etc/hostname"),
+        "{out}"
+    );
+    let (code, out, err) = butter(&["ls", "-l", s(&img), "etc/hn"]);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(out.trim_end().ends_with("etc/hn -> hostname"), "{out}");
+    let (code, out, err) = butter(&["ls", s(&img), "etc"]);
+    assert_eq!((code, out.as_str()), (Some(0), "hn\nhostname\n"), "{err}");
 }

@@ -95,18 +95,18 @@ pub fn ls(a: LsArgs) -> CliResult {
     let st = fs.stat(dir)?;
     let out = std::io::stdout();
     let mut out = out.lock();
-    let entries = if st.is_dir() {
+    // A path that is not a directory lists itself, named as given, as ls(1) does.
+    let entries: Vec<(String, butter::fs::Inode)> = if st.is_dir() {
         fs.readdir(dir, 0, 0)?
+            .into_iter()
+            .map(|e| (String::from_utf8_lossy(&e.name).into_owned(), e.target))
+            .collect()
     } else {
-        Vec::new()
+        vec![(a.path.clone(), dir)]
     };
-    if !st.is_dir() {
-        return Err(CliError(format!("{} is not a directory", a.path)));
-    }
-    for e in entries {
-        let name = String::from_utf8_lossy(&e.name);
+    for (name, target) in entries {
         if a.long {
-            let s = fs.stat(e.target)?;
+            let s = fs.stat(target)?;
             let mut line = format!(
                 "{} {:>3} {:>5} {:>5} {:>12} {} {}",
                 mode_string(s.mode),
@@ -119,7 +119,7 @@ pub fn ls(a: LsArgs) -> CliResult {
             );
             if s.is_symlink() {
                 line.push_str(" -> ");
-                line.push_str(&String::from_utf8_lossy(&fs.readlink(e.target)?));
+                line.push_str(&String::from_utf8_lossy(&fs.readlink(target)?));
             }
             writeln!(out, "{line}")?;
         } else {
