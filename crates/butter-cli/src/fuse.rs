@@ -840,12 +840,11 @@ impl Filesystem for ButterFuse {
         }
         // The kernel forgets what it still knows without telling: unlinked files that only
         // its references held go now, as they do at the kernel's unmount.
-        let held: Vec<(u64, Inode)> = std::mem::take(
-            &mut *self.lookups.lock().unwrap_or_else(|e| e.into_inner()),
-        )
-        .into_iter()
-        .filter_map(|(node, (_, held))| Some((node, held?)))
-        .collect();
+        let held: Vec<(u64, Inode)> =
+            std::mem::take(&mut *self.lookups.lock().unwrap_or_else(|e| e.into_inner()))
+                .into_iter()
+                .filter_map(|(node, (_, held))| Some((node, held?)))
+                .collect();
         for (node, ino) in held {
             self.unhold(node, ino);
         }

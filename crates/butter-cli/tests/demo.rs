@@ -40,7 +40,10 @@ fn the_demo_runs_as_written() {
         "sent and received",
         "the kernel shows the directory as changed through the mount",
     ] {
-        assert!(text.contains(step), "the demo did not show {step:?}:\n{text}");
+        assert!(
+            text.contains(step),
+            "the demo did not show {step:?}:\n{text}"
+        );
     }
 }
 

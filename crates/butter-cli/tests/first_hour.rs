@@ -109,7 +109,10 @@ fn receive_of_nothing_and_receive_quiet() {
     // An empty input: no stream at all, not a damaged one.
     let empty = sc.join("empty");
     fs::write(&empty, b"").unwrap();
-    let (code, _, err) = butter_in(&["receive", s(&img), "/"], Stdio::from(fs::File::open(&empty).unwrap()));
+    let (code, _, err) = butter_in(
+        &["receive", s(&img), "/"],
+        Stdio::from(fs::File::open(&empty).unwrap()),
+    );
     assert_eq!(code, Some(1), "{err}");
     assert!(err.contains("empty") && !err.contains("damaged"), "{err}");
     let (code, _, err) = butter(&["receive", "-f", s(&empty), s(&img), "/"]);
@@ -171,7 +174,11 @@ fn statvfs(p: &Path) -> (u64, u64, u64) {
     let r = unsafe { libc::statvfs(c.as_ptr(), &mut v) };
     assert_eq!(r, 0, "statvfs {p:?}: {}", std::io::Error::last_os_error());
     let f = v.f_frsize as u64;
-    (v.f_blocks as u64 * f, v.f_bfree as u64 * f, v.f_bavail as u64 * f)
+    (
+        v.f_blocks as u64 * f,
+        v.f_bfree as u64 * f,
+        v.f_bavail as u64 * f,
+    )
 }
 
 /// `df` on a fresh mount shows what the kernel's btrfs shows on the same image (used: the
@@ -205,7 +212,10 @@ fn statfs_is_the_kernels_and_space_comes_back_after_rm() {
     f.sync_all().unwrap();
     drop(f);
     let full = statvfs(m.path());
-    assert!(full.2 + (60 << 20) <= got.2, "64 MiB written, yet {full:?} vs {got:?}");
+    assert!(
+        full.2 + (60 << 20) <= got.2,
+        "64 MiB written, yet {full:?} vs {got:?}"
+    );
     fs::remove_file(&big).unwrap();
     kernel::sync_all();
     // The file goes when the kernel forgets its inode (FUSE's FORGET, sent with the unlink
@@ -244,7 +254,12 @@ fn mount_options_as_users_write_them() {
     fs::write(m.path().join("f"), &text).unwrap();
     let want = common::manifest::take(m.path(), &Default::default());
     m.unmount();
-    fuse_mount::verify_image(&img, &sc.dir("v"), Some(&want), "options as users write them");
+    fuse_mount::verify_image(
+        &img,
+        &sc.dir("v"),
+        Some(&want),
+        "options as users write them",
+    );
     // Compressed: the file's extents take less than its size.
     let out = kernel::run_output(Command::new(BUTTER).args(["compsize", s(&img), "f"]));
     let listing = String::from_utf8_lossy(&out.stdout);

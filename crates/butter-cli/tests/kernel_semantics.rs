@@ -584,7 +584,10 @@ fn an_unlinked_file_held_only_by_o_path_reopens_through_proc() {
         drop(held);
         // Once the reference went, so did the file: the directory is empty again and the
         // space comes back (the checkers after unmount see no orphan left behind).
-        let left: Vec<_> = fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name()).collect();
+        let left: Vec<_> = fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
         (read, wrote, after, left)
     });
 }
@@ -606,7 +609,12 @@ fn handle_of(p: &Path) -> Vec<u8> {
             0,
         )
     };
-    assert_eq!(r, 0, "name_to_handle_at {p:?}: {}", std::io::Error::last_os_error());
+    assert_eq!(
+        r,
+        0,
+        "name_to_handle_at {p:?}: {}",
+        std::io::Error::last_os_error()
+    );
     buf
 }
 

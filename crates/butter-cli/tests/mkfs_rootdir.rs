@@ -503,8 +503,11 @@ fn rootdir_interrupted_leaves_no_filesystem() {
         let dir = src.join(format!("d{d:02}"));
         std::fs::create_dir(&dir).unwrap();
         for f in 0..200 {
-            std::fs::write(dir.join(format!("f{f:03}")), format!("{d}/{f}\n").repeat(f % 9 + 1))
-                .unwrap();
+            std::fs::write(
+                dir.join(format!("f{f:03}")),
+                format!("{d}/{f}\n").repeat(f % 9 + 1),
+            )
+            .unwrap();
         }
     }
     let mut data = vec![0u8; 4 << 20];
@@ -532,9 +535,15 @@ fn rootdir_interrupted_leaves_no_filesystem() {
             unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
         }
         let out = child.wait_with_output().unwrap();
-        (out.status.code(), String::from_utf8_lossy(&out.stderr).into_owned())
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
     };
-    std::fs::File::create(&img).unwrap().set_len(1 << 30).unwrap();
+    std::fs::File::create(&img)
+        .unwrap()
+        .set_len(1 << 30)
+        .unwrap();
     let t0 = std::time::Instant::now();
     let (code, err) = run(None, &img);
     let full = t0.elapsed();
@@ -562,9 +571,19 @@ fn rootdir_interrupted_leaves_no_filesystem() {
             err.contains("interrupted") && err.contains("left unfinished"),
             "interrupted at {delay:?}: {err}"
         );
-        assert!(!ok, "interrupted at {delay:?}, yet btrfs check passes:\n{text}");
-        let ours = Command::new(BUTTER).arg("check").arg(&img).output().unwrap();
-        assert!(!ours.status.success(), "butter check passes an unfinished image");
+        assert!(
+            !ok,
+            "interrupted at {delay:?}, yet btrfs check passes:\n{text}"
+        );
+        let ours = Command::new(BUTTER)
+            .arg("check")
+            .arg(&img)
+            .output()
+            .unwrap();
+        assert!(
+            !ours.status.success(),
+            "butter check passes an unfinished image"
+        );
         assert!(
             String::from_utf8_lossy(&ours.stderr).contains("unfinished"),
             "{}",
@@ -582,7 +601,10 @@ fn rootdir_interrupted_leaves_no_filesystem() {
             panic!("the kernel mounted an image interrupted at {delay:?}");
         }
     }
-    assert!(unfinished >= 3, "only {unfinished} runs were interrupted (full run {full:?})");
+    assert!(
+        unfinished >= 3,
+        "only {unfinished} runs were interrupted (full run {full:?})"
+    );
     assert!(complete <= 5, "{complete}");
     // An image the command created itself is removed.
     let fresh = scratch.join("fresh.img");

@@ -303,7 +303,16 @@ fn read_only_snapshots_stay_read_only_under_the_kernel() {
         assert!(ok, "butter {args:?}: {err}");
         out
     };
-    ok(&["mkfs", "-b", "300M", "--rootdir", s(&src), "--subvol", "ro:rosub", s(&img)]);
+    ok(&[
+        "mkfs",
+        "-b",
+        "300M",
+        "--rootdir",
+        s(&src),
+        "--subvol",
+        "ro:rosub",
+        s(&img),
+    ]);
     // A snapshot of the top level (the item mkfs wrote), of a new subvolume, a writable
     // snapshot made read-only afterwards, and a received one.
     ok(&["subvolume", "snapshot", "-r", s(&img), "/", "s"]);
@@ -329,9 +338,13 @@ fn read_only_snapshots_stay_read_only_under_the_kernel() {
         );
         let e = fs::write(p.join("new"), b"x").expect_err(&format!("{d}: a write got in"));
         assert_eq!(e.raw_os_error(), Some(libc::EROFS), "{d}: {e}");
-        let out = kernel::run_output(
-            Command::new("btrfs").args(["send", "-q", "-f", "/dev/null", s(&p)]),
-        );
+        let out = kernel::run_output(Command::new("btrfs").args([
+            "send",
+            "-q",
+            "-f",
+            "/dev/null",
+            s(&p),
+        ]));
         assert!(
             out.status.success(),
             "btrfs send {d}: {}",
@@ -343,7 +356,10 @@ fn read_only_snapshots_stay_read_only_under_the_kernel() {
     m.unmount();
     for d in ro {
         let (ok, out, err) = butter(&["property", "get", s(&img), d, "ro"]);
-        assert!(ok && out == "ro=true\n", "{d} after the kernel's mount: {out}{err}");
+        assert!(
+            ok && out == "ro=true\n",
+            "{d} after the kernel's mount: {out}{err}"
+        );
     }
     both_checks_clean(&img, "read-only subvolumes after a kernel mount");
 }

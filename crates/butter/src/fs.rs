@@ -148,7 +148,8 @@ impl Fs {
             // From the first commit on, no copy of the superblock says "filesystem" until
             // `close` (an interrupted build leaves an image no tool takes for a filesystem).
             w.set_magic(MAGIC_TEMPORARY)?;
-            fs.unfinished.store(true, std::sync::atomic::Ordering::SeqCst);
+            fs.unfinished
+                .store(true, std::sync::atomic::Ordering::SeqCst);
         }
         w.set_combined_replace(opts.combined_replace);
         w.small_chunks = opts.small_chunks;
@@ -635,7 +636,10 @@ impl Fs {
                 self.stop(format!("the final commit failed: {e}"));
                 return Err(e);
             }
-            if self.unfinished.swap(false, std::sync::atomic::Ordering::SeqCst) {
+            if self
+                .unfinished
+                .swap(false, std::sync::atomic::Ordering::SeqCst)
+            {
                 // Complete: the superblocks say "filesystem" again.
                 let _g = self.gate.commit();
                 let mut w = self.writer()?;

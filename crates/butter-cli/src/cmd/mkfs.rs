@@ -559,18 +559,17 @@ pub fn mkfs(a: MkfsArgs) -> CliResult {
     // device) is refused, -f or not, before a byte changes; the lock is held until mkfs ends.
     let _sole_writer = match std::fs::metadata(&image) {
         Ok(_) => Some(
-            FileDevice::open_exclusive(&image)
-                .map_err(|e| match e.kind() {
-                    std::io::ErrorKind::PermissionDenied => CliError(format!(
-                        "cannot open {} for writing: permission denied (run as a user who may \
+            FileDevice::open_exclusive(&image).map_err(|e| match e.kind() {
+                std::io::ErrorKind::PermissionDenied => CliError(format!(
+                    "cannot open {} for writing: permission denied (run as a user who may \
                          write it, or as root)",
-                        image.display()
-                    )),
-                    std::io::ErrorKind::ResourceBusy => {
-                        CliError(format!("{} is in use: {e}", image.display()))
-                    }
-                    _ => CliError(format!("cannot open {}: {e}", image.display())),
-                })?,
+                    image.display()
+                )),
+                std::io::ErrorKind::ResourceBusy => {
+                    CliError(format!("{} is in use: {e}", image.display()))
+                }
+                _ => CliError(format!("cannot open {}: {e}", image.display())),
+            })?,
         ),
         Err(_) => None,
     };
@@ -586,7 +585,10 @@ pub fn mkfs(a: MkfsArgs) -> CliResult {
     }
     if let (Err(e), true) = (&result, interrupted()) {
         let left = if created {
-            format!("{} is removed (this command had created it)", image.display())
+            format!(
+                "{} is removed (this command had created it)",
+                image.display()
+            )
         } else {
             format!(
                 "{} is left unfinished: its superblocks say it is still being made, so no \
@@ -613,12 +615,9 @@ fn stop_flag() -> &'static std::sync::Arc<std::sync::atomic::AtomicBool> {
 fn catch_interrupts() {
     use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
     for sig in [SIGINT, SIGTERM, SIGHUP] {
-        let registered = signal_hook::flag::register_conditional_shutdown(
-            sig,
-            130,
-            stop_flag().clone(),
-        )
-        .and_then(|_| signal_hook::flag::register(sig, stop_flag().clone()));
+        let registered =
+            signal_hook::flag::register_conditional_shutdown(sig, 130, stop_flag().clone())
+                .and_then(|_| signal_hook::flag::register(sig, stop_flag().clone()));
         if let Err(e) = registered {
             log::warn!("cannot catch signal {sig}: {e}");
         }
@@ -761,9 +760,9 @@ fn make(a: &MkfsArgs, image: &std::path::Path, opts: MkfsOptions) -> CliResult {
                 CliError::from(e)
             )),
             rootdir::Failure::Source(m) => CliError(m),
-            rootdir::Failure::Interrupted(n) => {
-                CliError(format!("interrupted after copying {n} files and directories"))
-            }
+            rootdir::Failure::Interrupted(n) => CliError(format!(
+                "interrupted after copying {n} files and directories"
+            )),
         })?;
         let mut report = report;
         if a.shrink {

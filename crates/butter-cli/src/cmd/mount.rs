@@ -271,15 +271,54 @@ fn plan(a: &MountArgs) -> Result<Plan, CliError> {
             // changes nothing here: taken and ignored, as the kernel ignores what does not
             // apply (no discard on an image file, no SSD heuristics, space_cache is always
             // the free space tree butter keeps, mount(8)'s own and x- options).
-            ("defaults" | "auto" | "noauto" | "nofail" | "_netdev" | "user" | "nouser"
-            | "users" | "owner" | "group" | "async" | "relatime" | "norelatime"
-            | "strictatime" | "nostrictatime" | "lazytime" | "nolazytime" | "diratime"
-            | "nodiratime" | "iversion" | "noiversion" | "ssd" | "nossd" | "ssd_spread"
-            | "nossd_spread" | "discard" | "nodiscard" | "autodefrag" | "noautodefrag"
-            | "user_subvol_rm_allowed" | "barrier" | "nobarrier" | "flushoncommit"
-            | "noflushoncommit" | "space_cache" | "nospace_cache" | "clear_cache"
-            | "skip_balance" | "rescan_uuid_tree" | "enospc_debug" | "noenospc_debug"
-            | "degraded" | "datacow" | "datasum" | "acl", None) => None,
+            (
+                "defaults"
+                | "auto"
+                | "noauto"
+                | "nofail"
+                | "_netdev"
+                | "user"
+                | "nouser"
+                | "users"
+                | "owner"
+                | "group"
+                | "async"
+                | "relatime"
+                | "norelatime"
+                | "strictatime"
+                | "nostrictatime"
+                | "lazytime"
+                | "nolazytime"
+                | "diratime"
+                | "nodiratime"
+                | "iversion"
+                | "noiversion"
+                | "ssd"
+                | "nossd"
+                | "ssd_spread"
+                | "nossd_spread"
+                | "discard"
+                | "nodiscard"
+                | "autodefrag"
+                | "noautodefrag"
+                | "user_subvol_rm_allowed"
+                | "barrier"
+                | "nobarrier"
+                | "flushoncommit"
+                | "noflushoncommit"
+                | "space_cache"
+                | "nospace_cache"
+                | "clear_cache"
+                | "skip_balance"
+                | "rescan_uuid_tree"
+                | "enospc_debug"
+                | "noenospc_debug"
+                | "degraded"
+                | "datacow"
+                | "datasum"
+                | "acl",
+                None,
+            ) => None,
             ("space_cache", Some("v1" | "v2"))
             | ("discard", Some("sync" | "async"))
             | ("thread_pool" | "metadata_ratio", Some(_))
@@ -373,12 +412,7 @@ pub fn mount(a: MountArgs) -> CliResult {
                 a.dir.display()
             )))
         }
-        Err(e) => {
-            return Err(CliError(format!(
-                "mount point {}: {e}",
-                a.dir.display()
-            )))
-        }
+        Err(e) => return Err(CliError(format!("mount point {}: {e}", a.dir.display()))),
     }
     // Before anything starts a thread: fork(2) copies only the calling one.
     let ready_pipe = if a.daemon { Some(daemonize()?) } else { None };

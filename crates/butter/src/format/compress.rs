@@ -128,8 +128,10 @@ pub(crate) fn compress(c: Compression, input: &[u8], sectorsize: u32) -> Option<
                     z
                 }
                 _ => {
-                    let fresh =
-                        flate2::Compress::new(flate2::Compression::new(c.level.unsigned_abs().into()), true);
+                    let fresh = flate2::Compress::new(
+                        flate2::Compression::new(c.level.unsigned_abs().into()),
+                        true,
+                    );
                     &mut slot.insert((c.level, fresh)).1
                 }
             };
@@ -1003,7 +1005,9 @@ mod tests {
     #[test]
     fn compress_reads_back_with_every_algorithm_and_level() {
         let data: Vec<u8> = (0..131072u32).map(|i| (i / 7 % 251) as u8).collect();
-        for spec in ["zlib:1", "zlib:9", "lzo", "zstd:1", "zstd:15", "zstd", "zstd:-5"] {
+        for spec in [
+            "zlib:1", "zlib:9", "lzo", "zstd:1", "zstd:15", "zstd", "zstd:-5",
+        ] {
             let c = Compression::parse(spec).unwrap().unwrap();
             for ss in [4096u32, 65536] {
                 let z = compress(c, &data, ss).unwrap();

@@ -255,7 +255,12 @@ impl<R: Read> StreamReader<R> {
                     .into(),
             ));
         }
-        read_full(&mut r, &mut head[first..], first as u64, "the stream header")?;
+        read_full(
+            &mut r,
+            &mut head[first..],
+            first as u64,
+            "the stream header",
+        )?;
         let loc = || Location::what("send stream header at byte 0");
         if &head[..13] != MAGIC {
             return Err(Error::corrupt(loc(), "not a btrfs send stream (bad magic)"));

@@ -32,7 +32,6 @@ use crate::io::disk_io::TreeBlock;
 use crate::transaction::Writer;
 use std::sync::Arc;
 
-
 /// The uuid tree key for `uuid` with item type `ty`.
 pub(crate) fn uuid_key(uuid: &[u8; 16], ty: u8) -> Key {
     let mut a = [0u8; 8];
