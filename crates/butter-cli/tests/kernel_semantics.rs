@@ -532,6 +532,25 @@ fn open_directories_outlive_their_removal_and_listings_end() {
     });
 }
 
+/// What reopening descriptor `fd` through /proc/self/fd gives: the content read, a write of
+/// `bytes` at 0 through a second open, and the content after it (errno on failure).
+type Reopened = (
+    Result<Vec<u8>, Option<i32>>,
+    Result<(), Option<i32>>,
+    Result<Vec<u8>, Option<i32>>,
+);
+fn reopen_through_proc(fd: i32, bytes: &[u8]) -> Reopened {
+    let via = format!("/proc/self/fd/{fd}");
+    let read = fs::read(&via).map_err(|e| e.raw_os_error());
+    let wrote = OpenOptions::new()
+        .write(true)
+        .open(&via)
+        .and_then(|f| f.write_all_at(bytes, 0))
+        .map_err(|e| e.raw_os_error());
+    let after = fs::read(&via).map_err(|e| e.raw_os_error());
+    (read, wrote, after)
+}
+
 #[test]
 fn an_unlinked_open_file_reopens_through_proc() {
     on_both("reopen_unlinked", &[], |dir| {
@@ -542,14 +561,7 @@ fn an_unlinked_open_file_reopens_through_proc() {
         fs::remove_file(&p).unwrap();
         // The kernel still holds the inode (an open file): /proc/self/fd reopens it, for
         // reading and for writing, as on the kernel's btrfs.
-        let via = format!("/proc/self/fd/{}", held.as_raw_fd());
-        let read = fs::read(&via).map_err(|e| e.raw_os_error());
-        let wrote = OpenOptions::new()
-            .write(true)
-            .open(&via)
-            .and_then(|f| f.write_all_at(b"STILL", 0))
-            .map_err(|e| e.raw_os_error());
-        let after = fs::read(&via).map_err(|e| e.raw_os_error());
+        let (read, wrote, after) = reopen_through_proc(held.as_raw_fd(), b"STILL");
         let nlink = held
             .metadata()
             .map(|m| m.nlink())
@@ -573,14 +585,7 @@ fn an_unlinked_file_held_only_by_o_path_reopens_through_proc() {
             .open(&p)
             .unwrap();
         fs::remove_file(&p).unwrap();
-        let via = format!("/proc/self/fd/{}", held.as_raw_fd());
-        let read = fs::read(&via).map_err(|e| e.raw_os_error());
-        let wrote = OpenOptions::new()
-            .write(true)
-            .open(&via)
-            .and_then(|f| f.write_all_at(b"KEPT", 0))
-            .map_err(|e| e.raw_os_error());
-        let after = fs::read(&via).map_err(|e| e.raw_os_error());
+        let (read, wrote, after) = reopen_through_proc(held.as_raw_fd(), b"KEPT");
         drop(held);
         // Once the reference went, so did the file: the directory is empty again and the
         // space comes back (the checkers after unmount see no orphan left behind).
