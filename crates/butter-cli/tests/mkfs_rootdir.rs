@@ -11,7 +11,7 @@
 
 mod common;
 
-use common::gen::{populate, Scale};
+use common::gen::{populate, Rng, Scale};
 use common::kernel::{btrfs_check, require_privileges, LoopMount, ScratchDir};
 use common::manifest::{assert_same, take, CompareOpts, Kind, TakeOpts};
 use std::path::Path;
@@ -498,7 +498,7 @@ fn rootdir_interrupted_leaves_no_filesystem() {
     }
     let scratch = ScratchDir::new("mkfs-rootdir-sigint");
     let src = scratch.dir("src");
-    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+    let mut rng = Rng::new(0x9e37_79b9_7f4a_7c15);
     for d in 0..40 {
         let dir = src.join(format!("d{d:02}"));
         std::fs::create_dir(&dir).unwrap();
@@ -512,12 +512,7 @@ fn rootdir_interrupted_leaves_no_filesystem() {
     }
     let mut data = vec![0u8; 4 << 20];
     for i in 0..8 {
-        for chunk in data.chunks_mut(8) {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            chunk.copy_from_slice(&x.to_le_bytes()[..chunk.len()]);
-        }
+        rng.fill(&mut data);
         std::fs::write(src.join(format!("big{i}")), &data).unwrap();
     }
     let img = scratch.join("t.img");
@@ -552,10 +547,7 @@ fn rootdir_interrupted_leaves_no_filesystem() {
     let (mut unfinished, mut complete) = (0, 0);
     for k in 0..8u32 {
         // Spread over the run, and past its end for the last points.
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        let frac = (f64::from(k) + (x % 1000) as f64 / 1000.0) / 7.0;
+        let frac = (f64::from(k) + rng.below(1000) as f64 / 1000.0) / 7.0;
         let delay = full.mul_f64(frac);
         let (code, err) = run(Some(delay), &img);
         let (ok, text) = btrfs_check(&img);
