@@ -298,3 +298,164 @@ fn ls_of_a_file_lists_it() {
     let (code, out, err) = butter(&["ls", s(&img), "etc"]);
     assert_eq!((code, out.as_str()), (Some(0), "hn\nhostname\n"), "{err}");
 }
+
+/// A distribution layout (`@` the default subvolume, `@home` beside it): with `--subvol-id 5`
+/// every command that takes a path inside the image takes the paths `butter subvolumes`
+/// prints, as printed; without it paths start in the default subvolume, and a path that is
+/// not found there names the option. A name that is not UTF-8 reaches its file. The image
+/// ends clean for both checkers and the kernel sees what butter made.
+#[test]
+fn subvol_id_reaches_every_subvolume() {
+    use std::ffi::OsStr;
+    use std::os::unix::ffi::OsStrExt;
+    if !fuse_mount::require("subvol_id_reaches_every_subvolume", &[]) {
+        return;
+    }
+    let sc = ScratchDir::new("first-hour-subvol-id");
+    let root = sc.dir("root");
+    fs::create_dir_all(root.join("@/etc")).unwrap();
+    fs::create_dir_all(root.join("@home/u")).unwrap();
+    fs::write(root.join("@/etc/hostname"), "box\n").unwrap();
+    fs::write(root.join("@home/u/notes"), vec![b'n'; 300_000]).unwrap();
+    fs::write(root.join(OsStr::from_bytes(b"@/caf\xe9 x")), "odd\n").unwrap();
+    let img = sc.join("a.img");
+    let (code, _, err) = butter(&[
+        "mkfs",
+        "-b",
+        "300M",
+        "--rootdir",
+        s(&root),
+        "--subvol",
+        "default:@",
+        "--subvol",
+        "@home",
+        s(&img),
+    ]);
+    assert_eq!(code, Some(0), "mkfs: {err}");
+    let i = s(&img);
+    let (_, list, _) = butter(&["subvolumes", i]);
+    assert!(
+        list.contains("path @\n") && list.contains("path @home\n"),
+        "{list}"
+    );
+
+    // Without the option: the default subvolume, as before; a top-level path names the option.
+    let (code, out, _) = butter(&["cat", i, "etc/hostname"]);
+    assert_eq!((code, out.as_str()), (Some(0), "box\n"));
+    let (code, _, err) = butter(&["ls", i, "@home"]);
+    assert_eq!(code, Some(1));
+    assert!(
+        err.contains("not found") && err.contains("--subvol-id 5"),
+        "{err}"
+    );
+
+    // With it, every path as `butter subvolumes` prints it.
+    let ok = |args: &[&str]| -> String {
+        let (code, out, err) = butter(args);
+        assert_eq!(code, Some(0), "{args:?}: {err}");
+        out
+    };
+    assert_eq!(ok(&["ls", "--subvol-id", "5", i, "@home"]), "u\n");
+    assert_eq!(
+        ok(&["cat", "--subvol-id", "5", i, "@/etc/hostname"]),
+        "box\n"
+    );
+    assert!(ok(&["compsize", "--subvol-id", "5", i, "@home"]).contains("Processed 1 file"));
+    assert!(ok(&["filesystem", "du", "-s", "--subvol-id", "5", i, "@home"]).contains("@home"));
+    ok(&[
+        "subvolume",
+        "snapshot",
+        "-r",
+        "--subvol-id",
+        "5",
+        i,
+        "@",
+        "@/root-snap",
+    ]);
+    let (_, list, _) = butter(&["subvolumes", i]);
+    assert!(list.contains("path @/root-snap"), "{list}");
+    assert!(ok(&["subvolume", "show", "--subvol-id", "5", i, "@/root-snap"]).contains("root-snap"));
+    assert_eq!(
+        ok(&[
+            "property",
+            "get",
+            "--subvol-id",
+            "5",
+            i,
+            "@/root-snap",
+            "ro"
+        ]),
+        "ro=true\n"
+    );
+    let stream = sc.join("snap.stream");
+    ok(&[
+        "send",
+        "-q",
+        "--subvol-id",
+        "5",
+        "-f",
+        s(&stream),
+        i,
+        "@/root-snap",
+    ]);
+    ok(&[
+        "subvolume",
+        "create",
+        "--subvol-id",
+        "5",
+        i,
+        "@home/backups",
+    ]);
+    ok(&[
+        "receive",
+        "-q",
+        "--subvol-id",
+        "5",
+        "-f",
+        s(&stream),
+        i,
+        "@home/backups",
+    ]);
+    assert_eq!(
+        ok(&[
+            "cat",
+            "--subvol-id",
+            "5",
+            i,
+            "@home/backups/root-snap/etc/hostname"
+        ]),
+        "box\n"
+    );
+    ok(&["subvolume", "delete", "--subvol-id", "5", i, "@/root-snap"]);
+    // By the default subvolume's own paths, the same subvolume is where it always was.
+    assert!(ok(&["ls", i, "/"]).contains("etc"));
+    // A name that is not UTF-8, from the shell as bytes.
+    let out = kernel::run_output(
+        Command::new(BUTTER)
+            .args(["cat", "--subvol-id", "5", i])
+            .arg(OsStr::from_bytes(b"@/caf\xe9 x")),
+    );
+    assert_eq!(
+        out.stdout,
+        b"odd\n",
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // An id that is not a subvolume says how to find one.
+    let (code, _, err) = butter(&["ls", "--subvol-id", "4242", i]);
+    assert_eq!(code, Some(1));
+    assert!(err.contains("butter subvolumes"), "{err}");
+
+    let (code, report) = fuse_mount::butter_check(&img);
+    assert_eq!(code, 0, "{report}");
+    let (clean, report) = kernel::btrfs_check(&img);
+    assert!(clean, "{report}");
+    let m = kernel::LoopMount::btrfs(&img, &sc.dir("k"), "subvolid=5");
+    let p = m.path();
+    assert_eq!(
+        fs::read_to_string(p.join("@home/backups/root-snap/etc/hostname")).unwrap(),
+        "box\n"
+    );
+    assert!(!p.join("@/root-snap").exists());
+    m.unmount();
+}

@@ -13,7 +13,9 @@ pub struct CompsizeArgs {
     /// Image file or block device.
     pub image: PathBuf,
     /// Files and directories inside the image (default: the whole default subvolume).
-    pub paths: Vec<String>,
+    pub paths: Vec<std::ffi::OsString>,
+    #[command(flatten)]
+    pub start: super::paths::Start,
 }
 
 #[derive(Default, Clone, Copy)]
@@ -40,15 +42,13 @@ const TYPES: [&str; 5] = ["none", "zlib", "lzo", "zstd", "prealloc"];
 pub fn compsize(a: CompsizeArgs) -> CliResult {
     let fs = super::open_fs(&a.image)?;
     let paths = if a.paths.is_empty() {
-        vec!["/".to_string()]
+        vec!["/".into()]
     } else {
         a.paths.clone()
     };
     let mut t = Totals::default();
     for p in &paths {
-        let ino = fs
-            .resolve(p)
-            .map_err(|e| CliError(format!("{p:?}: {}", CliError::from(e))))?;
+        let ino = a.start.resolve(&fs, p)?;
         walk(&fs, ino, &mut t)?;
     }
     if t.files == 0 {

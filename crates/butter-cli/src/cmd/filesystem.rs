@@ -46,7 +46,9 @@ pub enum FilesystemCmd {
         image: PathBuf,
         /// Files and directories inside the image (relative to the default subvolume).
         #[arg(required = true)]
-        paths: Vec<String>,
+        paths: Vec<std::ffi::OsString>,
+        #[command(flatten)]
+        start: super::paths::Start,
     },
     /// Print the label, or set it to NEW (at most 255 bytes).
     Label {
@@ -88,9 +90,10 @@ pub fn filesystem(a: FilesystemArgs) -> CliResult {
             raw,
             image,
             paths,
+            start,
         } => {
             let fs = super::open_fs(&image)?;
-            du(&fs, &paths, summarize, raw)
+            du(&fs, start, &paths, summarize, raw)
         }
         FilesystemCmd::Label { image, new: None } => {
             let fs = super::open_fs(&image)?;
@@ -466,7 +469,13 @@ fn union_bytes(mut r: Vec<(u64, u64)>) -> u64 {
     total
 }
 
-fn du(fs: &Fs, paths: &[String], summarize: bool, raw: bool) -> CliResult {
+fn du(
+    fs: &Fs,
+    start: super::paths::Start,
+    paths: &[std::ffi::OsString],
+    summarize: bool,
+    raw: bool,
+) -> CliResult {
     println!(
         "{:>10}  {:>10}  {:>10}  Filename",
         "Total", "Exclusive", "Set shared"
@@ -479,12 +488,14 @@ fn du(fs: &Fs, paths: &[String], summarize: bool, raw: bool) -> CliResult {
             raw,
             seen: HashSet::new(),
         };
-        let r = fs
-            .resolve(p)
-            .map_err(CliError::from)
-            .and_then(|ino| w.add(p, ino, None, true).map(|_| ()));
+        let r = start
+            .resolve(fs, p)
+            .and_then(|ino| w.add(&p.to_string_lossy(), ino, None, true).map(|_| ()));
         if let Err(e) = r {
-            eprintln!("ERROR: cannot check space of '{p}': {e}");
+            eprintln!(
+                "ERROR: cannot check space of '{}': {e}",
+                p.to_string_lossy()
+            );
             failed = true;
         }
     }

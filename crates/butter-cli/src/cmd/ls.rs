@@ -1,7 +1,9 @@
 //! `butter ls`, `butter cat`, `butter subvolumes`: look inside an image without mounting it.
 
+use super::paths::Start;
 use super::{open_fs, CliError, CliResult};
 use butter::format::items::Timespec;
+use std::ffi::OsString;
 use std::io::Write;
 use std::path::PathBuf;
 
@@ -11,17 +13,21 @@ pub struct LsArgs {
     pub image: PathBuf,
     /// Directory inside the image (default: the root of the default subvolume).
     #[arg(default_value = "/")]
-    pub path: String,
+    pub path: OsString,
     /// Long listing: mode, links, owner, size, mtime.
     #[arg(short = 'l')]
     pub long: bool,
+    #[command(flatten)]
+    pub start: Start,
 }
 
 #[derive(clap::Args)]
 pub struct CatArgs {
     pub image: PathBuf,
     /// File inside the image.
-    pub path: String,
+    pub path: OsString,
+    #[command(flatten)]
+    pub start: Start,
 }
 
 #[derive(clap::Args)]
@@ -91,7 +97,7 @@ fn fmt_time(t: Timespec) -> String {
 
 pub fn ls(a: LsArgs) -> CliResult {
     let fs = open_fs(&a.image)?;
-    let dir = fs.resolve(&a.path)?;
+    let dir = a.start.resolve(&fs, &a.path)?;
     let st = fs.stat(dir)?;
     let out = std::io::stdout();
     let mut out = out.lock();
@@ -102,7 +108,7 @@ pub fn ls(a: LsArgs) -> CliResult {
             .map(|e| (String::from_utf8_lossy(&e.name).into_owned(), e.target))
             .collect()
     } else {
-        vec![(a.path.clone(), dir)]
+        vec![(a.path.to_string_lossy().into_owned(), dir)]
     };
     for (name, target) in entries {
         if a.long {
@@ -131,10 +137,13 @@ pub fn ls(a: LsArgs) -> CliResult {
 
 pub fn cat(a: CatArgs) -> CliResult {
     let fs = open_fs(&a.image)?;
-    let ino = fs.resolve(&a.path)?;
+    let ino = a.start.resolve(&fs, &a.path)?;
     let st = fs.stat(ino)?;
     if !st.is_reg() {
-        return Err(CliError(format!("{} is not a regular file", a.path)));
+        return Err(CliError(format!(
+            "{} is not a regular file",
+            a.path.to_string_lossy()
+        )));
     }
     let out = std::io::stdout();
     let mut out = out.lock();

@@ -6,6 +6,7 @@ pub mod filesystem;
 pub mod ls;
 pub mod mkfs;
 pub mod mount;
+pub mod paths;
 pub mod progress;
 pub mod property;
 pub mod receive;

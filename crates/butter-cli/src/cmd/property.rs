@@ -8,9 +8,11 @@
 //! would break); with `-f` its received uuid is cleared afterwards, as btrfs-progs 6.14 does
 //! through the kernel's SET_RECEIVED_SUBVOL ioctl.
 
+use super::paths::Start;
 use super::{CliError, CliResult};
 use butter::format::FIRST_FREE_OBJECTID;
-use butter::fs::{Fs, Inode};
+use butter::fs::Inode;
+use std::ffi::OsString;
 use std::path::PathBuf;
 
 #[derive(clap::Subcommand)]
@@ -20,9 +22,11 @@ pub enum PropertyCmd {
         /// Image file or block device.
         image: PathBuf,
         /// Path inside the image.
-        path: String,
+        path: OsString,
         /// Property name: ro, compression.
         name: Option<String>,
+        #[command(flatten)]
+        start: Start,
     },
     /// Set a property of the object at PATH.
     Set {
@@ -33,11 +37,13 @@ pub enum PropertyCmd {
         /// Image file or block device.
         image: PathBuf,
         /// Path inside the image.
-        path: String,
+        path: OsString,
         /// Property name: ro.
         name: String,
         /// New value: true or false.
         value: String,
+        #[command(flatten)]
+        start: Start,
     },
 }
 
@@ -45,11 +51,6 @@ pub enum PropertyCmd {
 pub struct PropertyArgs {
     #[command(subcommand)]
     pub cmd: PropertyCmd,
-}
-
-fn resolve(fs: &Fs, path: &str) -> Result<Inode, CliError> {
-    fs.resolve(path)
-        .map_err(|e| CliError(format!("{path:?}: {}", CliError::from(e))))
 }
 
 /// The subvolume whose root directory `ino` is, if it is one.
@@ -63,9 +64,14 @@ fn not_compatible(name: &str) -> CliError {
 
 pub fn property(a: PropertyArgs) -> CliResult {
     match a.cmd {
-        PropertyCmd::Get { image, path, name } => {
+        PropertyCmd::Get {
+            image,
+            path,
+            name,
+            start,
+        } => {
             let fs = super::open_fs(&image)?;
-            let ino = resolve(&fs, &path)?;
+            let ino = start.resolve(&fs, &path)?;
             let show_ro = |id: u64| -> CliResult {
                 println!(
                     "ro={}",
@@ -101,6 +107,7 @@ pub fn property(a: PropertyArgs) -> CliResult {
             path,
             name,
             value,
+            start,
         } => {
             if name != "ro" {
                 return Err(CliError(match name.as_str() {
@@ -116,7 +123,7 @@ pub fn property(a: PropertyArgs) -> CliResult {
                 v => return Err(CliError(format!("invalid value for property: {v}"))),
             };
             let fs = super::subvol::open_rw(&image)?;
-            let id = subvol_of(resolve(&fs, &path)?).ok_or_else(|| not_compatible("ro"))?;
+            let id = subvol_of(start.resolve(&fs, &path)?).ok_or_else(|| not_compatible("ro"))?;
             let is_ro = fs.subvol_is_readonly(id)?;
             if is_ro && readonly {
                 return Ok(());

@@ -101,7 +101,10 @@ pub fn restore(a: RestoreArgs) -> CliResult {
         fs.subvol_root_inode(id)
             .map_err(|e| CliError(format!("subvolume {id}: {}", CliError::from(e))))?
     } else if let Some(p) = &a.subvol {
-        resolve_from_top(&fs, p).map_err(|e| CliError(format!("{p}: {}", CliError::from(e))))?
+        super::paths::Start {
+            subvol_id: Some(FS_TREE_OBJECTID),
+        }
+        .resolve(&fs, p.as_ref())?
     } else {
         fs.root_inode()
     };
@@ -152,22 +155,6 @@ pub fn restore(a: RestoreArgs) -> CliResult {
         ewriteln!("butter: {summary} ({detail})");
     }
     Ok(())
-}
-
-/// Resolves a slash-separated path from the top-level subvolume (id 5), crossing into
-/// subvolumes, not following symlinks.
-fn resolve_from_top(fs: &Fs, path: &str) -> butter::Result<Inode> {
-    let mut cur = fs.subvol_root_inode(FS_TREE_OBJECTID)?;
-    for comp in path.split('/').filter(|c| !c.is_empty() && *c != ".") {
-        if !fs.stat(cur)?.is_dir() {
-            return Err(butter::Error::NotDir(path.to_string()));
-        }
-        cur = fs
-            .lookup(cur, comp.as_bytes())?
-            .ok_or_else(|| butter::Error::NotFound(path.to_string()))?
-            .target;
-    }
-    Ok(cur)
 }
 
 /// Checks DIR (a directory, empty unless --force) and creates it if missing (not in dry-run).

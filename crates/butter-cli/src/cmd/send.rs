@@ -3,6 +3,7 @@
 
 use super::{CliError, CliResult};
 use butter::fs::Fs;
+use std::ffi::OsString;
 use std::io::Write;
 use std::path::PathBuf;
 
@@ -10,10 +11,10 @@ use std::path::PathBuf;
 pub struct SendArgs {
     /// Send only the changes from PARENT (a read-only snapshot the receiver has).
     #[arg(short = 'p', value_name = "PARENT")]
-    pub parent: Option<String>,
+    pub parent: Option<OsString>,
     /// A read-only snapshot the receiver has, whose data may be cloned (repeatable).
     #[arg(short = 'c', value_name = "CLONE_SRC")]
-    pub clone_sources: Vec<String>,
+    pub clone_sources: Vec<OsString>,
     /// Write the stream to FILE instead of standard output.
     #[arg(short = 'f', value_name = "FILE")]
     pub file: Option<PathBuf>,
@@ -42,7 +43,9 @@ pub struct SendArgs {
     pub image: PathBuf,
     /// Read-only snapshots to send, paths inside the image (e.g. /snaps/monday).
     #[arg(required = true, value_name = "SUBVOL")]
-    pub subvols: Vec<String>,
+    pub subvols: Vec<OsString>,
+    #[command(flatten)]
+    pub start: super::paths::Start,
 }
 
 pub fn send(a: SendArgs) -> CliResult {
@@ -50,17 +53,17 @@ pub fn send(a: SendArgs) -> CliResult {
     let parent = a
         .parent
         .as_deref()
-        .map(|p| super::subvol::subvolume_at(&fs, p))
+        .map(|p| a.start.subvolume_at(&fs, p))
         .transpose()?;
     let clone_sources = a
         .clone_sources
         .iter()
-        .map(|p| super::subvol::subvolume_at(&fs, p))
+        .map(|p| a.start.subvolume_at(&fs, p))
         .collect::<Result<Vec<_>, _>>()?;
     let ids = a
         .subvols
         .iter()
-        .map(|p| super::subvol::subvolume_at(&fs, p))
+        .map(|p| a.start.subvolume_at(&fs, p))
         .collect::<Result<Vec<_>, _>>()?;
     let mut out: Box<dyn Write> = match &a.file {
         Some(f) => Box::new(std::io::BufWriter::with_capacity(
@@ -83,6 +86,7 @@ pub fn send(a: SendArgs) -> CliResult {
     let mut meter = super::progress::Meter::new("sending", !a.quiet);
     let (mut bytes, mut commands) = (0, 0);
     for (i, (id, path)) in ids.iter().zip(&a.subvols).enumerate() {
+        let path = path.to_string_lossy();
         let opts = butter::send::SendOptions {
             proto: a.proto,
             compressed_data: a.compressed_data,

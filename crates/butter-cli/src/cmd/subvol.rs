@@ -3,9 +3,11 @@
 //!
 //! Paths are inside the image, from the root of its default subvolume (as on a mount).
 
+use super::paths::Start;
 use super::{CliError, CliResult};
-use butter::fs::{Fs, Inode};
+use butter::fs::Fs;
 use butter::inode::namespace::Owner;
+use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 
 #[derive(clap::Subcommand)]
@@ -15,7 +17,9 @@ pub enum SubvolCmd {
         /// Image file or block device.
         image: PathBuf,
         /// Path of the new subvolume inside the image.
-        path: String,
+        path: OsString,
+        #[command(flatten)]
+        start: Start,
     },
     /// Snapshot the subvolume at SOURCE as DEST.
     Snapshot {
@@ -25,9 +29,11 @@ pub enum SubvolCmd {
         /// Image file or block device.
         image: PathBuf,
         /// Root directory of the subvolume to snapshot ("/" is the default subvolume).
-        source: String,
+        source: OsString,
         /// Path of the snapshot inside the image.
-        dest: String,
+        dest: OsString,
+        #[command(flatten)]
+        start: Start,
     },
     /// Delete the subvolume or snapshot at PATH (read-only ones too) and free its tree, as the
     /// kernel does: the drop is committed in steps, and a drop cut off (by butter or the
@@ -45,7 +51,9 @@ pub enum SubvolCmd {
         image: PathBuf,
         /// Root directory of the subvolume inside the image.
         #[arg(required_unless_present = "id")]
-        path: Option<String>,
+        path: Option<OsString>,
+        #[command(flatten)]
+        start: Start,
     },
     /// Finish the drops of deleted subvolumes left unfinished (any read-write open does it),
     /// then report that none is left.
@@ -60,7 +68,9 @@ pub enum SubvolCmd {
         /// Image file or block device.
         image: PathBuf,
         /// Root directory of the subvolume inside the image.
-        path: String,
+        path: OsString,
+        #[command(flatten)]
+        start: Start,
     },
     /// Show the default subvolume: the one a mount without subvol= shows.
     GetDefault {
@@ -77,7 +87,9 @@ pub enum SubvolCmd {
         image: PathBuf,
         /// Root directory of the subvolume inside the image.
         #[arg(required_unless_present = "id")]
-        path: Option<String>,
+        path: Option<OsString>,
+        #[command(flatten)]
+        start: Start,
     },
 }
 
@@ -97,37 +109,20 @@ pub(crate) fn open_rw(image: &Path) -> Result<Fs, CliError> {
     })
 }
 
-/// Splits "a/b/c" into the parent directory's inode and the last name.
-fn parent_and_name(fs: &Fs, path: &str) -> Result<(Inode, Vec<u8>), CliError> {
-    let trimmed = path.trim_end_matches('/');
-    let (parent, name) = match trimmed.rsplit_once('/') {
-        Some((p, n)) => (p, n),
-        None => ("", trimmed),
-    };
-    if name.is_empty() || name == "." || name == ".." {
-        return Err(CliError(format!(
-            "{path:?}: give a path that ends in a new name"
-        )));
-    }
-    let dir = fs.resolve(parent).map_err(|e| {
-        CliError(format!(
-            "parent directory of {path:?}: {}",
-            CliError::from(e)
-        ))
-    })?;
-    Ok((dir, name.as_bytes().to_vec()))
-}
-
 pub fn subvolume(a: SubvolumeArgs) -> CliResult {
     match a.cmd {
-        SubvolCmd::Create { image, path } => {
+        SubvolCmd::Create { image, path, start } => {
             let fs = open_rw(&image)?;
-            let (dir, name) = parent_and_name(&fs, &path)?;
+            let (dir, name) = start.parent_and_name(&fs, &path)?;
             let ino = fs
                 .create_subvolume(dir, &name, 0o755, Owner::default(), None)
                 .map_err(|e| CliError(format!("cannot create {path:?}: {}", CliError::from(e))))?;
             fs.commit()?;
-            println!("Create subvolume '{path}' (id {})", ino.root);
+            println!(
+                "Create subvolume '{}' (id {})",
+                path.to_string_lossy(),
+                ino.root
+            );
             Ok(())
         }
         SubvolCmd::Snapshot {
@@ -135,11 +130,10 @@ pub fn subvolume(a: SubvolumeArgs) -> CliResult {
             image,
             source,
             dest,
+            start,
         } => {
             let fs = open_rw(&image)?;
-            let src = fs
-                .resolve(&source)
-                .map_err(|e| CliError(format!("{source:?}: {}", CliError::from(e))))?;
+            let src = start.resolve(&fs, &source)?;
             let root_dir = fs.subvol_root_inode(src.root)?;
             if src != root_dir {
                 return Err(CliError(format!(
@@ -147,7 +141,7 @@ pub fn subvolume(a: SubvolumeArgs) -> CliResult {
                      `butter subvolume list`)"
                 )));
             }
-            let (dir, name) = parent_and_name(&fs, &dest)?;
+            let (dir, name) = start.parent_and_name(&fs, &dest)?;
             let ino = fs
                 .create_snapshot(src.root, dir, &name, readonly, None)
                 .map_err(|e| {
@@ -158,13 +152,20 @@ pub fn subvolume(a: SubvolumeArgs) -> CliResult {
                 })?;
             fs.commit()?;
             println!(
-                "Create {}snapshot of '{source}' in '{dest}' (id {})",
+                "Create {}snapshot of '{}' in '{}' (id {})",
                 if readonly { "a readonly " } else { "a " },
+                source.to_string_lossy(),
+                dest.to_string_lossy(),
                 ino.root
             );
             Ok(())
         }
-        SubvolCmd::Delete { id, image, path } => {
+        SubvolCmd::Delete {
+            id,
+            image,
+            path,
+            start,
+        } => {
             let fs = open_rw(&image)?;
             let (id, shown) = match (id, path) {
                 (Some(id), _) => {
@@ -177,7 +178,8 @@ pub fn subvolume(a: SubvolumeArgs) -> CliResult {
                     (id, format!("id {id}"))
                 }
                 (None, Some(path)) => {
-                    let trimmed = path.trim_matches('/');
+                    let shown = path.to_string_lossy();
+                    let trimmed = shown.trim_matches('/');
                     if trimmed.is_empty() || trimmed == "." {
                         return Err(CliError(format!(
                             "cannot delete {path:?}: it is the top level of the default \
@@ -185,15 +187,15 @@ pub fn subvolume(a: SubvolumeArgs) -> CliResult {
                              id 5, is never deleted)"
                         )));
                     }
-                    let id = subvolume_at(&fs, &path)?;
-                    let (dir, name) = parent_and_name(&fs, &path)?;
+                    let id = start.subvolume_at(&fs, &path)?;
+                    let (dir, name) = start.parent_and_name(&fs, &path)?;
                     fs.delete_subvolume(dir, &name).map_err(|e| {
                         CliError(format!(
                             "cannot delete subvolume {id} at {path:?}: {}",
                             CliError::from(e)
                         ))
                     })?;
-                    (id, format!("'{path}'"))
+                    (id, format!("'{shown}'"))
                 }
                 (None, None) => return Err(CliError("give a PATH or --subvolid".into())),
             };
@@ -209,9 +211,9 @@ pub fn subvolume(a: SubvolumeArgs) -> CliResult {
             Ok(())
         }
         SubvolCmd::List(a) => super::ls::subvolumes(a),
-        SubvolCmd::Show { image, path } => {
+        SubvolCmd::Show { image, path, start } => {
             let fs = super::open_fs(&image)?;
-            let id = subvolume_at(&fs, &path)?;
+            let id = start.subvolume_at(&fs, &path)?;
             print!("{}", show_subvolume(&fs, id)?);
             Ok(())
         }
@@ -220,11 +222,16 @@ pub fn subvolume(a: SubvolumeArgs) -> CliResult {
             println!("{}", describe_subvolume(&fs, fs.default_subvolume())?);
             Ok(())
         }
-        SubvolCmd::SetDefault { id, image, path } => {
+        SubvolCmd::SetDefault {
+            id,
+            image,
+            path,
+            start,
+        } => {
             let fs = open_rw(&image)?;
             let id = match (id, path) {
                 (Some(id), _) => id,
-                (None, Some(path)) => subvolume_at(&fs, &path)?,
+                (None, Some(path)) => start.subvolume_at(&fs, &path)?,
                 (None, None) => return Err(CliError("give a PATH or --id".into())),
             };
             fs.set_default_subvolume(id).map_err(|e| {
@@ -238,19 +245,6 @@ pub fn subvolume(a: SubvolumeArgs) -> CliResult {
             Ok(())
         }
     }
-}
-
-/// The id of the subvolume whose root directory `path` is.
-pub(crate) fn subvolume_at(fs: &Fs, path: &str) -> Result<u64, CliError> {
-    let ino = fs
-        .resolve(path)
-        .map_err(|e| CliError(format!("{path:?}: {}", CliError::from(e))))?;
-    if ino != fs.subvol_root_inode(ino.root)? {
-        return Err(CliError(format!(
-            "{path:?} is not the root of a subvolume (see `butter subvolume list`)"
-        )));
-    }
-    Ok(ino.root)
 }
 
 /// One line about subvolume `id`, as `btrfs subvolume get-default` prints it.

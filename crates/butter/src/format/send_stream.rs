@@ -188,10 +188,6 @@ impl Command {
         Ok(crate::format::fmt_uuid(&self.uuid_bytes(ty)?))
     }
 
-    fn text(&self, ty: u16) -> Result<String> {
-        Ok(String::from_utf8_lossy(self.bytes(ty)?).into_owned())
-    }
-
     /// A timespec attribute: u64 seconds, u32 nanoseconds.
     pub(crate) fn timespec(&self, ty: u16) -> Result<(i64, u32)> {
         let b = self.bytes(ty)?;
@@ -206,13 +202,6 @@ impl Command {
         let mut n = [0u8; 4];
         n.copy_from_slice(&b[8..]);
         Ok((i64::from_le_bytes(s), u32::from_le_bytes(n)))
-    }
-
-    /// A timespec attribute as `--dump` prints it.
-    fn time(&self, ty: u16) -> Result<String> {
-        let (secs, _) = self.timespec(ty)?;
-        let t = crate::format::print::utc_datetime(secs).replacen(' ', "T", 1);
-        Ok(format!("{t}+0000"))
     }
 }
 
@@ -412,16 +401,74 @@ fn crc_raw(parts: &[&[u8]]) -> u32 {
     !c
 }
 
-/// Prints the commands of the stream in `r` as `btrfs receive --dump` does: one line per
-/// command, paths from the current subvolume's name (`./NAME/...`), times in UTC, up to the
-/// first `end` command.
-pub fn dump(r: impl Read, out: &mut dyn Write) -> Result<()> {
+/// `bytes` as `btrfs receive --dump` writes a path, a name or an xattr value: C escapes for
+/// the control characters that have one, a backslash before a space or a backslash, and three
+/// octal digits for any other byte outside printable ASCII. Returns the printed width.
+fn push_escaped(out: &mut Vec<u8>, bytes: &[u8]) -> usize {
+    let start = out.len();
+    for &b in bytes {
+        let esc = match b {
+            0x07 => b'a',
+            0x08 => b'b',
+            0x1b => b'e',
+            0x0c => b'f',
+            b'\n' => b'n',
+            b'\r' => b'r',
+            b'\t' => b't',
+            0x0b => b'v',
+            b' ' => b' ',
+            b'\\' => b'\\',
+            b if b.is_ascii_graphic() => {
+                out.push(b);
+                continue;
+            }
+            _ => {
+                out.extend_from_slice(&[
+                    b'\\',
+                    b'0' + (b >> 6),
+                    b'0' + ((b >> 3) & 7),
+                    b'0' + (b & 7),
+                ]);
+                continue;
+            }
+        };
+        out.extend_from_slice(&[b'\\', esc]);
+    }
+    out.len() - start
+}
+
+/// A string attribute as the C tools see it: up to its first NUL byte.
+fn c_str(b: &[u8]) -> &[u8] {
+    b.iter().position(|&c| c == 0).map_or(b, |n| &b[..n])
+}
+
+/// `a/b` with one trailing slash of each part dropped, as btrfs-progs joins the subvolume and
+/// the path of a dumped command.
+fn join_path(a: &[u8], b: &[u8]) -> Vec<u8> {
+    let a = a.strip_suffix(b"/").unwrap_or(a);
+    let b = b.strip_suffix(b"/").unwrap_or(b);
+    let mut out = Vec::with_capacity(a.len() + b.len() + 1);
+    out.extend_from_slice(a);
+    out.push(b'/');
+    out.extend_from_slice(b);
+    out
+}
+
+/// One piece of a dumped line after the path: plain text, or bytes printed escaped.
+enum Part<'a> {
+    Text(String),
+    Escaped(&'a [u8]),
+}
+
+/// Prints the commands of the stream in `r` as `btrfs receive --dump` (btrfs-progs 6.14) does,
+/// byte for byte: the command's name in 16 columns, its path from the current subvolume's name
+/// (`./NAME/...`) escaped and padded to 32 columns (longer paths get one space), then its
+/// attributes, times as `time` formats seconds since the epoch (btrfs-progs: local time,
+/// `2024-01-31T12:00:00+0100`); up to the first `end` command.
+pub fn dump(r: impl Read, out: &mut dyn Write, time: &dyn Fn(i64) -> String) -> Result<()> {
+    use Part::{Escaped as E, Text as T};
     let mut s = StreamReader::new(r)?;
-    let mut subvol = String::new();
-    let emit = |out: &mut dyn Write, line: String| {
-        out.write_all(line.as_bytes())
-            .map_err(|e| Error::io("writing the dump", 0, e))
-    };
+    let mut subvol = b"./".to_vec();
     while let Some(c) = s.next_command()? {
         let Some(name) = c.name() else {
             return Err(Error::Unsupported(format!(
@@ -429,137 +476,166 @@ pub fn dump(r: impl Read, out: &mut dyn Write) -> Result<()> {
                 c.kind, c.offset
             )));
         };
-        let full = |p: String| format!("./{subvol}/{p}");
-        let (path, attrs): (String, Vec<String>) = match c.kind {
+        if c.kind == 1 || c.kind == 2 {
+            subvol = join_path(b".", c_str(c.bytes(attr::PATH)?));
+        }
+        let path_of = |ty: u16| -> Result<Vec<u8>> { Ok(join_path(&subvol, c_str(c.bytes(ty)?))) };
+        // Paths of the other attributes are joined here and borrowed by the parts below.
+        let other;
+        let (path, parts): (Vec<u8>, Vec<Part>) = match c.kind {
             1 | 2 => {
-                subvol = c.text(attr::PATH)?;
-                let mut a = vec![
-                    format!("uuid={}", c.uuid(attr::UUID)?),
-                    format!("transid={}", c.u64(attr::CTRANSID)?),
-                ];
+                let mut a = format!(
+                    "uuid={} transid={}",
+                    c.uuid(attr::UUID)?,
+                    c.u64(attr::CTRANSID)?
+                );
                 if c.kind == 2 {
-                    a.push(format!("parent_uuid={}", c.uuid(attr::CLONE_UUID)?));
-                    a.push(format!("parent_transid={}", c.u64(attr::CLONE_CTRANSID)?));
+                    a.push_str(&format!(
+                        " parent_uuid={} parent_transid={}",
+                        c.uuid(attr::CLONE_UUID)?,
+                        c.u64(attr::CLONE_CTRANSID)?
+                    ));
                 }
-                (format!("./{subvol}"), a)
+                (subvol.clone(), vec![T(a)])
             }
-            3 | 4 | 6 | 7 | 11 | 12 => (full(c.text(attr::PATH)?), vec![]),
+            3 | 4 | 6 | 7 | 11 | 12 => (path_of(attr::PATH)?, vec![]),
             5 => (
-                full(c.text(attr::PATH)?),
-                vec![
-                    format!("mode={:o}", c.u64(attr::MODE)?),
-                    format!("dev={:#x}", c.u64(attr::RDEV)?),
-                ],
+                path_of(attr::PATH)?,
+                vec![T(format!(
+                    "mode={:o} dev={:#x}",
+                    c.u64(attr::MODE)?,
+                    c.u64(attr::RDEV)?
+                ))],
             ),
-            8 => (
-                full(c.text(attr::PATH)?),
-                vec![format!("dest={}", c.text(attr::PATH_LINK)?)],
+            8 | 10 => (
+                path_of(attr::PATH)?,
+                vec![T("dest=".into()), E(c_str(c.bytes(attr::PATH_LINK)?))],
             ),
-            9 => (
-                full(c.text(attr::PATH)?),
-                vec![format!("dest={}", full(c.text(attr::PATH_TO)?))],
-            ),
-            10 => (
-                full(c.text(attr::PATH)?),
-                vec![format!("dest={}", c.text(attr::PATH_LINK)?)],
-            ),
+            9 => {
+                other = path_of(attr::PATH_TO)?;
+                (path_of(attr::PATH)?, vec![T("dest=".into()), E(&other)])
+            }
             13 => {
                 let data = c.bytes(attr::XATTR_DATA)?;
                 (
-                    full(c.text(attr::PATH)?),
+                    path_of(attr::PATH)?,
                     vec![
-                        format!("name={}", c.text(attr::XATTR_NAME)?),
-                        String::from_utf8_lossy(data).into_owned(),
-                        format!("len={}", data.len()),
+                        T("name=".into()),
+                        E(c_str(c.bytes(attr::XATTR_NAME)?)),
+                        T(" ".into()),
+                        E(data),
+                        T(format!(" len={}", data.len())),
                     ],
                 )
             }
             14 => (
-                full(c.text(attr::PATH)?),
-                vec![format!("name={}", c.text(attr::XATTR_NAME)?)],
+                path_of(attr::PATH)?,
+                vec![T("name=".into()), E(c_str(c.bytes(attr::XATTR_NAME)?))],
             ),
             15 => (
-                full(c.text(attr::PATH)?),
-                vec![
-                    format!("offset={}", c.u64(attr::FILE_OFFSET)?),
-                    format!("len={}", c.bytes(attr::DATA)?.len()),
-                ],
+                path_of(attr::PATH)?,
+                vec![T(format!(
+                    "offset={} len={}",
+                    c.u64(attr::FILE_OFFSET)?,
+                    c.bytes(attr::DATA)?.len()
+                ))],
             ),
-            16 => (
-                full(c.text(attr::PATH)?),
-                vec![
-                    format!("offset={}", c.u64(attr::FILE_OFFSET)?),
-                    format!("len={}", c.u64(attr::CLONE_LEN)?),
-                    format!("from={}", full(c.text(attr::CLONE_PATH)?)),
-                    format!("clone_offset={}", c.u64(attr::CLONE_OFFSET)?),
-                ],
-            ),
+            16 => {
+                other = path_of(attr::CLONE_PATH)?;
+                (
+                    path_of(attr::PATH)?,
+                    vec![
+                        T(format!(
+                            "offset={} len={} from=",
+                            c.u64(attr::FILE_OFFSET)?,
+                            c.u64(attr::CLONE_LEN)?
+                        )),
+                        E(&other),
+                        T(format!(" clone_offset={}", c.u64(attr::CLONE_OFFSET)?)),
+                    ],
+                )
+            }
             17 => (
-                full(c.text(attr::PATH)?),
-                vec![format!("size={}", c.u64(attr::SIZE)?)],
+                path_of(attr::PATH)?,
+                vec![T(format!("size={}", c.u64(attr::SIZE)?))],
             ),
             18 => (
-                full(c.text(attr::PATH)?),
-                vec![format!("mode={:o}", c.u64(attr::MODE)?)],
+                path_of(attr::PATH)?,
+                vec![T(format!("mode={:o}", c.u64(attr::MODE)?))],
             ),
             19 => (
-                full(c.text(attr::PATH)?),
-                vec![
-                    format!("gid={}", c.u64(attr::GID)?),
-                    format!("uid={}", c.u64(attr::UID)?),
-                ],
+                path_of(attr::PATH)?,
+                vec![T(format!(
+                    "gid={} uid={}",
+                    c.u64(attr::GID)?,
+                    c.u64(attr::UID)?
+                ))],
             ),
             20 => (
-                full(c.text(attr::PATH)?),
-                vec![
-                    format!("atime={}", c.time(attr::ATIME)?),
-                    format!("mtime={}", c.time(attr::MTIME)?),
-                    format!("ctime={}", c.time(attr::CTIME)?),
-                ],
+                path_of(attr::PATH)?,
+                vec![T(format!(
+                    "atime={} mtime={} ctime={}",
+                    time(c.timespec(attr::ATIME)?.0),
+                    time(c.timespec(attr::MTIME)?.0),
+                    time(c.timespec(attr::CTIME)?.0)
+                ))],
             ),
             // btrfs receive --dump stops at the first end, even where more streams follow
             // (a send of several subvolumes); so does this.
             21 => break,
             22 => (
-                full(c.text(attr::PATH)?),
-                vec![
-                    format!("offset={}", c.u64(attr::FILE_OFFSET)?),
-                    format!("len={}", c.u64(attr::SIZE)?),
-                ],
+                path_of(attr::PATH)?,
+                vec![T(format!(
+                    "offset={} len={}",
+                    c.u64(attr::FILE_OFFSET)?,
+                    c.u64(attr::SIZE)?
+                ))],
             ),
             23 => (
-                full(c.text(attr::PATH)?),
-                vec![
-                    format!("mode={}", c.u64(attr::FALLOCATE_MODE)?),
-                    format!("offset={}", c.u64(attr::FILE_OFFSET)?),
-                    format!("len={}", c.u64(attr::SIZE)?),
-                ],
+                path_of(attr::PATH)?,
+                vec![T(format!(
+                    "mode={} offset={} len={}",
+                    c.u64(attr::FALLOCATE_MODE)?,
+                    c.u64(attr::FILE_OFFSET)?,
+                    c.u64(attr::SIZE)?
+                ))],
             ),
+            // btrfs-progs prints the decimal value after "0x"; so does this, to match.
             24 => (
-                full(c.text(attr::PATH)?),
-                // btrfs-progs prints the decimal value after "0x"; so does this, to match.
-                vec![format!("fileattr=0x{}", c.u64(attr::FILEATTR)?)],
+                path_of(attr::PATH)?,
+                vec![T(format!("fileattr=0x{}", c.u64(attr::FILEATTR)?))],
             ),
             25 => (
-                full(c.text(attr::PATH)?),
-                vec![
-                    format!("offset={}", c.u64(attr::FILE_OFFSET)?),
-                    format!("len={}", c.bytes(attr::DATA)?.len()),
-                    format!("unencoded_file_len={}", c.u64(attr::UNENCODED_FILE_LEN)?),
-                    format!("unencoded_len={}", c.u64(attr::UNENCODED_LEN)?),
-                    format!("unencoded_offset={}", c.u64(attr::UNENCODED_OFFSET)?),
-                    format!("compression={}", c.u64_or(attr::COMPRESSION, 0)?),
-                    format!("encryption={}", c.u64_or(attr::ENCRYPTION, 0)?),
-                ],
+                path_of(attr::PATH)?,
+                vec![T(format!(
+                    "offset={} len={} unencoded_file_len={} unencoded_len={} unencoded_offset={} compression={} encryption={}",
+                    c.u64(attr::FILE_OFFSET)?,
+                    c.bytes(attr::DATA)?.len(),
+                    c.u64(attr::UNENCODED_FILE_LEN)?,
+                    c.u64(attr::UNENCODED_LEN)?,
+                    c.u64(attr::UNENCODED_OFFSET)?,
+                    c.u64_or(attr::COMPRESSION, 0)?,
+                    c.u64_or(attr::ENCRYPTION, 0)?
+                ))],
             ),
-            _ => (full(c.text(attr::PATH)?), vec![]),
+            _ => (path_of(attr::PATH)?, vec![]),
         };
-        let line = if attrs.is_empty() {
-            format!("{name:<16}{path}\n")
-        } else {
-            format!("{name:<16}{path:<32}{}\n", attrs.join(" "))
-        };
-        emit(out, line)?;
+        let mut line = format!("{name:<16}").into_bytes();
+        let width = push_escaped(&mut line, &path);
+        if !parts.is_empty() {
+            line.resize(line.len() + 32usize.saturating_sub(width).max(1), b' ');
+            for p in &parts {
+                match p {
+                    T(t) => line.extend_from_slice(t.as_bytes()),
+                    E(b) => {
+                        push_escaped(&mut line, b);
+                    }
+                }
+            }
+        }
+        line.push(b'\n');
+        out.write_all(&line)
+            .map_err(|e| Error::io("writing the dump", 0, e))?;
     }
     Ok(())
 }

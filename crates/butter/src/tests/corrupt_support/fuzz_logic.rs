@@ -319,7 +319,7 @@ fn receive_template() -> Vec<u8> {
 /// stream holds, the image must check clean afterwards; panics when it does not (or when the
 /// engine panics).
 pub(crate) fn receive_stream_one(data: &[u8]) {
-    let _ = butter::format::send_stream::dump(data, &mut std::io::sink());
+    let _ = butter::format::send_stream::dump(data, &mut std::io::sink(), &|s| s.to_string());
     let dev = Arc::new(RamDevice::new(receive_template()));
     let fs = match Fs::open_device_rw(dev.clone()) {
         Ok(fs) => fs,
