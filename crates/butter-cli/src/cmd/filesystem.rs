@@ -144,7 +144,7 @@ fn ncopies(flags: u64) -> u64 {
 /// when its top bit is set), or in binary units with two decimals of the value cut to the
 /// unit below first (1536 is 1.50KiB, 0 is 0.00B), computed in single precision as progs
 /// does.
-fn pretty(n: u64, raw: bool, signed: bool) -> String {
+pub(crate) fn pretty(n: u64, raw: bool, signed: bool) -> String {
     const UNITS: [&str; 7] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
     if raw {
         return if signed {

@@ -30,9 +30,20 @@ pub struct CatArgs {
     pub start: Start,
 }
 
+/// `butter subvolumes` / `butter subvolume list`: the columns and filters of `btrfs
+/// subvolume list` on a mount of the top level, printed as it prints them.
 #[derive(clap::Args)]
 pub struct SubvolArgs {
     pub image: PathBuf,
+    /// Also each subvolume's parent (the subvolume it is linked in).
+    #[arg(short = 'p')]
+    pub parent: bool,
+    /// Also the generation at creation (cgen).
+    #[arg(short = 'c')]
+    pub cgen: bool,
+    /// The generation (gen; always shown).
+    #[arg(short = 'g')]
+    pub gen: bool,
     /// Also each subvolume's uuid.
     #[arg(short = 'u')]
     pub uuid: bool,
@@ -42,6 +53,9 @@ pub struct SubvolArgs {
     /// Also each subvolume's received uuid ("-" for none).
     #[arg(short = 'R')]
     pub received_uuid: bool,
+    /// Only read-only subvolumes.
+    #[arg(short = 'r')]
+    pub readonly: bool,
 }
 
 /// A uuid as btrfs prints it, "-" for none (all zeros).
@@ -162,32 +176,35 @@ pub fn cat(a: CatArgs) -> CliResult {
 
 pub fn subvolumes(a: SubvolArgs) -> CliResult {
     let fs = open_fs(&a.image)?;
+    let out = std::io::stdout();
+    let mut out = out.lock();
     for s in fs.list_subvolumes()? {
-        let ro = if s.item.flags & butter::format::ROOT_SUBVOL_RDONLY != 0 {
-            " ro"
-        } else {
-            ""
-        };
-        let mut uuids = String::new();
-        if a.uuid {
-            uuids.push_str(&format!(" uuid {}", uuid_or_dash(&s.item.uuid)));
+        if a.readonly && s.item.flags & butter::format::ROOT_SUBVOL_RDONLY == 0 {
+            continue;
         }
-        if a.parent_uuid {
-            uuids.push_str(&format!(
-                " parent_uuid {}",
-                uuid_or_dash(&s.item.parent_uuid)
-            ));
+        // btrfs-progs' column order, whatever the order of the options.
+        let mut line = format!("ID {} gen {} ", s.id, s.item.generation);
+        if a.cgen {
+            line.push_str(&format!("cgen {} ", s.item.otransid));
         }
-        if a.received_uuid {
-            uuids.push_str(&format!(
-                " received_uuid {}",
-                uuid_or_dash(&s.item.received_uuid)
-            ));
+        if a.parent {
+            line.push_str(&format!("parent {} ", s.parent));
         }
-        println!(
-            "ID {} gen {} parent {}{uuids} path {}{}",
-            s.id, s.item.generation, s.parent, s.path, ro
-        );
+        line.push_str(&format!("top level {} ", s.parent));
+        for (on, name, u) in [
+            (a.parent_uuid, "parent_uuid", &s.item.parent_uuid),
+            (a.received_uuid, "received_uuid", &s.item.received_uuid),
+            (a.uuid, "uuid", &s.item.uuid),
+        ] {
+            if on {
+                line.push_str(&format!("{name} {:<36} ", uuid_or_dash(u)));
+            }
+        }
+        line.push_str("path ");
+        let mut bytes = line.into_bytes();
+        bytes.extend_from_slice(&s.path);
+        bytes.push(b'\n');
+        out.write_all(&bytes)?;
     }
     Ok(())
 }

@@ -65,3 +65,45 @@ pub fn open_fs(image: &std::path::Path) -> Result<butter::fs::Fs, CliError> {
         ))
     })
 }
+
+/// A time in the local time zone, as btrfs-progs prints times (localtime_r and strftime).
+pub struct LocalTime {
+    tm: libc::tm,
+}
+
+/// Seconds since the epoch in the local time zone (TZ, else /etc/localtime); UTC where the
+/// C library cannot convert them.
+pub fn local_time(secs: i64) -> LocalTime {
+    let t = secs as libc::time_t;
+    // SAFETY: a zeroed tm is a valid value of that plain C struct; localtime_r writes only
+    // into `tm`, which outlives the call, and reads only `t`.
+    let mut tm: libc::tm = unsafe { std::mem::zeroed() };
+    if unsafe { libc::localtime_r(&t, &mut tm) }.is_null() {
+        // SAFETY: as above.
+        unsafe { libc::gmtime_r(&t, &mut tm) };
+    }
+    LocalTime { tm }
+}
+
+impl LocalTime {
+    /// `2024-01-31` `sep` `12:00:00` (strftime's `%F`, `%T`; `%X` in the C locale).
+    pub fn date_time(&self, sep: char) -> String {
+        let tm = &self.tm;
+        format!(
+            "{:04}-{:02}-{:02}{sep}{:02}:{:02}:{:02}",
+            i64::from(tm.tm_year) + 1900,
+            tm.tm_mon + 1,
+            tm.tm_mday,
+            tm.tm_hour,
+            tm.tm_min,
+            tm.tm_sec
+        )
+    }
+
+    /// The offset from UTC, `+0100` (strftime's `%z`).
+    pub fn zone(&self) -> String {
+        let off = self.tm.tm_gmtoff / 60;
+        let sign = if off < 0 { '-' } else { '+' };
+        format!("{sign}{:02}{:02}", off.abs() / 60, off.abs() % 60)
+    }
+}

@@ -51,7 +51,10 @@ pub fn receive(a: ReceiveArgs) -> CliResult {
         return apply(&a, input, &name);
     }
     let mut out = std::io::BufWriter::new(std::io::stdout().lock());
-    let r = butter::format::send_stream::dump(input, &mut out, &local_time);
+    let r = butter::format::send_stream::dump(input, &mut out, &|t| {
+        let t = super::local_time(t);
+        format!("{}{}", t.date_time('T'), t.zone())
+    });
     let flushed = std::io::Write::flush(&mut out);
     r.map_err(|e| match &e {
         // A closed pipe (`... --dump | head`): stop quietly.
@@ -66,32 +69,6 @@ pub fn receive(a: ReceiveArgs) -> CliResult {
     })?;
     flushed?;
     Ok(())
-}
-
-/// Seconds since the epoch as local time, `2024-01-31T12:00:00+0100`, as `btrfs receive
-/// --dump` prints times (strftime's `%FT%T%z` in the local time zone).
-pub fn local_time(secs: i64) -> String {
-    let t = secs as libc::time_t;
-    // SAFETY: localtime_r writes only into `tm`, which outlives the call; a zeroed tm is a
-    // valid value of that plain C struct.
-    let mut tm: libc::tm = unsafe { std::mem::zeroed() };
-    if unsafe { libc::localtime_r(&t, &mut tm) }.is_null() {
-        let t = butter::format::print::utc_datetime(secs).replacen(' ', "T", 1);
-        return format!("{t}+0000");
-    }
-    let off = tm.tm_gmtoff / 60;
-    let sign = if off < 0 { '-' } else { '+' };
-    format!(
-        "{:04}-{:02}-{:02}T{:02}:{:02}:{:02}{sign}{:02}{:02}",
-        i64::from(tm.tm_year) + 1900,
-        tm.tm_mon + 1,
-        tm.tm_mday,
-        tm.tm_hour,
-        tm.tm_min,
-        tm.tm_sec,
-        off.abs() / 60,
-        off.abs() % 60
-    )
 }
 
 /// Receives the stream into the image.

@@ -1,12 +1,14 @@
 //! `butter subvolume create|snapshot|delete|sync|list|show|get-default|set-default`: subvolumes
 //! of an image, without mounting it.
 //!
-//! Paths are inside the image, from the root of its default subvolume (as on a mount).
+//! Paths are inside the image, from the root of its default subvolume (as on a mount), or
+//! of the subvolume `--subvol-id N` names.
 
 use super::paths::Start;
 use super::{CliError, CliResult};
 use butter::fs::Fs;
 use butter::inode::namespace::Owner;
+use butter::inode::read::SubvolInfo;
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 
@@ -214,12 +216,12 @@ pub fn subvolume(a: SubvolumeArgs) -> CliResult {
         SubvolCmd::Show { image, path, start } => {
             let fs = super::open_fs(&image)?;
             let id = start.subvolume_at(&fs, &path)?;
-            print!("{}", show_subvolume(&fs, id)?);
+            write_out(&show_subvolume(&fs, id)?)?;
             Ok(())
         }
         SubvolCmd::GetDefault { image } => {
             let fs = super::open_fs(&image)?;
-            println!("{}", describe_subvolume(&fs, fs.default_subvolume())?);
+            write_out(&describe_subvolume(&fs, fs.default_subvolume())?)?;
             Ok(())
         }
         SubvolCmd::SetDefault {
@@ -241,76 +243,152 @@ pub fn subvolume(a: SubvolumeArgs) -> CliResult {
                 ))
             })?;
             fs.commit()?;
-            println!("{}", describe_subvolume(&fs, id)?);
+            write_out(&describe_subvolume(&fs, id)?)?;
             Ok(())
         }
     }
 }
 
+/// Writes bytes (names as they are) to standard output.
+fn write_out(b: &[u8]) -> CliResult {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    out.write_all(b)?;
+    out.flush()?;
+    Ok(())
+}
+
 /// One line about subvolume `id`, as `btrfs subvolume get-default` prints it.
-fn describe_subvolume(fs: &Fs, id: u64) -> Result<String, CliError> {
+fn describe_subvolume(fs: &Fs, id: u64) -> Result<Vec<u8>, CliError> {
     if id == butter::format::FS_TREE_OBJECTID {
-        return Ok(format!("ID {id} (FS_TREE)"));
+        return Ok(format!("ID {id} (FS_TREE)\n").into_bytes());
     }
     let list = fs.list_subvolumes()?;
     let s = list
         .iter()
         .find(|s| s.id == id)
         .ok_or_else(|| CliError(format!("subvolume {id} is not linked anywhere")))?;
-    Ok(format!(
-        "ID {} gen {} top level {} path {}",
-        s.id, s.item.generation, s.parent, s.path
-    ))
+    let mut out = format!(
+        "ID {} gen {} top level {} path ",
+        s.id, s.item.generation, s.parent
+    )
+    .into_bytes();
+    out.extend_from_slice(&s.path);
+    out.push(b'\n');
+    Ok(out)
 }
 
-/// Subvolume `id` as `btrfs subvolume show` lays it out (times in UTC).
-fn show_subvolume(fs: &Fs, id: u64) -> Result<String, CliError> {
+/// Subvolume `id` as `btrfs subvolume show` (btrfs-progs 6.14) lays it out: times in the
+/// local time zone, the snapshots taken of it (paths from the top level, in the order the
+/// kernel's subvolume iterator finds them), its quota group. As btrfs-progs does, "Send
+/// time" repeats the creation time.
+fn show_subvolume(fs: &Fs, id: u64) -> Result<Vec<u8>, CliError> {
     use super::ls::uuid_or_dash;
     let time = |t: &butter::format::items::Timespec| {
-        if t.sec == 0 && t.nsec == 0 {
+        if t.sec == 0 {
             "-".to_string()
         } else {
-            format!("{} +0000", butter::format::print::utc_datetime(t.sec))
+            let l = super::local_time(t.sec);
+            format!("{} {}", l.date_time(' '), l.zone())
         }
     };
-    let (path, parent, ri) = if id == butter::format::FS_TREE_OBJECTID {
-        let ri = fs
-            .find_root_item(id)?
-            .ok_or_else(|| CliError("the top-level subvolume has no root item".into()))?;
-        ("/".to_string(), 0, ri)
-    } else {
-        let list = fs.list_subvolumes()?;
-        let s = list
-            .into_iter()
-            .find(|s| s.id == id)
-            .ok_or_else(|| CliError(format!("subvolume {id} is not linked anywhere")))?;
-        (s.path, s.parent, s.item)
-    };
-    let name = path.rsplit('/').next().unwrap_or(&path).to_string();
-    let flags = if ri.flags & butter::format::ROOT_SUBVOL_RDONLY != 0 {
-        "readonly"
-    } else {
-        "-"
-    };
-    let mut out = format!("{path}\n");
+    let list = fs.list_subvolumes()?;
+    let (path, name, parent, ri): (Vec<u8>, Vec<u8>, u64, _) =
+        if id == butter::format::FS_TREE_OBJECTID {
+            let ri = fs
+                .find_root_item(id)?
+                .ok_or_else(|| CliError("the top-level subvolume has no root item".into()))?;
+            (b"/".to_vec(), b"<FS_TREE>".to_vec(), 0, ri)
+        } else {
+            let s = list
+                .iter()
+                .find(|s| s.id == id)
+                .ok_or_else(|| CliError(format!("subvolume {id} is not linked anywhere")))?;
+            let name = s.path.rsplit(|&b| b == b'/').next().unwrap_or(&s.path);
+            (s.path.clone(), name.to_vec(), s.parent, s.item.clone())
+        };
+    if ri.received_uuid != [0; 16] && ri.flags & butter::format::ROOT_SUBVOL_RDONLY == 0 {
+        eprintln!(
+            "WARNING: the subvolume is read-write and has received_uuid set,\n\t don't use it \
+             for incremental send. Please see section\n\t 'SUBVOLUME FLAGS' in manual page \
+             btrfs-subvolume for\n\t further information."
+        );
+    }
+    let mut out = path;
+    out.extend_from_slice(b"\n\tName: \t\t\t");
+    out.extend_from_slice(&name);
+    out.push(b'\n');
+    let created = time(&ri.otime);
     for (k, v) in [
-        ("Name", name),
-        ("UUID", uuid_or_dash(&ri.uuid)),
-        ("Parent UUID", uuid_or_dash(&ri.parent_uuid)),
-        ("Received UUID", uuid_or_dash(&ri.received_uuid)),
-        ("Creation time", time(&ri.otime)),
-        ("Subvolume ID", id.to_string()),
-        ("Generation", ri.generation.to_string()),
-        ("Gen at creation", ri.otransid.to_string()),
-        ("Parent ID", parent.to_string()),
-        ("Top level ID", parent.to_string()),
-        ("Flags", flags.to_string()),
-        ("Send transid", ri.stransid.to_string()),
-        ("Send time", time(&ri.stime)),
-        ("Receive transid", ri.rtransid.to_string()),
-        ("Receive time", time(&ri.rtime)),
+        ("UUID: \t\t\t", uuid_or_dash(&ri.uuid)),
+        ("Parent UUID: \t\t", uuid_or_dash(&ri.parent_uuid)),
+        ("Received UUID: \t\t", uuid_or_dash(&ri.received_uuid)),
+        ("Creation time: \t\t", created.clone()),
+        ("Subvolume ID: \t\t", id.to_string()),
+        ("Generation: \t\t", ri.generation.to_string()),
+        ("Gen at creation: \t", ri.otransid.to_string()),
+        ("Parent ID: \t\t", parent.to_string()),
+        ("Top level ID: \t\t", parent.to_string()),
+        (
+            "Flags: \t\t\t",
+            if ri.flags & butter::format::ROOT_SUBVOL_RDONLY != 0 {
+                "readonly".into()
+            } else {
+                "-".into()
+            },
+        ),
+        ("Send transid: \t\t", ri.stransid.to_string()),
+        ("Send time: \t\t", created),
+        ("Receive transid: \t", ri.rtransid.to_string()),
+        ("Receive time: \t\t", time(&ri.rtime)),
     ] {
-        out.push_str(&format!("\t{k}: \t{v}\n"));
+        out.extend_from_slice(format!("\t{k}{v}\n").as_bytes());
+    }
+    out.extend_from_slice(b"\tSnapshot(s):\n");
+    for s in preorder(&list) {
+        if s.item.parent_uuid == ri.uuid {
+            out.extend_from_slice(b"\t\t\t\t");
+            out.extend_from_slice(&s.path);
+            out.push(b'\n');
+        }
+    }
+    match fs.qgroup_usage(id)? {
+        None => out.extend_from_slice(b"\tQuota group:\t\tn/a\n"),
+        Some([rfer, excl, max_rfer, max_excl]) => {
+            let size = |n: u64| super::filesystem::pretty(n, false, false);
+            let limit = |n: u64| if n == 0 { "-".into() } else { size(n) };
+            out.extend_from_slice(
+                format!(
+                    "\tQuota group:\t\t0/{id}\n\t  Limit referenced:\t{}\n\t  Limit exclusive:\t{}\n\t  Usage referenced:\t{}\n\t  Usage exclusive:\t{}\n",
+                    limit(max_rfer),
+                    limit(max_excl),
+                    size(rfer),
+                    size(excl)
+                )
+                .as_bytes(),
+            );
+        }
     }
     Ok(out)
+}
+
+/// Subvolumes in the order the kernel's subvolume iterator walks them from the top level:
+/// depth first, a subvolume before those linked inside it, siblings by id.
+fn preorder(list: &[SubvolInfo]) -> Vec<&SubvolInfo> {
+    fn visit<'a>(list: &'a [SubvolInfo], parent: u64, out: &mut Vec<&'a SubvolInfo>) {
+        let mut kids: Vec<&SubvolInfo> = list
+            .iter()
+            .filter(|s| s.parent == parent && !out.iter().any(|o| o.id == s.id))
+            .collect();
+        kids.sort_by_key(|s| s.id);
+        for k in kids {
+            if out.len() < list.len() && !out.iter().any(|o| o.id == k.id) {
+                out.push(k);
+                visit(list, k.id, out);
+            }
+        }
+    }
+    let mut out = Vec::with_capacity(list.len());
+    visit(list, butter::format::FS_TREE_OBJECTID, &mut out);
+    out
 }

@@ -76,8 +76,8 @@ impl DirEntry {
 pub struct SubvolInfo {
     pub id: u64,
     pub parent: u64,
-    /// Path from the top-level subvolume (id 5), e.g. "dir/sub".
-    pub path: String,
+    /// Path from the top-level subvolume (id 5), e.g. "dir/sub": the names as they are.
+    pub path: Vec<u8>,
     pub item: RootItem,
 }
 
@@ -673,7 +673,7 @@ impl Core {
             let Some((parent, rr)) = backrefs.get(&id) else {
                 continue;
             }; // deleted, not yet cleaned
-            let mut path = String::new();
+            let mut path = Vec::new();
             // Walk up through parents, bounded by the number of subvolumes.
             let mut chain = vec![(*parent, rr.clone())];
             let mut cur = *parent;
@@ -691,17 +691,17 @@ impl Core {
             }
             for (p, r) in chain.iter().rev() {
                 let dir = self
-                    .inode_path(Inode {
+                    .inode_path_bytes(Inode {
                         root: *p,
                         ino: r.dirid,
                     })
                     .unwrap_or_default();
                 if !dir.is_empty() {
-                    path.push_str(&dir);
-                    path.push('/');
+                    path.extend_from_slice(&dir);
+                    path.push(b'/');
                 }
-                path.push_str(&String::from_utf8_lossy(&r.name));
-                path.push('/');
+                path.extend_from_slice(&r.name);
+                path.push(b'/');
             }
             path.pop();
             out.push(SubvolInfo {

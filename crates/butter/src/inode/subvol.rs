@@ -524,6 +524,50 @@ impl Core {
         Ok((u != [0; 16]).then_some(u))
     }
 
+    /// Subvolume `id`'s own quota group (0/id) as `btrfs subvolume show` reports it:
+    /// `[referenced, exclusive, referenced limit, exclusive limit]` in bytes (a limit of 0 is
+    /// none). None when quotas are off or the subvolume has no quota group.
+    pub fn qgroup_usage(&self, id: u64) -> Result<Option<[u64; 4]>> {
+        if self.find_root_item(QUOTA_TREE_OBJECTID)?.is_none() {
+            return Ok(None);
+        }
+        let root = self.subvol_root(QUOTA_TREE_OBJECTID)?;
+        let item = |ty: u8, len: usize| -> Result<Option<Vec<u8>>> {
+            let key = Key::new(0, ty, id);
+            match crate::ctree::lookup_le(&self.disk, &root, &key)? {
+                Some(it) if it.key == key => {
+                    if it.data().len() < len {
+                        return Err(Error::corrupt(
+                            it.loc(),
+                            format!("quota item of {} bytes, not {len}", it.data().len()),
+                        ));
+                    }
+                    Ok(Some(it.data().to_vec()))
+                }
+                _ => Ok(None),
+            }
+        };
+        let Some(info) = item(QGROUP_INFO_KEY, 40)? else {
+            return Ok(None);
+        };
+        let limit = item(QGROUP_LIMIT_KEY, 24)?.unwrap_or_else(|| vec![0; 24]);
+        let flags = le_u64(&limit, 0);
+        // Limit flags: bit 0 max referenced, bit 1 max exclusive.
+        let max = |bit: u64, off: usize| {
+            if flags & bit != 0 {
+                le_u64(&limit, off)
+            } else {
+                0
+            }
+        };
+        Ok(Some([
+            le_u64(&info, 8),
+            le_u64(&info, 24),
+            max(1, 8),
+            max(2, 16),
+        ]))
+    }
+
     /// What the kernel's SET_RECEIVED_SUBVOL ioctl does with an all-zero argument (`btrfs
     /// property set -f ... ro false` on a received subvolume): the subvolume must be
     /// writable (else EROFS); its uuid tree entry of type RECEIVED_SUBVOL goes, received_uuid,

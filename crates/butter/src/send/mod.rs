@@ -410,14 +410,14 @@ impl<W: Write> Sender<'_, W> {
             .find(|s| s.id == self.snap.id)
             .map(|s| s.path.clone())
             .unwrap_or_default();
-        let name = path.rsplit('/').next().unwrap_or_default();
+        let name = path.rsplit(|&b| b == b'/').next().unwrap_or_default();
         if name.is_empty() {
             return Err(Error::Invalid(format!(
                 "subvolume {} has no name to send it under",
                 self.snap.id
             )));
         }
-        Ok(name.as_bytes().to_vec())
+        Ok(name.to_vec())
     }
 
     /// A new inode: made (unless made earlier as a directory some name needed), named, and

@@ -189,12 +189,12 @@ fn delete_snapshot_then_source() {
     let snap = fs.list_subvolumes().unwrap();
     let (sv_id, sv_uuid) = snap
         .iter()
-        .find(|s| s.path == "sv")
+        .find(|s| s.path == b"sv")
         .map(|s| (s.id, s.item.uuid))
         .unwrap();
     let (snap_id, snap_uuid) = snap
         .iter()
-        .find(|s| s.path == "snap")
+        .find(|s| s.path == b"snap")
         .map(|s| (s.id, s.item.uuid))
         .unwrap();
     let level = fs.subvol_root(sv_id).unwrap().level;
@@ -350,7 +350,7 @@ fn crash_setup() -> &'static CrashSetup {
             .list_subvolumes()
             .unwrap()
             .into_iter()
-            .find(|s| s.path == "sv")
+            .find(|s| s.path == b"sv")
             .unwrap();
         drop(fs);
         let ram = Arc::new(RamDevice::new(base.clone()));

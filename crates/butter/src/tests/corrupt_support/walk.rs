@@ -182,7 +182,16 @@ impl Walker<'_> {
         match self.fs.list_subvolumes() {
             Ok(list) => {
                 self.walk.stats.subvols = list.len() as u64;
-                self.walk.subvols = list.into_iter().map(|s| (s.id, s.parent, s.path)).collect();
+                self.walk.subvols = list
+                    .into_iter()
+                    .map(|s| {
+                        (
+                            s.id,
+                            s.parent,
+                            String::from_utf8_lossy(&s.path).into_owned(),
+                        )
+                    })
+                    .collect();
             }
             Err(e) => self.err("list_subvolumes", e),
         }
