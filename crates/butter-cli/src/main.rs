@@ -93,7 +93,18 @@ fn main() -> ExitCode {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn"))
         .format_timestamp(None)
         .init();
-    let cli = Cli::parse();
+    let argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    let cli = match cmd::helper::from_args(&argv) {
+        cmd::helper::Helper::No => Cli::parse(),
+        cmd::helper::Helper::Run(args) => {
+            Cli::parse_from(std::iter::once("butter".into()).chain(args))
+        }
+        cmd::helper::Helper::Nothing => return ExitCode::SUCCESS,
+        cmd::helper::Helper::Usage(msg) => {
+            eprintln!("{msg}");
+            return ExitCode::FAILURE;
+        }
+    };
     let r = match cli.command {
         Command::DumpSuper(a) => cmd::dump::dump_super(a),
         Command::DumpTree(a) => cmd::dump::dump_tree(a),

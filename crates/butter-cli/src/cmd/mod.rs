@@ -3,6 +3,7 @@ pub mod check;
 pub mod compsize;
 pub mod dump;
 pub mod filesystem;
+pub mod helper;
 pub mod ls;
 pub mod mkfs;
 pub mod mount;

@@ -66,6 +66,9 @@ pub struct MountArgs {
     /// Serve in the background: exit 0 once the mount is usable (1 if mounting failed).
     #[arg(short = 'd', long)]
     pub daemon: bool,
+    /// Run as mount(8)'s helper (`mount.fuse.butter`): record the mount for umount(8).
+    #[arg(long, hide = true)]
+    pub as_mount_helper: bool,
 }
 
 /// Default interval of periodic commits (seconds), as the kernel's btrfs.
@@ -321,7 +324,7 @@ fn plan(a: &MountArgs) -> Result<Plan, CliError> {
             ) => None,
             ("space_cache", Some("v1" | "v2"))
             | ("discard", Some("sync" | "async"))
-            | ("thread_pool" | "metadata_ratio", Some(_))
+            | ("thread_pool" | "metadata_ratio" | "uhelper", Some(_))
             | ("fatal_errors", Some("bug" | "panic")) => None,
             (k, _) if k.starts_with("x-") || k.starts_with("comment") => None,
             _ => return Err(CliError(format!("unknown mount option '{opt}'"))),
@@ -460,8 +463,25 @@ pub fn mount(a: MountArgs) -> CliResult {
         )));
     }
     let (image, dir, ro) = (a.image.clone(), a.dir.clone(), p.ro);
+    // As mount(8)'s helper: umount(8) runs `umount.fuse.butter` (and so waits for the final
+    // commit) for mounts utab names with uhelper=butter.
+    // SAFETY: geteuid has no preconditions.
+    let utab_target = (a.as_mount_helper && unsafe { libc::geteuid() } == 0)
+        .then(|| std::fs::canonicalize(&a.dir).ok())
+        .flatten();
+    let utab_entry = utab_target.clone().map(|t| {
+        (
+            std::fs::canonicalize(&a.image).unwrap_or(a.image.clone()),
+            t,
+        )
+    });
     let ready = move || match ready_pipe {
-        Some(fd) => detach(fd),
+        Some(fd) => {
+            if let Some((src, target)) = &utab_entry {
+                super::helper::utab_add(src, target);
+            }
+            detach(fd)
+        }
         // In the foreground: say where it is and how it ends.
         None => eprintln!(
             "butter: {} is mounted on {} ({}); unmount it with `umount {}` (or Ctrl-C here)",
@@ -471,7 +491,11 @@ pub fn mount(a: MountArgs) -> CliResult {
             dir.display()
         ),
     };
-    fuse::serve(fs.clone(), root, &a.dir, &p.cfg, ready).map_err(|e| {
+    let served = fuse::serve(fs.clone(), root, &a.dir, &p.cfg, ready);
+    if let Some(target) = &utab_target {
+        super::helper::utab_remove(target);
+    }
+    served.map_err(|e| {
         CliError(format!(
             "mounting {} on {}: {e}",
             a.image.display(),

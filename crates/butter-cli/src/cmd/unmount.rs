@@ -73,7 +73,15 @@ fn servers_of(dir: &Path) -> Vec<u32> {
         let Some(args) = butter::io::device::process_cmdline(pid) else {
             continue;
         };
-        let Some(m) = args.iter().position(|a| a == "mount") else {
+        // `butter mount ...`, or mount(8)'s helper `mount.fuse.butter IMAGE DIR ...`.
+        let helper = args.first().is_some_and(|a| {
+            Path::new(a).file_name() == Some(std::ffi::OsStr::new(super::helper::MOUNT_HELPER))
+        });
+        let Some(m) = (if helper {
+            Some(0)
+        } else {
+            args.iter().position(|a| a == "mount")
+        }) else {
             continue;
         };
         let cwd = std::fs::read_link(format!("/proc/{pid}/cwd")).unwrap_or_default();
