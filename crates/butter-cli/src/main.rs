@@ -15,7 +15,17 @@ use std::process::ExitCode;
 #[command(
     name = "butter",
     version,
-    about = "btrfs in userspace: read, restore and mount btrfs images"
+    about = "btrfs in userspace, without a kernel driver or root: make filesystem images (from a \
+             directory too), mount them read-write through FUSE, snapshot, send and receive, \
+             check, restore and inspect them",
+    long_about = "btrfs in userspace, without a kernel driver or root: make filesystem images \
+                  (mkfs, from a directory too), mount them read-write through FUSE (mount, \
+                  unmount), make and delete subvolumes and snapshots (subvolume, property), \
+                  send and receive snapshots as send streams (send, receive), check them \
+                  (check), copy files out (restore, ls, cat), and see how space is used \
+                  (filesystem, compsize) and how the trees look (dump-super, dump-tree). What \
+                  butter writes the kernel's btrfs mounts and btrfs check passes; what the \
+                  kernel writes butter reads and changes."
 )]
 struct Cli {
     #[command(subcommand)]
@@ -55,7 +65,8 @@ enum Command {
     Unmount(cmd::unmount::UnmountArgs),
     /// Check an image read-only; exit 1 when errors are found.
     Check(cmd::check::CheckArgs),
-    /// Make a new, empty btrfs filesystem on an image file or device.
+    /// Make a new btrfs filesystem on an image file or device, empty or holding a copy of a
+    /// directory (--rootdir).
     Mkfs(cmd::mkfs::MkfsArgs),
     /// Write a man page for butter and each of its commands into DIR (butter.1,
     /// butter-mkfs.1, butter-subvolume-delete.1, ...).
@@ -68,25 +79,76 @@ enum Command {
     Completions { shell: clap_complete::Shell },
 }
 
-/// Man pages for `cmd` and, recursively, each of its subcommands: `butter-mkfs.1`, ...
-fn write_manpages(cmd: &clap::Command, prefix: &str, dir: &std::path::Path) -> cmd::CliResult {
+/// Man pages for `cmd` (the command named `path`: "", "mkfs", "subvolume snapshot") and,
+/// recursively, each of its subcommands: `butter-mkfs.1`, ... Each ends with EXAMPLES and
+/// EXIT STATUS.
+fn write_manpages(
+    cmd: &clap::Command,
+    path: &str,
+    prefix: &str,
+    dir: &std::path::Path,
+) -> cmd::CliResult {
     let name = if prefix.is_empty() {
         cmd.get_name().to_string()
     } else {
         format!("{prefix}-{}", cmd.get_name())
     };
-    let page = cmd.clone().name(name.clone());
+    let man = clap_mangen::Man::new(cmd.clone().name(name.clone()));
     let mut out = Vec::new();
-    clap_mangen::Man::new(page).render(&mut out)?;
-    let path = dir.join(format!("{name}.1"));
-    std::fs::write(&path, out)
-        .map_err(|e| cmd::CliError(format!("writing {}: {e}", path.display())))?;
+    man.render_title(&mut out)?;
+    man.render_name_section(&mut out)?;
+    man.render_synopsis_section(&mut out)?;
+    man.render_description_section(&mut out)?;
+    if cmd.get_arguments().any(|a| !a.is_hide_set()) {
+        man.render_options_section(&mut out)?;
+    }
+    if cmd.has_subcommands() {
+        man.render_subcommands_section(&mut out)?;
+    }
+    out.extend_from_slice(cmd::docs::man_sections(path).as_bytes());
+    if cmd.get_version().is_some() {
+        man.render_version_section(&mut out)?;
+    }
+    let file = dir.join(format!("{name}.1"));
+    std::fs::write(&file, out)
+        .map_err(|e| cmd::CliError(format!("writing {}: {e}", file.display())))?;
     for sub in cmd.get_subcommands() {
         if sub.get_name() != "help" {
-            write_manpages(sub, &name, dir)?;
+            let sub_path = if path.is_empty() {
+                sub.get_name().to_string()
+            } else {
+                format!("{path} {}", sub.get_name())
+            };
+            write_manpages(sub, &sub_path, &name, dir)?;
         }
     }
     Ok(())
+}
+
+/// The command-line definition with every command's examples and exit status after its
+/// `--help`.
+fn command_with_examples() -> clap::Command {
+    fn add(cmd: clap::Command, path: &str) -> clap::Command {
+        let mut cmd = match cmd::docs::help_examples(path) {
+            Some(text) => cmd.after_long_help(text),
+            None => cmd,
+        };
+        let names: Vec<String> = cmd
+            .get_subcommands()
+            .map(|s| s.get_name().to_string())
+            .filter(|n| n != "help")
+            .collect();
+        for n in names {
+            let sub_path = if path.is_empty() {
+                n.clone()
+            } else {
+                format!("{path} {n}")
+            };
+            cmd = cmd.mut_subcommand(&n, |s| add(s, &sub_path));
+        }
+        cmd
+    }
+    add(<Cli as clap::CommandFactory>::command(), "")
 }
 
 fn main() -> ExitCode {
@@ -94,10 +156,14 @@ fn main() -> ExitCode {
         .format_timestamp(None)
         .init();
     let argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    let parse = |args: Vec<std::ffi::OsString>| {
+        let matches = command_with_examples().get_matches_from(args);
+        <Cli as clap::FromArgMatches>::from_arg_matches(&matches).unwrap_or_else(|e| e.exit())
+    };
     let cli = match cmd::helper::from_args(&argv) {
-        cmd::helper::Helper::No => Cli::parse(),
+        cmd::helper::Helper::No => parse(argv),
         cmd::helper::Helper::Run(args) => {
-            Cli::parse_from(std::iter::once("butter".into()).chain(args))
+            parse(std::iter::once("butter".into()).chain(args).collect())
         }
         cmd::helper::Helper::Nothing => return ExitCode::SUCCESS,
         cmd::helper::Helper::Usage(msg) => {
@@ -125,9 +191,9 @@ fn main() -> ExitCode {
         Command::Manpages { dir } => std::fs::create_dir_all(&dir)
             .map_err(|e| cmd::CliError(format!("creating {}: {e}", dir.display())))
             .and_then(|()| {
-                let mut top = <Cli as clap::CommandFactory>::command();
+                let mut top = command_with_examples();
                 top.build();
-                write_manpages(&top, "", &dir)
+                write_manpages(&top, "", "", &dir)
             }),
         Command::Completions { shell } => {
             let mut top = <Cli as clap::CommandFactory>::command();

@@ -54,3 +54,117 @@ fn completions_know_every_command() {
         }
     }
 }
+
+/// Every man page ends with EXAMPLES (where the command has some: every command users run)
+/// and EXIT STATUS, and speaks users' words: no seeds, issue numbers or internal rules.
+#[test]
+fn manpages_have_examples_and_exit_status() {
+    let dir = std::env::temp_dir().join(format!("butter-man-ex-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let out = Command::new(BUTTER)
+        .arg("manpages")
+        .arg(&dir)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let mut pages = 0;
+    for e in std::fs::read_dir(&dir).unwrap() {
+        let path = e.unwrap().path();
+        let text = std::fs::read_to_string(&path).unwrap();
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        assert!(
+            text.contains(".SH \"EXIT STATUS\""),
+            "{name} has no EXIT STATUS"
+        );
+        assert!(text.contains(".SH EXAMPLES"), "{name} has no EXAMPLES");
+        for word in ["seed 0", "issue #", "the fsync rule", "Seed 0"] {
+            assert!(!text.contains(word), "{name} says {word:?}");
+        }
+        pages += 1;
+    }
+    assert!(pages >= 30, "only {pages} pages");
+    let mkfs = std::fs::read_to_string(dir.join("butter-mkfs.1")).unwrap();
+    assert!(mkfs.contains("130"), "mkfs's exit status does not name 130");
+    let check = std::fs::read_to_string(dir.join("butter-check.1")).unwrap();
+    assert!(check.contains("errors were found"));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `butter --help` names every job; `mkfs --help` says it fills from a directory; each
+/// command's `--help` ends with examples and its exit status.
+#[test]
+fn help_names_the_jobs_and_shows_examples() {
+    let help = |args: &[&str]| {
+        let out = Command::new(BUTTER).args(args).output().unwrap();
+        assert!(out.status.success(), "{args:?}: {out:?}");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let top = help(&["--help"]);
+    for job in [
+        "mkfs", "mount", "send", "receive", "check", "restore", "snapshot",
+    ] {
+        assert!(
+            top.contains(job),
+            "butter --help does not name {job}:\n{top}"
+        );
+    }
+    let mkfs = help(&["mkfs", "--help"]);
+    assert!(
+        mkfs.contains("directory") && mkfs.contains("--rootdir"),
+        "{mkfs}"
+    );
+    for cmd in [
+        &["mkfs"][..],
+        &["mount"],
+        &["send"],
+        &["receive"],
+        &["check"],
+        &["subvolume", "snapshot"],
+    ] {
+        let text = help(&[cmd, &["--help"]].concat());
+        assert!(
+            text.contains("Examples:\n  ") && text.contains("Exit status: "),
+            "{cmd:?} --help has no examples or exit status:\n{text}"
+        );
+    }
+    // -h stays short.
+    assert!(!help(&["mkfs", "-h"]).contains("Examples:"));
+}
+
+/// Completion offers values: compression algorithms for `mkfs --compress`, mount options
+/// for `mount -o`, checksums and profiles for mkfs.
+#[test]
+fn completions_offer_option_values() {
+    for shell in ["bash", "zsh", "fish"] {
+        let out = Command::new(BUTTER)
+            .args(["completions", shell])
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        for value in ["compress=zstd", "subvolid=", "nodelalloc", "xxhash", "dup"] {
+            assert!(
+                text.contains(value),
+                "{shell} completions do not offer {value}"
+            );
+        }
+        // zsh escapes the colon.
+        assert!(
+            text.contains("zstd:3") || text.contains("zstd\\:3"),
+            "{shell} completions do not offer zstd:3"
+        );
+    }
+    // Values outside the list are still taken (and checked by the command).
+    let out = Command::new(BUTTER)
+        .args([
+            "mkfs",
+            "--compress",
+            "zstd:-7",
+            "--rootdir",
+            "/nonexistent",
+            "/tmp/none.img",
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!err.contains("invalid value"), "{err}");
+}

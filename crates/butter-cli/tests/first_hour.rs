@@ -11,6 +11,10 @@
 //! - `ls IMAGE FILE` lists the file, as ls(1) does.
 //! - `df` on a mount shows what the kernel's btrfs shows on the same image, and the space of
 //!   a removed file is back after `sync` (a look at the free space commits what was freed).
+//! - With a distribution layout (`@` the default subvolume), `--subvol-id 5` takes the paths
+//!   `butter subvolumes` prints in every command that takes a path; without it a top-level
+//!   path that is not found names the option.
+//! - `cat` of a damaged block says so once, with what to do.
 //!
 //! Needs root (a user switch, FUSE, btrfs-progs for the images); fails under CI without.
 
@@ -458,4 +462,36 @@ fn subvol_id_reaches_every_subvolume() {
     );
     assert!(!p.join("@/root-snap").exists());
     m.unmount();
+}
+
+/// `cat` of a file whose data block is damaged says so once (the error, with what to do),
+/// not once from the library's log and again from the command.
+#[test]
+fn cat_of_a_damaged_block_says_so_once() {
+    if !fuse_mount::require("cat_of_a_damaged_block_says_so_once", &[]) {
+        return;
+    }
+    let sc = ScratchDir::new("first-hour-bad-block");
+    let root = sc.dir("root");
+    let marker: Vec<u8> = (0..64 * 1024u32)
+        .map(|i| (i.wrapping_mul(2654435761) >> 13) as u8)
+        .collect();
+    fs::write(root.join("f"), &marker).unwrap();
+    let img = sc.join("a.img");
+    let (code, _, err) = butter(&["mkfs", "-b", "200M", "--rootdir", s(&root), s(&img)]);
+    assert_eq!(code, Some(0), "mkfs: {err}");
+    let mut bytes = fs::read(&img).unwrap();
+    let at = bytes
+        .windows(64)
+        .position(|w| w == &marker[8192..8192 + 64])
+        .expect("the file's data is not in the image");
+    bytes[at] ^= 0xff;
+    fs::write(&img, &bytes).unwrap();
+    let (code, _, err) = butter(&["cat", s(&img), "f"]);
+    assert_eq!(code, Some(1), "{err}");
+    assert_eq!(err.matches("checksum mismatch").count(), 1, "{err}");
+    assert!(
+        err.contains("file offset 8192") && err.contains("butter restore"),
+        "{err}"
+    );
 }

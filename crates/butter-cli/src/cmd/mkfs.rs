@@ -9,6 +9,7 @@
 //! in through the write engine; with `--reflink` the files' data is cloned into the image
 //! file instead of written, the image's bytes unchanged (`reflink`).
 
+use super::docs::{suggest, COMPRESS_VALUES};
 use super::{CliError, CliResult};
 use butter::format::csum::CsumType;
 use butter::format::print::{block_group_kind, block_group_profile};
@@ -36,17 +37,40 @@ pub struct MkfsArgs {
     #[arg(short = 's', long = "sectorsize", value_parser = parse_size)]
     pub sectorsize: Option<u64>,
     /// Checksum algorithm: crc32c, xxhash, sha256 or blake2.
-    #[arg(long = "csum", visible_alias = "checksum", value_parser = parse_csum)]
+    #[arg(
+        long = "csum",
+        visible_alias = "checksum",
+        value_parser = suggest(parse_csum, &["crc32c", "xxhash", "sha256", "blake2"]),
+        hide_possible_values = true
+    )]
     pub csum: Option<CsumType>,
     /// Metadata profile: single or dup (default dup).
-    #[arg(short = 'm', long = "metadata", value_parser = parse_profile)]
+    #[arg(
+        short = 'm',
+        long = "metadata",
+        value_parser = suggest(parse_profile, &["single", "dup"]),
+        hide_possible_values = true
+    )]
     pub metadata: Option<Profile>,
     /// Data profile: single or dup (default single).
-    #[arg(short = 'd', long = "data", value_parser = parse_profile)]
+    #[arg(
+        short = 'd',
+        long = "data",
+        value_parser = suggest(parse_profile, &["single", "dup"]),
+        hide_possible_values = true
+    )]
     pub data: Option<Profile>,
     /// Features, comma separated, `^` turns one off: no-holes, skinny-metadata,
     /// free-space-tree, block-group-tree (on by default); `list-all` lists them.
-    #[arg(short = 'O', long = "features")]
+    #[arg(
+        short = 'O',
+        long = "features",
+        value_parser = suggest(
+            clap::builder::StringValueParser::new(),
+            &["list-all", "block-group-tree", "^block-group-tree", "free-space-tree", "no-holes", "skinny-metadata"]
+        ),
+        hide_possible_values = true
+    )]
     pub features: Vec<String>,
     /// Runtime features (older mkfs.btrfs put free-space-tree here); same syntax as -O.
     #[arg(short = 'R', long = "runtime-features")]
@@ -75,7 +99,13 @@ pub struct MkfsArgs {
     /// With --rootdir: compress the copied files' data with ALGO (zlib, lzo, zstd; no or none
     /// for none) at LEVEL (zlib 1-9, zstd 1-15; 3 when not given), piece by piece: a piece
     /// that does not shrink is stored plain. Uses every CPU.
-    #[arg(long = "compress", value_name = "ALGO[:LEVEL]", requires = "rootdir")]
+    #[arg(
+        long = "compress",
+        value_name = "ALGO[:LEVEL]",
+        requires = "rootdir",
+        value_parser = suggest(clap::builder::StringValueParser::new(), COMPRESS_VALUES),
+        hide_possible_values = true
+    )]
     pub compress: Option<String>,
     /// With --rootdir: give the file or directory PATH (relative to DIR) the inode FLAGS,
     /// comma separated: nodatacow (no copy on write, no checksums), nodatasum (no

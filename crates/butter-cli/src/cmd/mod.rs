@@ -1,6 +1,7 @@
 //! One module per subcommand.
 pub mod check;
 pub mod compsize;
+pub mod docs;
 pub mod dump;
 pub mod filesystem;
 pub mod helper;
@@ -38,6 +39,9 @@ impl From<butter::Error> for CliError {
         let hint = match &e {
             butter::Error::Corrupt { .. } | butter::Error::BadChecksum { .. } => {
                 "\n  the image is damaged there; `butter dump-tree` shows the block, and `butter restore` can save what is readable"
+            }
+            butter::Error::DataChecksum { .. } => {
+                "\n  the file's data is damaged there (its checksum does not match); `butter restore` copies what is readable, and `butter check --check-data-csum` lists every damaged block"
             }
             butter::Error::Unsupported(_) => "\n  this image uses a feature butter does not handle yet",
             _ => "",

@@ -49,7 +49,15 @@ pub struct MountArgs {
     /// space_cache[=v1|v2], ssd, nossd, ssd_spread, discard[=sync|async], nodiscard,
     /// autodefrag, user_subvol_rm_allowed, barrier, flushoncommit, degraded, thread_pool=N,
     /// mount(8)'s auto, noauto, nofail, user, _netdev, and every x-* option.
-    #[arg(short = 'o', value_name = "OPTIONS")]
+    #[arg(
+        short = 'o',
+        value_name = "OPTIONS",
+        value_parser = super::docs::suggest(
+            clap::builder::StringValueParser::new(),
+            super::docs::MOUNT_OPTIONS
+        ),
+        hide_possible_values = true
+    )]
     pub options: Vec<String>,
     /// Mount this subvolume (path from the top-level subvolume) instead of the default one.
     #[arg(long, value_name = "PATH", conflicts_with = "subvol_id")]

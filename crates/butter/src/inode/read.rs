@@ -582,7 +582,8 @@ impl Core {
                     file_offset: file_off.saturating_add(i * file_step),
                     logical: logical + i * ss as u64,
                 };
-                log::error!("{e}");
+                // Said once, by whoever gets the error (the mount logs what it turns into
+                // EIO; a command prints it).
                 Err(e)
             }
         }
