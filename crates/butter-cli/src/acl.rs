@@ -29,7 +29,9 @@ pub fn parse(v: &[u8]) -> Option<Vec<Entry>> {
         return None;
     }
     let entries: Vec<Entry> = rest
-        .chunks_exact(8)
+        .as_chunks::<8>()
+        .0
+        .iter()
         .map(|c| Entry {
             tag: u16::from_le_bytes([c[0], c[1]]),
             perm: u16::from_le_bytes([c[2], c[3]]),

@@ -684,7 +684,7 @@ fn print_item_body(out: &mut String, key: &Key, data: &[u8], opts: &PrintOpts) {
             if !data.len().is_multiple_of(8) {
                 outln!(out, "btrfs: uuid item with illegal size {}!", data.len());
             } else {
-                for c in data.chunks_exact(8) {
+                for c in data.as_chunks::<8>().0 {
                     outln!(out, "\t\tsubvol_id {}", le_u64(c, 0));
                 }
             }

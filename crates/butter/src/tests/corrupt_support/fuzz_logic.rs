@@ -131,7 +131,7 @@ fn exercise_chunk_map(arr: &[u8], probes: &[u8]) {
                 logicals.push(c.logical.wrapping_add(c.item.length).wrapping_sub(1));
                 logicals.push(c.logical.wrapping_add(c.item.length / 2));
             }
-            for w in probes.chunks_exact(8).take(8) {
+            for w in probes.as_chunks::<8>().0.iter().take(8) {
                 logicals.push(le_u64(w, 0));
             }
             for l in logicals {
