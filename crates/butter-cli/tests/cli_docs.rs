@@ -6,9 +6,9 @@ use std::process::Command;
 
 const BUTTER: &str = env!("CARGO_BIN_EXE_butter");
 
-#[test]
-fn manpages_cover_every_command() {
-    let dir = std::env::temp_dir().join(format!("butter-man-{}", std::process::id()));
+/// `butter manpages` into a fresh temporary directory named after `what`.
+fn manpages(what: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("butter-man-{what}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let out = Command::new(BUTTER)
         .arg("manpages")
@@ -16,6 +16,12 @@ fn manpages_cover_every_command() {
         .output()
         .unwrap();
     assert!(out.status.success(), "{out:?}");
+    dir
+}
+
+#[test]
+fn manpages_cover_every_command() {
+    let dir = manpages("cover");
     for (page, needle) in [
         ("butter.1", "mkfs"),
         ("butter-mkfs.1", "rootdir"),
@@ -59,14 +65,7 @@ fn completions_know_every_command() {
 /// and EXIT STATUS, and speaks users' words: no seeds, issue numbers or internal rules.
 #[test]
 fn manpages_have_examples_and_exit_status() {
-    let dir = std::env::temp_dir().join(format!("butter-man-ex-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    let out = Command::new(BUTTER)
-        .arg("manpages")
-        .arg(&dir)
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{out:?}");
+    let dir = manpages("examples");
     let mut pages = 0;
     for e in std::fs::read_dir(&dir).unwrap() {
         let path = e.unwrap().path();

@@ -88,8 +88,9 @@ fn mkfs_of_an_image_the_user_may_not_write_says_so() {
     let img = sc.join("ro.img");
     fs::File::create(&img).unwrap().set_len(256 << 20).unwrap();
     fs::set_permissions(&img, fs::Permissions::from_mode(0o444)).unwrap();
+    let bin = fuse_mount::butter_for_anyone(&sc);
     let out = kernel::run_output(
-        Command::new(BUTTER)
+        Command::new(&bin)
             .args(["mkfs", "-f", s(&img)])
             .uid(65534)
             .gid(65534),

@@ -409,7 +409,7 @@ as_user sh -c "echo written-by-nobody > $M/new && cat $M/hello" >> $D/open.txt 2
 as_user $B unmount $M >> $D/open.txt 2>&1; echo "unmount rc=$?" >> $D/open.txt
 umount /dev/fuse
 "#,
-        butter = BUTTER,
+        butter = fuse_mount::butter_for_anyone(&s).display(),
         dir = s.path().display(),
         img = img.display(),
         mnt = mnt.display(),

@@ -432,3 +432,16 @@ pub fn run_logged(cmd: &mut Command, log: &Path, limit: Duration) -> Option<Exit
         sleep(Duration::from_millis(50));
     }
 }
+
+/// A copy of the butter binary that every user can run, in `sc` (the build tree may be in
+/// /root, mode 0700, where a test that switches users could not reach it).
+#[allow(dead_code)] // not every test binary switches users
+pub fn butter_for_anyone(sc: &kernel::ScratchDir) -> PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let bin = sc.dir("anyone-bin").join("butter");
+    fs::copy(BUTTER, &bin).unwrap();
+    for (p, mode) in [(&bin, 0o755), (&sc.join("anyone-bin"), 0o755)] {
+        fs::set_permissions(p, fs::Permissions::from_mode(mode)).unwrap();
+    }
+    bin
+}
