@@ -167,3 +167,26 @@ fn completions_offer_option_values() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!err.contains("invalid value"), "{err}");
 }
+
+/// The README warns that the kernel can loop-mount an image a butter mount holds (nothing in
+/// a regular file can stop it), and says what to do before a kernel mount and after a clash.
+#[test]
+fn readme_warns_about_a_kernel_mount_of_a_held_image() {
+    let readme =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../README.md")).unwrap();
+    let at = readme
+        .find("the one butter cannot stop")
+        .expect("the README has no warning about the kernel mounting a held image");
+    let para = &readme[at..readme[at..].find("\n\n").map_or(readme.len(), |e| at + e)];
+    for needle in [
+        "mount -o loop",
+        "butter unmount",
+        "butter check",
+        "btrfs check",
+    ] {
+        assert!(
+            para.contains(needle),
+            "the warning does not mention {needle}:\n{para}"
+        );
+    }
+}
