@@ -109,7 +109,7 @@ fn assert_all_refused(dir: &Path, other: &Path, errno: i32, what: &str) {
 /// The library refuses with a typed error.
 fn assert_library_refuses(img: &Path, path: &str) {
     let fs = Fs::open_rw(img).unwrap();
-    let dir = fs.resolve(path).unwrap();
+    let dir = fs.resolve_in(fs.root_inode(), path.as_bytes()).unwrap();
     let f = fs.lookup(dir, b"f").unwrap().unwrap().target;
     let errs = [
         fs.write(f, 0, b"x").map(drop),
@@ -605,7 +605,7 @@ fn default_subvolume_in_butter_and_the_kernel() {
     assert!(ok, "subvolume create: {err}");
     {
         let fs = Fs::open_rw(&img).unwrap();
-        let sv = fs.resolve("sv").unwrap();
+        let sv = fs.resolve_in(fs.root_inode(), b"sv").unwrap();
         let f = fs
             .create(
                 sv,

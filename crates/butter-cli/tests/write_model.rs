@@ -269,7 +269,7 @@ fn snapshot_rounds(butter_makes_them: bool) {
         a.checkpoint("butter fills sub");
         a.set_targets(Vec::new());
         let fs = butter::fs::Fs::open_rw(&img).expect("open read-write");
-        let sub = fs.resolve("sub").expect("sub");
+        let sub = fs.resolve_in(fs.root_inode(), b"sub").expect("sub");
         fs.create_snapshot(sub.root, fs.root_inode(), b"snap", false, None)
             .expect("snapshot");
         fs.commit().expect("commit");

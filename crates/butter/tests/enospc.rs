@@ -121,7 +121,7 @@ fn data_enospc(metadata: Profile, data: Profile, tag: &str, refill: bool) {
 
     // Free the space: delete every other file, commit, and write as much again.
     let fs = Fs::open_device_rw(dev.clone()).unwrap();
-    let dir = fs.resolve("fill").unwrap();
+    let dir = fs.resolve_in(fs.root_inode(), b"fill").unwrap();
     let mut freed = 0;
     for i in (0..n).step_by(REFILL_STEP) {
         fs.unlink(dir, format!("f{i}").as_bytes()).unwrap();

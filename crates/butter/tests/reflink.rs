@@ -95,8 +95,8 @@ fn clones_share_extents_and_read_back() {
     drop(fs);
     let img = dev.durable_bytes();
     let fs = Fs::open_device(Arc::new(RamDevice::new(img.clone()))).unwrap();
-    assert_eq!(fs.resolve("b").unwrap(), b);
-    assert_eq!(fs.resolve("sub/c").unwrap(), c);
+    assert_eq!(fs.resolve_in(fs.root_inode(), b"b").unwrap(), b);
+    assert_eq!(fs.resolve_in(fs.root_inode(), b"sub/c").unwrap(), c);
     check(&fs);
     butter_check(&fs).unwrap();
     btrfs_check(&img, "reflink").unwrap();

@@ -35,31 +35,12 @@ impl Start {
 
     /// The inode at `path`, crossing into subvolumes, not following symlinks.
     pub fn resolve(&self, fs: &Fs, path: &OsStr) -> Result<Inode, CliError> {
-        let mut cur = self.root(fs)?;
         let shown = path.to_string_lossy();
-        let mut walked: Vec<&[u8]> = Vec::new();
-        for comp in path
-            .as_bytes()
-            .split(|&b| b == b'/')
-            .filter(|c| !c.is_empty() && *c != b".")
-        {
-            let st = fs
-                .stat(cur)
-                .map_err(|e| CliError(format!("{shown}: {}", CliError::from(e))))?;
-            if !st.is_dir() {
-                return Err(CliError(format!(
-                    "{shown}: {} is not a directory",
-                    String::from_utf8_lossy(&walked.join(&b'/'))
-                )));
-            }
-            cur = match fs.lookup(cur, comp) {
-                Ok(Some(e)) => e.target,
-                Ok(None) => return Err(self.not_found(fs, &shown)),
-                Err(e) => return Err(CliError(format!("{shown}: {}", CliError::from(e)))),
-            };
-            walked.push(comp);
-        }
-        Ok(cur)
+        fs.resolve_in(self.root(fs)?, path.as_bytes())
+            .map_err(|e| match e {
+                butter::Error::NotFound(_) => self.not_found(fs, &shown),
+                e => CliError(format!("{shown}: {}", CliError::from(e))),
+            })
     }
 
     /// "not found", and where paths start when that may be the reason.

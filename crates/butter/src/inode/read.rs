@@ -801,18 +801,28 @@ impl Core {
     }
 
     /// Resolves a slash-separated path from the default subvolume's root, following
-    /// subvolume boundaries but not symlinks.
-    pub fn resolve(&self, path: &str) -> Result<Inode> {
-        let mut cur = self.root_inode();
-        for comp in path.split('/').filter(|c| !c.is_empty() && *c != ".") {
-            let st = self.stat(cur)?;
-            if !st.is_dir() {
-                return Err(Error::NotDir(path.to_string()));
+    /// subvolume boundaries but not symlinks (the crate's tests; others use `resolve_in`).
+    #[cfg(test)]
+    pub(crate) fn resolve(&self, path: &str) -> Result<Inode> {
+        self.resolve_in(self.root_inode(), path.as_bytes())
+    }
+
+    /// Resolves a slash-separated path (names as bytes) from directory `start`, following
+    /// subvolume boundaries but not symlinks. `NotFound` and `NotDir` carry the whole path.
+    pub fn resolve_in(&self, start: Inode, path: &[u8]) -> Result<Inode> {
+        let shown = || String::from_utf8_lossy(path).into_owned();
+        let mut cur = start;
+        for comp in path
+            .split(|&b| b == b'/')
+            .filter(|c| !c.is_empty() && *c != b".")
+        {
+            if !self.stat(cur)?.is_dir() {
+                return Err(Error::NotDir(shown()));
             }
-            let e = self
-                .lookup(cur, comp.as_bytes())?
-                .ok_or_else(|| Error::NotFound(path.to_string()))?;
-            cur = e.target;
+            cur = self
+                .lookup(cur, comp)?
+                .ok_or_else(|| Error::NotFound(shown()))?
+                .target;
         }
         Ok(cur)
     }
