@@ -375,20 +375,20 @@ fn show_subvolume(fs: &Fs, id: u64) -> Result<Vec<u8>, CliError> {
 /// Subvolumes in the order the kernel's subvolume iterator walks them from the top level:
 /// depth first, a subvolume before those linked inside it, siblings by id.
 fn preorder(list: &[SubvolInfo]) -> Vec<&SubvolInfo> {
-    fn visit<'a>(list: &'a [SubvolInfo], parent: u64, out: &mut Vec<&'a SubvolInfo>) {
-        let mut kids: Vec<&SubvolInfo> = list
-            .iter()
-            .filter(|s| s.parent == parent && !out.iter().any(|o| o.id == s.id))
-            .collect();
-        kids.sort_by_key(|s| s.id);
-        for k in kids {
-            if out.len() < list.len() && !out.iter().any(|o| o.id == k.id) {
-                out.push(k);
-                visit(list, k.id, out);
-            }
-        }
+    let mut kids: std::collections::HashMap<u64, Vec<&SubvolInfo>> = Default::default();
+    for s in list {
+        kids.entry(s.parent).or_default().push(s);
     }
+    for v in kids.values_mut() {
+        v.sort_by_key(|s| s.id);
+    }
+    let below = |id: u64| kids.get(&id).into_iter().flatten().rev().copied();
+    let mut stack: Vec<&SubvolInfo> = below(butter::format::FS_TREE_OBJECTID).collect();
     let mut out = Vec::with_capacity(list.len());
-    visit(list, butter::format::FS_TREE_OBJECTID, &mut out);
+    // Bounded by the list: a damaged tree that names a subvolume its own parent ends here.
+    while let Some(s) = stack.pop().filter(|_| out.len() < list.len()) {
+        out.push(s);
+        stack.extend(below(s.id));
+    }
     out
 }
