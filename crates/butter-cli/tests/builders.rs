@@ -11,7 +11,7 @@
 
 mod common;
 
-use common::fuse_mount::{self, butter_check, BUTTER};
+use common::fuse_mount::{self, butter_check};
 use common::kernel::{self, LoopMount, ScratchDir};
 use common::manifest::{self, CompareOpts, Manifest, TakeOpts};
 use std::path::Path;
@@ -40,13 +40,12 @@ fn hand_to_nobody(sc: &ScratchDir, dir: &Path) -> String {
         .status()
         .unwrap();
     assert!(st.success());
-    let bin = sc.dir("bin").join("butter");
-    std::fs::copy(BUTTER, &bin).unwrap();
-    std::fs::set_permissions(&bin, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
-    for d in [sc.path(), &sc.join("bin")] {
-        std::fs::set_permissions(d, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
-    }
-    bin.display().to_string()
+    std::fs::set_permissions(
+        sc.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
+    fuse_mount::butter_for_anyone(sc).display().to_string()
 }
 
 /// The source tree as seen through `wrapper` (fakeroot, unshare -r): owners as it reports.

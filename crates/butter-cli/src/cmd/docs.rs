@@ -184,11 +184,7 @@ impl<P: TypedValueParser> TypedValueParser for Suggest<P> {
     }
 
     fn possible_values(&self) -> Option<Box<dyn Iterator<Item = PossibleValue> + '_>> {
-        Some(Box::new(
-            self.values
-                .iter()
-                .map(|v| PossibleValue::new(*v).hide(false)),
-        ))
+        Some(Box::new(self.values.iter().map(|v| PossibleValue::new(*v))))
     }
 }
 

@@ -477,16 +477,12 @@ pub fn mount(a: MountArgs) -> CliResult {
     let utab_target = (a.as_mount_helper && unsafe { libc::geteuid() } == 0)
         .then(|| std::fs::canonicalize(&a.dir).ok())
         .flatten();
-    let utab_entry = utab_target.clone().map(|t| {
-        (
-            std::fs::canonicalize(&a.image).unwrap_or(a.image.clone()),
-            t,
-        )
-    });
+    let utab_source = std::fs::canonicalize(&a.image).unwrap_or(a.image.clone());
+    let to_record = utab_target.clone();
     let ready = move || match ready_pipe {
         Some(fd) => {
-            if let Some((src, target)) = &utab_entry {
-                super::helper::utab_add(src, target);
+            if let Some(target) = &to_record {
+                super::helper::utab_add(&utab_source, target);
             }
             detach(fd)
         }
