@@ -35,6 +35,7 @@
 //! kernel mount that must show the same tree (`verify_image`).
 //!
 //! Option sets, one #[test] each: defaults, `-o nodelalloc`, `-o compress-force=zstd`,
+//! `-o compress=zstd`, `-o commit=0`, `-o allocator=legacy`,
 //! `-o fsync=commit` and `-o nobulk` (large writes served on the FUSE worker that took them;
 //! when this butter does not know the option yet, that test prints a notice and passes).
 //! Each runs [`SUITE_SEEDS`] seeds x both modes x [`SUITE_OPS`] operations.
@@ -2615,4 +2616,23 @@ fn diff_fsync_commit() {
 #[test]
 fn diff_nobulk() {
     run_variant("nobulk", &["-o", "nobulk"]);
+}
+
+/// Commits only at fsync and unmount: every change stays deferred the longest.
+#[test]
+fn diff_commit_0() {
+    run_variant("commit-0", &["-o", "commit=0"]);
+}
+
+/// Compression where it pays (`compress=`, not forced): files whose start does not compress
+/// are written plain.
+#[test]
+fn diff_compress_zstd() {
+    run_variant("compress-zstd", &["-o", "compress=zstd"]);
+}
+
+/// The block allocator from before the scalable one.
+#[test]
+fn diff_allocator_legacy() {
+    run_variant("allocator-legacy", &["-o", "allocator=legacy"]);
 }

@@ -161,7 +161,9 @@ fn kernel_round_trip(scratch: &ScratchDir, img: &Path, big_mib: usize) {
     names.extend(bigs.iter().map(String::as_str));
     let fs = assert_butter_clean(img, &names, "after kernel writes");
     let read = |path: &str| {
-        let ino = fs.resolve_in(fs.root_inode(), path.as_bytes()).unwrap_or_else(|e| panic!("{path}: {e}"));
+        let ino = fs
+            .resolve_in(fs.root_inode(), path.as_bytes())
+            .unwrap_or_else(|e| panic!("{path}: {e}"));
         let size = fs.stat(ino).unwrap().size as usize;
         fs.read(ino, 0, size).unwrap()
     };
