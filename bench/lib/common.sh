@@ -172,8 +172,15 @@ butter_mount() {
 # butter_umount MNT: fusermount3 -u, then wait for the butter process (TERM/KILL after 10 s).
 # Sets BUTTER_RC to butter's exit status.
 butter_umount() {
-	local mnt=$1 i
+	local mnt=$1 i hwm
 	BUTTER_RC=
+	# The FUSE process's peak resident set (VmHWM) for the row being measured (RSS_TAG:
+	# "row<TAB>system<TAB>run"), before the unmount.
+	if [[ -n $BUTTER_PID && -n ${RSS_TAG:-} ]]; then
+		hwm=$(awk '/^VmHWM:/ {print $2}' "/proc/$BUTTER_PID/status" 2>/dev/null)
+		[[ -n $hwm ]] && printf '%s\t%s\n' "$RSS_TAG" "$hwm" >>"$WORK/rss.tsv"
+	fi
+	RSS_TAG=
 	if mountpoint -q "$mnt"; then
 		fusermount3 -u "$mnt" 2>/dev/null || { sleep 1 && fusermount3 -u "$mnt" 2>/dev/null; } ||
 			fusermount3 -u -z "$mnt"

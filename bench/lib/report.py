@@ -185,6 +185,7 @@ def main():
             md.append("%d. `%s`" % (i, n.replace("`", "'")))
         md.append("")
     md.extend(latency_table(rows, latency, cells))
+    md.extend(rss_table(read_tsv(os.path.join(work, "rss.tsv"), 4)))
     md.extend(mixed_tables(work, results))
     md.append(chart_note + "\n")
 
@@ -237,6 +238,36 @@ def main():
 
 def fmt_ns(ns):
     return "%.2f ms" % (ns / 1e6)
+
+
+def rss_table(rss):
+    """Markdown lines: the FUSE processes' peak resident set (VmHWM) per row, largest of the runs."""
+    if not rss:
+        return []
+    peak, order = {}, []
+    for row, sysname, run, kb in rss:
+        if row not in order:
+            order.append(row)
+        try:
+            peak[(row, sysname)] = max(peak.get((row, sysname), 0), int(kb))
+        except ValueError:
+            pass
+    systems = []
+    for _, sysname, _, _ in rss:
+        if sysname not in systems:
+            systems.append(sysname)
+    md = ["## Peak memory of the FUSE process\n"]
+    md.append("VmHWM of the mount process just before its unmount, the largest of the runs (MiB).\n")
+    md.append("| workload | " + " | ".join(systems) + " |")
+    md.append("|---|" + "---:|" * len(systems))
+    for row in order:
+        cells = []
+        for s in systems:
+            v = peak.get((row, s))
+            cells.append("%.1f" % (v / 1024) if v is not None else "")
+        md.append("| %s | %s |" % (row.replace("|", "\\|"), " | ".join(cells)))
+    md.append("")
+    return md
 
 
 def latency_table(rows, latency, cells):

@@ -21,7 +21,7 @@ register_workload fsync_seq 60 "" \
 register_workload fsync_rand 61 "" \
 	"fio 4 KiB random writes, fsync=16, BENCH_FSYNC_JOBS jobs sharing BENCH_FSYNC_RAND_MB MiB, buffered, fresh image; MiB/s, fsync p50/p99"
 
-FS_SYSTEMS="butter kernel ext4 butter-commit butter-wait"
+FS_SYSTEMS=${BENCH_FSYNC_SYSTEMS:-"butter kernel ext4 butter-commit butter-wait"}
 : "${BENCH_FSYNC_IMAGE_MB:=1024}" "${BENCH_FSYNC_MB:=192}" "${BENCH_FSYNC_RAND_MB:=96}"
 : "${BENCH_FSYNC_JOBS:=1 2 4}" "${BENCH_FSYNC_MAX_S:=12}"
 # butter's periodic commit stays at its default (30 s, as the kernel's btrfs).
@@ -107,6 +107,7 @@ fs_measure() {
 			rc=$?
 			err=
 			((rc != 0)) && err=$(timed_error $rc)
+			RSS_TAG="$row	$sys	$run"
 			fs_umount "$sys"
 			if [[ -z $err && $sys == butter* && ${BUTTER_RC:-0} != 0 ]]; then
 				err="butter mount exited with status $BUTTER_RC after unmount: $(oneline "$(last_line "$base.mount.log")")"

@@ -150,6 +150,7 @@ fw_measure() {
 				rc=$?
 				((rc != 0)) && err=$(timed_error $rc)
 			fi
+			RSS_TAG="$row	$sys	$run"
 			fw_umount "$sys"
 			if [[ -z $err && $sys == butter && -n ${BUTTER_RC:-} && $BUTTER_RC != 0 ]]; then
 				err="butter mount exited with status $BUTTER_RC after unmount: $(oneline "$(last_line "$blog")")"
@@ -288,6 +289,7 @@ wl_meta() {
 				fi
 				i=$((i + 1))
 			done
+			RSS_TAG="meta ($n files)	$sys	$run"
 			fw_umount "$sys"
 			if [[ -z $err && $sys == butter && -n ${BUTTER_RC:-} && $BUTTER_RC != 0 ]]; then
 				record meta "${rows[2]}" "$sys" "$run" 0 "$n" files fail \
@@ -297,4 +299,54 @@ wl_meta() {
 			[[ -n $err ]] && FAILED["${rows[0]}/$sys"]=1
 		done
 	done
+}
+
+# ---------------------------------------------------------------------------------------
+# ddwrite: one streaming write of BENCH_DD_MB MiB in 16 KiB writes, fsync at the end
+# (conv=fsync). The source is pseudo-random bytes in the tmpfs, made once (untimed).
+register_workload ddwrite 54 "" \
+	"dd bs=16k of BENCH_DD_MB MiB of random bytes into a new file, conv=fsync, fresh image; MiB/s"
+: "${BENCH_DD_MB:=256}"
+export BENCH_DD_MB
+dd_cmd() { dd if="$BENCH_TMPFS/dd-src.bin" of="$1/big.bin" bs=16k conv=fsync status=none; }
+export -f dd_cmd
+wl_ddwrite() {
+	export BENCH_TMPFS=$WORK/tmpfs
+	[[ -s $BENCH_TMPFS/dd-src.bin && $(stat -c %s "$BENCH_TMPFS/dd-src.bin") == $((BENCH_DD_MB << 20)) ]] ||
+		head -c $((BENCH_DD_MB << 20)) /dev/urandom >"$BENCH_TMPFS/dd-src.bin"
+	local row="write $BENCH_DD_MB MiB, 16 KiB (dd conv=fsync)"
+	row_begin ddwrite "$row" "MiB/s" "dd if=random of=MNT/big.bin bs=16k conv=fsync"
+	fw_measure ddwrite "$row" "$BENCH_DD_MB" MiB "" dd_cmd
+}
+
+# ---------------------------------------------------------------------------------------
+# untar: extract a tarball of BENCH_UNTAR_DIRS x BENCH_UNTAR_FILES entries (sizes 0-16 KiB,
+# seeded, made once in the tmpfs, untimed), then fsync the top directory.
+register_workload untar 55 "" \
+	"tar -x of a tree of BENCH_UNTAR_DIRS dirs x BENCH_UNTAR_FILES files (0-16 KiB), fsync of the top dir, fresh image; entries/s"
+: "${BENCH_UNTAR_DIRS:=30}" "${BENCH_UNTAR_FILES:=119}"
+untar_cmd() { tar -xf "$BENCH_TMPFS/untar.tar" -C "$1" && sync "$1/tree"; }
+export -f untar_cmd
+wl_untar() {
+	export BENCH_TMPFS=$WORK/tmpfs
+	local tar=$BENCH_TMPFS/untar.tar entries=$((BENCH_UNTAR_DIRS * (BENCH_UNTAR_FILES + 1) + 1))
+	if [[ ! -s $tar ]] || [[ $(tar -tf "$tar" | wc -l) != "$entries" ]]; then
+		rm -rf "$BENCH_TMPFS/untar-src"
+		python3 - "$BENCH_TMPFS/untar-src/tree" "$BENCH_UNTAR_DIRS" "$BENCH_UNTAR_FILES" <<'PY'
+import os, random, sys
+top, dirs, files = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+rng = random.Random(7)
+for d in range(dirs):
+    p = os.path.join(top, "dir%03d" % d)
+    os.makedirs(p)
+    for f in range(files):
+        with open(os.path.join(p, "file-%04d.txt" % f), "wb") as fh:
+            fh.write(rng.randbytes(rng.choice([0, 100, 1000, 3000, 4096, 9000, 16384])))
+PY
+		tar -cf "$tar" -C "$BENCH_TMPFS/untar-src" tree
+		rm -rf "$BENCH_TMPFS/untar-src"
+	fi
+	local row="untar ($entries entries)"
+	row_begin untar "$row" "entries/s" "tar -xf (files 0-16 KiB) then sync of the top dir"
+	fw_measure untar "$row" "$entries" entries "" untar_cmd
 }
