@@ -17,7 +17,8 @@
 //! fallback), writes through a shared mapping with msync(MS_SYNC) (in a child that shares the
 //! fd table, so a SIGBUS is a reported difference, not a dead test), rename (also over an
 //! existing, maybe open, file), link, unlink (of open files too, written on through the fd),
-//! fsync, fdatasync, fsync of a directory, setxattr/fsetxattr/removexattr and chmod.
+//! fsync, fdatasync, fsync of a directory, setxattr/fsetxattr/removexattr, chmod (set-id
+//! bits too) and pwrites by another user (uid 1000, which clear those bits).
 //!
 //! Mode "blind": nothing looks at butter's files between the operations (the generator reads
 //! sizes from the reference side only). Mode "looking": a quarter of the operations are looks
@@ -34,8 +35,9 @@
 //! manifest of the butter mount, unmount, `butter check`, `btrfs check --readonly` and a
 //! kernel mount that must show the same tree (`verify_image`).
 //!
-//! Option sets, one #[test] each: defaults, `-o nodelalloc`, `-o compress-force=zstd`,
-//! `-o compress=zstd`, `-o commit=0`, `-o allocator=legacy`,
+//! Option sets, one #[test] each: defaults (the kernel caches names, attributes, missing
+//! names and pages long, crate::fuse::Caching), `-o nodelalloc`, `-o compress-force=zstd`,
+//! `-o compress=zstd`, `-o commit=0`, `-o allocator=legacy`, `-o cache=strict`,
 //! `-o fsync=commit` and `-o nobulk` (large writes served on the FUSE worker that took them;
 //! when this butter does not know the option yet, that test prints a notice and passes).
 //! Each runs [`SUITE_SEEDS`] seeds x both modes x [`SUITE_OPS`] operations.
@@ -107,6 +109,14 @@ enum Op {
         off: u64,
         len: u64,
         fill: Fill,
+        seed: u64,
+    },
+    /// A pwrite through the fd by another user (uid and gid 1000, no capabilities): the
+    /// set-id bits of the file go as the kernel's VFS clears them.
+    UserPwrite {
+        slot: usize,
+        off: u64,
+        len: u64,
         seed: u64,
     },
     /// lseek(SEEK_SET) when `seek`, then write(2) at the fd's position.
@@ -278,6 +288,15 @@ impl std::fmt::Display for Op {
                 ),
                 None => write!(f, "write(fd{slot}, {len} {fill:?} bytes #{seed})"),
             },
+            Op::UserPwrite {
+                slot,
+                off,
+                len,
+                seed,
+            } => write!(
+                f,
+                "as uid 1000: pwrite(fd{slot}, {len} Random bytes #{seed}, {off})"
+            ),
             Op::DioWrite {
                 name,
                 off,
@@ -646,6 +665,41 @@ impl Side {
                     Res::ok(0)
                 }
                 Op::Close { slot } => self.close_slot(slot),
+                Op::UserPwrite {
+                    slot,
+                    off,
+                    len,
+                    seed,
+                } => {
+                    let buf = make_data(Fill::Random, seed, len);
+                    let fd = self.fds[slot];
+                    // In the child: raw syscalls on memory prepared before.
+                    let code = in_child(|| {
+                        if libc::setgroups(0, std::ptr::null()) != 0
+                            || libc::setresgid(1000, 1000, 1000) != 0
+                            || libc::setresuid(1000, 1000, 1000) != 0
+                        {
+                            return 200;
+                        }
+                        let n = libc::pwrite(fd, buf.as_ptr().cast(), buf.len(), off as i64);
+                        if n < 0 {
+                            *libc::__errno_location()
+                        } else if n as usize != buf.len() {
+                            201
+                        } else {
+                            0
+                        }
+                    });
+                    match code {
+                        0 => Res::ok(len as i64),
+                        e if e < 200 => Res::errno(e),
+                        e => Res {
+                            ret: -1,
+                            err: e,
+                            data: b"child failed".to_vec(),
+                        },
+                    }
+                }
                 Op::Pwrite {
                     slot,
                     off,
@@ -1296,7 +1350,17 @@ impl Gen {
                 }
             }
             8..=10 => Op::Close { slot: self.slot(r) },
-            11..=32 => {
+            11..=12 => {
+                let slot = self.slot(r);
+                let (off, len) = self.write_range(fsize(slot));
+                Op::UserPwrite {
+                    slot,
+                    off,
+                    len,
+                    seed: self.data_seed(),
+                }
+            }
+            13..=32 => {
                 let slot = self.slot(r);
                 let (off, len) = self.write_range(fsize(slot));
                 Op::Pwrite {
@@ -1477,7 +1541,9 @@ impl Gen {
             },
             _ => Op::Chmod {
                 name: self.name(r),
-                mode: *self.rng.pick(&[0o644, 0o600, 0o640, 0o755, 0o666]),
+                mode: *self.rng.pick(&[
+                    0o644, 0o600, 0o640, 0o755, 0o666, 0o4755, 0o6775, 0o2765, 0o6666,
+                ]),
             },
         })
     }
@@ -1545,6 +1611,7 @@ fn target_of(r: &Side, op: &Op) -> Option<(u64, u64)> {
     let slot_of = |s: usize| fstat(r.fds[s]).map(|x| (x.ino, x.size));
     match *op {
         Op::Pwrite { slot, .. }
+        | Op::UserPwrite { slot, .. }
         | Op::Write { slot, .. }
         | Op::Ftruncate { slot, .. }
         | Op::Fallocate { slot, .. }
@@ -1592,6 +1659,7 @@ fn update_model(model: &mut HoleModel, r: &Side, op: &Op, res: &Res, pre: Option
     let post = match *op {
         Op::Truncate { name, .. } => lstat(&r.path(name)).map(|x| x.size),
         Op::Pwrite { slot, .. }
+        | Op::UserPwrite { slot, .. }
         | Op::Write { slot, .. }
         | Op::Ftruncate { slot, .. }
         | Op::Fallocate { slot, .. }
@@ -1603,7 +1671,7 @@ fn update_model(model: &mut HoleModel, r: &Side, op: &Op, res: &Res, pre: Option
         return;
     };
     match *op {
-        Op::Pwrite { slot, off, .. } => {
+        Op::Pwrite { slot, off, .. } | Op::UserPwrite { slot, off, .. } => {
             // SAFETY: F_GETFL on our descriptor.
             let fl = unsafe { libc::fcntl(r.fds[slot], libc::F_GETFL) };
             let start = if fl >= 0 && fl & libc::O_APPEND != 0 {
@@ -2457,10 +2525,12 @@ fn run_variant(variant: &str, mount_args: &[&str]) {
     let rimg = scratch.join("ref.img");
     common::kernel::mkfs_ext4(&rimg, IMAGE_SIZE);
     let rmount = LoopMount::new(&rimg, &scratch.join("ref"), FsType::Ext4, "");
+    // allow_other: the pwrites by uid 1000 (Op::UserPwrite) are requests of another user.
+    let mount_args: Vec<&str> = [mount_args, &["-o", "allow_other"]].concat();
     let bm = match ButterMount::try_start(
         &img,
         &scratch.join("bmnt"),
-        mount_args,
+        &mount_args,
         &scratch.join("butter.log"),
     ) {
         Ok(m) => m,
@@ -2635,4 +2705,11 @@ fn diff_compress_zstd() {
 #[test]
 fn diff_allocator_legacy() {
     run_variant("allocator-legacy", &["-o", "allocator=legacy"]);
+}
+
+/// The kernel caches as before the long timeouts: 1 s, no negative entries, no page cache
+/// kept across opens.
+#[test]
+fn diff_cache_strict() {
+    run_variant("cache-strict", &["-o", "cache=strict"]);
 }

@@ -44,7 +44,13 @@ pub struct MountArgs {
     /// older one, for benchmarks), delalloc|nodelalloc (appends gather in memory before
     /// they are allocated, the default; or each write is allocated when it comes),
     /// bulk|nobulk (large writes run on threads of their own, one per CPU, the default; or
-    /// on the thread that took the request). Accepted and ignored, as options that change
+    /// on the thread that took the request), entry_timeout=SECONDS, attr_timeout=SECONDS,
+    /// negative_timeout=SECONDS (how long the kernel caches names, attributes and names
+    /// found missing; default 60 each), keep_cache|nokeep_cache (file pages and directory
+    /// listings kept across opens; default on), killpriv|nokillpriv (butter
+    /// clears set-id bits on write, so the kernel stops asking for security.capability before
+    /// each write; default on), cache=strict (all of these off, 1 s timeouts: read-write
+    /// caching as before) or cache=default. Accepted and ignored, as options that change
     /// nothing for an image: defaults, relatime and the other atime variants, lazytime,
     /// space_cache[=v1|v2], ssd, nossd, ssd_spread, discard[=sync|async], nodiscard,
     /// autodefrag, user_subvol_rm_allowed, barrier, flushoncommit, degraded, thread_pool=N,
@@ -140,6 +146,7 @@ fn plan(a: &MountArgs) -> Result<Plan, CliError> {
         threads: a.threads.max(1),
         commit_interval: Some(Duration::from_secs(DEFAULT_COMMIT)),
         bulk: true,
+        caching: crate::fuse::Caching::READ_WRITE,
     };
     for opt in a.options.iter().flat_map(|o| o.split(',')) {
         let (key, value) = match opt.split_once('=') {
@@ -182,6 +189,41 @@ fn plan(a: &MountArgs) -> Result<Plan, CliError> {
             ("nobulk", None) => {
                 cfg.bulk = false;
                 None
+            }
+            ("entry_timeout" | "attr_timeout" | "negative_timeout", Some(v)) => {
+                let t = v
+                    .parse::<f64>()
+                    .ok()
+                    .and_then(|s| Duration::try_from_secs_f64(s).ok())
+                    .ok_or_else(|| CliError(format!("{key}={v}: not a number of seconds")))?;
+                let c = &mut cfg.caching;
+                *match key {
+                    "entry_timeout" => &mut c.entry,
+                    "attr_timeout" => &mut c.attr,
+                    _ => &mut c.negative,
+                } = t;
+                None
+            }
+            ("keep_cache" | "nokeep_cache", None) => {
+                cfg.caching.keep_cache = key == "keep_cache";
+                None
+            }
+            ("killpriv" | "nokillpriv", None) => {
+                cfg.caching.killpriv = key == "killpriv";
+                None
+            }
+            ("cache", Some("strict")) => {
+                cfg.caching = crate::fuse::Caching::STRICT;
+                None
+            }
+            ("cache", Some("default")) => {
+                cfg.caching = crate::fuse::Caching::READ_WRITE;
+                None
+            }
+            ("cache", Some(v)) => {
+                return Err(CliError(format!(
+                    "cache={v}: expected cache=default or cache=strict"
+                )))
             }
             ("compress" | "compress-force", v) => {
                 compress = match v {
