@@ -49,7 +49,7 @@ impl Key {
         }
     }
 
-    #[cfg(test)]
+    #[cfg(any(test, feature = "fuzzing"))]
     /// The smallest key strictly greater than this one.
     pub(crate) fn successor(&self) -> Option<Key> {
         if self.offset < u64::MAX {
