@@ -5,18 +5,22 @@
 //!
 //! - **Read-only mounts** carry `ro`; opens for writing, `access(W_OK)` and every changing
 //!   operation get EROFS.
-//! - **Read-write mounts.** Each operation maps to one engine call (or a few, under one lock:
-//!   create + inherited ACLs). Changes are durable at a commit (every `commit_interval`, and
+//! - **Read-write mounts.** Each operation is one engine call (`butter::fs::Fs`'s operations,
+//!   crate `butter::fs::ops`), which takes its own passage through the engine's gate: the
+//!   adapter picks no lock and holds none. Changes are durable at a commit (every `commit_interval`, and
 //!   in `destroy` at the end of the session) and, for one inode, at its `fsync`, which writes
 //!   the fsync log (crate `butter::tree_log::write`; directories and the cases the log cannot
 //!   express commit instead, as does every fsync with `fsync=commit`). Close (`flush`) is
 //!   not durable, as on the kernel's btrfs. SIGKILL leaves the image at its last commit plus
 //!   the log; the next read-write open replays it.
-//! - **Ordering** is the engine's gate (crate `butter::gate`): changes and commits pass it
-//!   exclusively, reads (lookup, getattr, read, readdir, xattr reads, lseek, statfs) share it
-//!   and run in parallel with each other; a write's data goes to the device out of it, and a
-//!   read of one file waits only for that file's writes to complete.
-//! - **Permissions** are the kernel's (`default_permissions`). With `FUSE_POSIX_ACL` (asked
+//! - **Ordering** is the engine's gate (crate `butter::gate`), which each operation passes
+//!   itself: changes and commits exclusively, reads (lookup, getattr, read, readdir, xattr
+//!   reads, lseek, statfs) shared and in parallel with each other; a write's data goes to the
+//!   device out of it, and a read of one file waits only for that file's writes to complete.
+//! - **Permissions** are the kernel's (`default_permissions`); what the kernel's VFS leaves
+//!   to a FUSE server (set-id bits a write, truncate or chown clears, capabilities, the mode
+//!   and ACL of a new inode) the engine's `*_as` operations apply for the request's caller
+//!   (crate `butter::fs::posix`). With `FUSE_POSIX_ACL` (asked
 //!   for in `init`) the kernel also enforces ACLs from the `system.posix_acl_*` xattrs we
 //!   store as given (the xattr format btrfs stores), and leaves umask to us (`FUSE_DONT_MASK`):
 //!   new inodes get the parent's default ACL (then no umask) as the kernel's `posix_acl_create`
@@ -62,11 +66,10 @@
 //!   read-write alike: every change comes through the kernel (one writer per image).
 //!   `-o cache=strict` gives read-write mounts 1 s timeouts and nothing kept across opens.
 
-use crate::acl;
 use crate::bulk::Bulk;
-use crate::setid::{self, Caller, SetIdNodes};
+use crate::setid::Caller;
 use butter::format::items::{InodeItem, Timespec};
-use butter::fs::{Fs, Inode};
+use butter::fs::{At, DirEnd, Fs, Inode, NewKind, NewNode, Side};
 use butter::inode::namespace::{Owner, SetAttr};
 use butter::inode::seek::Seek;
 use butter::{Error, Location};
@@ -155,12 +158,6 @@ const BULK_WRITE: usize = 128 << 10;
 /// subvolume below it are used as they are; btrfs allocates inode numbers upwards from 256, so
 /// a real filesystem never gets near 2^48.
 pub const TABLE_BASE: u64 = 1 << 48;
-
-/// Entries fetched from the engine per step while filling a readdir reply.
-const READDIR_BATCH: usize = 128;
-
-/// The xattr holding file capabilities.
-const CAPS: &[u8] = b"security.capability";
 
 /// Longest name btrfs stores.
 const NAME_MAX: usize = 255;
@@ -264,17 +261,6 @@ impl From<Error> for OpError {
 
 type OpResult<T> = Result<T, OpError>;
 
-/// How a changing operation passes the engine's gate (node ids).
-#[derive(Clone, Copy)]
-enum Passage {
-    /// A change of names or attributes only.
-    Any,
-    /// A change of the node's data (truncate, fallocate, a write through another call).
-    Data(u64),
-    /// A write to the node, whose data goes to the device out of the gate.
-    Write(u64),
-}
-
 /// An open file.
 struct Handle {
     ino: Inode,
@@ -303,13 +289,8 @@ pub struct ButterFuse {
     writable: bool,
     /// What the kernel may cache, and for how long.
     caching: Caching,
-    /// POSIX ACLs negotiated (FUSE_POSIX_ACL): we apply umask and default ACLs on create and
-    /// keep mode bits and access ACLs in step.
-    acl: bool,
     /// Threads for the engine's part of large writes (read-write mounts).
     bulk: Option<Bulk>,
-    /// Nodes whose set-id bits a change may have to clear (crate::setid).
-    setid: SetIdNodes,
     /// Tells the kernel to forget attributes it caches (set once the session exists).
     notifier: Arc<std::sync::OnceLock<fuser::Notifier>>,
 }
@@ -340,12 +321,33 @@ fn time_or_now(t: TimeOrNow) -> Timespec {
     }
 }
 
-/// The caller of a request, for crate::setid.
+/// The caller of a request, for the engine's POSIX rules (crate::setid).
 fn caller_of(req: &Request) -> Caller {
     Caller {
         uid: req.uid(),
         gid: req.gid(),
         pid: req.pid(),
+    }
+}
+
+/// A new inode as the request asks for it, owned by its caller; `open` holds it for a
+/// handle (create).
+fn new_node<'a>(
+    req: &Request,
+    kind: NewKind<'a>,
+    mode: u32,
+    umask: u32,
+    open: bool,
+) -> NewNode<'a> {
+    NewNode {
+        kind,
+        mode,
+        umask,
+        owner: Owner {
+            uid: req.uid(),
+            gid: req.gid(),
+        },
+        open,
     }
 }
 
@@ -362,7 +364,11 @@ fn fs_err(e: Error) -> OpError {
         | Error::NameTooLong(_)
         | Error::NoSpace(_)
         | Error::ReadOnlySubvol(_)
-        | Error::NotPermitted(_) => OpError::Quiet(e.errno()),
+        | Error::NotPermitted(_)
+        | Error::AccessDenied(_)
+        // Read-only, or changes stopped (the latch logged why, once).
+        | Error::ReadOnly
+        | Error::Aborted(_) => OpError::Quiet(e.errno()),
         _ => OpError::Fs(e),
     }
 }
@@ -387,7 +393,6 @@ impl ButterFuse {
             } else {
                 Caching::READ_ONLY
             },
-            acl: false,
             bulk: if writable {
                 Bulk::per_cpu()
                     .map_err(|e| {
@@ -397,7 +402,6 @@ impl ButterFuse {
             } else {
                 None
             },
-            setid: SetIdNodes::default(),
             notifier: Arc::default(),
         }
     }
@@ -416,42 +420,6 @@ impl ButterFuse {
         self
     }
 
-    /// Clears the set-id bits a change of `node`'s data by `caller` clears on the kernel's
-    /// filesystems (crate::setid); under the change's gate.
-    fn drop_setid(&self, caller: &Caller, node: u64, ino: Inode) -> OpResult<()> {
-        self.drop_caps(ino)?;
-        if !self.setid.may_have(node) {
-            return Ok(());
-        }
-        let item = self.fs.inode_item(ino)?;
-        let mode = item.mode;
-        let kill = setid::killed_by_change(caller, mode, item.gid);
-        if kill == 0 {
-            return Ok(());
-        }
-        let mode = mode & 0o7777 & !kill;
-        self.fs.setattr(
-            ino,
-            &SetAttr {
-                mode: Some(mode),
-                ..Default::default()
-            },
-        )?;
-        self.setid.note(node, mode);
-        self.forget_attrs(node);
-        Ok(())
-    }
-
-    /// With FUSE_HANDLE_KILLPRIV_V2 the server removes `security.capability` on write,
-    /// truncate and chown, as the kernel's VFS does for its own filesystems (without it the
-    /// kernel asks for the xattr before every write and removes it itself).
-    fn drop_caps(&self, ino: Inode) -> OpResult<()> {
-        if self.caching.killpriv && self.fs.getxattr(ino, CAPS)?.is_some() {
-            self.fs.removexattr(ino, CAPS)?;
-        }
-        Ok(())
-    }
-
     /// The end of a handle on `ino` (none: a handle never handed out): the engine deletes
     /// the last handle's unlinked file or removed directory (Fs::release).
     fn release_inode(&self, op: &str, node: u64, ino: Option<Inode>, reply: ReplyEmpty) {
@@ -465,8 +433,9 @@ impl ButterFuse {
     }
 
     /// Tells the kernel to drop the attributes it caches for `node`: for a change it did not
-    /// ask for as a setattr (a mode an O_DIRECT write cleared, the ctime of chattr). Attributes
-    /// only (offset -1): no page is touched, so this cannot wait on the request being served.
+    /// ask for as a setattr (a mode a write by another user cleared, the ctime of chattr).
+    /// Attributes only (offset -1): no page is touched, so this cannot wait on the request
+    /// being served.
     fn forget_attrs(&self, node: u64) {
         if let Some(n) = self.notifier.get() {
             if let Err(e) = n.inval_inode(INodeNo(node), -1, 0) {
@@ -475,7 +444,15 @@ impl ButterFuse {
         }
     }
 
-    /// Runs `f`, turning its failure or panic into an errno and a log line naming `op`.
+    /// [`ButterFuse::forget_attrs`] when the engine's POSIX rules changed the mode.
+    fn after(&self, node: u64, side: Side) {
+        if side.mode_changed {
+            self.forget_attrs(node);
+        }
+    }
+
+    /// Runs `f` (one engine operation, which takes its own passage through the engine's
+    /// gate), turning its failure or panic into an errno and a log line naming `op`.
     fn guard<T>(&self, op: &str, node: u64, f: impl FnOnce() -> OpResult<T>) -> Result<T, Errno> {
         match catch_unwind(AssertUnwindSafe(f)) {
             Ok(Ok(v)) => Ok(v),
@@ -500,77 +477,12 @@ impl ButterFuse {
         }
     }
 
-    /// [`ButterFuse::guard`] for a reading operation (shared lock).
-    fn read_op<T>(&self, op: &str, node: u64, f: impl FnOnce() -> OpResult<T>) -> Result<T, Errno> {
-        let _g = self.fs.read_gate();
+    /// [`ButterFuse::guard`] for a change: EROFS at once on a read-only mount.
+    fn change<T>(&self, op: &str, node: u64, f: impl FnOnce() -> OpResult<T>) -> Result<T, Errno> {
+        if !self.writable {
+            return Err(Errno::from_i32(libc::EROFS));
+        }
         self.guard(op, node, f)
-    }
-
-    /// [`ButterFuse::read_op`] for a read of `node` alone (its data or attributes): other
-    /// files' writes in flight are left to complete later (`Fs::read_gate_on`).
-    fn read_op_on<T>(
-        &self,
-        op: &str,
-        node: u64,
-        f: impl FnOnce() -> OpResult<T>,
-    ) -> Result<T, Errno> {
-        let _g = match self.map.inode(node) {
-            Some(i) => self.fs.read_gate_on(i),
-            None => self.fs.read_gate(),
-        };
-        self.guard(op, node, f)
-    }
-
-    /// [`ButterFuse::guard`] for a reading operation that only reads xattr or directory
-    /// items: pending ordered extents and delayed-allocation buffers cannot change what it
-    /// sees, and it never completes them, so it takes the shared lock as it is. (The kernel
-    /// asks for `security.capability` before every write; completing the file's writes there
-    /// would write each delayed-allocation buffer back after a single append.)
-    fn items_read_op<T>(
-        &self,
-        op: &str,
-        node: u64,
-        f: impl FnOnce() -> OpResult<T>,
-    ) -> Result<T, Errno> {
-        let _g = self.fs.read_gate_as_is();
-        self.guard(op, node, f)
-    }
-
-    /// [`ButterFuse::guard`] for a changing operation (exclusive lock; EROFS when read-only).
-    fn write_op<T>(
-        &self,
-        op: &str,
-        node: u64,
-        f: impl FnOnce() -> OpResult<T>,
-    ) -> Result<T, Errno> {
-        self.change_op(op, node, Passage::Any, f)
-    }
-
-    /// [`ButterFuse::write_op`] through the engine's passage for a change of `node`'s data
-    /// (`Passage::Data`) or for a write to it (`Passage::Write`): see `Fs::change_gate_on`
-    /// and `Fs::write_gate`.
-    fn change_op<T>(
-        &self,
-        op: &str,
-        node: u64,
-        passage: Passage,
-        f: impl FnOnce() -> OpResult<T>,
-    ) -> Result<T, Errno> {
-        self.guard(op, node, || {
-            // The engine's gate: EROFS when read-only or once changes stopped. The engine
-            // judges failures reported to it and a panic unwinding through it (its latch).
-            let gate = match passage {
-                Passage::Any => self.fs.change_gate(),
-                Passage::Data(n) => self.fs.change_gate_on(self.inode(n)?),
-                Passage::Write(n) => self.fs.write_gate(self.inode(n)?),
-            };
-            let g = gate.map_err(|_| OpError::Quiet(libc::EROFS))?;
-            let r = f();
-            if let Err(OpError::Fs(e)) = &r {
-                g.failed(op, e);
-            }
-            r
-        })
     }
 
     fn inode(&self, node: u64) -> OpResult<Inode> {
@@ -618,7 +530,7 @@ impl ButterFuse {
         e.0 += 1;
         if e.0 == 1 && attr.kind != FileType::Directory {
             if let Ok(ino) = self.inode(node) {
-                self.fs.note_open(ino);
+                self.fs.hold(ino);
                 e.1 = Some(ino);
             }
         }
@@ -632,18 +544,22 @@ impl ButterFuse {
         }
     }
 
-    /// Attributes of node `node` (engine inode `ino`).
-    fn attr(&self, node: u64, ino: Inode) -> OpResult<FileAttr> {
-        let item = self.fs.inode_item(ino)?;
-        self.setid.note(node, item.mode);
+    /// The FUSE attributes of node `node` (engine inode `ino`) from its item.
+    fn attr_of(&self, node: u64, ino: Inode, item: &InodeItem) -> OpResult<FileAttr> {
         let ss = u64::from(self.fs.sectorsize().max(1));
-        file_attr(self.map.st_ino(node), ino, &item, ss).map_err(OpError::Fs)
+        file_attr(self.map.st_ino(node), ino, item, ss).map_err(OpError::Fs)
     }
 
-    /// Node id and attributes of an inode found by lookup or readdirplus under `parent`.
-    fn entry(&self, parent: u64, ino: Inode) -> OpResult<FileAttr> {
+    /// Attributes of node `node` (engine inode `ino`).
+    fn attr(&self, node: u64, ino: Inode) -> OpResult<FileAttr> {
+        let item = self.fs.inode_item(ino).map_err(fs_err)?;
+        self.attr_of(node, ino, &item)
+    }
+
+    /// Node id and attributes of inode `ino` (item `item`) found or made under `parent`.
+    fn entry(&self, parent: u64, ino: Inode, item: &InodeItem) -> OpResult<FileAttr> {
         let node = self.map.node_id(ino);
-        let attr = self.attr(node, ino)?;
+        let attr = self.attr_of(node, ino, item)?;
         if attr.kind == FileType::Directory && node != INodeNo::ROOT.0 {
             self.remember_parent(node, parent);
         }
@@ -666,28 +582,30 @@ impl ButterFuse {
         }
     }
 
-    /// "." and ".." (offsets 1 and 2), then entries with index >= `offset`. `add` gets the
-    /// name, the entry's next offset, and the entry (`None` for the dots); it returns true
-    /// when the reply is full.
+    /// "." and ".." (offsets 1 and 2), then entries with index >= `offset` up to the end the
+    /// handle `fh` saw at its open (or now, listing from the start, as the kernel's btrfs
+    /// refreshes its end on rewinddir): one engine call. `add` gets the name, the entry's
+    /// next offset, the entry (`None` for the dots) and its item when `items`; it returns
+    /// true when the reply is full.
     fn fill_dir(
         &self,
         node: u64,
         fh: u64,
         offset: u64,
-        mut add: impl FnMut(&[u8], u64, Option<&butter::fs::DirEntry>) -> OpResult<bool>,
+        items: bool,
+        mut add: impl FnMut(
+            &[u8],
+            u64,
+            Option<(&butter::fs::DirEntry, Option<&InodeItem>)>,
+        ) -> OpResult<bool>,
     ) -> OpResult<()> {
         let dir = self.inode(node)?;
-        let last = {
-            let mut dirs = self.dirs.lock().unwrap_or_else(|e| e.into_inner());
-            match dirs.get_mut(&fh) {
-                // A listing from the start (the first, or after rewinddir) sees the entries
-                // there are now, as the kernel's btrfs refreshes its end on rewinddir.
-                Some(d) if offset == 0 => {
-                    d.1 = self.fs.last_dir_index(dir)?;
-                    d.1
-                }
-                Some(d) => d.1,
-                None => u64::MAX - 1,
+        let end = {
+            let dirs = self.dirs.lock().unwrap_or_else(|e| e.into_inner());
+            match dirs.get(&fh) {
+                Some(_) if offset == 0 => DirEnd::Now,
+                Some(d) => DirEnd::At(d.1),
+                None => DirEnd::At(u64::MAX - 1),
             }
         };
         if offset == 0 && add(b".", 1, None)? {
@@ -696,25 +614,17 @@ impl ButterFuse {
         if offset <= 1 && add(b"..", 2, None)? {
             return Ok(());
         }
-        let mut after = offset.max(2) - 1;
-        loop {
-            let batch = self.fs.readdir(dir, after, READDIR_BATCH)?;
-            if batch.is_empty() {
-                return Ok(());
-            }
-            for e in &batch {
-                after = e.index;
-                if e.index > last {
-                    // Added (or renamed) since the open: the listing ends before it.
-                    return Ok(());
-                }
+        let mut edge: Option<OpError> = None;
+        let used = self
+            .fs
+            .readdir_with(dir, offset.max(2) - 1, end, items, &mut |e, item| {
                 if e.index == u64::MAX {
                     log::error!(
                         "readdir (node {node}): entry {:?} has index {}, beyond what a cookie can resume",
                         String::from_utf8_lossy(&e.name),
                         e.index
                     );
-                    return Ok(());
+                    return Ok(true);
                 }
                 if let Err(why) = check_name(&e.name) {
                     log::error!(
@@ -722,87 +632,63 @@ impl ButterFuse {
                         String::from_utf8_lossy(&e.name),
                         e.index
                     );
-                    continue;
+                    return Ok(false);
                 }
-                if add(&e.name, e.index + 1, Some(e))? {
-                    return Ok(());
+                match add(&e.name, e.index + 1, Some((e, item))) {
+                    Ok(full) => Ok(full),
+                    Err(x) => {
+                        edge = Some(x);
+                        Ok(true)
+                    }
                 }
+            })
+            .map_err(fs_err)?;
+        if end == DirEnd::Now {
+            if let Some(d) = self
+                .dirs
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .get_mut(&fh)
+            {
+                d.1 = used;
             }
+        }
+        match edge {
+            Some(e) => Err(e),
+            None => Ok(()),
         }
     }
 
     /// File type of a directory entry, from its FT_* code or else from the inode itself.
-    fn entry_kind(&self, e: &butter::fs::DirEntry) -> OpResult<FileType> {
-        let mode = match e.mode_type() {
-            0 => self.fs.inode_item(e.target)?.mode,
-            m => m,
+    fn entry_kind(&self, e: &butter::fs::DirEntry, item: Option<&InodeItem>) -> OpResult<FileType> {
+        let mode = match (e.mode_type(), item) {
+            (0, Some(i)) => i.mode,
+            (0, None) => self.fs.inode_item(e.target)?.mode,
+            (m, _) => m,
         };
         kind_from_mode(mode, e.target).map_err(OpError::Fs)
     }
 
-    /// Creates a node of any kind in `parent` as POSIX says: owner from the request, group
-    /// and set-group-id bit from a set-group-id parent, umask (or, with ACLs, the parent's
-    /// default ACL) applied to the mode. `make` creates the inode with the final mode/owner.
+    /// Creates a node of any kind in `parent` (the engine applies the POSIX rules: owner,
+    /// set-group-id directories, default ACLs or umask).
     fn create_node(
         &self,
-        req: &Request,
         parent: u64,
         name: &OsStr,
-        mode: u32,
-        umask: u32,
-        make: impl FnOnce(Inode, &[u8], u32, Owner) -> butter::Result<Inode>,
-    ) -> OpResult<FileAttr> {
+        new: &NewNode<'_>,
+    ) -> OpResult<(Inode, FileAttr)> {
         let dir = self.inode(parent)?;
         let name = name.as_bytes();
         if name.len() > NAME_MAX {
             return Err(OpError::Quiet(libc::ENAMETOOLONG));
         }
-        let d = self.fs.inode_item(dir)?;
-        let is_dir = mode & libc::S_IFMT == libc::S_IFDIR;
-        let mut owner = Owner {
-            uid: req.uid(),
-            gid: req.gid(),
-        };
-        let mut mode = mode;
-        if d.mode & libc::S_ISGID != 0 {
-            owner.gid = d.gid;
-            if is_dir {
-                mode |= libc::S_ISGID;
-            }
-        }
-        let default_acl = if self.acl {
-            self.fs
-                .getxattr(dir, acl::DEFAULT)?
-                .and_then(|v| acl::parse(&v))
-        } else {
-            None
-        };
-        let mut access_acl = None;
-        match &default_acl {
-            Some(def) if mode & libc::S_IFMT != libc::S_IFLNK => {
-                let (a, m) = acl::inherit(def, mode);
-                mode = m;
-                if !acl::mode_of(&a).1 {
-                    access_acl = Some(acl::encode(&a));
-                }
-            }
-            _ if self.acl => mode &= !(umask & 0o777),
-            _ => {}
-        }
-        let ino = make(dir, name, mode, owner).map_err(fs_err)?;
-        if let Some(v) = access_acl {
-            self.fs.setxattr(ino, acl::ACCESS, &v, 0)?;
-        }
-        if let (Some(def), true) = (&default_acl, is_dir) {
-            self.fs.setxattr(ino, acl::DEFAULT, &acl::encode(def), 0)?;
-        }
-        self.entry(parent, ino)
+        let (ino, item) = self.fs.create_node(dir, name, new).map_err(fs_err)?;
+        Ok((ino, self.entry(parent, ino, &item)?))
     }
 
-    /// A new file handle for `ino`.
-    fn open_handle(&self, ino: Inode, flags: i32) -> u64 {
+    /// A new file handle for `ino` (which the engine holds open already).
+    fn new_handle(&self, ino: Inode, flags: i32) -> u64 {
         let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
-        self.fs.note_open(ino);
         self.handles
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -833,54 +719,16 @@ impl ButterFuse {
 
     /// fsync and fsyncdir: the inode's changes (or, where the engine cannot log them, all
     /// changes) are durable when this returns.
-    fn fsync_node(&self, op: &str, node: u64) -> Result<(), Errno> {
+    fn fsync_node(&self, op: &str, node: u64, datasync: bool) -> Result<(), Errno> {
         self.guard(op, node, || {
             if !self.writable {
                 return Ok(());
             }
             let i = self.inode(node)?;
             self.fs
-                .gated_fsync(i)
+                .fsync(i, datasync)
                 .map_err(|e| OpError::Edge(libc::EIO, format!("{op}: {e}")))
         })
-    }
-
-    /// Setting `system.posix_acl_access`: the mode's permission bits follow the ACL, and an
-    /// ACL the mode says all of is not stored (as the kernel's filesystems do).
-    fn set_access_acl(
-        &self,
-        caller: &Caller,
-        ino: Inode,
-        value: &[u8],
-        flags: u32,
-    ) -> OpResult<()> {
-        let entries = acl::parse(value).ok_or(OpError::Quiet(libc::EINVAL))?;
-        let (bits, equiv) = acl::mode_of(&entries);
-        let item = self.fs.inode_item(ino)?;
-        if equiv {
-            if self.fs.getxattr(ino, acl::ACCESS)?.is_some() {
-                self.fs.removexattr(ino, acl::ACCESS)?;
-            } else if flags & 2 != 0 {
-                return Err(OpError::Quiet(libc::ENODATA));
-            }
-        } else {
-            self.fs
-                .setxattr(ino, acl::ACCESS, value, flags)
-                .map_err(fs_err)?;
-        }
-        // As a chmod: set-group-id goes unless the caller is in the file's group
-        // (crate::setid).
-        let mode = setid::chmod_mode(caller, (item.mode & 0o7000) | bits, item.gid);
-        if mode != item.mode & 0o7777 {
-            self.fs.setattr(
-                ino,
-                &SetAttr {
-                    mode: Some(mode),
-                    ..Default::default()
-                },
-            )?;
-        }
-        Ok(())
     }
 }
 
@@ -904,12 +752,13 @@ impl Filesystem for ButterFuse {
         }
         // ACLs: the kernel enforces them (with default_permissions) from the xattrs we
         // store, and leaves umask to us (DONT_MASK) so a default ACL can replace it.
-        self.acl = config
+        let acl = config
             .add_capabilities(InitFlags::FUSE_POSIX_ACL | InitFlags::FUSE_DONT_MASK)
             .is_ok();
-        if !self.acl {
+        if !acl {
             log::info!("the kernel does not offer FUSE_POSIX_ACL: ACLs are not enforced");
         }
+        self.fs.enforce_acls(acl);
         if self.caching.killpriv
             && config
                 .add_capabilities(InitFlags::FUSE_HANDLE_KILLPRIV_V2)
@@ -978,52 +827,38 @@ impl Filesystem for ButterFuse {
     }
 
     fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
-        // The name first, under the gate as it is (pending writes never change directory
-        // items), then the attributes under the gate for that inode alone: a lookup does not
-        // wait for other files' writes to complete.
-        let found = self.items_read_op("lookup", parent.0, || {
+        // "." and ".." (the kernel asks for them to decode a file handle) name no child of
+        // `parent`: nothing to remember as the target's parent, and the node id goes in the
+        // reply's ino (the mounted root must come back as node 1, the kernel's root, or a
+        // handle's path never reaches it).
+        let r = self.guard("lookup", parent.0, || {
             let dir = self.inode(parent.0)?;
             let name = name.as_bytes();
             if name.len() > NAME_MAX {
                 return Err(OpError::Quiet(libc::ENAMETOOLONG));
             }
-            let target = match name {
-                b"." => dir,
-                b".." => self.parent_dir(parent.0, dir)?,
-                _ => {
-                    self.fs
-                        .lookup(dir, name)?
-                        .ok_or(OpError::Quiet(libc::ENOENT))?
-                        .target
-                }
+            let dot = |target: Inode| -> OpResult<FileAttr> {
+                let node = self.map.node_id(target);
+                let attr = self.attr(node, target)?;
+                Ok(FileAttr {
+                    ino: INodeNo(node),
+                    ..attr
+                })
             };
-            Ok(target)
+            match name {
+                b"." => dot(dir),
+                b".." => dot(self.parent_dir(parent.0, dir)?),
+                _ => match self.fs.lookup_item(dir, name).map_err(fs_err)? {
+                    Some((e, item)) => self.entry(parent.0, e.target, &item),
+                    None => Err(OpError::Quiet(libc::ENOENT)),
+                },
+            }
         });
-        // "." and ".." (the kernel asks for them to decode a file handle) name no child of
-        // `parent`: nothing to remember as the target's parent.
-        let dots = matches!(name.as_bytes(), b"." | b"..");
-        if matches!(found, Err(e) if e.code() == libc::ENOENT) && !self.caching.negative.is_zero() {
+        if matches!(r, Err(e) if e.code() == libc::ENOENT) && !self.caching.negative.is_zero() {
             // A negative entry (node id 0) the kernel keeps: the next lookup of the name
             // does not come here; a create of it does, and makes the entry positive.
             return reply.entry(&self.caching.negative, &negative_entry(), Generation(0));
         }
-        let r = found.and_then(|target| {
-            let _g = self.fs.read_gate_on(target);
-            self.guard("lookup", parent.0, || {
-                if dots {
-                    // The node id goes in the reply's ino: the mounted root must come back as
-                    // node 1, the kernel's root, or a handle's path never reaches it.
-                    let node = self.map.node_id(target);
-                    let attr = self.attr(node, target)?;
-                    Ok(FileAttr {
-                        ino: INodeNo(node),
-                        ..attr
-                    })
-                } else {
-                    self.entry(parent.0, target)
-                }
-            })
-        });
         self.reply_entry(reply, r);
     }
 
@@ -1054,7 +889,7 @@ impl Filesystem for ButterFuse {
     }
 
     fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
-        match self.read_op_on("getattr", ino.0, || self.attr(ino.0, self.inode(ino.0)?)) {
+        match self.guard("getattr", ino.0, || self.attr(ino.0, self.inode(ino.0)?)) {
             Ok(attr) => reply.attr(&self.caching.attr, &attr),
             Err(e) => reply.error(e),
         }
@@ -1079,45 +914,8 @@ impl Filesystem for ButterFuse {
         reply: ReplyAttr,
     ) {
         let caller = caller_of(req);
-        let r = self.change_op("setattr", ino.0, Passage::Data(ino.0), || {
+        let r = self.change("setattr", ino.0, || {
             let i = self.inode(ino.0)?;
-            let mode = match mode {
-                Some(m) if self.setid.may_have(ino.0) || m & libc::S_ISGID != 0 => {
-                    let old = self.fs.inode_item(i)?;
-                    // The kernel clears the bits a change kills with a setattr of the mode
-                    // without them (a write through the page cache, a chown): that passes as
-                    // it is. A chmod is judged as the kernel's setattr_copy judges it.
-                    let killed =
-                        old.mode & 0o7777 & !setid::killed_by_change(&caller, old.mode, old.gid);
-                    if m & 0o7777 == killed && killed != old.mode & 0o7777 {
-                        Some(m)
-                    } else {
-                        Some(setid::chmod_mode(&caller, m, gid.unwrap_or(old.gid)))
-                    }
-                }
-                m => m,
-            };
-            if size.is_some() && mode.is_none() {
-                self.drop_setid(&caller, ino.0, i)?;
-            }
-            // A chown clears set-user-id, set-group-id with group execute, and the
-            // capabilities, whoever makes it: the kernel leaves that to us with
-            // FUSE_HANDLE_KILLPRIV_V2.
-            let mode = match mode {
-                None if self.caching.killpriv && (uid.is_some() || gid.is_some()) => {
-                    self.drop_caps(i)?;
-                    let old = self.fs.inode_item(i)?.mode;
-                    let mut kill = 0;
-                    if old & libc::S_IFMT == libc::S_IFREG {
-                        kill = old & libc::S_ISUID;
-                        if old & libc::S_IXGRP != 0 {
-                            kill |= old & libc::S_ISGID;
-                        }
-                    }
-                    (kill != 0).then_some(old & 0o7777 & !kill)
-                }
-                m => m,
-            };
             let a = SetAttr {
                 mode,
                 uid,
@@ -1130,19 +928,8 @@ impl Filesystem for ButterFuse {
                 mtime: mtime.map(time_or_now),
                 ctime: ctime.map(timespec),
             };
-            self.fs.setattr(i, &a).map_err(fs_err)?;
-            if let (Some(m), true) = (mode, self.acl) {
-                if let Some(mut entries) = self
-                    .fs
-                    .getxattr(i, acl::ACCESS)?
-                    .and_then(|v| acl::parse(&v))
-                {
-                    acl::chmod(&mut entries, m);
-                    self.fs
-                        .setxattr(i, acl::ACCESS, &acl::encode(&entries), 0)?;
-                }
-            }
-            self.attr(ino.0, i)
+            let (item, _) = self.fs.setattr_as(&caller, i, &a).map_err(fs_err)?;
+            self.attr_of(ino.0, i, &item)
         });
         match r {
             Ok(attr) => reply.attr(&self.caching.attr, &attr),
@@ -1151,7 +938,7 @@ impl Filesystem for ButterFuse {
     }
 
     fn readlink(&self, _req: &Request, ino: INodeNo, reply: ReplyData) {
-        match self.read_op_on("readlink", ino.0, || {
+        match self.guard("readlink", ino.0, || {
             Ok(self.fs.readlink(self.inode(ino.0)?)?)
         }) {
             Ok(target) => reply.data(&target),
@@ -1169,11 +956,10 @@ impl Filesystem for ButterFuse {
         rdev: u32,
         reply: ReplyEntry,
     ) {
-        let r = self.write_op("mknod", parent.0, || {
-            self.create_node(req, parent.0, name, mode, umask, |d, n, m, o| {
-                self.fs
-                    .mknod(d, n, m, butter::format::items::rdev_from_user(rdev), o)
-            })
+        let r = self.change("mknod", parent.0, || {
+            let rdev = butter::format::items::rdev_from_user(rdev);
+            let new = new_node(req, NewKind::Node { rdev }, mode, umask, false);
+            Ok(self.create_node(parent.0, name, &new)?.1)
         });
         self.reply_entry(reply, r);
     }
@@ -1187,17 +973,15 @@ impl Filesystem for ButterFuse {
         umask: u32,
         reply: ReplyEntry,
     ) {
-        let r = self.write_op("mkdir", parent.0, || {
-            let mode = libc::S_IFDIR | (mode & 0o7777);
-            self.create_node(req, parent.0, name, mode, umask, |d, n, m, o| {
-                self.fs.mkdir(d, n, m, o)
-            })
+        let r = self.change("mkdir", parent.0, || {
+            let new = new_node(req, NewKind::Dir, mode, umask, false);
+            Ok(self.create_node(parent.0, name, &new)?.1)
         });
         self.reply_entry(reply, r);
     }
 
     fn unlink(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
-        match self.write_op("unlink", parent.0, || {
+        match self.change("unlink", parent.0, || {
             self.fs
                 .unlink(self.inode(parent.0)?, name.as_bytes())
                 .map_err(fs_err)
@@ -1208,7 +992,7 @@ impl Filesystem for ButterFuse {
     }
 
     fn rmdir(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
-        match self.write_op("rmdir", parent.0, || {
+        match self.change("rmdir", parent.0, || {
             self.fs
                 .rmdir(self.inode(parent.0)?, name.as_bytes())
                 .map_err(fs_err)
@@ -1226,16 +1010,10 @@ impl Filesystem for ButterFuse {
         target: &Path,
         reply: ReplyEntry,
     ) {
-        let r = self.write_op("symlink", parent.0, || {
+        let r = self.change("symlink", parent.0, || {
             let target = target.as_os_str().as_bytes();
-            self.create_node(
-                req,
-                parent.0,
-                link_name,
-                libc::S_IFLNK | 0o777,
-                0,
-                |d, n, _, o| self.fs.symlink(d, n, target, o),
-            )
+            let new = new_node(req, NewKind::Symlink { target }, 0o777, 0, false);
+            Ok(self.create_node(parent.0, link_name, &new)?.1)
         });
         self.reply_entry(reply, r);
     }
@@ -1250,7 +1028,7 @@ impl Filesystem for ButterFuse {
         flags: RenameFlags,
         reply: ReplyEmpty,
     ) {
-        match self.write_op("rename", parent.0, || {
+        match self.change("rename", parent.0, || {
             let from_dir = self.inode(parent.0)?;
             let to_dir = self.inode(newparent.0)?;
             let mut f = 0;
@@ -1263,18 +1041,16 @@ impl Filesystem for ButterFuse {
             if flags.contains(RenameFlags::RENAME_WHITEOUT) {
                 return Err(OpError::Quiet(libc::EINVAL));
             }
-            let (name, newname) = (name.as_bytes(), newname.as_bytes());
-            let src = self.fs.lookup(from_dir, name)?;
-            let dst = self.fs.lookup(to_dir, newname)?;
-            self.fs
-                .rename(from_dir, name, to_dir, newname, f)
+            let moved = self
+                .fs
+                .rename(from_dir, name.as_bytes(), to_dir, newname.as_bytes(), f)
                 .map_err(fs_err)?;
             // Directories moved keep ".." right.
-            if let Some(s) = src.filter(|s| s.mode_type() == libc::S_IFDIR) {
+            if let Some(s) = moved.moved.filter(|s| s.mode_type() == libc::S_IFDIR) {
                 self.remember_parent(self.map.node_id(s.target), newparent.0);
             }
             if f & butter::inode::namespace::RENAME_EXCHANGE != 0 {
-                if let Some(d) = dst.filter(|d| d.mode_type() == libc::S_IFDIR) {
+                if let Some(d) = moved.replaced.filter(|d| d.mode_type() == libc::S_IFDIR) {
                     self.remember_parent(self.map.node_id(d.target), parent.0);
                 }
             }
@@ -1293,49 +1069,41 @@ impl Filesystem for ButterFuse {
         newname: &OsStr,
         reply: ReplyEntry,
     ) {
-        let r = self.write_op("link", ino.0, || {
+        let r = self.change("link", ino.0, || {
             let i = self.inode(ino.0)?;
-            self.fs
+            let item = self
+                .fs
                 .link(i, self.inode(newparent.0)?, newname.as_bytes())
                 .map_err(fs_err)?;
-            self.entry(newparent.0, i)
+            self.entry(newparent.0, i, &item)
         });
         self.reply_entry(reply, r);
     }
 
     fn open(&self, req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
         let writing = flags.acc_mode() != OpenAccMode::O_RDONLY || flags.0 & libc::O_TRUNC != 0;
-        let run = || {
+        if writing && !self.writable {
+            return reply.error(Errno::from_i32(libc::EROFS));
+        }
+        // A read-only subvolume (EROFS), an immutable or append-only file (EPERM): the
+        // engine refuses the open, not the first write. An inode an unlink deleted between
+        // the kernel's lookup and this open (nothing held it) fails as it would have after
+        // the unlink (ENOENT), not the reads after it.
+        match self.guard("open", ino.0, || {
             let i = self.inode(ino.0)?;
-            if writing {
-                // A read-only subvolume (EROFS), an immutable or append-only file (EPERM):
-                // the kernel refuses the open, not the first write.
-                self.fs
-                    .check_open_for_write(
-                        i,
-                        flags.0 & libc::O_APPEND != 0,
-                        flags.0 & libc::O_TRUNC != 0,
-                    )
-                    .map_err(fs_err)?;
-            }
-            // The inode must still be there: an unlink that ran between the kernel's lookup
-            // and this open (it had no handle to keep it) deleted it, and the open fails as
-            // it would have after the unlink (ENOENT), not the reads after it.
-            let size = self.fs.inode_item(i).map_err(fs_err)?.size;
-            if flags.0 & libc::O_TRUNC != 0 {
-                self.drop_setid(&caller_of(req), ino.0, i)?;
-                if size != 0 {
-                    self.fs.truncate(i, 0).map_err(fs_err)?;
-                }
-            }
-            Ok(self.open_handle(i, flags.0))
-        };
-        let r = if writing {
-            self.change_op("open", ino.0, Passage::Data(ino.0), run)
-        } else {
-            self.read_op("open", ino.0, run)
-        };
-        match r {
+            let (_, side) = self
+                .fs
+                .open_file(
+                    &caller_of(req),
+                    i,
+                    writing,
+                    flags.0 & libc::O_APPEND != 0,
+                    flags.0 & libc::O_TRUNC != 0,
+                )
+                .map_err(fs_err)?;
+            self.after(ino.0, side);
+            Ok(self.new_handle(i, flags.0))
+        }) {
             Ok(fh) => reply.opened(FileHandle(fh), self.fopen_flags(flags.0)),
             Err(e) => reply.error(e),
         }
@@ -1351,17 +1119,15 @@ impl Filesystem for ButterFuse {
         flags: i32,
         reply: ReplyCreate,
     ) {
-        let r = self.write_op("create", parent.0, || {
+        let r = self.change("create", parent.0, || {
             let mode = if mode & libc::S_IFMT == 0 {
                 mode | libc::S_IFREG
             } else {
                 mode
             };
-            let attr = self.create_node(req, parent.0, name, mode, umask, |d, n, m, o| {
-                self.fs.mknod(d, n, m, 0, o)
-            })?;
-            let i = self.inode(attr.ino.0)?;
-            Ok((attr, self.open_handle(i, flags)))
+            let new = new_node(req, NewKind::Node { rdev: 0 }, mode, umask, true);
+            let (i, attr) = self.create_node(parent.0, name, &new)?;
+            Ok((attr, self.new_handle(i, flags)))
         });
         match r {
             Ok((attr, fh)) => {
@@ -1389,7 +1155,7 @@ impl Filesystem for ButterFuse {
         _lock_owner: Option<fuser::LockOwner>,
         reply: ReplyData,
     ) {
-        match self.read_op_on("read", ino.0, || {
+        match self.guard("read", ino.0, || {
             Ok(self.fs.read(self.inode(ino.0)?, offset, size as usize)?)
         }) {
             Ok(data) => reply.data(&data),
@@ -1410,9 +1176,8 @@ impl Filesystem for ButterFuse {
         reply: fuser::ReplyWrite,
     ) {
         let caller = caller_of(req);
-        let serve = || match self.change_op("write", ino.0, Passage::Write(ino.0), || {
+        let serve = || match self.change("write", ino.0, || {
             let i = self.inode(ino.0)?;
-            self.drop_setid(&caller, ino.0, i)?;
             // A page written back from a shared mapping (FUSE_WRITE_CACHE) goes where the page
             // is, even through a handle opened with O_APPEND.
             let from_page = write_flags.contains(fuser::WriteFlags::FUSE_WRITE_CACHE);
@@ -1424,12 +1189,9 @@ impl Filesystem for ButterFuse {
                         .unwrap_or_else(|e| e.into_inner())
                         .get(&fh.0)
                         .is_some_and(|h| h.append));
-            let offset = if append {
-                self.fs.inode_item(i)?.size
-            } else {
-                offset
-            };
-            let n = self.fs.write(i, offset, data).map_err(fs_err)?;
+            let at = if append { At::End } else { At::Offset(offset) };
+            let (n, side) = self.fs.write_as(&caller, i, at, data).map_err(fs_err)?;
+            self.after(ino.0, side);
             Ok(u32::try_from(n).unwrap_or(u32::MAX))
         }) {
             Ok(n) => reply.written(n),
@@ -1482,22 +1244,21 @@ impl Filesystem for ButterFuse {
         _req: &Request,
         ino: INodeNo,
         _fh: FileHandle,
-        _datasync: bool,
+        datasync: bool,
         reply: ReplyEmpty,
     ) {
-        match self.fsync_node("fsync", ino.0) {
+        match self.fsync_node("fsync", ino.0, datasync) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(e),
         }
     }
 
     fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
-        match self.read_op("opendir", ino.0, || {
+        match self.guard("opendir", ino.0, || {
             let i = self.inode(ino.0)?;
-            let last = self.fs.last_dir_index(i)?;
             // Held open: removed meanwhile (rmdir, a rename over it), it stays until the
             // release, with nlink 0, as on the kernel's filesystems.
-            self.fs.note_open(i);
+            let last = self.fs.open_dir(i)?;
             let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
             self.dirs
                 .lock()
@@ -1541,17 +1302,16 @@ impl Filesystem for ButterFuse {
         offset: u64,
         mut reply: ReplyDirectory,
     ) {
-        let r = self.read_op("readdir", ino.0, || {
-            let parent = self
-                .map
-                .node_id(self.parent_dir(ino.0, self.inode(ino.0)?)?);
-            self.fill_dir(ino.0, fh.0, offset, |name, next, e| {
+        let r = self.guard("readdir", ino.0, || {
+            let dir = self.inode(ino.0)?;
+            let parent = self.map.node_id(self.parent_dir(ino.0, dir)?);
+            self.fill_dir(ino.0, fh.0, offset, false, |name, next, e| {
                 let (st_ino, kind) = match e {
                     None if name == b"." => (self.map.st_ino(ino.0), FileType::Directory),
                     None => (self.map.st_ino(parent), FileType::Directory),
-                    Some(e) => (
+                    Some((e, item)) => (
                         self.map.st_ino(self.map.node_id(e.target)),
-                        self.entry_kind(e)?,
+                        self.entry_kind(e, item)?,
                     ),
                 };
                 Ok(reply.add(INodeNo(st_ino), next, kind, OsStr::from_bytes(name)))
@@ -1571,25 +1331,24 @@ impl Filesystem for ButterFuse {
         offset: u64,
         mut reply: ReplyDirectoryPlus,
     ) {
-        let r = self.read_op("readdirplus", ino.0, || {
+        let r = self.guard("readdirplus", ino.0, || {
             let dir = self.inode(ino.0)?;
             let parent = self.map.node_id(self.parent_dir(ino.0, dir)?);
-            // The kernel ignores the attributes sent with "." and "..": reuse the directory's.
-            let mut dir_attr: Option<FileAttr> = None;
-            self.fill_dir(ino.0, fh.0, offset, |name, next, e| {
+            // The kernel ignores the attributes sent with "." and "..": a blank set will do.
+            self.fill_dir(ino.0, fh.0, offset, true, |name, next, e| {
                 let attr = match e {
                     None => {
-                        let a = match dir_attr {
-                            Some(a) => a,
-                            None => *dir_attr.insert(self.attr(ino.0, dir)?),
-                        };
                         let node = if name == b"." { ino.0 } else { parent };
                         FileAttr {
                             ino: INodeNo(self.map.st_ino(node)),
-                            ..a
+                            kind: FileType::Directory,
+                            ..negative_entry()
                         }
                     }
-                    Some(e) => self.entry(ino.0, e.target)?,
+                    Some((e, Some(item))) => self.entry(ino.0, e.target, item)?,
+                    Some((e, None)) => {
+                        self.entry(ino.0, e.target, &self.fs.inode_item(e.target)?)?
+                    }
                 };
                 let full = reply.add(
                     INodeNo(attr.ino.0),
@@ -1617,27 +1376,21 @@ impl Filesystem for ButterFuse {
         _req: &Request,
         ino: INodeNo,
         _fh: FileHandle,
-        _datasync: bool,
+        datasync: bool,
         reply: ReplyEmpty,
     ) {
-        match self.fsync_node("fsyncdir", ino.0) {
+        match self.fsync_node("fsyncdir", ino.0, datasync) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(e),
         }
     }
 
     fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
-        let mut r = self.read_op("statfs", INodeNo::ROOT.0, || Ok(self.fs.statfs()?));
-        if matches!(&r, Ok(s) if s.pinned > 0) {
-            // Data freed since the last commit (a file removed) comes back at the commit;
-            // `sync` cannot ask for one (the kernel sends FUSE_SYNCFS to virtiofs only), so
-            // a look at the free space commits, as `sync; df` does on the kernel's btrfs.
-            if let Err(e) = self.fs.gated_commit() {
-                log::error!("statfs: committing the space freed since the last commit: {e}");
-            }
-            r = self.read_op("statfs", INodeNo::ROOT.0, || Ok(self.fs.statfs()?));
-        }
-        match r {
+        // Data freed since the last commit (a file removed) comes back at the commit;
+        // `sync` cannot ask for one (the kernel sends FUSE_SYNCFS to virtiofs only), so the
+        // engine commits on a look at the free space, as `sync; df` does on the kernel's
+        // btrfs.
+        match self.guard("statfs", INodeNo::ROOT.0, || Ok(self.fs.statfs()?)) {
             Ok(s) => {
                 let bs = u64::from(s.bsize.max(1));
                 let free = s.free / bs;
@@ -1666,20 +1419,18 @@ impl Filesystem for ButterFuse {
         _position: u32,
         reply: ReplyEmpty,
     ) {
-        match self.write_op("setxattr", ino.0, || {
+        match self.change("setxattr", ino.0, || {
             let i = self.inode(ino.0)?;
-            let name = name.as_bytes();
             let flags = (flags & (libc::XATTR_CREATE | libc::XATTR_REPLACE)) as u32;
-            if self.acl && name == acl::ACCESS {
-                return self.set_access_acl(&caller_of(req), i, value, flags);
-            }
-            if self.acl && name == acl::DEFAULT {
-                if self.fs.inode_item(i)?.mode & libc::S_IFMT != libc::S_IFDIR {
-                    return Err(OpError::Quiet(libc::EACCES));
-                }
-                acl::parse(value).ok_or(OpError::Quiet(libc::EINVAL))?;
-            }
-            self.fs.setxattr(i, name, value, flags).map_err(fs_err)
+            let side = self
+                .fs
+                .setxattr_as(&caller_of(req), i, name.as_bytes(), value, flags)
+                .map_err(|e| match e {
+                    Error::Invalid(_) => OpError::Quiet(libc::EINVAL),
+                    e => fs_err(e),
+                })?;
+            self.after(ino.0, side);
+            Ok(())
         }) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(e),
@@ -1687,7 +1438,7 @@ impl Filesystem for ButterFuse {
     }
 
     fn getxattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, size: u32, reply: ReplyXattr) {
-        match self.items_read_op("getxattr", ino.0, || {
+        match self.guard("getxattr", ino.0, || {
             self.fs
                 .getxattr(self.inode(ino.0)?, name.as_bytes())?
                 .ok_or(OpError::Quiet(libc::ENODATA))
@@ -1698,7 +1449,7 @@ impl Filesystem for ButterFuse {
     }
 
     fn listxattr(&self, _req: &Request, ino: INodeNo, size: u32, reply: ReplyXattr) {
-        match self.items_read_op("listxattr", ino.0, || {
+        match self.guard("listxattr", ino.0, || {
             let mut out = Vec::new();
             for name in self.fs.listxattr(self.inode(ino.0)?)? {
                 out.extend_from_slice(&name);
@@ -1712,7 +1463,7 @@ impl Filesystem for ButterFuse {
     }
 
     fn removexattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, reply: ReplyEmpty) {
-        match self.write_op("removexattr", ino.0, || {
+        match self.change("removexattr", ino.0, || {
             self.fs
                 .removexattr(self.inode(ino.0)?, name.as_bytes())
                 .map_err(fs_err)
@@ -1752,12 +1503,12 @@ impl Filesystem for ButterFuse {
             e => fs_err(e),
         };
         let r: Result<Vec<u8>, Errno> = match cmd {
-            FS_IOC_GETFLAGS | FS_IOC32_GETFLAGS => self.read_op_on("getflags", ino.0, || {
+            FS_IOC_GETFLAGS | FS_IOC32_GETFLAGS => self.guard("getflags", ino.0, || {
                 let f = self.fs.get_fsflags(self.inode(ino.0)?)?;
                 let n = (out_size as usize).min(8);
                 Ok(u64::from(f).to_le_bytes()[..n].to_vec())
             }),
-            FS_IOC_SETFLAGS | FS_IOC32_SETFLAGS => self.write_op("setflags", ino.0, || {
+            FS_IOC_SETFLAGS | FS_IOC32_SETFLAGS => self.change("setflags", ino.0, || {
                 let f = word(in_data).ok_or(OpError::Quiet(libc::EINVAL))?;
                 self.fs
                     .set_fsflags(self.inode(ino.0)?, f)
@@ -1765,14 +1516,14 @@ impl Filesystem for ButterFuse {
                 self.forget_attrs(ino.0);
                 Ok(Vec::new())
             }),
-            FS_IOC_FSGETXATTR => self.read_op_on("fsgetxattr", ino.0, || {
+            FS_IOC_FSGETXATTR => self.guard("fsgetxattr", ino.0, || {
                 let f = self.fs.get_fsflags(self.inode(ino.0)?)?;
                 let mut out = vec![0u8; FSXATTR_SIZE];
                 out[..4].copy_from_slice(&fl::fsflags_to_xflags(f).to_le_bytes());
                 out.truncate(out_size as usize);
                 Ok(out)
             }),
-            FS_IOC_FSSETXATTR => self.write_op("fssetxattr", ino.0, || {
+            FS_IOC_FSSETXATTR => self.change("fssetxattr", ino.0, || {
                 if in_data.len() < 16 {
                     return Err(OpError::Quiet(libc::EINVAL));
                 }
@@ -1783,15 +1534,13 @@ impl Filesystem for ButterFuse {
                     .any(|&o| word(&in_data[o.min(in_data.len())..]).is_some_and(|v| v != 0));
                 let mapped = fl::xflags_to_fsflags(x).filter(|_| !extra);
                 let mapped = mapped.ok_or(OpError::Quiet(libc::EOPNOTSUPP))?;
-                let i = self.inode(ino.0)?;
                 let common = fl::FS_IMMUTABLE_FL
                     | fl::FS_APPEND_FL
                     | fl::FS_SYNC_FL
                     | fl::FS_NOATIME_FL
                     | fl::FS_NODUMP_FL;
-                let old = self.fs.get_fsflags(i)?;
                 self.fs
-                    .set_fsflags(i, (old & !common) | mapped)
+                    .set_fsflags_masked(self.inode(ino.0)?, mapped, common)
                     .map_err(set_err)?;
                 self.forget_attrs(ino.0);
                 Ok(Vec::new())
@@ -1828,33 +1577,24 @@ impl Filesystem for ButterFuse {
         mode: i32,
         reply: ReplyEmpty,
     ) {
-        // An fallocate at the file's end is served in memory (delayed preallocation), beside
-        // other files' changes; anything else passes the gate as a change.
-        let caller = caller_of(req);
-        if let Ok(i) = self.inode(ino.0) {
-            if mode >= 0
-                && !self.setid.may_have(ino.0)
-                && self
-                    .fs
-                    .fallocate_in_memory_gated(i, mode as u32, offset, length)
-            {
-                return reply.ok();
-            }
-        }
-        match self.change_op("fallocate", ino.0, Passage::Data(ino.0), || {
+        // An fallocate at the file's end is served in memory by the engine (delayed
+        // preallocation), beside other files' changes.
+        match self.change("fallocate", ino.0, || {
             let known =
                 libc::FALLOC_FL_KEEP_SIZE | libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_ZERO_RANGE;
-            if mode & !known != 0 {
+            if mode & !known != 0 || mode < 0 {
                 return Err(OpError::Quiet(libc::EOPNOTSUPP));
             }
             let i = self.inode(ino.0)?;
-            self.drop_setid(&caller, ino.0, i)?;
-            self.fs
-                .fallocate(i, mode as u32, offset, length)
+            let side = self
+                .fs
+                .fallocate_as(&caller_of(req), i, mode as u32, offset, length)
                 .map_err(|e| match e {
                     Error::Unsupported(_) => OpError::Quiet(libc::EOPNOTSUPP),
                     e => fs_err(e),
-                })
+                })?;
+            self.after(ino.0, side);
+            Ok(())
         }) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(e),
@@ -1870,7 +1610,7 @@ impl Filesystem for ButterFuse {
         whence: i32,
         reply: fuser::ReplyLseek,
     ) {
-        match self.read_op_on("lseek", ino.0, || {
+        match self.guard("lseek", ino.0, || {
             let what = match whence {
                 libc::SEEK_DATA => Seek::Data,
                 libc::SEEK_HOLE => Seek::Hole,
@@ -1902,21 +1642,23 @@ impl Filesystem for ButterFuse {
         reply: fuser::ReplyWrite,
     ) {
         // Cloned where the engine can, copied otherwise; the reply counts bytes in 32 bits.
-        match self.change_op(
-            "copy_file_range",
-            ino_in.0,
-            Passage::Data(ino_out.0),
-            || {
-                let src = self.inode(ino_in.0)?;
-                let dst = self.inode(ino_out.0)?;
-                self.drop_setid(&caller_of(req), ino_out.0, dst)?;
-                let n = self
-                    .fs
-                    .copy_file_range(src, offset_in, dst, offset_out, len.min(1 << 30))
-                    .map_err(fs_err)?;
-                Ok(n as u32)
-            },
-        ) {
+        match self.change("copy_file_range", ino_in.0, || {
+            let src = self.inode(ino_in.0)?;
+            let dst = self.inode(ino_out.0)?;
+            let (n, side) = self
+                .fs
+                .copy_file_range_as(
+                    &caller_of(req),
+                    src,
+                    offset_in,
+                    dst,
+                    offset_out,
+                    len.min(1 << 30),
+                )
+                .map_err(fs_err)?;
+            self.after(ino_out.0, side);
+            Ok(n as u32)
+        }) {
             Ok(n) => reply.written(n),
             Err(e) => reply.error(e),
         }
@@ -2201,7 +1943,7 @@ fn spawn_signal_watcher(
                     );
                     if writable {
                         // Whatever the running operations leave: after them, commit.
-                        match watcher_fs.gated_commit() {
+                        match watcher_fs.commit() {
                             Ok(()) => eprintln!("butter: committed"),
                             Err(e) => eprintln!(
                                 "butter: the last commit failed ({e}); the image keeps the one before"

@@ -2,7 +2,6 @@
 //!
 //! One module per subcommand under `cmd/`; errors become messages only here.
 
-mod acl;
 mod bulk;
 mod cmd;
 mod fuse;

@@ -12,7 +12,7 @@
 
 mod common;
 
-use butter::check::{check, Report};
+use butter::check::Report;
 use butter::fs::Fs;
 use common::damage::patch_item;
 use common::kernel::{self, LoopMount, ScratchDir};
@@ -77,7 +77,7 @@ fn assert_clean(img: &Path) {
 
 fn check_lib(img: &Path) -> Report {
     let fs = Fs::open(img).unwrap();
-    check(&fs, &mut |_| {}).unwrap()
+    fs.check(Default::default(), &mut |_| {}).unwrap()
 }
 
 #[test]

@@ -88,7 +88,7 @@ fn small_appends_are_compressed_at_write_back() {
         for (i, piece) in body.chunks(4096).enumerate() {
             fs.write(f, (i * 4096) as u64, piece).unwrap();
             if i == 700 {
-                fs.gated_fsync(f).unwrap();
+                fs.fsync(f, false).unwrap();
             }
         }
         assert_eq!(fs.read(f, 0, body.len() + 10).unwrap(), body);

@@ -114,7 +114,8 @@ fn run_scenario_on(
         let fs = Fs::open(&b).unwrap_or_else(|e| panic!("{name}: reopen: {e}"));
         let got = manifest_of(&fs, fs.root_inode());
         manifest::assert_same(&want, &got, &compare_opts(), &format!("{name}: reopened"));
-        let report = butter::check::check(&fs, &mut |_| {})
+        let report = fs
+            .check(Default::default(), &mut |_| {})
             .unwrap_or_else(|e| panic!("{name}: butter check: {e}"));
         let bad: Vec<_> = report
             .findings

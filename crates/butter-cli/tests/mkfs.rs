@@ -78,7 +78,7 @@ fn assert_butter_clean(img: &Path, names: &[&str], when: &str) -> Fs {
     let mut want: Vec<String> = names.iter().map(|s| s.to_string()).collect();
     want.sort();
     assert_eq!(got, want, "root directory {when}");
-    let report = butter::check::check(&fs, &mut |_| {}).unwrap();
+    let report = fs.check(Default::default(), &mut |_| {}).unwrap();
     assert!(
         report.is_clean(),
         "butter check {when}:\n{}",

@@ -43,7 +43,7 @@ fn butter_mkfs_rootdir(src: &Path, img: &Path, extra: &[&str]) {
 
 fn butter_check(img: &Path) {
     let fs = butter::fs::Fs::open(img).unwrap_or_else(|e| panic!("butter open: {e}"));
-    let report = butter::check::check(&fs, &mut |_| {}).unwrap();
+    let report = fs.check(Default::default(), &mut |_| {}).unwrap();
     assert!(
         report.is_clean(),
         "butter check of {}:\n{}",

@@ -24,8 +24,9 @@ use std::path::Path;
 fn butter_check(img: &Path) {
     let fs =
         butter::fs::Fs::open(img).unwrap_or_else(|e| panic!("butter opens {}: {e}", img.display()));
-    let rep =
-        butter::check::check(&fs, &mut |_| {}).unwrap_or_else(|e| panic!("butter check: {e}"));
+    let rep = fs
+        .check(Default::default(), &mut |_| {})
+        .unwrap_or_else(|e| panic!("butter check: {e}"));
     assert!(
         rep.is_clean(),
         "butter check finds problems in {}:\n{}",

@@ -66,7 +66,7 @@ fn run(combined: bool, overwrites: u64, unaligned: bool) -> butter::Result<(f64,
     };
     drop(fs);
     let fs = Fs::open_device(dev)?;
-    let report = butter::check::check(&fs, &mut |_| {})?;
+    let report = fs.check(Default::default(), &mut |_| {})?;
     assert!(
         report.is_clean(),
         "butter check after the benchmark: {:?}",

@@ -161,8 +161,8 @@ fn on_library(dir: &Path, workers: usize, secs: f64, legacy: bool) -> butter::Re
     let (ops, el) = drive(workers, secs, move |w, what| {
         let ino = files[w];
         match what {
-            Some(off) => f2.gated_fallocate(ino, 0, off, BUFLEN),
-            None => f2.gated_truncate(ino, 0),
+            Some(off) => f2.fallocate(ino, 0, off, BUFLEN),
+            None => f2.truncate(ino, 0),
         }
         .map_err(std::io::Error::other)
     });
@@ -176,7 +176,7 @@ fn on_library(dir: &Path, workers: usize, secs: f64, legacy: bool) -> butter::Re
             .map_err(|e| butter::Error::Invalid(format!("{}: {e}", path.display())))?,
     );
     let ro = Fs::open_device(dev)?;
-    let report = butter::check::check(&ro, &mut |_| {})?;
+    let report = ro.check(Default::default(), &mut |_| {})?;
     let _ = std::fs::remove_file(&path);
     if !report.is_clean() {
         return Err(butter::Error::Invalid(format!(

@@ -372,13 +372,12 @@ pub struct Options {
     pub check_data_csum: bool,
 }
 
-/// Runs every metadata check. `progress` receives one line per phase.
-pub fn check(fs: &Core, progress: &mut dyn FnMut(&str)) -> Result<Report> {
-    check_with(fs, Options::default(), progress)
-}
-
 /// Runs the checks `opts` asks for. `progress` receives one line per phase.
-pub fn check_with(fs: &Core, opts: Options, progress: &mut dyn FnMut(&str)) -> Result<Report> {
+pub(crate) fn check_with(
+    fs: &Core,
+    opts: Options,
+    progress: &mut dyn FnMut(&str),
+) -> Result<Report> {
     let mut c = Checker {
         fs,
         report: Report::default(),

@@ -141,6 +141,9 @@ pub enum Error {
     TooManyLinks(String),
     #[error("operation not permitted: {0}")]
     NotPermitted(String),
+    /// Permission denied (EACCES), as the kernel's VFS answers it.
+    #[error("permission denied: {0}")]
+    AccessDenied(String),
     /// The filesystem hit an error while writing and turned read-only; the image keeps its
     /// last committed state.
     #[error("transaction aborted, filesystem is read-only until reopened: {0}")]
@@ -220,6 +223,7 @@ impl Error {
             Error::NameTooLong(_) => libc_consts::ENAMETOOLONG,
             Error::TooManyLinks(_) => libc_consts::EMLINK,
             Error::NotPermitted(_) => libc_consts::EPERM,
+            Error::AccessDenied(_) => libc_consts::EACCES,
         }
     }
 }
@@ -227,6 +231,7 @@ impl Error {
 /// Linux errno values (the engine does not depend on libc).
 pub mod libc_consts {
     pub(crate) const EPERM: i32 = 1;
+    pub(crate) const EACCES: i32 = 13;
     pub(crate) const ENOENT: i32 = 2;
     pub(crate) const EEXIST: i32 = 17;
     pub(crate) const ENOSPC: i32 = 28;

@@ -120,6 +120,38 @@ impl Default for Gate {
     }
 }
 
+/// What passage of a gate the calling thread holds ([`held_here`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Held {
+    None,
+    Shared,
+    Exclusive,
+}
+
+thread_local! {
+    /// Passages the thread holds: (shared, exclusive). Guards count themselves in when made
+    /// and out when dropped, on the thread that holds them.
+    static HELD: std::cell::Cell<(u32, u32)> = const { std::cell::Cell::new((0, 0)) };
+}
+
+/// What the calling thread holds: an operation that takes its own passage runs under this
+/// one instead of waiting for itself (crate::fs::ops).
+pub(crate) fn held_here() -> Held {
+    match HELD.get() {
+        (_, x) if x > 0 => Held::Exclusive,
+        (r, _) if r > 0 => Held::Shared,
+        _ => Held::None,
+    }
+}
+
+fn count_held(shared: i32, exclusive: i32) {
+    let (r, x) = HELD.get();
+    HELD.set((
+        r.saturating_add_signed(shared),
+        x.saturating_add_signed(exclusive),
+    ));
+}
+
 /// Held by a reader: no change runs meanwhile.
 pub struct GateRead<'a> {
     gate: &'a Gate,
@@ -171,6 +203,7 @@ impl Gate {
             s = self.wait(s);
         }
         s.readers += 1;
+        count_held(1, 0);
         GateRead { gate: self }
     }
 
@@ -247,6 +280,7 @@ impl Gate {
     /// Exclusive passage whose parts a commit lets go of one after the other.
     pub(crate) fn commit(&self) -> GateCommit<'_> {
         drop(self.take_both(self.state()));
+        count_held(0, 1);
         GateCommit {
             changes: ChangesHeld { gate: self },
             exclusive: ExclusiveHeld { gate: self },
@@ -356,6 +390,7 @@ impl Drop for GateChange<'_> {
 
 impl Drop for GateRead<'_> {
     fn drop(&mut self) {
+        count_held(-1, 0);
         let mut s = self.gate.state();
         s.readers -= 1;
         // Only a change waits for the readers to leave (and counts itself in `waiting`
@@ -380,6 +415,7 @@ impl Drop for ChangesHeld<'_> {
 
 impl Drop for ExclusiveHeld<'_> {
     fn drop(&mut self) {
+        count_held(0, -1);
         let mut s = self.gate.state();
         s.exclusive = false;
         self.gate.lanes_closed.store(false, Ordering::SeqCst);
@@ -483,7 +519,7 @@ mod tests {
         fs.gated_commit().unwrap();
         assert!(Error::Internal("x".into()).stops_changes());
         assert!(!Error::NotFound("x".into()).stops_changes());
-        fs.stop("a change failed half way".into());
+        fs.core().stop("a change failed half way".into());
         let handles: Vec<_> = (0..4)
             .map(|_| {
                 let fs = fs.clone();

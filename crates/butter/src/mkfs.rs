@@ -1521,7 +1521,7 @@ mod tests {
         assert!(st.is_dir(), "{what}: root is not a directory");
         assert_eq!(st.nlink, 1, "{what}");
         assert!(fs.readdir(root, 0, 0).unwrap().is_empty(), "{what}");
-        let report = crate::check::check(&fs, &mut |_| {}).unwrap();
+        let report = fs.check(Default::default(), &mut |_| {}).unwrap();
         assert!(
             report.findings.is_empty(),
             "{what}: butter check findings:\n{}",
@@ -1539,7 +1539,7 @@ mod tests {
     /// Every item key of a tree, in order.
     fn keys(fs: &Fs, id: u64) -> Vec<Key> {
         let root = if id == ROOT_TREE_OBJECTID {
-            fs.tree_root()
+            fs.core().tree_root()
         } else {
             let ri = fs.find_root_item(id).unwrap().unwrap();
             Root {
@@ -1550,7 +1550,7 @@ mod tests {
             }
         };
         let mut it =
-            TreeIter::range(fs.disk.clone(), root, Key::MIN, Key::MAX, Readahead::None).unwrap();
+            TreeIter::range(fs.disk().clone(), root, Key::MIN, Key::MAX, Readahead::None).unwrap();
         let mut out = Vec::new();
         while let Some(item) = it.next_item().unwrap() {
             out.push(item.key);
@@ -1756,7 +1756,11 @@ mod tests {
             let fs = assert_opens_clean(Arc::new(dev), what);
             let ext = keys(&fs, EXTENT_TREE_OBJECTID);
             // A 4 KiB root tree with every tree in it is a node over two leaves.
-            let split = if fs.tree_root().level > 0 { 2 } else { 0 };
+            let split = if fs.core().tree_root().level > 0 {
+                2
+            } else {
+                0
+            };
             let blocks =
                 8 + usize::from(opts.free_space_tree) + usize::from(opts.block_group_tree) + split;
             let want_ty = if opts.skinny_metadata {

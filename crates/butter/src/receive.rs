@@ -154,13 +154,13 @@ impl Receiver<'_> {
         opts: &ReceiveOptions,
         progress: &mut dyn FnMut(&ReceiveProgress),
     ) -> Result<()> {
-        if !self.fs.is_writable() {
+        if !self.fs.core().is_writable() {
             return Err(Error::ReadOnly);
         }
-        self.fs.require_dir(self.dir)?;
+        self.fs.core().require_dir(self.dir)?;
         // Receive works near the blocks it just wrote: a small cache keeps its memory
         // bounded whatever the stream's size.
-        self.fs.disk().limit_cache(64 << 20);
+        self.fs.core().disk().limit_cache(64 << 20);
         let mut s = StreamReader::new(input)?;
         while let Some(c) = s.next_command()? {
             let applied = self.apply(&c);
@@ -205,7 +205,7 @@ impl Receiver<'_> {
             if p.data - self.committed.0 >= COMMIT_DATA
                 || p.commands - self.committed.1 >= COMMIT_COMMANDS
             {
-                self.fs.commit()?;
+                self.fs.core().commit()?;
                 self.committed = (p.data, p.commands);
             }
             if c.kind == cmd::END {
@@ -247,9 +247,11 @@ impl Receiver<'_> {
         self.by_uuid.clear();
         let (id, name, failed) = (cur.root.root, cur.name.clone(), cur.failed);
         if !failed {
-            self.fs.finish_received(id, &cur.uuid, cur.stransid)?;
+            self.fs
+                .core()
+                .finish_received(id, &cur.uuid, cur.stransid)?;
         }
-        self.fs.commit()?;
+        self.fs.core().commit()?;
         self.report.subvolumes.push(ReceivedSubvol {
             name,
             id,
@@ -360,9 +362,14 @@ impl Receiver<'_> {
         if let Some(found) = self.by_uuid.get(uuid) {
             return Ok(*found);
         }
-        let found = match self.fs.subvols_by_uuid(uuid, true)?.first() {
+        let found = match self.fs.core().subvols_by_uuid(uuid, true)?.first() {
             Some(id) => Some(*id),
-            None => self.fs.subvols_by_uuid(uuid, false)?.first().copied(),
+            None => self
+                .fs
+                .core()
+                .subvols_by_uuid(uuid, false)?
+                .first()
+                .copied(),
         };
         self.by_uuid.insert(*uuid, found);
         Ok(found)
@@ -378,7 +385,9 @@ impl Receiver<'_> {
                 let uuid = c.uuid_bytes(attr::UUID)?;
                 let stransid = c.u64(attr::CTRANSID)?;
                 let made = if c.kind == cmd::SUBVOL {
-                    self.fs.create_subvolume(self.dir, name, 0o755, root, None)
+                    self.fs
+                        .core()
+                        .create_subvolume(self.dir, name, 0o755, root, None)
                 } else {
                     let parent = c.uuid_bytes(attr::CLONE_UUID)?;
                     let id = self.subvol_by_uuid(&parent)?.ok_or_else(|| {
@@ -388,7 +397,9 @@ impl Receiver<'_> {
                             crate::format::fmt_uuid(&parent)
                         ))
                     })?;
-                    self.fs.create_snapshot(id, self.dir, name, false, None)
+                    self.fs
+                        .core()
+                        .create_snapshot(id, self.dir, name, false, None)
                 };
                 let root_dir = made.map_err(|e| match e {
                     Error::Exists(_) => Error::Exists(format!(
@@ -415,7 +426,7 @@ impl Receiver<'_> {
                     cmd::MKFIFO => 0o010600,
                     _ => 0o140600,
                 };
-                self.fs.mknod(dir, name, mode, 0, root)?;
+                self.fs.core().mknod(dir, name, mode, 0, root)?;
             }
             cmd::MKNOD => {
                 let (dir, name) = self.parent_of(c, attr::PATH)?;
@@ -428,36 +439,39 @@ impl Receiver<'_> {
                 let dev = u32::try_from(dev)
                     .map_err(|_| Error::Invalid(format!("device number {dev:#x}")))?;
                 let rdev = crate::format::items::rdev_from_user(dev);
-                self.fs.mknod(dir, name, mode & 0o177777, rdev, root)?;
+                self.fs
+                    .core()
+                    .mknod(dir, name, mode & 0o177777, rdev, root)?;
             }
             cmd::SYMLINK => {
                 let (dir, name) = self.parent_of(c, attr::PATH)?;
                 self.fs
+                    .core()
                     .symlink(dir, name, c.bytes(attr::PATH_LINK)?, root)?;
             }
             cmd::RENAME => {
                 let (from_dir, from) = self.parent_of(c, attr::PATH)?;
                 let (to_dir, to) = self.parent_of(c, attr::PATH_TO)?;
                 self.last = None;
-                self.fs.rename(from_dir, from, to_dir, to, 0)?;
+                self.fs.core().rename(from_dir, from, to_dir, to, 0)?;
             }
             cmd::LINK => {
                 let target = self.inode_at(c, attr::PATH_LINK)?;
                 let (dir, name) = self.parent_of(c, attr::PATH)?;
-                self.fs.link(target, dir, name)?;
+                self.fs.core().link(target, dir, name)?;
             }
             cmd::UNLINK | cmd::RMDIR => {
                 let (dir, name) = self.parent_of(c, attr::PATH)?;
                 self.last = None;
                 if c.kind == cmd::UNLINK {
-                    self.fs.unlink(dir, name)?;
+                    self.fs.core().unlink(dir, name)?;
                 } else {
-                    self.fs.rmdir(dir, name)?;
+                    self.fs.core().rmdir(dir, name)?;
                 }
             }
             cmd::SET_XATTR => {
                 let ino = self.inode_at(c, attr::PATH)?;
-                self.fs.setxattr(
+                self.fs.core().setxattr(
                     ino,
                     c.bytes(attr::XATTR_NAME)?,
                     c.bytes(attr::XATTR_DATA)?,
@@ -466,7 +480,9 @@ impl Receiver<'_> {
             }
             cmd::REMOVE_XATTR => {
                 let ino = self.inode_at(c, attr::PATH)?;
-                self.fs.removexattr(ino, c.bytes(attr::XATTR_NAME)?)?;
+                self.fs
+                    .core()
+                    .removexattr(ino, c.bytes(attr::XATTR_NAME)?)?;
             }
             cmd::WRITE => {
                 let ino = self.file_at(c)?;
@@ -476,12 +492,12 @@ impl Receiver<'_> {
             cmd::CLONE => self.clone(c)?,
             cmd::TRUNCATE => {
                 let ino = self.file_at(c)?;
-                self.fs.truncate(ino, c.u64(attr::SIZE)?)?;
+                self.fs.core().truncate(ino, c.u64(attr::SIZE)?)?;
             }
             cmd::CHMOD => {
                 let ino = self.inode_at(c, attr::PATH)?;
                 let mode = c.u64(attr::MODE)? as u32;
-                self.fs.setattr(
+                self.fs.core().setattr(
                     ino,
                     &SetAttr {
                         mode: Some(mode & 0o7777),
@@ -495,7 +511,7 @@ impl Receiver<'_> {
                     let v = c.u64(ty)?;
                     u32::try_from(v).map_err(|_| Error::Invalid(format!("owner id {v}")))
                 };
-                self.fs.setattr(
+                self.fs.core().setattr(
                     ino,
                     &SetAttr {
                         uid: Some(id(attr::UID)?),
@@ -513,7 +529,7 @@ impl Receiver<'_> {
                     }
                     Ok(Timespec { sec, nsec })
                 };
-                self.fs.setattr(
+                self.fs.core().setattr(
                     ino,
                     &SetAttr {
                         atime: Some(time(attr::ATIME)?),
@@ -535,8 +551,12 @@ impl Receiver<'_> {
                 let ino = self.file_at(c)?;
                 let mode = u32::try_from(c.u64(attr::FALLOCATE_MODE)?)
                     .map_err(|_| Error::Invalid("fallocate mode out of range".into()))?;
-                self.fs
-                    .fallocate(ino, mode, c.u64(attr::FILE_OFFSET)?, c.u64(attr::SIZE)?)?;
+                self.fs.core().fallocate(
+                    ino,
+                    mode,
+                    c.u64(attr::FILE_OFFSET)?,
+                    c.u64(attr::SIZE)?,
+                )?;
                 self.report.progress.data =
                     self.report.progress.data.saturating_add(c.u64(attr::SIZE)?);
             }
@@ -554,7 +574,10 @@ impl Receiver<'_> {
     fn write_all(&mut self, ino: Inode, offset: u64, data: &[u8]) -> Result<()> {
         let mut done = 0;
         while done < data.len() {
-            let n = self.fs.write(ino, offset + done as u64, &data[done..])?;
+            let n = self
+                .fs
+                .core()
+                .write(ino, offset + done as u64, &data[done..])?;
             if n == 0 {
                 return Err(Error::Internal("a write took no bytes".into()));
             }
@@ -580,11 +603,14 @@ impl Receiver<'_> {
                     crate::format::fmt_uuid(&uuid)
                 ))
             })?;
-            self.fs.subvol_root_inode(id)?
+            self.fs.core().subvol_root_inode(id)?
         };
         let parts = Self::components(c.bytes(attr::CLONE_PATH)?)?;
         let src = self.walk(src_root, &parts)?;
-        let done = self.fs.copy_file_range(src, src_off, dst, offset, len)?;
+        let done = self
+            .fs
+            .core()
+            .copy_file_range(src, src_off, dst, offset, len)?;
         if done < len {
             return Err(Error::Invalid(format!(
                 "clone of {len} bytes from offset {src_off}: the source has only {done}"
@@ -601,7 +627,7 @@ impl Receiver<'_> {
         if c.u64_or(attr::ENCRYPTION, 0)? != 0 {
             return Err(Error::Unsupported("an encrypted extent".into()));
         }
-        let ss = self.fs.sectorsize();
+        let ss = self.fs.core().sectorsize();
         // The stream's codes: 1 zlib, 2 zstd, 3 to 7 lzo in sectors of 4 KiB to 64 KiB.
         let compression = match c.u64_or(attr::COMPRESSION, 0)? {
             1 => crate::format::compress::COMPRESS_ZLIB,
@@ -620,7 +646,7 @@ impl Receiver<'_> {
             decoded_offset: c.u64(attr::UNENCODED_OFFSET)?,
             compression,
         };
-        match self.fs.write_encoded(ino, offset, &e) {
+        match self.fs.core().write_encoded(ino, offset, &e) {
             Err(Error::Unsupported(why)) => {
                 log::debug!("encoded write at {offset} written decoded: {why}");
                 if e.decoded_len > crate::inode::read::MAX_COMPRESSED {

@@ -4,11 +4,10 @@
 //! sizes, contents, holes, allocations and link counts as if every change were applied at
 //! once, whether or not anything looks at a file in between.
 //!
-//! Seeded random sequences over a few files in three directories, through the entry points
-//! the FUSE mount uses (`Fs::write_gate` + `write`, `gated_fallocate`, `gated_truncate` or
-//! `setattr` under `change_gate_on`, `clone_range` under the destination's gate,
-//! `change_gate` for creates, renames, links and unlinks, `gated_fsync`, `gated_commit`, reads
-//! under `read_gate_on`): creates, writes at random offsets (small ones at offset 0 make inline
+//! Seeded random sequences over a few files in three directories, through the operations of
+//! `Fs`, each of which takes its own passage through the engine's gate as the FUSE mount's
+//! calls do (`write`, `fallocate`, `truncate` or `setattr`, `clone_range`, `create`,
+//! `rename`, `link`, `unlink`, `fsync`, `commit`, `read`): creates, writes at random offsets (small ones at offset 0 make inline
 //! files), appends at the end (sector-aligned and not, a byte to 1 MiB), truncates up, down,
 //! to zero and back to where a preallocation at the end started, fallocate (mode 0, KEEP_SIZE,
 //! PUNCH_HOLE, ZERO_RANGE, at the end and elsewhere), aligned clones, renames (also over
@@ -38,7 +37,6 @@
 mod crash_support;
 
 use butter::fs::{Fs, Inode, RwOptions, SetAttr};
-use butter::gate::GateChange;
 use butter::inode::file::{FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE};
 use butter::internals::{Faults, RamDevice};
 use butter::io::device::BlockDevice;
@@ -87,7 +85,7 @@ enum Op {
         len: u64,
         seed: u64,
     },
-    /// Through `gated_truncate`, or `setattr` under `change_gate_on` as the mount does.
+    /// Through `truncate`, or `setattr` as the mount does.
     Truncate {
         f: usize,
         size: u64,
@@ -930,14 +928,6 @@ fn dir_inodes(fs: &Fs) -> Result<Vec<Inode>, String> {
     Ok(v)
 }
 
-/// A change's result, its failure reported to the gate (as the mount does).
-fn settle<T>(g: &GateChange<'_>, what: &str, r: butter::Result<T>) -> butter::Result<T> {
-    if let Err(e) = &r {
-        g.failed(what, e);
-    }
-    r
-}
-
 /// The sector states `file_ranges` shows, up to the last allocated sector.
 fn sectors_of(fs: &Fs, ino: Inode) -> Result<(Vec<u8>, bool), String> {
     let r = fs
@@ -1090,39 +1080,31 @@ fn exec(
     let ino = |f: &usize| inos[f];
     match op {
         Op::Create { f, at } => {
-            let g = fs.change_gate().map_err(|e| fsf("gate", e))?;
-            let r = settle(
-                &g,
-                "create",
-                fs.create(dirs[at.0].0, &name_bytes(*at), 0o644, OWNER),
-            );
-            let new = r.map_err(|e| fsf("create", e))?;
+            let new = fs
+                .create(dirs[at.0].0, &name_bytes(*at), 0o644, OWNER)
+                .map_err(|e| fsf("create", e))?;
             inos.insert(*f, new);
         }
         Op::Write { f, off, len, seed } => {
             let data = data_of(*seed, *len);
-            let g = fs.write_gate(ino(f)).map_err(|e| fsf("gate", e))?;
-            let n =
-                settle(&g, "write", fs.write(ino(f), *off, &data)).map_err(|e| fsf("write", e))?;
+            let n = fs.write(ino(f), *off, &data).map_err(|e| fsf("write", e))?;
             if n as u64 != *len {
                 return Err(Fail::Fs(i, format!("short write: {n} of {len}")));
             }
         }
         Op::Truncate { f, size, setattr } => {
             if *setattr {
-                let g = fs.change_gate_on(ino(f)).map_err(|e| fsf("gate", e))?;
                 let a = SetAttr {
                     size: Some(*size),
                     ..SetAttr::default()
                 };
-                settle(&g, "setattr", fs.setattr(ino(f), &a)).map_err(|e| fsf("setattr", e))?;
+                fs.setattr(ino(f), &a).map_err(|e| fsf("setattr", e))?;
             } else {
-                fs.gated_truncate(ino(f), *size)
-                    .map_err(|e| fsf("truncate", e))?;
+                fs.truncate(ino(f), *size).map_err(|e| fsf("truncate", e))?;
             }
         }
         Op::Falloc { f, mode, off, len } => {
-            fs.gated_fallocate(ino(f), *mode, *off, *len)
+            fs.fallocate(ino(f), *mode, *off, *len)
                 .map_err(|e| fsf("fallocate", e))?;
         }
         Op::Clone {
@@ -1132,58 +1114,44 @@ fn exec(
             doff,
             len,
         } => {
-            let g = fs.change_gate_on(ino(dst)).map_err(|e| fsf("gate", e))?;
-            let n = settle(
-                &g,
-                "clone",
-                fs.clone_range(ino(src), *soff, ino(dst), *doff, *len),
-            )
-            .map_err(|e| fsf("clone", e))?;
+            let n = fs
+                .clone_range(ino(src), *soff, ino(dst), *doff, *len)
+                .map_err(|e| fsf("clone", e))?;
             if n != *len {
                 return Err(Fail::Fs(i, format!("clone of {len} bytes did {n}")));
             }
         }
         Op::Rename { from, to } => {
-            let g = fs.change_gate().map_err(|e| fsf("gate", e))?;
-            settle(
-                &g,
-                "rename",
-                fs.rename(
-                    dirs[from.0].0,
-                    &name_bytes(*from),
-                    dirs[to.0].0,
-                    &name_bytes(*to),
-                    0,
-                ),
+            fs.rename(
+                dirs[from.0].0,
+                &name_bytes(*from),
+                dirs[to.0].0,
+                &name_bytes(*to),
+                0,
             )
             .map_err(|e| fsf("rename", e))?;
         }
         Op::Link { f, at } => {
-            let g = fs.change_gate().map_err(|e| fsf("gate", e))?;
-            settle(&g, "link", fs.link(ino(f), dirs[at.0].0, &name_bytes(*at)))
+            fs.link(ino(f), dirs[at.0].0, &name_bytes(*at))
                 .map_err(|e| fsf("link", e))?;
         }
         Op::Unlink { at } => {
-            let g = fs.change_gate().map_err(|e| fsf("gate", e))?;
-            settle(&g, "unlink", fs.unlink(dirs[at.0].0, &name_bytes(*at)))
+            fs.unlink(dirs[at.0].0, &name_bytes(*at))
                 .map_err(|e| fsf("unlink", e))?;
         }
-        Op::Fsync { f } => fs.gated_fsync(ino(f)).map_err(|e| fsf("fsync", e))?,
-        Op::Commit => fs.gated_commit().map_err(|e| fsf("commit", e))?,
+        Op::Fsync { f } => fs.fsync(ino(f), false).map_err(|e| fsf("fsync", e))?,
+        Op::Commit => fs.commit().map_err(|e| fsf("commit", e))?,
         Op::Read { f, off, len } => {
             let mf = m.file(*f);
-            let got = {
-                let _g = fs.read_gate_on(ino(f));
-                fs.read(ino(f), *off, *len as usize)
-                    .map_err(|e| fsf("read", e))?
-            };
+            let got = fs
+                .read(ino(f), *off, *len as usize)
+                .map_err(|e| fsf("read", e))?;
             let lo = (*off).min(mf.size()) as usize;
             let hi = (off + len).min(mf.size()) as usize;
             compare_bytes(*f, *off, &got, &mf.data[lo..hi])
                 .map_err(|e| Fail::Model(format!("op {i}: {e}")))?;
         }
         Op::Stat { f } | Op::Ranges { f } => {
-            let _g = fs.read_gate_on(ino(f));
             check_file(fs, *f, ino(f), m.file(*f), false)
                 .map_err(|e| Fail::Model(format!("op {i}: {e}")))?;
         }
@@ -1203,15 +1171,12 @@ fn check_all(
     dirs: &[Inodes],
     inos: &BTreeMap<usize, Inode>,
     m: &Model,
-    gated: bool,
 ) -> Result<(), String> {
     let mut shown: BTreeMap<Name, Inode> = BTreeMap::new();
     for (d, dir) in dirs.iter().enumerate() {
-        let ents = {
-            let _g = gated.then(|| fs.read_gate());
-            fs.readdir(dir.0, 0, 0)
-                .map_err(|e| format!("readdir d{d}: {e}"))?
-        };
+        let ents = fs
+            .readdir(dir.0, 0, 0)
+            .map_err(|e| format!("readdir d{d}: {e}"))?;
         for e in ents {
             let n = std::str::from_utf8(&e.name)
                 .ok()
@@ -1255,7 +1220,6 @@ fn check_all(
         return Err(format!("names differ: {}", d.join(", ")));
     }
     for f in m.live() {
-        let _g = gated.then(|| fs.read_gate_on(inos[&f]));
         check_file(fs, f, inos[&f], m.file(f), true)?;
     }
     Ok(())
@@ -1277,7 +1241,7 @@ fn run_differential(ops: &[Op], v: Variant) -> Result<usize, String> {
             Err(e) => return Err(format!("{e} ({op})")),
         }
     }
-    check_all(&fs, &dirs, &inos, &m, true).map_err(|e| format!("at the end: {e}"))?;
+    check_all(&fs, &dirs, &inos, &m).map_err(|e| format!("at the end: {e}"))?;
     fs.close().map_err(|e| format!("close: {e}"))?;
     drop(fs);
     if dev.durable_bytes() != dev.live_bytes() {
@@ -1285,7 +1249,7 @@ fn run_differential(ops: &[Op], v: Variant) -> Result<usize, String> {
     }
     let ro = Fs::open_device(dev.clone() as Arc<dyn BlockDevice>)
         .map_err(|e| format!("read-only open after close: {e}"))?;
-    check_all(&ro, &dirs, &inos, &m, false).map_err(|e| format!("after close: {e}"))?;
+    check_all(&ro, &dirs, &inos, &m).map_err(|e| format!("after close: {e}"))?;
     butter_check(&ro).map_err(|e| format!("butter check after close: {e}"))?;
     Ok(done)
 }

@@ -343,8 +343,11 @@ fn imports_follow_the_layer_order() {
 /// At most this many `pub` items (fn, struct, enum, const, type, trait, static) in
 /// crates/butter/src: a quarter of the 810 the crate had before it was put in layers (issue 15).
 /// What a caller needs goes public deliberately; the rest is `pub(crate)`, and what only tests,
-/// benchmarks and the fuzz crate need goes under the `internals` feature.
-const PUB_ITEMS_MAX: usize = 202;
+/// benchmarks and the fuzz crate need goes under the `internals` feature. (Issue 31 moved the
+/// gate into the operations: the inode layer's `Core` went crate-private with its methods,
+/// the gate's functions too, and the operations that take their own passage and apply the
+/// POSIX rules a FUSE server owns came in: 202 to 206.)
+const PUB_ITEMS_MAX: usize = 206;
 
 /// Files (or folders) built only under `cfg(any(test, feature = "internals"))`, as the `mod`
 /// lines of lib.rs and the folders' mod.rs declare them: not part of the public API.

@@ -23,7 +23,7 @@ pub fn check(a: CheckArgs) -> CliResult {
     let opts = butter::check::Options {
         check_data_csum: a.check_data_csum,
     };
-    let report = butter::check::check_with(&fs, opts, &mut progress)?;
+    let report = fs.check(opts, &mut progress)?;
     let mut out = std::io::stdout().lock();
     for f in &report.findings {
         writeln!(out, "{f}")?;

@@ -216,7 +216,7 @@ impl ButterTarget {
                 if self.exists(dir, &name)? {
                     return Err(EEXIST);
                 }
-                fs.link(src, dir, &name).map_err(Self::err)
+                fs.link(src, dir, &name).map(drop).map_err(Self::err)
             }
             Op::Unlink { path } => {
                 let (dir, name) = self.parent(path)?;
@@ -237,7 +237,9 @@ impl ButterTarget {
                     RenameHow::NoReplace => butter::inode::namespace::RENAME_NOREPLACE,
                     RenameHow::Exchange => butter::inode::namespace::RENAME_EXCHANGE,
                 };
-                fs.rename(fd, &fname, td, &tname, flags).map_err(Self::err)
+                fs.rename(fd, &fname, td, &tname, flags)
+                    .map(drop)
+                    .map_err(Self::err)
             }
             Op::Write {
                 path,

@@ -198,7 +198,8 @@ pub fn butter_replay_manifest(img: &Path, what: &str) -> Manifest {
 /// butter's checker through the library (a read-only open): no finding above a warning.
 pub fn assert_butter_check_lib(img: &Path, what: &str) {
     let fs = Fs::open(img).unwrap_or_else(|e| panic!("{what}: butter open: {e}"));
-    let report = butter::check::check(&fs, &mut |_| {})
+    let report = fs
+        .check(Default::default(), &mut |_| {})
         .unwrap_or_else(|e| panic!("{what}: butter check: {e}"));
     let bad: Vec<_> = report
         .findings

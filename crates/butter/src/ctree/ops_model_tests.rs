@@ -1269,10 +1269,10 @@ fn rebuilt_mkfs_blocks_are_identical() {
         let fs = crate::fs::Fs::open(&img).unwrap();
         let csum = fs.disk().sb.csum_type;
         // Every tree in the root tree, plus the root tree itself.
-        let mut roots = vec![fs.tree_root()];
+        let mut roots = vec![fs.core().tree_root()];
         let mut it = crate::ctree::TreeIter::new(
             fs.disk().clone(),
-            fs.tree_root(),
+            fs.core().tree_root(),
             Key::MIN,
             Readahead::None,
         )

@@ -4,8 +4,8 @@
 //! this module only reads them to keep the mode bits in step (as a kernel filesystem does on
 //! set, chmod and create).
 
-pub const ACCESS: &[u8] = b"system.posix_acl_access";
-pub const DEFAULT: &[u8] = b"system.posix_acl_default";
+pub(crate) const ACCESS: &[u8] = b"system.posix_acl_access";
+pub(crate) const DEFAULT: &[u8] = b"system.posix_acl_default";
 
 const VERSION: u32 = 2;
 const USER_OBJ: u16 = 0x01;
@@ -16,14 +16,14 @@ const MASK: u16 = 0x10;
 const OTHER: u16 = 0x20;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Entry {
-    pub tag: u16,
-    pub perm: u16,
-    pub id: u32,
+pub(crate) struct Entry {
+    pub(crate) tag: u16,
+    pub(crate) perm: u16,
+    pub(crate) id: u32,
 }
 
 /// Parses an ACL xattr value; `None` if it is malformed or lacks a required entry.
-pub fn parse(v: &[u8]) -> Option<Vec<Entry>> {
+pub(crate) fn parse(v: &[u8]) -> Option<Vec<Entry>> {
     let (head, rest) = v.split_first_chunk::<4>()?;
     if u32::from_le_bytes(*head) != VERSION || rest.len() % 8 != 0 {
         return None;
@@ -54,7 +54,7 @@ pub fn parse(v: &[u8]) -> Option<Vec<Entry>> {
     Some(entries)
 }
 
-pub fn encode(entries: &[Entry]) -> Vec<u8> {
+pub(crate) fn encode(entries: &[Entry]) -> Vec<u8> {
     let mut out = VERSION.to_le_bytes().to_vec();
     for e in entries {
         out.extend_from_slice(&e.tag.to_le_bytes());
@@ -66,7 +66,7 @@ pub fn encode(entries: &[Entry]) -> Vec<u8> {
 
 /// The permission bits (0o777) an access ACL implies, and whether the mode bits say all it
 /// says (only the three base entries).
-pub fn mode_of(entries: &[Entry]) -> (u32, bool) {
+pub(crate) fn mode_of(entries: &[Entry]) -> (u32, bool) {
     let mut mode = 0u32;
     let mut equiv = true;
     let mut mask = None;
@@ -91,7 +91,7 @@ pub fn mode_of(entries: &[Entry]) -> (u32, bool) {
 
 /// chmod on a file with an access ACL: the owner, mask (or owning group without one) and
 /// other entries follow the new mode.
-pub fn chmod(entries: &mut [Entry], mode: u32) {
+pub(crate) fn chmod(entries: &mut [Entry], mode: u32) {
     let has_mask = entries.iter().any(|e| e.tag == MASK);
     for e in entries.iter_mut() {
         match e.tag {
@@ -107,7 +107,7 @@ pub fn chmod(entries: &mut [Entry], mode: u32) {
 /// A new inode in a directory with default ACL `entries`: its access ACL is the default one
 /// limited by the requested `mode`, and the mode's permission bits are limited by the ACL
 /// (umask does not apply). Returns the ACL and the new mode.
-pub fn inherit(entries: &[Entry], mode: u32) -> (Vec<Entry>, u32) {
+pub(crate) fn inherit(entries: &[Entry], mode: u32) -> (Vec<Entry>, u32) {
     let mut acl = entries.to_vec();
     let mut mode = mode;
     let has_mask = acl.iter().any(|e| e.tag == MASK);

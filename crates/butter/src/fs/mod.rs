@@ -1,8 +1,16 @@
 //! The filesystem facade, used by the CLI tools and the FUSE front end: opening (the
 //! superblock, the chunk tree, log replay, the writer, orphan cleanup), the gate policies of
-//! concurrent callers, fsync and commit under them, the commit scheduler and the close.
-//! Everything else is the inode layer's (crate::inode), reached through `Deref` to its
-//! [`Core`].
+//! concurrent callers, fsync and commit under them, the commit scheduler and the close, and
+//! every operation a front end calls, each taking its own passage (ops.rs) and, where a
+//! caller is named, applying the POSIX rules a FUSE server owns (posix.rs, acl.rs). The
+//! inode layer's [`Core`] does the work and is not reachable from outside the crate.
+
+pub(crate) mod acl;
+mod ops;
+pub mod posix;
+mod wrappers;
+
+pub use ops::{At, DirEnd, NewKind, NewNode, Renamed, Side};
 
 use crate::ctree::{self, Root};
 use crate::error::{Error, Result};
@@ -49,13 +57,10 @@ pub struct Fs {
     core: Core,
     /// The periodic commit thread ([`Fs::start_committer`]): its stop signal and handle.
     committer: Mutex<Option<(std::sync::mpsc::Sender<()>, std::thread::JoinHandle<()>)>>,
-}
-
-impl std::ops::Deref for Fs {
-    type Target = Core;
-    fn deref(&self) -> &Core {
-        &self.core
-    }
+    /// What the POSIX rules remember of inodes (set-id bits, capabilities).
+    remembered: posix::Remembered,
+    /// ACLs enforced ([`Fs::enforce_acls`]).
+    acls: std::sync::atomic::AtomicBool,
 }
 
 /// Why an image could not be opened, in a user's words: a missing file or a permission is
@@ -136,19 +141,21 @@ impl Fs {
         opts: RwOptions,
     ) -> Result<Fs> {
         let mut fs = Fs::open_device_opts(dev, OpenOpts::nologreplay())?;
-        fs.set_fsync_log(opts.fsync_log);
-        fs.set_fsync_skips_writes_in_progress(opts.fsync_skips_writes_in_progress);
-        fs.set_unlocked_writeback(opts.unlocked_writeback);
-        fs.set_delayed_allocation(opts.delayed_allocation);
+        fs.core.set_fsync_log(opts.fsync_log);
+        fs.core
+            .set_fsync_skips_writes_in_progress(opts.fsync_skips_writes_in_progress);
+        fs.core.set_unlocked_writeback(opts.unlocked_writeback);
+        fs.core.set_delayed_allocation(opts.delayed_allocation);
         fs.core.compress = opts.compress;
         fs.core.compress_force = opts.compress_force && opts.compress.is_some();
         fs.core.max_inline = crate::inode::file::max_inline_for(&fs.core.disk, opts.max_inline);
-        let mut w = crate::tree_log::replay::start_writer(&fs)?;
+        let mut w = crate::tree_log::replay::start_writer(&fs.core)?;
         if opts.unfinished {
             // From the first commit on, no copy of the superblock says "filesystem" until
             // `close` (an interrupted build leaves an image no tool takes for a filesystem).
             w.set_magic(MAGIC_TEMPORARY)?;
-            fs.unfinished
+            fs.core
+                .unfinished
                 .store(true, std::sync::atomic::Ordering::SeqCst);
         }
         w.set_combined_replace(opts.combined_replace);
@@ -161,16 +168,16 @@ impl Fs {
         fs.core.writer = Some(Mutex::new(w));
         // Files unlinked while open when the last writer stopped: their space comes back now,
         // as the kernel gives it back at mount.
-        let n = fs.clean_orphans()?;
+        let n = fs.core.clean_orphans()?;
         if n > 0 {
             log::info!(
                 "deleted {n} orphan inodes (unlinked while open when the last writer stopped)"
             );
-            fs.commit()?;
+            fs.core.commit()?;
         }
         // Subvolumes deleted while their drop was cut off (by butter or the kernel): the drop
         // goes on from its recorded progress, as the kernel's cleaner continues it at mount.
-        let n = fs.drop_dead_trees()?;
+        let n = fs.core.drop_dead_trees()?;
         if n > 0 {
             log::info!("finished dropping {n} deleted subvolumes");
         }
@@ -179,9 +186,13 @@ impl Fs {
 
     pub(crate) fn open_device_opts(dev: Arc<dyn BlockDevice>, opts: OpenOpts) -> Result<Fs> {
         let fs = Self::open_device_nolog(dev)?;
-        if opts.log_replay && fs.disk.sb.log_root != 0 {
-            crate::tree_log::replay::replay_in_memory(&fs)?;
-            fs.roots.lock().unwrap_or_else(|e| e.into_inner()).clear();
+        if opts.log_replay && fs.core.disk.sb.log_root != 0 {
+            crate::tree_log::replay::replay_in_memory(&fs.core)?;
+            fs.core
+                .roots
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clear();
         }
         Ok(fs)
     }
@@ -249,7 +260,17 @@ impl Fs {
         Ok(Fs {
             core: fs,
             committer: Mutex::new(None),
+            remembered: Default::default(),
+            acls: Default::default(),
         })
+    }
+}
+
+impl Fs {
+    /// The inode layer, for the engine's own modules (receive, send, the log replay), which
+    /// run alone or hold their passage themselves.
+    pub(crate) fn core(&self) -> &Core {
+        &self.core
     }
 }
 
@@ -260,7 +281,7 @@ impl Fs {
 impl Fs {
     /// Passes the gate as a reader, after completing pending ordered extents (a reader would
     /// complete them, changing trees under the other readers).
-    pub fn read_gate(&self) -> crate::gate::GateRead<'_> {
+    pub(crate) fn read_gate(&self) -> crate::gate::GateRead<'_> {
         self.read_gate_unless(None)
     }
 
@@ -270,7 +291,7 @@ impl Fs {
     /// appear only under the exclusive gate, so none appear for `ino` while this is held; a
     /// delayed preallocation may, from an fallocate that began after the read, and stays in
     /// memory: the read does not see it, and no reader completes one.)
-    pub fn read_gate_on(&self, ino: Inode) -> crate::gate::GateRead<'_> {
+    pub(crate) fn read_gate_on(&self, ino: Inode) -> crate::gate::GateRead<'_> {
         self.read_gate_unless(Some(ino))
     }
 
@@ -283,25 +304,25 @@ impl Fs {
         let mut preallocs_done = false;
         let pending = |preallocs_done: bool| {
             (match only {
-                Some(ino) => self.ordered.has_pending(ino),
-                None => self.has_pending_ordered(),
-            }) || (!preallocs_done && self.prealloc.has(only))
+                Some(ino) => self.core.ordered.has_pending(ino),
+                None => self.core.has_pending_ordered(),
+            }) || (!preallocs_done && self.core.prealloc.has(only))
         };
         loop {
-            let g = self.gate.read();
-            if !pending(preallocs_done) || self.stopped().is_some() {
+            let g = self.core.gate.read();
+            if !pending(preallocs_done) || self.core.stopped().is_some() {
                 return g;
             }
             drop(g);
-            let _c = self.gate.change();
+            let _c = self.core.gate.change();
             let done = match only {
-                Some(ino) => self.complete_ordered_extents_of(ino),
-                None => self.complete_ordered_extents(),
+                Some(ino) => self.core.complete_ordered_extents_of(ino),
+                None => self.core.complete_ordered_extents(),
             }
             .and_then(|()| self.complete_preallocs_gated(only));
             preallocs_done = true;
             if let Err(e) = done {
-                self.stop(format!("completing writes: {e}"));
+                self.core.stop(format!("completing writes: {e}"));
             }
         }
     }
@@ -309,11 +330,11 @@ impl Fs {
     /// Delayed preallocations (of `only`, or every file's) into the trees; the caller holds
     /// the exclusive gate.
     fn complete_preallocs_gated(&self, only: Option<Inode>) -> Result<()> {
-        if !self.prealloc.has(only) {
+        if !self.core.prealloc.has(only) {
             return Ok(());
         }
-        let mut w = self.writer_keeping_ordered()?;
-        self.complete_preallocs(&mut w, only)
+        let mut w = self.core.writer_keeping_ordered()?;
+        self.core.complete_preallocs(&mut w, only)
     }
 
     /// fallocate(2) under the gate: an fallocate of whole sectors at a file's sector-aligned
@@ -322,31 +343,45 @@ impl Fs {
     /// runs meanwhile, readers and other files' in-memory changes do), so fallocates of
     /// different files run side by side without sharing a lock; any other passes the
     /// exclusive gate.
-    pub fn gated_fallocate(&self, ino: Inode, mode: u32, offset: u64, len: u64) -> Result<()> {
+    pub(crate) fn gated_fallocate(
+        &self,
+        ino: Inode,
+        mode: u32,
+        offset: u64,
+        len: u64,
+    ) -> Result<()> {
         if self.fallocate_in_memory_gated(ino, mode, offset, len) {
             return Ok(());
         }
         let g = self.change_gate_on(ino)?;
-        g.settle("fallocate", self.fallocate(ino, mode, offset, len))
+        g.settle("fallocate", self.core.fallocate(ino, mode, offset, len))
     }
 
     /// truncate(2) under the gate: a truncate of a file with a delayed preallocation back to
     /// where that starts is served in memory (see [`Fs::gated_fallocate`]); any other passes
     /// the exclusive gate.
-    pub fn gated_truncate(&self, ino: Inode, size: u64) -> Result<()> {
-        if self.in_lane(ino, || self.truncate_in_memory(ino, size)) == Some(true) {
+    pub(crate) fn gated_truncate(&self, ino: Inode, size: u64) -> Result<()> {
+        if self.in_lane(ino, || self.core.truncate_in_memory(ino, size)) == Some(true) {
             return Ok(());
         }
         let g = self.change_gate_on(ino)?;
-        g.settle("truncate", self.truncate(ino, size))
+        g.settle("truncate", self.core.truncate(ino, size))
     }
 
     /// The in-memory half of [`Fs::gated_fallocate`]: whether it served the fallocate.
-    pub fn fallocate_in_memory_gated(&self, ino: Inode, mode: u32, offset: u64, len: u64) -> bool {
+    pub(crate) fn fallocate_in_memory_gated(
+        &self,
+        ino: Inode,
+        mode: u32,
+        offset: u64,
+        len: u64,
+    ) -> bool {
         for attempt in 0..2 {
             // Anything it cannot judge cheaply (or that fails) goes the ordinary way, which
             // reports it.
-            match self.in_lane(ino, || self.fallocate_in_memory(ino, mode, offset, len)) {
+            match self.in_lane(ino, || {
+                self.core.fallocate_in_memory(ino, mode, offset, len)
+            }) {
                 Some(Ok(Some(done))) => return done,
                 // No data space: a commit gives back what the running transaction freed, or
                 // a new chunk comes (under the exclusive gate, other files' delayed
@@ -357,7 +392,7 @@ impl Fs {
                     let Ok(c) = self.change_gate() else {
                         return false;
                     };
-                    if c.settle("making data space", self.make_data_space(len))
+                    if c.settle("making data space", self.core.make_data_space(len))
                         .is_err()
                     {
                         return false;
@@ -375,15 +410,15 @@ impl Fs {
     /// times: its own way would complete every file's delayed preallocation. `None`: not run.
     fn in_lane<R>(&self, ino: Inode, f: impl Fn() -> R) -> Option<R> {
         for _ in 0..4 {
-            if !self.is_writable() || self.has_stopped() {
+            if !self.core.is_writable() || self.core.has_stopped() {
                 return None;
             }
-            let _p = self.gate.inode(ino);
-            if let Some(_lane) = self.gate.lane(ino) {
+            let _p = self.core.gate.inode(ino);
+            if let Some(_lane) = self.core.gate.lane(ino) {
                 return Some(f());
             }
             drop(_p);
-            drop(self.gate.read());
+            drop(self.core.gate.read());
         }
         None
     }
@@ -394,8 +429,8 @@ impl Fs {
     pub fn release(&self, ino: Inode) -> Result<()> {
         let last = {
             // The link count is all it reads: the file's writes in flight stay pending.
-            let _r = self.gate.read();
-            self.note_closed(ino)?
+            let _r = self.core.gate.read();
+            self.core.note_closed(ino)?
         };
         if !last {
             return Ok(());
@@ -405,29 +440,29 @@ impl Fs {
         };
         g.settle(
             &format!("deleting unlinked inode {} at its last close", ino.ino),
-            self.delete_orphan(ino),
+            self.core.delete_orphan(ino),
         )
     }
 
     /// Passes the gate as a reader without completing pending ordered extents: for reads
     /// they cannot change (xattrs), which must not write delayed appends back.
-    pub fn read_gate_as_is(&self) -> crate::gate::GateRead<'_> {
-        self.gate.read()
+    pub(crate) fn read_gate_as_is(&self) -> crate::gate::GateRead<'_> {
+        self.core.gate.read()
     }
 
     /// Passes the gate as a change: `ReadOnly` when opened read-only, `Aborted` once changes
     /// stopped (also while this one waited). The change's failure goes to the guard
     /// ([`crate::gate::GateChange::failed`]), which judges whether it stops changes; a panic
     /// unwinding through the guard stops them.
-    pub fn change_gate(&self) -> Result<crate::gate::GateChange<'_>> {
-        self.admit(|| self.gate.change())
+    pub(crate) fn change_gate(&self) -> Result<crate::gate::GateChange<'_>> {
+        self.admit(|| self.core.gate.change())
     }
 
     /// [`Fs::change_gate`] for a change that may take `ino`'s range locks (a truncate,
     /// fallocate, a write through another call, the deletion of an orphan): `ino`'s inode
     /// passage first (crate::gate).
-    pub fn change_gate_on(&self, ino: Inode) -> Result<crate::gate::GateChange<'_>> {
-        self.admit(|| self.gate.change_inode(ino))
+    pub(crate) fn change_gate_on(&self, ino: Inode) -> Result<crate::gate::GateChange<'_>> {
+        self.admit(|| self.core.gate.change_inode(ino))
     }
 
     /// A change through the gate `take` passes, if changes may run: checked before it waits,
@@ -439,7 +474,7 @@ impl Fs {
     ) -> Result<crate::gate::GateChange<'a>> {
         self.may_change()?;
         let g = take();
-        if self.has_stopped() {
+        if self.core.has_stopped() {
             self.may_change()?;
         }
         Ok(g)
@@ -447,7 +482,7 @@ impl Fs {
 
     /// [`Fs::change_gate_on`] for [`Fs::write`]s to `ino`: the write steps out of the gate
     /// while its data goes to the device, so other files are read and changed meanwhile.
-    pub fn write_gate(&self, ino: Inode) -> Result<crate::gate::GateChange<'_>> {
+    pub(crate) fn write_gate(&self, ino: Inode) -> Result<crate::gate::GateChange<'_>> {
         let g = self.change_gate_on(ino)?;
         g.let_data_out();
         Ok(g)
@@ -455,10 +490,10 @@ impl Fs {
 
     /// `ReadOnly` when opened read-only, `Aborted` once changes stopped.
     fn may_change(&self) -> Result<()> {
-        if !self.is_writable() {
+        if !self.core.is_writable() {
             return Err(Error::ReadOnly);
         }
-        match self.stopped() {
+        match self.core.stopped() {
             Some(why) => Err(Error::Aborted(why)),
             None => Ok(()),
         }
@@ -467,35 +502,36 @@ impl Fs {
     /// fsync of one inode under the gate: logs it (waiting for running changes, not for a
     /// commit in progress), then writes the log, in one log commit with the fsyncs that
     /// logged meanwhile; commits instead where the engine cannot log the inode.
-    pub fn gated_fsync(&self, ino: Inode) -> Result<()> {
+    pub(crate) fn gated_fsync(&self, ino: Inode) -> Result<()> {
         // Waiting for the inode's writes in progress (without the fsync rule that skips them)
         // means waiting for their range locks: the inode passage does that before the gate
         // (crate::gate).
         let _inode = self
+            .core
             .fsync_waits_for_writes
             .load(std::sync::atomic::Ordering::Relaxed)
-            .then(|| self.gate.inode(ino));
+            .then(|| self.core.gate.inode(ino));
         // A delayed preallocation of the file goes into the trees first, under the exclusive
         // gate (the log copies trees; no reader may see them change).
-        if self.prealloc.has(Some(ino)) {
+        if self.core.prealloc.has(Some(ino)) {
             let c = self.change_gate()?;
             c.settle("fsync", self.complete_preallocs_gated(Some(ino)))?;
         }
         let ticket = {
             // Shared: the trees do not change under a reader; the writer lock keeps other
             // fsyncs out of the log meanwhile.
-            let _g = if self.fsync_completes_ordered() {
+            let _g = if self.core.fsync_completes_ordered() {
                 self.read_gate()
             } else {
                 self.read_gate_as_is()
             };
-            if let Some(why) = self.stopped() {
+            if let Some(why) = self.core.stopped() {
                 return Err(Error::Aborted(why));
             }
-            self.log_inode(ino)?
+            self.core.log_inode(ino)?
         };
         match ticket {
-            crate::transaction::log_state::LogTicket::Logged(seq) => self.sync_log(seq),
+            crate::transaction::log_state::LogTicket::Logged(seq) => self.core.sync_log(seq),
             crate::transaction::log_state::LogTicket::Durable => Ok(()),
             crate::transaction::log_state::LogTicket::Commit => self.gated_commit(),
         }
@@ -503,14 +539,14 @@ impl Fs {
 
     /// Commits after the running changes, unless changes stopped. Reads run again once the
     /// trees are final, while the commit writes.
-    pub fn gated_commit(&self) -> Result<()> {
-        let g = self.gate.commit();
-        if let Some(why) = self.stopped() {
+    pub(crate) fn gated_commit(&self) -> Result<()> {
+        let g = self.core.gate.commit();
+        if let Some(why) = self.core.stopped() {
             return Err(Error::Aborted(why));
         }
         let exclusive = g.exclusive;
         let _changes = g.changes;
-        self.commit_with(move || drop(exclusive))
+        self.core.commit_with(move || drop(exclusive))
     }
 }
 
@@ -591,7 +627,7 @@ impl Fs {
     /// under the gate, until [`Fs::close`] or [`Fs::stop_committer`]. Nothing to do when
     /// read-only or `every` is zero.
     pub fn start_committer(self: &Arc<Self>, every: std::time::Duration) -> std::io::Result<()> {
-        if !self.is_writable() || every.is_zero() {
+        if !self.core.is_writable() || every.is_zero() {
             return Ok(());
         }
         self.stop_committer();
@@ -631,18 +667,19 @@ impl Fs {
     /// (the image keeps its last commit).
     pub fn close(&self) -> Result<Stats> {
         self.stop_committer();
-        if self.is_writable() {
+        if self.core.is_writable() {
             if let Err(e) = self.gated_commit() {
-                self.stop(format!("the final commit failed: {e}"));
+                self.core.stop(format!("the final commit failed: {e}"));
                 return Err(e);
             }
             if self
+                .core
                 .unfinished
                 .swap(false, std::sync::atomic::Ordering::SeqCst)
             {
                 // Complete: the superblocks say "filesystem" again.
-                let _g = self.gate.commit();
-                let mut w = self.writer()?;
+                let _g = self.core.gate.commit();
+                let mut w = self.core.writer()?;
                 w.set_magic(MAGIC)?;
             }
         }
@@ -652,17 +689,17 @@ impl Fs {
     /// What the filesystem has done since it was opened. Reading it changes nothing: pending
     /// writes stay pending.
     pub fn stats(&self) -> Result<Stats> {
-        let (log, descents) = if self.is_writable() {
-            let w = self.writer_keeping_ordered()?;
+        let (log, descents) = if self.core.is_writable() {
+            let w = self.core.writer_keeping_ordered()?;
             (w.log.stats.clone(), w.descents())
         } else {
             Default::default()
         };
         Ok(Stats {
             log,
-            ordered: self.ordered_stats(),
-            data_io_out_of_gate: self.gate.steps_out(),
-            alloc: self.alloc_stats(),
+            ordered: self.core.ordered_stats(),
+            data_io_out_of_gate: self.core.gate.steps_out(),
+            alloc: self.core.alloc_stats(),
             descents,
         })
     }

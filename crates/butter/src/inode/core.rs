@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex};
 use crate::ids::Inode;
 
 /// The parts of an open filesystem (see the module doc).
-pub struct Core {
+pub(crate) struct Core {
     pub(crate) disk: Arc<Disk>,
     /// Root tree as opened; [`Core::tree_root`] gives the current one.
     pub(crate) opened_tree_root: Root,
@@ -84,7 +84,7 @@ impl Core {
     }
 
     /// Finds the ROOT_ITEM of a tree in the root tree.
-    pub fn find_root_item(&self, id: u64) -> Result<Option<RootItem>> {
+    pub(crate) fn find_root_item(&self, id: u64) -> Result<Option<RootItem>> {
         let it = ctree::lookup_le(
             &self.disk,
             &self.tree_root(),
@@ -185,13 +185,13 @@ impl Core {
 
     /// The default subvolume: the one a mount without `subvol=` shows (the root tree's
     /// "default" directory entry; 5, the top level, when there is none).
-    pub fn default_subvolume(&self) -> u64 {
+    pub(crate) fn default_subvolume(&self) -> u64 {
         self.default_subvol
             .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Root directory inode of the default subvolume.
-    pub fn root_inode(&self) -> Inode {
+    pub(crate) fn root_inode(&self) -> Inode {
         Inode {
             root: self.default_subvolume(),
             ino: FIRST_FREE_OBJECTID,
@@ -199,7 +199,7 @@ impl Core {
     }
 
     /// Root directory of subvolume `id`.
-    pub fn subvol_root_inode(&self, id: u64) -> Result<Inode> {
+    pub(crate) fn subvol_root_inode(&self, id: u64) -> Result<Inode> {
         let (_, ri) = self.subvol(id)?;
         Ok(Inode {
             root: id,
@@ -245,7 +245,7 @@ impl Core {
     }
 
     /// Why changes stopped, if they did (the latch, or the write engine's abort).
-    pub fn stopped(&self) -> Option<String> {
+    pub(crate) fn stopped(&self) -> Option<String> {
         if let Some(why) = self.gate.latched() {
             return Some(why);
         }

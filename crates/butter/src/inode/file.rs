@@ -518,7 +518,7 @@ impl Core {
     /// The sectors written are range-locked for the whole write (crate::inode::ordered), so
     /// overlapping writes to a file happen one after the other; regular extents are written
     /// as ordered extents, their data without the writer lock.
-    pub fn write(&self, ino: Inode, offset: u64, data: &[u8]) -> Result<usize> {
+    pub(crate) fn write(&self, ino: Inode, offset: u64, data: &[u8]) -> Result<usize> {
         self.write_with(ino, offset, data, None)
     }
 
@@ -527,7 +527,7 @@ impl Core {
     /// bytes are stored (an inline extent, or the extents' pieces) and nothing is compressed
     /// here; elsewhere `data` is written as by [`Core::write`]. Not gathered for delayed
     /// allocation: the data goes to the device now.
-    pub fn write_precompressed(
+    pub(crate) fn write_precompressed(
         &self,
         ino: Inode,
         offset: u64,
@@ -1622,7 +1622,7 @@ impl Core {
     }
 
     /// truncate(2).
-    pub fn truncate(&self, ino: Inode, size: u64) -> Result<()> {
+    pub(crate) fn truncate(&self, ino: Inode, size: u64) -> Result<()> {
         self.settle_prealloc(ino)?;
         let item = self.require_inode_changeable(ino)?;
         if item.mode & 0o170000 != 0o100000 {
@@ -1666,7 +1666,7 @@ impl Core {
 
     /// fallocate(2): default (preallocate, grows the size unless KEEP_SIZE), PUNCH_HOLE
     /// (with KEEP_SIZE) and ZERO_RANGE.
-    pub fn fallocate(&self, ino: Inode, mode: u32, offset: u64, len: u64) -> Result<()> {
+    pub(crate) fn fallocate(&self, ino: Inode, mode: u32, offset: u64, len: u64) -> Result<()> {
         self.require_rw_subvol(ino.root)?;
         self.settle_prealloc(ino)?;
         let item = self.inode_item(ino)?;

@@ -134,7 +134,7 @@ pub(crate) fn require_changeable(item: &InodeItem, ino: Inode) -> Result<()> {
 
 impl Core {
     /// Whether subvolume `id` is read-only (its root item's RDONLY flag).
-    pub fn subvol_is_readonly(&self, id: u64) -> Result<bool> {
+    pub(crate) fn subvol_is_readonly(&self, id: u64) -> Result<bool> {
         Ok(self.subvol_item(id)?.flags & ROOT_SUBVOL_RDONLY != 0)
     }
 
@@ -173,7 +173,7 @@ impl Core {
     /// What an open for writing must pass (the kernel's may_open and btrfs_permission):
     /// EROFS in a read-only subvolume; EPERM for an immutable inode, and for an append-only
     /// one opened without O_APPEND or with O_TRUNC.
-    pub fn check_open_for_write(&self, ino: Inode, append: bool, trunc: bool) -> Result<()> {
+    pub(crate) fn check_open_for_write(&self, ino: Inode, append: bool, trunc: bool) -> Result<()> {
         let item = self.inode_item(ino)?;
         let t = item.mode & 0o170000;
         if matches!(t, 0o100000 | 0o040000 | 0o120000) {
@@ -188,7 +188,7 @@ impl Core {
     }
 
     /// FS_IOC_GETFLAGS: the inode's flags as FS_*_FL.
-    pub fn get_fsflags(&self, ino: Inode) -> Result<u32> {
+    pub(crate) fn get_fsflags(&self, ino: Inode) -> Result<u32> {
         Ok(inode_flags_to_fsflags(self.inode_item(ino)?.flags))
     }
 
@@ -197,7 +197,7 @@ impl Core {
     /// changes only while the file is empty; the compression flags set or remove the
     /// `btrfs.compression` property. The caller checks the privilege (CAP_LINUX_IMMUTABLE for
     /// IMMUTABLE/APPEND, ownership).
-    pub fn set_fsflags(&self, ino: Inode, fsflags: u32) -> Result<()> {
+    pub(crate) fn set_fsflags(&self, ino: Inode, fsflags: u32) -> Result<()> {
         self.require_rw_subvol(ino.root)?;
         let item = self.inode_item(ino)?;
         let t = item.mode & 0o170000;
@@ -329,7 +329,12 @@ impl Core {
     /// Marks `ino` NODATACOW and/or NODATASUM, as `mkfs.btrfs --inode-flags` does (a
     /// NODATACOW regular file has no checksums either, as with `chattr +C`). A regular file
     /// must still be empty: its data is written the way the flags say.
-    pub fn set_data_flags(&self, ino: Inode, nodatacow: bool, nodatasum: bool) -> Result<()> {
+    pub(crate) fn set_data_flags(
+        &self,
+        ino: Inode,
+        nodatacow: bool,
+        nodatasum: bool,
+    ) -> Result<()> {
         let item = self.require_inode_changeable(ino)?;
         let regular = item.mode & 0o170000 == 0o100000;
         if regular && item.size > 0 {

@@ -101,7 +101,7 @@ pub(crate) fn check_name(name: &[u8]) -> Result<()> {
 }
 
 impl Core {
-    pub fn is_writable(&self) -> bool {
+    pub(crate) fn is_writable(&self) -> bool {
         self.writer.is_some()
     }
 
@@ -195,7 +195,7 @@ impl Core {
     }
 
     /// Makes every change so far durable.
-    pub fn commit(&self) -> Result<()> {
+    pub(crate) fn commit(&self) -> Result<()> {
         let _l = self.log_sync.lock().unwrap_or_else(|e| e.into_inner());
         self.writer()?.commit()
     }
@@ -209,12 +209,12 @@ impl Core {
     }
 
     /// The disk the filesystem lives on.
-    pub fn disk(&self) -> &Arc<Disk> {
+    pub(crate) fn disk(&self) -> &Arc<Disk> {
         &self.disk
     }
 
     /// The filesystem's sector size: the unit of file data, and of its checksums.
-    pub fn sectorsize(&self) -> u32 {
+    pub(crate) fn sectorsize(&self) -> u32 {
         self.disk.sectorsize()
     }
 
@@ -563,7 +563,7 @@ impl Core {
     // ---------------------------------------------------------------------------------------
 
     /// Creates a node of any type (regular file, directory, device, fifo, socket) in `dir`.
-    pub fn mknod(
+    pub(crate) fn mknod(
         &self,
         dir: Inode,
         name: &[u8],
@@ -593,15 +593,21 @@ impl Core {
         })
     }
 
-    pub fn create(&self, dir: Inode, name: &[u8], perm: u32, owner: Owner) -> Result<Inode> {
+    pub(crate) fn create(&self, dir: Inode, name: &[u8], perm: u32, owner: Owner) -> Result<Inode> {
         self.mknod(dir, name, 0o100000 | (perm & 0o7777), 0, owner)
     }
 
-    pub fn mkdir(&self, dir: Inode, name: &[u8], perm: u32, owner: Owner) -> Result<Inode> {
+    pub(crate) fn mkdir(&self, dir: Inode, name: &[u8], perm: u32, owner: Owner) -> Result<Inode> {
         self.mknod(dir, name, 0o040000 | (perm & 0o7777), 0, owner)
     }
 
-    pub fn symlink(&self, dir: Inode, name: &[u8], target: &[u8], owner: Owner) -> Result<Inode> {
+    pub(crate) fn symlink(
+        &self,
+        dir: Inode,
+        name: &[u8],
+        target: &[u8],
+        owner: Owner,
+    ) -> Result<Inode> {
         check_name(name)?;
         self.require_dir(dir)?;
         self.require_dir_changeable(dir, true)?;
@@ -642,7 +648,7 @@ impl Core {
     }
 
     /// A new hard link `dir/name` to `ino`.
-    pub fn link(&self, ino: Inode, dir: Inode, name: &[u8]) -> Result<()> {
+    pub(crate) fn link(&self, ino: Inode, dir: Inode, name: &[u8]) -> Result<()> {
         check_name(name)?;
         self.require_dir(dir)?;
         self.require_dir_changeable(dir, true)?;
@@ -671,7 +677,7 @@ impl Core {
 
     /// Removes a non-directory entry; the inode goes when its last link does (or, if it is
     /// open, when [`Core::release_orphan`] is called: it is kept as an orphan until then).
-    pub fn unlink(&self, dir: Inode, name: &[u8]) -> Result<()> {
+    pub(crate) fn unlink(&self, dir: Inode, name: &[u8]) -> Result<()> {
         let e = self
             .lookup(dir, name)?
             .ok_or_else(|| Error::NotFound(String::from_utf8_lossy(name).into_owned()))?;
@@ -750,7 +756,7 @@ impl Core {
     }
 
     /// Notes that `ino` is open (FUSE open/create).
-    pub fn note_open(&self, ino: Inode) {
+    pub(crate) fn note_open(&self, ino: Inode) {
         *self
             .open_files
             .lock()
@@ -804,7 +810,7 @@ impl Core {
         }
     }
 
-    pub fn rmdir(&self, dir: Inode, name: &[u8]) -> Result<()> {
+    pub(crate) fn rmdir(&self, dir: Inode, name: &[u8]) -> Result<()> {
         let e = self
             .lookup(dir, name)?
             .ok_or_else(|| Error::NotFound(String::from_utf8_lossy(name).into_owned()))?;
@@ -860,7 +866,7 @@ impl Core {
     }
 
     /// rename(2) with RENAME_NOREPLACE / RENAME_EXCHANGE.
-    pub fn rename(
+    pub(crate) fn rename(
         &self,
         from_dir: Inode,
         from: &[u8],
@@ -977,7 +983,7 @@ impl Core {
     }
 
     /// chmod / chown / utimes / truncate.
-    pub fn setattr(&self, ino: Inode, a: &SetAttr) -> Result<crate::inode::read::Stat> {
+    pub(crate) fn setattr(&self, ino: Inode, a: &SetAttr) -> Result<crate::inode::read::Stat> {
         self.require_rw_subvol(ino.root)?;
         let item = self.inode_item(ino)?;
         let times = a.atime.is_some() || a.mtime.is_some();
@@ -1018,7 +1024,7 @@ impl Core {
     }
 
     /// setxattr(2); `flags`: 1 = XATTR_CREATE, 2 = XATTR_REPLACE.
-    pub fn setxattr(&self, ino: Inode, name: &[u8], value: &[u8], flags: u32) -> Result<()> {
+    pub(crate) fn setxattr(&self, ino: Inode, name: &[u8], value: &[u8], flags: u32) -> Result<()> {
         self.require_inode_changeable(ino)?;
         if name == crate::inode::flags::COMPRESSION_PROP {
             return self.set_compression_property(ino, Some(value), flags);
@@ -1079,7 +1085,7 @@ impl Core {
         })
     }
 
-    pub fn removexattr(&self, ino: Inode, name: &[u8]) -> Result<()> {
+    pub(crate) fn removexattr(&self, ino: Inode, name: &[u8]) -> Result<()> {
         self.require_inode_changeable(ino)?;
         if name == crate::inode::flags::COMPRESSION_PROP {
             return self.set_compression_property(ino, None, 0);

@@ -777,7 +777,7 @@ mod tests {
         // The first open replays a log and commits.
         drop(Fs::open_device_rw(copy.clone()).unwrap());
         let fs = Fs::open_device_rw(copy).unwrap();
-        let r = crate::check::check(&fs, &mut |_| {}).unwrap();
+        let r = fs.check(Default::default(), &mut |_| {}).unwrap();
         assert!(r.is_clean(), "{r:?}");
         fs
     }
@@ -800,8 +800,8 @@ mod tests {
         };
         arrived.recv_timeout(Duration::from_secs(60)).unwrap();
         // The write is in its writeback.
-        assert!(fs.ordered.test(a, 0, 300_000, ExtentBits::WRITEBACK));
-        assert!(fs.ordered.test(a, 0, 300_000, ExtentBits::ORDERED));
+        assert!(fs.core().ordered.test(a, 0, 300_000, ExtentBits::WRITEBACK));
+        assert!(fs.core().ordered.test(a, 0, 300_000, ExtentBits::ORDERED));
         let b = fs.create(root, b"b", 0o644, Owner::default()).unwrap();
         fs.write(b, 0, &[7u8; 100_000]).unwrap();
         fs.commit().unwrap();
@@ -815,14 +815,17 @@ mod tests {
         release.send(()).unwrap();
         assert_eq!(writer.join().unwrap(), 300_000);
         // Returned: written, pending, not in the trees yet; the first read completes it.
-        assert!(fs.ordered.test(a, 0, 300_000, ExtentBits::ORDERED));
-        assert!(!fs.ordered.test(a, 0, 300_000, ExtentBits::WRITEBACK));
-        assert_eq!(fs.ordered.stats().pending, 1);
-        assert_eq!(fs.inode_item_raw(a).unwrap().size, 0);
+        assert!(fs.core().ordered.test(a, 0, 300_000, ExtentBits::ORDERED));
+        assert!(!fs.core().ordered.test(a, 0, 300_000, ExtentBits::WRITEBACK));
+        assert_eq!(fs.core().ordered.stats().pending, 1);
+        assert_eq!(fs.core().inode_item_raw(a).unwrap().size, 0);
         assert_eq!(fs.read(a, 0, 400_000).unwrap(), data);
-        assert!(!fs.ordered.test(a, 0, 300_000, ExtentBits::ORDERED));
-        assert_eq!(fs.ordered.stats().inodes, 0);
-        assert_eq!(fs.ordered.stats().completed, fs.ordered.stats().deferred);
+        assert!(!fs.core().ordered.test(a, 0, 300_000, ExtentBits::ORDERED));
+        assert_eq!(fs.core().ordered.stats().inodes, 0);
+        assert_eq!(
+            fs.core().ordered.stats().completed,
+            fs.core().ordered.stats().deferred
+        );
         fs.commit().unwrap();
         let after = checked_copy(ram.durable_bytes());
         let a2 = in_root(&after, b"a");
@@ -846,7 +849,7 @@ mod tests {
         });
         let fs = Arc::new(Fs::open_device_rw(dev).unwrap());
         // The gate stops a write in its own writeback: no write may wait in a buffer.
-        fs.ordered.set_delalloc(false);
+        fs.core().ordered.set_delalloc(false);
         (ram, fs, arrived, release)
     }
 
@@ -956,11 +959,11 @@ mod tests {
             })
         };
         arrived.recv_timeout(Duration::from_secs(60)).unwrap();
-        fs.stop("a change elsewhere failed half way".into());
+        fs.core().stop("a change elsewhere failed half way".into());
         release.send(()).unwrap();
         let r = writer.join().unwrap();
         assert!(matches!(r, Err(crate::error::Error::Aborted(_))), "{r:?}");
-        assert_eq!(fs.ordered.stats().pending, 0);
+        assert_eq!(fs.core().ordered.stats().pending, 0);
         assert!(matches!(
             fs.gated_commit(),
             Err(crate::error::Error::Aborted(_))
@@ -976,7 +979,7 @@ mod tests {
     fn fsync_waits_for_writes_in_progress_only_without_the_rule() {
         for rule in [true, false] {
             let (ram, fs, arrived, release) = gated();
-            fs.set_fsync_skips_writes_in_progress(rule);
+            fs.core().set_fsync_skips_writes_in_progress(rule);
             let root = fs.root_inode();
             let a = fs.create(root, b"a", 0o644, Owner::default()).unwrap();
             fs.write(a, 1 << 20, b"before").unwrap();
@@ -1033,20 +1036,20 @@ mod tests {
                 want.resize(off + data.len(), 0);
             }
             want[off..off + data.len()].copy_from_slice(data);
-            let st = fs.ordered.stats();
+            let st = fs.core().ordered.stats();
             assert_eq!(st.pending, 1, "{st:?}");
-            let logged = fs.log_stats().unwrap().logged;
+            let logged = fs.core().log_stats().unwrap().logged;
             fs.fsync(a, false).unwrap();
             // Logged from memory: still pending.
-            assert_eq!(fs.ordered.stats().pending, 1);
-            let ls = fs.log_stats().unwrap();
+            assert_eq!(fs.core().ordered.stats().pending, 1);
+            let ls = fs.core().log_stats().unwrap();
             assert_eq!((ls.logged, ls.ordered_logged), (logged + 1, logged + 1));
             // The growth of the pending extent past EOF is not in the tree yet.
-            let in_tree = fs.inode_item_raw(a).unwrap().size;
+            let in_tree = fs.core().inode_item_raw(a).unwrap().size;
             assert_eq!(in_tree == 670_000, off != 600_000, "{in_tree}");
             let cut = ram.durable_bytes();
             let live = fs.inode_item(a).unwrap();
-            assert_eq!(fs.ordered.stats().pending, 0);
+            assert_eq!(fs.core().ordered.stats().pending, 0);
             assert_eq!(live.size, 670_000);
             assert_eq!(fs.read(a, 0, 1 << 20).unwrap(), want);
             // The power cut: replay gives every write, the inode as the live one.
@@ -1060,9 +1063,9 @@ mod tests {
         // A commit with pending extents completes them; the committed image has no log.
         fs.write(a, 0, &[1u8; 80_000]).unwrap();
         want[..80_000].copy_from_slice(&[1u8; 80_000]);
-        assert_eq!(fs.ordered.stats().pending, 1);
+        assert_eq!(fs.core().ordered.stats().pending, 1);
         fs.commit().unwrap();
-        assert_eq!(fs.ordered.stats().pending, 0);
+        assert_eq!(fs.core().ordered.stats().pending, 0);
         let bytes = ram.durable_bytes();
         let sb =
             crate::format::superblock::Superblock::parse(&bytes[0x10000..0x10000 + 4096], 0x10000)
@@ -1075,7 +1078,7 @@ mod tests {
 
     /// The file's EXTENT_DATA items as the trees have them now.
     fn extent_items(fs: &Fs, ino: crate::fs::Inode) -> usize {
-        let mut it = fs.extent_items_from(ino, 0).unwrap();
+        let mut it = fs.core().extent_items_from(ino, 0).unwrap();
         let mut n = 0;
         while let Some(i) = it.next_item().unwrap() {
             if i.key.objectid != ino.ino || i.key.ty != crate::format::EXTENT_DATA_KEY {
@@ -1099,7 +1102,7 @@ mod tests {
         fs.write(a, 0, &want).unwrap();
         fs.commit().unwrap();
         // (The first write was a buffer too, written back by the commit.)
-        let flushed = fs.ordered.stats().delalloc_flushed;
+        let flushed = fs.core().ordered.stats().delalloc_flushed;
         for i in 0..16u8 {
             let chunk = vec![i + 1; 65536];
             fs.write(a, want.len() as u64, &chunk).unwrap();
@@ -1107,18 +1110,24 @@ mod tests {
         }
         // Nothing allocated yet: the tree still has the first 8 KiB only.
         assert_eq!(extent_items(&fs, a), 1);
-        assert_eq!(fs.inode_item_raw(a).unwrap().size, 8192);
-        assert!(fs.ordered.test(a, 8192, 8192 + 65536, ExtentBits::DELALLOC));
+        assert_eq!(fs.core().inode_item_raw(a).unwrap().size, 8192);
+        assert!(fs
+            .core()
+            .ordered
+            .test(a, 8192, 8192 + 65536, ExtentBits::DELALLOC));
         fs.fsync(a, false).unwrap();
-        let ls = fs.log_stats().unwrap();
+        let ls = fs.core().log_stats().unwrap();
         assert_eq!((ls.logged, ls.ordered_logged), (1, 1));
-        let st = fs.ordered.stats();
+        let st = fs.core().ordered.stats();
         assert_eq!(
             (st.delalloc_flushed - flushed, st.pending),
             (1, 1),
             "{st:?}"
         );
-        assert!(!fs.ordered.test(a, 8192, 8192 + 65536, ExtentBits::DELALLOC));
+        assert!(!fs
+            .core()
+            .ordered
+            .test(a, 8192, 8192 + 65536, ExtentBits::DELALLOC));
         let cut = ram.durable_bytes();
         let after = checked_copy(cut);
         let a2 = in_root(&after, b"a");
@@ -1137,7 +1146,7 @@ mod tests {
         // through the ordinary path but for the first.
         assert_eq!(fs.inode_item(a).unwrap().size, want.len() as u64);
         fs.commit().unwrap();
-        assert_eq!(fs.ordered.stats().pending, 0);
+        assert_eq!(fs.core().ordered.stats().pending, 0);
         let after = checked_copy(ram.durable_bytes());
         let a3 = in_root(&after, b"a");
         assert_eq!(after.read(a3, 0, 4 << 20).unwrap(), want);
@@ -1149,7 +1158,7 @@ mod tests {
     #[test]
     fn a_buffer_is_written_back_without_the_writer_lock() {
         let (ram, fs, arrived, release) = gated();
-        fs.ordered.set_delalloc(true);
+        fs.core().ordered.set_delalloc(true);
         let root = fs.root_inode();
         let a = fs.create(root, b"a", 0o644, Owner::default()).unwrap();
         let b = fs.create(root, b"b", 0o644, Owner::default()).unwrap();
@@ -1158,21 +1167,23 @@ mod tests {
         first[..MARK.len()].copy_from_slice(MARK);
         fs.write(a, 0, &first).unwrap();
         fs.write(a, 65536, &[0x22; 65536]).unwrap();
-        assert!(fs.ordered.test(a, 0, 131072, ExtentBits::DELALLOC));
+        assert!(fs.core().ordered.test(a, 0, 131072, ExtentBits::DELALLOC));
         let fsync_a = {
             let fs = fs.clone();
-            std::thread::spawn(move || fs.fsync(a, false).unwrap())
+            std::thread::spawn(move || fs.core().fsync(a, false).unwrap())
         };
         arrived.recv_timeout(Duration::from_secs(60)).unwrap();
         // a's buffer is a pending extent whose data is being written.
-        assert!(fs.ordered.test(a, 0, 131072, ExtentBits::WRITEBACK));
-        assert!(!fs.ordered.test(a, 0, 131072, ExtentBits::DELALLOC));
+        assert!(fs.core().ordered.test(a, 0, 131072, ExtentBits::WRITEBACK));
+        assert!(!fs.core().ordered.test(a, 0, 131072, ExtentBits::DELALLOC));
         let (done_tx, done) = mpsc::channel();
         let fsync_b = {
             let fs = fs.clone();
+            // The inode layer's calls, outside the gate: this is about the writer lock
+            // (under the gate, a's fsync holds a read's passage while its buffer is written).
             std::thread::spawn(move || {
-                fs.write(b, 0, &[0x33; 65536]).unwrap();
-                fs.fsync(b, false).unwrap();
+                fs.core().write(b, 0, &[0x33; 65536]).unwrap();
+                fs.core().fsync(b, false).unwrap();
                 done_tx.send(()).unwrap();
             })
         };
@@ -1203,7 +1214,7 @@ mod tests {
             fs.write(a, (i as u64) << 17, c).unwrap();
         }
         fs.commit().unwrap();
-        assert_eq!(fs.ordered.stats().delalloc_flushed, 3);
+        assert_eq!(fs.core().ordered.stats().delalloc_flushed, 3);
         assert_eq!(extent_items(&fs, a), 3);
         let after = checked_copy(ram.durable_bytes());
         let a2 = in_root(&after, b"a");
@@ -1215,15 +1226,15 @@ mod tests {
     #[test]
     fn without_the_rule_fsync_completes_pending_extents() {
         let (ram, fs) = crate::mkfs::test_fs(128 << 20);
-        fs.set_fsync_skips_writes_in_progress(false);
+        fs.core().set_fsync_skips_writes_in_progress(false);
         let root = fs.root_inode();
         let a = fs.create(root, b"a", 0o644, Owner::default()).unwrap();
         fs.commit().unwrap();
         fs.write(a, 0, &[9u8; 200_000]).unwrap();
-        assert_eq!(fs.ordered.stats().pending, 1);
+        assert_eq!(fs.core().ordered.stats().pending, 1);
         fs.fsync(a, false).unwrap();
-        assert_eq!(fs.ordered.stats().pending, 0);
-        assert_eq!(fs.inode_item_raw(a).unwrap().size, 200_000);
+        assert_eq!(fs.core().ordered.stats().pending, 0);
+        assert_eq!(fs.core().inode_item_raw(a).unwrap().size, 200_000);
         let after = checked_copy(ram.durable_bytes());
         let a2 = in_root(&after, b"a");
         assert_eq!(after.read(a2, 0, 300_000).unwrap(), vec![9u8; 200_000]);
@@ -1267,7 +1278,7 @@ mod tests {
             }
         };
         check_content(&fs.read(f, 0, 100_000).unwrap());
-        assert!(fs.ordered.stats().started >= 3 * STRIPES);
+        assert!(fs.core().ordered.stats().started >= 3 * STRIPES);
         fs.commit().unwrap();
         let after = checked_copy(ram.durable_bytes());
         let f2 = in_root(&after, b"f");

@@ -91,7 +91,7 @@ pub(crate) const MAX_COMPRESSED: u64 = 128 * 1024;
 impl Core {
     /// The inode item of `ino`, after the completion of its pending ordered extents
     /// (crate::inode::ordered): its size and times count every write that returned.
-    pub fn inode_item(&self, ino: Inode) -> Result<InodeItem> {
+    pub(crate) fn inode_item(&self, ino: Inode) -> Result<InodeItem> {
         if self.ordered.has_pending(ino) {
             match self.complete_ordered_extents_of(ino) {
                 // Changes stopped: what the trees have is all there is.
@@ -133,7 +133,7 @@ impl Core {
         InodeItem::parse(it.data()).map_err(|e| it.annotate(e))
     }
 
-    pub fn stat(&self, ino: Inode) -> Result<Stat> {
+    pub(crate) fn stat(&self, ino: Inode) -> Result<Stat> {
         let i = self.inode_item(ino)?;
         Ok(Stat {
             inode: ino,
@@ -216,7 +216,7 @@ impl Core {
     /// Looks up `name` in directory `dir` through its DIR_ITEM hash. ".." is the directory's
     /// parent, from its back reference (a subvolume's root: the directory it is linked in);
     /// none for the top level's root.
-    pub fn lookup(&self, dir: Inode, name: &[u8]) -> Result<Option<DirEntry>> {
+    pub(crate) fn lookup(&self, dir: Inode, name: &[u8]) -> Result<Option<DirEntry>> {
         if name == b".." {
             return Ok(self.parent_dir(dir)?.map(|target| DirEntry {
                 name: name.to_vec(),
@@ -244,7 +244,7 @@ impl Core {
     /// later get higher ones. A listing that stops there ends, however many entries are
     /// renamed meanwhile (each rename gives its entry a new index), as the kernel's readdir
     /// does since Linux 6.5.
-    pub fn last_dir_index(&self, dir: Inode) -> Result<u64> {
+    pub(crate) fn last_dir_index(&self, dir: Inode) -> Result<u64> {
         if dir.ino == EMPTY_SUBVOL_DIR_OBJECTID {
             return Ok(0);
         }
@@ -260,7 +260,7 @@ impl Core {
         })
     }
 
-    pub fn readdir(&self, dir: Inode, after: u64, max: usize) -> Result<Vec<DirEntry>> {
+    pub(crate) fn readdir(&self, dir: Inode, after: u64, max: usize) -> Result<Vec<DirEntry>> {
         if dir.ino == EMPTY_SUBVOL_DIR_OBJECTID {
             return Ok(Vec::new());
         }
@@ -291,12 +291,12 @@ impl Core {
     }
 
     /// Every xattr name of an inode.
-    pub fn listxattr(&self, ino: Inode) -> Result<Vec<Vec<u8>>> {
+    pub(crate) fn listxattr(&self, ino: Inode) -> Result<Vec<Vec<u8>>> {
         Ok(self.xattrs(ino)?.into_iter().map(|(n, _)| n).collect())
     }
 
     /// Every xattr (name, value) of an inode, in key order.
-    pub fn xattrs(&self, ino: Inode) -> Result<Vec<(Vec<u8>, Vec<u8>)>> {
+    pub(crate) fn xattrs(&self, ino: Inode) -> Result<Vec<(Vec<u8>, Vec<u8>)>> {
         if ino.ino == EMPTY_SUBVOL_DIR_OBJECTID {
             return Ok(Vec::new());
         }
@@ -317,7 +317,7 @@ impl Core {
         Ok(out)
     }
 
-    pub fn getxattr(&self, ino: Inode, name: &[u8]) -> Result<Option<Vec<u8>>> {
+    pub(crate) fn getxattr(&self, ino: Inode, name: &[u8]) -> Result<Option<Vec<u8>>> {
         if ino.ino == EMPTY_SUBVOL_DIR_OBJECTID {
             return Ok(None);
         }
@@ -334,7 +334,7 @@ impl Core {
         Ok(None)
     }
 
-    pub fn readlink(&self, ino: Inode) -> Result<Vec<u8>> {
+    pub(crate) fn readlink(&self, ino: Inode) -> Result<Vec<u8>> {
         let st = self.stat(ino)?;
         if !st.is_symlink() {
             return Err(Error::Invalid(format!(
@@ -355,7 +355,7 @@ impl Core {
     }
 
     /// Reads up to `len` bytes at `offset` (short at end of file).
-    pub fn read(&self, ino: Inode, offset: u64, len: usize) -> Result<Vec<u8>> {
+    pub(crate) fn read(&self, ino: Inode, offset: u64, len: usize) -> Result<Vec<u8>> {
         let inode = self.inode_item(ino)?;
         if offset >= inode.size || len == 0 {
             return Ok(Vec::new());
@@ -644,7 +644,7 @@ impl Core {
     }
 
     /// All subvolumes and snapshots (not the top level), with their paths.
-    pub fn list_subvolumes(&self) -> Result<Vec<SubvolInfo>> {
+    pub(crate) fn list_subvolumes(&self) -> Result<Vec<SubvolInfo>> {
         let mut it = TreeIter::new(
             self.disk.clone(),
             self.tree_root(),
@@ -809,7 +809,7 @@ impl Core {
 
     /// Resolves a slash-separated path (names as bytes) from directory `start`, following
     /// subvolume boundaries but not symlinks. `NotFound` and `NotDir` carry the whole path.
-    pub fn resolve_in(&self, start: Inode, path: &[u8]) -> Result<Inode> {
+    pub(crate) fn resolve_in(&self, start: Inode, path: &[u8]) -> Result<Inode> {
         let shown = || String::from_utf8_lossy(path).into_owned();
         let mut cur = start;
         for comp in path

@@ -22,7 +22,7 @@ impl Core {
     /// Offsets must be multiples of the sector size, and `len` too unless the range ends at
     /// `src`'s end. Overlapping ranges of one file are [`Error::Invalid`]; a filesystem
     /// without NO_HOLES is [`Error::Unsupported`] (callers copy instead).
-    pub fn clone_range(
+    pub(crate) fn clone_range(
         &self,
         src: Inode,
         src_off: u64,
@@ -155,7 +155,7 @@ impl Core {
     /// cloned where the clone takes them (sector-aligned offsets, see [`Core::clone_range`]),
     /// as kernel btrfs does, and copied otherwise. Returns the bytes done (fewer at the end
     /// of `src`).
-    pub fn copy_file_range(
+    pub(crate) fn copy_file_range(
         &self,
         src: Inode,
         src_off: u64,

@@ -35,7 +35,7 @@ impl Core {
     /// only what holds data (restore): data ranges closer than `merge_gap` bytes are merged,
     /// since reading a small hole costs less than another read call. Extents are read
     /// forward with readahead.
-    pub fn file_ranges(&self, ino: Inode, size: u64, merge_gap: u64) -> Result<FileRanges> {
+    pub(crate) fn file_ranges(&self, ino: Inode, size: u64, merge_gap: u64) -> Result<FileRanges> {
         let root = self.subvol_root(ino.root)?;
         let mut it = crate::ctree::TreeIter::range(
             self.disk.clone(),
@@ -85,7 +85,12 @@ impl Core {
     /// SEEK_DATA / SEEK_HOLE from `offset`. `None` when there is no such offset (the
     /// caller's ENXIO): `offset` is at or past the end of the file, or SEEK_DATA finds only
     /// holes up to the end.
-    pub fn seek_data_hole(&self, ino: Inode, offset: u64, what: Seek) -> Result<Option<u64>> {
+    pub(crate) fn seek_data_hole(
+        &self,
+        ino: Inode,
+        offset: u64,
+        what: Seek,
+    ) -> Result<Option<u64>> {
         let size = self.inode_item(ino)?.size;
         if offset >= size {
             return Ok(None);
@@ -239,7 +244,7 @@ pub struct ExtentUse {
 impl Core {
     /// The file extent items of `ino` with their sizes (holes left out), for space
     /// accounting: what on disk, what decoded, what the file refers to.
-    pub fn extent_usage(&self, ino: Inode) -> Result<Vec<ExtentUse>> {
+    pub(crate) fn extent_usage(&self, ino: Inode) -> Result<Vec<ExtentUse>> {
         let mut it = self.extent_items_from(ino, 0)?;
         let mut out = Vec::new();
         while let Some(item) = it.next_item()? {
@@ -315,7 +320,7 @@ impl Core {
     ///   reference (a snapshot shares it) makes it shared.
     ///
     /// A data extent with no extent item is damage and an error.
-    pub fn extent_sharing(&self, ino: Inode) -> Result<Vec<ExtentShare>> {
+    pub(crate) fn extent_sharing(&self, ino: Inode) -> Result<Vec<ExtentShare>> {
         use crate::space::delayed_refs::RefKey;
         use std::collections::HashMap;
         let extent_root = self.subvol_root(EXTENT_TREE_OBJECTID)?;

@@ -45,7 +45,7 @@ pub(crate) fn profile_copies(flags: u64) -> u64 {
 }
 
 impl Core {
-    pub fn statfs(&self) -> Result<StatFs> {
+    pub(crate) fn statfs(&self) -> Result<StatFs> {
         let sb = &self.disk.sb;
         let bsize = sb.sectorsize.max(1);
         let reserve = self.global_reserve()?;
@@ -167,7 +167,7 @@ pub struct ChunkAllocation {
 impl Core {
     /// Size and use of the block groups, per type and profile, as committed: what `btrfs
     /// filesystem df` shows (Data, System, Metadata).
-    pub fn space_usage(&self) -> Result<Vec<SpaceUsage>> {
+    pub(crate) fn space_usage(&self) -> Result<Vec<SpaceUsage>> {
         let tree = if self.find_root_item(BLOCK_GROUP_TREE_OBJECTID)?.is_some() {
             BLOCK_GROUP_TREE_OBJECTID
         } else {
@@ -213,7 +213,7 @@ impl Core {
     /// The chunks' space per type and profile, device and stripe count, from the chunk tree
     /// as opened: each stripe of a chunk adds the chunk's length to its device's entry (a DUP
     /// chunk twice on one device), what `btrfs filesystem usage` lists under each type.
-    pub fn chunk_allocations(&self) -> Vec<ChunkAllocation> {
+    pub(crate) fn chunk_allocations(&self) -> Vec<ChunkAllocation> {
         let mut out: Vec<ChunkAllocation> = Vec::new();
         for c in self.disk.chunk_map().chunks() {
             for s in &c.item.stripes {
@@ -238,14 +238,14 @@ impl Core {
 
     /// Shrinks the filesystem to end where its last chunk ends and commits; returns the new
     /// size (the image file may be cut there). What `mkfs --shrink` does after filling.
-    pub fn shrink_to_fit(&self) -> Result<u64> {
+    pub(crate) fn shrink_to_fit(&self) -> Result<u64> {
         let end = self.op(false, |w| w.shrink_device_to_chunks())?;
         self.commit()?;
         Ok(end)
     }
 
     /// The filesystem's label.
-    pub fn label(&self) -> String {
+    pub(crate) fn label(&self) -> String {
         match &self.writer {
             Some(w) => w.lock().map(|w| w.sb.label.clone()).unwrap_or_default(),
             None => self.disk.sb.label.clone(),
@@ -254,7 +254,7 @@ impl Core {
 
     /// Sets the label (at most 255 bytes, no NUL), written with the next commit, as the
     /// kernel's FS_IOC_SETFSLABEL does.
-    pub fn set_label(&self, label: &str) -> Result<()> {
+    pub(crate) fn set_label(&self, label: &str) -> Result<()> {
         if label.len() > 255 || label.contains('\0') {
             return Err(crate::error::Error::Invalid(format!(
                 "label of {} bytes: at most 255, without NUL",

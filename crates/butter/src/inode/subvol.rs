@@ -183,7 +183,7 @@ impl Core {
     /// Creates an empty subvolume `dir/name` whose root directory has permissions `perm` and
     /// owner `owner`. `uuid` is random when `None` (mkfs passes derived ones for
     /// reproducible images). Returns the new subvolume's root directory.
-    pub fn create_subvolume(
+    pub(crate) fn create_subvolume(
         &self,
         dir: Inode,
         name: &[u8],
@@ -297,7 +297,7 @@ impl Core {
 
     /// Snapshots subvolume `src` as `dir/name` (read-only if `readonly`). Commits the running
     /// transaction first. Returns the snapshot's root directory.
-    pub fn create_snapshot(
+    pub(crate) fn create_snapshot(
         &self,
         src: u64,
         dir: Inode,
@@ -429,7 +429,7 @@ impl Core {
     /// nothing at all when it already has the wanted state). A received subvolume keeps its
     /// received uuid: `btrfs property set -f` clears it afterwards
     /// ([`Core::clear_received_uuid`]).
-    pub fn set_subvolume_readonly(&self, id: u64, readonly: bool) -> Result<()> {
+    pub(crate) fn set_subvolume_readonly(&self, id: u64, readonly: bool) -> Result<()> {
         let item = self.subvol_item(id)?;
         // An old-format item is rewritten even when its flag already says so: the kernel
         // would clear the flag of such an item.
@@ -470,7 +470,7 @@ impl Core {
     /// Makes subvolume `id` the default one, what a mount without `subvol=` shows (5 is the
     /// top level), as the kernel's DEFAULT_SUBVOL ioctl does: the root tree's "default"
     /// entry points at its root item, and the DEFAULT_SUBVOL incompat bit is set.
-    pub fn set_default_subvolume(&self, id: u64) -> Result<()> {
+    pub(crate) fn set_default_subvolume(&self, id: u64) -> Result<()> {
         if id != FS_TREE_OBJECTID && !(FIRST_FREE_OBJECTID..=LAST_FREE_OBJECTID).contains(&id) {
             return Err(Error::Invalid(format!("{id} is not a subvolume id")));
         }
@@ -519,7 +519,7 @@ impl Core {
 
     /// The received uuid of subvolume `id` (None when unset, as on anything not made by
     /// receive).
-    pub fn received_uuid(&self, id: u64) -> Result<Option<[u8; 16]>> {
+    pub(crate) fn received_uuid(&self, id: u64) -> Result<Option<[u8; 16]>> {
         let u = self.subvol_item(id)?.received_uuid;
         Ok((u != [0; 16]).then_some(u))
     }
@@ -527,7 +527,7 @@ impl Core {
     /// Subvolume `id`'s own quota group (0/id) as `btrfs subvolume show` reports it:
     /// `[referenced, exclusive, referenced limit, exclusive limit]` in bytes (a limit of 0 is
     /// none). None when quotas are off or the subvolume has no quota group.
-    pub fn qgroup_usage(&self, id: u64) -> Result<Option<[u64; 4]>> {
+    pub(crate) fn qgroup_usage(&self, id: u64) -> Result<Option<[u64; 4]>> {
         if self.find_root_item(QUOTA_TREE_OBJECTID)?.is_none() {
             return Ok(None);
         }
@@ -572,7 +572,7 @@ impl Core {
     /// property set -f ... ro false` on a received subvolume): the subvolume must be
     /// writable (else EROFS); its uuid tree entry of type RECEIVED_SUBVOL goes, received_uuid,
     /// stransid and stime become zero, rtransid and rtime the running transaction and now.
-    pub fn clear_received_uuid(&self, id: u64) -> Result<()> {
+    pub(crate) fn clear_received_uuid(&self, id: u64) -> Result<()> {
         self.require_rw_subvol(id)?;
         let old = self.subvol_item(id)?.received_uuid;
         self.op(false, |w| {

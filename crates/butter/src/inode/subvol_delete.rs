@@ -90,7 +90,7 @@ enum Batch {
 impl Core {
     /// Deletes the subvolume or snapshot linked as `dir/name` (see the module doc) and drops
     /// its tree, committing as it goes. Returns its id.
-    pub fn delete_subvolume(&self, dir: Inode, name: &[u8]) -> Result<u64> {
+    pub(crate) fn delete_subvolume(&self, dir: Inode, name: &[u8]) -> Result<u64> {
         let id = self.unlink_subvolume(dir, name)?;
         self.drop_tree(id)?;
         Ok(id)
@@ -196,7 +196,7 @@ impl Core {
 
     /// [`Core::delete_subvolume`] of subvolume `id`, wherever it is linked (its ROOT_BACKREF
     /// names the directory and the name).
-    pub fn delete_subvolume_by_id(&self, id: u64) -> Result<()> {
+    pub(crate) fn delete_subvolume_by_id(&self, id: u64) -> Result<()> {
         if id == FS_TREE_OBJECTID {
             return Err(Error::NotPermitted(
                 "the top-level subvolume (5) cannot be deleted".into(),
@@ -697,17 +697,21 @@ mod tests {
         fs.create_snapshot(sv.root, root, b"snap", false, None)
             .unwrap();
         fs.commit().unwrap();
-        let id = fs.unlink_subvolume(root, b"snap").unwrap();
+        let id = fs.core().unlink_subvolume(root, b"snap").unwrap();
         let mut dropped_early = None;
         for _ in 0..200 {
-            let r = fs.op(false, |w| fs.drop_some(w, id, 1)).unwrap();
+            let r = fs
+                .core()
+                .op(false, |w| fs.core().drop_some(w, id, 1))
+                .unwrap();
             fs.commit().unwrap();
             assert_eq!(r, Batch::More, "the drop ended before a shared block came");
             // The next pointer the drop handles: a shared block? Drop its reference now.
             let found = fs
+                .core()
                 .op(false, |w| {
                     let ri = fs.find_root_item(id)?.unwrap();
-                    let mut blk = fs.disk.read_tree_block(ri.bytenr, &Expect::default())?;
+                    let mut blk = fs.disk().read_tree_block(ri.bytenr, &Expect::default())?;
                     let mut flags = w.extent_refs_and_flags(blk.bytenr, blk.level())?.1;
                     loop {
                         let slot = crate::ctree::node_slot(&blk, &ri.drop_progress);
@@ -722,7 +726,7 @@ mod tests {
                             } else {
                                 RefKey::TreeBlock(id)
                             };
-                            let ns = fs.disk.nodesize() as u64;
+                            let ns = fs.disk().nodesize() as u64;
                             w.refs.add_tree_ref(
                                 p.blockptr,
                                 ns,
@@ -734,7 +738,7 @@ mod tests {
                             );
                             return Ok(Some(p.blockptr));
                         }
-                        blk = fs.disk.read_tree_block(p.blockptr, &Expect::default())?;
+                        blk = fs.disk().read_tree_block(p.blockptr, &Expect::default())?;
                         flags = w.extent_refs_and_flags(blk.bytenr, blk.level())?.1;
                     }
                 })
@@ -746,11 +750,11 @@ mod tests {
             }
         }
         assert!(dropped_early.is_some(), "no shared block met");
-        fs.drop_tree(id).unwrap();
+        fs.core().drop_tree(id).unwrap();
         drop(fs);
         let fs = Fs::open_device(Arc::new(RamDevice::new(dev.live_bytes()))).unwrap();
         assert!(fs.find_root_item(id).unwrap().is_none());
-        let r = crate::check::check(&fs, &mut |_| {}).unwrap();
+        let r = fs.check(Default::default(), &mut |_| {}).unwrap();
         assert!(r.is_clean(), "{:?}", r.findings);
     }
 }

@@ -42,11 +42,11 @@ pub(crate) struct Wanted {
 /// Candidate (inode, offset of the extent's start in the file) pairs from back references.
 /// With `only_self`, an extent with one reference has none to offer.
 fn candidates(fs: &Fs, w: &Wanted, only_self: bool) -> Result<Vec<(u64, u64)>> {
-    let extent_root = fs.subvol_root(EXTENT_TREE_OBJECTID)?;
+    let extent_root = fs.core().subvol_root(EXTENT_TREE_OBJECTID)?;
     let mut out = Vec::new();
     let mut shared_leaves = Vec::new();
     let mut it = TreeIter::range(
-        fs.disk().clone(),
+        fs.core().disk().clone(),
         extent_root,
         Key::new(w.bytenr, EXTENT_ITEM_KEY, 0),
         Key::new(w.bytenr, u8::MAX, u64::MAX),
@@ -86,7 +86,7 @@ fn candidates(fs: &Fs, w: &Wanted, only_self: bool) -> Result<Vec<(u64, u64)>> {
         }
     }
     for leaf in shared_leaves {
-        let Ok(blk) = fs.disk().read_tree_block(leaf, &Default::default()) else {
+        let Ok(blk) = fs.core().disk().read_tree_block(leaf, &Default::default()) else {
             continue;
         };
         if blk.level() != 0 {
@@ -122,7 +122,7 @@ fn candidates(fs: &Fs, w: &Wanted, only_self: bool) -> Result<Vec<(u64, u64)>> {
 /// wanted range whole (and not preallocated).
 fn holds(fs: &Fs, snap: &Snap, ino: u64, offset: u64, w: &Wanted) -> Result<bool> {
     let Some(it) = ctree::lookup_le(
-        fs.disk(),
+        fs.core().disk(),
         &snap.root,
         &Key::new(ino, EXTENT_DATA_KEY, offset),
     )?

@@ -122,7 +122,7 @@ pub fn send(
     }
     // A send reads most blocks once: a small cache keeps its memory bounded whatever the
     // snapshot's size.
-    fs.disk().limit_cache(SEND_CACHE);
+    fs.core().disk().limit_cache(SEND_CACHE);
     let snap = readonly_snap(fs, id, "the subvolume to send")?;
     let parent = match opts.parent {
         Some(p) => Some(readonly_snap(fs, p, "the parent")?),
@@ -255,7 +255,7 @@ impl<W: Write> Sender<'_, W> {
     /// The generation of inode `ino` in `snap`.
     fn gen_in(&self, snap: &Snap, ino: u64) -> Result<u64> {
         let it = crate::ctree::lookup(
-            self.fs.disk(),
+            self.fs.core().disk(),
             &snap.root,
             &Key::new(ino, INODE_ITEM_KEY, 0),
         )?
@@ -310,7 +310,7 @@ impl<W: Write> Sender<'_, W> {
             Readahead::Forward
         };
         let mut it = crate::ctree::TreeIter::new(
-            self.fs.disk().clone(),
+            self.fs.core().disk().clone(),
             self.snap.root,
             Key::new(FIRST_FREE_OBJECTID, 0, 0),
             ra,
@@ -404,7 +404,7 @@ impl<W: Write> Sender<'_, W> {
     }
 
     fn subvol_name(&self) -> Result<Vec<u8>> {
-        let subs = self.fs.list_subvolumes()?;
+        let subs = self.fs.core().list_subvolumes()?;
         let path = subs
             .iter()
             .find(|s| s.id == self.snap.id)
@@ -787,7 +787,7 @@ impl<W: Write> Sender<'_, W> {
         }
         // Holes: ranges the parent had data in, within both sizes, that hold none now.
         let data = |list: &[(u64, FileExtentItem)], limit: u64| -> Vec<(u64, u64)> {
-            let ss = self.fs.sectorsize() as u64;
+            let ss = self.fs.core().sectorsize() as u64;
             let mut v = Vec::new();
             for (off, fe) in list {
                 let len = match &fe.body {
@@ -1104,7 +1104,7 @@ impl<W: Write> Sender<'_, W> {
         {
             if self.opts.compressed_data && fe.compression != COMPRESS_NONE && disk_num_bytes <= len
             {
-                let raw = self.fs.read_verified(
+                let raw = self.fs.core().read_verified(
                     Inode {
                         root: self.snap.id,
                         ino: info.ino,
@@ -1187,7 +1187,7 @@ impl<W: Write> Sender<'_, W> {
         raw: &[u8],
         regular: bool,
     ) -> Result<()> {
-        let ss = self.fs.sectorsize() as u64;
+        let ss = self.fs.core().sectorsize() as u64;
         // The stream's codes: 1 zlib, 2 zstd, 3 + log2(sector / 4 KiB) lzo.
         let code: u32 = match compression {
             COMPRESS_ZLIB => 1,
@@ -1219,7 +1219,7 @@ impl<W: Write> Sender<'_, W> {
         off: u64,
         w: &clone::Wanted,
     ) -> Result<bool> {
-        let ss = self.fs.sectorsize() as u64;
+        let ss = self.fs.core().sectorsize() as u64;
         // Whole sectors only, or up to the end of the file.
         if !w.len.is_multiple_of(ss) && off + w.len != info.item.size {
             return Ok(false);
@@ -1301,6 +1301,8 @@ impl<W: Write> Sender<'_, W> {
 
     /// The path of `ino` in `snap` as it is (a snapshot the receiver has unchanged).
     fn path_in(&self, snap: &Snap, ino: u64) -> Result<Vec<u8>> {
-        self.fs.inode_path_bytes(Inode { root: snap.id, ino })
+        self.fs
+            .core()
+            .inode_path_bytes(Inode { root: snap.id, ino })
     }
 }

@@ -157,7 +157,7 @@ impl<'a> Names<'a> {
             return Ok(None);
         }
         let key = Key::new(dir.0, DIR_ITEM_KEY, crate::format::hash::name_hash(name));
-        let Some(it) = crate::ctree::lookup(self.fs.disk(), &base.root, &key)? else {
+        let Some(it) = crate::ctree::lookup(self.fs.core().disk(), &base.root, &key)? else {
             return Ok(None);
         };
         for d in crate::format::items::DirItem::parse_all(it.data()).map_err(|e| it.annotate(e))? {

@@ -19,7 +19,7 @@ pub(crate) struct Snap {
 
 impl Snap {
     pub(crate) fn open(fs: &Fs, id: u64) -> Result<Snap> {
-        let (root, item) = fs.subvol(id)?;
+        let (root, item) = fs.core().subvol(id)?;
         Ok(Snap { id, root, item })
     }
 }
@@ -111,7 +111,7 @@ impl InodeBuilder {
 /// The inode `ino` of `snap`, if it has one.
 pub(crate) fn inode_info(fs: &Fs, snap: &Snap, ino: u64) -> Result<Option<InodeInfo>> {
     let mut it = TreeIter::range(
-        fs.disk().clone(),
+        fs.core().disk().clone(),
         snap.root,
         Key::new(ino, INODE_ITEM_KEY, 0),
         Key::new(ino, XATTR_ITEM_KEY, u64::MAX),
@@ -127,7 +127,7 @@ pub(crate) fn inode_info(fs: &Fs, snap: &Snap, ino: u64) -> Result<Option<InodeI
 /// The file extent items of `ino` in `snap`: (file offset, item), in order.
 pub(crate) fn file_extents(fs: &Fs, snap: &Snap, ino: u64) -> Result<Vec<(u64, FileExtentItem)>> {
     let mut it = TreeIter::range(
-        fs.disk().clone(),
+        fs.core().disk().clone(),
         snap.root,
         Key::new(ino, EXTENT_DATA_KEY, 0),
         Key::new(ino, EXTENT_DATA_KEY, u64::MAX),
@@ -147,13 +147,13 @@ pub(crate) fn file_extents(fs: &Fs, snap: &Snap, ino: u64) -> Result<Vec<(u64, F
 pub(crate) fn changed_inodes(fs: &Fs, parent: &Snap, snap: &Snap) -> Result<BTreeSet<u64>> {
     let start = Key::new(FIRST_FREE_OBJECTID, 0, 0);
     let mut a = TreeIter::new(
-        fs.disk().clone(),
+        fs.core().disk().clone(),
         parent.root,
         start,
         Readahead::ForwardAlways,
     )?;
     let mut b = TreeIter::new(
-        fs.disk().clone(),
+        fs.core().disk().clone(),
         snap.root,
         start,
         Readahead::ForwardAlways,

@@ -109,21 +109,21 @@ fn commit(w: &mut butter::transaction::Writer, m: &mut Model) {
 fn allocator_against_a_model() {
     let (dev, fs) = fresh_fs();
     let fs = Arc::new(fs);
-    let a = fs.allocator.clone().expect("read-write");
+    let a = fs.core().allocator.clone().expect("read-write");
     let ss = fs.disk().sectorsize() as u64;
     // Enough data groups that the search moves between them.
     {
-        let mut w = fs.writer().unwrap();
+        let mut w = fs.core().writer().unwrap();
         while data_groups(&a).len() < 3 {
             w.alloc_chunk(SpaceKind::Data, MIB).unwrap();
         }
         w.force_commit().unwrap();
     }
     let groups = data_groups(&a);
-    let bg_tree_id = fs.writer().unwrap().block_group_tree();
+    let bg_tree_id = fs.core().writer().unwrap().block_group_tree();
     // What is used before the test starts (nothing on a fresh image, but not assumed).
     let baseline: Vec<(RangeSet, u64)> = {
-        let mut w = fs.writer().unwrap();
+        let mut w = fs.core().writer().unwrap();
         let f = w.current_root(FREE_SPACE_TREE_OBJECTID).unwrap();
         let b = w.current_root(bg_tree_id).unwrap();
         groups
@@ -205,7 +205,7 @@ fn allocator_against_a_model() {
                         60..=79 if !held.is_empty() => {
                             // Recorded in the trees: under the writer lock, as the engine does.
                             let (at, len) = held.swap_remove(rng.below(held.len() as u64) as usize);
-                            let _w = fs.writer().unwrap();
+                            let _w = fs.core().writer().unwrap();
                             a.claim_held(at, len);
                             a.account_used(at, len, true).unwrap();
                             model.lock().unwrap().claimed.add(at, len).unwrap();
@@ -214,7 +214,7 @@ fn allocator_against_a_model() {
                         80..=95 if !claimed.is_empty() => {
                             let i = rng.below(claimed.len() as u64) as usize;
                             let (at, len) = claimed.swap_remove(i);
-                            let _w = fs.writer().unwrap();
+                            let _w = fs.core().writer().unwrap();
                             a.account_used(at, len, false).unwrap();
                             a.pin(at, len).unwrap();
                             let mut m = model.lock().unwrap();
@@ -222,7 +222,7 @@ fn allocator_against_a_model() {
                             m.pinned.push((at, len));
                         }
                         96..=99 => {
-                            let mut w = fs.writer().unwrap();
+                            let mut w = fs.core().writer().unwrap();
                             let mut m = model.lock().unwrap();
                             commit(&mut w, &mut m);
                             // Checked by the main thread's verify too; here: the allocator's
@@ -242,7 +242,7 @@ fn allocator_against_a_model() {
     let mut checked = 0;
     while !hs.iter().all(|h| h.is_finished()) {
         {
-            let mut w = fs.writer().unwrap();
+            let mut w = fs.core().writer().unwrap();
             let mut m = model.lock().unwrap();
             commit(&mut w, &mut m);
             verify(&fs, &m, &mut w);
@@ -260,7 +260,7 @@ fn allocator_against_a_model() {
     // Everything back: nothing may be missing (the files' windows included).
     a.release_windows();
     {
-        let w = fs.writer().unwrap();
+        let w = fs.core().writer().unwrap();
         for (held, claimed) in &left {
             for &(at, len) in held {
                 a.release_held(at, len);
@@ -271,7 +271,7 @@ fn allocator_against_a_model() {
             }
         }
         drop(w);
-        let mut w = fs.writer().unwrap();
+        let mut w = fs.core().writer().unwrap();
         w.force_commit().unwrap();
         let mut m = model.lock().unwrap();
         m.claimed = RangeSet::new();
@@ -416,8 +416,8 @@ fn concurrent_files_survive_power_cuts() {
     for h in hs {
         h.join().unwrap();
     }
-    let stats = fs.alloc_stats();
-    let served = fs.ordered_stats().preallocs_in_memory;
+    let stats = fs.core().alloc_stats();
+    let served = fs.core().ordered_stats().preallocs_in_memory;
     assert!(
         served > 10,
         "only {served} fallocates and truncates served in memory"
@@ -463,8 +463,8 @@ fn delayed_preallocation_ends_as_fallocate_does() {
     for i in 0..4u64 {
         fs.gated_fallocate(f, 0, i * 65536, 65536).unwrap();
     }
-    assert_eq!(fs.ordered_stats().preallocs_in_memory, 4);
-    assert!(fs.prealloc.has(Some(f)));
+    assert_eq!(fs.core().ordered_stats().preallocs_in_memory, 4);
+    assert!(fs.core().prealloc.has(Some(f)));
     // (Any change of the trees completes them first: this one does.)
     for i in 0..4u64 {
         let _g = fs.change_gate_on(g).unwrap();
@@ -484,12 +484,12 @@ fn delayed_preallocation_ends_as_fallocate_does() {
         fs.fallocate(g, 0, i * 65536, 65536).unwrap();
     }
     fs.gated_fallocate(f, 0, 8 * 65536, 65536).unwrap();
-    assert!(fs.prealloc.has(Some(f)));
+    assert!(fs.core().prealloc.has(Some(f)));
     let (sf, sg) = {
         let _r = fs.read_gate_on(f);
         (fs.stat(f).unwrap(), fs.stat(g).unwrap())
     };
-    assert!(!fs.prealloc.has(Some(f)));
+    assert!(!fs.core().prealloc.has(Some(f)));
     {
         let _g = fs.change_gate_on(g).unwrap();
         fs.fallocate(g, 0, 8 * 65536, 65536).unwrap();
@@ -504,7 +504,7 @@ fn delayed_preallocation_ends_as_fallocate_does() {
     assert_eq!(sf.size, 9 * 65536);
     assert!(sf.flags & INODE_PREALLOC != 0);
     assert!(sf.ctime >= before.ctime);
-    let ext = fs.file_extents(f, 0, u64::MAX).unwrap();
+    let ext = fs.core().file_extents(f, 0, u64::MAX).unwrap();
     // One extent per completion (5 here), one after the other on disk though the
     // ordinary file was fallocated in between.
     assert_eq!(ext.len(), 5, "{ext:?}");
@@ -535,7 +535,7 @@ fn delayed_preallocation_ends_as_fallocate_does() {
     assert_eq!(fs.read(f, 0, 9 * 65536).unwrap(), vec![0u8; 9 * 65536]);
     // Fallocate, then truncate back: the space is free again at once.
     let h = mk("dropped");
-    let a = fs.allocator.clone().unwrap();
+    let a = fs.core().allocator.clone().unwrap();
     // (Windows of other files go back first, so the count compares like with like.)
     a.release_windows();
     let free0 = a.free_bytes(SpaceKind::Data);
@@ -550,11 +550,11 @@ fn delayed_preallocation_ends_as_fallocate_does() {
         free0,
         "truncated preallocation not given back"
     );
-    assert_eq!(fs.ordered_stats().preallocs_in_memory, 13);
+    assert_eq!(fs.core().ordered_stats().preallocs_in_memory, 13);
     {
         let _r = fs.read_gate_on(h);
         assert_eq!(fs.stat(h).unwrap().size, 0);
-        assert!(fs.file_extents(h, 0, u64::MAX).unwrap().is_empty());
+        assert!(fs.core().file_extents(h, 0, u64::MAX).unwrap().is_empty());
     }
     // fsync makes it durable: a power cut right after shows it.
     let k = mk("fsynced");

@@ -15,7 +15,7 @@
 
 use super::oracle_support::{btrfs_check, delete_leaf_item, have_progs, mkfs, Scratch};
 
-use butter::check::{check, FindingKind, Report};
+use butter::check::{FindingKind, Report};
 use butter::ctree::{Root, TreeIter};
 use butter::format::csum::CSUM_SLOT;
 use butter::format::*;
@@ -103,7 +103,7 @@ fn add_u64(b: &mut [u8], off: usize, delta: u64) {
 
 fn check_lib(img: &Path) -> Report {
     let fs = Fs::open(img).unwrap();
-    check(&fs, &mut |_| {}).unwrap()
+    fs.check(Default::default(), &mut |_| {}).unwrap()
 }
 
 /// Asserts a finding of `kind` located at exactly (block, slot, key).
@@ -429,7 +429,7 @@ fn random_block_damage_never_panics() {
         let val = next() as u8;
         let undo = patch_block(&img, b, |blk| blk[off] = val);
         if let Ok(fs) = Fs::open(&img) {
-            match check(&fs, &mut |_| {}) {
+            match fs.check(Default::default(), &mut |_| {}) {
                 Ok(r) if !r.is_clean() => found += 1,
                 _ => {}
             }

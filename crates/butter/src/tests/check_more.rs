@@ -8,7 +8,7 @@
 
 use super::oracle_support;
 
-use butter::check::{check, FindingKind, Report, Severity};
+use butter::check::{FindingKind, Report, Severity};
 use butter::ctree::{Root, TreeIter};
 use butter::format::*;
 use butter::fs::Fs;
@@ -115,7 +115,7 @@ fn copy_of(img: &[u8], name: &str) -> Copy {
 
 fn tree_root(fs: &Fs, id: u64) -> Root {
     match id {
-        ROOT_TREE_OBJECTID => fs.tree_root(),
+        ROOT_TREE_OBJECTID => fs.core().tree_root(),
         CHUNK_TREE_OBJECTID => Root {
             id,
             bytenr: fs.disk().sb.chunk_root,
@@ -202,7 +202,7 @@ fn set_u64(b: &mut [u8], off: usize, v: u64) {
 
 fn check_img(img: &Path) -> Report {
     let fs = Fs::open(img).unwrap();
-    check(&fs, &mut |_| {}).unwrap()
+    fs.check(Default::default(), &mut |_| {}).unwrap()
 }
 
 fn show(r: &Report) -> String {

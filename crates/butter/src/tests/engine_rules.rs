@@ -36,7 +36,7 @@ fn orphans_left_by_a_stopped_writer_go_at_the_next_open() {
         used_before = fs.statfs().unwrap().free;
         let f = fs.create(fs.root_inode(), b"big", 0o644, me).unwrap();
         fs.write(f, 0, &vec![7u8; 8 << 20]).unwrap();
-        fs.note_open(f);
+        fs.hold(f);
         fs.unlink(fs.root_inode(), b"big").unwrap();
         fs.commit().unwrap();
         // The writer stops here with the file still open: it stays an orphan on disk.
@@ -235,7 +235,7 @@ fn reading_one_file_leaves_another_files_writes_pending() {
         fs.write(a, 0, &[2u8; 300_000]).unwrap();
         fs.write(a, 0, &[3u8; 300_000]).unwrap();
     }
-    let pending = fs.ordered_stats().pending;
+    let pending = fs.core().ordered_stats().pending;
     assert!(pending > 0, "the writes left nothing pending");
     {
         let _r = fs.read_gate_on(b);
@@ -243,13 +243,13 @@ fn reading_one_file_leaves_another_files_writes_pending() {
         assert_eq!(fs.stat(b).unwrap().size, 4096);
     }
     assert_eq!(
-        fs.ordered_stats().pending,
+        fs.core().ordered_stats().pending,
         pending,
         "reading b completed a's writes"
     );
     {
         let _r = fs.read_gate_on(a);
-        assert_eq!(fs.ordered_stats().pending, 0);
+        assert_eq!(fs.core().ordered_stats().pending, 0);
         assert_eq!(fs.read(a, 0, 400_000).unwrap(), vec![3u8; 300_000]);
     }
     fs.close().unwrap();
@@ -284,7 +284,7 @@ fn completion_of_one_files_writes_leaves_the_others_pending() {
         fs.write(b, 0, &[3u8; 8192]).unwrap();
     };
     pending_writes(&fs);
-    assert!(fs.ordered.has_pending(a) && fs.ordered.has_pending(b));
+    assert!(fs.core().ordered.has_pending(a) && fs.core().ordered.has_pending(b));
     // A read and a stat of b complete b's buffer alone.
     std::thread::scope(|t| {
         t.spawn(|| {
@@ -294,24 +294,27 @@ fn completion_of_one_files_writes_leaves_the_others_pending() {
         });
     });
     assert!(
-        !fs.ordered.has_pending(b),
+        !fs.core().ordered.has_pending(b),
         "reading b left its writes pending"
     );
-    assert!(fs.ordered.has_pending(a), "reading b completed a's writes");
+    assert!(
+        fs.core().ordered.has_pending(a),
+        "reading b completed a's writes"
+    );
     // A release of b's handle and a create in the directory leave a's alone too.
-    fs.note_open(b);
+    fs.hold(b);
     {
         let _g = fs.write_gate(b).unwrap();
         fs.write(b, 8192, &[4u8; 4096]).unwrap();
     }
-    assert!(fs.ordered.has_pending(b));
+    assert!(fs.core().ordered.has_pending(b));
     fs.release(b).unwrap();
     {
         let _g = fs.change_gate().unwrap();
         fs.create(root, b"c", 0o644, me).unwrap();
     }
     assert!(
-        fs.ordered.has_pending(a) && fs.ordered.has_pending(b),
+        fs.core().ordered.has_pending(a) && fs.core().ordered.has_pending(b),
         "a release or a create completed other files' writes"
     );
     // Each file reads back exactly; the stat of a completes a's.
@@ -320,7 +323,7 @@ fn completion_of_one_files_writes_leaves_the_others_pending() {
         assert_eq!(fs.stat(a).unwrap().size, 1 << 20);
         assert_eq!(fs.read(a, 0, 2 << 20).unwrap(), vec![2u8; 1 << 20]);
     }
-    assert!(!fs.ordered.has_pending(a));
+    assert!(!fs.core().ordered.has_pending(a));
     {
         let _r = fs.read_gate();
         let mut want = vec![3u8; 8192];
@@ -344,8 +347,8 @@ fn the_last_release_of_an_unlinked_file_deletes_it() {
         let _g = fs.change_gate().unwrap();
         let f = fs.create(fs.root_inode(), b"open", 0o644, me).unwrap();
         fs.write(f, 0, &vec![5u8; 1 << 20]).unwrap();
-        fs.note_open(f);
-        fs.note_open(f);
+        fs.hold(f);
+        fs.hold(f);
         fs.unlink(fs.root_inode(), b"open").unwrap();
         f
     };
@@ -421,7 +424,7 @@ fn options_given_at_open_decide_what_fsync_writes() {
         let f = fs.create(fs.root_inode(), b"f", 0o644, me).unwrap();
         fs.write(f, 0, &vec![1u8; 200 << 10]).unwrap();
         fs.gated_fsync(f).unwrap();
-        let st = fs.log_stats().unwrap();
+        let st = fs.core().log_stats().unwrap();
         if fsync_log {
             assert_eq!((st.logged, st.fallbacks), (1, 0), "{st:?}");
         } else {

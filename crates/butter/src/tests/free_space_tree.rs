@@ -282,7 +282,7 @@ fn kernel_fragmentation_matches_extent_tree() {
     let (groups, outside) = verify_image(&img);
     // The checker agrees: only the stale mkfs leftovers, as warnings.
     let fs = Fs::open(&img).unwrap();
-    let report = butter::check::check(&fs, &mut |_| {}).unwrap();
+    let report = fs.check(Default::default(), &mut |_| {}).unwrap();
     assert!(report.is_clean(), "{:#?}", report.findings);
     eprintln!(
         "groups {groups:?}\nstale items {outside:?}\nmost data extents {max_count}; exact switches to bitmaps {}, to extents {}",

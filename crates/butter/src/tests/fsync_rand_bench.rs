@@ -74,11 +74,11 @@ fn run(dir: &Path, log: bool, file_mib: u64) -> butter::Result<Times> {
         let t = Instant::now();
         if log {
             let t1 = Instant::now();
-            let ticket = fs.log_inode(f)?;
+            let ticket = fs.core().log_inode(f)?;
             logging.push(t1.elapsed());
             let t2 = Instant::now();
             match ticket {
-                LogTicket::Logged(seq) => fs.sync_log(seq)?,
+                LogTicket::Logged(seq) => fs.core().sync_log(seq)?,
                 LogTicket::Commit => fs.commit()?,
                 LogTicket::Durable => {}
             }

@@ -103,7 +103,10 @@ fn read_all(fs: &Fs, ino: Inode, size: u64) -> Vec<u8> {
 fn check_image(img: &Path, expect: &BTreeMap<String, Vec<u8>>) -> Fs {
     let fs = Fs::open(img).unwrap();
     for (rel, data) in expect {
-        let ino = fs.resolve(rel).unwrap_or_else(|e| panic!("{rel}: {e}"));
+        let ino = fs
+            .core()
+            .resolve(rel)
+            .unwrap_or_else(|e| panic!("{rel}: {e}"));
         let st = fs.stat(ino).unwrap();
         assert!(st.is_reg(), "{rel}");
         assert_eq!(st.size, data.len() as u64, "{rel}");
@@ -117,10 +120,10 @@ fn check_image(img: &Path, expect: &BTreeMap<String, Vec<u8>>) -> Fs {
             assert_eq!(&b[..], &data[4097..4097 + 9000], "{rel} unaligned");
         }
     }
-    let l = fs.resolve("link").unwrap();
+    let l = fs.core().resolve("link").unwrap();
     assert_eq!(fs.readlink(l).unwrap(), b"d0/e0");
     // readdir agrees with lookup, in index order.
-    let d = fs.resolve("d1/e1").unwrap();
+    let d = fs.core().resolve("d1/e1").unwrap();
     let ents = fs.readdir(d, 0, 0).unwrap();
     assert!(!ents.is_empty());
     assert!(ents.windows(2).all(|w| w[0].index < w[1].index));
@@ -161,8 +164,13 @@ fn reads_mkfs_rootdir_images_in_several_variants() {
 
 /// Collects (level of root) for every tree in the root tree.
 fn root_levels(fs: &Fs) -> BTreeMap<u64, u8> {
-    let mut it =
-        TreeIter::new(fs.disk().clone(), fs.tree_root(), Key::MIN, Readahead::None).unwrap();
+    let mut it = TreeIter::new(
+        fs.disk().clone(),
+        fs.core().tree_root(),
+        Key::MIN,
+        Readahead::None,
+    )
+    .unwrap();
     let mut m = BTreeMap::new();
     while let Some(item) = it.next_item().unwrap() {
         if item.key.ty == ROOT_ITEM_KEY {
@@ -251,7 +259,7 @@ fn deep_trees_and_forward_always_readahead() {
         .load(std::sync::atomic::Ordering::Relaxed);
     assert!(ra > 0, "BACK issued no readahead");
 
-    let dir = fs.resolve("many").unwrap();
+    let dir = fs.core().resolve("many").unwrap();
     let ents = fs.readdir(dir, 0, 0).unwrap();
     assert_eq!(ents.len(), 12000);
     let e = fs.lookup(dir, b"f11999").unwrap().unwrap();
@@ -283,12 +291,13 @@ fn damaged_primary_copy_reads_the_dup_mirror() {
     let dev: Arc<dyn BlockDevice> = Arc::new(RamDevice::new(bad.clone()));
     let fs2 = Fs::open_device(dev).unwrap();
     for (rel, data) in &expect {
-        let ino = fs2.resolve(rel).unwrap();
+        let ino = fs2.core().resolve(rel).unwrap();
         assert_eq!(read_all(&fs2, ino, data.len() as u64), *data);
     }
     // Both copies bad: a typed checksum error naming the block.
     bad[copies[1].physical as usize + 200] ^= 0xff;
-    let fs3 = Fs::open_device(Arc::new(RamDevice::new(bad))).map(|f| f.resolve("d0").map(|_| ()));
+    let fs3 =
+        Fs::open_device(Arc::new(RamDevice::new(bad))).map(|f| f.core().resolve("d0").map(|_| ()));
     let err = match fs3 {
         Err(e) | Ok(Err(e)) => e.to_string(),
         Ok(Ok(())) => panic!("read through two damaged copies"),

@@ -143,7 +143,7 @@ fn uuid_tree_has(fs: &Fs, uuid: &[u8; 16], id: u64) -> bool {
 fn orphan_item(fs: &Fs, id: u64) -> bool {
     butter::ctree::lookup(
         fs.disk(),
-        &fs.tree_root(),
+        &fs.core().tree_root(),
         &Key::new(ORPHAN_OBJECTID, ORPHAN_ITEM_KEY, id),
     )
     .unwrap()
@@ -197,7 +197,7 @@ fn delete_snapshot_then_source() {
         .find(|s| s.path == b"snap")
         .map(|s| (s.id, s.item.uuid))
         .unwrap();
-    let level = fs.subvol_root(sv_id).unwrap().level;
+    let level = fs.core().subvol_root(sv_id).unwrap().level;
     assert!(level >= 1, "the source tree should have several levels");
     drop(fs);
 
@@ -206,10 +206,10 @@ fn delete_snapshot_then_source() {
     oracle_free_check(&copy, "snapshot");
     butter::inode::subvol_delete::set_drop_batch(8);
     let fs = Fs::open_device_rw(copy.clone()).unwrap();
-    let commits = fs.writer().unwrap().stats().commits;
+    let commits = fs.core().writer().unwrap().stats().commits;
     let root = fs.root_inode();
     assert_eq!(fs.delete_subvolume(root, b"snap").unwrap(), snap_id);
-    let commits = fs.writer().unwrap().stats().commits - commits;
+    let commits = fs.core().writer().unwrap().stats().commits - commits;
     assert!(commits > 3, "the drop took {commits} commits");
     assert_gone(
         &fs,
@@ -612,7 +612,7 @@ fn deep_tree_progress_at_every_level() {
     }
     fs.commit().unwrap();
     for id in &ids {
-        assert_eq!(fs.subvol_root(*id).unwrap().level, 2, "tree {id}");
+        assert_eq!(fs.core().subvol_root(*id).unwrap().level, 2, "tree {id}");
     }
     let want = without(&without(&manifest(&fs).unwrap(), "a"), "sv");
     drop(fs);

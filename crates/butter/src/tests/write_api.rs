@@ -36,7 +36,7 @@ fn image(name: &str, nodesize: u32) -> PathBuf {
 
 fn checks(img: &Path) {
     let fs = Fs::open(img).unwrap();
-    let rep = butter::check::check(&fs, &mut |_| {}).unwrap();
+    let rep = fs.check(Default::default(), &mut |_| {}).unwrap();
     assert!(rep.is_clean(), "butter check: {:?}", rep.findings);
     let out = Command::new("btrfs")
         .args(["check", "--readonly"])
@@ -52,7 +52,7 @@ fn checks(img: &Path) {
 }
 
 fn has_item(fs: &Fs, root: u64, key: Key) -> bool {
-    let r = fs.subvol_root(root).unwrap();
+    let r = fs.core().subvol_root(root).unwrap();
     butter::ctree::lookup(fs.disk(), &r, &key)
         .unwrap()
         .is_some()
@@ -68,7 +68,7 @@ fn unlinked_open_file_is_an_orphan_until_released() {
         let f = fs.create(root, b"open-file", 0o644, o).unwrap();
         fs.write(f, 0, &vec![7u8; 100_000]).unwrap();
         fs.commit().unwrap();
-        fs.note_open(f);
+        fs.hold(f);
         fs.unlink(root, b"open-file").unwrap();
         fs.commit().unwrap();
         let orphan = Key::new(ORPHAN_OBJECTID, ORPHAN_ITEM_KEY, f.ino);
@@ -91,7 +91,7 @@ fn unlinked_open_file_is_an_orphan_until_released() {
         root: FS_TREE_OBJECTID,
         ino: 257,
     };
-    fs.release_orphan(f).unwrap();
+    fs.core().release_orphan(f).unwrap();
     fs.commit().unwrap();
     assert!(!has_item(
         &fs,
@@ -123,7 +123,7 @@ fn big_directory_grows_and_shrinks_the_tree() {
         }
     }
     fs.commit().unwrap();
-    let level = fs.subvol_root(FS_TREE_OBJECTID).unwrap().level;
+    let level = fs.core().subvol_root(FS_TREE_OBJECTID).unwrap().level;
     assert!(
         level >= 2,
         "fs tree level {level} after {n} entries at nodesize 4096"
@@ -143,7 +143,7 @@ fn big_directory_grows_and_shrinks_the_tree() {
     }
     fs.commit().unwrap();
     assert_eq!(fs.stat(d).unwrap().size, 0);
-    let level = fs.subvol_root(FS_TREE_OBJECTID).unwrap().level;
+    let level = fs.core().subvol_root(FS_TREE_OBJECTID).unwrap().level;
     assert!(
         level <= 1,
         "fs tree still level {level} after deleting everything"
@@ -169,7 +169,7 @@ fn a_directorys_entries_fill_their_leaves() {
             .unwrap();
     }
     fs.commit().unwrap();
-    let r = fs.subvol_root(FS_TREE_OBJECTID).unwrap();
+    let r = fs.core().subvol_root(FS_TREE_OBJECTID).unwrap();
     let (mut path, _) = butter::ctree::search_slot(
         fs.disk(),
         &r,

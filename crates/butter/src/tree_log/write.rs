@@ -292,7 +292,7 @@ impl Core {
 
     /// fsync(2) / fdatasync(2) of one inode: when it returns, the inode's data and metadata
     /// (and the names that make it reachable) survive a power cut.
-    pub fn fsync(&self, ino: Inode, _datasync: bool) -> Result<()> {
+    pub(crate) fn fsync(&self, ino: Inode, _datasync: bool) -> Result<()> {
         // A delayed preallocation goes into the trees first (the log copies trees).
         if self.prealloc.has(Some(ino)) {
             let mut w = self.writer_keeping_ordered()?;
@@ -1219,8 +1219,8 @@ mod tests {
         // Replays and commits; checked as opened again.
         drop(Fs::open_device_rw(copy.clone()).unwrap());
         let fs = Fs::open_device_rw(copy).unwrap();
-        assert_eq!(fs.disk.sb.log_root, 0);
-        let r = crate::check::check(&fs, &mut |_| {}).unwrap();
+        assert_eq!(fs.disk().sb.log_root, 0);
+        let r = fs.check(Default::default(), &mut |_| {}).unwrap();
         assert!(r.is_clean(), "{r:?}");
         fs
     }
@@ -1256,7 +1256,7 @@ mod tests {
         let a = fs.create(root, b"a", 0o644, Owner::default()).unwrap();
         fs.write(a, 0, &pattern(100_000, 1)).unwrap();
         fs.commit().unwrap();
-        let commits = fs.writer().unwrap().stats.commits;
+        let commits = fs.core().writer().unwrap().stats.commits;
         // New file, append, overwrite in the middle, xattr.
         let b = fs.create(root, b"b", 0o600, Owner::default()).unwrap();
         fs.write(b, 0, &pattern(50_000, 2)).unwrap();
@@ -1267,8 +1267,8 @@ mod tests {
         fs.fsync(a, false).unwrap();
         // Not fsynced: must not matter either way.
         let _c = fs.create(root, b"c", 0o644, Owner::default()).unwrap();
-        assert_eq!(fs.writer().unwrap().stats.commits, commits);
-        let st = fs.log_stats().unwrap();
+        assert_eq!(fs.core().writer().unwrap().stats.commits, commits);
+        let st = fs.core().log_stats().unwrap();
         assert_eq!(
             (st.logged, st.fallbacks, st.log_commits),
             (2, 0, 2),
@@ -1319,7 +1319,7 @@ mod tests {
         fs.commit().unwrap();
         fs.rename(d, b"a", root, b"moved", 0).unwrap();
         fs.fsync(a, false).unwrap();
-        let st = fs.log_stats().unwrap();
+        let st = fs.core().log_stats().unwrap();
         assert_eq!((st.logged, st.fallbacks), (1, 0));
         let after = after_cut(&dev);
         let r = after.root_inode();
@@ -1332,7 +1332,7 @@ mod tests {
         drop(after);
         fs.rename(root, b"x", root, b"y", 0).unwrap();
         fs.fsync(x, false).unwrap();
-        assert_eq!(fs.log_stats().unwrap().fallbacks, 1);
+        assert_eq!(fs.core().log_stats().unwrap().fallbacks, 1);
     }
 
     /// A file renamed over another is logged with both directories whole: replay drops the
@@ -1348,7 +1348,7 @@ mod tests {
         fs.rename(d, b"a", root, b"b", 0).unwrap();
         fs.rename(root, b"b", d, b"b", 0).unwrap();
         fs.fsync(a, false).unwrap();
-        let st = fs.log_stats().unwrap();
+        let st = fs.core().log_stats().unwrap();
         assert_eq!((st.logged, st.fallbacks), (1, 0), "{st:?}");
         let after = after_cut(&dev);
         let d2 = child(&after, after.root_inode(), b"d");
@@ -1366,7 +1366,7 @@ mod tests {
         fs.fsync(c, false).unwrap();
         fs.rename(d, b"b", d, b"c", 0).unwrap();
         fs.fsync(a, false).unwrap();
-        assert_eq!(fs.log_stats().unwrap().fallbacks, 1);
+        assert_eq!(fs.core().log_stats().unwrap().fallbacks, 1);
         let after = after_cut(&dev);
         let d2 = child(&after, after.root_inode(), b"d");
         assert_eq!(child(&after, d2, b"c").ino, a.ino);
@@ -1390,15 +1390,15 @@ mod tests {
         let mut seqs = Vec::new();
         for (i, f) in inos.iter().enumerate() {
             fs.write(*f, 0, &pattern(10_000, i as u8)).unwrap();
-            match fs.log_inode(*f).unwrap() {
+            match fs.core().log_inode(*f).unwrap() {
                 LogTicket::Logged(s) => seqs.push(s),
                 t => panic!("{t:?}"),
             }
         }
         for s in seqs.iter().rev() {
-            fs.sync_log(*s).unwrap();
+            fs.core().sync_log(*s).unwrap();
         }
-        let st = fs.log_stats().unwrap();
+        let st = fs.core().log_stats().unwrap();
         assert_eq!((st.logged, st.log_commits), (3, 1), "{st:?}");
         let after = after_cut(&dev);
         for i in 0..3u8 {
@@ -1425,7 +1425,7 @@ mod tests {
             fs.fsync(f, false).unwrap();
             want.push((name, data));
         }
-        let st = fs.log_stats().unwrap();
+        let st = fs.core().log_stats().unwrap();
         assert_eq!((st.logged, st.fallbacks), (400, 0), "{st:?}");
         let after = after_cut(&dev);
         let d2 = child(&after, after.root_inode(), b"d");
@@ -1456,7 +1456,7 @@ mod tests {
         fs.mkdir(deeper, b"empty", 0o755, Owner::default()).unwrap();
         fs.symlink(sub, b"ln", b"z", Owner::default()).unwrap();
         fs.fsync(d, false).unwrap();
-        let st = fs.log_stats().unwrap();
+        let st = fs.core().log_stats().unwrap();
         assert_eq!((st.logged, st.fallbacks), (1, 0), "{st:?}");
         let after = after_cut(&dev);
         let d2 = child(&after, after.root_inode(), b"d");
@@ -1496,7 +1496,7 @@ mod tests {
         assert!(index_of(b"n") > c_index);
         assert!(n.ino > c_ino.ino, "inode number {} handed out again", n.ino);
         fs.fsync(n, false).unwrap();
-        let st = fs.log_stats().unwrap();
+        let st = fs.core().log_stats().unwrap();
         assert_eq!((st.logged, st.fallbacks), (1, 0), "{st:?}");
         let after = after_cut(&dev);
         let d2 = child(&after, after.root_inode(), b"d");
@@ -1516,7 +1516,7 @@ mod tests {
         fs.write(e, 0, &pattern(9000, 5)).unwrap();
         fs.symlink(d, b"s", b"target", Owner::default()).unwrap();
         fs.fsync(d, false).unwrap();
-        let st = fs.log_stats().unwrap();
+        let st = fs.core().log_stats().unwrap();
         assert_eq!((st.logged, st.fallbacks), (1, 0), "{st:?}");
         let after = after_cut(&dev);
         let d2 = child(&after, after.root_inode(), b"d");
@@ -1548,7 +1548,7 @@ mod tests {
         fs.commit().unwrap();
         fs.rename(d, b"a", root, b"moved", 0).unwrap();
         fs.fsync(d, false).unwrap();
-        let st = fs.log_stats().unwrap();
+        let st = fs.core().log_stats().unwrap();
         assert_eq!((st.logged, st.fallbacks), (1, 0));
         let after = after_cut(&dev);
         let r = after.root_inode();
@@ -1558,7 +1558,7 @@ mod tests {
         drop(after);
         fs.rename(d, b"sub", root, b"sub2", 0).unwrap();
         fs.fsync(d, false).unwrap();
-        assert_eq!(fs.log_stats().unwrap().fallbacks, 1);
+        assert_eq!(fs.core().log_stats().unwrap().fallbacks, 1);
     }
 
     #[test]
@@ -1593,7 +1593,7 @@ mod tests {
         let root = fs.root_inode();
         let a = fs.create(root, b"a", 0o644, Owner::default()).unwrap();
         let free = fs.statfs().unwrap().free;
-        let chunks_before = fs.disk.chunk_map().chunks().count() as u64;
+        let chunks_before = fs.disk().chunk_map().chunks().count() as u64;
         let chunk = 4 << 20;
         let size = (free / 3) & !(chunk as u64 - 1);
         let mut written = 0u64;
@@ -1612,8 +1612,8 @@ mod tests {
             }
         }
         // Only an fsync right after a new chunk commits (the log could not name it).
-        let added = fs.disk.chunk_map().chunks().count() as u64 - chunks_before;
-        let fallbacks = fs.log_stats().unwrap().fallbacks;
+        let added = fs.disk().chunk_map().chunks().count() as u64 - chunks_before;
+        let fallbacks = fs.core().log_stats().unwrap().fallbacks;
         assert!(
             fallbacks <= added,
             "{fallbacks} fsyncs committed, {added} chunks were added"

@@ -190,7 +190,9 @@ pub fn diff(a: &Manifest, b: &Manifest) -> String {
 
 /// Runs butter's checker; the findings as text when not clean.
 pub fn butter_check(fs: &Fs) -> Result<(), String> {
-    let r = butter::check::check(fs, &mut |_| {}).map_err(|e| format!("check failed: {e}"))?;
+    let r = fs
+        .check(Default::default(), &mut |_| {})
+        .map_err(|e| format!("check failed: {e}"))?;
     if r.is_clean() {
         Ok(())
     } else {

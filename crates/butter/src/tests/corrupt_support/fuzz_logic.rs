@@ -344,7 +344,7 @@ pub(crate) fn receive_stream_one(data: &[u8]) {
         Ok(fs) => fs,
         Err(e) => panic!("the image does not open after receive: {e}"),
     };
-    match butter::check::check(&fs, &mut |_| {}) {
+    match fs.check(Default::default(), &mut |_| {}) {
         Ok(r) if r.is_clean() => {}
         Ok(r) => panic!("the image is not clean after receive: {:?}", r.findings),
         Err(e) => panic!("the check after receive failed: {e}"),

@@ -317,7 +317,7 @@ impl Walker<'_> {
         // Subvolume roots (256) and the placeholder directory shown for a subvolume link
         // whose subvolume is gone (2, as the kernel does) have no name in their tree.
         if !is_root && ino.ino != butter::format::FIRST_FREE_OBJECTID && ino.ino != 2 {
-            match self.fs.inode_path(ino) {
+            match self.fs.core().inode_path(ino) {
                 Ok(p) => info.inode_path = Some(p),
                 Err(e) => self.err(&format!("inode_path {path:?}"), e),
             }
