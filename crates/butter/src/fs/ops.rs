@@ -128,35 +128,35 @@ impl Fs {
         on: Option<Inode>,
         f: impl FnOnce(&Core) -> Result<T>,
     ) -> Result<T> {
-        match crate::gate::held_here() {
-            Held::Exclusive => return f(&self.core),
-            Held::Shared => {
-                return Err(Error::Invalid(format!(
-                    "{what}: a change asked for under a read's passage (an engine bug)"
-                )))
-            }
-            Held::None => {}
-        }
-        let g = match on {
-            Some(ino) => self.change_gate_on(ino)?,
-            None => self.change_gate()?,
-        };
-        g.settle(what, f(&self.core))
+        self.change_through(what, f, || match on {
+            Some(ino) => self.change_gate_on(ino),
+            None => self.change_gate(),
+        })
     }
 
     /// [`Fs::changing`] for a write to `ino`, which steps out of the gate for its data I/O.
     pub(super) fn writing<T>(&self, ino: Inode, f: impl FnOnce(&Core) -> Result<T>) -> Result<T> {
+        self.change_through("write", f, || self.write_gate(ino))
+    }
+
+    /// `f` through the change passage `take` gives, or under the exclusive passage this
+    /// thread holds already.
+    fn change_through<'a, T>(
+        &'a self,
+        what: &str,
+        f: impl FnOnce(&Core) -> Result<T>,
+        take: impl FnOnce() -> Result<crate::gate::GateChange<'a>>,
+    ) -> Result<T> {
         match crate::gate::held_here() {
-            Held::Exclusive => return f(&self.core),
-            Held::Shared => {
-                return Err(Error::Invalid(
-                    "write: asked for under a read's passage (an engine bug)".into(),
-                ))
+            Held::Exclusive => f(&self.core),
+            Held::Shared => Err(Error::Invalid(format!(
+                "{what}: a change asked for under a read's passage (an engine bug)"
+            ))),
+            Held::None => {
+                let g = take()?;
+                g.settle(what, f(&self.core))
             }
-            Held::None => {}
         }
-        let g = self.write_gate(ino)?;
-        g.settle("write", f(&self.core))
     }
 
     /// The inode item, noted for the set-id rules.
@@ -372,7 +372,11 @@ impl Fs {
         if kill == 0 {
             return Ok(Side::default());
         }
-        let mode = mode & 0o7777 & !kill;
+        self.put_mode(c, ino, mode & 0o7777 & !kill)
+    }
+
+    /// Sets `ino`'s permission and set-id bits to `mode`, noted for the set-id rules.
+    fn put_mode(&self, c: &Core, ino: Inode, mode: u32) -> Result<Side> {
         c.setattr(
             ino,
             &SetAttr {
@@ -386,8 +390,10 @@ impl Fs {
 
     /// Removes `security.capability` from `ino` if it has one.
     fn kill_caps(&self, c: &Core, ino: Inode) -> Result<()> {
+        // Known to have none: the usual write, with nothing to look up or note.
         let has = match self.remembered.caps(ino) {
-            Some(h) => h,
+            Some(false) => return Ok(()),
+            Some(true) => true,
             None => c.getxattr(ino, posix::CAPS)?.is_some(),
         };
         if has {
@@ -624,15 +630,7 @@ impl Fs {
             // As a chmod: set-group-id goes unless the caller is in the file's group.
             let mode = posix::chmod_mode(who, (item.mode & 0o7000) | bits, item.gid);
             if mode != item.mode & 0o7777 {
-                c.setattr(
-                    ino,
-                    &SetAttr {
-                        mode: Some(mode),
-                        ..Default::default()
-                    },
-                )?;
-                self.remembered.note_mode(ino, mode);
-                return Ok(Side { mode_changed: true });
+                return self.put_mode(c, ino, mode);
             }
             Ok(Side::default())
         })
