@@ -38,6 +38,7 @@
 //! Option sets, one #[test] each: defaults (the kernel caches names, attributes, missing
 //! names and pages long, crate::fuse::Caching), `-o nodelalloc`, `-o compress-force=zstd`,
 //! `-o compress=zstd`, `-o commit=0`, `-o allocator=legacy`, `-o cache=strict`,
+//! `-o nokillpriv`,
 //! `-o fsync=commit` and `-o nobulk` (large writes served on the FUSE worker that took them;
 //! when this butter does not know the option yet, that test prints a notice and passes).
 //! Each runs [`SUITE_SEEDS`] seeds x both modes x [`SUITE_OPS`] operations.
@@ -2705,6 +2706,13 @@ fn diff_compress_zstd() {
 #[test]
 fn diff_allocator_legacy() {
     run_variant("allocator-legacy", &["-o", "allocator=legacy"]);
+}
+
+/// The caches on, but the kernel clears set-id bits and capabilities itself (a setattr and a
+/// removexattr before the write) instead of leaving it to butter (FUSE_HANDLE_KILLPRIV_V2).
+#[test]
+fn diff_nokillpriv() {
+    run_variant("nokillpriv", &["-o", "nokillpriv"]);
 }
 
 /// The kernel caches as before the long timeouts: 1 s, no negative entries, no page cache
