@@ -76,6 +76,10 @@ def main():
     if any(r[2] == "butter-wait" for r in raw):
         SYSTEMS.append(("butter-wait", "butter fsync=log-wait"))
         RATIOS.append(("butter-wait", "butter"))
+    # ... and butter served through FUSE over io_uring (workloads/fusewrite.sh).
+    if any(r[2] == "butter-uring" for r in raw):
+        SYSTEMS.append(("butter-uring", "butter io_uring"))
+        RATIOS.extend([("butter-uring", "kernel"), ("butter-uring", "butter")])
     latency = read_tsv(os.path.join(work, "latency.tsv"), 7)
 
     cells = {}
@@ -493,7 +497,7 @@ def make_chart(path, rows, cells):
     cols = min(n, 3)
     nrows = (n + cols - 1) // cols
     fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.4 * nrows), squeeze=False)
-    colors = {"butter": "#e0a800", "kernel": "#3870b0", "ext4": "#6a9a50", "nullfs": "#999999", "butter-commit": "#a06000", "butter-wait": "#c08040"}
+    colors = {"butter": "#e0a800", "kernel": "#3870b0", "ext4": "#6a9a50", "nullfs": "#999999", "butter-commit": "#a06000", "butter-wait": "#c08040", "butter-uring": "#f0c040"}
     for i, (wl, row, unit, _) in enumerate(rows):
         ax = axes[i // cols][i % cols]
         labels, values, texts = [], [], []

@@ -21,7 +21,9 @@ register_workload sysbench_rndwr 52 "" \
 register_workload meta 53 "" \
 	"create, stat, then delete BENCH_META_FILES small files in 100 dirs, fresh image; files/s"
 
-FW_SYSTEMS="butter kernel ext4 nullfs"
+# butter serves through /dev/fuse (-o uring=off); butter-uring through FUSE over io_uring
+# (the fuse module's enable_uring is set to Y for its mount only, then put back).
+FW_SYSTEMS=${BENCH_FW_SYSTEMS:-"butter butter-uring kernel ext4 nullfs"}
 : "${BENCH_FW_IMAGE_MB:=2048}" "${BENCH_FIO_JOBS:=2}" "${BENCH_FIO_MB:=64}"
 : "${BENCH_SB_FILES:=16}" "${BENCH_SB_MB:=256}" "${BENCH_SB_THREADS:=4}" "${BENCH_SB_EVENTS:=16384}"
 : "${BENCH_META_FILES:=100000}"
@@ -62,7 +64,7 @@ fw_mount() {
 	MNT=$WORK/mnt/fw-$sys
 	mkdir -p "$MNT"
 	case $sys in
-	butter | kernel)
+	butter | butter-uring | kernel)
 		rm -f "$img"
 		truncate -s "${BENCH_FW_IMAGE_MB}M" "$img"
 		out=$(mkfs.btrfs -f -q "$img" 2>&1) || {
@@ -77,8 +79,12 @@ fw_mount() {
 			ERR=$BUTTER_ERR
 			return 1
 		}
-		"$BUTTER_BIN" mount "$img" "$MNT" >"$blog" 2>&1 </dev/null &
-		BUTTER_PID=$!
+		if [[ $sys == butter-uring ]]; then
+			fw_uring_mount "$img" "$blog" || return 1
+		else
+			"$BUTTER_BIN" mount -o uring=off "$img" "$MNT" >"$blog" 2>&1 </dev/null &
+			BUTTER_PID=$!
+		fi
 		;;
 	ext4)
 		rm -f "$img"
@@ -117,9 +123,29 @@ fw_mount() {
 	done
 }
 
+# butter mounted with FUSE over io_uring: the kernel offers it while enable_uring is Y, which
+# only matters at the mount's INIT; the old value is put back once the mount is up.
+fw_uring_mount() { # IMAGE LOG
+	local p=/sys/module/fuse/parameters/enable_uring old deadline
+	[[ -w $p ]] || {
+		ERR="$p missing or not writable: this kernel has no FUSE over io_uring"
+		return 1
+	}
+	old=$(cat "$p")
+	echo Y >"$p"
+	"$BUTTER_BIN" mount -o uring=on "$1" "$MNT" >"$2" 2>&1 </dev/null &
+	BUTTER_PID=$!
+	deadline=$((SECONDS + ${BENCH_MOUNT_TIMEOUT:-30}))
+	while ! mountpoint -q "$MNT" && kill -0 "$BUTTER_PID" 2>/dev/null && ((SECONDS < deadline)); do
+		sleep 0.05
+	done
+	echo "$old" >"$p"
+	! grep -q "through /dev/fuse" "$2" || log "warning: butter-uring serves through /dev/fuse: $(oneline "$(grep "through /dev/fuse" "$2" | tail -1)")"
+}
+
 fw_umount() { # SYSTEM
 	case $1 in
-	butter | nullfs) butter_umount "$MNT" ;;
+	butter | butter-uring | nullfs) butter_umount "$MNT" ;;
 	*) kumount "$MNT" ;;
 	esac
 	rm -f "$WORK/img/fusewrite-$1.img"

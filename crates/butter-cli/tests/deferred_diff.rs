@@ -2721,3 +2721,11 @@ fn diff_nokillpriv() {
 fn diff_cache_strict() {
     run_variant("cache-strict", &["-o", "cache=strict"]);
 }
+
+/// Served through FUSE over io_uring (the kernel's fuse module offering it while it mounts):
+/// the ring transport's own request decoder and reply encoder (crate::fuse::wire), with the
+/// caches on.
+#[test]
+fn diff_uring() {
+    run_variant("uring", &["-o", "uring=on"]);
+}

@@ -428,6 +428,17 @@ fn sigkill_rounds_on_block_group_tree() {
     );
 }
 
+/// Served through FUSE over io_uring: a SIGKILL with requests in the ring's entries.
+#[test]
+fn sigkill_rounds_over_io_uring() {
+    crash_rounds_with(
+        "fuse-crash-uring",
+        &[],
+        (rounds_from_env() * 3 / 10).max(4),
+        &["-o", "uring=on"],
+    );
+}
+
 fn rounds_from_env() -> u64 {
     std::env::var("BUTTER_CRASH_ROUNDS")
         .ok()
@@ -436,6 +447,11 @@ fn rounds_from_env() -> u64 {
 }
 
 fn crash_rounds(name: &str, mkfs_args: &[&str], rounds: u64) {
+    crash_rounds_with(name, mkfs_args, rounds, &[]);
+}
+
+/// [`crash_rounds`] with `transport` added to every mount's arguments.
+fn crash_rounds_with(name: &str, mkfs_args: &[&str], rounds: u64, transport: &[&str]) {
     if !fuse_mount::require("fuse_crash", &[]) {
         return;
     }
@@ -466,7 +482,8 @@ fn crash_rounds(name: &str, mkfs_args: &[&str], rounds: u64) {
         } else {
             MOUNT_ARGS
         };
-        let bm = ButterMount::start(&img, &mnt, args, &log);
+        let args = [args, transport].concat();
+        let bm = ButterMount::start(&img, &mnt, &args, &log);
         if round >= KEEP_ROUNDS {
             let old = PathBuf::from(format!("r{:03}", round - KEEP_ROUNDS));
             let path = bm.path().join(&old);
@@ -534,7 +551,8 @@ fn crash_rounds(name: &str, mkfs_args: &[&str], rounds: u64) {
     }
 
     // A last clean mount: everything durable still there, then unmount and compare the tree.
-    let bm = ButterMount::start(&img, &mnt, MOUNT_ARGS, &scratch.join("butter-final.log"));
+    let last = [MOUNT_ARGS, transport].concat();
+    let bm = ButterMount::start(&img, &mnt, &last, &scratch.join("butter-final.log"));
     let mut problems = Vec::new();
     for r in &done {
         problems.extend(

@@ -157,6 +157,16 @@ fn fsx_without_size_checks() {
     fsx_run("fuse-fsx-nostat", FSX_CONFIG_NOSTAT, &[], &[], ops);
 }
 
+/// Both configurations served through FUSE over io_uring (the ring transport's decoder and
+/// encoder), half as long each.
+#[test]
+fn fsx_over_io_uring() {
+    let ops = env_u64("BUTTER_FSX_OPS", SUITE_OPS) / 2;
+    let ring = &["-o", "uring=on"];
+    fsx_run("fuse-fsx-uring", FSX_CONFIG, &[], ring, ops);
+    fsx_run("fuse-fsx-uring-nostat", FSX_CONFIG_NOSTAT, &[], ring, ops);
+}
+
 /// The same on a block-group-tree image (mkfs.btrfs's default since 6.19), a third as long.
 #[test]
 fn fsx_on_block_group_tree() {

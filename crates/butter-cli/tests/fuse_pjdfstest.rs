@@ -185,6 +185,17 @@ fn user_exists(user: &str, group: &str) -> bool {
 
 #[test]
 fn pjdfstest_butter_passes_what_kernel_btrfs_passes() {
+    pjdfstest_against_kernel("fuse-pjdfstest", &[]);
+}
+
+/// The same with butter served through FUSE over io_uring (the ring transport's own request
+/// decoder and reply encoder).
+#[test]
+fn pjdfstest_over_io_uring() {
+    pjdfstest_against_kernel("fuse-pjdfstest-uring", &["-o", "uring=on"]);
+}
+
+fn pjdfstest_against_kernel(scratch_name: &str, transport: &[&str]) {
     const NAME: &str = "fuse_pjdfstest";
     if !fuse_mount::require(NAME, &["pjdfstest", "getent"]) {
         return;
@@ -193,7 +204,7 @@ fn pjdfstest_butter_passes_what_kernel_btrfs_passes() {
         fuse_mount::missing(NAME, "users nobody (group nogroup) and tests (group tests)");
         return;
     }
-    let scratch = ScratchDir::new("fuse-pjdfstest");
+    let scratch = ScratchDir::new(scratch_name);
 
     // The baseline: a fresh kernel btrfs, read-write.
     let kimg = scratch.join("kernel.img");
@@ -209,7 +220,7 @@ fn pjdfstest_butter_passes_what_kernel_btrfs_passes() {
     let bm = ButterMount::start(
         &bimg,
         &scratch.join("bmnt"),
-        &["-o", "allow_other"],
+        &[&["-o", "allow_other"], transport].concat(),
         &scratch.join("butter-mount.log"),
     );
     let butter_run = pjdfstest(bm.path(), &scratch, "butter");

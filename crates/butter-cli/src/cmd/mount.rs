@@ -50,7 +50,10 @@ pub struct MountArgs {
     /// listings kept across opens; default on), killpriv|nokillpriv (butter
     /// clears set-id bits on write, so the kernel stops asking for security.capability before
     /// each write; default on), cache=strict (all of these off, 1 s timeouts: read-write
-    /// caching as before) or cache=default. Accepted and ignored, as options that change
+    /// caching as before) or cache=default, uring=auto|on|off (requests through FUSE over
+    /// io_uring when the kernel offers it, Linux 6.14 and later with the fuse module's
+    /// enable_uring set; on: the same, with a warning when it does not; off: /dev/fuse
+    /// only; default auto). Accepted and ignored, as options that change
     /// nothing for an image: defaults, relatime and the other atime variants, lazytime,
     /// space_cache[=v1|v2], ssd, nossd, ssd_spread, discard[=sync|async], nodiscard,
     /// autodefrag, user_subvol_rm_allowed, barrier, flushoncommit, degraded, thread_pool=N,
@@ -147,6 +150,7 @@ fn plan(a: &MountArgs) -> Result<Plan, CliError> {
         commit_interval: Some(Duration::from_secs(DEFAULT_COMMIT)),
         bulk: true,
         caching: crate::fuse::Caching::READ_WRITE,
+        uring: crate::fuse::Uring::Auto,
     };
     for opt in a.options.iter().flat_map(|o| o.split(',')) {
         let (key, value) = match opt.split_once('=') {
@@ -218,6 +222,10 @@ fn plan(a: &MountArgs) -> Result<Plan, CliError> {
             }
             ("cache", Some("default")) => {
                 cfg.caching = crate::fuse::Caching::READ_WRITE;
+                None
+            }
+            ("uring", Some(v)) => {
+                cfg.uring = v.parse().map_err(CliError)?;
                 None
             }
             ("cache", Some(v)) => {

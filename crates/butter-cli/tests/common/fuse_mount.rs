@@ -11,6 +11,11 @@
 //!   a comparison of the kernel's view with a manifest taken on the butter mount.
 //!
 //! Used by fuse_pjdfstest.rs, fuse_fsx.rs and fuse_crash.rs.
+//!
+//! Transport: a mount whose arguments say `-o uring=on` is served through FUSE over io_uring
+//! (the fuse module's `enable_uring` is Y while it mounts, under a lock shared by every test
+//! process, and put back after), and [`ButterMount::start`] checks that its queues run; every
+//! other mount gets `-o uring=off` and is served through /dev/fuse, whatever the module says.
 
 #![allow(dead_code)]
 
@@ -117,6 +122,42 @@ pub fn mounted_type(dir: &Path) -> Option<String> {
     found
 }
 
+/// The fuse module's switch for FUSE over io_uring.
+const ENABLE_URING: &str = "/sys/module/fuse/parameters/enable_uring";
+
+/// The time a `-o uring=on` mount takes to mount: the kernel offers FUSE over io_uring
+/// (enable_uring is Y), and no other test process changes that meanwhile (an exclusive lock
+/// on a file every test process shares). Dropping it puts the old value back.
+struct UringWindow {
+    lock: File,
+    old: String,
+}
+
+impl UringWindow {
+    fn open() -> UringWindow {
+        use std::os::fd::AsRawFd;
+        let old = fs::read_to_string(ENABLE_URING).unwrap_or_else(|e| {
+            panic!(
+                "-o uring=on needs {ENABLE_URING} (Linux 6.14 or later with \
+                 CONFIG_FUSE_IO_URING): {e}"
+            )
+        });
+        let lock = File::create("/tmp/butter-tests-enable-uring.lock")
+            .unwrap_or_else(|e| panic!("creating the enable_uring lock file: {e}"));
+        // SAFETY: flock on a descriptor we own; it is released when `lock` is closed.
+        assert_eq!(unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX) }, 0);
+        fs::write(ENABLE_URING, "Y").unwrap_or_else(|e| panic!("setting {ENABLE_URING}: {e}"));
+        UringWindow { lock, old }
+    }
+}
+
+impl Drop for UringWindow {
+    fn drop(&mut self) {
+        let _ = fs::write(ENABLE_URING, self.old.trim());
+        let _ = &self.lock;
+    }
+}
+
 /// A running `butter mount IMAGE DIR ARGS...`.
 pub struct ButterMount {
     child: Option<Child>,
@@ -156,11 +197,20 @@ impl ButterMount {
         );
         let out = File::create(log).unwrap_or_else(|e| panic!("create {}: {e}", log.display()));
         let err = out.try_clone().unwrap();
+        let says = |o: &str| args.iter().any(|a| a.split(',').any(|x| x.starts_with(o)));
+        let uring = says("uring=on");
+        let transport: &[&str] = if says("uring=") {
+            &[]
+        } else {
+            &["-o", "uring=off"]
+        };
+        let window = uring.then(UringWindow::open);
         let child = Command::new(BUTTER)
             .arg("mount")
             .arg(image)
             .arg(&dir)
             .args(args)
+            .args(transport)
             .stdin(Stdio::null())
             .stdout(out)
             .stderr(err)
@@ -176,6 +226,10 @@ impl ButterMount {
         loop {
             if let Some(t) = mounted_type(&me.dir) {
                 if t.starts_with("fuse") {
+                    if uring {
+                        me.wait_for_ring();
+                    }
+                    drop(window);
                     return Ok(me);
                 }
             }
@@ -196,6 +250,40 @@ impl ButterMount {
 
     pub fn path(&self) -> &Path {
         &self.dir
+    }
+
+    /// Waits until the mount serves through its io_uring queues (their threads run; they
+    /// start once INIT is answered, just after the mount appears). Panics with butter's log
+    /// if they do not.
+    fn wait_for_ring(&mut self) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline && self.alive() {
+            if self.thread_names().iter().any(|n| n == "butter-ring-0") {
+                return;
+            }
+            sleep(Duration::from_millis(20));
+        }
+        panic!(
+            "butter mount -o uring=on of {}: no io_uring queue threads (threads {:?}):\n{}",
+            self.dir.display(),
+            self.thread_names(),
+            self.log_text()
+        );
+    }
+
+    /// The names of the butter process's threads.
+    pub fn thread_names(&self) -> Vec<String> {
+        let Some(pid) = self.pid() else {
+            return Vec::new();
+        };
+        let Ok(tasks) = fs::read_dir(format!("/proc/{pid}/task")) else {
+            return Vec::new();
+        };
+        tasks
+            .flatten()
+            .filter_map(|t| fs::read_to_string(t.path().join("comm")).ok())
+            .map(|n| n.trim().to_string())
+            .collect()
     }
 
     pub fn image(&self) -> &Path {

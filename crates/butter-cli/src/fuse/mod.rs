@@ -66,19 +66,25 @@
 //!   read-write alike: every change comes through the kernel (one writer per image).
 //!   `-o cache=strict` gives read-write mounts 1 s timeouts and nothing kept across opens.
 
+mod ops;
+mod ring;
+mod wire;
+
+pub use ring::Uring;
+
 use crate::bulk::Bulk;
 use crate::setid::Caller;
 use butter::format::items::{InodeItem, Timespec};
-use butter::fs::{At, DirEnd, Fs, Inode, NewKind, NewNode, Side};
-use butter::inode::namespace::{Owner, SetAttr};
-use butter::inode::seek::Seek;
+use butter::fs::{DirEnd, Fs, Inode, NewKind, NewNode, Side};
+use butter::inode::namespace::SetAttr;
 use butter::{Error, Location};
 use fuser::{
     AccessFlags, Config, Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation,
-    INodeNo, InitFlags, KernelConfig, MountOption, OpenAccMode, OpenFlags, RenameFlags, ReplyAttr,
-    ReplyCreate, ReplyData, ReplyDirectory, ReplyDirectoryPlus, ReplyEmpty, ReplyEntry, ReplyOpen,
-    ReplyStatfs, ReplyXattr, Request, Session, SessionACL, TimeOrNow,
+    INodeNo, InitFlags, KernelConfig, MountOption, OpenFlags, RenameFlags, ReplyAttr, ReplyCreate,
+    ReplyData, ReplyDirectory, ReplyDirectoryPlus, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs,
+    ReplyXattr, Request, Session, SessionACL, TimeOrNow,
 };
+use ops::{EntryOut, XattrOut};
 use std::collections::HashMap;
 use std::ffi::OsStr;
 use std::os::unix::ffi::OsStrExt;
@@ -268,8 +274,20 @@ struct Handle {
     append: bool,
 }
 
-/// The filesystem as fuser sees it.
-pub struct ButterFuse {
+/// The filesystem as fuser sees it: the adapter, shared with the threads of the io_uring
+/// queues (crate::fuse::ring) when the kernel serves the mount through them.
+pub struct ButterFuse(Arc<Adapter>);
+
+impl std::ops::Deref for ButterFuse {
+    type Target = Adapter;
+    fn deref(&self) -> &Adapter {
+        &self.0
+    }
+}
+
+/// What the adapter keeps of the kernel's view around the engine (node ids, lookup counts,
+/// handles); its operations are in crate::fuse::ops.
+pub struct Adapter {
     fs: Arc<Fs>,
     map: InodeMap,
     /// Parent node of each directory node seen through lookup/readdirplus (for "..").
@@ -293,6 +311,8 @@ pub struct ButterFuse {
     bulk: Option<Bulk>,
     /// Tells the kernel to forget attributes it caches (set once the session exists).
     notifier: Arc<std::sync::OnceLock<fuser::Notifier>>,
+    /// The io_uring transport.
+    ring: ring::Ring,
 }
 
 /// A time from a fuser request. fuser 0.18 decodes a time before the epoch, (sec < 0,
@@ -330,27 +350,6 @@ fn caller_of(req: &Request) -> Caller {
     }
 }
 
-/// A new inode as the request asks for it, owned by its caller; `open` holds it for a
-/// handle (create).
-fn new_node<'a>(
-    req: &Request,
-    kind: NewKind<'a>,
-    mode: u32,
-    umask: u32,
-    open: bool,
-) -> NewNode<'a> {
-    NewNode {
-        kind,
-        mode,
-        umask,
-        owner: Owner {
-            uid: req.uid(),
-            gid: req.gid(),
-        },
-        open,
-    }
-}
-
 /// Errors that are an answer, not a failure (logged quietly), by variant; the rest are logged.
 fn fs_err(e: Error) -> OpError {
     match &e {
@@ -373,13 +372,13 @@ fn fs_err(e: Error) -> OpError {
     }
 }
 
-impl ButterFuse {
+impl Adapter {
     /// Serves `fs` with `root` (a subvolume's root directory) as the mount's root.
     pub fn new(fs: Arc<Fs>, root: Inode) -> Self {
         let mut parents = HashMap::new();
         parents.insert(INodeNo::ROOT.0, INodeNo::ROOT.0);
         let writable = fs.is_writable();
-        ButterFuse {
+        Adapter {
             fs,
             map: InodeMap::new(root),
             parents: Mutex::new(parents),
@@ -403,7 +402,14 @@ impl ButterFuse {
                 None
             },
             notifier: Arc::default(),
+            ring: ring::Ring::default(),
         }
+    }
+
+    /// Whether to serve through FUSE over io_uring.
+    pub fn with_uring(mut self, mode: Uring) -> Self {
+        self.ring = ring::Ring::new(mode);
+        self
     }
 
     /// What the kernel may cache (read-write mounts; a read-only one keeps everything).
@@ -418,18 +424,6 @@ impl ButterFuse {
     pub fn without_bulk_lanes(mut self) -> Self {
         self.bulk = None;
         self
-    }
-
-    /// The end of a handle on `ino` (none: a handle never handed out): the engine deletes
-    /// the last handle's unlinked file or removed directory (Fs::release).
-    fn release_inode(&self, op: &str, node: u64, ino: Option<Inode>, reply: ReplyEmpty) {
-        let Some(ino) = ino else {
-            return reply.ok();
-        };
-        match self.guard(op, node, || Ok(self.fs.release(ino)?)) {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(e),
-        }
     }
 
     /// Tells the kernel to drop the attributes it caches for `node`: for a change it did not
@@ -566,22 +560,6 @@ impl ButterFuse {
         Ok(attr)
     }
 
-    /// Replies to an operation that made or found an entry, counting the kernel's reference.
-    fn reply_entry(&self, reply: ReplyEntry, r: Result<FileAttr, Errno>) {
-        match r {
-            Ok(attr) => {
-                self.looked_up(&attr);
-                reply.entry_with_ttls(
-                    &self.caching.attr,
-                    &self.caching.entry,
-                    &attr,
-                    Generation(0),
-                )
-            }
-            Err(e) => reply.error(e),
-        }
-    }
-
     /// "." and ".." (offsets 1 and 2), then entries with index >= `offset` up to the end the
     /// handle `fh` saw at its open (or now, listing from the start, as the kernel's btrfs
     /// refreshes its end on rewinddir): one engine call. `add` gets the name, the entry's
@@ -674,11 +652,10 @@ impl ButterFuse {
     fn create_node(
         &self,
         parent: u64,
-        name: &OsStr,
+        name: &[u8],
         new: &NewNode<'_>,
     ) -> OpResult<(Inode, FileAttr)> {
         let dir = self.inode(parent)?;
-        let name = name.as_bytes();
         if name.len() > NAME_MAX {
             return Err(OpError::Quiet(libc::ENAMETOOLONG));
         }
@@ -716,20 +693,6 @@ impl ButterFuse {
         }
         f
     }
-
-    /// fsync and fsyncdir: the inode's changes (or, where the engine cannot log them, all
-    /// changes) are durable when this returns.
-    fn fsync_node(&self, op: &str, node: u64, datasync: bool) -> Result<(), Errno> {
-        self.guard(op, node, || {
-            if !self.writable {
-                return Ok(());
-            }
-            let i = self.inode(node)?;
-            self.fs
-                .fsync(i, datasync)
-                .map_err(|e| OpError::Edge(libc::EIO, format!("{op}: {e}")))
-        })
-    }
 }
 
 impl Filesystem for ButterFuse {
@@ -764,7 +727,7 @@ impl Filesystem for ButterFuse {
                 .add_capabilities(InitFlags::FUSE_HANDLE_KILLPRIV_V2)
                 .is_err()
         {
-            self.caching.killpriv = false;
+            log::info!("the kernel does not offer FUSE_HANDLE_KILLPRIV_V2");
         }
         if let Err(nearest) = config.set_max_write(MAX_WRITE) {
             let _ = config.set_max_write(nearest);
@@ -773,10 +736,13 @@ impl Filesystem for ButterFuse {
         if let Err(nearest) = config.set_max_readahead(MAX_WRITE) {
             let _ = config.set_max_readahead(nearest);
         }
+        ring::negotiate(self, config);
         Ok(())
     }
 
     fn destroy(&mut self) {
+        // The io_uring queues' threads end first: nothing runs beside the final commit.
+        self.ring.stop();
         if !self.writable {
             return;
         }
@@ -827,69 +793,15 @@ impl Filesystem for ButterFuse {
     }
 
     fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
-        // "." and ".." (the kernel asks for them to decode a file handle) name no child of
-        // `parent`: nothing to remember as the target's parent, and the node id goes in the
-        // reply's ino (the mounted root must come back as node 1, the kernel's root, or a
-        // handle's path never reaches it).
-        let r = self.guard("lookup", parent.0, || {
-            let dir = self.inode(parent.0)?;
-            let name = name.as_bytes();
-            if name.len() > NAME_MAX {
-                return Err(OpError::Quiet(libc::ENAMETOOLONG));
-            }
-            let dot = |target: Inode| -> OpResult<FileAttr> {
-                let node = self.map.node_id(target);
-                let attr = self.attr(node, target)?;
-                Ok(FileAttr {
-                    ino: INodeNo(node),
-                    ..attr
-                })
-            };
-            match name {
-                b"." => dot(dir),
-                b".." => dot(self.parent_dir(parent.0, dir)?),
-                _ => match self.fs.lookup_item(dir, name).map_err(fs_err)? {
-                    Some((e, item)) => self.entry(parent.0, e.target, &item),
-                    None => Err(OpError::Quiet(libc::ENOENT)),
-                },
-            }
-        });
-        if matches!(r, Err(e) if e.code() == libc::ENOENT) && !self.caching.negative.is_zero() {
-            // A negative entry (node id 0) the kernel keeps: the next lookup of the name
-            // does not come here; a create of it does, and makes the entry positive.
-            return reply.entry(&self.caching.negative, &negative_entry(), Generation(0));
-        }
-        self.reply_entry(reply, r);
+        reply_entry(reply, Adapter::lookup(self, parent.0, name.as_bytes()))
     }
 
     fn forget(&self, _req: &Request, ino: INodeNo, nlookup: u64) {
-        let mut l = self.lookups.lock().unwrap_or_else(|e| e.into_inner());
-        let gone = match l.get_mut(&ino.0) {
-            Some((n, _)) => {
-                *n = n.saturating_sub(nlookup);
-                *n == 0
-            }
-            None => false,
-        };
-        if gone {
-            let held = l.remove(&ino.0).and_then(|(_, held)| held);
-            drop(l);
-            if let Some(i) = held {
-                self.unhold(ino.0, i);
-            }
-            // The kernel no longer knows the node: it asks for ".." of it no more. Node ids
-            // themselves stay valid (stable inode numbers), so nothing else is freed.
-            if ino.0 != INodeNo::ROOT.0 {
-                self.parents
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .remove(&ino.0);
-            }
-        }
+        Adapter::forget(self, ino.0, nlookup)
     }
 
     fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
-        match self.guard("getattr", ino.0, || self.attr(ino.0, self.inode(ino.0)?)) {
+        match Adapter::getattr(self, ino.0) {
             Ok(attr) => reply.attr(&self.caching.attr, &attr),
             Err(e) => reply.error(e),
         }
@@ -913,34 +825,26 @@ impl Filesystem for ButterFuse {
         _flags: Option<fuser::BsdFileFlags>,
         reply: ReplyAttr,
     ) {
-        let caller = caller_of(req);
-        let r = self.change("setattr", ino.0, || {
-            let i = self.inode(ino.0)?;
-            let a = SetAttr {
-                mode,
-                uid,
-                gid,
-                size,
-                touch: [atime, mtime]
-                    .iter()
-                    .all(|t| !matches!(t, Some(TimeOrNow::SpecificTime(_)))),
-                atime: atime.map(time_or_now),
-                mtime: mtime.map(time_or_now),
-                ctime: ctime.map(timespec),
-            };
-            let (item, _) = self.fs.setattr_as(&caller, i, &a).map_err(fs_err)?;
-            self.attr_of(ino.0, i, &item)
-        });
-        match r {
+        let a = SetAttr {
+            mode,
+            uid,
+            gid,
+            size,
+            touch: [atime, mtime]
+                .iter()
+                .all(|t| !matches!(t, Some(TimeOrNow::SpecificTime(_)))),
+            atime: atime.map(time_or_now),
+            mtime: mtime.map(time_or_now),
+            ctime: ctime.map(timespec),
+        };
+        match Adapter::setattr(self, &caller_of(req), ino.0, &a) {
             Ok(attr) => reply.attr(&self.caching.attr, &attr),
             Err(e) => reply.error(e),
         }
     }
 
     fn readlink(&self, _req: &Request, ino: INodeNo, reply: ReplyData) {
-        match self.guard("readlink", ino.0, || {
-            Ok(self.fs.readlink(self.inode(ino.0)?)?)
-        }) {
+        match Adapter::readlink(self, ino.0) {
             Ok(target) => reply.data(&target),
             Err(e) => reply.error(e),
         }
@@ -956,12 +860,13 @@ impl Filesystem for ButterFuse {
         rdev: u32,
         reply: ReplyEntry,
     ) {
-        let r = self.change("mknod", parent.0, || {
-            let rdev = butter::format::items::rdev_from_user(rdev);
-            let new = new_node(req, NewKind::Node { rdev }, mode, umask, false);
-            Ok(self.create_node(parent.0, name, &new)?.1)
-        });
-        self.reply_entry(reply, r);
+        let rdev = butter::format::items::rdev_from_user(rdev);
+        let kind = NewKind::Node { rdev };
+        let (c, name) = (caller_of(req), name.as_bytes());
+        reply_entry(
+            reply,
+            self.make("mknod", &c, parent.0, name, kind, mode, umask),
+        )
     }
 
     fn mkdir(
@@ -973,33 +878,19 @@ impl Filesystem for ButterFuse {
         umask: u32,
         reply: ReplyEntry,
     ) {
-        let r = self.change("mkdir", parent.0, || {
-            let new = new_node(req, NewKind::Dir, mode, umask, false);
-            Ok(self.create_node(parent.0, name, &new)?.1)
-        });
-        self.reply_entry(reply, r);
+        let (c, name) = (caller_of(req), name.as_bytes());
+        reply_entry(
+            reply,
+            self.make("mkdir", &c, parent.0, name, NewKind::Dir, mode, umask),
+        )
     }
 
     fn unlink(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
-        match self.change("unlink", parent.0, || {
-            self.fs
-                .unlink(self.inode(parent.0)?, name.as_bytes())
-                .map_err(fs_err)
-        }) {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(e),
-        }
+        reply_empty(reply, Adapter::unlink(self, parent.0, name.as_bytes()))
     }
 
     fn rmdir(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
-        match self.change("rmdir", parent.0, || {
-            self.fs
-                .rmdir(self.inode(parent.0)?, name.as_bytes())
-                .map_err(fs_err)
-        }) {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(e),
-        }
+        reply_empty(reply, Adapter::rmdir(self, parent.0, name.as_bytes()))
     }
 
     fn symlink(
@@ -1010,12 +901,13 @@ impl Filesystem for ButterFuse {
         target: &Path,
         reply: ReplyEntry,
     ) {
-        let r = self.change("symlink", parent.0, || {
-            let target = target.as_os_str().as_bytes();
-            let new = new_node(req, NewKind::Symlink { target }, 0o777, 0, false);
-            Ok(self.create_node(parent.0, link_name, &new)?.1)
-        });
-        self.reply_entry(reply, r);
+        let target = target.as_os_str().as_bytes();
+        let (c, name) = (caller_of(req), link_name.as_bytes());
+        let kind = NewKind::Symlink { target };
+        reply_entry(
+            reply,
+            self.make("symlink", &c, parent.0, name, kind, 0o777, 0),
+        )
     }
 
     fn rename(
@@ -1028,37 +920,15 @@ impl Filesystem for ButterFuse {
         flags: RenameFlags,
         reply: ReplyEmpty,
     ) {
-        match self.change("rename", parent.0, || {
-            let from_dir = self.inode(parent.0)?;
-            let to_dir = self.inode(newparent.0)?;
-            let mut f = 0;
-            if flags.contains(RenameFlags::RENAME_NOREPLACE) {
-                f |= butter::inode::namespace::RENAME_NOREPLACE;
-            }
-            if flags.contains(RenameFlags::RENAME_EXCHANGE) {
-                f |= butter::inode::namespace::RENAME_EXCHANGE;
-            }
-            if flags.contains(RenameFlags::RENAME_WHITEOUT) {
-                return Err(OpError::Quiet(libc::EINVAL));
-            }
-            let moved = self
-                .fs
-                .rename(from_dir, name.as_bytes(), to_dir, newname.as_bytes(), f)
-                .map_err(fs_err)?;
-            // Directories moved keep ".." right.
-            if let Some(s) = moved.moved.filter(|s| s.mode_type() == libc::S_IFDIR) {
-                self.remember_parent(self.map.node_id(s.target), newparent.0);
-            }
-            if f & butter::inode::namespace::RENAME_EXCHANGE != 0 {
-                if let Some(d) = moved.replaced.filter(|d| d.mode_type() == libc::S_IFDIR) {
-                    self.remember_parent(self.map.node_id(d.target), parent.0);
-                }
-            }
-            Ok(())
-        }) {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(e),
-        }
+        let r = Adapter::rename(
+            self,
+            parent.0,
+            name.as_bytes(),
+            newparent.0,
+            newname.as_bytes(),
+            flags.bits(),
+        );
+        reply_empty(reply, r)
     }
 
     fn link(
@@ -1069,42 +939,15 @@ impl Filesystem for ButterFuse {
         newname: &OsStr,
         reply: ReplyEntry,
     ) {
-        let r = self.change("link", ino.0, || {
-            let i = self.inode(ino.0)?;
-            let item = self
-                .fs
-                .link(i, self.inode(newparent.0)?, newname.as_bytes())
-                .map_err(fs_err)?;
-            self.entry(newparent.0, i, &item)
-        });
-        self.reply_entry(reply, r);
+        reply_entry(
+            reply,
+            Adapter::link(self, ino.0, newparent.0, newname.as_bytes()),
+        )
     }
 
     fn open(&self, req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
-        let writing = flags.acc_mode() != OpenAccMode::O_RDONLY || flags.0 & libc::O_TRUNC != 0;
-        if writing && !self.writable {
-            return reply.error(Errno::from_i32(libc::EROFS));
-        }
-        // A read-only subvolume (EROFS), an immutable or append-only file (EPERM): the
-        // engine refuses the open, not the first write. An inode an unlink deleted between
-        // the kernel's lookup and this open (nothing held it) fails as it would have after
-        // the unlink (ENOENT), not the reads after it.
-        match self.guard("open", ino.0, || {
-            let i = self.inode(ino.0)?;
-            let (_, side) = self
-                .fs
-                .open_file(
-                    &caller_of(req),
-                    i,
-                    writing,
-                    flags.0 & libc::O_APPEND != 0,
-                    flags.0 & libc::O_TRUNC != 0,
-                )
-                .map_err(fs_err)?;
-            self.after(ino.0, side);
-            Ok(self.new_handle(i, flags.0))
-        }) {
-            Ok(fh) => reply.opened(FileHandle(fh), self.fopen_flags(flags.0)),
+        match Adapter::open(self, &caller_of(req), ino.0, flags.0) {
+            Ok(o) => reply.opened(FileHandle(o.fh), o.flags),
             Err(e) => reply.error(e),
         }
     }
@@ -1119,27 +962,15 @@ impl Filesystem for ButterFuse {
         flags: i32,
         reply: ReplyCreate,
     ) {
-        let r = self.change("create", parent.0, || {
-            let mode = if mode & libc::S_IFMT == 0 {
-                mode | libc::S_IFREG
-            } else {
-                mode
-            };
-            let new = new_node(req, NewKind::Node { rdev: 0 }, mode, umask, true);
-            let (i, attr) = self.create_node(parent.0, name, &new)?;
-            Ok((attr, self.new_handle(i, flags)))
-        });
-        match r {
-            Ok((attr, fh)) => {
-                self.looked_up(&attr);
-                reply.created(
-                    &self.caching.entry,
-                    &attr,
-                    Generation(0),
-                    FileHandle(fh),
-                    self.fopen_flags(flags),
-                )
-            }
+        let c = caller_of(req);
+        match Adapter::create(self, &c, parent.0, name.as_bytes(), mode, umask, flags) {
+            Ok((e, o)) => reply.created(
+                &e.entry_ttl,
+                &e.attr,
+                Generation(0),
+                FileHandle(o.fh),
+                o.flags,
+            ),
             Err(e) => reply.error(e),
         }
     }
@@ -1155,9 +986,7 @@ impl Filesystem for ButterFuse {
         _lock_owner: Option<fuser::LockOwner>,
         reply: ReplyData,
     ) {
-        match self.guard("read", ino.0, || {
-            Ok(self.fs.read(self.inode(ino.0)?, offset, size as usize)?)
-        }) {
+        match Adapter::read(self, ino.0, offset, size) {
             Ok(data) => reply.data(&data),
             Err(e) => reply.error(e),
         }
@@ -1175,41 +1004,19 @@ impl Filesystem for ButterFuse {
         _lock_owner: Option<fuser::LockOwner>,
         reply: fuser::ReplyWrite,
     ) {
-        let caller = caller_of(req);
-        let serve = || match self.change("write", ino.0, || {
-            let i = self.inode(ino.0)?;
-            // A page written back from a shared mapping (FUSE_WRITE_CACHE) goes where the page
-            // is, even through a handle opened with O_APPEND.
-            let from_page = write_flags.contains(fuser::WriteFlags::FUSE_WRITE_CACHE);
-            let append = !from_page
-                && (flags.0 & libc::O_APPEND != 0
-                    || self
-                        .handles
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .get(&fh.0)
-                        .is_some_and(|h| h.append));
-            let at = if append { At::End } else { At::Offset(offset) };
-            let (n, side) = self.fs.write_as(&caller, i, at, data).map_err(fs_err)?;
-            self.after(ino.0, side);
-            Ok(u32::try_from(n).unwrap_or(u32::MAX))
-        }) {
+        let from_page = write_flags.contains(fuser::WriteFlags::FUSE_WRITE_CACHE);
+        let c = caller_of(req);
+        match Adapter::write(self, &c, ino.0, fh.0, offset, data, from_page, flags.0) {
             Ok(n) => reply.written(n),
             Err(e) => reply.error(e),
-        };
-        // A large write's engine work goes to the file's bulk lane (crate::bulk); small ones
-        // are served here.
-        match &self.bulk {
-            Some(bulk) if data.len() >= BULK_WRITE => bulk.run(ino.0, serve),
-            _ => serve(),
         }
     }
 
     fn flush(
         &self,
         _req: &Request,
-        ino: INodeNo,
-        fh: FileHandle,
+        _ino: INodeNo,
+        _fh: FileHandle,
         _lock_owner: fuser::LockOwner,
         reply: ReplyEmpty,
     ) {
@@ -1217,7 +1024,6 @@ impl Filesystem for ButterFuse {
         // engine already, and the next commit (fsync, the periodic one, unmount) keeps them.
         // Committing here cost a full commit per closed file. Nothing to do, so ENOSYS: the
         // kernel stops sending FLUSH (FOPEN_NOFLUSH already spares it on most closes).
-        let _ = (ino, fh);
         reply.error(Errno::ENOSYS)
     }
 
@@ -1231,12 +1037,7 @@ impl Filesystem for ButterFuse {
         _flush: bool,
         reply: ReplyEmpty,
     ) {
-        let h = self
-            .handles
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&fh.0);
-        self.release_inode("release", ino.0, h.map(|h| h.ino), reply);
+        reply_empty(reply, Adapter::release(self, ino.0, fh.0))
     }
 
     fn fsync(
@@ -1247,33 +1048,12 @@ impl Filesystem for ButterFuse {
         datasync: bool,
         reply: ReplyEmpty,
     ) {
-        match self.fsync_node("fsync", ino.0, datasync) {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(e),
-        }
+        reply_empty(reply, Adapter::fsync(self, "fsync", ino.0, datasync))
     }
 
     fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
-        match self.guard("opendir", ino.0, || {
-            let i = self.inode(ino.0)?;
-            // Held open: removed meanwhile (rmdir, a rename over it), it stays until the
-            // release, with nlink 0, as on the kernel's filesystems.
-            let last = self.fs.open_dir(i)?;
-            let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
-            self.dirs
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .insert(fh, (i, last));
-            Ok(fh)
-        }) {
-            Ok(fh) => reply.opened(
-                FileHandle(fh),
-                if self.caching.keep_cache {
-                    FopenFlags::FOPEN_KEEP_CACHE | FopenFlags::FOPEN_CACHE_DIR
-                } else {
-                    FopenFlags::empty()
-                },
-            ),
+        match Adapter::opendir(self, ino.0) {
+            Ok(o) => reply.opened(FileHandle(o.fh), o.flags),
             Err(e) => reply.error(e),
         }
     }
@@ -1286,12 +1066,7 @@ impl Filesystem for ButterFuse {
         _flags: OpenFlags,
         reply: ReplyEmpty,
     ) {
-        let d = self
-            .dirs
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&fh.0);
-        self.release_inode("releasedir", ino.0, d.map(|d| d.0), reply);
+        reply_empty(reply, Adapter::releasedir(self, ino.0, fh.0))
     }
 
     fn readdir(
@@ -1302,21 +1077,15 @@ impl Filesystem for ButterFuse {
         offset: u64,
         mut reply: ReplyDirectory,
     ) {
-        let r = self.guard("readdir", ino.0, || {
-            let dir = self.inode(ino.0)?;
-            let parent = self.map.node_id(self.parent_dir(ino.0, dir)?);
-            self.fill_dir(ino.0, fh.0, offset, false, |name, next, e| {
-                let (st_ino, kind) = match e {
-                    None if name == b"." => (self.map.st_ino(ino.0), FileType::Directory),
-                    None => (self.map.st_ino(parent), FileType::Directory),
-                    Some((e, item)) => (
-                        self.map.st_ino(self.map.node_id(e.target)),
-                        self.entry_kind(e, item)?,
-                    ),
-                };
-                Ok(reply.add(INodeNo(st_ino), next, kind, OsStr::from_bytes(name)))
-            })
-        });
+        let r = Adapter::readdir(
+            self,
+            ino.0,
+            fh.0,
+            offset,
+            &mut |st_ino, next, kind, name| {
+                reply.add(INodeNo(st_ino), next, kind, OsStr::from_bytes(name))
+            },
+        );
         match r {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(e),
@@ -1331,39 +1100,15 @@ impl Filesystem for ButterFuse {
         offset: u64,
         mut reply: ReplyDirectoryPlus,
     ) {
-        let r = self.guard("readdirplus", ino.0, || {
-            let dir = self.inode(ino.0)?;
-            let parent = self.map.node_id(self.parent_dir(ino.0, dir)?);
-            // The kernel ignores the attributes sent with "." and "..": a blank set will do.
-            self.fill_dir(ino.0, fh.0, offset, true, |name, next, e| {
-                let attr = match e {
-                    None => {
-                        let node = if name == b"." { ino.0 } else { parent };
-                        FileAttr {
-                            ino: INodeNo(self.map.st_ino(node)),
-                            kind: FileType::Directory,
-                            ..negative_entry()
-                        }
-                    }
-                    Some((e, Some(item))) => self.entry(ino.0, e.target, item)?,
-                    Some((e, None)) => {
-                        self.entry(ino.0, e.target, &self.fs.inode_item(e.target)?)?
-                    }
-                };
-                let full = reply.add(
-                    INodeNo(attr.ino.0),
-                    next,
-                    OsStr::from_bytes(name),
-                    &self.caching.entry,
-                    &attr,
-                    Generation(0),
-                );
-                // The kernel takes a reference for every entry it accepts, except the dots.
-                if !full && e.is_some() {
-                    self.looked_up(&attr);
-                }
-                Ok(full)
-            })
+        let r = Adapter::readdirplus(self, ino.0, fh.0, offset, &mut |name, next, e| {
+            reply.add(
+                e.attr.ino,
+                next,
+                OsStr::from_bytes(name),
+                &e.entry_ttl,
+                &e.attr,
+                Generation(0),
+            )
         });
         match r {
             Ok(()) => reply.ok(),
@@ -1379,32 +1124,14 @@ impl Filesystem for ButterFuse {
         datasync: bool,
         reply: ReplyEmpty,
     ) {
-        match self.fsync_node("fsyncdir", ino.0, datasync) {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(e),
-        }
+        reply_empty(reply, Adapter::fsync(self, "fsyncdir", ino.0, datasync))
     }
 
     fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
-        // Data freed since the last commit (a file removed) comes back at the commit;
-        // `sync` cannot ask for one (the kernel sends FUSE_SYNCFS to virtiofs only), so the
-        // engine commits on a look at the free space, as `sync; df` does on the kernel's
-        // btrfs.
-        match self.guard("statfs", INodeNo::ROOT.0, || Ok(self.fs.statfs()?)) {
-            Ok(s) => {
-                let bs = u64::from(s.bsize.max(1));
-                let free = s.free / bs;
-                reply.statfs(
-                    s.total / bs,
-                    (s.unused / bs).max(free),
-                    free,
-                    0,
-                    0,
-                    s.bsize,
-                    NAME_MAX as u32,
-                    s.bsize,
-                )
-            }
+        match Adapter::statfs(self) {
+            Ok(s) => reply.statfs(
+                s.blocks, s.bfree, s.bavail, 0, 0, s.bsize, s.namelen, s.bsize,
+            ),
             Err(e) => reply.error(e),
         }
     }
@@ -1419,58 +1146,21 @@ impl Filesystem for ButterFuse {
         _position: u32,
         reply: ReplyEmpty,
     ) {
-        match self.change("setxattr", ino.0, || {
-            let i = self.inode(ino.0)?;
-            let flags = (flags & (libc::XATTR_CREATE | libc::XATTR_REPLACE)) as u32;
-            let side = self
-                .fs
-                .setxattr_as(&caller_of(req), i, name.as_bytes(), value, flags)
-                .map_err(|e| match e {
-                    Error::Invalid(_) => OpError::Quiet(libc::EINVAL),
-                    e => fs_err(e),
-                })?;
-            self.after(ino.0, side);
-            Ok(())
-        }) {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(e),
-        }
+        let c = caller_of(req);
+        let r = Adapter::setxattr(self, &c, ino.0, name.as_bytes(), value, flags);
+        reply_empty(reply, r)
     }
 
     fn getxattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, size: u32, reply: ReplyXattr) {
-        match self.guard("getxattr", ino.0, || {
-            self.fs
-                .getxattr(self.inode(ino.0)?, name.as_bytes())?
-                .ok_or(OpError::Quiet(libc::ENODATA))
-        }) {
-            Ok(value) => reply_xattr(reply, size, &value),
-            Err(e) => reply.error(e),
-        }
+        reply_xattr(reply, Adapter::getxattr(self, ino.0, name.as_bytes(), size))
     }
 
     fn listxattr(&self, _req: &Request, ino: INodeNo, size: u32, reply: ReplyXattr) {
-        match self.guard("listxattr", ino.0, || {
-            let mut out = Vec::new();
-            for name in self.fs.listxattr(self.inode(ino.0)?)? {
-                out.extend_from_slice(&name);
-                out.push(0);
-            }
-            Ok(out)
-        }) {
-            Ok(list) => reply_xattr(reply, size, &list),
-            Err(e) => reply.error(e),
-        }
+        reply_xattr(reply, Adapter::listxattr(self, ino.0, size))
     }
 
     fn removexattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, reply: ReplyEmpty) {
-        match self.change("removexattr", ino.0, || {
-            self.fs
-                .removexattr(self.inode(ino.0)?, name.as_bytes())
-                .map_err(fs_err)
-        }) {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(e),
-        }
+        reply_empty(reply, Adapter::removexattr(self, ino.0, name.as_bytes()))
     }
 
     fn ioctl(
@@ -1484,70 +1174,7 @@ impl Filesystem for ButterFuse {
         out_size: u32,
         reply: fuser::ReplyIoctl,
     ) {
-        // The inode flags of chattr/lsattr. The kernel sends these itself (fileattr_get/set)
-        // after its own checks (owner, CAP_LINUX_IMMUTABLE), always with a 4-byte flags
-        // word or a struct fsxattr.
-        const FS_IOC_GETFLAGS: u32 = 0x8008_6601;
-        const FS_IOC_SETFLAGS: u32 = 0x4008_6602;
-        const FS_IOC32_GETFLAGS: u32 = 0x8004_6601;
-        const FS_IOC32_SETFLAGS: u32 = 0x4004_6602;
-        const FS_IOC_FSGETXATTR: u32 = 0x801c_581f;
-        const FS_IOC_FSSETXATTR: u32 = 0x401c_5820;
-        const FSXATTR_SIZE: usize = 28;
-        use butter::inode::flags as fl;
-        let word =
-            |d: &[u8]| -> Option<u32> { Some(u32::from_le_bytes(d.get(..4)?.try_into().ok()?)) };
-        let set_err = |e: Error| match e {
-            Error::Unsupported(_) => OpError::Quiet(libc::EOPNOTSUPP),
-            Error::Invalid(_) => OpError::Quiet(libc::EINVAL),
-            e => fs_err(e),
-        };
-        let r: Result<Vec<u8>, Errno> = match cmd {
-            FS_IOC_GETFLAGS | FS_IOC32_GETFLAGS => self.guard("getflags", ino.0, || {
-                let f = self.fs.get_fsflags(self.inode(ino.0)?)?;
-                let n = (out_size as usize).min(8);
-                Ok(u64::from(f).to_le_bytes()[..n].to_vec())
-            }),
-            FS_IOC_SETFLAGS | FS_IOC32_SETFLAGS => self.change("setflags", ino.0, || {
-                let f = word(in_data).ok_or(OpError::Quiet(libc::EINVAL))?;
-                self.fs
-                    .set_fsflags(self.inode(ino.0)?, f)
-                    .map_err(set_err)?;
-                self.forget_attrs(ino.0);
-                Ok(Vec::new())
-            }),
-            FS_IOC_FSGETXATTR => self.guard("fsgetxattr", ino.0, || {
-                let f = self.fs.get_fsflags(self.inode(ino.0)?)?;
-                let mut out = vec![0u8; FSXATTR_SIZE];
-                out[..4].copy_from_slice(&fl::fsflags_to_xflags(f).to_le_bytes());
-                out.truncate(out_size as usize);
-                Ok(out)
-            }),
-            FS_IOC_FSSETXATTR => self.change("fssetxattr", ino.0, || {
-                if in_data.len() < 16 {
-                    return Err(OpError::Quiet(libc::EINVAL));
-                }
-                let x = word(in_data).ok_or(OpError::Quiet(libc::EINVAL))?;
-                // extsize, projid, cowextsize: btrfs has none of them.
-                let extra = [4usize, 12, 16]
-                    .iter()
-                    .any(|&o| word(&in_data[o.min(in_data.len())..]).is_some_and(|v| v != 0));
-                let mapped = fl::xflags_to_fsflags(x).filter(|_| !extra);
-                let mapped = mapped.ok_or(OpError::Quiet(libc::EOPNOTSUPP))?;
-                let common = fl::FS_IMMUTABLE_FL
-                    | fl::FS_APPEND_FL
-                    | fl::FS_SYNC_FL
-                    | fl::FS_NOATIME_FL
-                    | fl::FS_NODUMP_FL;
-                self.fs
-                    .set_fsflags_masked(self.inode(ino.0)?, mapped, common)
-                    .map_err(set_err)?;
-                self.forget_attrs(ino.0);
-                Ok(Vec::new())
-            }),
-            _ => Err(Errno::from_i32(libc::ENOTTY)),
-        };
-        match r {
+        match Adapter::ioctl(self, ino.0, cmd, in_data, out_size) {
             Ok(data) => reply.ioctl(0, &data),
             Err(e) => reply.error(e),
         }
@@ -1577,28 +1204,11 @@ impl Filesystem for ButterFuse {
         mode: i32,
         reply: ReplyEmpty,
     ) {
-        // An fallocate at the file's end is served in memory by the engine (delayed
-        // preallocation), beside other files' changes.
-        match self.change("fallocate", ino.0, || {
-            let known =
-                libc::FALLOC_FL_KEEP_SIZE | libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_ZERO_RANGE;
-            if mode & !known != 0 || mode < 0 {
-                return Err(OpError::Quiet(libc::EOPNOTSUPP));
-            }
-            let i = self.inode(ino.0)?;
-            let side = self
-                .fs
-                .fallocate_as(&caller_of(req), i, mode as u32, offset, length)
-                .map_err(|e| match e {
-                    Error::Unsupported(_) => OpError::Quiet(libc::EOPNOTSUPP),
-                    e => fs_err(e),
-                })?;
-            self.after(ino.0, side);
-            Ok(())
-        }) {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(e),
-        }
+        let c = caller_of(req);
+        reply_empty(
+            reply,
+            Adapter::fallocate(self, &c, ino.0, offset, length, mode),
+        )
     }
 
     fn lseek(
@@ -1610,19 +1220,7 @@ impl Filesystem for ButterFuse {
         whence: i32,
         reply: fuser::ReplyLseek,
     ) {
-        match self.guard("lseek", ino.0, || {
-            let what = match whence {
-                libc::SEEK_DATA => Seek::Data,
-                libc::SEEK_HOLE => Seek::Hole,
-                _ => return Err(OpError::Quiet(libc::EINVAL)),
-            };
-            let offset = u64::try_from(offset).map_err(|_| OpError::Quiet(libc::ENXIO))?;
-            let at = self
-                .fs
-                .seek_data_hole(self.inode(ino.0)?, offset, what)?
-                .ok_or(OpError::Quiet(libc::ENXIO))?;
-            i64::try_from(at).map_err(|_| OpError::Quiet(libc::EOVERFLOW))
-        }) {
+        match Adapter::lseek(self, ino.0, offset, whence) {
             Ok(at) => reply.offset(at),
             Err(e) => reply.error(e),
         }
@@ -1641,53 +1239,45 @@ impl Filesystem for ButterFuse {
         _flags: fuser::CopyFileRangeFlags,
         reply: fuser::ReplyWrite,
     ) {
-        // Cloned where the engine can, copied otherwise; the reply counts bytes in 32 bits.
-        match self.change("copy_file_range", ino_in.0, || {
-            let src = self.inode(ino_in.0)?;
-            let dst = self.inode(ino_out.0)?;
-            let (n, side) = self
-                .fs
-                .copy_file_range_as(
-                    &caller_of(req),
-                    src,
-                    offset_in,
-                    dst,
-                    offset_out,
-                    len.min(1 << 30),
-                )
-                .map_err(fs_err)?;
-            self.after(ino_out.0, side);
-            Ok(n as u32)
-        }) {
+        let c = caller_of(req);
+        let r = Adapter::copy_file_range(
+            self,
+            &c,
+            (ino_in.0, offset_in),
+            (ino_out.0, offset_out),
+            len,
+        );
+        match r {
             Ok(n) => reply.written(n),
             Err(e) => reply.error(e),
         }
     }
 
     fn access(&self, _req: &Request, _ino: INodeNo, mask: AccessFlags, reply: ReplyEmpty) {
-        // With default_permissions the kernel checks modes itself and does not ask; this only
-        // refuses writing on a read-only mount.
-        if mask.contains(AccessFlags::W_OK) && !self.writable {
-            reply.error(Errno::from_i32(libc::EROFS));
-        } else {
-            reply.ok();
-        }
+        reply_empty(reply, Adapter::access(self, mask.bits()))
     }
 }
 
-/// Answers a getxattr/listxattr: the size for a size-0 probe, ERANGE when the caller's
-/// buffer is too small, else the bytes.
-fn reply_xattr(reply: ReplyXattr, size: u32, value: &[u8]) {
-    let Ok(len) = u32::try_from(value.len()) else {
-        reply.error(Errno::from_i32(libc::E2BIG));
-        return;
-    };
-    if size == 0 {
-        reply.size(len);
-    } else if len > size {
-        reply.error(Errno::from_i32(libc::ERANGE));
-    } else {
-        reply.data(value);
+/// Replies to an operation that made or found an entry.
+fn reply_entry(reply: ReplyEntry, r: Result<EntryOut, Errno>) {
+    match r {
+        Ok(e) => reply.entry_with_ttls(&e.attr_ttl, &e.entry_ttl, &e.attr, Generation(0)),
+        Err(e) => reply.error(e),
+    }
+}
+
+fn reply_empty(reply: ReplyEmpty, r: Result<(), Errno>) {
+    match r {
+        Ok(()) => reply.ok(),
+        Err(e) => reply.error(e),
+    }
+}
+
+fn reply_xattr(reply: ReplyXattr, r: Result<XattrOut, Errno>) {
+    match r {
+        Ok(XattrOut::Size(n)) => reply.size(n),
+        Ok(XattrOut::Data(d)) => reply.data(&d),
+        Err(e) => reply.error(e),
     }
 }
 
@@ -1804,6 +1394,8 @@ pub struct MountConfig {
     pub bulk: bool,
     /// What the kernel may cache (read-write mounts).
     pub caching: Caching,
+    /// FUSE over io_uring when the kernel offers it.
+    pub uring: Uring,
 }
 
 /// Mounts `fs` (root directory `root`) on `dir`, read-write when `fs` was opened so, and
@@ -1895,18 +1487,24 @@ fn mount_session(
     config: &Config,
     cfg: &MountConfig,
 ) -> std::io::Result<Session<ButterFuse>> {
-    let bf = ButterFuse::new(fs, root).with_caching(cfg.caching);
-    let bf = if cfg.bulk {
+    let bf = Adapter::new(fs, root)
+        .with_caching(cfg.caching)
+        .with_uring(cfg.uring);
+    let bf = Arc::new(if cfg.bulk {
         bf
     } else {
         bf.without_bulk_lanes()
-    };
-    let notifier = bf.notifier.clone();
+    });
     // Open to this user or not, as its own error (fuser would say a bare "Permission denied").
     fuse_device_access()?;
-    let session = Session::new(bf, dir, config);
+    let session = Session::new(ButterFuse(bf.clone()), dir, config);
     if let Ok(s) = &session {
-        let _ = notifier.set(s.notifier());
+        let _ = bf.notifier.set(s.notifier());
+        // INIT is answered: the io_uring queues, when the kernel agreed to them.
+        if let Err(e) = ring::start(&bf, std::os::fd::AsFd::as_fd(s)) {
+            let _ = unmount(dir, true);
+            return Err(e);
+        }
     }
     session.map_err(|e| {
         if e.kind() == std::io::ErrorKind::PermissionDenied {
