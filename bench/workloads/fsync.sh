@@ -21,7 +21,7 @@ register_workload fsync_seq 60 "" \
 register_workload fsync_rand 61 "" \
 	"fio 4 KiB random writes, fsync=16, BENCH_FSYNC_JOBS jobs sharing BENCH_FSYNC_RAND_MB MiB, buffered, fresh image; MiB/s, fsync p50/p99"
 
-FS_SYSTEMS=${BENCH_FSYNC_SYSTEMS:-"butter kernel ext4 butter-commit butter-wait"}
+FS_SYSTEMS=${BENCH_FSYNC_SYSTEMS:-"butter butter-uring kernel ext4 butter-commit butter-wait"}
 : "${BENCH_FSYNC_IMAGE_MB:=1024}" "${BENCH_FSYNC_MB:=192}" "${BENCH_FSYNC_RAND_MB:=96}"
 : "${BENCH_FSYNC_JOBS:=1 2 4}" "${BENCH_FSYNC_MAX_S:=12}"
 # butter's periodic commit stays at its default (30 s, as the kernel's btrfs).
@@ -44,10 +44,13 @@ fs_mount() {
 	butter) BUTTER_BIN=$(fs_butter_wrapper butter-fsync-log "$BENCH_FSYNC_BUTTER_OPTS") ;;
 	butter-commit) BUTTER_BIN=$(fs_butter_wrapper butter-fsync-commit "$BENCH_FSYNC_COMMIT_OPTS") ;;
 	butter-wait) BUTTER_BIN=$(fs_butter_wrapper butter-fsync-wait "$BENCH_FSYNC_WAIT_OPTS") ;;
+	butter-uring) BUTTER_BIN=$(fs_butter_wrapper butter-fsync-uring "$BENCH_FSYNC_BUTTER_OPTS") ;;
 	esac
-	fw_mount "${1%-*}" "$2"
+	fw_mount "$(fs_transport "$1")" "$2"
 }
-fs_umount() { fw_umount "${1%-*}"; }
+fs_umount() { fw_umount "$(fs_transport "$1")"; }
+# The system fw_mount knows: butter's fsync variants are butter mounts, butter-uring its own.
+fs_transport() { if [[ $1 == butter-uring ]]; then echo "$1"; else echo "${1%-*}"; fi; }
 
 fs_fio() { # MNT JSON FIOARGS...
 	local mnt=$1 json=$2

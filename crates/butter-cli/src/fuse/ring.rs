@@ -54,6 +54,8 @@ impl std::str::FromStr for Uring {
 
 /// Entries per queue: requests the kernel can hand a queue before it waits for one.
 const DEPTH: usize = 4;
+/// Helper threads per queue, for requests that may wait (fsync) or move much data.
+const HELPERS_PER_QUEUE: usize = 2;
 /// `struct fuse_uring_req_header`: in_out (128), op_in (128), ring_ent_in_out (32).
 const HEADER_SIZE: usize = 288;
 const OP_IN: usize = 128;
@@ -68,6 +70,8 @@ const CMD_REGISTER: u32 = 1;
 const CMD_COMMIT_AND_FETCH: u32 = 2;
 /// user_data of the stop event's poll.
 const STOP: u64 = u64::MAX;
+/// user_data of the poll of the eventfd helpers wake a queue with.
+const HELPED: u64 = u64::MAX - 1;
 
 /// The io_uring side of a mount.
 #[derive(Default)]
@@ -77,6 +81,8 @@ pub(crate) struct Ring {
     negotiated: AtomicBool,
     /// Each queue's thread and the eventfd that stops it.
     queues: Mutex<Vec<(JoinHandle<()>, OwnedFd)>>,
+    /// The helper threads; they end when the last queue has ended.
+    helpers: Mutex<Vec<JoinHandle<()>>>,
 }
 
 impl Ring {
@@ -94,6 +100,11 @@ impl Ring {
             wake(efd.as_raw_fd());
         }
         for (t, _) in queues {
+            let _ = t.join();
+        }
+        let helpers =
+            std::mem::take(&mut *self.helpers.lock().unwrap_or_else(|e| e.into_inner()));
+        for t in helpers {
             let _ = t.join();
         }
     }
@@ -173,7 +184,12 @@ pub(crate) fn start(a: &Arc<Adapter>, fuse: BorrowedFd<'_>) -> std::io::Result<(
         return Ok(());
     }
     let fd = Arc::new(fuse.try_clone_to_owned()?);
-    let started = possible_cpus().and_then(|n| start_queues(a, &fd, n));
+    let started = possible_cpus().and_then(|n| {
+        let (tx, helpers) = spawn_helpers(a, HELPERS_PER_QUEUE * n)?;
+        *a.ring.helpers.lock().unwrap_or_else(|e| e.into_inner()) = helpers;
+        // The queues hold the only senders: the helpers end after the last queue.
+        start_queues(a, &fd, n, tx)
+    });
     match started {
         Ok(queues) => {
             log::info!(
@@ -184,6 +200,7 @@ pub(crate) fn start(a: &Arc<Adapter>, fuse: BorrowedFd<'_>) -> std::io::Result<(
             Ok(())
         }
         Err(e) => {
+            a.ring.stop();
             log::warn!("FUSE over io_uring did not start ({e}); serving through /dev/fuse");
             refuse_ring(&fd)
         }
@@ -194,6 +211,7 @@ fn start_queues(
     a: &Arc<Adapter>,
     fd: &Arc<OwnedFd>,
     n: usize,
+    helpers: mpsc::Sender<Job>,
 ) -> std::io::Result<Vec<(JoinHandle<()>, OwnedFd)>> {
     let n = u16::try_from(n).map_err(|_| std::io::Error::other("too many CPUs"))?;
     let mut queues = Vec::new();
@@ -208,10 +226,10 @@ fn start_queues(
         // SAFETY: a descriptor just made and owned by nobody else.
         let efd = unsafe { OwnedFd::from_raw_fd(efd) };
         let (tx, rx) = mpsc::channel();
-        let (a, fd, stop) = (a.clone(), fd.clone(), efd.as_raw_fd());
+        let (a, fd, stop, helpers) = (a.clone(), fd.clone(), efd.as_raw_fd(), helpers.clone());
         let t = std::thread::Builder::new()
             .name(format!("butter-ring-{qid}"))
-            .spawn(move || match Queue::new(&fd, qid, stop) {
+            .spawn(move || match Queue::new(&fd, qid, stop, helpers) {
                 Ok(mut q) => {
                     let _ = tx.send(Ok(()));
                     q.run(&a);
@@ -354,13 +372,171 @@ fn command(commit_id: u64, qid: u16) -> [u8; 80] {
     c
 }
 
-/// A queue: its ring, its entries, and the eventfd that stops it. The ring is declared
-/// first so that it is dropped (and its commands cancelled) before the buffers they name.
+/// An entry's buffers as raw pointers: what serving a request reads and writes, on the queue's
+/// thread or on a helper's.
+#[derive(Clone, Copy)]
+struct Bufs {
+    header: *mut u8,
+    payload: *mut u8,
+}
+
+// SAFETY: an entry is used by one thread at a time: the queue's, or the one helper it handed
+// the entry to, which gives it back through [`Helped`] before the queue touches it again.
+unsafe impl Send for Bufs {}
+
+/// The request in an entry, as far as the queue needs it before serving it.
+struct Peek<'a> {
+    h: InHeader,
+    first: &'a [u8],
+    payload_sz: usize,
+}
+
+impl Bufs {
+    fn of(e: &Entry) -> Bufs {
+        Bufs {
+            header: e.header.ptr(),
+            payload: e.payload.ptr(),
+        }
+    }
+
+    /// # Safety
+    /// The caller has the entry to itself: the kernel completed its command (and wrote the
+    /// request) and no other thread uses it.
+    unsafe fn hdr<'a>(self) -> &'a [u8] {
+        std::slice::from_raw_parts(self.header, HEADER_SIZE)
+    }
+
+    /// # Safety
+    /// As [`Bufs::hdr`].
+    unsafe fn commit_id(self) -> u64 {
+        let h = self.hdr();
+        u64::from_le_bytes(h[ENT_COMMIT_ID..ENT_COMMIT_ID + 8].try_into().unwrap_or([0; 8]))
+    }
+
+    /// The request's header, first argument and payload size; `None` when they make no
+    /// sense (a header that does not parse, a payload larger than the buffer).
+    ///
+    /// # Safety
+    /// As [`Bufs::hdr`].
+    unsafe fn peek<'a>(self) -> Option<Peek<'a>> {
+        let hdr = self.hdr();
+        let payload_sz = u32::from_le_bytes(
+            hdr[ENT_PAYLOAD_SZ..ENT_PAYLOAD_SZ + 4]
+                .try_into()
+                .unwrap_or([0; 4]),
+        ) as usize;
+        let h = InHeader::parse(&hdr[..IN_HEADER]).filter(|_| payload_sz <= PAYLOAD)?;
+        let first_len = (h.len as usize)
+            .saturating_sub(IN_HEADER + payload_sz)
+            .min(OP_IN_SIZE);
+        Some(Peek {
+            h,
+            first: &hdr[OP_IN..OP_IN + first_len],
+            payload_sz,
+        })
+    }
+
+    /// Serves the request in the entry and writes the reply into it (`body` is scratch).
+    ///
+    /// # Safety
+    /// As [`Bufs::hdr`].
+    unsafe fn serve(self, a: &Adapter, qid: u16, body: &mut Vec<u8>) {
+        let (unique, error) = match self.peek() {
+            Some(p) => {
+                let rest = std::slice::from_raw_parts(self.payload, p.payload_sz);
+                let r = wire::serve(a, &p.h, Args::new(p.first, rest), body);
+                (p.h.unique, r.unwrap_or(0))
+            }
+            None => {
+                log::error!("io_uring queue {qid}: a request whose header makes no sense");
+                body.clear();
+                (self.commit_id(), -libc::EIO)
+            }
+        };
+        let (error, len) = if body.len() > PAYLOAD {
+            log::error!(
+                "io_uring queue {qid}: a reply of {} bytes exceeds the payload buffer",
+                body.len()
+            );
+            (-libc::EIO, 0)
+        } else {
+            (error, body.len())
+        };
+        std::ptr::copy_nonoverlapping(body.as_ptr(), self.payload, len);
+        let hdr = self.header;
+        // struct fuse_out_header: len, error, unique; then the payload's size.
+        hdr.cast::<u32>().write_unaligned((16 + len) as u32);
+        hdr.add(4).cast::<i32>().write_unaligned(error);
+        hdr.add(8).cast::<u64>().write_unaligned(unique);
+        hdr.add(ENT_PAYLOAD_SZ)
+            .cast::<u32>()
+            .write_unaligned(len as u32);
+    }
+}
+
+/// Where helpers give a queue's entries back: their indexes, and the eventfd that wakes the
+/// queue's thread (its ring polls it).
+struct Helped {
+    list: Mutex<Vec<usize>>,
+    efd: OwnedFd,
+}
+
+/// A request a queue hands to a helper thread: one that may wait (fsync) or moves much data,
+/// which served on the queue's thread would hold up every request from its CPU.
+pub(crate) struct Job {
+    bufs: Bufs,
+    i: usize,
+    qid: u16,
+    back: Arc<Helped>,
+}
+
+/// The helper threads: they serve the jobs of every queue.
+fn spawn_helpers(
+    a: &Arc<Adapter>,
+    n: usize,
+) -> std::io::Result<(mpsc::Sender<Job>, Vec<JoinHandle<()>>)> {
+    let (tx, rx) = mpsc::channel::<Job>();
+    let rx = Arc::new(Mutex::new(rx));
+    let mut threads = Vec::new();
+    for k in 0..n {
+        let (a, rx) = (a.clone(), rx.clone());
+        threads.push(
+            std::thread::Builder::new()
+                .name(format!("butter-help-{k}"))
+                .spawn(move || {
+                    let mut body = Vec::new();
+                    loop {
+                        let job = match rx.lock().unwrap_or_else(|e| e.into_inner()).recv() {
+                            Ok(j) => j,
+                            Err(_) => return,
+                        };
+                        // SAFETY: the queue handed this entry over and waits for it back.
+                        unsafe { job.bufs.serve(&a, job.qid, &mut body) };
+                        job.back
+                            .list
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .push(job.i);
+                        wake(job.back.efd.as_raw_fd());
+                    }
+                })?,
+        );
+    }
+    Ok((tx, threads))
+}
+
+/// A queue: its ring, its entries, and the eventfds that stop it and bring entries back from
+/// helpers. The ring is declared first so that it is dropped (and its commands cancelled)
+/// before the buffers they name.
 struct Queue {
     ring: IoUring<squeue::Entry128, cqueue::Entry>,
     qid: u16,
     entries: Vec<Entry>,
     stop: RawFd,
+    helped: Option<Arc<Helped>>,
+    helpers: Option<mpsc::Sender<Job>>,
+    /// Entries out with helpers.
+    out: usize,
     done: Vec<(u64, i32)>,
 }
 
@@ -375,30 +551,50 @@ impl Queue {
             qid,
             entries: Vec::new(),
             stop: -1,
+            helped: None,
+            helpers: None,
+            out: 0,
             done: Vec::new(),
         })
     }
 
     /// Pins the calling thread to CPU `qid` (the kernel's deliveries to this queue run on
     /// this thread, for programs on that CPU), makes the ring and registers the entries.
-    fn new(fd: &OwnedFd, qid: u16, stop: RawFd) -> std::io::Result<Queue> {
+    fn new(
+        fd: &OwnedFd,
+        qid: u16,
+        stop: RawFd,
+        helpers: mpsc::Sender<Job>,
+    ) -> std::io::Result<Queue> {
         pin_to_cpu(qid as usize);
         let mut q = Queue::bare(fd, qid)?;
         q.stop = stop;
+        // SAFETY: eventfd returns a new descriptor or -1.
+        let efd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
+        if efd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        q.helped = Some(Arc::new(Helped {
+            list: Mutex::new(Vec::new()),
+            // SAFETY: a descriptor just made and owned by nobody else.
+            efd: unsafe { OwnedFd::from_raw_fd(efd) },
+        }));
+        q.helpers = Some(helpers);
         for i in 0..DEPTH {
             let mut e = Entry::new()?;
             let sqe = e.register_sqe(fd_index(), qid, i as u64);
             q.entries.push(e);
             q.push(sqe)?;
         }
-        q.push_stop_poll()?;
+        q.push_poll(q.stop, STOP)?;
+        q.push_poll(efd, HELPED)?;
         q.ring.submit()?;
         // A registration the kernel refuses completes at once; one it takes completes
         // only with a request.
         let failed: Vec<i32> = q
             .ring
             .completion()
-            .filter(|c| c.user_data() != STOP)
+            .filter(|c| c.user_data() < HELPED)
             .map(|c| c.result())
             .collect();
         if let Some(e) = failed.iter().find(|&&r| r < 0) {
@@ -426,32 +622,83 @@ impl Queue {
         Ok(())
     }
 
-    fn push_stop_poll(&mut self) -> std::io::Result<()> {
-        let poll = opcode::PollAdd::new(types::Fd(self.stop), libc::POLLIN as u32)
+    fn push_poll(&mut self, fd: RawFd, user_data: u64) -> std::io::Result<()> {
+        let poll = opcode::PollAdd::new(types::Fd(fd), libc::POLLIN as u32)
             .build()
-            .user_data(STOP);
+            .user_data(user_data);
         self.push(poll.into())
     }
 
-    /// Serves requests until the connection ends or [`Ring::stop`].
+    fn commit(&mut self, i: usize) -> std::io::Result<()> {
+        // SAFETY: the entry's request was served; its header holds the commit id.
+        let commit_id = unsafe { Bufs::of(&self.entries[i]).commit_id() };
+        let sqe = opcode::UringCmd80::new(fd_index(), CMD_COMMIT_AND_FETCH)
+            .cmd(command(commit_id, self.qid))
+            .build()
+            .user_data(i as u64);
+        self.push(sqe)
+    }
+
+    /// Commits the entries helpers gave back; returns how many.
+    fn take_helped(&mut self) -> std::io::Result<usize> {
+        let Some(helped) = self.helped.clone() else {
+            return Ok(0);
+        };
+        let mut count = [0u8; 8];
+        // SAFETY: reads 8 bytes into a live buffer (the eventfd's counter, now reset).
+        unsafe { libc::read(helped.efd.as_raw_fd(), count.as_mut_ptr().cast(), 8) };
+        let back = std::mem::take(&mut *helped.list.lock().unwrap_or_else(|e| e.into_inner()));
+        self.out -= back.len().min(self.out);
+        for &i in &back {
+            self.commit(i)?;
+        }
+        Ok(back.len())
+    }
+
+    /// Serves requests until the connection ends or [`Ring::stop`]; then waits for the
+    /// entries out with helpers, which write into buffers this queue owns.
     fn run(&mut self, a: &Adapter) {
+        if let Err(e) = self.serve_all(a) {
+            log::error!("io_uring queue {}: {e}; the queue stops", self.qid);
+        }
+        self.helpers = None;
+        while self.out > 0 {
+            let Some(efd) = self.helped.as_ref().map(|h| h.efd.as_raw_fd()) else {
+                break;
+            };
+            let mut p = libc::pollfd {
+                fd: efd,
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            // SAFETY: one live pollfd.
+            unsafe { libc::poll(&mut p, 1, 1000) };
+            let _ = self.take_helped();
+        }
+    }
+
+    fn serve_all(&mut self, a: &Adapter) -> std::io::Result<()> {
         let mut live = self.entries.len();
         while live > 0 {
             match self.ring.submit_and_wait(1) {
                 Ok(_) => {}
                 Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
-                Err(e) => {
-                    log::error!("io_uring queue {}: {e}; the queue stops", self.qid);
-                    return;
-                }
+                Err(e) => return Err(e),
             }
             self.done.clear();
             self.done
                 .extend(self.ring.completion().map(|c| (c.user_data(), c.result())));
             for k in 0..self.done.len() {
                 let (ud, res) = self.done[k];
-                if ud == STOP {
-                    return;
+                match ud {
+                    STOP => return Ok(()),
+                    HELPED => {
+                        self.take_helped()?;
+                        let efd = self.helped.as_ref().map_or(-1, |h| h.efd.as_raw_fd());
+                        self.push_poll(efd, HELPED)?;
+                        continue;
+                    }
+                    _ => {}
                 }
                 let i = ud as usize;
                 if i >= self.entries.len() {
@@ -459,10 +706,12 @@ impl Queue {
                 }
                 match res {
                     0 => {
-                        let sqe = self.serve(a, i);
-                        if let Err(e) = self.push(sqe) {
-                            log::error!("io_uring queue {}: {e}", self.qid);
-                            live -= 1;
+                        if !self.hand_over(i) {
+                            let mut body = std::mem::take(&mut self.entries[i].body);
+                            // SAFETY: the kernel completed the entry's command: it is ours.
+                            unsafe { Bufs::of(&self.entries[i]).serve(a, self.qid, &mut body) };
+                            self.entries[i].body = body;
+                            self.commit(i)?;
                         }
                     }
                     r if r == -libc::ENOTCONN || r == -libc::ECONNABORTED || r == -libc::ENODEV => {
@@ -479,74 +728,33 @@ impl Queue {
                 }
             }
         }
+        Ok(())
     }
 
-    /// Serves the request in entry `i` and returns the command that commits its reply and
-    /// fetches the next.
-    fn serve(&mut self, a: &Adapter, i: usize) -> squeue::Entry128 {
-        let qid = self.qid;
-        let e = &mut self.entries[i];
-        let (h, commit_id, error) = {
-            // SAFETY: the kernel wrote the entry's buffers before completing its command and
-            // does not touch them until the next command; nothing else aliases them.
-            let hdr = unsafe { std::slice::from_raw_parts(e.header.ptr(), HEADER_SIZE) };
-            let commit_id = u64::from_le_bytes(
-                hdr[ENT_COMMIT_ID..ENT_COMMIT_ID + 8]
-                    .try_into()
-                    .unwrap_or([0; 8]),
-            );
-            let payload_sz = u32::from_le_bytes(
-                hdr[ENT_PAYLOAD_SZ..ENT_PAYLOAD_SZ + 4]
-                    .try_into()
-                    .unwrap_or([0; 4]),
-            ) as usize;
-            match InHeader::parse(&hdr[..IN_HEADER]) {
-                Some(h) if payload_sz <= PAYLOAD => {
-                    let first_len = (h.len as usize)
-                        .saturating_sub(IN_HEADER + payload_sz)
-                        .min(OP_IN_SIZE);
-                    let first = &hdr[OP_IN..OP_IN + first_len];
-                    // SAFETY: as above; payload_sz is within the buffer.
-                    let rest = unsafe { std::slice::from_raw_parts(e.payload.ptr(), payload_sz) };
-                    let r = wire::serve(a, &h, Args::new(first, rest), &mut e.body);
-                    (Some(h), commit_id, r.unwrap_or(0))
-                }
-                _ => {
-                    log::error!(
-                        "io_uring queue {qid}: a request with a header that does not parse"
-                    );
-                    e.body.clear();
-                    (None, commit_id, -libc::EIO)
-                }
-            }
+    /// Hands entry `i` to a helper when its request may wait or moves much data; false when
+    /// it is served here.
+    fn hand_over(&mut self, i: usize) -> bool {
+        let bufs = Bufs::of(&self.entries[i]);
+        // SAFETY: the kernel completed the entry's command: it is ours.
+        let slow = unsafe { bufs.peek() }
+            .is_some_and(|p| wire::may_wait(&p.h, p.first, p.payload_sz));
+        let (Some(tx), Some(back)) = (&self.helpers, &self.helped) else {
+            return false;
         };
-        let (error, len) = if e.body.len() > PAYLOAD {
-            log::error!(
-                "io_uring queue {qid}: a reply of {} bytes exceeds the payload buffer",
-                e.body.len()
-            );
-            (-libc::EIO, 0)
-        } else {
-            (error, e.body.len())
-        };
-        // SAFETY: the buffers are ours until the commit below; len fits the payload.
-        unsafe {
-            std::ptr::copy_nonoverlapping(e.body.as_ptr(), e.payload.ptr(), len);
-            let hdr = e.header.ptr();
-            // struct fuse_out_header: len, error, unique.
-            hdr.cast::<u32>().write_unaligned((16 + len) as u32);
-            hdr.add(4).cast::<i32>().write_unaligned(error);
-            hdr.add(8)
-                .cast::<u64>()
-                .write_unaligned(h.map_or(commit_id, |h| h.unique));
-            hdr.add(ENT_PAYLOAD_SZ)
-                .cast::<u32>()
-                .write_unaligned(len as u32);
+        if !slow {
+            return false;
         }
-        opcode::UringCmd80::new(fd_index(), CMD_COMMIT_AND_FETCH)
-            .cmd(command(commit_id, qid))
-            .build()
-            .user_data(i as u64)
+        let job = Job {
+            bufs,
+            i,
+            qid: self.qid,
+            back: back.clone(),
+        };
+        if tx.send(job).is_err() {
+            return false;
+        }
+        self.out += 1;
+        true
     }
 }
 

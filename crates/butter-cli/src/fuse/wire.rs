@@ -302,6 +302,19 @@ fn ts(sec: u64, nsec: u32) -> Timespec {
     }
 }
 
+/// Whether request `h` (first argument `first`, `payload_sz` bytes of payload) may wait
+/// long (fsync, fallocate, copy_file_range) or moves much data (reads and writes of
+/// [`super::BULK_WRITE`] bytes or more): the io_uring queues hand those to helper threads
+/// rather than hold up every other request from their CPU.
+pub(crate) fn may_wait(h: &InHeader, first: &[u8], payload_sz: usize) -> bool {
+    match h.opcode {
+        FSYNC | FSYNCDIR | FALLOCATE | COPY_FILE_RANGE => true,
+        WRITE => payload_sz >= super::BULK_WRITE,
+        READ => u32_at(first, 16).is_some_and(|n| n as usize >= super::BULK_WRITE),
+        _ => false,
+    }
+}
+
 /// Serves request `h` with arguments `args`: the out arguments go to `body` (cleared
 /// first), and the result is 0 or a negative errno. `None`: a request that gets no reply
 /// (forget).
