@@ -55,10 +55,14 @@
 //!   number `i` (always >= 2 on btrfs) offset `i + 1`: a request at offset `o >= 2` resumes at
 //!   index `o`. These are the positions the kernel's btrfs uses, so telldir/seekdir values
 //!   mean the same on both.
-//! - **Threads.** fuser runs `threads` event loops, each on its own cloned /dev/fuse
-//!   descriptor, calling into the shared `Fs` (which is Sync); replies go out from the thread
-//!   that read the request, except for writes of [`BULK_WRITE`] bytes or more: their engine
-//!   work and reply go to a bulk lane of the file (crate::bulk) while the worker waits.
+//! - **Transports.** Requests come through /dev/fuse, where fuser runs `threads` event loops,
+//!   each on its own cloned descriptor, and through FUSE over io_uring when the kernel offers
+//!   it (crate::fuse::ring: a queue per CPU, its thread pinned to it; fsync and large reads and
+//!   writes go to helper threads). The operations themselves (crate::fuse::ops) do not know
+//!   which: fuser's `Filesystem` impl below and the ring's decoder (crate::fuse::wire) both
+//!   call them. Replies go out from the thread that served the request; writes of
+//!   [`BULK_WRITE`] bytes or more do their engine work on a bulk lane of the file
+//!   (crate::bulk) while that thread waits.
 //! - **Ending.** [`serve`] returns when the mount goes away: an external unmount, or a signal
 //!   (SIGINT/SIGTERM/SIGHUP) on which it unmounts itself, lazily if the mount is busy.
 //! - **Caching** ([`Caching`]): entries, attributes and missing names are valid for [`TTL`],

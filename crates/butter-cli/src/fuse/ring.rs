@@ -102,8 +102,7 @@ impl Ring {
         for (t, _) in queues {
             let _ = t.join();
         }
-        let helpers =
-            std::mem::take(&mut *self.helpers.lock().unwrap_or_else(|e| e.into_inner()));
+        let helpers = std::mem::take(&mut *self.helpers.lock().unwrap_or_else(|e| e.into_inner()));
         for t in helpers {
             let _ = t.join();
         }
@@ -410,7 +409,11 @@ impl Bufs {
     /// As [`Bufs::hdr`].
     unsafe fn commit_id(self) -> u64 {
         let h = self.hdr();
-        u64::from_le_bytes(h[ENT_COMMIT_ID..ENT_COMMIT_ID + 8].try_into().unwrap_or([0; 8]))
+        u64::from_le_bytes(
+            h[ENT_COMMIT_ID..ENT_COMMIT_ID + 8]
+                .try_into()
+                .unwrap_or([0; 8]),
+        )
     }
 
     /// The request's header, first argument and payload size; `None` when they make no
@@ -736,8 +739,8 @@ impl Queue {
     fn hand_over(&mut self, i: usize) -> bool {
         let bufs = Bufs::of(&self.entries[i]);
         // SAFETY: the kernel completed the entry's command: it is ours.
-        let slow = unsafe { bufs.peek() }
-            .is_some_and(|p| wire::may_wait(&p.h, p.first, p.payload_sz));
+        let slow =
+            unsafe { bufs.peek() }.is_some_and(|p| wire::may_wait(&p.h, p.first, p.payload_sz));
         let (Some(tx), Some(back)) = (&self.helpers, &self.helped) else {
             return false;
         };
