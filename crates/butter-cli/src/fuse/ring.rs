@@ -592,22 +592,18 @@ impl Queue {
         q.push_poll(q.stop, STOP)?;
         q.push_poll(efd, HELPED)?;
         q.ring.submit()?;
-        // A registration the kernel refuses completes at once; one it takes completes
-        // only with a request.
-        let failed: Vec<i32> = q
+        // A registration the kernel refuses completes at once; one it takes completes only
+        // with a request. The last queue's registration makes the ring ready, and requests
+        // the kernel held meanwhile may land in its entries at once: those are served first.
+        let early: Vec<(u64, i32)> = q
             .ring
             .completion()
-            .filter(|c| c.user_data() < HELPED)
-            .map(|c| c.result())
+            .map(|c| (c.user_data(), c.result()))
             .collect();
-        if let Some(e) = failed.iter().find(|&&r| r < 0) {
+        if let Some((_, e)) = early.iter().find(|&&(ud, r)| ud < HELPED && r < 0) {
             return Err(std::io::Error::from_raw_os_error(-e));
         }
-        if !failed.is_empty() {
-            return Err(std::io::Error::other(
-                "a request arrived before the queue was up",
-            ));
-        }
+        q.done = early;
         Ok(q)
     }
 
@@ -682,15 +678,19 @@ impl Queue {
 
     fn serve_all(&mut self, a: &Adapter) -> std::io::Result<()> {
         let mut live = self.entries.len();
+        // Completions that came with the registrations (Queue::new) are served first.
+        let mut first = true;
         while live > 0 {
-            match self.ring.submit_and_wait(1) {
-                Ok(_) => {}
-                Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
-                Err(e) => return Err(e),
+            if !std::mem::take(&mut first) || self.done.is_empty() {
+                match self.ring.submit_and_wait(1) {
+                    Ok(_) => {}
+                    Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
+                    Err(e) => return Err(e),
+                }
+                self.done.clear();
+                self.done
+                    .extend(self.ring.completion().map(|c| (c.user_data(), c.result())));
             }
-            self.done.clear();
-            self.done
-                .extend(self.ring.completion().map(|c| (c.user_data(), c.result())));
             for k in 0..self.done.len() {
                 let (ud, res) = self.done[k];
                 match ud {

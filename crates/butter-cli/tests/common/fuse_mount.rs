@@ -128,13 +128,18 @@ const ENABLE_URING: &str = "/sys/module/fuse/parameters/enable_uring";
 /// The time a `-o uring=on` mount takes to mount: the kernel offers FUSE over io_uring
 /// (enable_uring is Y), and no other test process changes that meanwhile (an exclusive lock
 /// on a file every test process shares). Dropping it puts the old value back.
-struct UringWindow {
+pub struct UringWindow {
     lock: File,
     old: String,
 }
 
 impl UringWindow {
     fn open() -> UringWindow {
+        Self::open_as("Y")
+    }
+
+    /// The switch set to `value` ("Y" or "N") until dropped.
+    pub fn open_as(value: &str) -> UringWindow {
         use std::os::fd::AsRawFd;
         let old = fs::read_to_string(ENABLE_URING).unwrap_or_else(|e| {
             panic!(
@@ -146,7 +151,7 @@ impl UringWindow {
             .unwrap_or_else(|e| panic!("creating the enable_uring lock file: {e}"));
         // SAFETY: flock on a descriptor we own; it is released when `lock` is closed.
         assert_eq!(unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX) }, 0);
-        fs::write(ENABLE_URING, "Y").unwrap_or_else(|e| panic!("setting {ENABLE_URING}: {e}"));
+        fs::write(ENABLE_URING, value).unwrap_or_else(|e| panic!("setting {ENABLE_URING}: {e}"));
         UringWindow { lock, old }
     }
 }
