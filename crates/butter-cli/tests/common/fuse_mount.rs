@@ -141,16 +141,17 @@ impl UringWindow {
     /// The switch set to `value` ("Y" or "N") until dropped.
     pub fn open_as(value: &str) -> UringWindow {
         use std::os::fd::AsRawFd;
+        let lock = File::create("/tmp/butter-tests-enable-uring.lock")
+            .unwrap_or_else(|e| panic!("creating the enable_uring lock file: {e}"));
+        // SAFETY: flock on a descriptor we own; it is released when `lock` is closed.
+        assert_eq!(unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX) }, 0);
+        // Read under the lock: another window's value is not the one to put back.
         let old = fs::read_to_string(ENABLE_URING).unwrap_or_else(|e| {
             panic!(
                 "-o uring=on needs {ENABLE_URING} (Linux 6.14 or later with \
                  CONFIG_FUSE_IO_URING): {e}"
             )
         });
-        let lock = File::create("/tmp/butter-tests-enable-uring.lock")
-            .unwrap_or_else(|e| panic!("creating the enable_uring lock file: {e}"));
-        // SAFETY: flock on a descriptor we own; it is released when `lock` is closed.
-        assert_eq!(unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX) }, 0);
         fs::write(ENABLE_URING, value).unwrap_or_else(|e| panic!("setting {ENABLE_URING}: {e}"));
         UringWindow { lock, old }
     }
