@@ -2729,3 +2729,10 @@ fn diff_cache_strict() {
 fn diff_uring() {
     run_variant("uring", &["-o", "uring=on"]);
 }
+
+/// The smallest `cache_size` (16 MiB: 8 of block cache, 8 of changed blocks): commits come
+/// from changes crossing the dirty limit, in the middle of the sequences.
+#[test]
+fn diff_cache_size_small() {
+    run_variant("cache-size-16m", &["-o", "cache_size=16M"]);
+}

@@ -53,7 +53,9 @@ pub struct MountArgs {
     /// caching as before) or cache=default, uring=auto|on|off (requests through FUSE over
     /// io_uring when the kernel offers it, Linux 6.14 and later with the fuse module's
     /// enable_uring set; on: the same, with a warning when it does not; off: /dev/fuse
-    /// only; default auto). Accepted and ignored, as options that change
+    /// only; default auto), cache_size=SIZE (memory for tree blocks: half for the block
+    /// cache, half for the blocks changed since the last commit, past which a change
+    /// commits; default 512M, at least 16M). Accepted and ignored, as options that change
     /// nothing for an image: defaults, relatime and the other atime variants, lazytime,
     /// space_cache[=v1|v2], ssd, nossd, ssd_spread, discard[=sync|async], nodiscard,
     /// autodefrag, user_subvol_rm_allowed, barrier, flushoncommit, degraded, thread_pool=N,
@@ -151,6 +153,7 @@ fn plan(a: &MountArgs) -> Result<Plan, CliError> {
         bulk: true,
         caching: crate::fuse::Caching::READ_WRITE,
         uring: crate::fuse::Uring::Auto,
+        cache_size: crate::fuse::DEFAULT_CACHE_SIZE,
     };
     for opt in a.options.iter().flat_map(|o| o.split(',')) {
         let (key, value) = match opt.split_once('=') {
@@ -222,6 +225,18 @@ fn plan(a: &MountArgs) -> Result<Plan, CliError> {
             }
             ("cache", Some("default")) => {
                 cfg.caching = crate::fuse::Caching::READ_WRITE;
+                None
+            }
+            ("cache_size", Some(v)) => {
+                let n = crate::cmd::mkfs::parse_size(v)
+                    .map_err(|e| CliError(format!("cache_size={v}: {e}")))?;
+                if n < 16 << 20 {
+                    return Err(CliError(format!(
+                        "cache_size={v}: at least 16M (tree blocks for the cache and for \
+                         the changes since the last commit)"
+                    )));
+                }
+                cfg.cache_size = n;
                 None
             }
             ("uring", Some(v)) => {

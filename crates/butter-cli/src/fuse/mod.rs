@@ -1400,7 +1400,14 @@ pub struct MountConfig {
     pub caching: Caching,
     /// FUSE over io_uring when the kernel offers it.
     pub uring: Uring,
+    /// Bytes of tree blocks the mount may hold: half clean (the block cache), half changed
+    /// since the last commit (more, and the change that crossed it commits).
+    pub cache_size: u64,
 }
+
+/// `-o cache_size=` by default: 256 MiB of block cache (the engine's own default) and as
+/// much of changes before a commit.
+pub const DEFAULT_CACHE_SIZE: u64 = 512 << 20;
 
 /// Mounts `fs` (root directory `root`) on `dir`, read-write when `fs` was opened so, and
 /// serves it until the mount goes away: `fusermount3 -u`/`umount`, or SIGINT/SIGTERM/SIGHUP,
@@ -1418,6 +1425,10 @@ pub fn serve(
     // Registered before mounting, so that a signal arriving during the mount waits for us.
     let signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM, SIGHUP])?;
     let writable = fs.is_writable();
+    fs.set_memory(butter::fs::MemoryLimits {
+        cache: cfg.cache_size / 2,
+        dirty: cfg.cache_size / 2,
+    });
     let config = session_config(cfg, writable);
     let session = mount_session(fs.clone(), root, dir, &config, cfg)?;
     let mountpoint: PathBuf = dir.canonicalize().unwrap_or_else(|_| dir.to_path_buf());

@@ -61,6 +61,21 @@ pub struct Fs {
     remembered: posix::Remembered,
     /// ACLs enforced ([`Fs::enforce_acls`]).
     acls: std::sync::atomic::AtomicBool,
+    /// Changed tree blocks a transaction may hold before a change commits it
+    /// ([`Fs::set_memory`]); `u64::MAX`: no limit but the periodic commit.
+    dirty_limit: std::sync::atomic::AtomicU64,
+    /// A commit for the dirty limit is running.
+    dirty_commit: std::sync::atomic::AtomicBool,
+}
+
+/// How much memory an open filesystem may use for tree blocks ([`Fs::set_memory`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemoryLimits {
+    /// Clean tree blocks kept to be read again (the block cache).
+    pub cache: u64,
+    /// Tree blocks changed since the last commit (held in memory until it): past this, the
+    /// change that crossed it commits.
+    pub dirty: u64,
 }
 
 /// Why an image could not be opened, in a user's words: a missing file or a permission is
@@ -262,6 +277,8 @@ impl Fs {
             committer: Mutex::new(None),
             remembered: Default::default(),
             acls: Default::default(),
+            dirty_limit: std::sync::atomic::AtomicU64::new(u64::MAX),
+            dirty_commit: Default::default(),
         })
     }
 }
@@ -539,6 +556,36 @@ impl Fs {
 
     /// Commits after the running changes, unless changes stopped. Reads run again once the
     /// trees are final, while the commit writes.
+    /// Bounds the memory tree blocks take: the block cache to `m.cache` bytes, and the
+    /// blocks changed since the last commit to `m.dirty` bytes (a change that leaves more
+    /// commits, as the kernel's btrfs commits when dirty metadata passes its threshold). So
+    /// a long run of changes between periodic commits (a 100k-file untar) does not grow
+    /// memory with the number of files.
+    pub fn set_memory(&self, m: MemoryLimits) {
+        self.core.disk().set_cache_bytes(m.cache);
+        self.dirty_limit
+            .store(m.dirty, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// After a change (its passage released): commits when the running transaction holds
+    /// more changed tree blocks than the dirty limit. One thread commits; the others go on.
+    pub(crate) fn commit_if_dirty(&self) {
+        use std::sync::atomic::Ordering;
+        let limit = self.dirty_limit.load(Ordering::Relaxed);
+        if limit == u64::MAX {
+            return;
+        }
+        let disk = self.core.disk();
+        let dirty = disk.overlay_len() as u64 * u64::from(disk.nodesize());
+        if dirty <= limit || self.dirty_commit.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        if let Err(e) = self.gated_commit() {
+            log::error!("commit for the dirty metadata limit: {e}");
+        }
+        self.dirty_commit.store(false, Ordering::Release);
+    }
+
     pub(crate) fn gated_commit(&self) -> Result<()> {
         let g = self.core.gate.commit();
         if let Some(why) = self.core.stopped() {

@@ -153,8 +153,12 @@ impl Fs {
                 "{what}: a change asked for under a read's passage (an engine bug)"
             ))),
             Held::None => {
-                let g = take()?;
-                g.settle(what, f(&self.core))
+                let r = {
+                    let g = take()?;
+                    g.settle(what, f(&self.core))
+                };
+                self.commit_if_dirty();
+                r
             }
         }
     }

@@ -704,6 +704,22 @@ impl Disk {
             .remove(&bytenr)
     }
 
+    /// How many blocks the running transaction holds: tree blocks changed since the last
+    /// commit, all in memory until it.
+    pub(crate) fn overlay_len(&self) -> usize {
+        self.overlay.read().unwrap_or_else(|e| e.into_inner()).len()
+    }
+
+    /// Sizes the cache of clean tree blocks to `bytes` (at least 64 blocks); a smaller size
+    /// takes effect as blocks come in.
+    pub(crate) fn set_cache_bytes(&self, bytes: u64) {
+        let blocks = (bytes / self.sb.nodesize.max(1) as u64).max(64) as usize;
+        self.cache
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .capacity = blocks;
+    }
+
     /// Addresses of all blocks of the running transaction.
     pub(crate) fn overlay_addresses(&self) -> Vec<u64> {
         let mut v: Vec<u64> = self
