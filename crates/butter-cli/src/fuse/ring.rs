@@ -52,8 +52,15 @@ impl std::str::FromStr for Uring {
     }
 }
 
-/// Entries per queue: requests the kernel can hand a queue before it waits for one.
+/// Entries per queue at most: requests the kernel can hand a queue before it waits for one.
+/// Fewer on hosts with many CPUs ([`depth`]): each entry has a payload buffer of [`PAYLOAD`].
 const DEPTH: usize = 4;
+
+/// Entries per queue for `queues` queues: [`DEPTH`] up to 4 CPUs, down to 2 from 8 on, so
+/// the buffers stay near 16 MiB of address space or 2 entries a CPU.
+fn depth(queues: usize) -> usize {
+    (16 / queues.max(1)).clamp(2, DEPTH)
+}
 /// Helper threads per queue, for requests that may wait (fsync) or move much data.
 const HELPERS_PER_QUEUE: usize = 2;
 /// `struct fuse_uring_req_header`: in_out (128), op_in (128), ring_ent_in_out (32).
@@ -192,8 +199,9 @@ pub(crate) fn start(a: &Arc<Adapter>, fuse: BorrowedFd<'_>) -> std::io::Result<(
     match started {
         Ok(queues) => {
             log::info!(
-                "serving through FUSE over io_uring: {} queues of {DEPTH}",
-                queues.len()
+                "serving through FUSE over io_uring: {} queues of {}",
+                queues.len(),
+                depth(queues.len())
             );
             *a.ring.queues.lock().unwrap_or_else(|e| e.into_inner()) = queues;
             Ok(())
@@ -228,7 +236,7 @@ fn start_queues(
         let (a, fd, stop, helpers) = (a.clone(), fd.clone(), efd.as_raw_fd(), helpers.clone());
         let t = std::thread::Builder::new()
             .name(format!("butter-ring-{qid}"))
-            .spawn(move || match Queue::new(&fd, qid, stop, helpers) {
+            .spawn(move || match Queue::new(&fd, (qid, n), stop, helpers) {
                 Ok(mut q) => {
                     let _ = tx.send(Ok(()));
                     q.run(&a);
@@ -565,7 +573,7 @@ impl Queue {
     /// this thread, for programs on that CPU), makes the ring and registers the entries.
     fn new(
         fd: &OwnedFd,
-        qid: u16,
+        (qid, queues): (u16, u16),
         stop: RawFd,
         helpers: mpsc::Sender<Job>,
     ) -> std::io::Result<Queue> {
@@ -583,7 +591,7 @@ impl Queue {
             efd: unsafe { OwnedFd::from_raw_fd(efd) },
         }));
         q.helpers = Some(helpers);
-        for i in 0..DEPTH {
+        for i in 0..depth(usize::from(queues)) {
             let mut e = Entry::new()?;
             let sqe = e.register_sqe(fd_index(), qid, i as u64);
             q.entries.push(e);
@@ -774,5 +782,32 @@ fn pin_to_cpu(cpu: usize) {
                 );
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fewer_entries_per_queue_on_many_cpus() {
+        assert_eq!([1, 2, 4, 8, 64].map(depth), [4, 4, 4, 2, 2]);
+    }
+
+    #[test]
+    fn registration_commands_carry_two_iovecs_and_the_queue() {
+        let mut e = Entry::new().unwrap();
+        let sqe = e.register_sqe(fd_index(), 3, 7);
+        // SAFETY: Entry128 is repr(C), 128 bytes.
+        let b: [u8; 128] = unsafe { std::mem::transmute(sqe) };
+        assert_eq!(u32::from_le_bytes(b[24..28].try_into().unwrap()), 2);
+        assert_eq!(
+            u64::from_le_bytes(b[16..24].try_into().unwrap()),
+            e.iov.as_ptr() as u64
+        );
+        // struct fuse_uring_cmd_req at the command area (byte 48): qid at 16.
+        assert_eq!(u16::from_le_bytes(b[64..66].try_into().unwrap()), 3);
+        assert_eq!(e.iov[0].iov_len, HEADER_SIZE);
+        assert!(e.iov[1].iov_len >= super::super::MAX_WRITE as usize);
     }
 }

@@ -15,7 +15,8 @@
 //! Transport: a mount whose arguments say `-o uring=on` is served through FUSE over io_uring
 //! (the fuse module's `enable_uring` is Y while it mounts, under a lock shared by every test
 //! process, and put back after), and [`ButterMount::start`] checks that its queues run; every
-//! other mount gets `-o uring=off` and is served through /dev/fuse, whatever the module says.
+//! other mount gets `-o uring=off` and is served through /dev/fuse, whatever the module says
+//! (or, with `BUTTER_TEST_URING=1` in the environment, `-o uring=on` too).
 
 #![allow(dead_code)]
 
@@ -204,9 +205,14 @@ impl ButterMount {
         let out = File::create(log).unwrap_or_else(|e| panic!("create {}: {e}", log.display()));
         let err = out.try_clone().unwrap();
         let says = |o: &str| args.iter().any(|a| a.split(',').any(|x| x.starts_with(o)));
-        let uring = says("uring=on");
+        // BUTTER_TEST_URING=1 serves every mount that does not choose through the ring, to
+        // run a whole suite over it (`BUTTER_TEST_URING=1 cargo test --test fsync_matrix`).
+        let all_ring = std::env::var_os("BUTTER_TEST_URING").is_some_and(|v| v == "1");
+        let uring = says("uring=on") || (all_ring && !says("uring="));
         let transport: &[&str] = if says("uring=") {
             &[]
+        } else if uring {
+            &["-o", "uring=on"]
         } else {
             &["-o", "uring=off"]
         };
