@@ -2730,9 +2730,11 @@ fn diff_uring() {
     run_variant("uring", &["-o", "uring=on"]);
 }
 
-/// The smallest `cache_size` (16 MiB: 8 of block cache, 8 of changed blocks): commits come
-/// from changes crossing the dirty limit, in the middle of the sequences.
+/// The smallest `cache_size` (1 MiB: 512 KiB of block cache, 512 KiB of changed tree blocks,
+/// 32 blocks of 16 KiB): a change that leaves more changed blocks than that commits, between
+/// operations the sequence never looks at. (Measured through a mount: 4000 creates of 200
+/// bytes and a SIGKILL keep 3932 files with this size, none without it.)
 #[test]
 fn diff_cache_size_small() {
-    run_variant("cache-size-16m", &["-o", "cache_size=16M"]);
+    run_variant("cache-size-1m", &["-o", "cache_size=1M"]);
 }

@@ -55,7 +55,7 @@ pub struct MountArgs {
     /// enable_uring set; on: the same, with a warning when it does not; off: /dev/fuse
     /// only; default auto), cache_size=SIZE (memory for tree blocks: half for the block
     /// cache, half for the blocks changed since the last commit, past which a change
-    /// commits; default 512M, at least 16M). Accepted and ignored, as options that change
+    /// commits; default 512M, at least 1M). Accepted and ignored, as options that change
     /// nothing for an image: defaults, relatime and the other atime variants, lazytime,
     /// space_cache[=v1|v2], ssd, nossd, ssd_spread, discard[=sync|async], nodiscard,
     /// autodefrag, user_subvol_rm_allowed, barrier, flushoncommit, degraded, thread_pool=N,
@@ -230,9 +230,9 @@ fn plan(a: &MountArgs) -> Result<Plan, CliError> {
             ("cache_size", Some(v)) => {
                 let n = crate::cmd::mkfs::parse_size(v)
                     .map_err(|e| CliError(format!("cache_size={v}: {e}")))?;
-                if n < 16 << 20 {
+                if n < 1 << 20 {
                     return Err(CliError(format!(
-                        "cache_size={v}: at least 16M (tree blocks for the cache and for \
+                        "cache_size={v}: at least 1M (tree blocks for the cache and for \
                          the changes since the last commit)"
                     )));
                 }
