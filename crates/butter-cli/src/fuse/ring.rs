@@ -452,7 +452,15 @@ impl Bufs {
     /// # Safety
     /// As [`Bufs::hdr`].
     unsafe fn serve(self, a: &Adapter, qid: u16, body: &mut Vec<u8>) {
-        let (unique, error) = match self.peek() {
+        self.serve_peeked(a, qid, body, self.peek())
+    }
+
+    /// [`Bufs::serve`] with the request already peeked at (`peek`, from [`Bufs::peek`]).
+    ///
+    /// # Safety
+    /// As [`Bufs::hdr`].
+    unsafe fn serve_peeked(self, a: &Adapter, qid: u16, body: &mut Vec<u8>, peek: Option<Peek>) {
+        let (unique, error) = match peek {
             Some(p) => {
                 let rest = std::slice::from_raw_parts(self.payload, p.payload_sz);
                 let r = wire::serve(a, &p.h, Args::new(p.first, rest), body);
@@ -717,10 +725,16 @@ impl Queue {
                 }
                 match res {
                     0 => {
-                        if !self.hand_over(i) {
+                        let bufs = Bufs::of(&self.entries[i]);
+                        // SAFETY: the kernel completed the entry's command: it is ours.
+                        let peek = unsafe { bufs.peek() };
+                        let slow = peek
+                            .as_ref()
+                            .is_some_and(|p| wire::may_wait(&p.h, p.first, p.payload_sz));
+                        if !(slow && self.hand_over(i)) {
                             let mut body = std::mem::take(&mut self.entries[i].body);
-                            // SAFETY: the kernel completed the entry's command: it is ours.
-                            unsafe { Bufs::of(&self.entries[i]).serve(a, self.qid, &mut body) };
+                            // SAFETY: as above.
+                            unsafe { bufs.serve_peeked(a, self.qid, &mut body, peek) };
                             self.entries[i].body = body;
                             self.commit(i)?;
                         }
@@ -742,19 +756,13 @@ impl Queue {
         Ok(())
     }
 
-    /// Hands entry `i` to a helper when its request may wait or moves much data; false when
-    /// it is served here.
+    /// Hands entry `i` (a request that may wait or moves much data) to a helper; false when
+    /// there is none to take it (the queue is ending): then it is served here.
     fn hand_over(&mut self, i: usize) -> bool {
         let bufs = Bufs::of(&self.entries[i]);
-        // SAFETY: the kernel completed the entry's command: it is ours.
-        let slow =
-            unsafe { bufs.peek() }.is_some_and(|p| wire::may_wait(&p.h, p.first, p.payload_sz));
         let (Some(tx), Some(back)) = (&self.helpers, &self.helped) else {
             return false;
         };
-        if !slow {
-            return false;
-        }
         let job = Job {
             bufs,
             i,
