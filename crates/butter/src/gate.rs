@@ -101,6 +101,9 @@ struct State {
     changes: bool,
     /// The data write holding both passages, which may step out of them for its data I/O.
     data_writer: Option<ThreadId>,
+    /// Threads asleep on `freed`: a passage let go of wakes them only when there are any
+    /// (a wake-up is a system call, and most passages are let go of with nobody waiting).
+    sleepers: usize,
 }
 
 impl Default for Gate {
@@ -192,8 +195,20 @@ impl Gate {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn wait<'a>(&self, s: MutexGuard<'a, State>) -> MutexGuard<'a, State> {
-        self.freed.wait(s).unwrap_or_else(|e| e.into_inner())
+    fn wait<'a>(&self, mut s: MutexGuard<'a, State>) -> MutexGuard<'a, State> {
+        s.sleepers += 1;
+        let mut s = self.freed.wait(s).unwrap_or_else(|e| e.into_inner());
+        s.sleepers -= 1;
+        s
+    }
+
+    /// Lets go of the state lock, then wakes the sleepers, if any.
+    fn release(&self, s: MutexGuard<'_, State>) {
+        let wake = s.sleepers > 0;
+        drop(s);
+        if wake {
+            self.freed.notify_all();
+        }
     }
 
     /// Shared passage (after any change already waiting for the gate).
@@ -300,8 +315,7 @@ impl Gate {
         self.lanes_closed.store(false, Ordering::SeqCst);
         s.changes = false;
         s.data_writer = None;
-        drop(s);
-        self.freed.notify_all();
+        self.release(s);
         self.steps_out
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         SteppedOut { gate: Some(self) }
@@ -395,7 +409,7 @@ impl Drop for GateRead<'_> {
         s.readers -= 1;
         // Only a change waits for the readers to leave (and counts itself in `waiting`
         // first): no wake-up (a system call) when none does.
-        let wake = s.readers == 0 && s.waiting > 0;
+        let wake = s.readers == 0 && s.waiting > 0 && s.sleepers > 0;
         drop(s);
         if wake {
             self.gate.freed.notify_all();
@@ -408,8 +422,7 @@ impl Drop for ChangesHeld<'_> {
         let mut s = self.gate.state();
         s.changes = false;
         s.data_writer = None;
-        drop(s);
-        self.gate.freed.notify_all();
+        self.gate.release(s);
     }
 }
 
@@ -419,8 +432,7 @@ impl Drop for ExclusiveHeld<'_> {
         let mut s = self.gate.state();
         s.exclusive = false;
         self.gate.lanes_closed.store(false, Ordering::SeqCst);
-        drop(s);
-        self.gate.freed.notify_all();
+        self.gate.release(s);
     }
 }
 
