@@ -55,7 +55,8 @@ pub struct MountArgs {
     /// enable_uring set; on: the same, with a warning when it does not; off: /dev/fuse
     /// only; default auto), cache_size=SIZE (memory for tree blocks: half for the block
     /// cache, half for the blocks changed since the last commit, past which a change
-    /// commits; default 512M, at least 1M). Accepted and ignored, as options that change
+    /// commits; and one inode the kernel may hold per 4 KiB of it, past which butter asks
+    /// the kernel to drop unused ones; default 512M, at least 1M). Accepted and ignored, as options that change
     /// nothing for an image: defaults, relatime and the other atime variants, lazytime,
     /// space_cache[=v1|v2], ssd, nossd, ssd_spread, discard[=sync|async], nodiscard,
     /// autodefrag, user_subvol_rm_allowed, barrier, flushoncommit, degraded, thread_pool=N,

@@ -50,7 +50,8 @@
 //!   number. Inodes of other subvolumes (and, on a damaged image, numbers of the mounted one
 //!   outside `[2, TABLE_BASE)`) get `TABLE_BASE + n` from a table keyed by (subvolume, inode)
 //!   that only grows, so hardlinks share one `st_ino`. Lookup counts are kept per node;
-//!   `forget` to zero drops what we remember about the node (its parent).
+//!   `forget` to zero drops what we remember about the node (its parent). Past a bound
+//!   (`-o cache_size`), butter asks the kernel to drop nodes nothing uses (crate::fuse::prune).
 //! - **readdir cookies.** "." has offset 1, ".." offset 2, an entry with DIR_INDEX sequence
 //!   number `i` (always >= 2 on btrfs) offset `i + 1`: a request at offset `o >= 2` resumes at
 //!   index `o`. These are the positions the kernel's btrfs uses, so telldir/seekdir values
@@ -71,6 +72,7 @@
 //!   `-o cache=strict` gives read-write mounts 1 s timeouts and nothing kept across opens.
 
 mod ops;
+mod prune;
 mod ring;
 mod wire;
 
@@ -94,7 +96,7 @@ use std::ffi::OsStr;
 use std::os::unix::ffi::OsStrExt;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -317,6 +319,8 @@ pub struct Adapter {
     notifier: Arc<std::sync::OnceLock<fuser::Notifier>>,
     /// The io_uring transport.
     ring: ring::Ring,
+    /// The bound on the nodes the kernel holds.
+    prune: prune::Pruner,
 }
 
 /// A time from a fuser request. fuser 0.18 decodes a time before the epoch, (sec < 0,
@@ -407,7 +411,35 @@ impl Adapter {
             },
             notifier: Arc::default(),
             ring: ring::Ring::default(),
+            prune: prune::Pruner::default(),
         }
+    }
+
+    /// At most this many nodes held by the kernel (0: no bound); see crate::fuse::prune.
+    pub fn with_node_bound(mut self, nodes: usize) -> Self {
+        self.prune = prune::Pruner::with_bound(nodes);
+        self
+    }
+
+    /// Nodes the kernel holds (not the root) past the first `keep`, for a prune round: the
+    /// lookup table's order from `cursor`, which moves past them.
+    fn prune_candidates(&self, keep: usize, cursor: &AtomicUsize) -> Vec<u64> {
+        let l = self.lookups.lock().unwrap_or_else(|e| e.into_inner());
+        let want = l.len().saturating_sub(keep);
+        if want == 0 {
+            return Vec::new();
+        }
+        let from = cursor.load(Ordering::Relaxed) % l.len();
+        let picked: Vec<u64> = l
+            .keys()
+            .skip(from)
+            .chain(l.keys().take(from))
+            .filter(|&&n| n != INodeNo::ROOT.0)
+            .take(want)
+            .copied()
+            .collect();
+        cursor.store(from + picked.len(), Ordering::Relaxed);
+        picked
     }
 
     /// Whether to serve through FUSE over io_uring.
@@ -526,11 +558,14 @@ impl Adapter {
         let mut l = self.lookups.lock().unwrap_or_else(|e| e.into_inner());
         let e = l.entry(node).or_insert((0, None));
         e.0 += 1;
-        if e.0 == 1 && attr.kind != FileType::Directory {
-            if let Ok(ino) = self.inode(node) {
-                self.fs.hold(ino);
-                e.1 = Some(ino);
+        if e.0 == 1 {
+            if attr.kind != FileType::Directory {
+                if let Ok(ino) = self.inode(node) {
+                    self.fs.hold(ino);
+                    e.1 = Some(ino);
+                }
             }
+            self.prune.held(l.len());
         }
     }
 
@@ -747,6 +782,23 @@ impl Filesystem for ButterFuse {
     fn destroy(&mut self) {
         // The io_uring queues' threads end first: nothing runs beside the final commit.
         self.ring.stop();
+        let p = self.prune.stats();
+        self.prune.stop();
+        if p.bound > 0 || p.refused {
+            log::info!(
+                "nodes the kernel held: at most {} (bound {}); {} asked to be dropped in {} \
+                 rounds{}",
+                p.peak,
+                p.bound,
+                p.asked,
+                p.rounds,
+                if p.refused {
+                    " (then the kernel refused)"
+                } else {
+                    ""
+                }
+            );
+        }
         if !self.writable {
             return;
         }
@@ -1502,9 +1554,11 @@ fn mount_session(
     config: &Config,
     cfg: &MountConfig,
 ) -> std::io::Result<Session<ButterFuse>> {
+    let nodes = usize::try_from(cfg.cache_size / prune::BYTES_PER_NODE).unwrap_or(usize::MAX);
     let bf = Adapter::new(fs, root)
         .with_caching(cfg.caching)
-        .with_uring(cfg.uring);
+        .with_uring(cfg.uring)
+        .with_node_bound(nodes);
     let bf = Arc::new(if cfg.bulk {
         bf
     } else {
@@ -1515,6 +1569,7 @@ fn mount_session(
     let session = Session::new(ButterFuse(bf.clone()), dir, config);
     if let Ok(s) = &session {
         let _ = bf.notifier.set(s.notifier());
+        prune::start(&bf, std::os::fd::AsFd::as_fd(s));
         // INIT is answered: the io_uring queues, when the kernel agreed to them.
         if let Err(e) = ring::start(&bf, std::os::fd::AsFd::as_fd(s)) {
             let _ = unmount(dir, true);

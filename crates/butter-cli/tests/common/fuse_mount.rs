@@ -195,6 +195,35 @@ impl ButterMount {
         args: &[&str],
         log: &Path,
     ) -> Result<ButterMount, (ExitStatus, String)> {
+        Self::try_start_env(image, dir, args, log, &[])
+    }
+
+    /// As [`ButterMount::start`], with `env` set for butter (RUST_LOG=info, say).
+    #[allow(dead_code)]
+    pub fn start_env(
+        image: &Path,
+        dir: &Path,
+        args: &[&str],
+        log: &Path,
+        env: &[(&str, &str)],
+    ) -> ButterMount {
+        match Self::try_start_env(image, dir, args, log, env) {
+            Ok(m) => m,
+            Err((st, text)) => panic!(
+                "butter mount {} {} {args:?} exited ({st}) before mounting:\n{text}",
+                image.display(),
+                dir.display(),
+            ),
+        }
+    }
+
+    fn try_start_env(
+        image: &Path,
+        dir: &Path,
+        args: &[&str],
+        log: &Path,
+        env: &[(&str, &str)],
+    ) -> Result<ButterMount, (ExitStatus, String)> {
         fs::create_dir_all(dir).unwrap_or_else(|e| panic!("mkdir {}: {e}", dir.display()));
         let dir = fs::canonicalize(dir).unwrap_or_else(|_| dir.to_path_buf());
         assert!(
@@ -223,6 +252,7 @@ impl ButterMount {
             .arg(&dir)
             .args(args)
             .args(transport)
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(out)
             .stderr(err)
