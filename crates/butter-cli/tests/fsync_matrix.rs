@@ -181,6 +181,12 @@ fn run(s: Scenario) {
 
 /// [`run`] on an image mkfs.btrfs makes with `mkfs_args`.
 fn run_on(s: Scenario, mkfs_args: &[&str]) {
+    run_on_with(s, mkfs_args, MOUNT_ARGS);
+}
+
+/// [`run_on`] with the scenario's operations served by a mount with `ops_args` (the setup
+/// mounts keep [`MOUNT_ARGS`]).
+fn run_on_with(s: Scenario, mkfs_args: &[&str], ops_args: &[&str]) {
     let name = s.name;
     require_or_fail(&format!("fsync_matrix {name}"), true);
     let scratch = ScratchDir::new(&format!("fsync-matrix-{name}"));
@@ -205,7 +211,7 @@ fn run_on(s: Scenario, mkfs_args: &[&str]) {
     // The operations; then the power cut right after the last fsync.
     let crash = scratch.join("crash.img");
     let expected = {
-        let bm = ButterMount::start(&img, &mnt, MOUNT_ARGS, &scratch.join("ops.log"));
+        let bm = ButterMount::start(&img, &mnt, ops_args, &scratch.join("ops.log"));
         let ctx = Ctx {
             root: bm.path().to_path_buf(),
             synced: Mutex::new(BTreeSet::new()),
@@ -828,20 +834,58 @@ fn subvolume_and_snapshot() {
 /// files may share one log commit).
 #[test]
 fn many_files_concurrently() {
-    many_files("many", &[]);
+    many_files("many", &[], MOUNT_ARGS);
 }
 
 /// The same on a block-group-tree image (mkfs.btrfs's default since 6.19): the log commit and
 /// the kernel's replay meet block group items in tree 11.
 #[test]
 fn many_files_concurrently_block_group_tree() {
-    many_files("many-bgt", &["-O", "block-group-tree"]);
+    many_files("many-bgt", &["-O", "block-group-tree"], MOUNT_ARGS);
 }
 
-fn many_files(name: &str, mkfs_args: &[&str]) {
+/// The same served through FUSE over io_uring: every fsync goes from a queue's thread to a
+/// helper and back, five threads' fsyncs at once.
+#[test]
+fn many_files_concurrently_over_io_uring() {
+    many_files(
+        "many-uring",
+        &[],
+        &["-o", "commit=3600,noatime", "-o", "uring=on"],
+    );
+}
+
+/// Over FUSE over io_uring, writes of 128 KiB and more (served by helpers, as fsyncs are)
+/// between small ones, appends and overwrites, fsynced and fdatasynced.
+#[test]
+fn large_writes_over_io_uring() {
+    run_on_with(
+        Scenario {
+            name: "large-uring",
+            setup: vec![Step::Mounted(&|m| write_file(&m.join("f"), 300 << 10, 11))],
+            ops: &|c| {
+                let f = open_rw(&c.p("f"));
+                f.write_all_at(&pattern(256 << 10, 12), 64 << 10).unwrap();
+                f.write_all_at(&pattern(100, 13), 10).unwrap();
+                f.write_all_at(&pattern(1 << 20, 14), 300 << 10).unwrap();
+                c.fdatasync("f");
+                write_file(&c.p("g"), 700 << 10, 15);
+                let g = open_rw(&c.p("g"));
+                g.write_all_at(&pattern(200 << 10, 16), 4096).unwrap();
+                c.fsync_file(&g, "g");
+                c.fsync("f");
+            },
+            fast_log: true,
+        },
+        &[],
+        &["-o", "commit=3600,noatime", "-o", "uring=on"],
+    );
+}
+
+fn many_files(name: &str, mkfs_args: &[&str], ops_args: &[&str]) {
     const THREADS: usize = 4;
     const FILES: usize = 40;
-    run_on(
+    run_on_with(
         Scenario {
             name,
             setup: vec![Step::Mounted(&|m| {
@@ -878,5 +922,6 @@ fn many_files(name: &str, mkfs_args: &[&str]) {
             fast_log: true,
         },
         mkfs_args,
+        ops_args,
     );
 }
