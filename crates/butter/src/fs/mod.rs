@@ -240,6 +240,7 @@ impl Fs {
             fsync_log: std::sync::atomic::AtomicBool::new(true),
             ordered: Default::default(),
             prealloc: Default::default(),
+            writeback: Default::default(),
             unlocked_writeback_above: std::sync::atomic::AtomicU64::new(
                 crate::inode::ordered::SHORT_WRITEBACK,
             ),

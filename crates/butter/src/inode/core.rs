@@ -42,7 +42,9 @@ pub(crate) struct Core {
     /// fsync writes the log tree (else it commits the transaction).
     pub(crate) fsync_log: std::sync::atomic::AtomicBool,
     /// Range locks and ordered extents of the writes in progress (crate::inode::ordered).
-    pub(crate) ordered: crate::inode::ordered::OrderedTrees,
+    pub(crate) ordered: Arc<crate::inode::ordered::OrderedTrees>,
+    /// Full delayed-allocation buffers written on a thread of their own (crate::inode::ordered).
+    pub(crate) writeback: crate::inode::ordered::Writeback,
     /// Delayed preallocation: fallocates at files' ends kept in memory.
     pub(crate) prealloc: crate::inode::ordered::Preallocs,
     /// Extents longer than this are written without the writer lock (crate::inode::ordered);

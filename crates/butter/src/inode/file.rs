@@ -1102,18 +1102,24 @@ impl Core {
             return Ok(false);
         }
         // A full buffer (this append did not fit) goes to the device without the writer lock
-        // first; its completion below is only tree updates.
-        self.flush_delalloc_unlocked(ino)?;
-        // (A delayed preallocation of the file is completed too: the buffer must start where
-        // the file really ends.)
-        let mut w = if self.ordered.has_pending(ino) || self.prealloc.has(Some(ino)) {
+        // first, on the write-back thread when it has room.
+        self.flush_delalloc(ino, true)?;
+        // The new buffer starts where the file will end once its pending extents are in (a
+        // buffer being written back, say): they stay pending. Anything else pending of the
+        // file (a write in progress, a lost write-back) and a delayed preallocation are
+        // completed first: the buffer must start where the file really ends.
+        let behind = self.ordered.appends_behind(ino);
+        let mut w = if self.prealloc.has(Some(ino))
+            || (behind.is_none() && self.ordered.has_pending(ino))
+        {
             self.writer()?
         } else {
             self.writer_keeping_ordered()?
         };
         let item = self.inode_item_raw(ino)?;
+        let end = behind.map_or(item.size, |b| b.max(item.size));
         let special = INODE_NODATASUM | INODE_NODATACOW | INODE_IMMUTABLE | INODE_APPEND;
-        if item.mode & 0o170000 != 0o100000 || item.size != offset || item.flags & special != 0 {
+        if item.mode & 0o170000 != 0o100000 || end != offset || item.flags & special != 0 {
             return Ok(false);
         }
         // Space preallocated past the end (KEEP_SIZE) is filled in place by an ordinary
@@ -1129,7 +1135,9 @@ impl Core {
             return Ok(false);
         }
         let free = self.data_space_left(&mut w)?;
-        Ok(self.ordered.start_buffer(ino, offset, data, free))
+        Ok(self
+            .ordered
+            .start_buffer(ino, offset, data, free, behind.is_some()))
     }
 
     /// Writes back the delayed-allocation buffer `d` of `ino` (under the writer lock): a new
@@ -1177,6 +1185,14 @@ impl Core {
     /// (a completion, the fsync log) waits for its data. When the space cannot be had without
     /// a commit, the buffer stays for a write-back under the lock.
     pub(crate) fn flush_delalloc_unlocked(&self, ino: Inode) -> Result<()> {
+        self.flush_delalloc(ino, false)
+    }
+
+    /// [`Core::flush_delalloc_unlocked`]; with `background`, the data goes to the device on
+    /// the write-back thread ([`crate::inode::ordered::Writeback`]) when it has room, and this returns once the
+    /// extent is registered: the append that found the buffer full starts the next one while
+    /// the last one is written (as the kernel's writeback runs beside the writer).
+    fn flush_delalloc(&self, ino: Inode, background: bool) -> Result<()> {
         if !self.ordered.has_delalloc(ino) {
             return Ok(());
         }
@@ -1207,40 +1223,24 @@ impl Core {
             w.ordered_pending += 1;
             (d, at, len)
         };
-        // Should this thread unwind before the data is written, the waiters still get an end.
-        struct Unfinished<'a>(&'a crate::inode::ordered::OrderedTrees, Inode, u64);
-        impl Drop for Unfinished<'_> {
-            fn drop(&mut self) {
-                self.0
-                    .flush_written(self.1, self.2, Err("the write-back was interrupted".into()));
+        let job = crate::inode::ordered::BufferWrite {
+            ino,
+            start: d.start,
+            bytenr,
+            len,
+            data: d.data,
+        };
+        let job = if background {
+            match self.writeback.send(&self.disk, &self.ordered, job) {
+                Ok(()) => return Ok(()),
+                Err(job) => job,
             }
-        }
-        let unfinished = Unfinished(&self.ordered, ino, bytenr);
+        } else {
+            job
+        };
         // Out of the gate for the data I/O (crate::gate): the extent is pending and `writing`,
         // and whoever completes it meanwhile waits for `flush_written`, which needs no lock.
-        let failed = self.outside_gate(|| {
-            let mut buf = d.data;
-            buf.resize(len as usize, 0);
-            let r = self
-                .disk
-                .write_logical(bytenr, &buf)
-                .map(|()| self.sector_sums(&buf));
-            let r = r.map_err(|e| {
-                let why = format!(
-                    "writing back {} bytes appended at {} to inode {} (subvolume {}): {e}",
-                    buf.len(),
-                    d.start,
-                    ino.ino,
-                    ino.root
-                );
-                log::error!("{why}; the appends are lost, the file's next fsync fails");
-                why
-            });
-            let failed = r.is_err();
-            std::mem::forget(unfinished);
-            self.ordered.flush_written(ino, bytenr, r);
-            Ok(failed)
-        })?;
+        let failed = self.outside_gate(|| Ok(job.run(&self.disk, &self.ordered)))?;
         if failed {
             // Its space goes back, and the error to the next fsync, under the writer lock.
             let mut w = self.writer_keeping_ordered()?;
@@ -1251,13 +1251,7 @@ impl Core {
 
     /// The data checksums of `data`, one per sector, as the checksum tree stores them.
     pub(crate) fn sector_sums(&self, data: &[u8]) -> Vec<u8> {
-        let ss = self.disk.sectorsize() as usize;
-        let ct = self.disk.sb.csum_type;
-        let mut sums = Vec::with_capacity(data.len() / ss * ct.size());
-        for s in data.chunks(ss) {
-            sums.extend_from_slice(&ct.compute(s)[..ct.size()]);
-        }
-        sums
+        crate::inode::ordered::sector_sums(&self.disk, data)
     }
 
     /// Gives back the held space of buffers whose write-back failed without the writer lock,

@@ -284,15 +284,38 @@ impl OrderedTrees {
             && gathered + DELALLOC_MARGIN <= self.data_free.load(Ordering::Relaxed)
     }
 
+    /// Where `ino` ends once its pending extents are in, when they are all it has unfinished
+    /// (no write in progress, no buffer, nothing being completed or lost): a new buffer may
+    /// start there, behind them ([`OrderedTrees::start_buffer`]).
+    pub(crate) fn appends_behind(&self, ino: Inode) -> Option<u64> {
+        if !self.any_pending() {
+            return None;
+        }
+        let inodes = self.inodes();
+        let w = inodes.get(&ino)?;
+        if !w.tickets.is_empty()
+            || w.completing > 0
+            || w.delalloc.is_some()
+            || !w.lost.is_empty()
+            || w.pending.is_empty()
+        {
+            return None;
+        }
+        w.pending.iter().map(|p| p.reach).max()
+    }
+
     /// Starts `ino`'s delayed-allocation buffer with `data` at `offset`, the file's size (the
     /// caller holds the writer lock and checked the file: `data_free` is the free data space
-    /// now). False when the file has writes in progress or pending extents, or no room.
+    /// now). False when the file has writes in progress or pending extents, or no room;
+    /// `behind`: pending extents may be there, when they are all the file has unfinished and
+    /// the file ends at `offset` with them ([`OrderedTrees::appends_behind`]).
     pub(crate) fn start_buffer(
         &self,
         ino: Inode,
         offset: u64,
         data: &[u8],
         data_free: u64,
+        behind: bool,
     ) -> bool {
         let len = data.len() as u64;
         if self.delalloc_off.load(Ordering::Relaxed) || len > DELALLOC_MAX {
@@ -306,11 +329,11 @@ impl OrderedTrees {
         let w = inodes
             .entry(ino)
             .or_insert_with(|| InodeWrites::new(Arc::new(SharedExtentIoTree::new())));
-        if !w.tickets.is_empty()
-            || !w.pending.is_empty()
-            || w.completing > 0
-            || w.delalloc.is_some()
-        {
+        let pending_ok = w.pending.is_empty()
+            || (behind
+                && w.lost.is_empty()
+                && w.pending.iter().map(|p| p.reach).max() == Some(offset));
+        if !w.tickets.is_empty() || !pending_ok || w.completing > 0 || w.delalloc.is_some() {
             return false;
         }
         w.delalloc = Some(Delalloc {
@@ -723,6 +746,117 @@ impl Drop for RangeGuard<'_> {
         if self.owner.waiters.load(Ordering::SeqCst) > 0 {
             self.owner.write_done.notify_all();
         }
+    }
+}
+
+/// The data checksums of `data` on `disk`, one per sector.
+pub(crate) fn sector_sums(disk: &crate::io::disk_io::Disk, data: &[u8]) -> Vec<u8> {
+    let ss = disk.sectorsize() as usize;
+    let ct = disk.sb.csum_type;
+    let mut sums = Vec::with_capacity(data.len() / ss * ct.size());
+    for s in data.chunks(ss) {
+        sums.extend_from_slice(&ct.compute(s)[..ct.size()]);
+    }
+    sums
+}
+
+/// A delayed-allocation buffer's data write, once its extent is registered as pending and
+/// `writing` ([`crate::inode::ordered::OrderedTrees::flush_registered`]).
+pub(crate) struct BufferWrite {
+    pub(crate) ino: Inode,
+    pub(crate) start: u64,
+    pub(crate) bytenr: u64,
+    /// The extent's length (the data padded to whole sectors).
+    pub(crate) len: u64,
+    pub(crate) data: Vec<u8>,
+}
+
+impl BufferWrite {
+    /// Writes the data and its checksums; the pending extent is then complete-able, or (the
+    /// write failed: true) dropped, its appends lost and the file's next fsync failing.
+    pub(crate) fn run(self, disk: &crate::io::disk_io::Disk, ordered: &OrderedTrees) -> bool {
+        // Should this thread unwind before the data is written, the waiters still get an end.
+        struct Unfinished<'a>(&'a OrderedTrees, Inode, u64);
+        impl Drop for Unfinished<'_> {
+            fn drop(&mut self) {
+                self.0
+                    .flush_written(self.1, self.2, Err("the write-back was interrupted".into()));
+            }
+        }
+        let BufferWrite {
+            ino,
+            start,
+            bytenr,
+            len,
+            mut data,
+        } = self;
+        let unfinished = Unfinished(ordered, ino, bytenr);
+        data.resize(len as usize, 0);
+        let r = disk
+            .write_logical(bytenr, &data)
+            .map(|()| sector_sums(disk, &data));
+        let r = r.map_err(|e| {
+            let why = format!(
+                "writing back {} bytes appended at {start} to inode {} (subvolume {}): {e}",
+                data.len(),
+                ino.ino,
+                ino.root
+            );
+            log::error!("{why}; the appends are lost, the file's next fsync fails");
+            why
+        });
+        let failed = r.is_err();
+        std::mem::forget(unfinished);
+        ordered.flush_written(ino, bytenr, r);
+        failed
+    }
+}
+
+/// The write-back thread (`butter-writeback`, started at the first use): writes full
+/// delayed-allocation buffers while the writer that filled one goes on with the next. One
+/// buffer waits for it at most: past that, the writer writes its own (no unbounded memory).
+/// A failed write is settled by the next completion (`Core::release_lost`) and the file's
+/// next fsync.
+#[derive(Default)]
+pub(crate) struct Writeback {
+    tx: std::sync::Mutex<Option<std::sync::mpsc::SyncSender<BufferWrite>>>,
+}
+
+impl Writeback {
+    /// Hands `job` to the thread (started now if it is not yet), or gives it back when the
+    /// thread is busy with another and one more waits already.
+    pub(crate) fn send(
+        &self,
+        disk: &Arc<crate::io::disk_io::Disk>,
+        ordered: &Arc<OrderedTrees>,
+        job: BufferWrite,
+    ) -> std::result::Result<(), BufferWrite> {
+        let mut tx = self.tx.lock().unwrap_or_else(|e| e.into_inner());
+        if tx.is_none() {
+            let (t, rx) = std::sync::mpsc::sync_channel::<BufferWrite>(1);
+            let (disk, ordered) = (disk.clone(), ordered.clone());
+            let spawned = std::thread::Builder::new()
+                .name("butter-writeback".into())
+                .spawn(move || {
+                    for job in rx {
+                        // A panic ends the job (its waiters get an error), not the thread.
+                        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                            job.run(&disk, &ordered)
+                        }));
+                    }
+                });
+            if spawned.is_err() {
+                return Err(job);
+            }
+            *tx = Some(t);
+        }
+        let Some(t) = tx.as_ref() else {
+            return Err(job);
+        };
+        t.try_send(job).map_err(|e| match e {
+            std::sync::mpsc::TrySendError::Full(j)
+            | std::sync::mpsc::TrySendError::Disconnected(j) => j,
+        })
     }
 }
 
@@ -1215,6 +1349,37 @@ mod tests {
         }
         fs.commit().unwrap();
         assert_eq!(fs.core().ordered.stats().delalloc_flushed, 3);
+        assert_eq!(extent_items(&fs, a), 3);
+        let after = checked_copy(ram.durable_bytes());
+        let a2 = in_root(&after, b"a");
+        assert_eq!(after.read(a2, 0, 11 << 20).unwrap(), want);
+    }
+
+    /// A full buffer goes to the device on the write-back thread, and the append that found
+    /// it full starts the next buffer behind it without waiting: a stream of 16 KiB appends
+    /// completes nothing until something needs the trees (a read, a commit), then reads and
+    /// commits every byte, one extent per buffer.
+    #[test]
+    fn the_next_buffer_starts_behind_one_being_written() {
+        let (ram, fs) = crate::mkfs::test_fs(256 << 20);
+        let root = fs.root_inode();
+        let a = fs.create(root, b"a", 0o644, Owner::default()).unwrap();
+        fs.commit().unwrap();
+        let want: Vec<u8> = (0..(10u32 << 20) + 12288)
+            .map(|i| (i % 253) as u8)
+            .collect();
+        for (i, c) in want.chunks(16 << 10).enumerate() {
+            fs.write(a, (i as u64) << 14, c).unwrap();
+        }
+        let st = fs.core().ordered.stats();
+        assert_eq!(st.delalloc_flushed, 2, "{st:?}");
+        assert_eq!(st.completed, 0, "an append waited for a completion: {st:?}");
+        // Two buffers written back and pending, the third still gathering.
+        assert_eq!(st.pending, 3, "{st:?}");
+        assert_eq!(fs.read(a, 0, 11 << 20).unwrap(), want);
+        assert_eq!(fs.stat(a).unwrap().size, want.len() as u64);
+        fs.commit().unwrap();
+        assert_eq!(fs.core().ordered.stats().pending, 0);
         assert_eq!(extent_items(&fs, a), 3);
         let after = checked_copy(ram.durable_bytes());
         let a2 = in_root(&after, b"a");

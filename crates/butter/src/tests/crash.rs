@@ -684,6 +684,56 @@ fn insert_before_single_max_item() {
     }
 }
 
+/// A full buffer's write-back on the write-back thread fails while the appends go on behind
+/// it: the file's next fsync reports EIO once, the lost range reads as a hole, everything
+/// appended after it is there, and the committed image is consistent.
+#[test]
+fn failed_background_write_back_loses_only_its_buffer() {
+    let s = setup();
+    let dev = Arc::new(RamDevice::new((*s.base).clone()));
+    let fs = Fs::open_device_rw(dev.clone()).expect("open A");
+    let root = fs.root_inode();
+    let ino = fs.create(root, b"stream", 0o644, OWNER).unwrap();
+    let first = content(4, 64 * 1024);
+    fs.write(ino, 0, &first).unwrap();
+    fs.fsync(ino, false).unwrap();
+    // The next device write is the first full buffer's data, on the write-back thread.
+    dev.set_faults(at(dev.write_count(), false));
+    let rest = content(5, 9 << 20);
+    let mut off = first.len() as u64;
+    for c in rest.chunks(128 << 10) {
+        fs.write(ino, off, c).unwrap();
+        off += c.len() as u64;
+    }
+    let e = fs.fsync(ino, false).unwrap_err();
+    assert_eq!(e.errno(), 5, "{e:?}");
+    assert!(e.to_string().contains("appended data was lost"), "{e}");
+    dev.set_faults(Faults::default());
+    fs.fsync(ino, false).unwrap();
+    let size = fs.stat(ino).unwrap().size;
+    assert_eq!(size, off, "the appends after the lost buffer are gone too");
+    let got = fs.read(ino, 0, size as usize).unwrap();
+    assert_eq!(&got[..first.len()], &first[..]);
+    // The lost buffer (the appends up to 4 MiB of them) reads as zeros; what followed it is
+    // there.
+    let lost_end = first.len() + (4 << 20) - first.len() % (128 << 10);
+    let zeros = got[first.len()..].iter().take_while(|b| **b == 0).count();
+    assert!(zeros > 0, "nothing of the failed write-back was lost");
+    let kept_from = first.len() + zeros.next_multiple_of(128 << 10);
+    assert!(kept_from <= lost_end + (128 << 10), "lost {zeros} bytes");
+    assert_eq!(
+        &got[kept_from..],
+        &rest[kept_from - first.len()..],
+        "appends after the failed write-back"
+    );
+    fs.commit().unwrap();
+    drop(fs);
+    let fs2 = Fs::open_device(Arc::new(RamDevice::new(dev.durable_bytes()))).unwrap();
+    butter_check(&fs2).unwrap_or_else(|e| panic!("after a failed write-back: {e}"));
+    let v = fs2.core().resolve("/stream").unwrap();
+    assert_eq!(fs2.read(v, 0, size as usize).unwrap(), got);
+}
+
 /// Appends wait in memory (delayed allocation); when their write-back fails, only they are
 /// lost: the file's fsync reports EIO (once), the file keeps what was fsynced before, the
 /// filesystem goes on, and what is written and committed afterwards is consistent.
