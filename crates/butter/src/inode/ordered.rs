@@ -284,9 +284,12 @@ impl OrderedTrees {
             && gathered + DELALLOC_MARGIN <= self.data_free.load(Ordering::Relaxed)
     }
 
-    /// Where `ino` ends once its pending extents are in, when they are all it has unfinished
-    /// (no write in progress, no buffer, nothing being completed or lost): a new buffer may
-    /// start there, behind them ([`OrderedTrees::start_buffer`]).
+    /// Where `ino` ends once its pending extents are in, when one of them is still on its way
+    /// to the device (a buffer's write-back) and they are all it has unfinished (no write in
+    /// progress, no buffer, nothing being completed or lost): a new buffer may start there,
+    /// behind them ([`OrderedTrees::start_buffer`]), instead of waiting for that write to
+    /// complete them. Written ones alone are completed first as before: left pending, every
+    /// fsync of the file would log them all again.
     pub(crate) fn appends_behind(&self, ino: Inode) -> Option<u64> {
         if !self.any_pending() {
             return None;
@@ -297,7 +300,7 @@ impl OrderedTrees {
             || w.completing > 0
             || w.delalloc.is_some()
             || !w.lost.is_empty()
-            || w.pending.is_empty()
+            || !w.pending.iter().any(|p| p.writing)
         {
             return None;
         }
@@ -812,9 +815,13 @@ impl BufferWrite {
     }
 }
 
+/// Full buffers that may wait for the write-back thread (besides the one it writes).
+const WRITEBACK_QUEUE: usize = 2;
+
 /// The write-back thread (`butter-writeback`, started at the first use): writes full
-/// delayed-allocation buffers while the writer that filled one goes on with the next. One
-/// buffer waits for it at most: past that, the writer writes its own (no unbounded memory).
+/// delayed-allocation buffers while the writer that filled one goes on with the next.
+/// [`WRITEBACK_QUEUE`] buffers wait for it at most: past that, the writer writes its own (no
+/// unbounded memory).
 /// A failed write is settled by the next completion (`Core::release_lost`) and the file's
 /// next fsync.
 #[derive(Default)]
@@ -823,8 +830,8 @@ pub(crate) struct Writeback {
 }
 
 impl Writeback {
-    /// Hands `job` to the thread (started now if it is not yet), or gives it back when the
-    /// thread is busy with another and one more waits already.
+    /// Hands `job` to the thread (started now if it is not yet), or gives it back when as
+    /// many as may wait already do.
     pub(crate) fn send(
         &self,
         disk: &Arc<crate::io::disk_io::Disk>,
@@ -833,7 +840,7 @@ impl Writeback {
     ) -> std::result::Result<(), BufferWrite> {
         let mut tx = self.tx.lock().unwrap_or_else(|e| e.into_inner());
         if tx.is_none() {
-            let (t, rx) = std::sync::mpsc::sync_channel::<BufferWrite>(1);
+            let (t, rx) = std::sync::mpsc::sync_channel::<BufferWrite>(WRITEBACK_QUEUE);
             let (disk, ordered) = (disk.clone(), ordered.clone());
             let spawned = std::thread::Builder::new()
                 .name("butter-writeback".into())
@@ -1365,6 +1372,12 @@ mod tests {
         let root = fs.root_inode();
         let a = fs.create(root, b"a", 0o644, Owner::default()).unwrap();
         fs.commit().unwrap();
+        // Each buffer's write takes long enough that the next appends come while it is on
+        // its way.
+        ram.set_faults(crate::io::ram::Faults {
+            slow_writes: Some((1 << 20, std::time::Duration::from_millis(300))),
+            ..Default::default()
+        });
         let want: Vec<u8> = (0..(10u32 << 20) + 12288)
             .map(|i| (i % 253) as u8)
             .collect();
@@ -1378,6 +1391,7 @@ mod tests {
         assert_eq!(st.pending, 3, "{st:?}");
         assert_eq!(fs.read(a, 0, 11 << 20).unwrap(), want);
         assert_eq!(fs.stat(a).unwrap().size, want.len() as u64);
+        ram.set_faults(Default::default());
         fs.commit().unwrap();
         assert_eq!(fs.core().ordered.stats().pending, 0);
         assert_eq!(extent_items(&fs, a), 3);

@@ -24,6 +24,9 @@ pub struct Faults {
     /// (the device is gone), so [`RamDevice::durable_bytes`] stays what survived the cut.
     /// Reads keep working (they show the writes that were issued before the cut).
     pub power_cut: bool,
+    /// Writes of at least this many bytes take this long (a slow disk under a large write),
+    /// so a test can see what runs while one is on its way.
+    pub slow_writes: Option<(usize, std::time::Duration)>,
 }
 
 struct RamState {
@@ -123,6 +126,12 @@ impl BlockDevice for RamDevice {
         Ok(())
     }
     fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
+        let slow = self.lock().faults.slow_writes;
+        if let Some((min, took)) = slow {
+            if buf.len() >= min {
+                std::thread::sleep(took);
+            }
+        }
         let mut st = self.lock();
         let n = st.writes;
         st.writes += 1;
