@@ -61,20 +61,20 @@ pub mod fuzz {
     /// One `tree_block` run: the bytes as a tree block (checked, then read through every
     /// accessor and item decoder), a superblock and a sys_chunk_array. Panics only if the
     /// engine does.
-    pub(crate) fn tree_block_one(data: &[u8]) {
+    pub fn tree_block_one(data: &[u8]) {
         crate::tests::corrupt_support::fuzz_logic::tree_block_one(data);
     }
 
     /// One `open_image` run: the bytes as a sparse image, opened on a RAM device and walked in
     /// full with bounded reads. Panics only if the engine does.
-    pub(crate) fn open_image_one(data: &[u8]) {
+    pub fn open_image_one(data: &[u8]) {
         crate::tests::corrupt_support::fuzz_logic::open_image_one(data);
     }
 
     /// One `receive_stream` run: the bytes as a send stream, dumped, then received into a
     /// fresh image on a RAM device, which must check clean afterwards. Panics only if the
     /// engine does or the image is left damaged.
-    pub(crate) fn receive_stream_one(data: &[u8]) {
+    pub fn receive_stream_one(data: &[u8]) {
         crate::tests::corrupt_support::fuzz_logic::receive_stream_one(data);
     }
 }
