@@ -20,6 +20,14 @@
 //! fsync, fdatasync, fsync of a directory, setxattr/fsetxattr/removexattr, chmod (set-id
 //! bits too) and pwrites by another user (uid 1000, which clear those bits).
 //!
+//! Now and then a stream of appends runs past the 4 MiB a file gathers in memory (so full
+//! buffers go to the write-back thread while the next ones start behind them), then one
+//! change meets it: an overwrite or punch inside it, a truncate into it, a copy out of it, or
+//! an fsync. Every option set that writes buffers back that way must show it did (the mount's
+//! log at unmount); the `cache_size=1M` set also looks up 3,000 files of its own all along,
+//! so the mount keeps asking the kernel to drop inodes (crate::fuse::prune), the sequences'
+//! files among them, and must show that it asked.
+//!
 //! Mode "blind": nothing looks at butter's files between the operations (the generator reads
 //! sizes from the reference side only). Mode "looking": a quarter of the operations are looks
 //! (pread compared byte for byte, fstat/stat, SEEK_DATA/SEEK_HOLE, getxattr).
@@ -1314,6 +1322,70 @@ impl Gen {
         self.queue.extend(q);
     }
 
+    /// A stream of appends on one fd past the 4 MiB a file's delayed-allocation buffer holds
+    /// (4.5 to 9 MiB in 16-256 KiB pieces, from the end of the file or an emptied one), so
+    /// full buffers go to the write-back thread while the next ones gather behind them; then
+    /// one change that meets the buffers maybe still on their way: an overwrite inside the
+    /// stream, a truncate into it, a punched hole, a copy out of it, or an fsync.
+    fn stream(&mut self, r: &Side) {
+        let slot = self.slot(r);
+        let mut size = fstat(r.fds[slot]).map(|x| x.size).unwrap_or(0);
+        let mut q = Vec::new();
+        if r.fds[slot] < 0 || size > MAX_FILE || self.rng.chance(1, 3) {
+            q.push(Op::Open {
+                slot,
+                name: self.rng.below(DIR_NAME as u64) as usize,
+                trunc: true,
+                append: self.rng.chance(1, 4),
+            });
+            size = 0;
+        }
+        let start = round_up(size, BLK);
+        let mut end = start;
+        let stop = end + self.rng.range(9 * MIB / 2, 9 * MIB);
+        while end < stop {
+            let len = BLK * self.rng.range(4, 64);
+            self.seed_counter += 1;
+            q.push(Op::Pwrite {
+                slot,
+                off: end,
+                len,
+                fill: Fill::Random,
+                seed: self.seed_counter,
+            });
+            end += len;
+        }
+        self.seed_counter += 1;
+        let seed = self.seed_counter;
+        let rng = &mut self.rng;
+        let inside = start + rng.below(end - start);
+        q.push(match rng.below(5) {
+            0 => Op::Pwrite {
+                slot,
+                off: inside,
+                len: rng.range(1, 300_000),
+                fill: Fill::Random,
+                seed,
+            },
+            1 => Op::Ftruncate { slot, size: inside },
+            2 => Op::Fallocate {
+                slot,
+                mode: libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                off: inside,
+                len: rng.range(1, 2 * MIB),
+            },
+            3 => Op::Copy {
+                src: slot,
+                dst: rng.below(SLOTS as u64) as usize,
+                soff: inside,
+                doff: rng.below(8192),
+                len: rng.range(1, 3 * MIB),
+            },
+            _ => Op::Fsync { slot },
+        });
+        self.queue.extend(q);
+    }
+
     fn try_next(&mut self, r: &Side) -> Option<Op> {
         if let Some(op) = self.queue.pop_front() {
             return Some(op);
@@ -1323,6 +1395,10 @@ impl Gen {
         }
         if self.rng.chance(1, 12) {
             self.burst(r);
+            return None;
+        }
+        if self.rng.chance(1, 60) {
+            self.stream(r);
             return None;
         }
         let open_slots = (0..SLOTS).filter(|i| r.fds[*i] >= 0).count();
@@ -2528,11 +2604,13 @@ fn run_variant(variant: &str, mount_args: &[&str]) {
     let rmount = LoopMount::new(&rimg, &scratch.join("ref"), FsType::Ext4, "");
     // allow_other: the pwrites by uid 1000 (Op::UserPwrite) are requests of another user.
     let mount_args: Vec<&str> = [mount_args, &["-o", "allow_other"]].concat();
-    let bm = match ButterMount::try_start(
+    // At info level the mount's log ends with what its deferred work did (checked below).
+    let bm = match ButterMount::try_start_env(
         &img,
         &scratch.join("bmnt"),
         &mount_args,
         &scratch.join("butter.log"),
+        &[("RUST_LOG", "info")],
     ) {
         Ok(m) => m,
         Err((st, log)) if log.contains("unknown mount option") => {
@@ -2546,6 +2624,10 @@ fn run_variant(variant: &str, mount_args: &[&str]) {
         Err((st, log)) => panic!("butter mount {mount_args:?} exited ({st}):\n{log}"),
     };
 
+    // With a small cache the mount bounds the inodes the kernel holds (crate::fuse::prune):
+    // lookups of other files all along keep it asking the kernel to drop unused ones, the
+    // sequences' files among them, while the sequences run.
+    let churn = variant_prunes(variant).then(|| Churn::start(bm.path()));
     let t0 = Instant::now();
     let mut stats = Stats::default();
     let mut failures: Vec<String> = Vec::new();
@@ -2648,15 +2730,114 @@ fn run_variant(variant: &str, mount_args: &[&str]) {
         failures.join("\n\n"),
         bm.log_text()
     );
+    drop(churn);
     let seen = manifest::take(bm.path(), &TakeOpts::default());
     bm.unmount();
     rmount.unmount();
+    check_deferred_work_ran(variant, &scratch.join("butter.log"));
     fuse_mount::verify_image(
         &img,
         &scratch.join("kmnt"),
         Some(&seen),
         &format!("deferred_diff {variant}"),
     );
+}
+
+/// Option sets whose appends gather in memory and go back through the write-back thread
+/// (compressed buffers go back under the writer lock, and `nodelalloc` has none).
+fn variant_writes_back(variant: &str) -> bool {
+    !matches!(
+        variant,
+        "nodelalloc" | "compress-zstd" | "compress-force-zstd"
+    )
+}
+
+/// Option sets that run with a bound on the kernel's inodes small enough to be reached.
+fn variant_prunes(variant: &str) -> bool {
+    variant == "cache-size-1m"
+}
+
+/// The number right after `key` in `line`.
+fn number_after(line: &str, key: &str) -> Option<u64> {
+    let rest = &line[line.find(key)? + key.len()..];
+    rest.split(|c: char| !c.is_ascii_digit())
+        .next()?
+        .parse()
+        .ok()
+}
+
+/// The deferral the option set is there for did happen: the streams' full buffers went to the
+/// write-back thread with the next ones gathering behind them, and (small cache) butter asked
+/// the kernel to drop inodes during the run. Read from the mount's log at unmount.
+fn check_deferred_work_ran(variant: &str, log: &Path) {
+    let text = std::fs::read_to_string(log).unwrap_or_default();
+    let line = |what: &str| {
+        text.lines().find(|l| l.contains(what)).unwrap_or_else(|| {
+            panic!("deferred_diff {variant}: no \"{what}\" in butter's log:\n{text}")
+        })
+    };
+    let writes = line("delayed allocations written back");
+    let background = number_after(writes, "written back (").unwrap_or(0);
+    let behind = number_after(writes, "write-back thread, ").unwrap_or(0);
+    eprintln!(
+        "DIFF_DEFERRED variant={variant} write_back_thread={background} started_behind={behind}"
+    );
+    if variant_writes_back(variant) {
+        assert!(
+            background > 0 && behind > 0,
+            "deferred_diff {variant}: the streams never reached the write-back thread: {writes}"
+        );
+    }
+    if variant_prunes(variant) {
+        let nodes = line("nodes the kernel held");
+        let asked = number_after(nodes, "); ").unwrap_or(0);
+        eprintln!("DIFF_DEFERRED variant={variant} {nodes}");
+        assert!(
+            asked > 0,
+            "deferred_diff {variant}: no inode was asked to be dropped: {nodes}"
+        );
+    }
+}
+
+/// Lookups of [`Churn::FILES`] files of their own, round and round on a thread, until dropped.
+struct Churn {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Churn {
+    const FILES: usize = 3000;
+
+    fn start(mnt: &Path) -> Churn {
+        let dir = mnt.join("churn");
+        std::fs::create_dir(&dir).unwrap();
+        for i in 0..Self::FILES {
+            std::fs::write(dir.join(format!("c{i}")), b"").unwrap();
+        }
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let s = stop.clone();
+        let thread = std::thread::spawn(move || {
+            let mut i = 0;
+            while !s.load(std::sync::atomic::Ordering::Relaxed) {
+                let _ = std::fs::metadata(dir.join(format!("c{}", i % Self::FILES)));
+                i += 1;
+                std::thread::sleep(Duration::from_micros(200));
+            }
+        });
+        Churn {
+            stop,
+            thread: Some(thread),
+        }
+    }
+}
+
+impl Drop for Churn {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
 }
 
 fn test_name(variant: &str) -> String {

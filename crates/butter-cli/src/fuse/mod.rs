@@ -827,11 +827,14 @@ impl Filesystem for ButterFuse {
             );
             log::info!(
                 "writes: {} ordered extents ({} completed after the write returned), {} \
-                 delayed allocations written back, {} writes waited for an overlapping one, \
-                 {} data writes out of the gate",
+                 delayed allocations written back ({} on the write-back thread, {} started \
+                 behind one on its way), {} writes waited for an overlapping one, {} data \
+                 writes out of the gate",
                 o.started,
                 o.deferred,
                 o.delalloc_flushed,
+                o.delalloc_background,
+                o.delalloc_behind,
                 o.locked_waits,
                 r.data_io_out_of_gate
             );

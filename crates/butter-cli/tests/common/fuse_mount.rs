@@ -217,7 +217,8 @@ impl ButterMount {
         }
     }
 
-    fn try_start_env(
+    /// As [`ButterMount::try_start`], with `env` set for butter.
+    pub fn try_start_env(
         image: &Path,
         dir: &Path,
         args: &[&str],

@@ -81,6 +81,10 @@ pub(crate) struct OrderedTrees {
     delalloc_bytes: AtomicU64,
     data_free: AtomicU64,
     delalloc_flushed: AtomicU64,
+    /// Buffers handed to the write-back thread, and buffers started behind one still being
+    /// written.
+    delalloc_background: AtomicU64,
+    delalloc_behind: AtomicU64,
     /// Inodes whose buffered appends were lost to a failed data write since their last
     /// fsync, with what failed: their next fsync reports it (EIO), as the kernel reports a
     /// writeback error.
@@ -181,6 +185,10 @@ pub struct OrderedStats {
     pub pending: u64,
     /// Delayed-allocation buffers written back.
     pub delalloc_flushed: u64,
+    /// Of them, written on the write-back thread; and buffers that started behind one still
+    /// on its way to the device.
+    pub delalloc_background: u64,
+    pub delalloc_behind: u64,
     /// Fallocates and truncates served in memory (delayed preallocation), and the
     /// completions of delayed preallocations.
     pub preallocs_in_memory: u64,
@@ -231,6 +239,8 @@ impl OrderedTrees {
             completed: self.completed.load(Ordering::Relaxed),
             pending: self.pending_total.load(Ordering::SeqCst) as u64,
             delalloc_flushed: self.delalloc_flushed.load(Ordering::Relaxed),
+            delalloc_background: self.delalloc_background.load(Ordering::Relaxed),
+            delalloc_behind: self.delalloc_behind.load(Ordering::Relaxed),
             preallocs_in_memory: 0,
             preallocs_completed: 0,
         }
@@ -338,6 +348,9 @@ impl OrderedTrees {
                 && w.pending.iter().map(|p| p.reach).max() == Some(offset));
         if !w.tickets.is_empty() || !pending_ok || w.completing > 0 || w.delalloc.is_some() {
             return false;
+        }
+        if !w.pending.is_empty() {
+            self.delalloc_behind.fetch_add(1, Ordering::Relaxed);
         }
         w.delalloc = Some(Delalloc {
             start: offset,
@@ -860,10 +873,14 @@ impl Writeback {
         let Some(t) = tx.as_ref() else {
             return Err(job);
         };
-        t.try_send(job).map_err(|e| match e {
-            std::sync::mpsc::TrySendError::Full(j)
-            | std::sync::mpsc::TrySendError::Disconnected(j) => j,
-        })
+        t.try_send(job)
+            .map(|()| {
+                ordered.delalloc_background.fetch_add(1, Ordering::Relaxed);
+            })
+            .map_err(|e| match e {
+                std::sync::mpsc::TrySendError::Full(j)
+                | std::sync::mpsc::TrySendError::Disconnected(j) => j,
+            })
     }
 }
 
