@@ -2757,15 +2757,6 @@ fn variant_prunes(variant: &str) -> bool {
     variant == "cache-size-1m"
 }
 
-/// The number right after `key` in `line`.
-fn number_after(line: &str, key: &str) -> Option<u64> {
-    let rest = &line[line.find(key)? + key.len()..];
-    rest.split(|c: char| !c.is_ascii_digit())
-        .next()?
-        .parse()
-        .ok()
-}
-
 /// The deferral the option set is there for did happen: the streams' full buffers went to the
 /// write-back thread with the next ones gathering behind them, and (small cache) butter asked
 /// the kernel to drop inodes during the run. Read from the mount's log at unmount.
@@ -2777,8 +2768,8 @@ fn check_deferred_work_ran(variant: &str, log: &Path) {
         })
     };
     let writes = line("delayed allocations written back");
-    let background = number_after(writes, "written back (").unwrap_or(0);
-    let behind = number_after(writes, "write-back thread, ").unwrap_or(0);
+    let background = fuse_mount::number_after(writes, "written back (").unwrap_or(0);
+    let behind = fuse_mount::number_after(writes, "write-back thread, ").unwrap_or(0);
     eprintln!(
         "DIFF_DEFERRED variant={variant} write_back_thread={background} started_behind={behind}"
     );
@@ -2790,7 +2781,7 @@ fn check_deferred_work_ran(variant: &str, log: &Path) {
     }
     if variant_prunes(variant) {
         let nodes = line("nodes the kernel held");
-        let asked = number_after(nodes, "); ").unwrap_or(0);
+        let asked = fuse_mount::number_after(nodes, "); ").unwrap_or(0);
         eprintln!("DIFF_DEFERRED variant={variant} {nodes}");
         assert!(
             asked > 0,

@@ -53,12 +53,8 @@ fn held_counts(log: &str) -> (usize, usize, u64) {
         .lines()
         .find(|l| l.contains("nodes the kernel held: at most"))
         .unwrap_or_else(|| panic!("no count of held nodes in butter's log:\n{log}"));
-    let num_after = |key: &str| -> u64 {
-        let rest = &line[line.find(key).unwrap_or_else(|| panic!("{key} in {line}")) + key.len()..];
-        rest.trim_start()
-            .split(|c: char| !c.is_ascii_digit())
-            .next()
-            .and_then(|n| n.parse().ok())
+    let num_after = |key: &str| {
+        fuse_mount::number_after(line, key)
             .unwrap_or_else(|| panic!("a number after {key:?} in {line}"))
     };
     (

@@ -29,8 +29,6 @@ use std::time::Duration;
 
 use super::Adapter;
 
-/// The notification's code (`FUSE_NOTIFY_PRUNE`, protocol 7.45).
-const NOTIFY_PRUNE: i32 = 9;
 /// Node ids per notification (the kernel copies them in batches of 512).
 const PER_MESSAGE: usize = 512;
 /// Least time between two rounds.
@@ -184,19 +182,7 @@ fn run(a: Weak<Adapter>, rx: Receiver<()>, fd: OwnedFd) {
 
 /// One prune notification: the kernel drops those of `nodes` nothing uses.
 fn notify_prune(fd: &OwnedFd, nodes: &[u64]) -> std::io::Result<()> {
-    let count = u32::try_from(nodes.len()).map_err(std::io::Error::other)?;
-    // fuse_out_header (len, error = the notification's code, unique = 0), then
-    // fuse_notify_prune_out (count, padding, spare), then the node ids.
-    let len = 16 + 16 + 8 * nodes.len();
-    let mut m = Vec::with_capacity(len);
-    m.extend_from_slice(&(len as u32).to_le_bytes());
-    m.extend_from_slice(&NOTIFY_PRUNE.to_le_bytes());
-    m.extend_from_slice(&0u64.to_le_bytes());
-    m.extend_from_slice(&count.to_le_bytes());
-    m.extend_from_slice(&[0u8; 12]);
-    for n in nodes {
-        m.extend_from_slice(&n.to_le_bytes());
-    }
+    let m = super::wire::notify_prune(nodes);
     // SAFETY: `m` is a live buffer of `m.len()` bytes.
     let n = unsafe { libc::write(fd.as_raw_fd(), m.as_ptr().cast(), m.len()) };
     if n < 0 {

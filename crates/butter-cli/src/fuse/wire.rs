@@ -203,6 +203,26 @@ fn put64(out: &mut Vec<u8>, v: u64) {
     out.extend_from_slice(&v.to_le_bytes());
 }
 
+/// `FUSE_NOTIFY_PRUNE` (protocol 7.45): the kernel drops those of `nodes` nothing uses.
+const NOTIFY_PRUNE: i32 = 9;
+
+/// A prune notification for `nodes`: fuse_out_header (length, error = the notification's
+/// code, unique 0), fuse_notify_prune_out (count, padding, spare), then the node ids.
+pub(crate) fn notify_prune(nodes: &[u64]) -> Vec<u8> {
+    let len = 16 + 16 + 8 * nodes.len();
+    let mut m = Vec::with_capacity(len);
+    put32(&mut m, len as u32);
+    put32(&mut m, NOTIFY_PRUNE as u32);
+    put64(&mut m, 0);
+    put32(&mut m, nodes.len() as u32);
+    put32(&mut m, 0);
+    put64(&mut m, 0);
+    for &n in nodes {
+        put64(&mut m, n);
+    }
+    m
+}
+
 fn file_type_bits(kind: FileType) -> u32 {
     match kind {
         FileType::NamedPipe => libc::S_IFIFO,
@@ -661,6 +681,18 @@ fn answer(a: &Adapter, h: &InHeader, args: &mut Args<'_>, body: &mut Vec<u8>) ->
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_prune_notification_carries_its_code_count_and_node_ids() {
+        let m = notify_prune(&[7, 1 << 40]);
+        assert_eq!(m.len(), 48);
+        assert_eq!(u32_at(&m, 0), Some(48));
+        assert_eq!(u32_at(&m, 4), Some(9));
+        assert_eq!(u64_at(&m, 8), Some(0));
+        assert_eq!(u32_at(&m, 16), Some(2));
+        assert_eq!(u64_at(&m, 32), Some(7));
+        assert_eq!(u64_at(&m, 40), Some(1 << 40));
+    }
 
     #[test]
     fn args_read_fixed_parts_then_names_from_either_area() {

@@ -472,6 +472,17 @@ impl Drop for ButterMount {
     }
 }
 
+/// The number right after `key` in `line` (a count in butter's log).
+#[allow(dead_code)]
+pub fn number_after(line: &str, key: &str) -> Option<u64> {
+    let rest = &line[line.find(key)? + key.len()..];
+    rest.trim_start()
+        .split(|c: char| !c.is_ascii_digit())
+        .next()?
+        .parse()
+        .ok()
+}
+
 /// `butter check IMAGE`: (exit code, stdout + stderr).
 pub fn butter_check(img: &Path) -> (i32, String) {
     let out = kernel::run_output(Command::new(BUTTER).arg("check").arg(img));
