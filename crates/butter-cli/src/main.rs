@@ -29,6 +29,14 @@ use std::process::ExitCode;
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// Another device of a filesystem of several devices (repeat for each): the image names
+    /// one of them, these the rest, in any order.
+    #[arg(long = "device", value_name = "PATH", global = true)]
+    device: Vec<std::path::PathBuf>,
+    /// Open a filesystem of several devices with some missing, reading the other copies or
+    /// rebuilding from parity where its profiles allow (as the kernel's `-o degraded`).
+    #[arg(long, global = true)]
+    degraded: bool,
 }
 
 #[derive(Subcommand)]
@@ -169,6 +177,10 @@ fn main() -> ExitCode {
             eprintln!("{msg}");
             return ExitCode::FAILURE;
         }
+    };
+    *cmd::other_devices() = cmd::OtherDevices {
+        paths: cli.device,
+        degraded: cli.degraded,
     };
     let r = match cli.command {
         Command::DumpSuper(a) => cmd::dump::dump_super(a),

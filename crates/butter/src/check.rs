@@ -1633,8 +1633,8 @@ impl Checker<'_> {
             }
         }
         // The device against the image's real size.
-        let image_len = self.fs.disk.dev.len();
-        let this_dev = self.fs.disk.devid;
+        let image_len = self.fs.disk.dev().len();
+        let this_dev = self.fs.disk.devid();
         let sb = &self.fs.disk.sb;
         let sum: u64 = devs
             .values()
@@ -2695,9 +2695,10 @@ impl Checker<'_> {
                 };
                 let len = (cnt * ss) as usize;
                 let sums = &d[(i * csize) as usize..((i + cnt) * csize) as usize];
-                let all_ok = |buf: &[u8]| {
+                let all_ok = |at: usize, buf: &[u8]| {
+                    let skip = at / ss as usize;
                     buf.chunks(ss as usize)
-                        .zip(sums.chunks(csize as usize))
+                        .zip(sums.chunks(csize as usize).skip(skip))
                         .all(|(b, c)| ct.verify(b, c))
                 };
                 let res = self
@@ -2707,7 +2708,7 @@ impl Checker<'_> {
                     .and_then(|r| match r {
                         Some(_) => Ok(None),
                         // No copy matches everywhere: the first copy, to name the bad sectors.
-                        None => self.fs.disk.read_data(logical, len, &|_| true),
+                        None => self.fs.disk.read_data(logical, len, &|_, _| true),
                     });
                 match res {
                     Ok(None) => {}

@@ -5,7 +5,7 @@
 //! they print what a damaged image still holds: a block that fails validation gets an
 //! `ERROR:` line and the walk goes on with the rest.
 
-use crate::ctree::{open_disk, Root, TreeIter};
+use crate::ctree::{Root, TreeIter};
 use crate::error::{Error, Result};
 use crate::format::items::RootItem;
 use crate::format::print::{dump_key, print_block, print_superblock_bytes, PrintOpts};
@@ -241,7 +241,18 @@ pub fn dump_tree(
     opts: &DumpTreeOptions,
     out: &mut dyn Write,
 ) -> Result<()> {
-    let disk = open_disk(dev)?;
+    dump_tree_set(vec![("the image".into(), dev)], false, opts, out)
+}
+
+/// [`dump_tree`] of a filesystem of several devices (named for messages, the image first;
+/// `degraded`: some may be missing).
+pub fn dump_tree_set(
+    given: Vec<(String, Arc<dyn BlockDevice>)>,
+    degraded: bool,
+    opts: &DumpTreeOptions,
+    out: &mut dyn Write,
+) -> Result<()> {
+    let disk = crate::ctree::open_disk_set(given, degraded)?;
     let sb = disk.sb.clone();
     let mut d = Dumper {
         disk: &disk,

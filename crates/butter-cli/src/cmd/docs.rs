@@ -221,5 +221,7 @@ pub const MOUNT_OPTIONS: &[&str] = &[
     "fsync=commit",
     "max_inline=",
     "nodelalloc",
+    "device=",
+    "degraded",
     "defaults",
 ];

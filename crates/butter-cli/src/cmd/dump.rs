@@ -81,5 +81,11 @@ pub fn dump_tree(a: DumpTreeArgs) -> CliResult {
         dfs: a.dfs,
     };
     let mut out = std::io::stdout().lock();
-    inspect::dump_tree(dev, &opts, &mut out).map_err(|e| on_image(&a.image, e))
+    let others = super::other_devices().clone();
+    let mut given = vec![(a.image.display().to_string(), dev)];
+    for p in &others.paths {
+        given.push((p.display().to_string(), open_dev(p)?));
+    }
+    inspect::dump_tree_set(given, others.degraded, &opts, &mut out)
+        .map_err(|e| on_image(&a.image, e))
 }

@@ -222,7 +222,7 @@ fn usage(fs: &Fs, image: &std::path::Path, raw: bool) -> Result<String, CliError
     let sb = &fs.disk().sb;
     let devid = sb.dev_item.devid;
     let dev_size = sb.dev_item.total_bytes;
-    let device_size = fs.disk().dev.len();
+    let device_size = fs.disk().dev().len();
     let slack = if device_size > 0 {
         device_size.wrapping_sub(dev_size)
     } else {

@@ -60,15 +60,61 @@ impl From<std::io::Error> for CliError {
     }
 }
 
+/// The other devices of a filesystem of several, given with `--device PATH` (or a mount's
+/// `-o device=PATH`), and whether it may be opened with some missing (`--degraded`, `-o
+/// degraded`).
+#[derive(Debug, Clone, Default)]
+pub struct OtherDevices {
+    pub paths: Vec<std::path::PathBuf>,
+    pub degraded: bool,
+}
+
+static OTHER_DEVICES: std::sync::Mutex<OtherDevices> = std::sync::Mutex::new(OtherDevices {
+    paths: Vec::new(),
+    degraded: false,
+});
+
+/// The devices every open of this run takes besides the image (see [`OtherDevices`]).
+pub fn other_devices() -> std::sync::MutexGuard<'static, OtherDevices> {
+    OTHER_DEVICES.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// Opens an image with a message that names it.
 pub fn open_fs(image: &std::path::Path) -> Result<butter::fs::Fs, CliError> {
-    butter::fs::Fs::open(image).map_err(|e| {
+    open_fs_opts(image, butter::fs::OpenOpts::default())
+}
+
+/// [`open_fs`] with options; the other devices and `--degraded` come from
+/// [`other_devices`].
+pub fn open_fs_opts(
+    image: &std::path::Path,
+    mut opts: butter::fs::OpenOpts,
+) -> Result<butter::fs::Fs, CliError> {
+    let others = other_devices().clone();
+    opts.degraded |= others.degraded;
+    let mut paths: Vec<&std::path::Path> = vec![image];
+    paths.extend(others.paths.iter().map(|p| p.as_path()));
+    butter::fs::Fs::open_paths(&paths, opts).map_err(|e| {
         CliError(format!(
             "cannot open {}: {}",
             image.display(),
             CliError::from(e)
         ))
     })
+}
+
+/// Refuses a change to a filesystem of several devices, which butter does not write yet:
+/// before anything is opened for writing.
+pub fn refuse_other_devices(image: &std::path::Path) -> CliResult {
+    let o = other_devices();
+    if o.paths.is_empty() && !o.degraded {
+        return Ok(());
+    }
+    Err(CliError(format!(
+        "cannot change {}: butter reads filesystems of several devices (--device, --degraded) \
+         but does not write them yet; read it with ls, cat, restore or a read-only mount",
+        image.display()
+    )))
 }
 
 /// A time in the local time zone, as btrfs-progs prints times (localtime_r and strftime).

@@ -56,10 +56,13 @@ pub struct MountArgs {
     /// only; default auto), cache_size=SIZE (memory for tree blocks: half for the block
     /// cache, half for the blocks changed since the last commit, past which a change
     /// commits; and one inode the kernel may hold per 4 KiB of it, past which butter asks
-    /// the kernel to drop unused ones; default 512M, at least 1M). Accepted and ignored, as options that change
+    /// the kernel to drop unused ones; default 512M, at least 1M), device=PATH (another device
+    /// of a filesystem of several; repeat for each; read-only for now), degraded (mount one
+    /// with devices missing, where its profiles keep every byte readable). Accepted and
+    /// ignored, as options that change
     /// nothing for an image: defaults, relatime and the other atime variants, lazytime,
     /// space_cache[=v1|v2], ssd, nossd, ssd_spread, discard[=sync|async], nodiscard,
-    /// autodefrag, user_subvol_rm_allowed, barrier, flushoncommit, degraded, thread_pool=N,
+    /// autodefrag, user_subvol_rm_allowed, barrier, flushoncommit, thread_pool=N,
     /// mount(8)'s auto, noauto, nofail, user, _netdev, and every x-* option.
     #[arg(
         short = 'o',
@@ -323,6 +326,15 @@ fn plan(a: &MountArgs) -> Result<Plan, CliError> {
                 subvol = Subvol::Id(id);
                 None
             }
+            // The kernel's spelling for the other devices of a filesystem of several.
+            ("device", Some(v)) if !v.is_empty() => {
+                super::other_devices().paths.push(v.into());
+                None
+            }
+            ("degraded", None) => {
+                super::other_devices().degraded = true;
+                None
+            }
             ("dev", None) => Some(MountOption::Dev),
             ("nodev", None) => Some(MountOption::NoDev),
             ("suid", None) => Some(MountOption::Suid),
@@ -390,7 +402,6 @@ fn plan(a: &MountArgs) -> Result<Plan, CliError> {
                 | "rescan_uuid_tree"
                 | "enospc_debug"
                 | "noenospc_debug"
-                | "degraded"
                 | "datacow"
                 | "datasum"
                 | "acl",
@@ -494,13 +505,7 @@ pub fn mount(a: MountArgs) -> CliResult {
     // Before anything starts a thread: fork(2) copies only the calling one.
     let ready_pipe = if a.daemon { Some(daemonize()?) } else { None };
     let fs = if p.ro && p.nologreplay {
-        Fs::open_opts(&a.image, butter::fs::OpenOpts::nologreplay()).map_err(|e| {
-            CliError(format!(
-                "cannot open {}: {}",
-                a.image.display(),
-                CliError::from(e)
-            ))
-        })?
+        super::open_fs_opts(&a.image, butter::fs::OpenOpts::nologreplay())?
     } else if p.ro {
         open_fs(&a.image)?
     } else {
@@ -514,6 +519,7 @@ pub fn mount(a: MountArgs) -> CliResult {
             legacy_allocator: p.legacy_allocator,
             ..Default::default()
         };
+        super::refuse_other_devices(&a.image)?;
         Fs::open_rw_with(&a.image, opts).map_err(|e| match e {
             butter::Error::NotPermitted(msg) => CliError(msg),
             e @ butter::Error::NotFound(_) => CliError(format!(

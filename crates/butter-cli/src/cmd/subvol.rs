@@ -102,6 +102,7 @@ pub struct SubvolumeArgs {
 }
 
 pub(crate) fn open_rw(image: &Path) -> Result<Fs, CliError> {
+    super::refuse_other_devices(image)?;
     Fs::open_rw(image).map_err(|e| {
         CliError(format!(
             "cannot open {} read-write: {}",

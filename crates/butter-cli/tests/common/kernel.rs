@@ -531,3 +531,137 @@ pub fn remount(mountpoint: &Path, options: &str) {
         .arg(format!("remount,{options}"))
         .arg(mountpoint));
 }
+
+/// Images of one filesystem of several devices, each attached to a loop device, mounted by
+/// the kernel together (`-o device=` for each). Drop unmounts, forgets and detaches them all,
+/// also when the test panicked.
+pub struct MultiLoopMount {
+    devices: Vec<PathBuf>,
+    mountpoint: PathBuf,
+    mounted: bool,
+}
+
+impl MultiLoopMount {
+    /// Attaches every image and mounts them on `mountpoint` (created if missing) with
+    /// `options` (comma-separated, may be empty) plus a `device=` for each.
+    pub fn new(images: &[PathBuf], mountpoint: &Path, options: &str) -> MultiLoopMount {
+        fs::create_dir_all(mountpoint)
+            .unwrap_or_else(|e| panic!("mkdir {}: {e}", mountpoint.display()));
+        let mut me = MultiLoopMount {
+            devices: Vec::new(),
+            mountpoint: mountpoint.to_path_buf(),
+            mounted: false,
+        };
+        for img in images {
+            let dev = run(Command::new("losetup").args(["-f", "--show"]).arg(img));
+            me.devices.push(PathBuf::from(dev.trim()));
+        }
+        let mut opts: Vec<String> = me
+            .devices
+            .iter()
+            .map(|d| format!("device={}", d.display()))
+            .collect();
+        if !options.is_empty() {
+            opts.push(options.to_string());
+        }
+        run(Command::new("mount")
+            .args(["-t", "btrfs", "-o", &opts.join(",")])
+            .arg(&me.devices[0])
+            .arg(mountpoint));
+        me.mounted = true;
+        me
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.mountpoint
+    }
+
+    /// Unmounts and detaches now, panicking if that fails (Drop only prints).
+    pub fn unmount(mut self) {
+        if let Err(e) = self.cleanup() {
+            panic!("{e}");
+        }
+    }
+
+    fn cleanup(&mut self) -> Result<(), String> {
+        let mut problems = Vec::new();
+        if self.mounted {
+            if let Err(e) = umount_retrying(&self.mountpoint) {
+                problems.push(e);
+            }
+            self.mounted = false;
+        }
+        for dev in std::mem::take(&mut self.devices) {
+            let _ = run_output(
+                Command::new("btrfs")
+                    .args(["device", "scan", "--forget"])
+                    .arg(&dev),
+            );
+            let out = run_output(Command::new("losetup").arg("-d").arg(&dev));
+            if !out.status.success() {
+                problems.push(format!(
+                    "losetup -d {} failed: {}",
+                    dev.display(),
+                    String::from_utf8_lossy(&out.stderr).trim()
+                ));
+            }
+            let backing = dev
+                .file_name()
+                .map(|n| Path::new("/sys/block").join(n).join("loop/backing_file"));
+            if let Some(backing) = backing {
+                let deadline = Instant::now() + Duration::from_secs(10);
+                while backing.exists() && Instant::now() < deadline {
+                    sleep(Duration::from_millis(20));
+                }
+            }
+        }
+        if problems.is_empty() {
+            Ok(())
+        } else {
+            Err(problems.join("; "))
+        }
+    }
+}
+
+impl Drop for MultiLoopMount {
+    fn drop(&mut self) {
+        if let Err(e) = self.cleanup() {
+            eprintln!(
+                "MultiLoopMount cleanup of {}: {e}",
+                self.mountpoint.display()
+            );
+        }
+    }
+}
+
+/// `btrfs check --readonly` of a filesystem of several image files: each attached to a
+/// read-only loop device and scanned, the check run on the first, then all forgotten and
+/// detached. (passed, output)
+pub fn btrfs_check_devices(images: &[PathBuf]) -> (bool, String) {
+    let mut devs = Vec::new();
+    for img in images {
+        let d = run(Command::new("losetup")
+            .args(["-r", "-f", "--show"])
+            .arg(img));
+        devs.push(PathBuf::from(d.trim()));
+    }
+    for d in &devs {
+        let _ = run_output(Command::new("btrfs").args(["device", "scan"]).arg(d));
+    }
+    let out = run_output(
+        Command::new("btrfs")
+            .args(["check", "--readonly"])
+            .arg(&devs[0]),
+    );
+    for d in &devs {
+        let _ = run_output(
+            Command::new("btrfs")
+                .args(["device", "scan", "--forget"])
+                .arg(d),
+        );
+        let _ = run_output(Command::new("losetup").arg("-d").arg(d));
+    }
+    let mut text = String::from_utf8_lossy(&out.stdout).into_owned();
+    text.push_str(&String::from_utf8_lossy(&out.stderr));
+    (out.status.success(), text)
+}

@@ -501,10 +501,145 @@ impl TreeIter {
 
 /// Opens the metadata layer of a device: the superblock, then the chunk tree (through the
 /// system chunks the superblock carries), so that every logical address maps.
+#[cfg(any(test, feature = "internals"))]
 pub(crate) fn open_disk(dev: Arc<dyn BlockDevice>) -> Result<Arc<Disk>> {
-    let disk = Disk::open_sys_chunks(dev)?;
-    load_chunk_tree(&disk)?;
-    Ok(disk)
+    open_disk_set(vec![("the image".to_string(), dev)], false)
+}
+
+/// [`open_disk`] over the devices of a filesystem of one or more (each named for messages,
+/// the image named first): every device the chunk tree names must be given, unless
+/// `degraded`; then the missing ones are kept as missing and reads rebuild or use other
+/// copies where the profiles allow.
+pub(crate) fn open_disk_set(
+    given: Vec<(String, Arc<dyn BlockDevice>)>,
+    degraded: bool,
+) -> Result<Arc<Disk>> {
+    let disk = Disk::open_sys_chunks(given)?;
+    if let Err(e) = load_chunk_tree(&disk) {
+        let (have, want) = (disk.devices.len() as u64, disk.sb.num_devices);
+        if have < want && !degraded {
+            // The chunk tree lives (partly) on devices not given: say that, not the read.
+            return Err(Error::NotFound(format!(
+                "the filesystem has {want} devices and {} {} missing (the chunk tree cannot \
+                 be read without them: {e}); give the others with --device PATH (-o \
+                 device=PATH when mounting), or open it degraded with --degraded (-o degraded)",
+                want - have,
+                if want - have == 1 { "is" } else { "are" },
+            )));
+        }
+        return Err(e);
+    }
+    match_dev_items(disk, degraded)
+}
+
+/// Matches the devices given against the chunk tree's DEV_ITEMs: each given device must be
+/// one of them (by devid and device UUID); one not given is missing, an error unless
+/// `degraded`. A degraded open names the chunks that lost data. Returns the disk with the
+/// missing devices in its set.
+fn match_dev_items(disk: Arc<Disk>, degraded: bool) -> Result<Arc<Disk>> {
+    if disk.devices.len() == 1 && disk.sb.num_devices == 1 {
+        // One device of a filesystem of one: nothing to match (a damaged device item is the
+        // checker's to report).
+        return Ok(disk);
+    }
+    let root = Root {
+        id: CHUNK_TREE_OBJECTID,
+        bytenr: disk.sb.chunk_root,
+        level: disk.sb.chunk_root_level,
+        generation: disk.sb.chunk_root_generation,
+    };
+    let mut items = Vec::new();
+    let mut it = TreeIter::new(
+        disk.clone(),
+        root,
+        Key::new(DEV_ITEMS_OBJECTID, DEV_ITEM_KEY, 0),
+        Readahead::None,
+    )?;
+    while let Some(item) = it.next_item()? {
+        if item.key.objectid != DEV_ITEMS_OBJECTID || item.key.ty != DEV_ITEM_KEY {
+            break;
+        }
+        let d =
+            crate::format::superblock::DevItem::parse(item.data()).map_err(|e| item.annotate(e))?;
+        items.push(d);
+    }
+    drop(it);
+    if items.len() as u64 != disk.sb.num_devices {
+        // The kernel refuses this mismatch too.
+        return Err(Error::corrupt(
+            Location::what("superblock"),
+            format!(
+                "num_devices says the filesystem has {} devices, but the chunk tree lists {}",
+                disk.sb.num_devices,
+                items.len()
+            ),
+        ));
+    }
+    let mut devices = disk.devices.clone();
+    for m in disk.devices.members() {
+        match items.iter().find(|d| d.devid == m.devid) {
+            None => {
+                return Err(Error::Invalid(format!(
+                    "{} says it is device {} of the filesystem, which has no such device \
+                     (it was removed from it); leave it out",
+                    m.name, m.devid
+                )))
+            }
+            Some(d) if d.uuid != m.uuid => {
+                return Err(Error::Invalid(format!(
+                    "{} says it is device {} (uuid {}), but the filesystem's device {} is uuid {} \
+                     (it was replaced); give the device that replaced it",
+                    m.name,
+                    m.devid,
+                    fmt_uuid(&m.uuid),
+                    d.devid,
+                    fmt_uuid(&d.uuid)
+                )))
+            }
+            Some(_) => {}
+        }
+    }
+    let missing: Vec<&crate::format::superblock::DevItem> = items
+        .iter()
+        .filter(|d| disk.devices.member(d.devid).is_none())
+        .collect();
+    if missing.is_empty() {
+        return Ok(disk);
+    }
+    let names: Vec<String> = missing
+        .iter()
+        .map(|d| format!("device {} (uuid {})", d.devid, fmt_uuid(&d.uuid)))
+        .collect();
+    if !degraded {
+        return Err(Error::NotFound(format!(
+            "the filesystem has {} devices and {} {} missing: {}; give the others with \
+             --device PATH (-o device=PATH when mounting), or open it degraded with \
+             --degraded (-o degraded)",
+            items.len(),
+            missing.len(),
+            if missing.len() == 1 { "is" } else { "are" },
+            names.join(", ")
+        )));
+    }
+    log::warn!("opening degraded: missing {}", names.join(", "));
+    for d in &missing {
+        devices.insert(crate::io::volumes::Member {
+            devid: d.devid,
+            uuid: d.uuid,
+            name: format!("missing device {}", d.devid),
+            dev: None,
+        });
+    }
+    let lost = crate::io::volumes::chunks_beyond_repair(&disk.chunk_map(), &devices);
+    if !lost.is_empty() {
+        log::warn!(
+            "{} chunks lost more stripes than their profile can rebuild (the first at logical {}): \
+             what they hold cannot be read",
+            lost.len(),
+            lost[0]
+        );
+    }
+    Ok(disk.with_devices(devices))
 }
 
 /// Reads every CHUNK_ITEM of the chunk tree into the disk's chunk map.

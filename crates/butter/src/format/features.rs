@@ -91,8 +91,9 @@ pub(crate) const FEATURES: &[Feature] = &[
         false,
         INCOMPAT_RAID56,
         "raid56",
-        None,
-        "RAID5/6 block groups span several devices; butter opens single-device filesystems",
+        ReadOnly,
+        "butter reads RAID5 and RAID6 block groups (rebuilding from parity) but does not \
+         write them yet",
     ),
     f(
         false,

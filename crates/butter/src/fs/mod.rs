@@ -36,18 +36,27 @@ pub struct OpenOpts {
     /// Replay an fsync log in memory (the default). Off: show the last committed state
     /// and ignore the log (the kernel's `nologreplay`).
     pub log_replay: bool,
+    /// Open a filesystem of several devices with some missing (the kernel's `degraded`):
+    /// reads use the other copies or rebuild from parity where the profiles allow.
+    pub degraded: bool,
 }
 
 impl Default for OpenOpts {
     fn default() -> Self {
-        OpenOpts { log_replay: true }
+        OpenOpts {
+            log_replay: true,
+            degraded: false,
+        }
     }
 }
 
 impl OpenOpts {
     /// Ignore any fsync log.
     pub fn nologreplay() -> Self {
-        OpenOpts { log_replay: false }
+        OpenOpts {
+            log_replay: false,
+            ..OpenOpts::default()
+        }
     }
 }
 
@@ -116,6 +125,28 @@ impl Fs {
         Self::open_device_opts(Arc::new(dev), opts)
     }
 
+    /// Opens a filesystem of several devices read-only: the image (`paths[0]`) and the
+    /// others, in any order. Each is matched by fsid and device UUID; a device missing,
+    /// given twice or from another filesystem is an error naming it (a missing one is let
+    /// through with [`OpenOpts::degraded`]).
+    pub fn open_paths(paths: &[&FsPath], opts: OpenOpts) -> Result<Fs> {
+        let mut given: Vec<(String, Arc<dyn BlockDevice>)> = Vec::with_capacity(paths.len());
+        for path in paths {
+            let dev = FileDevice::open(path, false).map_err(|e| open_error(path, false, e))?;
+            given.push((path.display().to_string(), Arc::new(dev)));
+        }
+        Self::open_device_set(given, opts)
+    }
+
+    /// [`Fs::open_paths`] over devices already open, each with a name for messages.
+    pub fn open_device_set(
+        given: Vec<(String, Arc<dyn BlockDevice>)>,
+        opts: OpenOpts,
+    ) -> Result<Fs> {
+        let fs = Self::open_set_nolog(given, opts.degraded)?;
+        Self::replay_if(fs, opts)
+    }
+
     /// Opens a device read-only. An unreplayed fsync log is replayed in memory (nothing is
     /// written), so reads show what a kernel mount would.
     pub fn open_device(dev: Arc<dyn BlockDevice>) -> Result<Fs> {
@@ -156,6 +187,7 @@ impl Fs {
         opts: RwOptions,
     ) -> Result<Fs> {
         let mut fs = Fs::open_device_opts(dev, OpenOpts::nologreplay())?;
+        fs.refuse_writes()?;
         fs.core.set_fsync_log(opts.fsync_log);
         fs.core
             .set_fsync_skips_writes_in_progress(opts.fsync_skips_writes_in_progress);
@@ -199,8 +231,41 @@ impl Fs {
         Ok(fs)
     }
 
+    /// What stops butter writing to this filesystem, checked before anything is written:
+    /// several devices, or chunks of a profile the write path does not handle.
+    fn refuse_writes(&self) -> Result<()> {
+        let disk = &self.core.disk;
+        if disk.devices.len() > 1 {
+            return Err(Error::Unsupported(format!(
+                "the filesystem has {} devices: butter reads filesystems of several devices \
+                 but does not write them yet; open it read-only",
+                disk.devices.len()
+            )));
+        }
+        let map = disk.chunk_map();
+        if let Some(c) = map.chunks().find(|c| {
+            c.item.ty
+                & BLOCK_GROUP_PROFILE_MASK
+                & (BLOCK_GROUP_RAID0 | BLOCK_GROUP_RAID10 | BLOCK_GROUP_RAID5 | BLOCK_GROUP_RAID6)
+                != 0
+        }) {
+            return Err(Error::Unsupported(format!(
+                "chunk at {} is {}: butter writes only SINGLE, DUP and RAID1 chunks yet; \
+                 open it read-only",
+                c.logical,
+                crate::io::volumes::profile_name(c.item.ty)
+            )));
+        }
+        Ok(())
+    }
+
     pub(crate) fn open_device_opts(dev: Arc<dyn BlockDevice>, opts: OpenOpts) -> Result<Fs> {
-        let fs = Self::open_device_nolog(dev)?;
+        let fs = Self::open_set_nolog(vec![("the image".to_string(), dev)], opts.degraded)?;
+        Self::replay_if(fs, opts)
+    }
+
+    /// Replays the fsync log in memory where `opts` asks it and there is one.
+    fn replay_if(fs: Fs, opts: OpenOpts) -> Result<Fs> {
         if opts.log_replay && fs.core.disk.sb.log_root != 0 {
             crate::tree_log::replay::replay_in_memory(&fs.core)?;
             fs.core
@@ -212,8 +277,8 @@ impl Fs {
         Ok(fs)
     }
 
-    fn open_device_nolog(dev: Arc<dyn BlockDevice>) -> Result<Fs> {
-        let disk = crate::ctree::open_disk(dev)?;
+    fn open_set_nolog(given: Vec<(String, Arc<dyn BlockDevice>)>, degraded: bool) -> Result<Fs> {
+        let disk = crate::ctree::open_disk_set(given, degraded)?;
         let max_inline =
             crate::inode::file::max_inline_for(&disk, crate::inode::file::DEFAULT_MAX_INLINE);
         let sb = &disk.sb;

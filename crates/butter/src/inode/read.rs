@@ -560,10 +560,16 @@ impl Core {
         let ct = self.disk.sb.csum_type;
         let csize = ct.size();
         let bad_sector = std::cell::Cell::new(None);
-        let verify = |buf: &[u8]| -> bool {
-            for (i, c) in csums.iter().enumerate() {
+        let verify = |at: usize, buf: &[u8]| -> bool {
+            let first = at / ss;
+            for (i, c) in csums
+                .iter()
+                .enumerate()
+                .skip(first)
+                .take(buf.len().div_ceil(ss))
+            {
                 if let Some(c) = c {
-                    let s = &buf[i * ss..(i + 1) * ss];
+                    let s = &buf[(i - first) * ss..((i - first + 1) * ss).min(buf.len())];
                     if ct.compute(s)[..csize] != c[..csize] {
                         bad_sector.set(Some(i));
                         return false;

@@ -76,7 +76,7 @@ impl Core {
             .pinned_bytes(SpaceKind::Data)
             .saturating_add(w.refs.data_bytes_dropped());
         drop(w);
-        let total = sb.dev_item.total_bytes.min(self.disk.dev.len());
+        let total = sb.dev_item.total_bytes.min(self.disk.dev().len());
         Ok(StatFs {
             bsize,
             total,
@@ -120,7 +120,7 @@ impl Core {
     /// chunk has yet.
     pub(crate) fn data_space_left(&self, w: &mut crate::transaction::Writer) -> Result<u64> {
         let data_free = w.allocator.free_bytes(SpaceKind::Data);
-        let devid = self.disk.devid;
+        let devid = self.disk.devid();
         let root = w.current_root(DEV_TREE_OBJECTID)?;
         let mut allocated = 1u64 << 20; // the first MiB is never allocated
         let mut it = crate::ctree::TreeIter::new(
@@ -136,7 +136,7 @@ impl Core {
             let de = DevExtent::parse(item.data()).map_err(|e| item.annotate(e))?;
             allocated = allocated.saturating_add(de.length);
         }
-        let total = self.disk.sb.dev_item.total_bytes.min(self.disk.dev.len());
+        let total = self.disk.sb.dev_item.total_bytes.min(self.disk.dev().len());
         Ok(data_free.saturating_add(total.saturating_sub(allocated)))
     }
 }

@@ -16,7 +16,7 @@ use crate::format::header::{Header, ItemHeader, KeyPtr};
 use crate::format::superblock::Superblock;
 use crate::format::*;
 use crate::io::device::BlockDevice;
-use crate::io::volumes::ChunkMap;
+use crate::io::volumes::{ChunkMap, Devices, Member, PhysCopy, Segment};
 use rustc_hash::FxHashMap as HashMap;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -427,9 +427,10 @@ pub struct IoStats {
 
 /// The metadata/data reader of one opened filesystem.
 pub struct Disk {
-    pub dev: Arc<dyn BlockDevice>,
+    /// The devices, present and missing (see [`Devices`]).
+    pub(crate) devices: Devices,
+    /// The newest superblock of the devices (its `dev_item` is the primary device's).
     pub sb: Superblock,
-    pub devid: u64,
     chunks: RwLock<ChunkMap>,
     cache: Mutex<BlockCache>,
     pub stats: IoStats,
@@ -564,28 +565,99 @@ pub fn read_superblock(dev: &dyn BlockDevice) -> Result<Superblock> {
     })
 }
 
+/// The devices given to open a filesystem, from their superblocks: each must carry the
+/// filesystem's fsid (that of `read[newest]`), and no devid may come twice. The devices the
+/// chunk tree names beyond these are added as missing by [`Disk::match_dev_items`].
+fn gather_devices(
+    read: &[(String, Arc<dyn BlockDevice>, Superblock)],
+    newest: usize,
+) -> Result<Devices> {
+    let (first_name, first_dev, sb) = &read[newest];
+    let mut devices = Devices::single(
+        sb.dev_item.devid,
+        sb.dev_item.uuid,
+        first_name.clone(),
+        first_dev.clone(),
+    );
+    for (i, (name, dev, other)) in read.iter().enumerate() {
+        if i == newest {
+            continue;
+        }
+        if other.fsid != sb.fsid {
+            return Err(Error::Invalid(format!(
+                "{name} belongs to another filesystem (fsid {}, not {} of {first_name}); \
+                 give only the devices of one filesystem",
+                fmt_uuid(&other.fsid),
+                fmt_uuid(&sb.fsid)
+            )));
+        }
+        let devid = other.dev_item.devid;
+        if let Some(m) = devices.member(devid) {
+            return Err(Error::Invalid(if m.uuid == other.dev_item.uuid {
+                format!(
+                    "{name} and {} are the same device of the filesystem (devid {devid}); \
+                     give each device once",
+                    m.name
+                )
+            } else {
+                format!(
+                    "{name} and {} both say they are device {devid} of the filesystem; \
+                     one of them is a stale copy",
+                    m.name
+                )
+            }));
+        }
+        if other.generation != sb.generation {
+            log::warn!(
+                "{name} (devid {devid}) was last written at generation {}, the filesystem at {}: \
+                 it missed some commits",
+                other.generation,
+                sb.generation
+            );
+        }
+        devices.insert(Member {
+            devid,
+            uuid: other.dev_item.uuid,
+            name: name.clone(),
+            dev: Some(dev.clone()),
+        });
+    }
+    Ok(devices)
+}
+
 impl Disk {
     /// Opens the metadata layer as far as the superblock takes it: the superblock and its
     /// sys_chunk_array, enough to read the chunk tree. [`crate::ctree::open_disk`] opens it
     /// whole, with the chunk tree loaded.
-    pub(crate) fn open_sys_chunks(dev: Arc<dyn BlockDevice>) -> Result<Arc<Disk>> {
-        let sb = read_superblock(dev.as_ref())?;
+    pub(crate) fn open_sys_chunks(given: Vec<(String, Arc<dyn BlockDevice>)>) -> Result<Arc<Disk>> {
+        let mut read = Vec::with_capacity(given.len());
+        for (name, dev) in given {
+            let sb = read_superblock(dev.as_ref()).map_err(|e| {
+                if read.is_empty() {
+                    e
+                } else {
+                    Error::Invalid(format!("{name}: {e}"))
+                }
+            })?;
+            read.push((name, dev, sb));
+        }
+        let Some(newest) = (0..read.len()).max_by_key(|&i| (read[i].2.generation, usize::MAX - i))
+        else {
+            return Err(Error::Invalid("no device given".into()));
+        };
+        let sb = read[newest].2.clone();
         if let Some(why) = crate::format::features::refuse_read(&sb) {
             return Err(Error::Unsupported(why));
         }
-        if sb.num_devices != 1 {
-            return Err(Error::Unsupported(format!(
-                "superblock says the filesystem has {} devices; butter opens single-device filesystems",
-                sb.num_devices
-            )));
+        let devices = gather_devices(&read, newest)?;
+        if sb.num_devices > 1 && devices.len() as u64 == 1 && read.len() == 1 {
+            log::debug!("opening device {} of {}", sb.dev_item.devid, sb.num_devices);
         }
         let chunks = ChunkMap::from_sys_chunk_array(&sb.sys_chunk_array)?;
-        let devid = sb.dev_item.devid;
         let cache_blocks = ((256u64 << 20) / sb.nodesize as u64) as usize;
         let disk = Arc::new(Disk {
-            dev,
+            devices,
             sb,
-            devid,
             chunks: RwLock::new(chunks),
             cache: Mutex::new(BlockCache {
                 map: HashMap::default(),
@@ -597,6 +669,38 @@ impl Disk {
             overlay: RwLock::new(HashMap::default()),
         });
         Ok(disk)
+    }
+
+    /// The same filesystem over another set of devices (the set completed from the chunk
+    /// tree's device items): the superblock and chunk map carried over, the caches empty.
+    pub(crate) fn with_devices(&self, devices: Devices) -> Arc<Disk> {
+        Arc::new(Disk {
+            devices,
+            sb: self.sb.clone(),
+            chunks: RwLock::new(self.chunk_map().clone()),
+            cache: Mutex::new(BlockCache {
+                map: HashMap::default(),
+                order: VecDeque::new(),
+                capacity: self
+                    .cache
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .capacity,
+            }),
+            stats: IoStats::default(),
+            ra_tx: Mutex::new(None),
+            overlay: RwLock::new(HashMap::default()),
+        })
+    }
+
+    /// The device the superblock in use came from: a single-device filesystem's only one.
+    pub fn dev(&self) -> &Arc<dyn BlockDevice> {
+        self.devices.primary()
+    }
+
+    /// The devid of [`Disk::dev`].
+    pub(crate) fn devid(&self) -> u64 {
+        self.devices.primary_devid()
     }
 
     /// Bounds the block cache to at most `bytes` of tree blocks (never grows it): for a
@@ -628,20 +732,183 @@ impl Disk {
         map.insert(logical, chunk)
     }
 
-    /// Physical offsets of every copy of a logical range on this device.
-    fn copies(&self, logical: u64, len: u64) -> Result<Vec<u64>> {
+    /// Every copy of a logical range in one chunk of a mirrored profile, on the devices that
+    /// are present (the write path's view).
+    fn copies(&self, logical: u64, len: u64) -> Result<Vec<(&Arc<dyn BlockDevice>, u64)>> {
         let copies = self.chunk_map().map(logical, len)?;
-        let mine: Vec<u64> = copies
+        let present: Vec<_> = copies
             .iter()
-            .filter(|c| c.devid == self.devid)
-            .map(|c| c.physical)
+            .filter_map(|c| Some((self.devices.get(c.devid)?, c.physical)))
             .collect();
-        if mine.is_empty() {
-            return Err(Error::Unsupported(format!(
-                "logical {logical} lives only on a missing device"
-            )));
+        if present.is_empty() {
+            return Err(self.all_missing(logical, &copies));
         }
-        Ok(mine)
+        Ok(present)
+    }
+
+    /// The error for a range whose every copy is on a missing device.
+    fn all_missing(&self, logical: u64, copies: &[PhysCopy]) -> Error {
+        let mut ids: Vec<u64> = copies.iter().map(|c| c.devid).collect();
+        ids.dedup();
+        let ids: Vec<String> = ids.iter().map(|d| d.to_string()).collect();
+        Error::io(
+            format!(
+                "reading logical {logical}: every copy is on a missing device (devid {})",
+                ids.join(", ")
+            ),
+            0,
+            std::io::Error::new(std::io::ErrorKind::NotFound, "device missing"),
+        )
+    }
+
+    /// Reads `buf.len()` bytes at one physical place: `None` when its device is missing.
+    fn read_phys(&self, c: PhysCopy, buf: &mut [u8]) -> Option<std::io::Result<()>> {
+        Some(self.devices.get(c.devid)?.read_at(buf, c.physical))
+    }
+
+    /// The bytes of one segment that `accept` takes: each copy in turn, then (RAID5/6) the
+    /// piece rebuilt from the rest of its full stripe, treating as lost first only what is
+    /// missing or unreadable, then (RAID6) each other block as well. `Ok(None)`: some copy
+    /// was read but none was accepted; `Err`: nothing could be read.
+    fn read_segment(
+        &self,
+        what: &str,
+        seg: &Segment,
+        accept: &dyn Fn(&[u8]) -> bool,
+    ) -> Result<Option<Vec<u8>>> {
+        let len = seg.len as usize;
+        let mut last_io = None;
+        let mut read_any = false;
+        // A copy on a present device failed (unreadable or rejected): worth a warning when
+        // another source serves, unlike a copy on a device known to be missing.
+        let mut bad_present = false;
+        for (i, c) in seg.copies.iter().enumerate() {
+            let mut buf = vec![0u8; len];
+            match self.read_phys(*c, &mut buf) {
+                None => continue,
+                Some(Err(e)) => {
+                    bad_present = true;
+                    last_io = Some(Error::io(
+                        format!(
+                            "reading {what} {} (copy {i}, devid {})",
+                            seg.logical, c.devid
+                        ),
+                        c.physical,
+                        e,
+                    ))
+                }
+                Some(Ok(())) => {
+                    read_any = true;
+                    if accept(&buf) {
+                        if bad_present {
+                            log::warn!(
+                                "logical {}: an earlier copy was bad, read copy {i} (devid {})",
+                                seg.logical,
+                                c.devid
+                            );
+                        }
+                        return Ok(Some(buf));
+                    }
+                    bad_present = true;
+                }
+            }
+        }
+        if let Some(fs) = &seg.parity {
+            let mut blocks: Vec<Option<Vec<u8>>> = Vec::with_capacity(fs.blocks.len());
+            for (j, c) in fs.blocks.iter().enumerate() {
+                if j == fs.data_index {
+                    blocks.push(None);
+                    continue;
+                }
+                let mut buf = vec![0u8; len];
+                blocks.push(match self.read_phys(*c, &mut buf) {
+                    Some(Ok(())) => Some(buf),
+                    _ => None,
+                });
+            }
+            let try_rebuild = |lost_too: Option<usize>| -> Option<Vec<u8>> {
+                let mut b = blocks.clone();
+                if let Some(j) = lost_too {
+                    b[j] = None;
+                }
+                if !crate::io::raid56::rebuild(&mut b, fs.nparity) {
+                    return None;
+                }
+                b.swap_remove(fs.data_index)
+            };
+            let mut tries: Vec<Option<usize>> = vec![None];
+            if fs.nparity == 2 {
+                tries.extend(
+                    (0..fs.blocks.len())
+                        .filter(|&j| j != fs.data_index && blocks[j].is_some())
+                        .map(Some),
+                );
+            }
+            for t in tries {
+                if let Some(buf) = try_rebuild(t) {
+                    read_any = true;
+                    if accept(&buf) {
+                        if bad_present {
+                            log::warn!(
+                                "logical {}: its copy was bad, rebuilt it from the parity of \
+                                 its full stripe",
+                                seg.logical
+                            );
+                        }
+                        return Ok(Some(buf));
+                    }
+                }
+            }
+        }
+        if read_any {
+            return Ok(None);
+        }
+        Err(last_io.unwrap_or_else(|| self.all_missing(seg.logical, &seg.copies)))
+    }
+
+    /// Reads `len` bytes at a logical address in one chunk, accepting what `accept` takes of
+    /// the whole range: for a range of several segments, each segment's first readable
+    /// copy, then each other source of one segment at a time.
+    fn read_logical(
+        &self,
+        what: &str,
+        logical: u64,
+        len: usize,
+        accept: &dyn Fn(&[u8]) -> bool,
+    ) -> Result<Option<Vec<u8>>> {
+        let segs = self.chunk_map().segments(logical, len as u64)?;
+        if let [seg] = segs.as_slice() {
+            return self.read_segment(what, seg, accept);
+        }
+        let mut out = Vec::with_capacity(len);
+        for seg in &segs {
+            match self.read_segment(what, seg, &|_| true)? {
+                Some(b) => out.extend_from_slice(&b),
+                None => return Ok(None),
+            }
+        }
+        if accept(&out) {
+            return Ok(Some(out));
+        }
+        let mut at = 0usize;
+        for seg in &segs {
+            let here = at..at + seg.len as usize;
+            let before = out[here.clone()].to_vec();
+            let whole = |piece: &[u8]| {
+                if piece == before.as_slice() {
+                    return false;
+                }
+                let mut all = out.clone();
+                all[here.clone()].copy_from_slice(piece);
+                accept(&all)
+            };
+            if let Some(b) = self.read_segment(what, seg, &whole)? {
+                out[here].copy_from_slice(&b);
+                return Ok(Some(out));
+            }
+            at += seg.len as usize;
+        }
+        Ok(None)
     }
 
     /// Reads a tree block, validating it; tries every copy before giving up.
@@ -757,9 +1024,8 @@ impl Disk {
 
     /// Writes `data` at a logical address to every copy.
     pub(crate) fn write_logical(&self, logical: u64, data: &[u8]) -> Result<()> {
-        for phys in self.copies(logical, data.len() as u64)? {
-            self.dev
-                .write_at(data, phys)
+        for (dev, phys) in self.copies(logical, data.len() as u64)? {
+            dev.write_at(data, phys)
                 .map_err(|e| Error::io(format!("writing logical {logical}"), phys, e))?;
         }
         Ok(())
@@ -844,81 +1110,60 @@ impl Disk {
                 "tree block address not sector aligned",
             ));
         }
-        let copies = self
-            .copies(bytenr, ns as u64)
-            .map_err(|e| e.in_block(expect.owner, bytenr))?;
-        let mut first_err = None;
-        for (i, phys) in copies.iter().enumerate() {
-            let mut data = vec![0u8; ns as usize].into_boxed_slice();
+        let first_err = std::cell::RefCell::new(None);
+        let header = std::cell::RefCell::new(None);
+        let fsid = self.sb.metadata_fsid();
+        let accept = |data: &[u8]| {
             self.stats.block_reads.fetch_add(1, Ordering::Relaxed);
-            let r = self
-                .dev
-                .read_at(&mut data, *phys)
-                .map_err(|e| Error::io(format!("reading tree block {bytenr} (copy {i})"), *phys, e))
-                .and_then(|_| {
-                    check_tree_block(
-                        &data,
-                        bytenr,
-                        ns,
-                        self.sb.csum_type,
-                        &self.sb.metadata_fsid(),
-                        expect,
-                    )
-                });
-            match r {
-                Ok(header) => {
-                    if i > 0 {
-                        log::warn!("tree block {bytenr}: copy 0 was bad, read copy {i} instead");
-                    }
-                    return Ok(Arc::new(TreeBlock {
-                        bytenr,
-                        header,
-                        data,
-                    }));
+            match check_tree_block(data, bytenr, ns, self.sb.csum_type, &fsid, expect) {
+                Ok(h) => {
+                    *header.borrow_mut() = Some(h);
+                    true
                 }
                 Err(e) => {
-                    first_err.get_or_insert(e);
+                    first_err.borrow_mut().get_or_insert(e);
+                    false
                 }
             }
+        };
+        let got = self
+            .read_logical("tree block", bytenr, ns as usize, &accept)
+            .map_err(|e| e.in_block(expect.owner, bytenr))?;
+        match (got, header.into_inner()) {
+            (Some(data), Some(header)) => Ok(Arc::new(TreeBlock {
+                bytenr,
+                header,
+                data: data.into_boxed_slice(),
+            })),
+            _ => Err(first_err.into_inner().unwrap_or_else(|| {
+                Error::corrupt(Location::block(expect.owner, bytenr), "no copy")
+            })),
         }
-        Err(first_err
-            .unwrap_or_else(|| Error::corrupt(Location::block(expect.owner, bytenr), "no copy")))
     }
 
-    /// Reads `len` bytes of data at a logical address, trying each copy until `verify` accepts
-    /// it (`verify` returns false on a checksum mismatch).
+    /// Reads `len` bytes of data at a logical address, from the copies (or, RAID5/6, the
+    /// parity) that `verify` accepts: it is given each piece with its byte offset in the range
+    /// and returns false on a checksum mismatch. `Ok(None)`: some piece has no accepted
+    /// source.
     pub(crate) fn read_data(
         &self,
         logical: u64,
         len: usize,
-        verify: &dyn Fn(&[u8]) -> bool,
+        verify: &dyn Fn(usize, &[u8]) -> bool,
     ) -> Result<Option<Vec<u8>>> {
-        let copies = self.copies(logical, len as u64)?;
-        let mut last_io = None;
-        for phys in copies {
-            let mut buf = vec![0u8; len];
-            match self.dev.read_at(&mut buf, phys) {
-                Ok(()) => {
-                    self.stats
-                        .data_bytes_read
-                        .fetch_add(len as u64, Ordering::Relaxed);
-                    if verify(&buf) {
-                        return Ok(Some(buf));
-                    }
-                }
-                Err(e) => {
-                    last_io = Some(Error::io(
-                        format!("reading data at logical {logical}"),
-                        phys,
-                        e,
-                    ))
-                }
+        let segs = self.chunk_map().segments(logical, len as u64)?;
+        let mut out = Vec::with_capacity(len);
+        for seg in &segs {
+            let at = (seg.logical - logical) as usize;
+            match self.read_segment("data at logical", seg, &|b| verify(at, b))? {
+                Some(b) => out.extend_from_slice(&b),
+                None => return Ok(None),
             }
         }
-        match last_io {
-            Some(e) => Err(e),
-            None => Ok(None),
-        }
+        self.stats
+            .data_bytes_read
+            .fetch_add(len as u64, Ordering::Relaxed);
+        Ok(Some(out))
     }
 
     /// Queues blocks to be read into the cache by the readahead thread.

@@ -5,6 +5,7 @@
 
 pub mod device;
 pub mod disk_io;
+pub(crate) mod raid56;
 #[cfg(any(test, feature = "internals"))]
 pub(crate) mod ram;
 pub(crate) mod super_io;

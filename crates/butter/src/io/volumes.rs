@@ -1,14 +1,165 @@
-//! Logical-to-physical mapping through chunks.
+//! The volume layer: the devices of a filesystem and the chunk map from logical addresses to
+//! places on them.
+//!
+//! [`Devices`] is the set of devices the filesystem was opened with, keyed by devid, with the
+//! ones its chunk tree names but nobody gave (a degraded open) kept as missing.
 //!
 //! The superblock's sys_chunk_array holds the SYSTEM chunks needed to read the chunk tree; the
-//! chunk tree then gives every chunk. A chunk maps `[logical, logical + length)` onto one or more
-//! device stripes. SINGLE: one copy. DUP: two copies on the same device. RAID1/RAID1C3/RAID1C4:
-//! copies on (possibly) different devices. Striped profiles (RAID0/10/5/6) are not supported yet.
+//! chunk tree then gives every chunk. A chunk maps `[logical, logical + length)` onto device
+//! stripes by its profile:
+//! - SINGLE: one copy. DUP: two copies on one device. RAID1, RAID1C3, RAID1C4: a copy on each
+//!   of 2, 3 or 4 devices.
+//! - RAID0: the range cut in `stripe_len` pieces (64 KiB), dealt round the stripes.
+//! - RAID10: the same over pairs (`sub_stripes`) of mirrored stripes.
+//! - RAID5, RAID6: pieces dealt round `num_stripes - 1` (or `- 2`) stripes per full stripe,
+//!   with P (and Q) on the rest, the parity moving one stripe on with each full stripe.
+//!
+//! [`ChunkMap::segments`] cuts a logical range into the pieces that live in one place each,
+//! with every copy of each and, for RAID5/6, the full stripe to rebuild it from.
 
 use crate::error::{Error, Location, Result};
 use crate::format::items::ChunkItem;
 use crate::format::*;
+use crate::io::device::BlockDevice;
 use std::collections::BTreeMap;
+use std::sync::Arc;
+
+/// One device of an open filesystem.
+#[derive(Clone)]
+pub(crate) struct Member {
+    pub(crate) devid: u64,
+    /// The device's UUID (its superblock's `dev_item.uuid`, the chunk tree's DEV_ITEM).
+    pub(crate) uuid: [u8; 16],
+    /// How the user named it (a path), for messages.
+    pub(crate) name: String,
+    /// `None`: the chunk tree names this device but it was not given (degraded).
+    pub(crate) dev: Option<Arc<dyn BlockDevice>>,
+}
+
+/// The devices of an open filesystem, by devid.
+#[derive(Clone, Default)]
+pub(crate) struct Devices {
+    members: BTreeMap<u64, Member>,
+    /// The device the superblock in use was read from (the image named first).
+    primary: u64,
+}
+
+impl Devices {
+    /// A set of one device (every single-device filesystem).
+    pub(crate) fn single(
+        devid: u64,
+        uuid: [u8; 16],
+        name: String,
+        dev: Arc<dyn BlockDevice>,
+    ) -> Devices {
+        let mut d = Devices {
+            members: BTreeMap::new(),
+            primary: devid,
+        };
+        d.members.insert(
+            devid,
+            Member {
+                devid,
+                uuid,
+                name,
+                dev: Some(dev),
+            },
+        );
+        d
+    }
+
+    /// Adds a device; the caller has checked that its devid is new.
+    pub(crate) fn insert(&mut self, m: Member) {
+        self.members.insert(m.devid, m);
+    }
+
+    /// The device the superblock in use came from.
+    pub(crate) fn primary(&self) -> &Arc<dyn BlockDevice> {
+        match self.members.get(&self.primary).and_then(|m| m.dev.as_ref()) {
+            Some(d) => d,
+            None => unreachable!("the primary device is always present"),
+        }
+    }
+
+    pub(crate) fn primary_devid(&self) -> u64 {
+        self.primary
+    }
+
+    /// The present device `devid`, if it is one.
+    pub(crate) fn get(&self, devid: u64) -> Option<&Arc<dyn BlockDevice>> {
+        self.members.get(&devid)?.dev.as_ref()
+    }
+
+    pub(crate) fn member(&self, devid: u64) -> Option<&Member> {
+        self.members.get(&devid)
+    }
+
+    /// Every device, present or missing, by devid.
+    pub(crate) fn members(&self) -> impl Iterator<Item = &Member> {
+        self.members.values()
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.members.len()
+    }
+}
+
+/// One piece of a logical range that lives in one place per copy (see
+/// [`ChunkMap::segments`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Segment {
+    pub logical: u64,
+    pub len: u64,
+    /// Every copy of the piece (one for SINGLE, RAID0, RAID5 and RAID6).
+    pub copies: Vec<PhysCopy>,
+    /// RAID5/6: the same byte range of every stripe of the piece's full stripe, to rebuild it.
+    pub parity: Option<FullStripe>,
+}
+
+/// The blocks of a RAID5/6 full stripe that sit beside one piece: data blocks in logical
+/// order, then P, then Q.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct FullStripe {
+    pub blocks: Vec<PhysCopy>,
+    /// Which of `blocks` is the piece's own.
+    pub data_index: usize,
+    pub nparity: usize,
+}
+
+/// How many stripes a profile's chunk with `num_stripes` stripes keeps for parity.
+pub(crate) fn nparity(profile: u64) -> usize {
+    match profile {
+        BLOCK_GROUP_RAID5 => 1,
+        BLOCK_GROUP_RAID6 => 2,
+        _ => 0,
+    }
+}
+
+/// The profile's name as btrfs prints it.
+pub(crate) fn profile_name(ty: u64) -> &'static str {
+    match ty & BLOCK_GROUP_PROFILE_MASK {
+        0 => "single",
+        BLOCK_GROUP_DUP => "DUP",
+        BLOCK_GROUP_RAID0 => "RAID0",
+        BLOCK_GROUP_RAID1 => "RAID1",
+        BLOCK_GROUP_RAID1C3 => "RAID1C3",
+        BLOCK_GROUP_RAID1C4 => "RAID1C4",
+        BLOCK_GROUP_RAID10 => "RAID10",
+        BLOCK_GROUP_RAID5 => "RAID5",
+        BLOCK_GROUP_RAID6 => "RAID6",
+        _ => "mixed profiles",
+    }
+}
+
+/// How many of a chunk's stripes may be lost with every byte still readable.
+pub(crate) fn tolerated_failures(profile: u64) -> usize {
+    match profile {
+        BLOCK_GROUP_DUP | BLOCK_GROUP_RAID1 | BLOCK_GROUP_RAID10 | BLOCK_GROUP_RAID5 => 1,
+        BLOCK_GROUP_RAID1C3 | BLOCK_GROUP_RAID6 => 2,
+        BLOCK_GROUP_RAID1C4 => 3,
+        _ => 0,
+    }
+}
 
 #[derive(Debug, Clone)]
 pub(crate) struct Chunk {
@@ -71,17 +222,40 @@ impl ChunkMap {
             .checked_add(item.length)
             .ok_or("chunk end overflows")?;
         let profile = item.ty & BLOCK_GROUP_PROFILE_MASK;
+        if profile.count_ones() > 1 {
+            return Err(format!("chunk type {:#x} names several profiles", item.ty));
+        }
         let want_stripes_min = match profile {
-            0 => 1,
-            BLOCK_GROUP_DUP | BLOCK_GROUP_RAID1 => 2,
-            BLOCK_GROUP_RAID1C3 => 3,
+            BLOCK_GROUP_DUP | BLOCK_GROUP_RAID1 | BLOCK_GROUP_RAID10 | BLOCK_GROUP_RAID5 => 2,
+            BLOCK_GROUP_RAID1C3 | BLOCK_GROUP_RAID6 => 3,
             BLOCK_GROUP_RAID1C4 => 4,
             _ => 1,
         };
-        if (item.num_stripes as usize) < want_stripes_min {
+        if (item.num_stripes as usize) < want_stripes_min
+            || item.stripes.len() != item.num_stripes as usize
+        {
             return Err(format!(
-                "profile {profile:#x} with {} stripes",
+                "{} chunk with {} stripes",
+                profile_name(profile),
                 item.num_stripes
+            ));
+        }
+        let striped = matches!(
+            profile,
+            BLOCK_GROUP_RAID0 | BLOCK_GROUP_RAID10 | BLOCK_GROUP_RAID5 | BLOCK_GROUP_RAID6
+        );
+        if striped && (item.stripe_len == 0 || !item.stripe_len.is_power_of_two()) {
+            return Err(format!(
+                "stripe length {} is not a power of two",
+                item.stripe_len
+            ));
+        }
+        if profile == BLOCK_GROUP_RAID10
+            && (item.sub_stripes < 2 || !item.num_stripes.is_multiple_of(item.sub_stripes))
+        {
+            return Err(format!(
+                "RAID10 chunk with {} stripes in groups of {}",
+                item.num_stripes, item.sub_stripes
             ));
         }
         for (i, s) in item.stripes.iter().enumerate() {
@@ -114,8 +288,29 @@ impl ChunkMap {
         (logical < c.logical + c.item.length).then_some(c)
     }
 
-    /// Every physical copy of `[logical, logical + len)`. The range must lie in one chunk.
+    /// Every physical copy of `[logical, logical + len)`, for a range in one chunk of a
+    /// mirrored profile (SINGLE, DUP, RAID1*): the write path's view. A striped chunk is
+    /// refused by name.
     pub(crate) fn map(&self, logical: u64, len: u64) -> Result<Vec<PhysCopy>> {
+        let segs = self.segments(logical, len)?;
+        match segs.as_slice() {
+            [one] if one.parity.is_none() && one.logical == logical && one.len == len => {
+                let c = self.lookup(logical).map(|c| c.item.ty).unwrap_or(0);
+                if c & BLOCK_GROUP_PROFILE_MASK & (BLOCK_GROUP_RAID0 | BLOCK_GROUP_RAID10) != 0 {
+                    return Err(striped_write(logical, c));
+                }
+                Ok(one.copies.clone())
+            }
+            _ => {
+                let c = self.lookup(logical).map(|c| c.item.ty).unwrap_or(0);
+                Err(striped_write(logical, c))
+            }
+        }
+    }
+
+    /// Cuts `[logical, logical + len)`, which must lie in one chunk, into the pieces that lie
+    /// in one place on each copy (see the module's description of the profiles).
+    pub(crate) fn segments(&self, logical: u64, len: u64) -> Result<Vec<Segment>> {
         let loc = || Location::what(format!("logical {logical} length {len}"));
         let c = self
             .lookup(logical)
@@ -127,22 +322,98 @@ impl ChunkMap {
                 format!("range crosses the end of chunk {}", c.logical),
             ));
         }
-        let profile = c.item.ty & BLOCK_GROUP_PROFILE_MASK;
-        match profile {
-            0 | BLOCK_GROUP_DUP | BLOCK_GROUP_RAID1 | BLOCK_GROUP_RAID1C3 | BLOCK_GROUP_RAID1C4 => {
-                Ok(c.item
-                    .stripes
-                    .iter()
-                    .map(|s| PhysCopy {
-                        devid: s.devid,
-                        physical: s.offset + off,
-                    })
-                    .collect())
-            }
-            p => Err(Error::Unsupported(format!(
-                "chunk at {} uses striped profile {p:#x} (RAID0/10/5/6): not supported yet",
-                c.logical
-            ))),
+        let item = &c.item;
+        let profile = item.ty & BLOCK_GROUP_PROFILE_MASK;
+        let at = |i: usize, phys: u64| PhysCopy {
+            devid: item.stripes[i].devid,
+            physical: item.stripes[i].offset + phys,
+        };
+        if !matches!(
+            profile,
+            BLOCK_GROUP_RAID0 | BLOCK_GROUP_RAID10 | BLOCK_GROUP_RAID5 | BLOCK_GROUP_RAID6
+        ) {
+            return Ok(vec![Segment {
+                logical,
+                len,
+                copies: (0..item.stripes.len()).map(|i| at(i, off)).collect(),
+                parity: None,
+            }]);
         }
+        let n = item.stripes.len() as u64;
+        let sl = item.stripe_len;
+        let mut out = Vec::new();
+        let mut pos = off;
+        let end = off + len;
+        while pos < end {
+            let s = pos / sl;
+            let o = pos % sl;
+            let piece = (sl - o).min(end - pos);
+            let seg = |copies, parity| Segment {
+                logical: c.logical + pos,
+                len: piece,
+                copies,
+                parity,
+            };
+            out.push(match profile {
+                BLOCK_GROUP_RAID0 => seg(vec![at((s % n) as usize, (s / n) * sl + o)], None),
+                BLOCK_GROUP_RAID10 => {
+                    let sub = item.sub_stripes as u64;
+                    let groups = n / sub;
+                    let first = (s % groups) * sub;
+                    let phys = (s / groups) * sl + o;
+                    seg(
+                        (first..first + sub).map(|i| at(i as usize, phys)).collect(),
+                        None,
+                    )
+                }
+                _ => {
+                    let np = nparity(profile) as u64;
+                    let nd = n - np;
+                    let full = s / nd;
+                    let k = s % nd;
+                    let rot = full % n;
+                    let phys = full * sl + o;
+                    let blocks: Vec<PhysCopy> =
+                        (0..n).map(|j| at(((rot + j) % n) as usize, phys)).collect();
+                    seg(
+                        vec![blocks[k as usize]],
+                        Some(FullStripe {
+                            blocks,
+                            data_index: k as usize,
+                            nparity: np as usize,
+                        }),
+                    )
+                }
+            });
+            pos += piece;
+        }
+        Ok(out)
     }
+}
+
+/// The chunks (their logical starts) with more stripes on missing devices than their profile
+/// tolerates (see [`tolerated_failures`]; RAID10 counted as the kernel counts it, any two
+/// stripes).
+pub(crate) fn chunks_beyond_repair(map: &ChunkMap, devices: &Devices) -> Vec<u64> {
+    map.chunks()
+        .filter(|c| {
+            let gone = c
+                .item
+                .stripes
+                .iter()
+                .filter(|s| devices.get(s.devid).is_none())
+                .count();
+            gone > tolerated_failures(c.item.ty & BLOCK_GROUP_PROFILE_MASK)
+        })
+        .map(|c| c.logical)
+        .collect()
+}
+
+/// The write path's refusal of a striped chunk.
+fn striped_write(logical: u64, ty: u64) -> Error {
+    Error::Unsupported(format!(
+        "logical {logical} lies in a {} chunk: butter writes only SINGLE, DUP and RAID1 \
+         (RAID1C3, RAID1C4) chunks yet",
+        profile_name(ty)
+    ))
 }

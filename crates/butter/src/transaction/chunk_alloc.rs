@@ -12,8 +12,8 @@ use crate::space::alloc::{self, BlockGroup, RangeSet, SpaceKind};
 impl Writer {
     /// Free bytes the device has outside any chunk, largest hole first: (physical, len).
     pub(super) fn device_holes(&mut self) -> Result<Vec<(u64, u64)>> {
-        let devid = self.disk.devid;
-        let total = self.dev_item.total_bytes.min(self.disk.dev.len());
+        let devid = self.disk.devid();
+        let total = self.dev_item.total_bytes.min(self.disk.dev().len());
         let mut used = RangeSet::new();
         let _ = used.add(0, 1 << 20); // the first MiB is never allocated
         let root = self.current_root(DEV_TREE_OBJECTID)?;
@@ -109,7 +109,7 @@ impl Writer {
             .div_ceil(1 << 20)
             * (1 << 20);
         let flags = kind.flag() | profile;
-        let devid = self.disk.devid;
+        let devid = self.disk.devid();
         let stripes: Vec<Stripe> = (0..copies)
             .map(|i| Stripe {
                 devid,
@@ -203,7 +203,7 @@ impl Writer {
     /// device item (in the chunk tree and the superblock) and the filesystem size become
     /// that end. Returns it; the caller commits, then may cut the image file there.
     pub(crate) fn shrink_device_to_chunks(&mut self) -> Result<u64> {
-        let devid = self.disk.devid;
+        let devid = self.disk.devid();
         let root = self.current_root(DEV_TREE_OBJECTID)?;
         let mut it = TreeIter::new(
             self.disk.clone(),

@@ -102,7 +102,7 @@ impl Writer {
         trees_final();
         self.write_dirty_blocks()?;
         self.disk
-            .dev
+            .dev()
             .flush()
             .map_err(|e| Error::io("flushing tree blocks", 0, e))?;
         self.write_superblocks()?;
@@ -240,7 +240,7 @@ impl Writer {
         let mut sb = self.sb.clone();
         sb.log_root = log_root;
         sb.log_root_level = level;
-        if let Err(e) = crate::io::super_io::write_primary(&*self.disk.dev, &sb, &self.sb_base) {
+        if let Err(e) = crate::io::super_io::write_primary(&**self.disk.dev(), &sb, &self.sb_base) {
             // The primary copy may be torn: nothing more may be written.
             self.set_aborted(e.to_string());
             return Err(e);
@@ -320,7 +320,7 @@ impl Writer {
             csum_root_level: csum.level,
         };
         crate::io::super_io::write_all(
-            &*self.disk.dev,
+            &**self.disk.dev(),
             &self.sb,
             &self.sb_base,
             crate::io::super_io::Order::PrimaryFirst,

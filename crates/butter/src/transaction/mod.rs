@@ -150,7 +150,7 @@ impl Writer {
             return Err(Error::Unsupported(why));
         }
         let mut raw = vec![0u8; SUPER_INFO_SIZE];
-        disk.dev
+        disk.dev()
             .read_at(&mut raw, sb.bytenr)
             .map_err(|e| Error::io("reading superblock", sb.bytenr, e))?;
         let root_block = disk.read_tree_block(
@@ -289,7 +289,7 @@ impl Writer {
         } else {
             crate::io::super_io::Order::PrimaryFirst
         };
-        crate::io::super_io::write_all(&*self.disk.dev, &self.sb, &self.sb_base, order)?;
+        crate::io::super_io::write_all(&**self.disk.dev(), &self.sb, &self.sb_base, order)?;
         Ok(())
     }
 

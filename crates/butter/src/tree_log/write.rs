@@ -1027,7 +1027,7 @@ impl Core {
                 self.disk.write_logical(*b, data)?;
             }
             self.disk
-                .dev
+                .dev()
                 .flush()
                 .map_err(|e| Error::io("flushing fsync log blocks", 0, e))
         })();
@@ -1048,7 +1048,7 @@ impl Core {
         drop(w);
         let flushed = self
             .disk
-            .dev
+            .dev()
             .flush()
             .map_err(|e| Error::io("flushing the superblock of an fsync log", 0, e));
         let mut w = self.writer_keeping_ordered()?;

@@ -1,0 +1,432 @@
+//! Filesystems of several devices, against the kernel: for each profile, mkfs.btrfs makes the
+//! filesystem on several image files, the kernel fills it through loop devices, and butter
+//! must read back exactly what the kernel shows (restore with `--device`, and a read-only
+//! FUSE mount with `-o device=`): with every device, with devices missing (`--degraded`, as
+//! many as the profile tolerates), and with random blocks of a device overwritten (reads
+//! must find the good copy or rebuild from parity). Refusals are checked too: a missing
+//! device without `--degraded`, a device given twice, a device of another filesystem, and a
+//! change to a filesystem of several devices, which butter does not write yet.
+//!
+//! Needs root, loop devices, kernel btrfs and btrfs-progs; /dev/fuse for the mount. Without
+//! them the tests print a notice and pass, unless `CI` is set (then they fail).
+
+mod common;
+
+use common::fuse_mount::ButterMount;
+use common::kernel::{self, MultiLoopMount, ScratchDir};
+use common::manifest::{self, CompareOpts, Manifest, TakeOpts};
+use std::fs;
+use std::io::{Seek, SeekFrom, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+const BUTTER: &str = env!("CARGO_BIN_EXE_butter");
+const DEV_SIZE: u64 = 300 << 20;
+
+fn butter(args: &[&str]) -> Output {
+    Command::new(BUTTER)
+        .args(args)
+        .output()
+        .expect("run butter")
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+/// A small xorshift generator: the same bytes on every run.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn bytes(&mut self, n: usize) -> Vec<u8> {
+        let mut v = Vec::with_capacity(n + 8);
+        while v.len() < n {
+            v.extend_from_slice(&self.next().to_le_bytes());
+        }
+        v.truncate(n);
+        v
+    }
+}
+
+/// Files that cross 64 KiB stripe boundaries and full stripes, small ones kept inline, a
+/// sparse one, a directory tree, a symlink, a hard link and an xattr.
+fn fill(root: &Path, seed: u64) {
+    let mut rng = Rng(seed | 1);
+    let d = root.join("dir/sub");
+    fs::create_dir_all(&d).unwrap();
+    for (i, size) in [
+        0usize,
+        100,
+        3000,
+        4096,
+        65536,
+        65537,
+        200_000,
+        1 << 20,
+        3_000_001,
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        fs::write(root.join(format!("f{i}")), rng.bytes(size)).unwrap();
+    }
+    for i in 0..40 {
+        fs::write(d.join(format!("small{i}")), rng.bytes(500 + i * 37)).unwrap();
+    }
+    // Compressible text (compressed on the mounts that ask for it).
+    let line = b"the quick brown fox jumps over the lazy dog 0123456789\n";
+    fs::write(root.join("text"), line.repeat(20_000)).unwrap();
+    let mut f = fs::File::create(root.join("sparse")).unwrap();
+    f.seek(SeekFrom::Start(5 << 20)).unwrap();
+    f.write_all(&rng.bytes(70_000)).unwrap();
+    drop(f);
+    std::os::unix::fs::symlink("dir/sub/small3", root.join("link")).unwrap();
+    fs::hard_link(root.join("f5"), root.join("dir/f5-again")).unwrap();
+    kernel::sh(
+        "setfattr",
+        &[
+            "-n",
+            "user.what",
+            "-v",
+            "multi",
+            &root.join("f1").display().to_string(),
+        ],
+    );
+}
+
+/// One profile's filesystem: its images (the first is the one named as IMAGE).
+struct Volume {
+    images: Vec<PathBuf>,
+}
+
+impl Volume {
+    /// mkfs.btrfs `-d data -m meta` over `n` images, filled by the kernel (`mount_opts`).
+    fn make(
+        s: &ScratchDir,
+        name: &str,
+        data: &str,
+        meta: &str,
+        n: usize,
+        mount_opts: &str,
+    ) -> Volume {
+        let images: Vec<PathBuf> = (0..n).map(|i| s.join(format!("{name}-{i}.img"))).collect();
+        for img in &images {
+            let f = fs::File::create(img).unwrap();
+            f.set_len(DEV_SIZE).unwrap();
+        }
+        kernel::run(
+            Command::new("mkfs.btrfs")
+                .args(["-f", "-q", "-d", data, "-m", meta])
+                .args(&images),
+        );
+        let m = MultiLoopMount::new(&images, &s.dir(format!("{name}.kmnt")), mount_opts);
+        fill(m.path(), name.len() as u64 * 7919);
+        m.unmount();
+        Volume { images }
+    }
+
+    /// `--device` for every image but the first, leaving out `skip`.
+    fn device_args(&self, skip: &[usize]) -> Vec<String> {
+        let mut v = Vec::new();
+        for (i, img) in self.images.iter().enumerate().skip(1) {
+            if !skip.contains(&i) {
+                v.push("--device".to_string());
+                v.push(img.display().to_string());
+            }
+        }
+        v
+    }
+
+    /// What the kernel shows, mounted read-only with every device.
+    fn kernel_manifest(&self, s: &ScratchDir, name: &str) -> Manifest {
+        let m = MultiLoopMount::new(&self.images, &s.dir(format!("{name}.kro")), "ro,noatime");
+        let got = manifest::take(m.path(), &TakeOpts::default());
+        m.unmount();
+        got
+    }
+}
+
+/// `butter restore` of `first` (an image) with `args`, into a fresh directory; the result.
+fn restore(s: &ScratchDir, first: &Path, args: &[String], what: &str) -> Manifest {
+    let out = s.join(format!("restore-{}", what.replace([' ', '/', ','], "-")));
+    let _ = fs::remove_dir_all(&out);
+    fs::create_dir_all(&out).unwrap();
+    let mut a: Vec<String> = vec![
+        "restore".into(),
+        first.display().to_string(),
+        out.display().to_string(),
+    ];
+    a.extend(args.iter().cloned());
+    let refs: Vec<&str> = a.iter().map(|x| x.as_str()).collect();
+    let o = butter(&refs);
+    assert!(
+        o.status.success(),
+        "{what}: butter {a:?} failed:\n{}",
+        text(&o)
+    );
+    assert!(!text(&o).contains("panicked"), "{what}: {}", text(&o));
+    let m = manifest::take(&out, &TakeOpts::default());
+    fs::remove_dir_all(&out).unwrap();
+    m
+}
+
+/// `butter check` with the devices in `args`: must be clean.
+fn check_clean(first: &Path, args: &[String], what: &str) {
+    let mut a: Vec<String> = vec!["check".into(), first.display().to_string()];
+    a.extend(args.iter().cloned());
+    let refs: Vec<&str> = a.iter().map(|x| x.as_str()).collect();
+    let o = butter(&refs);
+    let t = text(&o);
+    assert!(
+        o.status.success(),
+        "{what}: butter check found problems:\n{t}"
+    );
+    assert!(t.contains("0 fatal, 0 errors"), "{what}: {t}");
+}
+
+/// Overwrites `count` random 4 KiB blocks of `img` past its first MiB, sparing the
+/// superblock copies, with random bytes.
+fn scribble(img: &Path, count: usize, seed: u64) {
+    let mut rng = Rng(seed | 1);
+    let mut f = fs::OpenOptions::new().write(true).open(img).unwrap();
+    let blocks = DEV_SIZE / 4096;
+    let mut done = 0;
+    while done < count {
+        let b = 256 + rng.next() % (blocks - 256);
+        let at = b * 4096;
+        if at == 64 << 20 {
+            continue;
+        }
+        f.seek(SeekFrom::Start(at)).unwrap();
+        f.write_all(&rng.bytes(4096)).unwrap();
+        done += 1;
+    }
+    f.sync_all().unwrap();
+}
+
+/// (name, data profile, metadata profile, devices, devices that may be missing, kernel
+/// mount options while filling)
+const PROFILES: &[(&str, &str, &str, usize, usize, &str)] = &[
+    ("single", "single", "dup", 2, 0, ""),
+    ("raid0", "raid0", "raid1", 3, 0, ""),
+    ("raid1", "raid1", "raid1", 2, 1, ""),
+    ("raid1c3", "raid1c3", "raid1c3", 3, 2, ""),
+    ("raid1c4", "raid1c4", "raid1c4", 4, 3, ""),
+    ("raid10", "raid10", "raid10", 4, 1, "compress=zstd"),
+    ("raid5", "raid5", "raid5", 3, 1, "compress=zstd"),
+    ("raid6", "raid6", "raid6", 4, 2, ""),
+];
+
+#[test]
+fn every_profile_reads_as_the_kernel_shows_it_whole_degraded_and_damaged() {
+    if !kernel::require_privileges() {
+        return;
+    }
+    let s = ScratchDir::new("multi-device-profiles");
+    let opts = CompareOpts::restore();
+    for &(name, data, meta, n, tolerated, mopts) in PROFILES {
+        let v = Volume::make(&s, name, data, meta, n, mopts);
+        let want = v.kernel_manifest(&s, name);
+        assert!(
+            want.len() > 50,
+            "{name}: the kernel shows only {} entries",
+            want.len()
+        );
+        // Whole.
+        let all = v.device_args(&[]);
+        let got = restore(&s, &v.images[0], &all, &format!("{name} whole"));
+        manifest::assert_same(
+            &want,
+            &got,
+            &opts,
+            &format!("{name}: restore with every device"),
+        );
+        check_clean(&v.images[0], &all, name);
+        // Named from another device, the others in reverse order.
+        let mut rev: Vec<String> = Vec::new();
+        for img in v.images.iter().rev().skip(1) {
+            rev.push("--device".into());
+            rev.push(img.display().to_string());
+        }
+        let got = restore(&s, &v.images[n - 1], &rev, &format!("{name} reversed"));
+        manifest::assert_same(
+            &want,
+            &got,
+            &opts,
+            &format!("{name}: restore from the last device"),
+        );
+        // Without the others: refused, naming what is missing and what to do.
+        let o = butter(&["ls", v.images[0].to_str().unwrap()]);
+        let t = text(&o);
+        assert!(
+            !o.status.success(),
+            "{name}: read without its other devices:\n{t}"
+        );
+        assert!(
+            t.contains("missing") && t.contains("--device"),
+            "{name}: {t}"
+        );
+        // Degraded: the last `tolerated` devices gone.
+        if tolerated > 0 {
+            let gone: Vec<usize> = (n - tolerated..n).collect();
+            let mut args = v.device_args(&gone);
+            args.push("--degraded".into());
+            let got = restore(&s, &v.images[0], &args, &format!("{name} degraded"));
+            manifest::assert_same(
+                &want,
+                &got,
+                &opts,
+                &format!("{name}: restore with devices {gone:?} missing"),
+            );
+            // Random blocks of one device (two for RAID6) overwritten: the good copy or the
+            // parity serves every read, and nothing is written.
+            let copies: Vec<PathBuf> = v
+                .images
+                .iter()
+                .map(|img| {
+                    let c = img.with_extension("damaged");
+                    fs::copy(img, &c).unwrap();
+                    c
+                })
+                .collect();
+            for (k, c) in copies.iter().enumerate().skip(1).take(tolerated) {
+                scribble(c, 3000, 17 + k as u64);
+            }
+            let before: Vec<Vec<u8>> = copies.iter().map(|c| fs::read(c).unwrap()).collect();
+            let damaged = Volume { images: copies };
+            let got = restore(
+                &s,
+                &damaged.images[0],
+                &damaged.device_args(&[]),
+                &format!("{name} damaged"),
+            );
+            manifest::assert_same(
+                &want,
+                &got,
+                &opts,
+                &format!("{name}: restore of damaged devices"),
+            );
+            for (c, b) in damaged.images.iter().zip(&before) {
+                assert!(
+                    fs::read(c).unwrap() == *b,
+                    "{name}: a read-only restore wrote {}",
+                    c.display()
+                );
+            }
+            for c in &damaged.images {
+                fs::remove_file(c).unwrap();
+            }
+        }
+        // The kernel still agrees the devices are sound: nothing above wrote to them.
+        let (ok, t) = kernel::btrfs_check_devices(&v.images);
+        assert!(ok, "{name}: btrfs check after butter read it:\n{t}");
+        for img in &v.images {
+            fs::remove_file(img).unwrap();
+        }
+    }
+}
+
+#[test]
+fn mount_reads_raid5_and_raid10_through_fuse_whole_and_degraded() {
+    if !common::fuse_mount::require(
+        "mount_reads_raid5_and_raid10_through_fuse_whole_and_degraded",
+        &[],
+    ) || !kernel::require_privileges()
+    {
+        return;
+    }
+    let s = ScratchDir::new("multi-device-mount");
+    for (name, data, n) in [("raid5", "raid5", 3), ("raid10", "raid10", 4)] {
+        let v = Volume::make(&s, name, data, data, n, "");
+        let want = v.kernel_manifest(&s, name);
+        for (what, skip, degraded) in [("whole", vec![], false), ("degraded", vec![1usize], true)] {
+            let mut o = vec!["ro".to_string()];
+            for (i, img) in v.images.iter().enumerate().skip(1) {
+                if !skip.contains(&i) {
+                    o.push(format!("device={}", img.display()));
+                }
+            }
+            if degraded {
+                o.push("degraded".into());
+            }
+            let opts = o.join(",");
+            let dir = s.dir(format!("{name}-{what}.mnt"));
+            let log = s.join(format!("{name}-{what}.log"));
+            let m = ButterMount::start(&v.images[0], &dir, &["-o", &opts], &log);
+            let got = manifest::take(m.path(), &TakeOpts::default());
+            m.unmount();
+            manifest::assert_same(
+                &want,
+                &got,
+                &CompareOpts::fuse(),
+                &format!("{name}: butter mount -o {opts}"),
+            );
+        }
+        for img in &v.images {
+            fs::remove_file(img).unwrap();
+        }
+    }
+}
+
+#[test]
+fn wrong_device_sets_are_refused_by_name_and_nothing_is_written() {
+    if !kernel::require_privileges() {
+        return;
+    }
+    let s = ScratchDir::new("multi-device-refusals");
+    let v = Volume::make(&s, "r1", "raid1", "raid1", 2, "");
+    let other = Volume::make(&s, "o1", "raid1", "raid1", 2, "");
+    let a = v.images[0].to_str().unwrap();
+    let b = v.images[1].to_str().unwrap();
+    let x = other.images[1].to_str().unwrap();
+    let before: Vec<Vec<u8>> = v.images.iter().map(|i| fs::read(i).unwrap()).collect();
+    let cases: &[(&[&str], &[&str])] = &[
+        (
+            &["ls", a],
+            &["device 2", "missing", "--device", "--degraded"],
+        ),
+        (&["ls", a, "--device", a], &["same device", "once"]),
+        (&["ls", a, "--device", x], &["another filesystem"]),
+        (
+            &["subvolume", "create", a, "new", "--device", b],
+            &["several devices", "does not write"],
+        ),
+        (&["subvolume", "create", a, "new"], &["missing"]),
+    ];
+    for (args, want) in cases {
+        let o = butter(args);
+        let t = text(&o);
+        assert!(!o.status.success(), "butter {args:?} succeeded:\n{t}");
+        assert!(!t.contains("panicked"), "butter {args:?}: {t}");
+        for w in *want {
+            assert!(t.contains(w), "butter {args:?}: no {w:?} in:\n{t}");
+        }
+    }
+    let dir = s.dir("rw.mnt");
+    let log = s.join("rw.log");
+    let opt = format!("device={b}");
+    match ButterMount::try_start(&v.images[0], &dir, &["-o", &opt], &log) {
+        Ok(m) => {
+            m.unmount();
+            panic!("a read-write mount of two devices started");
+        }
+        Err((_, t)) => assert!(t.contains("does not write"), "{t}"),
+    }
+    for (img, b) in v.images.iter().zip(&before) {
+        assert!(fs::read(img).unwrap() == *b, "{} changed", img.display());
+    }
+    // With both: `ls` works and `check` is clean.
+    let o = butter(&["ls", a, "--device", b]);
+    assert!(o.status.success(), "{}", text(&o));
+    check_clean(&v.images[0], &["--device".into(), b.into()], "raid1");
+}
