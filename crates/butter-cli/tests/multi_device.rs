@@ -398,10 +398,10 @@ fn wrong_device_sets_are_refused_by_name_and_nothing_is_written() {
         (&["ls", a, "--device", a], &["same device", "once"]),
         (&["ls", a, "--device", x], &["another filesystem"]),
         (
-            &["subvolume", "create", a, "new", "--device", b],
-            &["several devices", "does not write"],
+            &["subvolume", "create", a, "new", "--degraded"],
+            &["degraded", "read-only"],
         ),
-        (&["subvolume", "create", a, "new"], &["missing"]),
+        (&["subvolume", "create", a, "new"], &["missing", "--device"]),
     ];
     for (args, want) in cases {
         let o = butter(args);
@@ -414,19 +414,183 @@ fn wrong_device_sets_are_refused_by_name_and_nothing_is_written() {
     }
     let dir = s.dir("rw.mnt");
     let log = s.join("rw.log");
-    let opt = format!("device={b}");
-    match ButterMount::try_start(&v.images[0], &dir, &["-o", &opt], &log) {
+    match ButterMount::try_start(&v.images[0], &dir, &["-o", "degraded"], &log) {
         Ok(m) => {
             m.unmount();
-            panic!("a read-write mount of two devices started");
+            panic!("a degraded read-write mount started");
         }
-        Err((_, t)) => assert!(t.contains("does not write"), "{t}"),
+        Err((_, t)) => assert!(t.contains("read-only"), "{t}"),
     }
     for (img, b) in v.images.iter().zip(&before) {
         assert!(fs::read(img).unwrap() == *b, "{} changed", img.display());
     }
-    // With both: `ls` works and `check` is clean.
-    let o = butter(&["ls", a, "--device", b]);
+    // With both: a change goes to both devices, and both checkers and the kernel agree.
+    let o = butter(&["subvolume", "create", a, "new", "--device", b]);
     assert!(o.status.success(), "{}", text(&o));
+    let o = butter(&["ls", a, "--device", b]);
+    assert!(
+        o.status.success() && text(&o).contains("new"),
+        "{}",
+        text(&o)
+    );
     check_clean(&v.images[0], &["--device".into(), b.into()], "raid1");
+    let (ok, t) = kernel::btrfs_check_devices(&v.images);
+    assert!(
+        ok,
+        "btrfs check after a subvolume create on two devices:\n{t}"
+    );
+    let m = MultiLoopMount::new(&v.images, &s.dir("rw.k"), "ro");
+    assert!(
+        m.path().join("new").is_dir(),
+        "the kernel does not see the new subvolume"
+    );
+    m.unmount();
+}
+
+/// Changes through butter's mount: the files of [`fill`], a file large enough to need new
+/// data chunks, then overwrites, a truncate and deletes.
+fn churn(root: &Path, seed: u64) {
+    fill(root, seed);
+    let mut rng = Rng(seed ^ 0x9e37_79b9);
+    let big = rng.bytes(200 << 20);
+    fs::write(root.join("big"), &big).unwrap();
+    let mut f = fs::OpenOptions::new()
+        .write(true)
+        .open(root.join("f7"))
+        .unwrap();
+    for i in 0..20u64 {
+        f.seek(SeekFrom::Start((rng.next() % (1 << 20)) & !4095))
+            .unwrap();
+        f.write_all(&rng.bytes(4096 + i as usize * 100)).unwrap();
+    }
+    drop(f);
+    fs::OpenOptions::new()
+        .write(true)
+        .open(root.join("f8"))
+        .unwrap()
+        .set_len(1_234_567)
+        .unwrap();
+    for i in (0..40).step_by(3) {
+        fs::remove_file(root.join(format!("dir/sub/small{i}"))).unwrap();
+    }
+    fs::remove_file(root.join("f6")).unwrap();
+}
+
+#[test]
+fn butter_writes_every_profile_and_the_kernel_reads_and_scrubs_it_clean() {
+    if !common::fuse_mount::require(
+        "butter_writes_every_profile_and_the_kernel_reads_and_scrubs_it_clean",
+        &[],
+    ) || !kernel::require_privileges()
+    {
+        return;
+    }
+    let s = ScratchDir::new("multi-device-writes");
+    let profiles: &[(&str, &str, &str, usize, usize)] = &[
+        ("single", "single", "raid1", 2, 0),
+        ("raid0", "raid0", "raid0", 3, 0),
+        ("raid1", "raid1", "raid1", 2, 1),
+        ("raid1c3", "raid1c3", "raid1c3", 3, 2),
+        ("raid10", "raid10", "raid10", 4, 1),
+        ("raid5", "raid5", "raid5", 3, 1),
+        ("raid6", "raid6", "raid6", 4, 2),
+    ];
+    for &(name, data, meta, n, tolerated) in profiles {
+        let images: Vec<PathBuf> = (0..n).map(|i| s.join(format!("{name}-{i}.img"))).collect();
+        for img in &images {
+            fs::File::create(img).unwrap().set_len(512 << 20).unwrap();
+        }
+        kernel::run(
+            Command::new("mkfs.btrfs")
+                .args(["-f", "-q", "-d", data, "-m", meta])
+                .args(&images),
+        );
+        let v = Volume { images };
+        let mut o = Vec::new();
+        for img in &v.images[1..] {
+            o.push(format!("device={}", img.display()));
+        }
+        let opts = o.join(",");
+        let dir = s.dir(format!("{name}.mnt"));
+        let log = s.join(format!("{name}.log"));
+        let m = ButterMount::start_env(
+            &v.images[0],
+            &dir,
+            &["-o", &opts],
+            &log,
+            &[("RUST_LOG", "info")],
+        );
+        churn(m.path(), n as u64 * 31 + name.len() as u64);
+        let shown = manifest::take(m.path(), &TakeOpts::default());
+        m.unmount();
+        assert!(
+            fs::read_to_string(&log)
+                .unwrap_or_default()
+                .contains(&format!(
+                    "added a {} Data chunk",
+                    match data {
+                        "single" => "single",
+                        d => Box::leak(d.to_uppercase().into_boxed_str()),
+                    }
+                )),
+            "{name}: no new data chunk was needed:\n{}",
+            fs::read_to_string(&log).unwrap_or_default()
+        );
+        check_clean(&v.images[0], &v.device_args(&[]), name);
+        let (ok, t) = kernel::btrfs_check_devices(&v.images);
+        assert!(ok, "{name}: btrfs check of what butter wrote:\n{t}");
+        let want = v.kernel_manifest(&s, name);
+        manifest::assert_same(
+            &shown,
+            &want,
+            &CompareOpts::fuse(),
+            &format!("{name}: the kernel after butter wrote"),
+        );
+        if tolerated > 0 {
+            // Every copy and parity block is right: the last devices can go.
+            let gone: Vec<usize> = (n - tolerated..n).collect();
+            let mut args = v.device_args(&gone);
+            args.push("--degraded".into());
+            let got = restore(&s, &v.images[0], &args, &format!("{name} written degraded"));
+            manifest::assert_same(
+                &want,
+                &got,
+                &CompareOpts::restore(),
+                &format!("{name}: what butter wrote, read with devices {gone:?} missing"),
+            );
+        }
+        // The kernel's scrub reads every copy and every parity block (after the degraded
+        // read: it would repair a stale parity block).
+        let km = MultiLoopMount::new(&v.images, &s.dir(format!("{name}.scrub")), "");
+        let out = kernel::run_output(
+            Command::new("btrfs")
+                .args(["scrub", "start", "-B", "-R"])
+                .arg(km.path()),
+        );
+        let t = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        km.unmount();
+        assert!(
+            out.status.success(),
+            "{name}: the kernel's scrub failed:\n{t}"
+        );
+        for field in [
+            "csum_errors: 0",
+            "verify_errors: 0",
+            "read_errors: 0",
+            "uncorrectable_errors: 0",
+            "corrected_errors: 0",
+        ] {
+            assert!(
+                t.contains(field),
+                "{name}: scrub did not report {field}:\n{t}"
+            );
+        }
+        for img in &v.images {
+            fs::remove_file(img).unwrap();
+        }
+    }
 }

@@ -68,7 +68,6 @@ fn feature_bits_are_refused_by_name_before_any_write() {
     kernel::mkfs_btrfs(&base, SIZE, &["-O", "^block-group-tree"]);
     // (what to set, incompat, compat_ro, flags, the name the refusal must give, readable)
     let cases: &[(&str, u64, u64, u64, &str, bool)] = &[
-        ("raid56", 1 << 7, 0, 0, "raid56", true),
         ("metadata-uuid", 1 << 10, 0, 0, "metadata-uuid", false),
         ("zoned", 1 << 12, 0, 0, "zoned", false),
         ("extent-tree-v2", 1 << 13, 0, 0, "extent-tree-v2", false),

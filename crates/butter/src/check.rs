@@ -1685,13 +1685,15 @@ impl Checker<'_> {
             let stripe_len = c.length / data_stripes.max(1);
             for (i, st) in c.stripes.iter().enumerate() {
                 let st_end = st.offset.saturating_add(stripe_len);
-                if st.devid == this_dev && st_end > image_len {
+                let dev_len = self.fs.disk.devices.get(st.devid).map(|d| d.len());
+                if dev_len.is_some_and(|len| st_end > len) {
                     self.report.err(
                         FindingKind::DeviceSizeMismatch,
                         cloc.clone(),
                         format!(
-                            "chunk {logical} stripe {i} lies at device bytes {}..{st_end}, past the end of the image ({image_len} bytes)",
-                            st.offset
+                            "chunk {logical} stripe {i} lies at device bytes {}..{st_end}, past the end of the image ({} bytes)",
+                            st.offset,
+                            dev_len.unwrap_or(0)
                         ),
                     );
                 }

@@ -103,18 +103,24 @@ pub fn open_fs_opts(
     })
 }
 
-/// Refuses a change to a filesystem of several devices, which butter does not write yet:
-/// before anything is opened for writing.
-pub fn refuse_other_devices(image: &std::path::Path) -> CliResult {
-    let o = other_devices();
-    if o.paths.is_empty() && !o.degraded {
-        return Ok(());
+/// Opens an image read-write with the other devices of [`other_devices`]: a degraded
+/// filesystem (`--degraded`) is refused, as butter writes only with every device there.
+pub fn open_fs_rw(
+    image: &std::path::Path,
+    opts: butter::fs::RwOptions,
+) -> Result<butter::fs::Fs, butter::Error> {
+    let others = other_devices().clone();
+    if others.degraded {
+        return Err(butter::Error::Unsupported(
+            "a degraded filesystem opens read-only: butter writes only with every device \
+             there (leave out --degraded / -o degraded, or read it with ls, cat, restore or \
+             a read-only mount)"
+                .into(),
+        ));
     }
-    Err(CliError(format!(
-        "cannot change {}: butter reads filesystems of several devices (--device, --degraded) \
-         but does not write them yet; read it with ls, cat, restore or a read-only mount",
-        image.display()
-    )))
+    let mut paths: Vec<&std::path::Path> = vec![image];
+    paths.extend(others.paths.iter().map(|p| p.as_path()));
+    butter::fs::Fs::open_rw_paths(&paths, opts)
 }
 
 /// A time in the local time zone, as btrfs-progs prints times (localtime_r and strftime).

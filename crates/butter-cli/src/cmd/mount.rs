@@ -519,8 +519,7 @@ pub fn mount(a: MountArgs) -> CliResult {
             legacy_allocator: p.legacy_allocator,
             ..Default::default()
         };
-        super::refuse_other_devices(&a.image)?;
-        Fs::open_rw_with(&a.image, opts).map_err(|e| match e {
+        super::open_fs_rw(&a.image, opts).map_err(|e| match e {
             butter::Error::NotPermitted(msg) => CliError(msg),
             e @ butter::Error::NotFound(_) => CliError(format!(
                 "cannot open {}: {}",

@@ -102,8 +102,7 @@ pub struct SubvolumeArgs {
 }
 
 pub(crate) fn open_rw(image: &Path) -> Result<Fs, CliError> {
-    super::refuse_other_devices(image)?;
-    Fs::open_rw(image).map_err(|e| {
+    super::open_fs_rw(image, Default::default()).map_err(|e| {
         CliError(format!(
             "cannot open {} read-write: {}",
             image.display(),

@@ -87,14 +87,7 @@ pub(crate) const FEATURES: &[Feature] = &[
     ),
     f(false, INCOMPAT_BIG_METADATA, "big-metadata", ReadWrite, ""),
     f(false, INCOMPAT_EXTENDED_IREF, "extref", ReadWrite, ""),
-    f(
-        false,
-        INCOMPAT_RAID56,
-        "raid56",
-        ReadOnly,
-        "butter reads RAID5 and RAID6 block groups (rebuilding from parity) but does not \
-         write them yet",
-    ),
+    f(false, INCOMPAT_RAID56, "raid56", ReadWrite, ""),
     f(
         false,
         INCOMPAT_SKINNY_METADATA,

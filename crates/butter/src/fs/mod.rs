@@ -162,17 +162,28 @@ impl Fs {
 
     /// [`Fs::open_rw`] with the write engine's options.
     pub fn open_rw_with(path: &FsPath, opts: RwOptions) -> Result<Fs> {
-        let dev = FileDevice::open_exclusive(path).map_err(|e| {
-            if e.kind() == std::io::ErrorKind::ResourceBusy {
-                Error::NotPermitted(format!(
-                    "{} cannot be opened read-write: {e}",
-                    path.display()
-                ))
-            } else {
-                open_error(path, true, e)
-            }
-        })?;
-        Self::open_device_rw_with(Arc::new(dev), opts)
+        Self::open_rw_paths(&[path], opts)
+    }
+
+    /// [`Fs::open_rw_with`] of a filesystem of several devices: the image (`paths[0]`) and
+    /// the others, each locked as the only writer's (see [`Fs::open_paths`] for how they
+    /// are matched). Every device must be there: a degraded filesystem opens read-only.
+    pub fn open_rw_paths(paths: &[&FsPath], opts: RwOptions) -> Result<Fs> {
+        let mut given: Vec<(String, Arc<dyn BlockDevice>)> = Vec::with_capacity(paths.len());
+        for path in paths {
+            let dev = FileDevice::open_exclusive(path).map_err(|e| {
+                if e.kind() == std::io::ErrorKind::ResourceBusy {
+                    Error::NotPermitted(format!(
+                        "{} cannot be opened read-write: {e}",
+                        path.display()
+                    ))
+                } else {
+                    open_error(path, true, e)
+                }
+            })?;
+            given.push((path.display().to_string(), Arc::new(dev)));
+        }
+        Self::open_device_set_rw_with(given, opts)
     }
 
     /// Opens a device read-write: starts the write engine.
@@ -186,7 +197,16 @@ impl Fs {
         dev: Arc<dyn crate::io::device::BlockDevice>,
         opts: RwOptions,
     ) -> Result<Fs> {
-        let mut fs = Fs::open_device_opts(dev, OpenOpts::nologreplay())?;
+        Self::open_device_set_rw_with(vec![("the image".to_string(), dev)], opts)
+    }
+
+    /// [`Fs::open_device_rw_with`] over the devices of a filesystem of several (named for
+    /// messages, the image first).
+    pub fn open_device_set_rw_with(
+        given: Vec<(String, Arc<dyn BlockDevice>)>,
+        opts: RwOptions,
+    ) -> Result<Fs> {
+        let mut fs = Self::open_set_nolog(given, false)?;
         fs.refuse_writes()?;
         fs.core.set_fsync_log(opts.fsync_log);
         fs.core
@@ -231,29 +251,21 @@ impl Fs {
         Ok(fs)
     }
 
-    /// What stops butter writing to this filesystem, checked before anything is written:
-    /// several devices, or chunks of a profile the write path does not handle.
+    /// What stops butter writing to this filesystem, checked before anything is written: a
+    /// device missing.
     fn refuse_writes(&self) -> Result<()> {
         let disk = &self.core.disk;
-        if disk.devices.len() > 1 {
+        let missing: Vec<String> = disk
+            .devices
+            .members()
+            .filter(|m| m.dev.is_none())
+            .map(|m| m.devid.to_string())
+            .collect();
+        if !missing.is_empty() {
             return Err(Error::Unsupported(format!(
-                "the filesystem has {} devices: butter reads filesystems of several devices \
-                 but does not write them yet; open it read-only",
-                disk.devices.len()
-            )));
-        }
-        let map = disk.chunk_map();
-        if let Some(c) = map.chunks().find(|c| {
-            c.item.ty
-                & BLOCK_GROUP_PROFILE_MASK
-                & (BLOCK_GROUP_RAID0 | BLOCK_GROUP_RAID10 | BLOCK_GROUP_RAID5 | BLOCK_GROUP_RAID6)
-                != 0
-        }) {
-            return Err(Error::Unsupported(format!(
-                "chunk at {} is {}: butter writes only SINGLE, DUP and RAID1 chunks yet; \
-                 open it read-only",
-                c.logical,
-                crate::io::volumes::profile_name(c.item.ty)
+                "device {} of the filesystem is missing: butter writes only with every device \
+                 there; open it read-only (degraded) to copy files off",
+                missing.join(", ")
             )));
         }
         Ok(())

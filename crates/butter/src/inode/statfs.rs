@@ -75,8 +75,8 @@ impl Core {
             .allocator
             .pinned_bytes(SpaceKind::Data)
             .saturating_add(w.refs.data_bytes_dropped());
+        let total = w.devices_total_bytes();
         drop(w);
-        let total = sb.dev_item.total_bytes.min(self.disk.dev().len());
         Ok(StatFs {
             bsize,
             total,
@@ -120,24 +120,47 @@ impl Core {
     /// chunk has yet.
     pub(crate) fn data_space_left(&self, w: &mut crate::transaction::Writer) -> Result<u64> {
         let data_free = w.allocator.free_bytes(SpaceKind::Data);
-        let devid = self.disk.devid();
         let root = w.current_root(DEV_TREE_OBJECTID)?;
-        let mut allocated = 1u64 << 20; // the first MiB is never allocated
-        let mut it = crate::ctree::TreeIter::new(
-            self.disk.clone(),
-            root,
-            Key::new(devid, DEV_EXTENT_KEY, 0),
-            crate::io::disk_io::Readahead::None,
-        )?;
-        while let Some(item) = it.next_item()? {
-            if item.key.objectid != devid || item.key.ty != DEV_EXTENT_KEY {
-                break;
+        let mut unallocated = 0u64;
+        let mut with_room = 0u64;
+        let ids: Vec<u64> = self.disk.devices.members().map(|m| m.devid).collect();
+        for devid in &ids {
+            let mut allocated = 1u64 << 20; // the first MiB is never allocated
+            let mut it = crate::ctree::TreeIter::new(
+                self.disk.clone(),
+                root,
+                Key::new(*devid, DEV_EXTENT_KEY, 0),
+                crate::io::disk_io::Readahead::None,
+            )?;
+            while let Some(item) = it.next_item()? {
+                if item.key.objectid != *devid || item.key.ty != DEV_EXTENT_KEY {
+                    break;
+                }
+                let de = DevExtent::parse(item.data()).map_err(|e| item.annotate(e))?;
+                allocated = allocated.saturating_add(de.length);
             }
-            let de = DevExtent::parse(item.data()).map_err(|e| item.annotate(e))?;
-            allocated = allocated.saturating_add(de.length);
+            let free = w.device_total_bytes(*devid).saturating_sub(allocated);
+            if free > 0 {
+                with_room += 1;
+            }
+            unallocated = unallocated.saturating_add(free);
         }
-        let total = self.disk.sb.dev_item.total_bytes.min(self.disk.dev().len());
-        Ok(data_free.saturating_add(total.saturating_sub(allocated)))
+        // What of it data chunks of the data profile can use: one copy of mirrors, the data
+        // share of a parity profile's stripes.
+        let mut profile = 0;
+        w.allocator.for_each(|g| {
+            if SpaceKind::of_flags(g.flags) == Some(SpaceKind::Data) {
+                profile = g.flags & BLOCK_GROUP_PROFILE_MASK;
+            }
+        });
+        let usable = if ids.len() < 2 {
+            unallocated
+        } else {
+            let a = crate::io::volumes::raid_attr(profile);
+            let n = with_room.max(1);
+            unallocated / a.ncopies as u64 * n.saturating_sub(a.nparity as u64) / n
+        };
+        Ok(data_free.saturating_add(usable))
     }
 }
 

@@ -437,6 +437,8 @@ pub struct Disk {
     ra_tx: Mutex<Option<std::sync::mpsc::Sender<(u64, Expect)>>>,
     /// Blocks changed by the running transaction, not yet written. Reads see them first.
     overlay: RwLock<HashMap<u64, Arc<TreeBlock>>>,
+    /// Held through each RAID5/6 read-modify-write of a full stripe.
+    parity_lock: Mutex<()>,
 }
 
 /// Whether the device holds btrfs at all: `Some(Error::NotBtrfs)` when no superblock copy that
@@ -667,6 +669,7 @@ impl Disk {
             stats: IoStats::default(),
             ra_tx: Mutex::new(None),
             overlay: RwLock::new(HashMap::default()),
+            parity_lock: Mutex::new(()),
         });
         Ok(disk)
     }
@@ -690,6 +693,7 @@ impl Disk {
             stats: IoStats::default(),
             ra_tx: Mutex::new(None),
             overlay: RwLock::new(HashMap::default()),
+            parity_lock: Mutex::new(()),
         })
     }
 
@@ -730,20 +734,6 @@ impl Disk {
     ) -> std::result::Result<(), String> {
         let mut map = self.chunks.write().unwrap_or_else(|e| e.into_inner());
         map.insert(logical, chunk)
-    }
-
-    /// Every copy of a logical range in one chunk of a mirrored profile, on the devices that
-    /// are present (the write path's view).
-    fn copies(&self, logical: u64, len: u64) -> Result<Vec<(&Arc<dyn BlockDevice>, u64)>> {
-        let copies = self.chunk_map().map(logical, len)?;
-        let present: Vec<_> = copies
-            .iter()
-            .filter_map(|c| Some((self.devices.get(c.devid)?, c.physical)))
-            .collect();
-        if present.is_empty() {
-            return Err(self.all_missing(logical, &copies));
-        }
-        Ok(present)
     }
 
     /// The error for a range whose every copy is on a missing device.
@@ -1022,11 +1012,71 @@ impl Disk {
             .remove(&bytenr);
     }
 
-    /// Writes `data` at a logical address to every copy.
+    /// Writes `data` at a logical address (in one chunk) to every copy on every device; for
+    /// RAID5/6, each piece with its full stripe's parity, read-modify-write: the other data
+    /// blocks of the same bytes are read, P (and Q) recomputed, and all written, one full
+    /// stripe at a time (so concurrent writers to one full stripe cannot interleave).
     pub(crate) fn write_logical(&self, logical: u64, data: &[u8]) -> Result<()> {
-        for (dev, phys) in self.copies(logical, data.len() as u64)? {
-            dev.write_at(data, phys)
-                .map_err(|e| Error::io(format!("writing logical {logical}"), phys, e))?;
+        let segs = self.chunk_map().segments(logical, data.len() as u64)?;
+        let what = || format!("writing logical {logical}");
+        for seg in &segs {
+            let at = (seg.logical - logical) as usize;
+            let piece = &data[at..at + seg.len as usize];
+            let Some(fs) = &seg.parity else {
+                let mut wrote = false;
+                for c in &seg.copies {
+                    if let Some(dev) = self.devices.get(c.devid) {
+                        dev.write_at(piece, c.physical)
+                            .map_err(|e| Error::io(what(), c.physical, e))?;
+                        wrote = true;
+                    }
+                }
+                if !wrote {
+                    return Err(self.all_missing(seg.logical, &seg.copies));
+                }
+                continue;
+            };
+            let _one_at_a_time = self.parity_lock.lock().unwrap_or_else(|e| e.into_inner());
+            let nd = fs.blocks.len() - fs.nparity;
+            let mut blocks: Vec<Vec<u8>> = Vec::with_capacity(nd);
+            for (j, c) in fs.blocks[..nd].iter().enumerate() {
+                if j == fs.data_index {
+                    blocks.push(piece.to_vec());
+                    continue;
+                }
+                let mut b = vec![0u8; piece.len()];
+                match self.read_phys(*c, &mut b) {
+                    Some(Ok(())) => blocks.push(b),
+                    Some(Err(e)) => return Err(Error::io(what(), c.physical, e)),
+                    None => return Err(self.all_missing(seg.logical, &[*c])),
+                }
+            }
+            let refs: Vec<&[u8]> = blocks.iter().map(|b| &b[..]).collect();
+            let (p, q) = crate::io::raid56::parity(&refs, fs.nparity == 2);
+            let mut writes: Vec<(PhysCopy, &[u8])> = vec![(fs.blocks[fs.data_index], piece)];
+            writes.push((fs.blocks[nd], &p));
+            if let Some(q) = q.as_deref() {
+                writes.push((fs.blocks[nd + 1], q));
+            }
+            for (c, bytes) in writes {
+                let dev = self
+                    .devices
+                    .get(c.devid)
+                    .ok_or_else(|| self.all_missing(seg.logical, &[c]))?;
+                dev.write_at(bytes, c.physical)
+                    .map_err(|e| Error::io(what(), c.physical, e))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Makes every write so far durable on every present device (a write barrier: before a
+    /// superblock points at what was written).
+    pub(crate) fn flush_all(&self) -> std::io::Result<()> {
+        for m in self.devices.members() {
+            if let Some(d) = &m.dev {
+                d.flush()?;
+            }
         }
         Ok(())
     }

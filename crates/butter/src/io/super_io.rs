@@ -4,9 +4,54 @@
 //! were, each copy with its own `bytenr` and checksum.
 
 use crate::error::{Error, Result};
+use crate::format::superblock::DevItem;
 use crate::format::superblock::Superblock;
 use crate::format::{super_offset, SUPER_INFO_SIZE, SUPER_MIRROR_MAX};
 use crate::io::device::BlockDevice;
+use crate::io::volumes::Devices;
+use std::collections::BTreeMap;
+
+/// `sb` as device `devid` carries it: with that device's own item.
+fn for_device(sb: &Superblock, items: &BTreeMap<u64, DevItem>, devid: u64) -> Superblock {
+    let mut s = sb.clone();
+    if let Some(item) = items.get(&devid) {
+        s.dev_item = item.clone();
+    }
+    s
+}
+
+/// [`write_all`] on every present device, each copy with that device's item from `items`
+/// (the primary's is `sb.dev_item` when `items` lacks it); every device written and
+/// flushed in turn.
+pub(crate) fn write_all_devices(
+    devices: &Devices,
+    items: &BTreeMap<u64, DevItem>,
+    sb: &Superblock,
+    base: &[u8],
+    order: Order,
+) -> Result<()> {
+    for m in devices.members() {
+        if let Some(dev) = &m.dev {
+            write_all(dev.as_ref(), &for_device(sb, items, m.devid), base, order)?;
+        }
+    }
+    Ok(())
+}
+
+/// [`write_primary`] on every present device (the caller flushes them all).
+pub(crate) fn write_primary_devices(
+    devices: &Devices,
+    items: &BTreeMap<u64, DevItem>,
+    sb: &Superblock,
+    base: &[u8],
+) -> Result<()> {
+    for m in devices.members() {
+        if let Some(dev) = &m.dev {
+            write_primary(dev.as_ref(), &for_device(sb, items, m.devid), base)?;
+        }
+    }
+    Ok(())
+}
 
 /// Byte offsets of the copies a filesystem of `total_bytes` on a device of `dev_len` bytes
 /// has: each mirror (64 KiB, 64 MiB, 256 GiB) that fits inside both.

@@ -151,6 +151,117 @@ pub(crate) fn profile_name(ty: u64) -> &'static str {
     }
 }
 
+/// What a profile asks of the devices a new chunk goes on (the kernel's table of RAID
+/// attributes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct RaidAttr {
+    /// Fewest devices a chunk may use.
+    pub devs_min: usize,
+    /// Most devices a chunk may use (0: no limit).
+    pub devs_max: usize,
+    /// The number of devices used is a multiple of this.
+    pub devs_increment: usize,
+    /// Stripes per device (DUP: 2).
+    pub dev_stripes: usize,
+    /// Copies of each byte.
+    pub ncopies: usize,
+    pub nparity: usize,
+    /// RAID10's mirrored pairs.
+    pub sub_stripes: usize,
+}
+
+pub(crate) fn raid_attr(profile: u64) -> RaidAttr {
+    let a =
+        |devs_min, devs_max, devs_increment, dev_stripes, ncopies, nparity, sub_stripes| RaidAttr {
+            devs_min,
+            devs_max,
+            devs_increment,
+            dev_stripes,
+            ncopies,
+            nparity,
+            sub_stripes,
+        };
+    match profile & BLOCK_GROUP_PROFILE_MASK {
+        BLOCK_GROUP_RAID10 => a(2, 0, 2, 1, 2, 0, 2),
+        BLOCK_GROUP_RAID1 => a(2, 2, 2, 1, 2, 0, 1),
+        BLOCK_GROUP_RAID1C3 => a(3, 3, 3, 1, 3, 0, 1),
+        BLOCK_GROUP_RAID1C4 => a(4, 4, 4, 1, 4, 0, 1),
+        BLOCK_GROUP_DUP => a(1, 1, 1, 2, 2, 0, 1),
+        BLOCK_GROUP_RAID0 => a(1, 0, 1, 1, 1, 0, 1),
+        BLOCK_GROUP_RAID5 => a(2, 0, 1, 1, 1, 1, 1),
+        BLOCK_GROUP_RAID6 => a(3, 0, 1, 1, 1, 2, 1),
+        _ => a(1, 1, 1, 1, 1, 0, 1),
+    }
+}
+
+/// How many stripes' worth of logical bytes a chunk of `num_stripes` stripes holds: its
+/// length is this times the length of each stripe (a dev extent).
+pub(crate) fn data_stripes(profile: u64, num_stripes: usize) -> usize {
+    let a = raid_attr(profile);
+    match profile & BLOCK_GROUP_PROFILE_MASK {
+        BLOCK_GROUP_RAID0 => num_stripes,
+        BLOCK_GROUP_RAID10 => num_stripes / 2,
+        BLOCK_GROUP_RAID5 | BLOCK_GROUP_RAID6 => num_stripes.saturating_sub(a.nparity),
+        _ => 1,
+    }
+    .max(1)
+}
+
+/// The length of each stripe (its dev extent) of a chunk.
+pub(crate) fn stripe_size(item: &ChunkItem) -> u64 {
+    item.length / data_stripes(item.ty, item.num_stripes as usize) as u64
+}
+
+/// The logical ranges of a chunk starting at `logical` that a physical byte range of stripe
+/// `idx` holds or protects, whole `stripe_len` units (the kernel's reverse map): for a
+/// parity unit of RAID5/6, the whole full stripe it protects.
+pub(crate) fn logical_ranges_of(
+    item: &ChunkItem,
+    logical: u64,
+    idx: usize,
+    phys: u64,
+    len: u64,
+) -> Vec<(u64, u64)> {
+    let Some(st) = item.stripes.get(idx) else {
+        return Vec::new();
+    };
+    let size = stripe_size(item);
+    let (lo, hi) = (phys.max(st.offset), (phys + len).min(st.offset + size));
+    if lo >= hi {
+        return Vec::new();
+    }
+    let profile = item.ty & BLOCK_GROUP_PROFILE_MASK;
+    let sl = item.stripe_len.max(1);
+    let n = item.stripes.len() as u64;
+    let mut out = Vec::new();
+    let first = (lo - st.offset) / sl;
+    let last = (hi - 1 - st.offset) / sl;
+    for unit in first..=last {
+        let (s, span) = match profile {
+            BLOCK_GROUP_RAID0 => (unit * n + idx as u64, 1),
+            BLOCK_GROUP_RAID10 => {
+                let sub = (item.sub_stripes as u64).max(1);
+                (unit * (n / sub) + idx as u64 / sub, 1)
+            }
+            BLOCK_GROUP_RAID5 | BLOCK_GROUP_RAID6 => {
+                let nd = n - nparity(profile) as u64;
+                let j = (idx as u64 + n - unit % n) % n;
+                if j < nd {
+                    (unit * nd + j, 1)
+                } else {
+                    (unit * nd, nd)
+                }
+            }
+            _ => {
+                out.push((logical + unit * sl, sl));
+                continue;
+            }
+        };
+        out.push((logical + s * sl, span * sl));
+    }
+    out
+}
+
 /// How many of a chunk's stripes may be lost with every byte still readable.
 pub(crate) fn tolerated_failures(profile: u64) -> usize {
     match profile {
@@ -288,23 +399,16 @@ impl ChunkMap {
         (logical < c.logical + c.item.length).then_some(c)
     }
 
-    /// Every physical copy of `[logical, logical + len)`, for a range in one chunk of a
-    /// mirrored profile (SINGLE, DUP, RAID1*): the write path's view. A striped chunk is
-    /// refused by name.
+    /// Every copy of `[logical, logical + len)`, a range in one piece (see
+    /// [`ChunkMap::segments`]): for tests.
+    #[cfg(any(test, feature = "internals"))]
     pub(crate) fn map(&self, logical: u64, len: u64) -> Result<Vec<PhysCopy>> {
         let segs = self.segments(logical, len)?;
         match segs.as_slice() {
-            [one] if one.parity.is_none() && one.logical == logical && one.len == len => {
-                let c = self.lookup(logical).map(|c| c.item.ty).unwrap_or(0);
-                if c & BLOCK_GROUP_PROFILE_MASK & (BLOCK_GROUP_RAID0 | BLOCK_GROUP_RAID10) != 0 {
-                    return Err(striped_write(logical, c));
-                }
-                Ok(one.copies.clone())
-            }
-            _ => {
-                let c = self.lookup(logical).map(|c| c.item.ty).unwrap_or(0);
-                Err(striped_write(logical, c))
-            }
+            [one] => Ok(one.copies.clone()),
+            _ => Err(Error::Invalid(format!(
+                "logical {logical} length {len} spans several stripes"
+            ))),
         }
     }
 
@@ -407,13 +511,4 @@ pub(crate) fn chunks_beyond_repair(map: &ChunkMap, devices: &Devices) -> Vec<u64
         })
         .map(|c| c.logical)
         .collect()
-}
-
-/// The write path's refusal of a striped chunk.
-fn striped_write(logical: u64, ty: u64) -> Error {
-    Error::Unsupported(format!(
-        "logical {logical} lies in a {} chunk: butter writes only SINGLE, DUP and RAID1 \
-         (RAID1C3, RAID1C4) chunks yet",
-        profile_name(ty)
-    ))
 }

@@ -10,10 +10,13 @@ use crate::io::disk_io::Readahead;
 use crate::space::alloc::{self, BlockGroup, RangeSet, SpaceKind};
 
 impl Writer {
-    /// Free bytes the device has outside any chunk, largest hole first: (physical, len).
-    pub(super) fn device_holes(&mut self) -> Result<Vec<(u64, u64)>> {
-        let devid = self.disk.devid();
-        let total = self.dev_item.total_bytes.min(self.disk.dev().len());
+    /// Free bytes device `devid` has outside any chunk, largest hole first: (physical, len).
+    pub(super) fn device_holes(&mut self, devid: u64) -> Result<Vec<(u64, u64)>> {
+        let Some(dev) = self.disk.devices.get(devid) else {
+            return Ok(Vec::new());
+        };
+        let size = self.dev_items.get(&devid).map_or(0, |d| d.total_bytes);
+        let total = size.min(dev.len());
         let mut used = RangeSet::new();
         let _ = used.add(0, 1 << 20); // the first MiB is never allocated
         let root = self.current_root(DEV_TREE_OBJECTID)?;
@@ -55,23 +58,45 @@ impl Writer {
         // kernel's do after a full-commit mark.
         self.log.broken = true;
         // The profile of the existing groups of this kind.
-        let mut profile = None;
+        // The profile of the existing groups of this kind: on several devices the most
+        // redundant one, as the kernel reduces the profiles it finds to one.
+        let several = self.disk.devices.len() > 1;
+        let rank = |p: u64| {
+            [
+                BLOCK_GROUP_RAID6,
+                BLOCK_GROUP_RAID5,
+                BLOCK_GROUP_RAID10,
+                BLOCK_GROUP_RAID1C4,
+                BLOCK_GROUP_RAID1C3,
+                BLOCK_GROUP_RAID1,
+                BLOCK_GROUP_RAID0,
+                BLOCK_GROUP_DUP,
+            ]
+            .iter()
+            .position(|&x| x == p)
+            .unwrap_or(usize::MAX)
+        };
+        let mut profile: Option<u64> = None;
         self.allocator.for_each(|g| {
-            if SpaceKind::of_flags(g.flags) == Some(kind) && profile.is_none() {
-                profile = Some(g.flags & BLOCK_GROUP_PROFILE_MASK);
+            if SpaceKind::of_flags(g.flags) == Some(kind) {
+                let p = g.flags & BLOCK_GROUP_PROFILE_MASK;
+                match profile {
+                    None => profile = Some(p),
+                    Some(q) if several && rank(p) < rank(q) => profile = Some(p),
+                    Some(_) => {}
+                }
             }
         });
         let profile = profile.unwrap_or(match kind {
             SpaceKind::Data => 0,
             _ => BLOCK_GROUP_DUP,
         });
-        let copies = if profile & BLOCK_GROUP_DUP != 0 { 2 } else { 1 };
-        if profile & !BLOCK_GROUP_DUP != 0 {
-            return Err(Error::Unsupported(format!(
-                "adding a chunk with profile {profile:#x}"
-            )));
-        }
-        let total = self.dev_item.total_bytes;
+        let attr = crate::io::volumes::raid_attr(profile);
+        let total = if self.disk.devices.len() == 1 {
+            self.primary_dev_item().total_bytes
+        } else {
+            self.sb.total_bytes
+        };
         let max = match kind {
             SpaceKind::Data if self.small_chunks => 8 << 20,
             SpaceKind::Data => 1 << 30,
@@ -81,18 +106,43 @@ impl Writer {
         };
         let floor: u64 = if self.small_chunks { 1 << 20 } else { 16 << 20 };
         let tenth = (total / 10) / STRIPE * STRIPE;
-        let mut want = (max as u64)
+        let want = (max as u64)
             .min(tenth.max(floor))
             .max(min_len.div_ceil(STRIPE) * STRIPE);
-        let holes = self.device_holes()?;
-        let Some(&(hole, hole_len)) = holes.first() else {
-            return Err(Error::NoSpace("the device has no unallocated space".into()));
-        };
-        let per_stripe_max = (hole_len / copies) / STRIPE * STRIPE;
-        want = want.min(per_stripe_max);
-        if want < (1 << 20) || want < min_len {
+        // Each device's largest hole, most room first, as the kernel picks devices.
+        let mut devs: Vec<(u64, u64, u64)> = Vec::new(); // (devid, hole, room per stripe)
+        let ids: Vec<u64> = self.disk.devices.members().map(|m| m.devid).collect();
+        for devid in ids {
+            if let Some(&(hole, len)) = self.device_holes(devid)?.first() {
+                let room = (len / attr.dev_stripes as u64) / STRIPE * STRIPE;
+                if room > 0 {
+                    devs.push((devid, hole, room));
+                }
+            }
+        }
+        devs.sort_by_key(|&(devid, _, room)| (std::cmp::Reverse(room), devid));
+        let mut ndevs = devs.len();
+        if attr.devs_max > 0 {
+            ndevs = ndevs.min(attr.devs_max);
+        }
+        ndevs -= ndevs % attr.devs_increment;
+        if ndevs < attr.devs_min || ndevs == 0 {
             return Err(Error::NoSpace(format!(
-                "the device has no unallocated hole big enough for a {kind:?} chunk"
+                "a {} {kind:?} chunk needs room on {} devices, {} have unallocated space",
+                crate::io::volumes::profile_name(profile),
+                attr.devs_min,
+                devs.len()
+            )));
+        }
+        devs.truncate(ndevs);
+        let num_stripes = ndevs * attr.dev_stripes;
+        let data_stripes = crate::io::volumes::data_stripes(profile, num_stripes) as u64;
+        let stripe_size =
+            (want.div_ceil(data_stripes).div_ceil(STRIPE) * STRIPE).min(devs[ndevs - 1].2);
+        let length = stripe_size * data_stripes;
+        if length < (1 << 20) || length < min_len {
+            return Err(Error::NoSpace(format!(
+                "the devices have no unallocated hole big enough for a {kind:?} chunk"
             )));
         }
         let logical = self
@@ -109,29 +159,32 @@ impl Writer {
             .div_ceil(1 << 20)
             * (1 << 20);
         let flags = kind.flag() | profile;
-        let devid = self.disk.devid();
-        let stripes: Vec<Stripe> = (0..copies)
-            .map(|i| Stripe {
-                devid,
-                offset: hole + i * want,
-                dev_uuid: self.dev_item.uuid,
-            })
-            .collect();
+        let mut stripes: Vec<Stripe> = Vec::with_capacity(num_stripes);
+        for &(devid, hole, _) in &devs {
+            let dev_uuid = self.dev_items.get(&devid).map_or([0; 16], |d| d.uuid);
+            for i in 0..attr.dev_stripes as u64 {
+                stripes.push(Stripe {
+                    devid,
+                    offset: hole + i * stripe_size,
+                    dev_uuid,
+                });
+            }
+        }
         let chunk = ChunkItem {
-            length: want,
+            length,
             owner: EXTENT_TREE_OBJECTID,
             stripe_len: STRIPE,
             ty: flags,
             io_align: STRIPE as u32,
             io_width: STRIPE as u32,
             sector_size: self.disk.sectorsize(),
-            num_stripes: copies as u16,
-            sub_stripes: 1,
+            num_stripes: num_stripes as u16,
+            sub_stripes: attr.sub_stripes as u16,
             stripes: stripes.clone(),
         };
         // Register first, so the tree changes below can allocate from the new space.
         self.disk.add_chunk(logical, chunk.clone())?;
-        let mut bg = BlockGroup::new(logical, want, flags);
+        let mut bg = BlockGroup::new(logical, length, flags);
         exclude_supers(&mut bg, &chunk);
         bg.new = true;
         bg.dirty = true;
@@ -143,22 +196,27 @@ impl Writer {
                 chunk_tree: CHUNK_TREE_OBJECTID,
                 chunk_objectid: FIRST_CHUNK_TREE_OBJECTID,
                 chunk_offset: logical,
-                length: want,
+                length: stripe_size,
                 chunk_tree_uuid: self.chunk_tree_uuid,
             };
             self.insert_item(
                 DEV_TREE_OBJECTID,
-                Key::new(devid, DEV_EXTENT_KEY, s.offset),
+                Key::new(s.devid, DEV_EXTENT_KEY, s.offset),
                 &de.to_bytes(),
             )?;
         }
-        self.dev_item.bytes_used += want * copies;
-        let di = self.dev_item.to_bytes();
-        self.replace_item(
-            CHUNK_TREE_OBJECTID,
-            Key::new(DEV_ITEMS_OBJECTID, DEV_ITEM_KEY, devid),
-            &di,
-        )?;
+        for &(devid, _, _) in &devs {
+            let Some(item) = self.dev_items.get_mut(&devid) else {
+                continue;
+            };
+            item.bytes_used += stripe_size * attr.dev_stripes as u64;
+            let di = item.to_bytes();
+            self.replace_item(
+                CHUNK_TREE_OBJECTID,
+                Key::new(DEV_ITEMS_OBJECTID, DEV_ITEM_KEY, devid),
+                &di,
+            )?;
+        }
         if kind == SpaceKind::System {
             let mut entry = key.to_bytes().to_vec();
             entry.extend_from_slice(&chunk.to_bytes());
@@ -171,8 +229,9 @@ impl Writer {
             self.sys_array_dirty = true;
         }
         log::info!(
-            "added a {kind:?} chunk of {} MiB at logical {logical}",
-            want >> 20
+            "added a {} {kind:?} chunk of {} MiB at logical {logical}",
+            crate::io::volumes::profile_name(profile),
+            length >> 20
         );
         Ok(logical)
     }
@@ -189,10 +248,9 @@ pub(super) fn exclude_supers(bg: &mut BlockGroup, chunk: &ChunkItem) {
         bg.exclude(bg.start, (below - bg.start).min(bg.len));
     }
     for m in alloc::super_mirror_offsets() {
-        for s in &chunk.stripes {
-            if m >= s.offset && m < s.offset + chunk.length {
-                let off = (m - s.offset) / STRIPE * STRIPE;
-                bg.exclude(bg.start + off, STRIPE);
+        for i in 0..chunk.stripes.len() {
+            for (l, len) in crate::io::volumes::logical_ranges_of(chunk, bg.start, i, m, 4096) {
+                bg.exclude(l, len);
             }
         }
     }
@@ -219,12 +277,18 @@ impl Writer {
             let de = DevExtent::parse(item.data()).map_err(|e| item.annotate(e))?;
             end = end.max(item.key.offset.saturating_add(de.length));
         }
-        if end >= self.dev_item.total_bytes {
-            return Ok(self.dev_item.total_bytes);
+        if self.disk.devices.len() > 1 {
+            return Err(Error::Unsupported(
+                "shrinking a filesystem of several devices".into(),
+            ));
         }
-        self.dev_item.total_bytes = end;
+        let total = self.primary_dev_item().total_bytes;
+        if end >= total {
+            return Ok(total);
+        }
+        self.primary_dev_item_mut().total_bytes = end;
         self.sb.total_bytes = end;
-        let di = self.dev_item.to_bytes();
+        let di = self.primary_dev_item().to_bytes();
         self.replace_item(
             CHUNK_TREE_OBJECTID,
             Key::new(DEV_ITEMS_OBJECTID, DEV_ITEM_KEY, devid),

@@ -102,8 +102,7 @@ impl Writer {
         trees_final();
         self.write_dirty_blocks()?;
         self.disk
-            .dev()
-            .flush()
+            .flush_all()
             .map_err(|e| Error::io("flushing tree blocks", 0, e))?;
         self.write_superblocks()?;
         self.state = TransState::Unblocked;
@@ -240,7 +239,12 @@ impl Writer {
         let mut sb = self.sb.clone();
         sb.log_root = log_root;
         sb.log_root_level = level;
-        if let Err(e) = crate::io::super_io::write_primary(&**self.disk.dev(), &sb, &self.sb_base) {
+        if let Err(e) = crate::io::super_io::write_primary_devices(
+            &self.disk.devices,
+            &self.dev_items,
+            &sb,
+            &self.sb_base,
+        ) {
             // The primary copy may be torn: nothing more may be written.
             self.set_aborted(e.to_string());
             return Err(e);
@@ -263,6 +267,7 @@ impl Writer {
             roots.insert(id, r);
         }
         let bytes_used = self.ctx.sb_bytes_used;
+        let primary_item = self.primary_dev_item().clone();
         let sb = &mut self.sb;
         sb.generation = transid;
         sb.root = root.bytenr;
@@ -274,7 +279,7 @@ impl Writer {
         // Any fsync log was replayed before this commit (tree_log).
         sb.log_root = 0;
         sb.log_root_level = 0;
-        sb.dev_item = self.dev_item.clone();
+        sb.dev_item = primary_item;
         sb.sys_chunk_array = self.sys_chunk_array.clone();
         sb.sys_chunk_array_size = self.sys_chunk_array.len() as u32;
         // Backup roots: the slot after the newest one.
@@ -319,8 +324,9 @@ impl Writer {
             dev_root_level: dev.level,
             csum_root_level: csum.level,
         };
-        crate::io::super_io::write_all(
-            &**self.disk.dev(),
+        crate::io::super_io::write_all_devices(
+            &self.disk.devices,
+            &self.dev_items,
             &self.sb,
             &self.sb_base,
             crate::io::super_io::Order::PrimaryFirst,

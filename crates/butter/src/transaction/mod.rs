@@ -65,7 +65,8 @@ pub(crate) struct Writer {
     /// base the one superblock writer (crate::io::super_io) encodes over.
     pub(crate) sb: Superblock,
     sb_base: Vec<u8>,
-    dev_item: DevItem,
+    /// Every device's item, by devid (the primary's as its superblock carries it).
+    dev_items: BTreeMap<u64, DevItem>,
     sys_chunk_array: Vec<u8>,
     sys_array_dirty: bool,
     /// Of the descents (`CowCtx::descents`), those of file extent replacement (for the
@@ -127,6 +128,70 @@ impl Writer {
 }
 
 impl Writer {
+    /// The item of the device the superblock came from.
+    pub(crate) fn primary_dev_item(&self) -> &DevItem {
+        let devid = self.disk.devid();
+        match self.dev_items.get(&devid) {
+            Some(d) => d,
+            None => unreachable!("the writer always holds the primary device's item"),
+        }
+    }
+
+    pub(crate) fn primary_dev_item_mut(&mut self) -> &mut DevItem {
+        let devid = self.disk.devid();
+        match self.dev_items.get_mut(&devid) {
+            Some(d) => d,
+            None => unreachable!("the writer always holds the primary device's item"),
+        }
+    }
+
+    /// The size of device `devid` as its item says, at most its length.
+    pub(crate) fn device_total_bytes(&self, devid: u64) -> u64 {
+        let Some(dev) = self.disk.devices.get(devid) else {
+            return 0;
+        };
+        self.dev_items
+            .get(&devid)
+            .map_or(0, |d| d.total_bytes)
+            .min(dev.len())
+    }
+
+    /// The size of every present device together (see [`Writer::device_total_bytes`]).
+    pub(crate) fn devices_total_bytes(&self) -> u64 {
+        self.disk
+            .devices
+            .members()
+            .map(|m| self.device_total_bytes(m.devid))
+            .sum()
+    }
+
+    /// The other devices' items, from the chunk tree (a filesystem of several devices).
+    fn load_other_dev_items(&mut self) -> Result<()> {
+        if self.disk.devices.len() < 2 {
+            return Ok(());
+        }
+        let root = self.current_root(CHUNK_TREE_OBJECTID)?;
+        let mut it = crate::ctree::TreeIter::new(
+            self.disk.clone(),
+            root,
+            Key::new(DEV_ITEMS_OBJECTID, DEV_ITEM_KEY, 0),
+            crate::io::disk_io::Readahead::None,
+        )?;
+        let primary = self.disk.devid();
+        while let Some(item) = it.next_item()? {
+            if item.key.objectid != DEV_ITEMS_OBJECTID || item.key.ty != DEV_ITEM_KEY {
+                break;
+            }
+            let d = DevItem::parse(item.data()).map_err(|e| item.annotate(e))?;
+            if d.devid != primary {
+                self.dev_items.insert(d.devid, d);
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Writer {
     /// Starts the write engine on an opened filesystem: loads block groups and their free
     /// space from the extent tree.
     pub(crate) fn open(disk: Arc<Disk>, live: LiveRoots) -> Result<Writer> {
@@ -178,7 +243,9 @@ impl Writer {
             state: TransState::Running,
             sb: sb.clone(),
             sb_base: raw,
-            dev_item: sb.dev_item.clone(),
+            dev_items: [(sb.dev_item.devid, sb.dev_item.clone())]
+                .into_iter()
+                .collect(),
             sys_chunk_array: sb.sys_chunk_array.clone(),
             sys_array_dirty: false,
             replace_descents: 0,
@@ -217,6 +284,7 @@ impl Writer {
                 dirty: false,
             },
         );
+        w.load_other_dev_items()?;
         w.load_block_groups()?;
         Ok(w)
     }
@@ -289,7 +357,13 @@ impl Writer {
         } else {
             crate::io::super_io::Order::PrimaryFirst
         };
-        crate::io::super_io::write_all(&**self.disk.dev(), &self.sb, &self.sb_base, order)?;
+        crate::io::super_io::write_all_devices(
+            &self.disk.devices,
+            &self.dev_items,
+            &self.sb,
+            &self.sb_base,
+            order,
+        )?;
         Ok(())
     }
 

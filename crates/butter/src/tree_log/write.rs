@@ -1027,8 +1027,7 @@ impl Core {
                 self.disk.write_logical(*b, data)?;
             }
             self.disk
-                .dev()
-                .flush()
+                .flush_all()
                 .map_err(|e| Error::io("flushing fsync log blocks", 0, e))
         })();
         let mut w = self.writer_keeping_ordered()?;
@@ -1048,8 +1047,7 @@ impl Core {
         drop(w);
         let flushed = self
             .disk
-            .dev()
-            .flush()
+            .flush_all()
             .map_err(|e| Error::io("flushing the superblock of an fsync log", 0, e));
         let mut w = self.writer_keeping_ordered()?;
         if w.transid != plan.transid {
