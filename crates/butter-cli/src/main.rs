@@ -66,6 +66,9 @@ enum Command {
     /// Space use of the block groups (df, usage), of files (du) and the label, like
     /// `btrfs filesystem`.
     Filesystem(cmd::filesystem::FilesystemArgs),
+    /// Read and verify every copy and parity block, repairing from the good copies, like
+    /// `btrfs scrub`.
+    Scrub(cmd::scrub::ScrubArgs),
     /// Mount an image through FUSE.
     Mount(cmd::mount::MountArgs),
     /// Unmount a butter mount; returns once its final commit is on disk.
@@ -195,6 +198,7 @@ fn main() -> ExitCode {
         Command::Send(a) => cmd::send::send(a),
         Command::Filesystem(a) => cmd::filesystem::filesystem(a),
         Command::Compsize(a) => cmd::compsize::compsize(a),
+        Command::Scrub(a) => cmd::scrub::scrub(a),
         Command::Mount(a) => cmd::mount::mount(a),
         Command::Unmount(a) => cmd::unmount::unmount(a),
         Command::Check(a) => cmd::check::check(a),

@@ -323,6 +323,45 @@ fn every_profile_reads_as_the_kernel_shows_it_whole_degraded_and_damaged() {
                     c.display()
                 );
             }
+            // butter scrub: read-only, it finds the damage and changes nothing; then it
+            // repairs it; then nothing is left, for butter, btrfs check and the kernel's scrub.
+            let dargs = damaged.device_args(&[]);
+            let scrub = |extra: &[&str]| {
+                let mut a: Vec<String> = vec!["scrub".into(), "start".into()];
+                a.extend(extra.iter().map(|x| x.to_string()));
+                a.push(damaged.images[0].display().to_string());
+                a.extend(dargs.iter().cloned());
+                let refs: Vec<&str> = a.iter().map(|x| x.as_str()).collect();
+                butter(&refs)
+            };
+            let o = scrub(&["-r"]);
+            let t = text(&o);
+            assert!(
+                !o.status.success() && t.contains("Error summary:    csum="),
+                "{name}: scrub -r:\n{t}"
+            );
+            for (c, b) in damaged.images.iter().zip(&before) {
+                assert!(
+                    fs::read(c).unwrap() == *b,
+                    "{name}: scrub -r wrote {}",
+                    c.display()
+                );
+            }
+            let o = scrub(&["-d"]);
+            let t = text(&o);
+            assert!(
+                o.status.success() && t.contains("Corrected:"),
+                "{name}: scrub:\n{t}"
+            );
+            let o = scrub(&["-r"]);
+            let t = text(&o);
+            assert!(
+                o.status.success() && t.contains("no errors found"),
+                "{name}: scrub after repair:\n{t}"
+            );
+            let (ok, t) = kernel::btrfs_check_devices(&damaged.images);
+            assert!(ok, "{name}: btrfs check after butter scrub:\n{t}");
+            kernel_scrub_clean(&s, &damaged.images, &format!("{name} after butter scrub"));
             for c in &damaged.images {
                 fs::remove_file(c).unwrap();
             }
@@ -561,36 +600,45 @@ fn butter_writes_every_profile_and_the_kernel_reads_and_scrubs_it_clean() {
         }
         // The kernel's scrub reads every copy and every parity block (after the degraded
         // read: it would repair a stale parity block).
-        let km = MultiLoopMount::new(&v.images, &s.dir(format!("{name}.scrub")), "");
-        let out = kernel::run_output(
-            Command::new("btrfs")
-                .args(["scrub", "start", "-B", "-R"])
-                .arg(km.path()),
-        );
-        let t = format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        km.unmount();
-        assert!(
-            out.status.success(),
-            "{name}: the kernel's scrub failed:\n{t}"
-        );
-        for field in [
-            "csum_errors: 0",
-            "verify_errors: 0",
-            "read_errors: 0",
-            "uncorrectable_errors: 0",
-            "corrected_errors: 0",
-        ] {
-            assert!(
-                t.contains(field),
-                "{name}: scrub did not report {field}:\n{t}"
-            );
-        }
+        kernel_scrub_clean(&s, &v.images, name);
         for img in &v.images {
             fs::remove_file(img).unwrap();
         }
+    }
+}
+
+/// The kernel's `btrfs scrub` over the devices finds nothing to correct.
+fn kernel_scrub_clean(s: &ScratchDir, images: &[PathBuf], what: &str) {
+    let km = MultiLoopMount::new(
+        images,
+        &s.dir(format!("{}.scrub", what.replace(' ', "-"))),
+        "",
+    );
+    let out = kernel::run_output(
+        Command::new("btrfs")
+            .args(["scrub", "start", "-B", "-R"])
+            .arg(km.path()),
+    );
+    let t = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    km.unmount();
+    assert!(
+        out.status.success(),
+        "{what}: the kernel's scrub failed:\n{t}"
+    );
+    for field in [
+        "csum_errors: 0",
+        "verify_errors: 0",
+        "read_errors: 0",
+        "uncorrectable_errors: 0",
+        "corrected_errors: 0",
+    ] {
+        assert!(
+            t.contains(field),
+            "{what}: scrub did not report {field}:\n{t}"
+        );
     }
 }

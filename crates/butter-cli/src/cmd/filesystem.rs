@@ -50,6 +50,12 @@ pub enum FilesystemCmd {
         #[command(flatten)]
         start: super::paths::Start,
     },
+    /// The filesystem's label, UUID and devices with their sizes and use, as `btrfs
+    /// filesystem show` prints them (give the other devices with --device).
+    Show {
+        /// Image file or block device.
+        image: PathBuf,
+    },
     /// Print the label, or set it to NEW (at most 255 bytes).
     Label {
         /// Image file or block device.
@@ -95,6 +101,11 @@ pub fn filesystem(a: FilesystemArgs) -> CliResult {
             let fs = super::open_fs(&image)?;
             du(&fs, start, &paths, summarize, raw)
         }
+        FilesystemCmd::Show { image } => {
+            let fs = super::open_fs(&image)?;
+            print!("{}", show(&fs)?);
+            Ok(())
+        }
         FilesystemCmd::Label { image, new: None } => {
             let fs = super::open_fs(&image)?;
             println!("{}", fs.label());
@@ -111,6 +122,49 @@ pub fn filesystem(a: FilesystemArgs) -> CliResult {
             Ok(())
         }
     }
+}
+
+/// `btrfs filesystem show` of one filesystem.
+fn show(fs: &Fs) -> Result<String, CliError> {
+    let sb = &fs.disk().sb;
+    let label = fs.label();
+    let label = if label.is_empty() {
+        "none".to_string()
+    } else {
+        format!("'{label}'")
+    };
+    let devices = fs.devices()?;
+    let mut out = format!(
+        "Label: {label}  uuid: {}\n\tTotal devices {} FS bytes used {}\n",
+        butter::format::fmt_uuid(&sb.fsid),
+        devices.len(),
+        super::mkfs::human(sb.bytes_used)
+    );
+    let mut missing = false;
+    for d in &devices {
+        match &d.path {
+            Some(p) => out.push_str(&format!(
+                "\tdevid {:>4} size {} used {} path {p}\n",
+                d.devid,
+                super::mkfs::human(d.size),
+                super::mkfs::human(d.used)
+            )),
+            None => {
+                missing = true;
+                out.push_str(&format!(
+                    "\tdevid {:>4} size {} used {} path <missing disk> MISSING\n",
+                    d.devid,
+                    super::mkfs::human(d.size),
+                    super::mkfs::human(d.used)
+                ));
+            }
+        }
+    }
+    if missing {
+        out.push_str("\t*** Some devices missing\n");
+    }
+    out.push('\n');
+    Ok(out)
 }
 
 // Block group type and profile bits (the on-disk format's).

@@ -13,6 +13,7 @@ pub mod progress;
 pub mod property;
 pub mod receive;
 pub mod restore;
+pub mod scrub;
 pub mod send;
 pub mod subvol;
 pub mod unmount;

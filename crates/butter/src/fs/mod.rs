@@ -233,6 +233,7 @@ impl Fs {
         fs.core.allocator = Some(w.allocator.clone());
         fs.core.writer_aborted = w.abort_flag.clone();
         fs.core.writer = Some(Mutex::new(w));
+        fs.core.disk.set_writable();
         // Files unlinked while open when the last writer stopped: their space comes back now,
         // as the kernel gives it back at mount.
         let n = fs.core.clean_orphans()?;

@@ -320,6 +320,24 @@ impl Fs {
         self.core.chunk_allocations()
     }
 
+    /// The devices of the filesystem, as its chunk tree lists them (`filesystem show`).
+    pub fn devices(&self) -> Result<Vec<crate::inode::scrub::DeviceInfo>> {
+        self.reading(None, |c| c.devices())
+    }
+
+    /// Scrubs every copy and parity block of every extent (crate::inode::scrub); `repair`
+    /// rewrites what is bad from a good copy (the filesystem must be open read-write).
+    pub fn scrub(
+        &self,
+        repair: bool,
+        progress: &mut dyn FnMut(&str),
+    ) -> Result<crate::inode::scrub::ScrubReport> {
+        if repair && self.core.writer.is_none() {
+            return Err(crate::error::Error::ReadOnly);
+        }
+        self.reading(None, |c| c.scrub(repair, progress))
+    }
+
     /// The checker over the whole filesystem (crate::check), under a read's passage.
     pub fn check(
         &self,

@@ -24,6 +24,7 @@ pub mod orphan;
 pub mod read;
 pub(crate) mod received;
 pub(crate) mod reflink;
+pub mod scrub;
 pub mod seek;
 pub mod statfs;
 pub mod subvol;

@@ -425,6 +425,26 @@ pub struct IoStats {
     pub data_bytes_read: AtomicU64,
 }
 
+/// What a scrub found on one device ([`Disk::scrub_range`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ScrubCounts {
+    /// Bytes of data and tree blocks read from the device.
+    pub bytes: u64,
+    /// Bytes of parity checked on the device.
+    pub parity_bytes: u64,
+    pub read_errors: u64,
+    /// Sectors (data) or blocks (metadata) whose checksum or header did not match.
+    pub csum_errors: u64,
+    /// Parity blocks that did not match their data.
+    pub parity_errors: u64,
+    /// Errors rewritten from a good copy.
+    pub corrected: u64,
+    /// Errors a good copy could fix (a read-only scrub leaves them).
+    pub correctable: u64,
+    /// Errors no good copy could fix.
+    pub uncorrectable: u64,
+}
+
 /// The metadata/data reader of one opened filesystem.
 pub struct Disk {
     /// The devices, present and missing (see [`Devices`]).
@@ -439,6 +459,8 @@ pub struct Disk {
     overlay: RwLock<HashMap<u64, Arc<TreeBlock>>>,
     /// Held through each RAID5/6 read-modify-write of a full stripe.
     parity_lock: Mutex<()>,
+    /// Open for writing: reads rewrite the bad copies they find ([`Disk::repair_copies`]).
+    writable: std::sync::atomic::AtomicBool,
 }
 
 /// Whether the device holds btrfs at all: `Some(Error::NotBtrfs)` when no superblock copy that
@@ -670,6 +692,7 @@ impl Disk {
             ra_tx: Mutex::new(None),
             overlay: RwLock::new(HashMap::default()),
             parity_lock: Mutex::new(()),
+            writable: Default::default(),
         });
         Ok(disk)
     }
@@ -694,6 +717,7 @@ impl Disk {
             ra_tx: Mutex::new(None),
             overlay: RwLock::new(HashMap::default()),
             parity_lock: Mutex::new(()),
+            writable: Default::default(),
         })
     }
 
@@ -766,18 +790,32 @@ impl Disk {
         seg: &Segment,
         accept: &dyn Fn(&[u8]) -> bool,
     ) -> Result<Option<Vec<u8>>> {
+        self.read_segment_as(what, seg, accept, true)
+    }
+
+    /// [`Disk::read_segment`]; `repair`: log and repair bad copies (off for the scrub, which
+    /// counts and repairs them itself).
+    fn read_segment_as(
+        &self,
+        what: &str,
+        seg: &Segment,
+        accept: &dyn Fn(&[u8]) -> bool,
+        repair: bool,
+    ) -> Result<Option<Vec<u8>>> {
         let len = seg.len as usize;
         let mut last_io = None;
         let mut read_any = false;
         // A copy on a present device failed (unreadable or rejected): worth a warning when
         // another source serves, unlike a copy on a device known to be missing.
         let mut bad_present = false;
+        let mut bad_copies: Vec<PhysCopy> = Vec::new();
         for (i, c) in seg.copies.iter().enumerate() {
             let mut buf = vec![0u8; len];
             match self.read_phys(*c, &mut buf) {
                 None => continue,
                 Some(Err(e)) => {
                     bad_present = true;
+                    bad_copies.push(*c);
                     last_io = Some(Error::io(
                         format!(
                             "reading {what} {} (copy {i}, devid {})",
@@ -790,16 +828,18 @@ impl Disk {
                 Some(Ok(())) => {
                     read_any = true;
                     if accept(&buf) {
-                        if bad_present {
+                        if bad_present && repair {
                             log::warn!(
                                 "logical {}: an earlier copy was bad, read copy {i} (devid {})",
                                 seg.logical,
                                 c.devid
                             );
+                            self.repair_copies(seg.logical, &bad_copies, &buf);
                         }
                         return Ok(Some(buf));
                     }
                     bad_present = true;
+                    bad_copies.push(*c);
                 }
             }
         }
@@ -838,12 +878,13 @@ impl Disk {
                 if let Some(buf) = try_rebuild(t) {
                     read_any = true;
                     if accept(&buf) {
-                        if bad_present {
+                        if bad_present && repair {
                             log::warn!(
                                 "logical {}: its copy was bad, rebuilt it from the parity of \
                                  its full stripe",
                                 seg.logical
                             );
+                            self.repair_copies(seg.logical, &bad_copies, &buf);
                         }
                         return Ok(Some(buf));
                     }
@@ -854,6 +895,36 @@ impl Disk {
             return Ok(None);
         }
         Err(last_io.unwrap_or_else(|| self.all_missing(seg.logical, &seg.copies)))
+    }
+
+    /// Read repair: once a read found good bytes for a piece after bad copies of it, rewrites
+    /// those copies with them, when the filesystem is open for writing (as the kernel's read
+    /// repair does). A failed rewrite is only logged: the read itself succeeded.
+    fn repair_copies(&self, logical: u64, bad: &[PhysCopy], good: &[u8]) {
+        if bad.is_empty() || !self.writable.load(Ordering::Relaxed) {
+            return;
+        }
+        for c in bad {
+            let Some(dev) = self.devices.get(c.devid) else {
+                continue;
+            };
+            match dev.write_at(good, c.physical) {
+                Ok(()) => log::warn!(
+                    "logical {logical}: rewrote the bad copy on device {} at byte {}",
+                    c.devid,
+                    c.physical
+                ),
+                Err(e) => log::warn!(
+                    "logical {logical}: could not rewrite the bad copy on device {}: {e}",
+                    c.devid
+                ),
+            }
+        }
+    }
+
+    /// Marks the filesystem open for writing: reads repair the bad copies they find.
+    pub(crate) fn set_writable(&self) {
+        self.writable.store(true, Ordering::Relaxed);
     }
 
     /// Reads `len` bytes at a logical address in one chunk, accepting what `accept` takes of
@@ -1065,6 +1136,175 @@ impl Disk {
                     .ok_or_else(|| self.all_missing(seg.logical, &[c]))?;
                 dev.write_at(bytes, c.physical)
                     .map_err(|e| Error::io(what(), c.physical, e))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Scrubs `[logical, logical + len)` (one extent, in one chunk): reads every copy on every
+    /// present device and counts, per device, what `bad` finds wrong in it (`bad(at, bytes)`
+    /// gives the number of bad units, sectors or blocks, of the piece at byte `at` of the
+    /// range; 0: good). A bad or unreadable copy is rewritten from a good one (or, RAID5/6,
+    /// from the data rebuilt through parity) when `repair`. Returns the rows of RAID5/6 full
+    /// stripes the range covers, for [`Disk::scrub_parity`].
+    pub(crate) fn scrub_range(
+        &self,
+        logical: u64,
+        len: u64,
+        bad: &dyn Fn(usize, &[u8]) -> u64,
+        repair: bool,
+        stats: &mut std::collections::BTreeMap<u64, ScrubCounts>,
+    ) -> Result<Vec<Segment>> {
+        let segs = self.chunk_map().segments(logical, len)?;
+        let mut parity_rows = Vec::new();
+        for seg in &segs {
+            let at = (seg.logical - logical) as usize;
+            let n = seg.len as usize;
+            let mut good: Option<Vec<u8>> = None;
+            let mut bad_copies: Vec<(PhysCopy, u64)> = Vec::new();
+            for c in &seg.copies {
+                let mut buf = vec![0u8; n];
+                let st = stats.entry(c.devid).or_default();
+                match self.read_phys(*c, &mut buf) {
+                    None => {}
+                    Some(Err(_)) => {
+                        st.read_errors += 1;
+                        bad_copies.push((*c, 1));
+                    }
+                    Some(Ok(())) => {
+                        st.bytes += n as u64;
+                        let b = bad(at, &buf);
+                        if b == 0 {
+                            good.get_or_insert(buf);
+                        } else {
+                            st.csum_errors += b;
+                            bad_copies.push((*c, b));
+                        }
+                    }
+                }
+            }
+            if good.is_none() && seg.parity.is_some() {
+                // The data block is bad: what its full stripe rebuilds, if that checks out.
+                let only_good = |b: &[u8]| bad(at, b) == 0;
+                let rebuilt = self
+                    .read_segment_as("data at logical", seg, &only_good, false)
+                    .ok()
+                    .flatten();
+                good = rebuilt;
+            }
+            let mut left_bad = false;
+            for (c, units) in bad_copies {
+                let st = stats.entry(c.devid).or_default();
+                match (&good, self.devices.get(c.devid)) {
+                    (Some(g), Some(dev)) if repair => match dev.write_at(g, c.physical) {
+                        Ok(()) => st.corrected += units,
+                        Err(_) => {
+                            st.uncorrectable += units;
+                            left_bad = true;
+                        }
+                    },
+                    (Some(_), _) => {
+                        st.correctable += units;
+                        left_bad = true;
+                    }
+                    (None, _) => {
+                        st.uncorrectable += units;
+                        left_bad = true;
+                    }
+                }
+            }
+            if seg.parity.is_some() {
+                // A row whose data is still bad says nothing about its parity.
+                let mut row = seg.clone();
+                if left_bad {
+                    row.len = 0;
+                }
+                parity_rows.push(row);
+            }
+        }
+        Ok(parity_rows)
+    }
+
+    /// Checks the parity of the RAID5/6 rows `rows` (pieces of data blocks, see
+    /// [`Disk::scrub_range`]): P (and Q) recomputed from the data blocks of the same bytes
+    /// must be what the parity blocks hold; one that is not is counted against its device
+    /// and, when `repair`, rewritten.
+    pub(crate) fn scrub_parity(
+        &self,
+        rows: &[Segment],
+        repair: bool,
+        stats: &mut std::collections::BTreeMap<u64, ScrubCounts>,
+    ) -> Result<()> {
+        let mut done: std::collections::BTreeSet<(u64, u64, u64)> = Default::default();
+        // Rows with bad data left (length 0, see scrub_range): their parity is not judged.
+        let skip: Vec<(u64, u64)> = rows
+            .iter()
+            .filter(|r| r.len == 0)
+            .filter_map(|r| {
+                let fs = r.parity.as_ref()?;
+                let p = fs.blocks[fs.blocks.len() - fs.nparity];
+                Some((p.devid, p.physical))
+            })
+            .collect();
+        for seg in rows {
+            let Some(fs) = &seg.parity else { continue };
+            let nd = fs.blocks.len() - fs.nparity;
+            let key = (fs.blocks[nd].devid, fs.blocks[nd].physical, seg.len);
+            if seg.len == 0 || !done.insert(key) {
+                continue;
+            }
+            let (pd, pp) = (fs.blocks[nd].devid, fs.blocks[nd].physical);
+            let stripe = |x: u64| x / (64 << 10);
+            if skip
+                .iter()
+                .any(|&(d, p)| d == pd && stripe(p) == stripe(pp))
+            {
+                continue;
+            }
+            let n = seg.len as usize;
+            let mut data = Vec::with_capacity(nd);
+            for c in &fs.blocks[..nd] {
+                let mut b = vec![0u8; n];
+                match self.read_phys(*c, &mut b) {
+                    Some(Ok(())) => data.push(b),
+                    _ => break,
+                }
+            }
+            if data.len() < nd {
+                continue; // a data block is missing or unreadable: counted by its own scrub
+            }
+            let refs: Vec<&[u8]> = data.iter().map(|b| &b[..]).collect();
+            let (p, q) = crate::io::raid56::parity(&refs, fs.nparity == 2);
+            let want: Vec<(PhysCopy, Vec<u8>)> = std::iter::once((fs.blocks[nd], p))
+                .chain(q.map(|q| (fs.blocks[nd + 1], q)))
+                .collect();
+            for (c, bytes) in want {
+                let mut have = vec![0u8; n];
+                let Some(r) = self.read_phys(c, &mut have) else {
+                    continue;
+                };
+                let st = stats.entry(c.devid).or_default();
+                st.parity_bytes += n as u64;
+                if r.is_ok() && have == bytes {
+                    continue;
+                }
+                if r.is_err() {
+                    st.read_errors += 1;
+                } else {
+                    st.parity_errors += 1;
+                }
+                if repair {
+                    let dev = self
+                        .devices
+                        .get(c.devid)
+                        .ok_or_else(|| self.all_missing(seg.logical, &[c]))?;
+                    match dev.write_at(&bytes, c.physical) {
+                        Ok(()) => st.corrected += 1,
+                        Err(_) => st.uncorrectable += 1,
+                    }
+                } else {
+                    st.correctable += 1;
+                }
             }
         }
         Ok(())
