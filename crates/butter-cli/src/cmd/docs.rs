@@ -67,6 +67,7 @@ pub fn examples(path: &str) -> &'static [(&'static str, &'static str)] {
             ("Make it writable", "butter property set disk.img snaps/monday ro false"),
         ],
         "restore" => &[
+            ("Copy everything off the surviving disk of a broken two-disk RAID1", "butter restore --degraded disk1.img ./rescued"),
             ("Copy the default subvolume (and subvolumes below it) into ./out", "butter restore disk.img ./out"),
             ("Only @home, by its path from the top level", "butter restore --subvol @home disk.img ./home"),
             ("What would be restored", "butter restore --dry-run -v disk.img ./out"),
@@ -85,6 +86,14 @@ pub fn examples(path: &str) -> &'static [(&'static str, &'static str)] {
         "filesystem" | "filesystem usage" | "filesystem df" => &[
             ("Space per block group type", "butter filesystem df disk.img"),
             ("Device allocation and free space", "butter filesystem usage disk.img"),
+        ],
+        "filesystem show" => &[
+            ("The devices of a RAID1 of two image files", "butter filesystem show a.img --device b.img"),
+            ("With one of them gone", "butter filesystem show a.img --degraded"),
+        ],
+        "scrub" | "scrub start" => &[
+            ("Verify every copy and parity block of a RAID5 of three images, repairing what is bad", "butter scrub start -d a.img --device b.img --device c.img"),
+            ("Only report", "butter scrub start -r a.img --device b.img --device c.img"),
         ],
         "filesystem du" => &[("Shared and exclusive bytes of each home", "butter filesystem du -s disk.img home/*")],
         "filesystem label" => &[
@@ -109,6 +118,7 @@ pub fn exit_status(path: &str) -> &'static str {
         "mkfs" => "0 when the filesystem is complete; 1 when it could not be made (nothing valid is left); 130 when interrupted (SIGINT, SIGTERM): the image is not a filesystem, and one mkfs created is removed.",
         "mount" => "0 after a clean unmount (in the foreground) or once the mount is usable (-d); 1 when it could not be mounted, or the final commit failed (what was committed before is intact).",
         "receive" => "0 when every command of the stream was applied (or printed, with --dump); 1 when the stream is damaged or a command failed (more than -E N of them); the subvolume being received stays writable, without a received uuid.",
+        "scrub" | "scrub start" => "0 when no errors are left (all found were repaired); 1 when errors are left: found by -r, or with no good copy to repair them from, or the filesystem could not be read.",
         "unmount" => "0 once the mount is gone and the butter process serving it has exited; 1 when it is not a butter mount or is busy.",
         _ => "0 on success; 1 on failure, with a message on standard error that says what failed and what to do.",
     }

@@ -23,6 +23,8 @@ mod corruption;
 #[cfg(test)]
 mod crash;
 #[cfg(test)]
+mod crash_multi;
+#[cfg(test)]
 mod engine_rules;
 #[cfg(test)]
 mod extent_io_bench;

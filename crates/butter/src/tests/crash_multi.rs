@@ -1,0 +1,331 @@
+//! Crash consistency of the commit on filesystems of several devices: a two-device RAID1 and
+//! a three-device RAID5, made by mkfs.btrfs, each device a RAM device.
+//!
+//! One power cut stops every device at once. The devices' writes and flushes are traced in
+//! the one order they were issued; a flush makes durable only its own device's earlier
+//! writes. For every cut point over the commit's writes (and a sample of the data writes
+//! before it), three sets of images are checked: only each device's flushed writes survived
+//! ("durable"), every issued write survived ("live"), and a random subset of each device's
+//! unflushed writes survived ("torn"). Each set must open with every device and show exactly
+//! the state before the commit (A) or after it (B): B once the primary superblock of B is on
+//! some device (the newest superblock wins at open, as in the kernel), and butter's checker
+//! must be clean.
+//!
+//! The RAID5 write hole: a cut between a data block and its parity leaves that row's parity
+//! stale. With every device there nothing reads the parity, so each cut must still show A or
+//! B; a device lost before a scrub rewrites the parity would rebuild the row's other blocks
+//! wrongly (their checksums then fail the read). The kernel has the same hole.
+//!
+//! Needs mkfs.btrfs (btrfs-progs): without it the tests print a notice and pass, unless `CI`
+//! is set (then they fail).
+
+use super::crash_support::*;
+use butter::error::Error;
+use butter::fs::{Fs, Inode, OpenOpts};
+use butter::internals::RamDevice;
+use butter::io::device::BlockDevice;
+use std::collections::HashMap;
+use std::io;
+use std::sync::{Arc, Mutex};
+
+const DEV_SIZE: u64 = 160 * MIB;
+const PRIMARY_SB: u64 = 64 * 1024;
+const OWNER: butter::fs::Owner = butter::fs::Owner { uid: 0, gid: 0 };
+
+/// One device's writes and flushes in the order every device's were issued.
+type Trace = Arc<Mutex<Vec<(usize, Op)>>>;
+
+struct Member {
+    idx: usize,
+    inner: Arc<dyn BlockDevice>,
+    trace: Trace,
+}
+
+impl BlockDevice for Member {
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        self.inner.read_at(buf, offset)
+    }
+    fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
+        self.inner.write_at(buf, offset)?;
+        self.trace.lock().unwrap().push((
+            self.idx,
+            Op::Write {
+                offset,
+                data: buf.to_vec(),
+            },
+        ));
+        Ok(())
+    }
+    fn flush(&self) -> io::Result<()> {
+        self.inner.flush()?;
+        self.trace.lock().unwrap().push((self.idx, Op::Flush));
+        Ok(())
+    }
+    fn len(&self) -> u64 {
+        self.inner.len()
+    }
+}
+
+/// mkfs.btrfs over `n` devices with `profile` for data and metadata: each device's bytes.
+fn mkfs_btrfs(n: usize, profile: &str) -> Option<Vec<Vec<u8>>> {
+    if !have_btrfs_progs() {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "mkfs.btrfs is not installed (CI is set: this is an error, not a skip)"
+        );
+        eprintln!("SKIPPED: mkfs.btrfs is not installed");
+        return None;
+    }
+    let dir = tmp_dir();
+    let paths: Vec<_> = (0..n)
+        .map(|i| dir.join(format!("multi-{profile}-{i}-{}.img", std::process::id())))
+        .collect();
+    for p in &paths {
+        let f = std::fs::File::create(p).unwrap();
+        f.set_len(DEV_SIZE).unwrap();
+    }
+    let out = std::process::Command::new("mkfs.btrfs")
+        .args(["-f", "-q", "-d", profile, "-m", profile])
+        .args(&paths)
+        .output()
+        .expect("running mkfs.btrfs");
+    assert!(
+        out.status.success(),
+        "mkfs.btrfs: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let imgs = paths.iter().map(|p| std::fs::read(p).unwrap()).collect();
+    for p in &paths {
+        let _ = std::fs::remove_file(p);
+    }
+    Some(imgs)
+}
+
+fn open_set(devs: &[Arc<dyn BlockDevice>], rw: bool) -> Result<Fs, Error> {
+    let given = devs
+        .iter()
+        .enumerate()
+        .map(|(i, d)| (format!("device {i}"), d.clone()))
+        .collect();
+    if rw {
+        Fs::open_device_set_rw_with(given, Default::default())
+    } else {
+        Fs::open_device_set(given, OpenOpts::default())
+    }
+}
+
+fn file(fs: &Fs, dir: Inode, name: &str, seed: u64, len: usize) -> Result<Inode, Error> {
+    let ino = fs.create(dir, name.as_bytes(), 0o644, OWNER)?;
+    fs.write(ino, 0, &content(seed, len))?;
+    Ok(ino)
+}
+
+fn populate(fs: &Fs) -> Result<(), Error> {
+    let root = fs.root_inode();
+    for d in 0..4u64 {
+        let dir = fs.mkdir(root, format!("d{d}").as_bytes(), 0o755, OWNER)?;
+        for i in 0..30u64 {
+            file(
+                fs,
+                dir,
+                &format!("f{i}"),
+                d * 100 + i,
+                100 + (i as usize * 997) % 150_000,
+            )?;
+        }
+    }
+    Ok(())
+}
+
+/// The change set A -> B: new small and large files, overwrites, deletes, a rename.
+fn change(fs: &Fs) -> Result<(), Error> {
+    let root = fs.root_inode();
+    let new = fs.mkdir(root, b"new", 0o755, OWNER)?;
+    for i in 0..300u64 {
+        file(
+            fs,
+            new,
+            &format!("n{i}"),
+            5000 + i,
+            300 + (i as usize * 37) % 3000,
+        )?;
+    }
+    file(fs, root, "big", 77, 3 << 20)?;
+    let d1 = fs.lookup(root, b"d1")?.expect("d1").target;
+    for i in 0..10u64 {
+        let ino = fs
+            .lookup(d1, format!("f{i}").as_bytes())?
+            .expect("f")
+            .target;
+        fs.write(ino, 5000, &content(9000 + i, 70_000))?;
+    }
+    let d2 = fs.lookup(root, b"d2")?.expect("d2").target;
+    for i in 0..30 {
+        fs.unlink(d2, format!("f{i}").as_bytes())?;
+    }
+    fs.rmdir(root, b"d2")?;
+    fs.rename(root, b"d3", new, b"d3moved", 0)?;
+    Ok(())
+}
+
+struct Run {
+    bases: Vec<Arc<Vec<u8>>>,
+    man_a: Manifest,
+    man_b: Manifest,
+    ops: Vec<(usize, Op)>,
+    commit_first_write: usize,
+}
+
+fn run(n: usize, profile: &str) -> Option<Run> {
+    fixed_time();
+    let imgs = mkfs_btrfs(n, profile)?;
+    let rams: Vec<Arc<RamDevice>> = imgs
+        .into_iter()
+        .map(|b| Arc::new(RamDevice::new(b)))
+        .collect();
+    let devs: Vec<Arc<dyn BlockDevice>> = rams.iter().map(|r| r.clone() as _).collect();
+    let fs = open_set(&devs, true).expect("open the new filesystem");
+    populate(&fs).expect("populate");
+    fs.commit().expect("commit A");
+    let man_a = manifest(&fs).expect("manifest A");
+    drop(fs);
+    let bases: Vec<Arc<Vec<u8>>> = rams.iter().map(|r| Arc::new(r.durable_bytes())).collect();
+    let trace: Trace = Default::default();
+    let devs: Vec<Arc<dyn BlockDevice>> = bases
+        .iter()
+        .enumerate()
+        .map(|(idx, b)| {
+            Arc::new(Member {
+                idx,
+                inner: Arc::new(RamDevice::new((**b).clone())),
+                trace: trace.clone(),
+            }) as _
+        })
+        .collect();
+    let fs = open_set(&devs, true).expect("open A");
+    change(&fs).expect("change set");
+    let commit_first_write = trace
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|(_, o)| matches!(o, Op::Write { .. }))
+        .count();
+    fs.commit().expect("commit B");
+    let man_b = manifest(&fs).expect("manifest B");
+    drop(fs);
+    let ops = std::mem::take(&mut *trace.lock().unwrap());
+    assert!(man_a != man_b);
+    Some(Run {
+        bases,
+        man_a,
+        man_b,
+        ops,
+        commit_first_write,
+    })
+}
+
+/// Opens the devices of one cut (page maps over the bases) and checks the state they show.
+fn verify(
+    r: &Run,
+    pages: &[HashMap<u64, Vec<u8>>],
+    expect_b: bool,
+    what: &str,
+) -> Result<(), String> {
+    let devs: Vec<Arc<dyn BlockDevice>> = r
+        .bases
+        .iter()
+        .zip(pages)
+        .map(|(b, p)| Arc::new(OverlayDevice::new(b.clone(), p.clone())) as _)
+        .collect();
+    let fs = open_set(&devs, false).map_err(|e| format!("{what}: open: {e}"))?;
+    let m = manifest(&fs).map_err(|e| format!("{what}: {e}"))?;
+    let (name, want) = if expect_b {
+        ("B", &r.man_b)
+    } else {
+        ("A", &r.man_a)
+    };
+    if m != *want {
+        return Err(format!("{what}: not state {name}: {}", diff(want, &m)));
+    }
+    butter_check(&fs).map_err(|e| format!("{what} (state {name}): {e}"))
+}
+
+fn sweep(n: usize, profile: &str) {
+    let Some(r) = run(n, profile) else { return };
+    let mut live: Vec<HashMap<u64, Vec<u8>>> = vec![HashMap::new(); n];
+    let mut durable = live.clone();
+    let mut unflushed: Vec<Vec<(u64, Vec<u8>)>> = vec![Vec::new(); n];
+    let mut live_sb = false;
+    let mut durable_sb = false;
+    let mut unflushed_sb = vec![false; n];
+    let mut rng = Rng(0x5eed_0000_3200_0001);
+    let (mut k, mut checked) = (0usize, 0usize);
+    let mut failures = Vec::new();
+    for (dev, op) in &r.ops {
+        match op {
+            Op::Flush => {
+                durable[*dev] = live[*dev].clone();
+                unflushed[*dev].clear();
+                durable_sb |= unflushed_sb[*dev];
+                unflushed_sb[*dev] = false;
+            }
+            Op::Write { offset, data } => {
+                if k >= r.commit_first_write || k.is_multiple_of(16) {
+                    checked += 1;
+                    let checks: [(&str, &[HashMap<u64, Vec<u8>>], bool); 2] =
+                        [("durable", &durable, durable_sb), ("live", &live, live_sb)];
+                    for (what, pages, b) in checks {
+                        if let Err(e) = verify(&r, pages, b, &format!("{profile} {what} k={k}")) {
+                            failures.push(e);
+                        }
+                    }
+                    if k.is_multiple_of(3) {
+                        let mut torn = durable.clone();
+                        let mut b = durable_sb;
+                        for (d, writes) in unflushed.iter().enumerate() {
+                            for (off, bytes) in writes {
+                                if rng.next().is_multiple_of(2) {
+                                    apply_write(&r.bases[d], &mut torn[d], *off, bytes);
+                                    b |= *off == PRIMARY_SB;
+                                }
+                            }
+                        }
+                        if let Err(e) = verify(&r, &torn, b, &format!("{profile} torn k={k}")) {
+                            failures.push(e);
+                        }
+                    }
+                    if failures.len() > 5 {
+                        break;
+                    }
+                }
+                apply_write(&r.bases[*dev], &mut live[*dev], *offset, data);
+                unflushed[*dev].push((*offset, data.clone()));
+                if *offset == PRIMARY_SB {
+                    live_sb = true;
+                    unflushed_sb[*dev] = true;
+                }
+                k += 1;
+            }
+        }
+    }
+    if failures.is_empty() {
+        if let Err(e) = verify(&r, &live, true, &format!("{profile} after the commit")) {
+            failures.push(e);
+        }
+    }
+    eprintln!(
+        "{profile} on {n} devices: {checked} cut points over {k} writes ({} in the commit)",
+        k - r.commit_first_write
+    );
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+#[test]
+fn power_cut_at_every_commit_write_raid1_two_devices() {
+    sweep(2, "raid1");
+}
+
+#[test]
+fn power_cut_at_every_commit_write_raid5_three_devices() {
+    sweep(3, "raid5");
+}
