@@ -32,6 +32,9 @@ const DEV_SIZE: u64 = 160 * MIB;
 const PRIMARY_SB: u64 = 64 * 1024;
 const OWNER: butter::fs::Owner = butter::fs::Owner { uid: 0, gid: 0 };
 
+/// Each device's pages that differ from its base image.
+type Pages = HashMap<u64, Vec<u8>>;
+
 /// One device's writes and flushes in the order every device's were issued.
 type Trace = Arc<Mutex<Vec<(usize, Op)>>>;
 
@@ -272,7 +275,7 @@ fn sweep(n: usize, profile: &str) {
             Op::Write { offset, data } => {
                 if k >= r.commit_first_write || k.is_multiple_of(16) {
                     checked += 1;
-                    let checks: [(&str, &[HashMap<u64, Vec<u8>>], bool); 2] =
+                    let checks: [(&str, &[Pages], bool); 2] =
                         [("durable", &durable, durable_sb), ("live", &live, live_sb)];
                     for (what, pages, b) in checks {
                         if let Err(e) = verify(&r, pages, b, &format!("{profile} {what} k={k}")) {
