@@ -194,14 +194,83 @@ fn fsx_with_compression() {
     );
 }
 
+/// On filesystems of several devices made by mkfs.btrfs: a two-device RAID1 and a
+/// four-device RAID10, each a third as long; afterwards both checkers with every device,
+/// and the kernel mounting all of them shows what the butter mount showed.
+#[test]
+fn fsx_on_raid1_and_raid10() {
+    if !fuse_mount::require("fuse_fsx", &["fsx"]) || !common::kernel::require_privileges() {
+        return;
+    }
+    let ops = env_u64("BUTTER_FSX_OPS", SUITE_OPS) / 3;
+    for (profile, n) in [("raid1", 2usize), ("raid10", 4)] {
+        let name = format!("fuse-fsx-{profile}");
+        let scratch = ScratchDir::new(&name);
+        let images: Vec<PathBuf> = (0..n)
+            .map(|i| scratch.join(format!("dev{i}.img")))
+            .collect();
+        for img in &images {
+            std::fs::File::create(img)
+                .unwrap()
+                .set_len(IMAGE_SIZE)
+                .unwrap();
+        }
+        common::kernel::run(
+            Command::new("mkfs.btrfs")
+                .args(["-f", "-q", "-d", profile, "-m", profile])
+                .args(&images),
+        );
+        let opts: Vec<String> = images[1..]
+            .iter()
+            .map(|p| format!("device={}", p.display()))
+            .collect();
+        let opts = opts.join(",");
+        let bm = ButterMount::start(
+            &images[0],
+            &scratch.join("bmnt"),
+            &["-o", &opts],
+            &scratch.join("butter.log"),
+        );
+        let seen = fsx_jobs(&scratch, FSX_CONFIG, &bm, ops);
+        bm.unmount();
+        let mut args: Vec<String> = vec!["check".into(), images[0].display().to_string()];
+        for img in &images[1..] {
+            args.push("--device".into());
+            args.push(img.display().to_string());
+        }
+        let o = Command::new(env!("CARGO_BIN_EXE_butter"))
+            .args(&args)
+            .output()
+            .unwrap();
+        assert!(
+            o.status.success(),
+            "{profile}: butter check after fsx:\n{}{}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        );
+        let (ok, t) = common::kernel::btrfs_check_devices(&images);
+        assert!(ok, "{profile}: btrfs check after fsx:\n{t}");
+        let km = common::kernel::MultiLoopMount::new(&images, &scratch.join("kmnt"), "ro,noatime");
+        let got = manifest::take(km.path(), &TakeOpts::default());
+        km.unmount();
+        let copts = manifest::CompareOpts {
+            atime: false,
+            ..manifest::CompareOpts::fuse()
+        };
+        manifest::assert_same(
+            &seen,
+            &got,
+            &copts,
+            &format!("{profile}: butter mount vs kernel"),
+        );
+    }
+}
+
 fn fsx_run(name: &str, config: &str, mkfs_args: &[&str], mount_args: &[&str], ops: u64) {
     if !fuse_mount::require("fuse_fsx", &["fsx"]) {
         return;
     }
-    let seed = env_u64("BUTTER_FSX_SEED", SEED);
     let scratch = ScratchDir::new(name);
-    let cfg = scratch.join("fsx.toml");
-    std::fs::write(&cfg, config).unwrap();
     let img = scratch.join("butter.img");
     common::kernel::mkfs_btrfs(&img, IMAGE_SIZE, mkfs_args);
     let bm = ButterMount::start(
@@ -210,6 +279,17 @@ fn fsx_run(name: &str, config: &str, mkfs_args: &[&str], mount_args: &[&str], op
         mount_args,
         &scratch.join("butter.log"),
     );
+    let seen = fsx_jobs(&scratch, config, &bm, ops);
+    bm.unmount();
+    fuse_mount::verify_image(&img, &scratch.join("kmnt"), Some(&seen), "after fsx");
+}
+
+/// Two fsx processes on two files of the mount, `ops` operations each; panics with their
+/// logs when one fails. Returns what the mount shows afterwards.
+fn fsx_jobs(scratch: &ScratchDir, config: &str, bm: &ButterMount, ops: u64) -> manifest::Manifest {
+    let seed = env_u64("BUTTER_FSX_SEED", SEED);
+    let cfg = scratch.join("fsx.toml");
+    std::fs::write(&cfg, config).unwrap();
 
     let t0 = Instant::now();
     let deadline = t0 + Duration::from_secs(240);
@@ -247,9 +327,7 @@ fn fsx_run(name: &str, config: &str, mkfs_args: &[&str], mount_args: &[&str], op
         failures.join("\n\n"),
         tail(&bm.log_text(), 40)
     );
-    let seen = manifest::take(bm.path(), &TakeOpts::default());
-    bm.unmount();
-    fuse_mount::verify_image(&img, &scratch.join("kmnt"), Some(&seen), "after fsx");
+    manifest::take(bm.path(), &TakeOpts::default())
 }
 
 fn tail(s: &str, n: usize) -> String {
