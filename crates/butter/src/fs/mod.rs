@@ -112,6 +112,39 @@ fn open_error(path: &FsPath, write: bool, e: std::io::Error) -> Error {
     }
 }
 
+/// Opens one device of a filesystem: an image file or block device (`rw`: as the only
+/// writer, see [`FileDevice::open_exclusive`]), or an NBD export named by an `nbd://` or
+/// `nbd+unix://` address (see [`crate::io::nbd`]).
+fn open_one(path: &FsPath, rw: bool) -> Result<Arc<dyn BlockDevice>> {
+    if let Some(addr) = path.to_str().and_then(crate::io::nbd::Address::parse) {
+        let addr = addr.map_err(Error::Invalid)?;
+        let dev = crate::io::nbd::NbdDevice::open(&addr)
+            .map_err(|e| Error::io(format!("connecting to {}", path.display()), 0, e))?;
+        if rw && !dev.writable() {
+            return Err(Error::NotPermitted(format!(
+                "{}: the NBD server exports it read-only; open it read-only",
+                path.display()
+            )));
+        }
+        return Ok(Arc::new(dev));
+    }
+    if !rw {
+        let dev = FileDevice::open(path, false).map_err(|e| open_error(path, false, e))?;
+        return Ok(Arc::new(dev));
+    }
+    let dev = FileDevice::open_exclusive(path).map_err(|e| {
+        if e.kind() == std::io::ErrorKind::ResourceBusy {
+            Error::NotPermitted(format!(
+                "{} cannot be opened read-write: {e}",
+                path.display()
+            ))
+        } else {
+            open_error(path, true, e)
+        }
+    })?;
+    Ok(Arc::new(dev))
+}
+
 impl Fs {
     /// Opens an image file or block device read-only.
     pub fn open(path: &FsPath) -> Result<Fs> {
@@ -132,8 +165,7 @@ impl Fs {
     pub fn open_paths(paths: &[&FsPath], opts: OpenOpts) -> Result<Fs> {
         let mut given: Vec<(String, Arc<dyn BlockDevice>)> = Vec::with_capacity(paths.len());
         for path in paths {
-            let dev = FileDevice::open(path, false).map_err(|e| open_error(path, false, e))?;
-            given.push((path.display().to_string(), Arc::new(dev)));
+            given.push((path.display().to_string(), open_one(path, false)?));
         }
         Self::open_device_set(given, opts)
     }
@@ -171,17 +203,7 @@ impl Fs {
     pub fn open_rw_paths(paths: &[&FsPath], opts: RwOptions) -> Result<Fs> {
         let mut given: Vec<(String, Arc<dyn BlockDevice>)> = Vec::with_capacity(paths.len());
         for path in paths {
-            let dev = FileDevice::open_exclusive(path).map_err(|e| {
-                if e.kind() == std::io::ErrorKind::ResourceBusy {
-                    Error::NotPermitted(format!(
-                        "{} cannot be opened read-write: {e}",
-                        path.display()
-                    ))
-                } else {
-                    open_error(path, true, e)
-                }
-            })?;
-            given.push((path.display().to_string(), Arc::new(dev)));
+            given.push((path.display().to_string(), open_one(path, true)?));
         }
         Self::open_device_set_rw_with(given, opts)
     }

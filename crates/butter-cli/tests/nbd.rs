@@ -1,0 +1,323 @@
+//! Devices on other machines through NBD, on loopback: nbdkit (Debian's NBD server) serves
+//! image files over TCP on 127.0.0.1 and over a Unix socket, and butter uses them as devices
+//! of a filesystem (`--device nbd://HOST:PORT/NAME`, `-o device=nbd+unix:///NAME?socket=PATH`).
+//!
+//! - A three-device RAID1 of one local file and two NBD exports, mounted read-write through
+//!   butter: files written, then (the servers stopped) butter check and btrfs check of the
+//!   files, and a kernel mount of them shows what butter's mount showed.
+//! - nbdkit's error filter failing every read of one export once a read-only mount is up:
+//!   every file read through the mount comes from the other copy, as the kernel shows it.
+//! - A server that is not there, or not NBD, is an error naming the address.
+//!
+//! Needs root, /dev/fuse, loop devices, kernel btrfs, btrfs-progs and nbdkit (scripts/
+//! install-deps installs it). Without them: a notice and a pass, or a failure under CI.
+
+mod common;
+
+use common::fuse_mount::{self, ButterMount};
+use common::kernel::{self, MultiLoopMount, ScratchDir};
+use common::manifest::{self, CompareOpts, TakeOpts};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+const BUTTER: &str = env!("CARGO_BIN_EXE_butter");
+
+fn butter(args: &[&str]) -> Output {
+    Command::new(BUTTER)
+        .args(args)
+        .output()
+        .expect("run butter")
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+/// An nbdkit process, killed when dropped.
+struct Server {
+    child: Child,
+    /// The address butter is given.
+    addr: String,
+}
+
+impl Server {
+    /// nbdkit serving `img` (`filter` args before the plugin) on a free TCP port of
+    /// 127.0.0.1, or on the Unix socket `unix`.
+    fn start(img: &Path, unix: Option<&Path>, filter: &[&str], plugin_args: &[&str]) -> Server {
+        let mut cmd = Command::new("nbdkit");
+        cmd.args(["--foreground", "--exit-with-parent"]);
+        let addr = match unix {
+            Some(sock) => {
+                cmd.arg("--unix").arg(sock);
+                format!("nbd+unix:///export?socket={}", sock.display())
+            }
+            None => {
+                let port = std::net::TcpListener::bind("127.0.0.1:0")
+                    .unwrap()
+                    .local_addr()
+                    .unwrap()
+                    .port();
+                cmd.args(["--ipaddr", "127.0.0.1", "--port", &port.to_string()]);
+                format!("nbd://127.0.0.1:{port}/export")
+            }
+        };
+        cmd.args(filter)
+            .arg("file")
+            .arg(format!("file={}", img.display()))
+            .args(plugin_args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        let child = cmd.spawn().expect("start nbdkit");
+        let s = Server { child, addr };
+        s.wait_ready(unix);
+        s
+    }
+
+    fn wait_ready(&self, unix: Option<&Path>) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let up = match unix {
+                Some(p) => std::os::unix::net::UnixStream::connect(p).is_ok(),
+                None => {
+                    let hp = self.addr.trim_start_matches("nbd://");
+                    let hp = hp.split('/').next().unwrap();
+                    std::net::TcpStream::connect(hp).is_ok()
+                }
+            };
+            if up {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "nbdkit did not come up at {}",
+                self.addr
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn require() -> bool {
+    fuse_mount::require("nbd", &["nbdkit"]) && kernel::require_privileges()
+}
+
+fn make_raid1(s: &ScratchDir, n: usize) -> Vec<PathBuf> {
+    let images: Vec<PathBuf> = (0..n).map(|i| s.join(format!("dev{i}.img"))).collect();
+    for img in &images {
+        std::fs::File::create(img)
+            .unwrap()
+            .set_len(400 << 20)
+            .unwrap();
+    }
+    kernel::run(
+        Command::new("mkfs.btrfs")
+            .args(["-f", "-q", "-d", "raid1", "-m", "raid1"])
+            .args(&images),
+    );
+    images
+}
+
+fn write_tree(root: &Path) {
+    let mut x = 0x1234_5678_9abc_def1u64;
+    let mut bytes = |n: usize| -> Vec<u8> {
+        (0..n)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x as u8
+            })
+            .collect()
+    };
+    std::fs::create_dir_all(root.join("a/b")).unwrap();
+    for i in 0..50usize {
+        std::fs::write(root.join(format!("a/b/f{i}")), bytes(100 + i * 4099)).unwrap();
+    }
+    std::fs::write(root.join("big"), bytes(24 << 20)).unwrap();
+    std::os::unix::fs::symlink("a/b/f1", root.join("link")).unwrap();
+    std::fs::remove_file(root.join("a/b/f7")).unwrap();
+}
+
+#[test]
+fn raid1_of_a_file_and_two_nbd_exports_mounts_read_write() {
+    if !require() {
+        return;
+    }
+    let s = ScratchDir::new("nbd-raid1");
+    let images = make_raid1(&s, 3);
+    let tcp = Server::start(&images[1], None, &[], &[]);
+    let unix = Server::start(&images[2], Some(&s.join("nbd.sock")), &[], &[]);
+    let opts = format!("device={},device={}", tcp.addr, unix.addr);
+    let m = ButterMount::start(
+        &images[0],
+        &s.dir("bmnt"),
+        &["-o", &opts],
+        &s.join("butter.log"),
+    );
+    write_tree(m.path());
+    let seen = manifest::take(m.path(), &TakeOpts::default());
+    m.unmount();
+    // Through the servers, then (stopped) from the files themselves.
+    let o = butter(&[
+        "check",
+        images[0].to_str().unwrap(),
+        "--device",
+        &tcp.addr,
+        "--device",
+        &unix.addr,
+    ]);
+    assert!(o.status.success(), "butter check over NBD:\n{}", text(&o));
+    drop(tcp);
+    drop(unix);
+    let o = butter(&[
+        "check",
+        images[0].to_str().unwrap(),
+        "--device",
+        images[1].to_str().unwrap(),
+        "--device",
+        images[2].to_str().unwrap(),
+    ]);
+    assert!(
+        o.status.success(),
+        "butter check of the files:\n{}",
+        text(&o)
+    );
+    let (ok, t) = kernel::btrfs_check_devices(&images);
+    assert!(ok, "btrfs check of the files:\n{t}");
+    let km = MultiLoopMount::new(&images, &s.dir("kmnt"), "ro,noatime");
+    let got = manifest::take(km.path(), &TakeOpts::default());
+    km.unmount();
+    let copts = CompareOpts {
+        atime: false,
+        ..CompareOpts::fuse()
+    };
+    manifest::assert_same(&seen, &got, &copts, "butter mount over NBD vs the kernel");
+}
+
+#[test]
+fn a_failing_export_is_read_around_and_bad_addresses_are_named() {
+    if !require() {
+        return;
+    }
+    let s = ScratchDir::new("nbd-faults");
+    let images = make_raid1(&s, 2);
+    let km = MultiLoopMount::new(&images, &s.dir("fill"), "");
+    write_tree(km.path());
+    km.unmount();
+    let km = MultiLoopMount::new(&images, &s.dir("kro"), "ro,noatime");
+    let want = manifest::take(km.path(), &TakeOpts::default());
+    km.unmount();
+    // Every read of the second device fails once the trigger file exists: after the mount
+    // has read its superblock. Reading every file through the mount uses the first copy.
+    let trigger = s.join("fail-now");
+    let rate = format!("error-pread-file={}", trigger.display());
+    let failing = Server::start(
+        &images[1],
+        None,
+        &["--filter=error"],
+        &["error=EIO", "error-pread-rate=100%", &rate],
+    );
+    let opts = format!("ro,device={}", failing.addr);
+    let m = ButterMount::start(
+        &images[0],
+        &s.dir("bmnt"),
+        &["-o", &opts],
+        &s.join("butter.log"),
+    );
+    std::fs::write(&trigger, b"").unwrap();
+    let got = manifest::take(m.path(), &TakeOpts::default());
+    let log = m.log_text();
+    m.unmount();
+    let copts = CompareOpts {
+        atime: false,
+        ..CompareOpts::fuse()
+    };
+    manifest::assert_same(
+        &want,
+        &got,
+        &copts,
+        "a mount with one export failing every read",
+    );
+    assert!(
+        log.contains("an earlier copy was bad"),
+        "no read went to the failing export:\n{log}"
+    );
+    // A device whose superblock cannot be read is named; left out, --degraded reads the rest.
+    let o = butter(&["ls", images[0].to_str().unwrap(), "--device", &failing.addr]);
+    assert!(
+        !o.status.success() && text(&o).contains(&failing.addr),
+        "{}",
+        text(&o)
+    );
+    drop(failing);
+    let out = s.dir("restored");
+    let o = butter(&[
+        "restore",
+        images[0].to_str().unwrap(),
+        out.to_str().unwrap(),
+        "--degraded",
+    ]);
+    assert!(o.status.success(), "degraded restore:\n{}", text(&o));
+    let got = manifest::take(&out, &TakeOpts::default());
+    manifest::assert_same(
+        &want,
+        &got,
+        &CompareOpts::restore(),
+        "restore without the second device",
+    );
+    // Nobody there; something that is not NBD; a malformed address.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let nobody = format!("nbd://127.0.0.1:{port}/x");
+    let o = butter(&["ls", images[0].to_str().unwrap(), "--device", &nobody]);
+    assert!(
+        !o.status.success() && text(&o).contains(&nobody),
+        "{}",
+        text(&o)
+    );
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let not_nbd = format!(
+        "nbd://127.0.0.1:{}/x",
+        listener.local_addr().unwrap().port()
+    );
+    let t = std::thread::spawn(move || {
+        if let Ok((mut c, _)) = listener.accept() {
+            use std::io::Write;
+            let _ = c.write_all(b"SSH-2.0-OpenSSH_9.2\r\n\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0");
+        }
+    });
+    let o = butter(&["ls", images[0].to_str().unwrap(), "--device", &not_nbd]);
+    t.join().unwrap();
+    assert!(
+        !o.status.success() && text(&o).contains("not a newstyle NBD server"),
+        "{}",
+        text(&o)
+    );
+    assert!(!text(&o).contains("panicked"));
+    let o = butter(&[
+        "ls",
+        images[0].to_str().unwrap(),
+        "--device",
+        "nbd+unix:///x",
+    ]);
+    assert!(
+        !o.status.success() && text(&o).contains("socket=PATH"),
+        "{}",
+        text(&o)
+    );
+}
