@@ -5,7 +5,10 @@
 #     BENCH_FILE_MB MiB on two-device RAID0 and RAID1 (the kernel through loop devices, butter
 #     through its FUSE mount with -o device=);
 #   - scrub of BENCH_SCRUB_MB MiB of data on a two-device RAID1 (the kernel's `btrfs scrub
-#     start -B` on a mount, `butter scrub start` offline), caches dropped before each.
+#     start -B` on a mount, `butter scrub start` offline), caches dropped before each;
+#   - what NBD costs: butter reading the file of a two-device RAID1 through its mount when
+#     the second device is an nbdkit export on 127.0.0.1 (and the first is missing, so every
+#     read crosses the protocol), against the same read from the local files.
 # Prints a table with MiB/s and butter/kernel ratios (above 1.00x butter is faster) and writes
 # it to bench/results/multi-device.md. Needs root. Never run from tests.
 set -euo pipefail
@@ -123,6 +126,28 @@ kernel_umount; drop
 t0=$(now); "$BUTTER" scrub start -q "${IMGS[0]}" $(butter_devices); t1=$(now)
 bs=$(secs "$t0" "$t1")
 row "raid1, 2 devices: scrub $SMB MiB of data" "$ks" "$bs" "$SMB"
+
+if command -v nbdkit >/dev/null; then
+	make_fs raid1 2
+	butter_mount noatime
+	dd if="$SRC" of="$W/bmnt/f" bs=1M conv=fsync status=none
+	"$BUTTER" unmount "$W/bmnt"; drop
+	"$BUTTER" mount -d "${IMGS[1]}" "$W/bmnt" -o ro,noatime,degraded
+	t0=$(now); dd if="$W/bmnt/f" of=/dev/null bs=1M status=none; t1=$(now)
+	local_s=$(secs "$t0" "$t1")
+	"$BUTTER" unmount "$W/bmnt"; drop
+	port=$((20000 + RANDOM % 20000))
+	nbdkit --exit-with-parent -f -i 127.0.0.1 -p "$port" file "${IMGS[1]}" &
+	NBD_PID=$!
+	sleep 1
+	"$BUTTER" mount -d "nbd://127.0.0.1:$port/x" "$W/bmnt" -o ro,noatime,degraded
+	t0=$(now); dd if="$W/bmnt/f" of=/dev/null bs=1M status=none; t1=$(now)
+	nbd_s=$(secs "$t0" "$t1")
+	"$BUTTER" unmount "$W/bmnt"
+	kill "$NBD_PID"
+	ROWS+=("| raid1 read $MB MiB, cold, one device: local file vs NBD (butter both) | $(rate "$MB" "$local_s") MiB/s local | $(rate "$MB" "$nbd_s") MiB/s over NBD | $(echo "scale=2; $local_s / $nbd_s" | bc -l)x |")
+	echo "${ROWS[-1]}"
+fi
 
 {
 	echo "# Several devices: butter against the kernel's btrfs"

@@ -772,9 +772,13 @@ impl Allocator {
         }
         // Any extent of the file may come from its window (after its last one, where the
         // file's data is): a file rewritten from its start after a truncate reuses it.
+        // The extent must lie in one block group (one chunk): a window that would hand out
+        // one crossing into the next group (which no path should make, but a write across a
+        // chunk's end is refused far later, after the data was accepted) goes back instead.
         if want.held
             && e.disk_end.is_multiple_of(want.align)
             && e.disk_end + want.len <= e.window_end
+            && self.group_containing(e.disk_end) == self.group_containing(e.disk_end + want.len - 1)
         {
             let at = e.disk_end;
             e.file_end = f.offset + want.len;
