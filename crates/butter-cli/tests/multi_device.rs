@@ -436,10 +436,6 @@ fn wrong_device_sets_are_refused_by_name_and_nothing_is_written() {
         ),
         (&["ls", a, "--device", a], &["same device", "once"]),
         (&["ls", a, "--device", x], &["another filesystem"]),
-        (
-            &["subvolume", "create", a, "new", "--degraded"],
-            &["degraded", "read-only"],
-        ),
         (&["subvolume", "create", a, "new"], &["missing", "--device"]),
     ];
     for (args, want) in cases {
@@ -453,13 +449,32 @@ fn wrong_device_sets_are_refused_by_name_and_nothing_is_written() {
     }
     let dir = s.dir("rw.mnt");
     let log = s.join("rw.log");
-    match ButterMount::try_start(&v.images[0], &dir, &["-o", "degraded"], &log) {
+    // RAID0 data lost with a device: not even a degraded read-write open.
+    let z = Volume::make(&s, "z0", "raid0", "raid1", 2, "");
+    let zb = fs::read(&z.images[0]).unwrap();
+    let o = butter(&[
+        "subvolume",
+        "create",
+        z.images[0].to_str().unwrap(),
+        "new",
+        "--degraded",
+    ]);
+    assert!(
+        !o.status.success() && text(&o).contains("cannot be written degraded"),
+        "{}",
+        text(&o)
+    );
+    match ButterMount::try_start(&z.images[0], &dir, &["-o", "degraded"], &log) {
         Ok(m) => {
             m.unmount();
-            panic!("a degraded read-write mount started");
+            panic!("a degraded read-write mount of RAID0 started");
         }
-        Err((_, t)) => assert!(t.contains("read-only"), "{t}"),
+        Err((_, t)) => assert!(t.contains("cannot be written degraded"), "{t}"),
     }
+    assert!(
+        fs::read(&z.images[0]).unwrap() == zb,
+        "a refused degraded open wrote"
+    );
     for (img, b) in v.images.iter().zip(&before) {
         assert!(fs::read(img).unwrap() == *b, "{} changed", img.display());
     }
@@ -640,5 +655,108 @@ fn kernel_scrub_clean(s: &ScratchDir, images: &[PathBuf], what: &str) {
             t.contains(field),
             "{what}: scrub did not report {field}:\n{t}"
         );
+    }
+}
+
+/// A read-write mount with the last device missing (`-o degraded`): changes go to the
+/// devices left (RAID5 rows rebuilt around the missing one, new chunks SINGLE where the
+/// devices left cannot make the profile). Then the device comes back with its stale copies:
+/// `butter scrub` repairs them (a stale tree block fails the extent item's generation, stale
+/// data its checksum), after which both checkers, the kernel's view and its scrub agree.
+#[test]
+fn degraded_read_write_then_the_device_returns_and_scrub_repairs_it() {
+    if !common::fuse_mount::require(
+        "degraded_read_write_then_the_device_returns_and_scrub_repairs_it",
+        &[],
+    ) || !kernel::require_privileges()
+    {
+        return;
+    }
+    let s = ScratchDir::new("multi-device-degraded-rw");
+    for (name, n) in [("raid1", 2usize), ("raid5", 3), ("raid6", 4)] {
+        let v = Volume::make(&s, &format!("dg-{name}"), name, name, n, "");
+        let mut o = vec!["degraded".to_string()];
+        for img in &v.images[1..n - 1] {
+            o.push(format!("device={}", img.display()));
+        }
+        let opts = o.join(",");
+        let log = s.join(format!("dg-{name}.log"));
+        let m = ButterMount::start(
+            &v.images[0],
+            &s.dir(format!("dg-{name}.mnt")),
+            &["-o", &opts],
+            &log,
+        );
+        let mut rng = Rng(n as u64 * 977);
+        std::fs::create_dir_all(m.path().join("while-away")).unwrap();
+        for i in 0..30usize {
+            fs::write(
+                m.path().join(format!("while-away/w{i}")),
+                rng.bytes(1000 + i * 7919),
+            )
+            .unwrap();
+        }
+        fs::write(m.path().join("while-away/big"), rng.bytes(40 << 20)).unwrap();
+        let mut f = fs::OpenOptions::new()
+            .write(true)
+            .open(m.path().join("f7"))
+            .unwrap();
+        f.seek(SeekFrom::Start(4096)).unwrap();
+        f.write_all(&rng.bytes(300_000)).unwrap();
+        drop(f);
+        fs::remove_file(m.path().join("f6")).unwrap();
+        let seen = manifest::take(m.path(), &TakeOpts::default());
+        m.unmount();
+        let mut away = v.device_args(&[n - 1]);
+        away.push("--degraded".into());
+        check_clean(&v.images[0], &away, &format!("{name} degraded"));
+        // The device is back: its copies are stale until the scrub.
+        let all = v.device_args(&[]);
+        let scrub = |extra: &[&str]| {
+            let mut a: Vec<String> = vec!["scrub".into(), "start".into()];
+            a.extend(extra.iter().map(|x| x.to_string()));
+            a.push(v.images[0].display().to_string());
+            a.extend(all.iter().cloned());
+            let refs: Vec<&str> = a.iter().map(|x| x.as_str()).collect();
+            butter(&refs)
+        };
+        let o = scrub(&["-d"]);
+        assert!(
+            o.status.success(),
+            "{name}: scrub after the device returned:\n{}",
+            text(&o)
+        );
+        assert!(
+            text(&o).contains("Corrected:"),
+            "{name}: the scrub found nothing stale:\n{}",
+            text(&o)
+        );
+        let o = scrub(&["-r"]);
+        assert!(
+            o.status.success() && text(&o).contains("no errors found"),
+            "{name}: {}",
+            text(&o)
+        );
+        check_clean(&v.images[0], &all, &format!("{name} after scrub"));
+        let (ok, t) = kernel::btrfs_check_devices(&v.images);
+        assert!(
+            ok,
+            "{name}: btrfs check after the degraded writes and the scrub:\n{t}"
+        );
+        let got = v.kernel_manifest(&s, &format!("dg-{name}"));
+        let copts = CompareOpts {
+            atime: false,
+            ..CompareOpts::fuse()
+        };
+        manifest::assert_same(
+            &seen,
+            &got,
+            &copts,
+            &format!("{name}: written degraded, seen by the kernel"),
+        );
+        kernel_scrub_clean(&s, &v.images, &format!("dg-{name}"));
+        for img in &v.images {
+            fs::remove_file(img).unwrap();
+        }
     }
 }

@@ -321,3 +321,87 @@ fn a_failing_export_is_read_around_and_bad_addresses_are_named() {
         text(&o)
     );
 }
+
+/// Losing a server while mounted read-write: the writes that reach it fail, the device is
+/// dropped and the mount goes on with the other two copies (as the kernel's RAID1 goes on);
+/// when the server returns, `butter scrub` repairs what it missed.
+#[test]
+fn losing_an_nbd_server_goes_on_degraded_and_scrub_repairs_its_return() {
+    if !require() {
+        return;
+    }
+    let s = ScratchDir::new("nbd-lost");
+    let images = make_raid1(&s, 3);
+    let tcp = Server::start(&images[1], None, &[], &[]);
+    let unix = Server::start(&images[2], Some(&s.join("nbd.sock")), &[], &[]);
+    let opts = format!("device={},device={}", tcp.addr, unix.addr);
+    let log = s.join("butter.log");
+    let m = ButterMount::start(&images[0], &s.dir("bmnt"), &["-o", &opts], &log);
+    write_tree(m.path());
+    kernel::sync_all();
+    drop(tcp);
+    // Writes go on, and a sync commits them (the lost device takes no superblock).
+    std::fs::create_dir_all(m.path().join("after")).unwrap();
+    for i in 0..20 {
+        std::fs::write(
+            m.path().join(format!("after/g{i}")),
+            vec![i as u8; 50_000 + i * 999],
+        )
+        .unwrap();
+    }
+    kernel::sync_all();
+    let seen = manifest::take(m.path(), &TakeOpts::default());
+    m.unmount();
+    let log = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(
+        log.contains("failed") && log.contains("degraded"),
+        "no device was dropped:\n{log}"
+    );
+    drop(unix);
+    // The server comes back (on another port) with what it had.
+    let back = Server::start(&images[1], None, &[], &[]);
+    let o = butter(&[
+        "scrub",
+        "start",
+        images[0].to_str().unwrap(),
+        "--device",
+        &back.addr,
+        "--device",
+        images[2].to_str().unwrap(),
+    ]);
+    assert!(
+        o.status.success(),
+        "scrub with the server back:\n{}",
+        text(&o)
+    );
+    drop(back);
+    let args = [
+        "check",
+        images[0].to_str().unwrap(),
+        "--device",
+        images[1].to_str().unwrap(),
+        "--device",
+        images[2].to_str().unwrap(),
+    ];
+    let o = butter(&args);
+    assert!(
+        o.status.success(),
+        "butter check after the scrub:\n{}",
+        text(&o)
+    );
+    let (ok, t) = kernel::btrfs_check_devices(&images);
+    assert!(ok, "btrfs check after the scrub:\n{t}");
+    let km = MultiLoopMount::new(&images, &s.dir("kmnt"), "ro,noatime");
+    let got = manifest::take(km.path(), &TakeOpts::default());
+    km.unmount();
+    let copts = CompareOpts {
+        atime: false,
+        ..CompareOpts::fuse()
+    };
+    manifest::assert_same(
+        &seen,
+        &got,
+        &copts,
+        "after losing a server, seen by the kernel",
+    );
+}

@@ -104,21 +104,14 @@ pub fn open_fs_opts(
     })
 }
 
-/// Opens an image read-write with the other devices of [`other_devices`]: a degraded
-/// filesystem (`--degraded`) is refused, as butter writes only with every device there.
+/// Opens an image read-write with the other devices of [`other_devices`] (and, with
+/// `--degraded`, some of them missing).
 pub fn open_fs_rw(
     image: &std::path::Path,
-    opts: butter::fs::RwOptions,
+    mut opts: butter::fs::RwOptions,
 ) -> Result<butter::fs::Fs, butter::Error> {
     let others = other_devices().clone();
-    if others.degraded {
-        return Err(butter::Error::Unsupported(
-            "a degraded filesystem opens read-only: butter writes only with every device \
-             there (leave out --degraded / -o degraded, or read it with ls, cat, restore or \
-             a read-only mount)"
-                .into(),
-        ));
-    }
+    opts.degraded |= others.degraded;
     let mut paths: Vec<&std::path::Path> = vec![image];
     paths.extend(others.paths.iter().map(|p| p.as_path()));
     butter::fs::Fs::open_rw_paths(&paths, opts)

@@ -628,6 +628,7 @@ fn match_dev_items(disk: Arc<Disk>, degraded: bool) -> Result<Arc<Disk>> {
             uuid: d.uuid,
             name: format!("missing device {}", d.devid),
             dev: None,
+            failed: Default::default(),
         });
     }
     let lost = crate::io::volumes::chunks_beyond_repair(&disk.chunk_map(), &devices);

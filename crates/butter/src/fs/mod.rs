@@ -228,7 +228,7 @@ impl Fs {
         given: Vec<(String, Arc<dyn BlockDevice>)>,
         opts: RwOptions,
     ) -> Result<Fs> {
-        let mut fs = Self::open_set_nolog(given, false)?;
+        let mut fs = Self::open_set_nolog(given, opts.degraded)?;
         fs.refuse_writes()?;
         fs.core.set_fsync_log(opts.fsync_log);
         fs.core
@@ -275,20 +275,18 @@ impl Fs {
     }
 
     /// What stops butter writing to this filesystem, checked before anything is written: a
-    /// device missing.
+    /// chunk that lost more stripes to missing devices than its profile tolerates (the
+    /// kernel's rule for a degraded read-write mount).
     fn refuse_writes(&self) -> Result<()> {
         let disk = &self.core.disk;
-        let missing: Vec<String> = disk
-            .devices
-            .members()
-            .filter(|m| m.dev.is_none())
-            .map(|m| m.devid.to_string())
-            .collect();
-        if !missing.is_empty() {
+        let map = disk.chunk_map();
+        if let Some(&at) = crate::io::volumes::chunks_beyond_repair(&map, &disk.devices).first() {
+            let c = map.lookup(at).map(|c| c.item.ty).unwrap_or(0);
             return Err(Error::Unsupported(format!(
-                "device {} of the filesystem is missing: butter writes only with every device \
-                 there; open it read-only (degraded) to copy files off",
-                missing.join(", ")
+                "the {} chunk at logical {at} has more stripes on missing devices than it \
+                 can lose: the filesystem cannot be written degraded; open it read-only to copy \
+                 files off",
+                crate::io::volumes::profile_name(c)
             )));
         }
         Ok(())
@@ -734,6 +732,10 @@ pub struct RwOptions {
     /// on carries the temporary magic, and only [`Fs::close`] writes the real one, so an
     /// interrupted build leaves no valid-looking filesystem. Default off.
     pub unfinished: bool,
+    /// Open with devices missing (the kernel's `degraded`), where every chunk keeps enough
+    /// stripes; new chunks go on the devices left (SINGLE where they cannot make the
+    /// profile). Default off.
+    pub degraded: bool,
 }
 
 impl Default for RwOptions {
@@ -750,6 +752,7 @@ impl Default for RwOptions {
             max_inline: crate::inode::file::DEFAULT_MAX_INLINE,
             legacy_allocator: false,
             unfinished: false,
+            degraded: false,
         }
     }
 }

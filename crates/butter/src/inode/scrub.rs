@@ -140,10 +140,11 @@ impl Core {
         let mut next_note = 256u64 << 20;
         while let Some(item) = it.next_item()? {
             let k = item.key;
+            let d = item.data();
+            let gen = (d.len() >= 16).then(|| le_u64(d, 8)).filter(|&g| g != 0);
             let (len, tree) = match k.ty {
                 METADATA_ITEM_KEY => (ns as u64, true),
                 EXTENT_ITEM_KEY => {
-                    let d = item.data();
                     let flags = if d.len() >= 24 { le_u64(d, 16) } else { 0 };
                     (k.offset, flags & EXTENT_FLAG_TREE_BLOCK != 0)
                 }
@@ -154,10 +155,14 @@ impl Core {
             }
             let r = if tree {
                 report.tree_extents += 1;
+                // The header's generation must be the extent item's: a stale copy (a device
+                // that was away while the block was rewritten) fails here.
+                let expect = Expect {
+                    generation: gen,
+                    ..Expect::default()
+                };
                 let bad = |_: usize, b: &[u8]| {
-                    u64::from(
-                        check_tree_block(b, k.objectid, ns, ct, &fsid, &Expect::default()).is_err(),
-                    )
+                    u64::from(check_tree_block(b, k.objectid, ns, ct, &fsid, &expect).is_err())
                 };
                 self.disk
                     .scrub_range(k.objectid, len, &bad, repair, &mut stats)

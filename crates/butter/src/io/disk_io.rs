@@ -644,6 +644,7 @@ fn gather_devices(
             uuid: other.dev_item.uuid,
             name: name.clone(),
             dev: Some(dev.clone()),
+            failed: Default::default(),
         });
     }
     Ok(devices)
@@ -1094,32 +1095,70 @@ impl Disk {
             let at = (seg.logical - logical) as usize;
             let piece = &data[at..at + seg.len as usize];
             let Some(fs) = &seg.parity else {
-                let mut wrote = false;
+                // Every copy on every working device; a device that fails the write is
+                // dropped (degraded) while another copy got the bytes.
+                let mut wrote = 0;
+                let mut last_err = None;
                 for c in &seg.copies {
                     if let Some(dev) = self.devices.get(c.devid) {
-                        dev.write_at(piece, c.physical)
-                            .map_err(|e| Error::io(what(), c.physical, e))?;
-                        wrote = true;
+                        match dev.write_at(piece, c.physical) {
+                            Ok(()) => wrote += 1,
+                            Err(e) => last_err = Some((*c, e)),
+                        }
                     }
                 }
-                if !wrote {
+                if let Some((c, e)) = last_err {
+                    if wrote == 0 {
+                        return Err(Error::io(what(), c.physical, e));
+                    }
+                    self.devices
+                        .mark_failed(c.devid, &format!("{}: {e}", what()));
+                }
+                if wrote == 0 {
                     return Err(self.all_missing(seg.logical, &seg.copies));
                 }
                 continue;
             };
             let _one_at_a_time = self.parity_lock.lock().unwrap_or_else(|e| e.into_inner());
             let nd = fs.blocks.len() - fs.nparity;
+            let degraded = fs
+                .blocks
+                .iter()
+                .any(|c| self.devices.get(c.devid).is_none());
             let mut blocks: Vec<Vec<u8>> = Vec::with_capacity(nd);
-            for (j, c) in fs.blocks[..nd].iter().enumerate() {
-                if j == fs.data_index {
-                    blocks.push(piece.to_vec());
-                    continue;
+            if degraded {
+                // A block of the row is on a missing device: the row as it is, rebuilt
+                // from what is there, then this piece put in.
+                let mut row: Vec<Option<Vec<u8>>> = fs
+                    .blocks
+                    .iter()
+                    .map(|c| {
+                        let mut b = vec![0u8; piece.len()];
+                        matches!(self.read_phys(*c, &mut b), Some(Ok(()))).then_some(b)
+                    })
+                    .collect();
+                if !crate::io::raid56::rebuild(&mut row, fs.nparity) {
+                    return Err(self.all_missing(seg.logical, &fs.blocks));
                 }
-                let mut b = vec![0u8; piece.len()];
-                match self.read_phys(*c, &mut b) {
-                    Some(Ok(())) => blocks.push(b),
-                    Some(Err(e)) => return Err(Error::io(what(), c.physical, e)),
-                    None => return Err(self.all_missing(seg.logical, &[*c])),
+                for (j, b) in row.into_iter().take(nd).enumerate() {
+                    blocks.push(if j == fs.data_index {
+                        piece.to_vec()
+                    } else {
+                        b.unwrap_or_default()
+                    });
+                }
+            } else {
+                for (j, c) in fs.blocks[..nd].iter().enumerate() {
+                    if j == fs.data_index {
+                        blocks.push(piece.to_vec());
+                        continue;
+                    }
+                    let mut b = vec![0u8; piece.len()];
+                    match self.read_phys(*c, &mut b) {
+                        Some(Ok(())) => blocks.push(b),
+                        Some(Err(e)) => return Err(Error::io(what(), c.physical, e)),
+                        None => return Err(self.all_missing(seg.logical, &[*c])),
+                    }
                 }
             }
             let refs: Vec<&[u8]> = blocks.iter().map(|b| &b[..]).collect();
@@ -1129,13 +1168,23 @@ impl Disk {
             if let Some(q) = q.as_deref() {
                 writes.push((fs.blocks[nd + 1], q));
             }
+            let mut lost = fs
+                .blocks
+                .iter()
+                .filter(|c| self.devices.get(c.devid).is_none())
+                .count();
             for (c, bytes) in writes {
-                let dev = self
-                    .devices
-                    .get(c.devid)
-                    .ok_or_else(|| self.all_missing(seg.logical, &[c]))?;
-                dev.write_at(bytes, c.physical)
-                    .map_err(|e| Error::io(what(), c.physical, e))?;
+                let Some(dev) = self.devices.get(c.devid) else {
+                    continue; // missing: the row is rebuilt without it
+                };
+                if let Err(e) = dev.write_at(bytes, c.physical) {
+                    lost += 1;
+                    if lost > fs.nparity {
+                        return Err(Error::io(what(), c.physical, e));
+                    }
+                    self.devices
+                        .mark_failed(c.devid, &format!("{}: {e}", what()));
+                }
             }
         }
         Ok(())
@@ -1313,12 +1362,26 @@ impl Disk {
     /// Makes every write so far durable on every present device (a write barrier: before a
     /// superblock points at what was written).
     pub(crate) fn flush_all(&self) -> std::io::Result<()> {
+        let mut first_err = None;
+        let mut flushed = 0;
         for m in self.devices.members() {
-            if let Some(d) = &m.dev {
-                d.flush()?;
+            if let Some(d) = self.devices.get(m.devid) {
+                match d.flush() {
+                    Ok(()) => flushed += 1,
+                    Err(e) => {
+                        if self.devices.len() > 1 {
+                            self.devices.mark_failed(m.devid, &format!("flush: {e}"));
+                        }
+                        first_err.get_or_insert(e);
+                    }
+                }
             }
         }
-        Ok(())
+        match first_err {
+            // One device alone, or none left: the flush failed.
+            Some(e) if flushed == 0 || self.devices.len() == 1 => Err(e),
+            _ => Ok(()),
+        }
     }
 
     /// Adds a chunk created by the write engine to the logical-to-physical map.

@@ -34,6 +34,9 @@ pub(crate) struct Member {
     pub(crate) name: String,
     /// `None`: the chunk tree names this device but it was not given (degraded).
     pub(crate) dev: Option<Arc<dyn BlockDevice>>,
+    /// The device failed a write or a flush while open: it is treated as missing from then
+    /// on (the filesystem goes on degraded where the profiles allow, as the kernel's does).
+    pub(crate) failed: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// The devices of an open filesystem, by devid.
@@ -63,6 +66,7 @@ impl Devices {
                 uuid,
                 name,
                 dev: Some(dev),
+                failed: Default::default(),
             },
         );
         d
@@ -87,7 +91,31 @@ impl Devices {
 
     /// The present device `devid`, if it is one.
     pub(crate) fn get(&self, devid: u64) -> Option<&Arc<dyn BlockDevice>> {
-        self.members.get(&devid)?.dev.as_ref()
+        let m = self.members.get(&devid)?;
+        if m.failed.load(std::sync::atomic::Ordering::Relaxed) {
+            return None;
+        }
+        m.dev.as_ref()
+    }
+
+    /// Marks device `devid` failed (see [`Member::failed`]): from now on it is missing.
+    pub(crate) fn mark_failed(&self, devid: u64, why: &str) {
+        if let Some(m) = self.members.get(&devid) {
+            if !m.failed.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                log::error!(
+                    "device {devid} ({}) failed: {why}; going on without it (degraded)",
+                    m.name
+                );
+            }
+        }
+    }
+
+    /// How many devices are present and working.
+    pub(crate) fn working(&self) -> usize {
+        self.members
+            .keys()
+            .filter(|d| self.get(**d).is_some())
+            .count()
     }
 
     pub(crate) fn member(&self, devid: u64) -> Option<&Member> {
@@ -511,4 +539,49 @@ pub(crate) fn chunks_beyond_repair(map: &ChunkMap, devices: &Devices) -> Vec<u64
         })
         .map(|c| c.logical)
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::format::items::Stripe;
+
+    fn chunk(ty: u64, offsets: &[u64], length: u64) -> ChunkItem {
+        ChunkItem {
+            length,
+            owner: 2,
+            stripe_len: 65536,
+            ty,
+            io_align: 65536,
+            io_width: 65536,
+            sector_size: 4096,
+            num_stripes: offsets.len() as u16,
+            sub_stripes: 1,
+            stripes: offsets
+                .iter()
+                .enumerate()
+                .map(|(i, &o)| Stripe {
+                    devid: i as u64 + 1,
+                    offset: o,
+                    dev_uuid: [0; 16],
+                })
+                .collect(),
+        }
+    }
+
+    /// A superblock copy in a RAID6 chunk's data unit excludes that unit; in a parity unit,
+    /// the whole full stripe it protects (as the kernel's reverse map gives it).
+    #[test]
+    fn reverse_map_of_a_raid6_chunk() {
+        let c = chunk(
+            BLOCK_GROUP_DATA | BLOCK_GROUP_RAID6,
+            &[63963136, 42991616, 42991616, 42991616],
+            128 << 20,
+        );
+        let at = |i| logical_ranges_of(&c, 0, i, 64 << 20, 4096);
+        assert_eq!(at(0), vec![(96 * 65536, 65536)]);
+        assert_eq!(at(1), vec![(737 * 65536, 65536)]);
+        assert_eq!(at(2), vec![(736 * 65536, 2 * 65536)]);
+        assert_eq!(at(3), vec![(736 * 65536, 2 * 65536)]);
+    }
 }

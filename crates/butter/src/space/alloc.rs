@@ -303,6 +303,9 @@ impl BlockGroup {
         let e = (start + len).min(self.end());
         if s < e {
             self.free.remove(s, e - s);
+            // Ranges may overlap ones excluded already (a RAID5/6 parity unit excludes its
+            // whole full stripe, a data unit of it may be excluded too): add the union.
+            self.excluded.remove(s, e - s);
             let _ = self.excluded.add(s, e - s);
         }
     }

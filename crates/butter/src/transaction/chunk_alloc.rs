@@ -91,7 +91,19 @@ impl Writer {
             SpaceKind::Data => 0,
             _ => BLOCK_GROUP_DUP,
         });
-        let attr = crate::io::volumes::raid_attr(profile);
+        let mut profile = profile;
+        let mut attr = crate::io::volumes::raid_attr(profile);
+        if self.disk.devices.working() < attr.devs_min {
+            // Degraded: the devices left cannot make this profile; as the kernel does, the
+            // new chunk is SINGLE (a balance converts it back once the device returns).
+            log::warn!(
+                "degraded: {} devices cannot hold a {} chunk; adding a SINGLE {kind:?} chunk",
+                self.disk.devices.working(),
+                crate::io::volumes::profile_name(profile)
+            );
+            profile = 0;
+            attr = crate::io::volumes::raid_attr(0);
+        }
         let total = if self.disk.devices.len() == 1 {
             self.primary_dev_item().total_bytes
         } else {
