@@ -1097,24 +1097,26 @@ impl Disk {
             let Some(fs) = &seg.parity else {
                 // Every copy on every working device; a device that fails the write is
                 // dropped (degraded) while another copy got the bytes.
-                let mut wrote = 0;
-                let mut last_err = None;
+                // A failed copy is tolerated only on a filesystem of several devices and when
+                // a copy on another device took the bytes (DUP's two copies share a device).
+                let mut wrote: Vec<u64> = Vec::new();
+                let mut failed = Vec::new();
                 for c in &seg.copies {
                     if let Some(dev) = self.devices.get(c.devid) {
                         match dev.write_at(piece, c.physical) {
-                            Ok(()) => wrote += 1,
-                            Err(e) => last_err = Some((*c, e)),
+                            Ok(()) => wrote.push(c.devid),
+                            Err(e) => failed.push((*c, e)),
                         }
                     }
                 }
-                if let Some((c, e)) = last_err {
-                    if wrote == 0 {
+                for (c, e) in failed {
+                    if self.devices.len() < 2 || !wrote.iter().any(|&d| d != c.devid) {
                         return Err(Error::io(what(), c.physical, e));
                     }
                     self.devices
                         .mark_failed(c.devid, &format!("{}: {e}", what()));
                 }
-                if wrote == 0 {
+                if wrote.is_empty() {
                     return Err(self.all_missing(seg.logical, &seg.copies));
                 }
                 continue;
@@ -1179,7 +1181,7 @@ impl Disk {
                 };
                 if let Err(e) = dev.write_at(bytes, c.physical) {
                     lost += 1;
-                    if lost > fs.nparity {
+                    if lost > fs.nparity || self.devices.len() < 2 {
                         return Err(Error::io(what(), c.physical, e));
                     }
                     self.devices
