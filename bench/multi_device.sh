@@ -80,7 +80,7 @@ SRC=/dev/shm/butter-bench-src
 ROWS=()
 row() { # WHAT KERNEL_SECS BUTTER_SECS MB
 	local k=$2 b=$3 mb=$4
-	ROWS+=("| $1 | $(rate "$mb" "$k") MiB/s ($(printf %.2f "$k") s) | $(rate "$mb" "$b") MiB/s ($(printf %.2f "$b") s) | $(echo "scale=2; $k / $b" | bc -l)x |")
+	ROWS+=("| $1 | $(rate "$mb" "$k") MiB/s ($(printf %.2f "$k") s) | $(rate "$mb" "$b") MiB/s ($(printf %.2f "$b") s) | $(printf %.2f "$(echo "$k / $b" | bc -l)")x |")
 	echo "${ROWS[-1]}"
 }
 
@@ -145,7 +145,7 @@ if command -v nbdkit >/dev/null; then
 	nbd_s=$(secs "$t0" "$t1")
 	"$BUTTER" unmount "$W/bmnt"
 	kill "$NBD_PID"
-	ROWS+=("| raid1 read $MB MiB, cold, one device: local file vs NBD (butter both) | $(rate "$MB" "$local_s") MiB/s local | $(rate "$MB" "$nbd_s") MiB/s over NBD | $(echo "scale=2; $local_s / $nbd_s" | bc -l)x |")
+	ROWS+=("| raid1 read $MB MiB, cold, one device: local file vs NBD (butter both) | $(rate "$MB" "$local_s") MiB/s local | $(rate "$MB" "$nbd_s") MiB/s over NBD | $(printf %.2f "$(echo "$local_s / $nbd_s" | bc -l)")x |")
 	echo "${ROWS[-1]}"
 fi
 
