@@ -11,7 +11,7 @@
 //! image and must show the model before carrying on.
 //!
 //! Variants: mkfs.btrfs images at nodesize 4 KiB (deep trees) and 16 KiB, and one without
-//! NO_HOLES and skinny metadata. Needs root and loop devices; fails without them when `CI` is
+//! NO_HOLES and skinny metadata; filesystems of several devices (RAID1, RAID10) too. Needs root and loop devices; fails without them when `CI` is
 //! set.
 
 mod common;
@@ -375,4 +375,67 @@ fn snapshot_rounds(butter_makes_them: bool) {
         kernel_check(&img, &format!("after kernel round {r}"));
     }
     butter_check(&img);
+}
+
+/// The rounds on a filesystem of several devices made by mkfs.btrfs (`-d/-m profile`): butter
+/// opens every device, both checkers and the kernel take them all.
+fn rounds_on_devices(name: &str, profile_name: &str, n: usize, seed: u64, ops: u64, kops: u64) {
+    if !require_privileges() {
+        return;
+    }
+    let dir = ScratchDir::new(&format!("write_model_{name}"));
+    let images: Vec<std::path::PathBuf> = (0..n).map(|i| dir.join(format!("dev{i}.img"))).collect();
+    for img in &images {
+        std::fs::File::create(img)
+            .unwrap()
+            .set_len(512 << 20)
+            .unwrap();
+    }
+    common::kernel::run(
+        std::process::Command::new("mkfs.btrfs")
+            .args(["-f", "-q", "-d", profile_name, "-m", profile_name])
+            .args(&images),
+    );
+    let check_all = |when: &str| {
+        let paths: Vec<&Path> = images.iter().map(|p| p.as_path()).collect();
+        let fs = butter::fs::Fs::open_paths(&paths, Default::default())
+            .unwrap_or_else(|e| panic!("butter opens the devices {when}: {e}"));
+        let rep = fs.check(Default::default(), &mut |_| {}).unwrap();
+        assert!(rep.is_clean(), "butter check {when}: {:?}", rep.findings);
+        drop(fs);
+        let (ok, out) = common::kernel::btrfs_check_devices(&images);
+        assert!(ok && !out.contains("ERROR"), "btrfs check {when}:\n{out}");
+    };
+    let mnt = dir.dir("mnt");
+    let mut runner = Runner::new(
+        seed,
+        Flavor::BTRFS,
+        vec![Box::new(ButterTarget::open_devices(&images))],
+    );
+    let profile = Profile::mixed();
+    for r in 0..2 {
+        runner.run(&profile, ops);
+        runner.checkpoint(&format!("butter round {r}"));
+        runner.set_targets(Vec::new());
+        check_all(&format!("after butter round {r}"));
+        let m = common::kernel::MultiLoopMount::new(&images, &mnt, "noatime");
+        runner.set_targets(vec![Box::new(DirTarget::new(m.path(), "kernel"))]);
+        runner.checkpoint(&format!("kernel mount after butter round {r}"));
+        runner.run(&profile, kops);
+        runner.checkpoint(&format!("kernel round {r}"));
+        runner.set_targets(Vec::new());
+        m.unmount();
+        check_all(&format!("after kernel round {r}"));
+        runner.set_targets(vec![Box::new(ButterTarget::open_devices(&images))]);
+        runner.checkpoint(&format!("butter opens the kernel's round {r}"));
+    }
+    runner.set_targets(Vec::new());
+    check_all("at the end");
+    eprintln!("{name}: {} ops\n{}", runner.ops(), runner.stats());
+}
+
+#[test]
+fn model_rounds_raid1_and_raid10() {
+    rounds_on_devices("raid1", "raid1", 2, 0x7772_6974_6572, 1000, 300);
+    rounds_on_devices("raid10", "raid10", 4, 0x7772_6974_6573, 1000, 300);
 }

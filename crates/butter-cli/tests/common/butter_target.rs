@@ -20,6 +20,8 @@ use std::path::{Path, PathBuf};
 
 pub struct ButterTarget {
     pub image: PathBuf,
+    /// The filesystem's other devices (several devices), opened with the image.
+    pub others: Vec<PathBuf>,
     /// Path (from the top of the filesystem) of the directory that is this target's root.
     pub base: PathBuf,
     pub fs: Option<Fs>,
@@ -34,11 +36,26 @@ impl ButterTarget {
 
     /// A target whose root is the directory `base` (e.g. a subvolume) of the image.
     pub fn open_at(image: &Path, base: &Path) -> ButterTarget {
-        let fs = open_rw_retrying(image)
+        let fs = open_rw_retrying(image, &[])
             .unwrap_or_else(|e| panic!("open {} read-write: {e}", image.display()));
         ButterTarget {
             image: image.to_path_buf(),
+            others: Vec::new(),
             base: base.to_path_buf(),
+            fs: Some(fs),
+            commit_each: false,
+        }
+    }
+
+    /// A target on a filesystem of several devices: `images[0]` and the others.
+    #[allow(dead_code)]
+    pub fn open_devices(images: &[PathBuf]) -> ButterTarget {
+        let fs = open_rw_retrying(&images[0], &images[1..])
+            .unwrap_or_else(|e| panic!("open {} read-write: {e}", images[0].display()));
+        ButterTarget {
+            image: images[0].clone(),
+            others: images[1..].to_vec(),
+            base: PathBuf::new(),
             fs: Some(fs),
             commit_each: false,
         }
@@ -71,7 +88,9 @@ impl ButterTarget {
 
     pub fn reopen(&mut self) {
         self.close();
-        self.fs = Some(open_rw_retrying(&self.image).unwrap_or_else(|e| panic!("reopen: {e}")));
+        self.fs = Some(
+            open_rw_retrying(&self.image, &self.others).unwrap_or_else(|e| panic!("reopen: {e}")),
+        );
     }
 
     fn err(e: butter::Error) -> i32 {
@@ -529,10 +548,12 @@ pub fn manifest_of(fs: &Fs, top: Inode) -> Manifest {
 /// writer of this process has closed it, but a test running in parallel may have forked a
 /// child (to run `btrfs` or `mount`) that holds a copy of its descriptor, and so the lock,
 /// until it execs.
-fn open_rw_retrying(image: &Path) -> butter::Result<Fs> {
+fn open_rw_retrying(image: &Path, others: &[PathBuf]) -> butter::Result<Fs> {
     let mut tries = 0;
+    let mut paths: Vec<&Path> = vec![image];
+    paths.extend(others.iter().map(|p| p.as_path()));
     loop {
-        match Fs::open_rw(image) {
+        match Fs::open_rw_paths(&paths, Default::default()) {
             Err(butter::Error::NotPermitted(m)) if m.contains("already open") && tries < 50 => {
                 tries += 1;
                 std::thread::sleep(std::time::Duration::from_millis(100));
