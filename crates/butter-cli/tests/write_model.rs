@@ -404,7 +404,12 @@ fn rounds_on_devices(name: &str, profile_name: &str, n: usize, seed: u64, ops: u
         assert!(rep.is_clean(), "butter check {when}: {:?}", rep.findings);
         drop(fs);
         let (ok, out) = common::kernel::btrfs_check_devices(&images);
-        assert!(ok && !out.contains("ERROR"), "btrfs check {when}:\n{out}");
+        // btrfs check scans every block device: another test's loop device going away
+        // meanwhile gives "cannot scan"; that says nothing of these devices.
+        let errors = out
+            .lines()
+            .any(|l| l.contains("ERROR") && !l.contains("cannot scan"));
+        assert!(ok && !errors, "btrfs check {when}:\n{out}");
     };
     let mnt = dir.dir("mnt");
     let mut runner = Runner::new(
