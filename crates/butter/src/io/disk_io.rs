@@ -1364,26 +1364,7 @@ impl Disk {
     /// Makes every write so far durable on every present device (a write barrier: before a
     /// superblock points at what was written).
     pub(crate) fn flush_all(&self) -> std::io::Result<()> {
-        let mut first_err = None;
-        let mut flushed = 0;
-        for m in self.devices.members() {
-            if let Some(d) = self.devices.get(m.devid) {
-                match d.flush() {
-                    Ok(()) => flushed += 1,
-                    Err(e) => {
-                        if self.devices.len() > 1 {
-                            self.devices.mark_failed(m.devid, &format!("flush: {e}"));
-                        }
-                        first_err.get_or_insert(e);
-                    }
-                }
-            }
-        }
-        match first_err {
-            // One device alone, or none left: the flush failed.
-            Some(e) if flushed == 0 || self.devices.len() == 1 => Err(e),
-            _ => Ok(()),
-        }
+        self.devices.on_each(|_, d| d.flush())
     }
 
     /// Adds a chunk created by the write engine to the logical-to-physical map.

@@ -30,26 +30,10 @@ pub(crate) fn write_all_devices(
     base: &[u8],
     order: Order,
 ) -> Result<()> {
-    let mut ok = 0;
-    let mut first_err = None;
-    for m in devices.members() {
-        if let Some(dev) = devices.get(m.devid) {
-            match write_all(dev.as_ref(), &for_device(sb, items, m.devid), base, order) {
-                Ok(_) => ok += 1,
-                Err(e) => {
-                    if devices.len() > 1 {
-                        devices.mark_failed(m.devid, &e.to_string());
-                    }
-                    first_err.get_or_insert(e);
-                }
-            }
-        }
-    }
     // The kernel's rule: the commit stands while one device took its superblocks.
-    match first_err {
-        Some(e) if ok == 0 || devices.len() == 1 => Err(e),
-        _ => Ok(()),
-    }
+    devices.on_each(|devid, dev| {
+        write_all(dev.as_ref(), &for_device(sb, items, devid), base, order).map(|_| ())
+    })
 }
 
 /// [`write_primary`] on every present device (the caller flushes them all).
@@ -59,25 +43,7 @@ pub(crate) fn write_primary_devices(
     sb: &Superblock,
     base: &[u8],
 ) -> Result<()> {
-    let mut ok = 0;
-    let mut first_err = None;
-    for m in devices.members() {
-        if let Some(dev) = devices.get(m.devid) {
-            match write_primary(dev.as_ref(), &for_device(sb, items, m.devid), base) {
-                Ok(()) => ok += 1,
-                Err(e) => {
-                    if devices.len() > 1 {
-                        devices.mark_failed(m.devid, &e.to_string());
-                    }
-                    first_err.get_or_insert(e);
-                }
-            }
-        }
-    }
-    match first_err {
-        Some(e) if ok == 0 || devices.len() == 1 => Err(e),
-        _ => Ok(()),
-    }
+    devices.on_each(|devid, dev| write_primary(dev.as_ref(), &for_device(sb, items, devid), base))
 }
 
 /// Byte offsets of the copies a filesystem of `total_bytes` on a device of `dev_len` bytes

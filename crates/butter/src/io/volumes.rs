@@ -110,6 +110,34 @@ impl Devices {
         }
     }
 
+    /// Runs `f` on every working device. A device whose `f` fails is dropped (marked failed)
+    /// on a filesystem of several devices, and the whole succeeds while one device did (the
+    /// kernel's rule for superblocks and flushes); on one device, or when every device
+    /// failed, the first error is returned.
+    pub(crate) fn on_each<E: std::fmt::Display>(
+        &self,
+        mut f: impl FnMut(u64, &Arc<dyn BlockDevice>) -> std::result::Result<(), E>,
+    ) -> std::result::Result<(), E> {
+        let mut ok = 0;
+        let mut first_err = None;
+        for &devid in self.members.keys() {
+            let Some(dev) = self.get(devid) else { continue };
+            match f(devid, dev) {
+                Ok(()) => ok += 1,
+                Err(e) => {
+                    if self.members.len() > 1 {
+                        self.mark_failed(devid, &e.to_string());
+                    }
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        match first_err {
+            Some(e) if ok == 0 || self.members.len() == 1 => Err(e),
+            _ => Ok(()),
+        }
+    }
+
     /// How many devices are present and working.
     pub(crate) fn working(&self) -> usize {
         self.members
