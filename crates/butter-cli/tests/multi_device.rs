@@ -18,25 +18,11 @@ use common::manifest::{self, CompareOpts, Manifest, TakeOpts};
 use std::fs;
 use std::io::{Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Command;
 
-const BUTTER: &str = env!("CARGO_BIN_EXE_butter");
 const DEV_SIZE: u64 = 300 << 20;
 
-fn butter(args: &[&str]) -> Output {
-    Command::new(BUTTER)
-        .args(args)
-        .output()
-        .expect("run butter")
-}
-
-fn text(o: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
+use common::{output_text as text, run_butter as butter};
 
 /// A small xorshift generator: the same bytes on every run.
 struct Rng(u64);

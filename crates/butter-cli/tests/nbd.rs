@@ -18,25 +18,10 @@ use common::fuse_mount::{self, ButterMount};
 use common::kernel::{self, MultiLoopMount, ScratchDir};
 use common::manifest::{self, CompareOpts, TakeOpts};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-const BUTTER: &str = env!("CARGO_BIN_EXE_butter");
-
-fn butter(args: &[&str]) -> Output {
-    Command::new(BUTTER)
-        .args(args)
-        .output()
-        .expect("run butter")
-}
-
-fn text(o: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
+use common::{output_text as text, run_butter as butter};
 
 /// An nbdkit process, killed when dropped.
 struct Server {

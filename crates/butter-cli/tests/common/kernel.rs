@@ -408,36 +408,8 @@ impl LoopMount {
             self.mounted = false;
         }
         if let Some(dev) = self.device.take() {
-            if self.fstype == FsType::Btrfs {
-                // Drop the kernel's memory of this device so a later image on the same loop
-                // device is not confused with ours. Harmless if it fails.
-                let _ = run_output(
-                    Command::new("btrfs")
-                        .args(["device", "scan", "--forget"])
-                        .arg(&dev),
-                );
-            }
-            let out = run_output(Command::new("losetup").arg("-d").arg(&dev));
-            if !out.status.success() {
-                problems.push(format!(
-                    "losetup -d {} failed: {}",
-                    dev.display(),
-                    String::from_utf8_lossy(&out.stderr).trim()
-                ));
-            }
-            // Detach completes asynchronously when the device is still open somewhere.
-            let backing = dev
-                .file_name()
-                .map(|n| Path::new("/sys/block").join(n).join("loop/backing_file"));
-            if let Some(backing) = backing {
-                let deadline = Instant::now() + Duration::from_secs(10);
-                while backing.exists() {
-                    if Instant::now() > deadline {
-                        problems.push(format!("{} still attached after 10 s", dev.display()));
-                        break;
-                    }
-                    sleep(Duration::from_millis(20));
-                }
+            if let Err(e) = detach_loop(&dev, self.fstype == FsType::Btrfs) {
+                problems.push(e);
             }
         }
         if problems.is_empty() {
@@ -454,6 +426,40 @@ impl Drop for LoopMount {
             eprintln!("LoopMount cleanup of {}: {e}", self.image.display());
         }
     }
+}
+
+/// Detaches loop device `dev` (first making the kernel's btrfs forget it, when `btrfs`, so
+/// a later image on the same loop device is not confused with this one) and waits up to 10 s
+/// until it has let go of its image (detaching completes asynchronously while the device is
+/// still open somewhere).
+fn detach_loop(dev: &Path, btrfs: bool) -> Result<(), String> {
+    if btrfs {
+        let _ = run_output(
+            Command::new("btrfs")
+                .args(["device", "scan", "--forget"])
+                .arg(dev),
+        );
+    }
+    let out = run_output(Command::new("losetup").arg("-d").arg(dev));
+    if !out.status.success() {
+        return Err(format!(
+            "losetup -d {} failed: {}",
+            dev.display(),
+            String::from_utf8_lossy(&out.stderr).trim()
+        ));
+    }
+    let Some(name) = dev.file_name() else {
+        return Ok(());
+    };
+    let backing = Path::new("/sys/block").join(name).join("loop/backing_file");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while backing.exists() {
+        if Instant::now() > deadline {
+            return Err(format!("{} still attached after 10 s", dev.display()));
+        }
+        sleep(Duration::from_millis(20));
+    }
+    Ok(())
 }
 
 /// A tmpfs mounted on a directory (created if missing), unmounted on drop. Useful as a copy or
@@ -592,27 +598,8 @@ impl MultiLoopMount {
             self.mounted = false;
         }
         for dev in std::mem::take(&mut self.devices) {
-            let _ = run_output(
-                Command::new("btrfs")
-                    .args(["device", "scan", "--forget"])
-                    .arg(&dev),
-            );
-            let out = run_output(Command::new("losetup").arg("-d").arg(&dev));
-            if !out.status.success() {
-                problems.push(format!(
-                    "losetup -d {} failed: {}",
-                    dev.display(),
-                    String::from_utf8_lossy(&out.stderr).trim()
-                ));
-            }
-            let backing = dev
-                .file_name()
-                .map(|n| Path::new("/sys/block").join(n).join("loop/backing_file"));
-            if let Some(backing) = backing {
-                let deadline = Instant::now() + Duration::from_secs(10);
-                while backing.exists() && Instant::now() < deadline {
-                    sleep(Duration::from_millis(20));
-                }
+            if let Err(e) = detach_loop(&dev, true) {
+                problems.push(e);
             }
         }
         if problems.is_empty() {
@@ -654,12 +641,9 @@ pub fn btrfs_check_devices(images: &[PathBuf]) -> (bool, String) {
             .arg(&devs[0]),
     );
     for d in &devs {
-        let _ = run_output(
-            Command::new("btrfs")
-                .args(["device", "scan", "--forget"])
-                .arg(d),
-        );
-        let _ = run_output(Command::new("losetup").arg("-d").arg(d));
+        if let Err(e) = detach_loop(d, true) {
+            eprintln!("{e}");
+        }
     }
     let mut text = String::from_utf8_lossy(&out.stdout).into_owned();
     text.push_str(&String::from_utf8_lossy(&out.stderr));

@@ -36,3 +36,20 @@ pub mod manifest;
 pub mod model;
 pub mod send_source;
 pub mod variant;
+
+/// Runs the butter binary under test with `args`, capturing its output.
+pub fn run_butter(args: &[&str]) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_butter"))
+        .args(args)
+        .output()
+        .expect("run butter")
+}
+
+/// A command's standard output followed by its standard error.
+pub fn output_text(o: &std::process::Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
