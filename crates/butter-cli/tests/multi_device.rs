@@ -746,3 +746,213 @@ fn degraded_read_write_then_the_device_returns_and_scrub_repairs_it() {
         }
     }
 }
+
+/// `butter mkfs` over several devices with every profile (`-m`/`-d`, devices positional or
+/// `--device`): both checkers pass on the new filesystem, the kernel mounts all the devices,
+/// fills them past the first chunks and its scrub finds every copy and parity block right;
+/// after that butter reads what the kernel wrote, whole and with the devices the profile
+/// can lose missing.
+#[test]
+fn butter_mkfs_makes_every_profile_the_kernel_mounts_fills_and_scrubs() {
+    if !kernel::require_privileges() {
+        return;
+    }
+    let s = ScratchDir::new("multi-device-mkfs");
+    // (name, -m, -d, devices, devices that may be missing, sizes in MiB or 0 for DEV_SIZE)
+    type Case<'a> = (&'a str, &'a str, &'a str, usize, usize, &'a [u64]);
+    let cases: &[Case] = &[
+        ("default", "", "", 2, 0, &[]),
+        ("raid0-one", "raid0", "raid0", 1, 0, &[]),
+        ("raid1", "raid1", "raid1", 2, 1, &[]),
+        ("raid1c3", "raid1c3", "raid1c3", 3, 2, &[]),
+        ("raid1c4", "raid1c4", "raid1c4", 4, 3, &[]),
+        ("raid10", "raid10", "raid10", 4, 1, &[]),
+        ("raid10-odd", "raid1", "raid10", 3, 1, &[]),
+        ("raid5", "raid5", "raid5", 3, 1, &[200, 300, 400]),
+        ("raid6", "raid6", "raid6", 4, 2, &[]),
+        ("raid56", "raid6", "raid5", 5, 1, &[]),
+        ("dup", "dup", "raid0", 2, 0, &[]),
+    ];
+    for &(name, meta, data, n, tolerated, sizes) in cases {
+        let images: Vec<PathBuf> = (0..n).map(|i| s.join(format!("{name}-{i}.img"))).collect();
+        for (i, img) in images.iter().enumerate() {
+            let mib = sizes.get(i).copied().unwrap_or(DEV_SIZE >> 20);
+            fs::File::create(img).unwrap().set_len(mib << 20).unwrap();
+        }
+        let mut args: Vec<String> = vec!["mkfs".into(), "-q".into()];
+        if !meta.is_empty() {
+            args.extend(["-m".into(), meta.into(), "-d".into(), data.into()]);
+        }
+        args.push(images[0].display().to_string());
+        for (i, img) in images.iter().enumerate().skip(1) {
+            // Half the devices named with --device, as every other command takes them.
+            if i % 2 == 0 {
+                args.push("--device".into());
+            }
+            args.push(img.display().to_string());
+        }
+        let refs: Vec<&str> = args.iter().map(|x| x.as_str()).collect();
+        let o = butter(&refs);
+        assert!(o.status.success(), "{name}: butter {args:?}:\n{}", text(&o));
+        let v = Volume { images };
+        check_clean(&v.images[0], &v.device_args(&[]), &format!("{name} new"));
+        let (ok, t) = kernel::btrfs_check_devices(&v.images);
+        assert!(ok, "{name}: btrfs check of the new filesystem:\n{t}");
+        // The profiles are the ones asked for (the default on several devices: RAID1
+        // metadata, single data), as the kernel reports them.
+        let m = MultiLoopMount::new(&v.images, &s.dir(format!("{name}.kmnt")), "");
+        let df = kernel::run_output(
+            Command::new("btrfs")
+                .args(["filesystem", "df"])
+                .arg(m.path()),
+        );
+        let df = String::from_utf8_lossy(&df.stdout).to_string();
+        let (want_meta, want_data) = match meta {
+            "" => ("RAID1".to_string(), "single".to_string()),
+            m => {
+                let up = |p: &str| match p {
+                    "dup" => "DUP".to_string(),
+                    p => p.to_uppercase(),
+                };
+                (up(m), up(data))
+            }
+        };
+        for (kind, p) in [
+            ("Data", &want_data),
+            ("Metadata", &want_meta),
+            ("System", &want_meta),
+        ] {
+            assert!(
+                df.contains(&format!("{kind}, {p}:")),
+                "{name}: no {kind}, {p} in the kernel's df:\n{df}"
+            );
+        }
+        let devices = kernel::run_output(
+            Command::new("btrfs")
+                .args(["filesystem", "show"])
+                .arg(m.path()),
+        );
+        let shown = String::from_utf8_lossy(&devices.stdout).to_string();
+        assert!(
+            shown.contains(&format!("Total devices {n}")),
+            "{name}: the kernel does not see {n} devices:\n{shown}"
+        );
+        fill(m.path(), n as u64 * 131 + name.len() as u64);
+        // More than the first data chunk holds: the kernel adds chunks of the profile.
+        let mut rng = Rng(name.len() as u64 * 7 + 1);
+        fs::write(m.path().join("big"), rng.bytes(120 << 20)).unwrap();
+        m.unmount();
+        let (ok, t) = kernel::btrfs_check_devices(&v.images);
+        assert!(ok, "{name}: btrfs check after the kernel wrote:\n{t}");
+        check_clean(&v.images[0], &v.device_args(&[]), &format!("{name} filled"));
+        kernel_scrub_clean(&s, &v.images, name);
+        let want = v.kernel_manifest(&s, name);
+        let got = restore(&s, &v.images[0], &v.device_args(&[]), name);
+        manifest::assert_same(
+            &want,
+            &got,
+            &CompareOpts::restore(),
+            &format!("{name}: butter reads what the kernel wrote on butter's mkfs"),
+        );
+        if tolerated > 0 {
+            let gone: Vec<usize> = (n - tolerated..n).collect();
+            let mut args = v.device_args(&gone);
+            args.push("--degraded".into());
+            let got = restore(&s, &v.images[0], &args, &format!("{name} degraded"));
+            manifest::assert_same(
+                &want,
+                &got,
+                &CompareOpts::restore(),
+                &format!("{name}: with devices {gone:?} missing"),
+            );
+        }
+        for img in &v.images {
+            fs::remove_file(img).unwrap();
+        }
+    }
+}
+
+/// `butter mkfs --rootdir` over four devices: the kernel shows the tree as it was; and
+/// what mkfs refuses on several devices, before it writes a byte.
+#[test]
+fn butter_mkfs_rootdir_on_several_devices_and_what_it_refuses() {
+    if !kernel::require_privileges() {
+        return;
+    }
+    let s = ScratchDir::new("multi-device-mkfs-rootdir");
+    let src = s.dir("src");
+    fill(&src, 4242);
+    let images: Vec<PathBuf> = (0..4).map(|i| s.join(format!("rd-{i}.img"))).collect();
+    let mut args: Vec<String> = [
+        "mkfs", "-q", "-b", "256M", "-m", "raid1c3", "-d", "raid10", "-r",
+    ]
+    .iter()
+    .map(|x| x.to_string())
+    .collect();
+    args.push(src.display().to_string());
+    args.extend(images.iter().map(|i| i.display().to_string()));
+    let refs: Vec<&str> = args.iter().map(|x| x.as_str()).collect();
+    let o = butter(&refs);
+    assert!(o.status.success(), "butter {args:?}:\n{}", text(&o));
+    for img in &images {
+        assert_eq!(
+            fs::metadata(img).unwrap().len(),
+            256 << 20,
+            "-b sizes each device"
+        );
+    }
+    let v = Volume {
+        images: images.clone(),
+    };
+    check_clean(&images[0], &v.device_args(&[]), "rootdir");
+    let (ok, t) = kernel::btrfs_check_devices(&images);
+    assert!(ok, "btrfs check of mkfs --rootdir on four devices:\n{t}");
+    let want = manifest::take(&src, &TakeOpts::default());
+    let got = v.kernel_manifest(&s, "rootdir");
+    manifest::assert_same(
+        &want,
+        &got,
+        &CompareOpts::restore(),
+        "the kernel's view of mkfs --rootdir over four devices",
+    );
+    kernel_scrub_clean(&s, &images, "rootdir");
+
+    // Refusals: too few devices for a profile, a device named twice, --shrink; the
+    // images keep every byte.
+    let before: Vec<Vec<u8>> = images.iter().map(|i| fs::read(i).unwrap()).collect();
+    let (a, b, c) = (
+        images[0].to_str().unwrap(),
+        images[1].to_str().unwrap(),
+        images[2].to_str().unwrap(),
+    );
+    let cases: &[(&[&str], &[&str])] = &[
+        (
+            &["mkfs", "-f", "-m", "raid6", a, b],
+            &["RAID6", "at least 3", "-m"],
+        ),
+        (
+            &["mkfs", "-f", "-d", "raid1c4", a, b, c],
+            &["RAID1C4", "at least 4", "-d"],
+        ),
+        (&["mkfs", "-f", "-m", "raid1", a], &["RAID1", "at least 2"]),
+        (&["mkfs", "-f", a, b, "--device", a], &["given twice"]),
+        (&["mkfs", a, b], &["existing filesystem", "-f"]),
+        (
+            &["mkfs", "-f", "--shrink", "-r", "/etc", a, b],
+            &["--shrink", "one device"],
+        ),
+        (&["mkfs", "-f", "-m", "raid7", a, b], &["raid7", "raid1c3"]),
+    ];
+    for (args, want) in cases {
+        let o = butter(args);
+        let t = text(&o);
+        assert!(!o.status.success(), "butter {args:?} succeeded:\n{t}");
+        assert!(!t.contains("panicked"), "butter {args:?}: {t}");
+        for w in *want {
+            assert!(t.contains(w), "butter {args:?}: no {w:?} in:\n{t}");
+        }
+    }
+    for (img, b) in images.iter().zip(&before) {
+        assert!(fs::read(img).unwrap() == *b, "{} changed", img.display());
+    }
+}

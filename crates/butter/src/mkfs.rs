@@ -63,6 +63,8 @@ use crate::format::superblock::{BackupRoot, DevItem, Superblock};
 use crate::format::*;
 use crate::io::device::BlockDevice;
 
+/// Items of a leaf to build, in key order.
+type Items = Vec<(Key, Vec<u8>)>;
 /// An internal node to build: (bytenr, owner, level, [(first key, child)]).
 type NodeSpec = (u64, u64, u8, Vec<(Key, u64)>);
 
@@ -79,41 +81,105 @@ const ZERO_BYTES: u64 = 2 * MIB;
 /// Bytes around each superblock mirror that hold no tree block (the kernel excludes one
 /// stripe, 64 KiB, at each mirror from allocation).
 const SUPER_EXCLUDE: u64 = STRIPE_LEN;
-/// Devid of the only device.
-const DEVID: u64 = 1;
 /// Mode of the root directories: a directory, rwxr-xr-x.
 const ROOT_DIR_MODE: u32 = 0o040755;
 
-/// A block group profile on one device.
+/// A block group profile.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Profile {
     /// One copy.
     Single,
     /// Two copies on the same device.
     Dup,
+    /// Striped over the devices, no redundancy.
+    Raid0,
+    /// A copy on each of two devices.
+    Raid1,
+    /// A copy on each of three devices.
+    Raid1c3,
+    /// A copy on each of four devices.
+    Raid1c4,
+    /// Striped over mirrored pairs of devices.
+    Raid10,
+    /// Striped with one parity stripe.
+    Raid5,
+    /// Striped with two parity stripes (P and Q).
+    Raid6,
 }
 
 impl Profile {
+    /// Every profile, in the order mkfs.btrfs lists them.
+    pub(crate) const ALL: [Profile; 9] = [
+        Profile::Raid0,
+        Profile::Raid1,
+        Profile::Raid1c3,
+        Profile::Raid1c4,
+        Profile::Raid5,
+        Profile::Raid6,
+        Profile::Raid10,
+        Profile::Single,
+        Profile::Dup,
+    ];
+
     /// The profile bits of a chunk type / block group flags (0 for single).
     pub(crate) fn flag(self) -> u64 {
         match self {
             Profile::Single => 0,
             Profile::Dup => BLOCK_GROUP_DUP,
+            Profile::Raid0 => BLOCK_GROUP_RAID0,
+            Profile::Raid1 => BLOCK_GROUP_RAID1,
+            Profile::Raid1c3 => BLOCK_GROUP_RAID1C3,
+            Profile::Raid1c4 => BLOCK_GROUP_RAID1C4,
+            Profile::Raid10 => BLOCK_GROUP_RAID10,
+            Profile::Raid5 => BLOCK_GROUP_RAID5,
+            Profile::Raid6 => BLOCK_GROUP_RAID6,
         }
     }
-    /// Number of copies (stripes) of a chunk.
+    /// Number of copies (stripes) of a chunk on one device (single and DUP only).
     pub(crate) fn copies(self) -> u64 {
         match self {
-            Profile::Single => 1,
             Profile::Dup => 2,
+            _ => 1,
         }
     }
-    /// The name mkfs.btrfs prints ("single", "DUP").
-    pub(crate) fn name(self) -> &'static str {
+    /// The name mkfs.btrfs prints ("single", "DUP", "RAID1", ...).
+    pub fn name(self) -> &'static str {
         match self {
             Profile::Single => "single",
             Profile::Dup => "DUP",
+            Profile::Raid0 => "RAID0",
+            Profile::Raid1 => "RAID1",
+            Profile::Raid1c3 => "RAID1C3",
+            Profile::Raid1c4 => "RAID1C4",
+            Profile::Raid10 => "RAID10",
+            Profile::Raid5 => "RAID5",
+            Profile::Raid6 => "RAID6",
         }
+    }
+    /// The fewest devices a filesystem with this profile is made on (mkfs.btrfs's rule).
+    pub fn min_devices(self) -> usize {
+        crate::io::volumes::raid_attr(self.flag()).devs_min
+    }
+    /// Whether the one-device layout (the structure of mkfs.btrfs's own) makes it.
+    fn one_device_layout(self) -> bool {
+        matches!(self, Profile::Single | Profile::Dup)
+    }
+}
+
+/// A profile named as mkfs.btrfs's -m/-d take it (any case).
+impl std::str::FromStr for Profile {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Profile, String> {
+        Profile::ALL
+            .into_iter()
+            .find(|p| p.name().eq_ignore_ascii_case(s))
+            .ok_or_else(|| {
+                let names: Vec<String> = Profile::ALL
+                    .iter()
+                    .map(|p| p.name().to_ascii_lowercase())
+                    .collect();
+                format!("unknown profile `{s}` ({})", names.join(", "))
+            })
     }
 }
 
@@ -196,31 +262,52 @@ impl MkfsOptions {
     }
 }
 
+/// One stripe of a chunk: where on which device it lies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ChunkStripe {
+    pub devid: u64,
+    /// Physical offset on the device.
+    pub offset: u64,
+}
+
 /// One chunk of the new filesystem.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ChunkInfo {
     /// Logical start (also the key offset of its CHUNK_ITEM and BLOCK_GROUP_ITEM).
     pub logical: u64,
-    /// Logical length = length of each copy, bytes.
+    /// Logical length, bytes.
     pub length: u64,
+    /// Bytes of each stripe on its device (its DEV_EXTENT): the length for single, DUP and
+    /// the RAID1 family, a share of it for striped profiles.
+    pub stripe_size: u64,
     /// Chunk type and profile bits (`BLOCK_GROUP_*`).
     pub flags: u64,
-    /// Physical offset of each copy on the device.
-    pub stripes: Vec<u64>,
+    /// Each stripe, in the chunk item's order.
+    pub stripes: Vec<ChunkStripe>,
     /// Bytes of tree blocks in it.
     pub used: u64,
+}
+
+/// One device of the new filesystem.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceReport {
+    pub devid: u64,
+    pub uuid: [u8; 16],
+    /// Bytes of the device the filesystem uses (its DEV_ITEM's total_bytes).
+    pub size: u64,
 }
 
 /// What [`mkfs`] wrote.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MkfsReport {
     pub fsid: [u8; 16],
+    /// The uuid of device 1.
     pub dev_uuid: [u8; 16],
     pub chunk_tree_uuid: [u8; 16],
     /// uuid of the top-level subvolume (fs tree, id 5).
     pub fs_tree_uuid: [u8; 16],
     pub label: String,
-    /// Filesystem size (superblock and dev item total_bytes).
+    /// Filesystem size: the devices' sizes summed (superblock total_bytes).
     pub total_bytes: u64,
     /// Bytes used by tree blocks (superblock bytes_used).
     pub bytes_used: u64,
@@ -233,8 +320,10 @@ pub struct MkfsReport {
     pub time: u64,
     /// System, metadata and data chunk, in that order.
     pub chunks: Vec<ChunkInfo>,
-    /// Byte offsets of the superblock copies written.
+    /// Byte offsets of the superblock copies written on device 1.
     pub superblocks: Vec<u64>,
+    /// The devices, by devid (1, 2, ... in the order given).
+    pub devices: Vec<DeviceReport>,
 }
 
 impl MkfsReport {
@@ -293,19 +382,19 @@ fn dup_stripe_size(size: u64, cap: u64, min: u64) -> u64 {
 /// (type flags, per-copy length, copies) of the system, metadata and data chunks.
 fn chunk_plan(size: u64, opts: &MkfsOptions) -> [(u64, u64, u64); 3] {
     let sys_len = match opts.metadata {
-        Profile::Single => 4 * MIB,
         Profile::Dup => 8 * MIB,
+        _ => 4 * MIB,
     };
     let meta_len = match opts.metadata {
-        Profile::Single => 8 * MIB,
         Profile::Dup => {
             let cap = if size > 50 * GIB { GIB } else { 256 * MIB };
             dup_stripe_size(size, cap, 32 * MIB)
         }
+        _ => 8 * MIB,
     };
     let data_len = match opts.data {
-        Profile::Single => 8 * MIB,
         Profile::Dup => dup_stripe_size(size, GIB, 64 * MIB),
+        _ => 8 * MIB,
     };
     [
         (
@@ -509,49 +598,173 @@ fn root_dir_items(inode: InodeItem) -> Vec<(Key, Vec<u8>)> {
 
 /// Writes a new filesystem onto `dev` (see the module documentation) and returns what it
 /// made. Refuses (with [`Error::Invalid`]) bad sizes and options before writing anything;
-/// does not look for an old filesystem (see [`existing_signature`]).
+/// does not look for an old filesystem (see [`existing_signature`]). Single and DUP only:
+/// [`mkfs_devices`] makes the other profiles, and filesystems of several devices.
 pub fn mkfs(dev: &dyn BlockDevice, opts: &MkfsOptions) -> Result<MkfsReport> {
     check_options(opts)?;
+    if !(opts.metadata.one_device_layout() && opts.data.one_device_layout()) {
+        return Err(invalid(format!(
+            "{} metadata and {} data need mkfs_devices",
+            opts.metadata.name(),
+            opts.data.name()
+        )));
+    }
     let dev_len = dev.len();
     let size = checked_size(dev_len, opts)?;
+    let ids = identities(opts, 1)?;
+    let chunks = lay_out_chunks(size, opts)?;
+    let mirrors = crate::io::super_io::copy_offsets(size, dev_len);
+    let mut built = build(opts, &ids, chunks, &[size])?;
+    write_image(
+        dev,
+        dev_len,
+        size,
+        &built.chunks,
+        &built.encoded,
+        &mirrors,
+        &mut built.sb,
+    )?;
+    Ok(built.report(opts, &ids, mirrors))
+}
+
+/// Writes a new filesystem over `devs` (devid 1, 2, ... in this order) with any profile the
+/// number of devices allows, as mkfs.btrfs does: every device gets its share of the system,
+/// metadata and data chunks (placed as the kernel's allocator places them: the devices with
+/// the most room first) and its superblocks. [`MkfsOptions::size`] is each device's size.
+/// One device with single or DUP profiles gets exactly what [`mkfs`] writes.
+pub fn mkfs_devices(
+    devs: &[std::sync::Arc<dyn BlockDevice>],
+    opts: &MkfsOptions,
+) -> Result<MkfsReport> {
+    check_options(opts)?;
+    if devs.is_empty() {
+        return Err(invalid("no device given"));
+    }
+    for (what, p) in [("metadata", opts.metadata), ("data", opts.data)] {
+        if devs.len() < p.min_devices() {
+            return Err(invalid(format!(
+                "{} {what} needs at least {} devices, {} given",
+                p.name(),
+                p.min_devices(),
+                devs.len()
+            )));
+        }
+    }
+    if devs.len() == 1 && opts.metadata.one_device_layout() && opts.data.one_device_layout() {
+        return mkfs(devs[0].as_ref(), opts);
+    }
+    let mut sizes = Vec::with_capacity(devs.len());
+    for (i, d) in devs.iter().enumerate() {
+        let size = checked_size(d.len(), opts)
+            .map_err(|e| invalid(format!("device {} of {}: {e}", i + 1, devs.len())))?;
+        sizes.push(size);
+    }
+    let ids = identities(opts, devs.len())?;
+    let chunks = lay_out_striped(&sizes, opts)?;
+    let mut built = build(opts, &ids, chunks, &sizes)?;
+    write_devices(devs, &sizes, &ids, opts, &mut built)?;
+    let mirrors = crate::io::super_io::copy_offsets(sizes[0], devs[0].len());
+    Ok(built.report(opts, &ids, mirrors))
+}
+
+/// Everything [`mkfs`] writes but the writing: the blocks, the chunks with their use, the
+/// superblock (its dev_item that of device 1) and each device's item.
+struct Built {
+    chunks: Vec<ChunkInfo>,
+    encoded: Vec<(u64, Vec<u8>)>,
+    sb: Superblock,
+    dev_items: Vec<DevItem>,
+    bytes_used: u64,
+}
+
+impl Built {
+    fn report(self, opts: &MkfsOptions, ids: &Identities, mirrors: Vec<u64>) -> MkfsReport {
+        MkfsReport {
+            fsid: ids.fsid,
+            dev_uuid: ids.dev_uuids[0],
+            chunk_tree_uuid: ids.chunk_tree_uuid,
+            fs_tree_uuid: ids.fs_tree_uuid,
+            label: opts.label.clone(),
+            total_bytes: self.sb.total_bytes,
+            bytes_used: self.bytes_used,
+            nodesize: opts.nodesize,
+            sectorsize: opts.sectorsize,
+            csum: opts.csum,
+            incompat_flags: opts.incompat_flags(),
+            compat_ro_flags: opts.compat_ro_flags(),
+            time: ids.time,
+            chunks: self.chunks,
+            superblocks: mirrors,
+            devices: self
+                .dev_items
+                .iter()
+                .map(|d| DeviceReport {
+                    devid: d.devid,
+                    uuid: d.uuid,
+                    size: d.total_bytes,
+                })
+                .collect(),
+        }
+    }
+}
+
+/// The trees, blocks and superblock of a new filesystem laid out as `chunks` over devices
+/// of `sizes` bytes (devid 1, 2, ...).
+fn build(
+    opts: &MkfsOptions,
+    ids: &Identities,
+    mut chunks: Vec<ChunkInfo>,
+    sizes: &[u64],
+) -> Result<Built> {
     let nodesize = opts.nodesize;
     let ns = u64::from(nodesize);
-    let ids = identities(opts)?;
-    let mut chunks = lay_out_chunks(size, opts)?;
     let (sys, meta) = (0usize, 1usize);
 
     // ---- tree block addresses ----
-    let mirrors = crate::io::super_io::copy_offsets(size, dev_len);
+    let excluded: Vec<Vec<(u64, u64)>> = chunks
+        .iter()
+        .map(|c| super_ranges(c, &chunk_item(c, ids, opts)))
+        .collect();
     let mut alloc = BlockAlloc {
         next: [chunks[sys].logical, chunks[meta].logical],
         ns,
+        excluded: [excluded[sys].clone(), excluded[meta].clone()],
     };
     let tb = place_tree_blocks(&mut alloc, &chunks, opts)?;
     let mut meta_blocks = tb.meta_blocks();
-    let dev_bytes_used: u64 = chunks
-        .iter()
-        .map(|c| c.length * c.stripes.len() as u64)
-        .sum();
 
     // ---- chunk tree, dev tree, root tree ----
-    let dev_item = DevItem {
-        devid: DEVID,
-        total_bytes: size,
-        bytes_used: dev_bytes_used,
-        io_align: opts.sectorsize,
-        io_width: opts.sectorsize,
-        sector_size: opts.sectorsize,
-        dev_type: 0,
-        generation: 0,
-        start_offset: 0,
-        dev_group: 0,
-        seek_speed: 0,
-        bandwidth: 0,
-        uuid: ids.dev_uuid,
-        fsid: ids.fsid,
-    };
-    let (chunk_items, sys_chunk_array) = chunk_tree_items(&chunks, &dev_item, ids.dev_uuid, opts);
-    let dev_items = dev_tree_items(&chunks, ids.chunk_tree_uuid);
+    let dev_items: Vec<DevItem> = sizes
+        .iter()
+        .enumerate()
+        .map(|(i, &size)| {
+            let devid = i as u64 + 1;
+            let bytes_used: u64 = chunks
+                .iter()
+                .map(|c| {
+                    c.stripe_size * c.stripes.iter().filter(|s| s.devid == devid).count() as u64
+                })
+                .sum();
+            DevItem {
+                devid,
+                total_bytes: size,
+                bytes_used,
+                io_align: opts.sectorsize,
+                io_width: opts.sectorsize,
+                sector_size: opts.sectorsize,
+                dev_type: 0,
+                generation: 0,
+                start_offset: 0,
+                dev_group: 0,
+                seek_speed: 0,
+                bandwidth: 0,
+                uuid: ids.dev_uuids[i],
+                fsid: ids.fsid,
+            }
+        })
+        .collect();
+    let (chunk_items, sys_chunk_array) = chunk_tree_items(&chunks, &dev_items, ids, opts)?;
+    let dev_tree = dev_tree_items(&chunks, ids.chunk_tree_uuid);
     let root_items = root_tree_items(&tb, nodesize, ids.fs_tree_uuid, ids.now);
 
     // A root tree too big for one leaf (small nodes with every tree present) becomes a node
@@ -612,7 +825,7 @@ pub fn mkfs(dev: &dyn BlockDevice, opts: &MkfsOptions) -> Result<MkfsReport> {
         Leaf {
             bytenr: tb.dev,
             owner: DEV_TREE_OBJECTID,
-            items: dev_items,
+            items: dev_tree,
         },
         Leaf {
             bytenr: tb.fs,
@@ -667,11 +880,13 @@ pub fn mkfs(dev: &dyn BlockDevice, opts: &MkfsOptions) -> Result<MkfsReport> {
         items: extent_items,
     });
 
-    let mut encoded = encode_blocks(&leaves, &nodes, opts, &ids)?;
+    let mut encoded = encode_blocks(&leaves, &nodes, opts, ids)?;
     let root_level = if root_leaves.is_some() { 1 } else { 0 };
     encoded.sort_by_key(|(b, _)| *b);
 
     // ---- superblock ----
+    let total_bytes: u64 = sizes.iter().sum();
+    let num_devices = sizes.len() as u64;
     let backup = BackupRoot {
         tree_root: tb.root,
         tree_root_gen: GENERATION,
@@ -686,12 +901,12 @@ pub fn mkfs(dev: &dyn BlockDevice, opts: &MkfsOptions) -> Result<MkfsReport> {
         dev_root_gen: GENERATION,
         csum_root: tb.csum,
         csum_root_gen: GENERATION,
-        total_bytes: size,
+        total_bytes,
         bytes_used,
-        num_devices: 1,
+        num_devices,
         ..Default::default()
     };
-    let mut sb = Superblock {
+    let sb = Superblock {
         csum: [0; 32],
         fsid: ids.fsid,
         bytenr: 0,
@@ -701,10 +916,10 @@ pub fn mkfs(dev: &dyn BlockDevice, opts: &MkfsOptions) -> Result<MkfsReport> {
         root: tb.root,
         chunk_root: tb.chunk,
         log_root: 0,
-        total_bytes: size,
+        total_bytes,
         bytes_used,
         root_dir_objectid: ROOT_TREE_DIR_OBJECTID,
-        num_devices: 1,
+        num_devices,
         sectorsize: opts.sectorsize,
         nodesize,
         stripesize: opts.sectorsize,
@@ -718,7 +933,7 @@ pub fn mkfs(dev: &dyn BlockDevice, opts: &MkfsOptions) -> Result<MkfsReport> {
         root_level,
         chunk_root_level: 0,
         log_root_level: 0,
-        dev_item,
+        dev_item: dev_items[0].clone(),
         label: opts.label.clone(),
         // v1 space cache: (u64)-1 tells the kernel there is none to trust; with the free
         // space tree mkfs.btrfs writes 0.
@@ -735,25 +950,12 @@ pub fn mkfs(dev: &dyn BlockDevice, opts: &MkfsOptions) -> Result<MkfsReport> {
         ],
         csum_ok: true,
     };
-
-    write_image(dev, dev_len, size, &chunks, &encoded, &mirrors, &mut sb)?;
-
-    Ok(MkfsReport {
-        fsid: ids.fsid,
-        dev_uuid: ids.dev_uuid,
-        chunk_tree_uuid: ids.chunk_tree_uuid,
-        fs_tree_uuid: ids.fs_tree_uuid,
-        label: opts.label.clone(),
-        total_bytes: size,
-        bytes_used,
-        nodesize,
-        sectorsize: opts.sectorsize,
-        csum: opts.csum,
-        incompat_flags: opts.incompat_flags(),
-        compat_ro_flags: opts.compat_ro_flags(),
-        time: ids.time,
+    Ok(Built {
         chunks,
-        superblocks: mirrors,
+        encoded,
+        sb,
+        dev_items,
+        bytes_used,
     })
 }
 
@@ -784,7 +986,8 @@ fn checked_size(dev_len: u64, opts: &MkfsOptions) -> Result<u64> {
 /// The new filesystem's identities and creation time.
 struct Identities {
     fsid: [u8; 16],
-    dev_uuid: [u8; 16],
+    /// Each device's uuid, devid 1 first.
+    dev_uuids: Vec<[u8; 16]>,
     chunk_tree_uuid: [u8; 16],
     fs_tree_uuid: [u8; 16],
     /// Creation time in seconds, as reported.
@@ -795,7 +998,7 @@ struct Identities {
 
 /// Identities phase of [`mkfs`]: the fsid (given or random) and the other uuids, derived
 /// from the fsid when a fixed time makes the run reproducible, else random; the time.
-fn identities(opts: &MkfsOptions) -> Result<Identities> {
+fn identities(opts: &MkfsOptions, devices: usize) -> Result<Identities> {
     let fsid = match opts.fsid {
         Some(u) => u,
         None => random_uuid()?,
@@ -807,7 +1010,10 @@ fn identities(opts: &MkfsOptions) -> Result<Identities> {
             random_uuid()
         }
     };
-    let dev_uuid = uuid_for("dev")?;
+    let mut dev_uuids = vec![uuid_for("dev")?];
+    for devid in 2..=devices {
+        dev_uuids.push(uuid_for(&format!("dev {devid}"))?);
+    }
     let chunk_tree_uuid = uuid_for("chunk tree")?;
     let fs_tree_uuid = uuid_for("fs tree")?;
     let time = match opts.time {
@@ -823,7 +1029,7 @@ fn identities(opts: &MkfsOptions) -> Result<Identities> {
     };
     Ok(Identities {
         fsid,
-        dev_uuid,
+        dev_uuids,
         chunk_tree_uuid,
         fs_tree_uuid,
         time,
@@ -837,10 +1043,16 @@ fn lay_out_chunks(size: u64, opts: &MkfsOptions) -> Result<Vec<ChunkInfo>> {
     let mut chunks = Vec::new();
     let mut cursor = RESERVED;
     for (flags, length, copies) in chunk_plan(size, opts) {
-        let stripes: Vec<u64> = (0..copies).map(|i| cursor + i * length).collect();
+        let stripes = (0..copies)
+            .map(|i| ChunkStripe {
+                devid: 1,
+                offset: cursor + i * length,
+            })
+            .collect();
         chunks.push(ChunkInfo {
             logical: cursor,
             length,
+            stripe_size: length,
             flags,
             stripes,
             used: 0,
@@ -855,11 +1067,188 @@ fn lay_out_chunks(size: u64, opts: &MkfsOptions) -> Result<Vec<ChunkInfo>> {
     Ok(chunks)
 }
 
+/// Chunk layout phase of [`mkfs_devices`]: the system, metadata and data chunks over devices
+/// of `sizes` bytes, each placed as the kernel's allocator places a chunk (the devices with
+/// the most room first, as many as the profile takes), each device's stripes one after
+/// another from the reserved start. Sizes follow mkfs.btrfs: per stripe 8 MiB system,
+/// 256 MiB metadata (1 GiB above 50 GiB in all), 1 GiB data, a chunk at most 16 MiB
+/// (system), one metadata stripe, or 10 GiB (data), and none above a tenth of the
+/// filesystem; a chunk over that is cut to its limit shared among all its stripes. Single
+/// chunks are those of one device (4 MiB system, 8 MiB metadata and data).
+fn lay_out_striped(sizes: &[u64], opts: &MkfsOptions) -> Result<Vec<ChunkInfo>> {
+    let total: u64 = sizes.iter().sum();
+    let mut cursor = vec![RESERVED; sizes.len()];
+    let mut logical = RESERVED;
+    let mut chunks = Vec::new();
+    for (kind, profile) in [
+        (BLOCK_GROUP_SYSTEM, opts.metadata),
+        (BLOCK_GROUP_METADATA, opts.metadata),
+        (BLOCK_GROUP_DATA, opts.data),
+    ] {
+        let flags = kind | profile.flag();
+        let attr = crate::io::volumes::raid_attr(flags);
+        let per_dev = attr.dev_stripes as u64;
+        // (device index, room for one stripe on it)
+        let mut devs: Vec<(usize, u64)> = (0..sizes.len())
+            .map(|i| {
+                (
+                    i,
+                    (sizes[i] - cursor[i]) / per_dev / STRIPE_LEN * STRIPE_LEN,
+                )
+            })
+            .filter(|&(_, room)| room > 0)
+            .collect();
+        devs.sort_by_key(|&(i, room)| (std::cmp::Reverse(room), i));
+        let mut ndevs = devs.len();
+        if attr.devs_max > 0 {
+            ndevs = ndevs.min(attr.devs_max);
+        }
+        ndevs -= ndevs % attr.devs_increment;
+        let kind_name = match kind {
+            BLOCK_GROUP_SYSTEM => "system",
+            BLOCK_GROUP_METADATA => "metadata",
+            _ => "data",
+        };
+        if ndevs < attr.devs_min || ndevs == 0 {
+            return Err(invalid(format!(
+                "the devices are too small for a {} {kind_name} chunk: it needs room on {} \
+                 devices, {} have it",
+                profile.name(),
+                attr.devs_min,
+                devs.len()
+            )));
+        }
+        devs.truncate(ndevs);
+        let num_stripes = ndevs as u64 * per_dev;
+        let data_stripes = crate::io::volumes::data_stripes(flags, num_stripes as usize) as u64;
+        let mut stripe_size = if profile == Profile::Single {
+            match kind {
+                BLOCK_GROUP_SYSTEM => 4 * MIB,
+                _ => 8 * MIB,
+            }
+        } else {
+            let (stripe, max_chunk) = match kind {
+                BLOCK_GROUP_SYSTEM => (8 * MIB, 16 * MIB),
+                BLOCK_GROUP_METADATA if total > 50 * GIB => (GIB, GIB),
+                BLOCK_GROUP_METADATA => (256 * MIB, 256 * MIB),
+                _ => (GIB, 10 * GIB),
+            };
+            let max_chunk = max_chunk.min(total / 10);
+            if stripe * data_stripes > max_chunk {
+                max_chunk / num_stripes / STRIPE_LEN * STRIPE_LEN
+            } else {
+                stripe
+            }
+        };
+        stripe_size = stripe_size.min(devs[ndevs - 1].1);
+        if stripe_size < MIB {
+            return Err(invalid(format!(
+                "the devices are too small for a {} {kind_name} chunk ({} bytes left per \
+                 stripe)",
+                profile.name(),
+                stripe_size
+            )));
+        }
+        let mut stripes = Vec::with_capacity(num_stripes as usize);
+        for &(i, _) in &devs {
+            for _ in 0..per_dev {
+                stripes.push(ChunkStripe {
+                    devid: i as u64 + 1,
+                    offset: cursor[i],
+                });
+                cursor[i] += stripe_size;
+            }
+        }
+        let length = stripe_size * data_stripes;
+        chunks.push(ChunkInfo {
+            logical,
+            length,
+            stripe_size,
+            flags,
+            stripes,
+            used: 0,
+        });
+        logical += length.div_ceil(MIB) * MIB;
+    }
+    Ok(chunks)
+}
+
+/// Writing phase of [`mkfs_devices`]: on every device zeros over its start and end and over
+/// old superblock mirrors past its end; every tree block through the chunk map (each copy,
+/// RAID5/6 parity with it); a flush of every device; then each device's superblock copies
+/// with its own device item (the primary copies last) and a flush.
+fn write_devices(
+    devs: &[std::sync::Arc<dyn BlockDevice>],
+    sizes: &[u64],
+    ids: &Identities,
+    opts: &MkfsOptions,
+    built: &mut Built,
+) -> Result<()> {
+    use crate::io::volumes::{Devices, Member};
+    for (i, (dev, &size)) in devs.iter().zip(sizes).enumerate() {
+        wipe_ends(dev.as_ref(), dev.len(), size)
+            .map_err(|e| invalid(format!("device {}: {e}", i + 1)))?;
+    }
+    let mut devices = Devices::single(1, ids.dev_uuids[0], "device 1".to_string(), devs[0].clone());
+    for (i, dev) in devs.iter().enumerate().skip(1) {
+        devices.insert(Member {
+            devid: i as u64 + 1,
+            uuid: ids.dev_uuids[i],
+            name: format!("device {}", i + 1),
+            dev: Some(dev.clone()),
+            failed: Default::default(),
+        });
+    }
+    let disk = crate::io::disk_io::Disk::assemble(devices, built.sb.clone())?;
+    for c in &built.chunks[1..] {
+        disk.add_chunk(c.logical, chunk_item(c, ids, opts))?;
+    }
+    for (bytenr, buf) in &built.encoded {
+        disk.write_logical(*bytenr, buf)?;
+    }
+    // A failed copy on one device is no error to a filesystem in use (it goes on degraded);
+    // a new one must have every copy.
+    let failed = |disk: &crate::io::disk_io::Disk| {
+        disk.devices
+            .members()
+            .find(|m| disk.devices.get(m.devid).is_none())
+            .map(|m| m.devid)
+    };
+    if let Some(devid) = failed(&disk) {
+        return Err(invalid(format!(
+            "device {devid} failed a write of the new filesystem"
+        )));
+    }
+    disk.flush_all()
+        .map_err(|e| Error::io("flushing the tree blocks", 0, e))?;
+    let items: std::collections::BTreeMap<u64, DevItem> = built
+        .dev_items
+        .iter()
+        .map(|d| (d.devid, d.clone()))
+        .collect();
+    // Mirrors first, the primary copy last: an interrupted mkfs leaves no valid primary.
+    crate::io::super_io::write_all_devices(
+        &disk.devices,
+        &items,
+        &built.sb,
+        &[0u8; SUPER_INFO_SIZE],
+        crate::io::super_io::Order::PrimaryLast,
+    )?;
+    if let Some(devid) = failed(&disk) {
+        return Err(invalid(format!(
+            "device {devid} failed to take its superblocks"
+        )));
+    }
+    Ok(())
+}
+
 /// Hands out tree blocks in order from the system (index 0) and metadata (index 1) chunks,
-/// skipping any block whose copy would overlap a superblock mirror.
+/// skipping any block that would overlap the logical ranges a superblock copy takes.
 struct BlockAlloc {
     next: [u64; 2],
     ns: u64,
+    /// The logical ranges of each chunk that hold a superblock copy ([`super_ranges`]).
+    excluded: [Vec<(u64, u64)>; 2],
 }
 
 impl BlockAlloc {
@@ -875,17 +1264,33 @@ impl BlockAlloc {
                 )));
             }
             self.next[which] += ns;
-            let touches_mirror = c.stripes.iter().any(|&s| {
-                let p = s + (b - c.logical);
-                (0..SUPER_MIRROR_MAX)
-                    .map(super_offset)
-                    .any(|m| p < m + SUPER_EXCLUDE && m < p + ns)
-            });
+            let touches_mirror = self.excluded[which]
+                .iter()
+                .any(|&(l, len)| b < l + len && l < b + ns);
             if !touches_mirror {
                 return Ok(b);
             }
         }
     }
+}
+
+/// The logical ranges of chunk `c` that the 64 KiB around each superblock mirror take, on
+/// any of its stripes (for RAID5/6 a mirror in a parity unit takes its whole full stripe),
+/// as the kernel leaves them out of the block group's free space.
+fn super_ranges(c: &ChunkInfo, item: &ChunkItem) -> Vec<(u64, u64)> {
+    let mut out = Vec::new();
+    for m in (0..SUPER_MIRROR_MAX).map(super_offset) {
+        for i in 0..c.stripes.len() {
+            out.extend(crate::io::volumes::logical_ranges_of(
+                item,
+                c.logical,
+                i,
+                m,
+                SUPER_EXCLUDE,
+            ));
+        }
+    }
+    out
 }
 
 /// The address of each tree's root block (the optional trees only when enabled).
@@ -962,16 +1367,10 @@ fn place_tree_blocks(
     })
 }
 
-/// Chunk tree phase of [`mkfs`]: the device item and one chunk item per chunk, and the
-/// superblock's system chunk array (the system chunk's key and item).
-fn chunk_tree_items(
-    chunks: &[ChunkInfo],
-    dev_item: &DevItem,
-    dev_uuid: [u8; 16],
-    opts: &MkfsOptions,
-) -> (Vec<(Key, Vec<u8>)>, Vec<u8>) {
-    let sys = 0usize;
-    let chunk_item = |c: &ChunkInfo| ChunkItem {
+/// The CHUNK_ITEM of a chunk.
+fn chunk_item(c: &ChunkInfo, ids: &Identities, opts: &MkfsOptions) -> ChunkItem {
+    let attr = crate::io::volumes::raid_attr(c.flags);
+    ChunkItem {
         length: c.length,
         owner: EXTENT_TREE_OBJECTID,
         stripe_len: STRIPE_LEN,
@@ -980,25 +1379,41 @@ fn chunk_tree_items(
         io_width: STRIPE_LEN as u32,
         sector_size: opts.sectorsize,
         num_stripes: c.stripes.len() as u16,
-        sub_stripes: 1,
+        sub_stripes: attr.sub_stripes as u16,
         stripes: c
             .stripes
             .iter()
-            .map(|&offset| Stripe {
-                devid: DEVID,
-                offset,
-                dev_uuid,
+            .map(|s| Stripe {
+                devid: s.devid,
+                offset: s.offset,
+                dev_uuid: ids.dev_uuids[(s.devid - 1) as usize],
             })
             .collect(),
-    };
-    let mut chunk_items = vec![(
-        Key::new(DEV_ITEMS_OBJECTID, DEV_ITEM_KEY, DEVID),
-        dev_item.to_bytes().to_vec(),
-    )];
+    }
+}
+
+/// Chunk tree phase of [`mkfs`]: the device items and one chunk item per chunk, and the
+/// superblock's system chunk array (the system chunk's key and item).
+fn chunk_tree_items(
+    chunks: &[ChunkInfo],
+    dev_items: &[DevItem],
+    ids: &Identities,
+    opts: &MkfsOptions,
+) -> Result<(Items, Vec<u8>)> {
+    let sys = 0usize;
+    let mut chunk_items: Vec<(Key, Vec<u8>)> = dev_items
+        .iter()
+        .map(|d| {
+            (
+                Key::new(DEV_ITEMS_OBJECTID, DEV_ITEM_KEY, d.devid),
+                d.to_bytes().to_vec(),
+            )
+        })
+        .collect();
     for c in chunks {
         chunk_items.push((
             Key::new(FIRST_CHUNK_TREE_OBJECTID, CHUNK_ITEM_KEY, c.logical),
-            chunk_item(c).to_bytes(),
+            chunk_item(c, ids, opts).to_bytes(),
         ));
     }
     let mut sys_chunk_array = Key::new(
@@ -1008,23 +1423,34 @@ fn chunk_tree_items(
     )
     .to_bytes()
     .to_vec();
-    sys_chunk_array.extend_from_slice(&chunk_item(&chunks[sys]).to_bytes());
-    (chunk_items, sys_chunk_array)
+    sys_chunk_array.extend_from_slice(&chunk_item(&chunks[sys], ids, opts).to_bytes());
+    if sys_chunk_array.len() > SYSTEM_CHUNK_ARRAY_SIZE {
+        return Err(invalid(format!(
+            "a system chunk of {} stripes does not fit in the superblock ({} bytes, at most \
+             {SYSTEM_CHUNK_ARRAY_SIZE}): use fewer devices or another metadata profile",
+            chunks[sys].stripes.len(),
+            sys_chunk_array.len()
+        )));
+    }
+    Ok((chunk_items, sys_chunk_array))
 }
 
-/// Dev tree phase of [`mkfs`]: one dev extent per chunk copy, in key order.
+/// Dev tree phase of [`mkfs`]: one dev extent per chunk stripe, in key order.
 fn dev_tree_items(chunks: &[ChunkInfo], chunk_tree_uuid: [u8; 16]) -> Vec<(Key, Vec<u8>)> {
     let mut dev_items = Vec::new();
     for c in chunks {
-        for &s in &c.stripes {
+        for s in &c.stripes {
             let de = DevExtent {
                 chunk_tree: CHUNK_TREE_OBJECTID,
                 chunk_objectid: FIRST_CHUNK_TREE_OBJECTID,
                 chunk_offset: c.logical,
-                length: c.length,
+                length: c.stripe_size,
                 chunk_tree_uuid,
             };
-            dev_items.push((Key::new(DEVID, DEV_EXTENT_KEY, s), de.to_bytes().to_vec()));
+            dev_items.push((
+                Key::new(s.devid, DEV_EXTENT_KEY, s.offset),
+                de.to_bytes().to_vec(),
+            ));
         }
     }
     dev_items.sort_by_key(|(k, _)| *k);
@@ -1383,18 +1809,9 @@ fn encode_blocks(
     Ok(encoded)
 }
 
-/// Writing phase of [`mkfs`]: zeros over the start and end of the filesystem and over old
-/// superblock mirrors past its end, every tree block to each copy of its chunk, a flush,
-/// then the superblock mirrors (the primary last) and a flush.
-fn write_image(
-    dev: &dyn BlockDevice,
-    dev_len: u64,
-    size: u64,
-    chunks: &[ChunkInfo],
-    encoded: &[(u64, Vec<u8>)],
-    mirrors: &[u64],
-    sb: &mut Superblock,
-) -> Result<()> {
+/// Zeros over the first and last 2 MiB of a device's `size` bytes, and over old btrfs
+/// superblock mirrors past them that would still name an old filesystem.
+fn wipe_ends(dev: &dyn BlockDevice, dev_len: u64, size: u64) -> Result<()> {
     let write = |what: &str, buf: &[u8], off: u64| -> Result<()> {
         dev.write_at(buf, off)
             .map_err(|e| Error::io(format!("writing {what}"), off, e))
@@ -1423,16 +1840,36 @@ fn write_image(
             }
         }
     }
+    Ok(())
+}
+
+/// Writing phase of [`mkfs`]: zeros over the start and end of the filesystem and over old
+/// superblock mirrors past its end, every tree block to each copy of its chunk, a flush,
+/// then the superblock mirrors (the primary last) and a flush.
+fn write_image(
+    dev: &dyn BlockDevice,
+    dev_len: u64,
+    size: u64,
+    chunks: &[ChunkInfo],
+    encoded: &[(u64, Vec<u8>)],
+    mirrors: &[u64],
+    sb: &mut Superblock,
+) -> Result<()> {
+    let write = |what: &str, buf: &[u8], off: u64| -> Result<()> {
+        dev.write_at(buf, off)
+            .map_err(|e| Error::io(format!("writing {what}"), off, e))
+    };
+    wipe_ends(dev, dev_len, size)?;
     for (bytenr, buf) in encoded {
         let c = chunks
             .iter()
             .find(|c| c.logical <= *bytenr && *bytenr < c.logical + c.length)
             .ok_or_else(|| invalid(format!("tree block {bytenr} lies in no chunk")))?;
-        for &s in &c.stripes {
+        for s in &c.stripes {
             write(
                 &format!("tree block {bytenr}"),
                 buf,
-                s + (bytenr - c.logical),
+                s.offset + (bytenr - c.logical),
             )?;
         }
     }
@@ -1815,6 +2252,134 @@ mod tests {
     }
 
     #[test]
+    fn chunk_sizes_on_several_devices_follow_mkfs_btrfs() {
+        // (profile, logical length of the system, metadata and data chunks) mkfs.btrfs 6.14
+        // makes over four devices of 1 GiB each (-m P -d P).
+        use Profile::*;
+        for (p, sys, meta, data) in [
+            (Raid0, 16 << 20, 256 << 20, 429391872),
+            (Raid1, 8 << 20, 256 << 20, 214695936),
+            (Raid1c3, 8 << 20, 256 << 20, 143130624),
+            (Raid10, 16 << 20, 128 << 20, 214695936),
+            (Raid5, 12 << 20, 192 << 20, 322043904),
+            (Raid6, 16 << 20, 128 << 20, 214695936),
+            (Dup, 8 << 20, 256 << 20, 214695936),
+        ] {
+            let o = MkfsOptions {
+                metadata: p,
+                data: p,
+                ..Default::default()
+            };
+            let c = lay_out_striped(&[1 << 30; 4], &o).unwrap();
+            let got: Vec<u64> = c.iter().map(|c| c.length).collect();
+            assert_eq!(got, vec![sys, meta, data], "{}", p.name());
+            let attr = crate::io::volumes::raid_attr(p.flag());
+            for c in &c {
+                let want = match attr.devs_max {
+                    0 => 4 - 4 % attr.devs_increment,
+                    m => m.min(4),
+                } * attr.dev_stripes;
+                assert_eq!(c.stripes.len(), want, "{} stripes", p.name());
+            }
+        }
+        // Three devices of 1 GiB: RAID10 takes two of them (mkfs.btrfs: 153.56 MiB of data).
+        let o = MkfsOptions {
+            metadata: Raid10,
+            data: Raid10,
+            ..Default::default()
+        };
+        let c = lay_out_striped(&[1 << 30; 3], &o).unwrap();
+        assert_eq!(c[2].length, 161021952);
+        assert_eq!(c[2].stripes.len(), 2);
+        // Devices with the most room first: the small one is left out of a RAID1 chunk
+        // once the others have more room.
+        let o = MkfsOptions {
+            metadata: Raid1,
+            data: Raid1,
+            ..Default::default()
+        };
+        let c = lay_out_striped(&[300 << 20, 1 << 30, 1 << 30], &o).unwrap();
+        assert!(c.iter().all(|c| c.stripes.iter().all(|s| s.devid != 1)));
+    }
+
+    #[test]
+    fn several_ram_devices_open_clean_and_read_degraded() {
+        use crate::internals::RamDevice;
+        for (meta, data, n, lose) in [
+            (Profile::Raid1, Profile::Raid0, 2, 0),
+            (Profile::Raid1c3, Profile::Raid10, 4, 1),
+            (Profile::Raid5, Profile::Raid5, 3, 1),
+            (Profile::Raid6, Profile::Raid6, 4, 2),
+        ] {
+            let devs: Vec<Arc<RamDevice>> = (0..n)
+                .map(|_| Arc::new(RamDevice::new(vec![0x5a; 200 << 20])))
+                .collect();
+            let set: Vec<Arc<dyn BlockDevice>> = devs
+                .iter()
+                .map(|d| d.clone() as Arc<dyn BlockDevice>)
+                .collect();
+            let opts = fixed(MkfsOptions {
+                metadata: meta,
+                data,
+                ..Default::default()
+            });
+            let r = mkfs_devices(&set, &opts).unwrap();
+            assert_eq!(r.devices.len(), n);
+            assert_eq!(r.total_bytes, n as u64 * (200 << 20));
+            let given = |keep: usize| -> Vec<(String, Arc<dyn BlockDevice>)> {
+                set.iter()
+                    .take(keep)
+                    .enumerate()
+                    .map(|(i, d)| (format!("dev{i}"), d.clone()))
+                    .collect()
+            };
+            let what = format!("{} / {}", meta.name(), data.name());
+            let clean = |fs: &Fs, what: &str| {
+                let report = fs.check(Default::default(), &mut |_| {}).unwrap();
+                assert!(
+                    report.findings.is_empty(),
+                    "{what}: {:?}",
+                    report
+                        .findings
+                        .iter()
+                        .map(|f| f.to_string())
+                        .collect::<Vec<_>>()
+                );
+                assert_eq!(report.counts.block_groups, 3, "{what}");
+            };
+            let fs = Fs::open_device_set(given(n), crate::fs::OpenOpts::default()).unwrap();
+            clean(&fs, &what);
+            drop(fs);
+            if lose > 0 {
+                // Every tree block is readable from the copies or the parity left.
+                let fs = Fs::open_device_set(
+                    given(n - lose),
+                    crate::fs::OpenOpts {
+                        degraded: true,
+                        ..Default::default()
+                    },
+                )
+                .unwrap();
+                clean(&fs, &format!("{what} degraded"));
+            }
+            // Too few devices for the profile: refused before a byte is written.
+            if n > 1 {
+                let before = devs[0].durable_bytes();
+                let few = mkfs_devices(
+                    &set[..1],
+                    &MkfsOptions {
+                        metadata: meta,
+                        data: Profile::Raid1,
+                        ..opts.clone()
+                    },
+                );
+                assert!(matches!(few, Err(Error::Invalid(_))), "{what}: {few:?}");
+                assert!(devs[0].durable_bytes() == before);
+            }
+        }
+    }
+
+    #[test]
     fn large_device_gets_three_superblocks() {
         let img = TempImage::new("large", 300 << 30);
         let dev = img.device();
@@ -1826,7 +2391,8 @@ mod tests {
         assert_eq!(Superblock::parse(&b, 256 << 30).unwrap().fsid, [0x42; 16]);
         // The 64 MiB mirror lies inside the metadata chunk's first copy: no tree block there.
         let c = &r.chunks[1];
-        assert!(c.stripes[0] < 64 << 20 && 64 << 20 < c.stripes[0] + c.length);
+        let s0 = c.stripes[0].offset;
+        assert!(s0 < 64 << 20 && 64 << 20 < s0 + c.length);
         assert_opens_clean(Arc::new(dev), "300 GiB");
     }
 
@@ -1847,7 +2413,7 @@ mod tests {
         let mut written: Vec<(u64, u64)> = vec![(0, 2 << 20), (size as u64 - (2 << 20), 2 << 20)];
         written.extend(ra.chunks.iter().flat_map(|c| {
             let used = c.used;
-            c.stripes.iter().map(move |&s| (s, used))
+            c.stripes.iter().map(move |s| (s.offset, used))
         }));
         for (off, len) in written {
             let r = off as usize..(off + len) as usize;

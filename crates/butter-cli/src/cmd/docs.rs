@@ -18,6 +18,7 @@ pub fn examples(path: &str) -> &'static [(&'static str, &'static str)] {
             ("An image of a directory holding @ and @home, each made a subvolume, @ the default one, compressed and cut to its contents", "butter mkfs --rootdir ./layout --subvol default:@ --subvol @home --compress zstd --shrink os.img"),
             ("The same bytes on every build", "SOURCE_DATE_EPOCH=1700000000 DETERMINISTIC_SEED=1 butter mkfs --rootdir ./rootfs os.img"),
             ("Owners and device nodes as root without being root", "fakeroot sh -c 'tar -xpf rootfs.tar -C rootfs && butter mkfs --rootdir rootfs os.img'"),
+            ("A RAID1 of two 4 GiB image files (metadata and data mirrored), then its devices", "butter mkfs -b 4G -m raid1 -d raid1 a.img b.img && butter filesystem show a.img --device b.img"),
         ],
         "mount" => &[
             ("Mount in the foreground (Ctrl-C unmounts)", "butter mount disk.img /mnt"),

@@ -26,6 +26,10 @@ mod reflink;
 pub struct MkfsArgs {
     /// Image file or block device (not needed with `-O list-all`).
     pub image: Option<PathBuf>,
+    /// More image files or block devices: the filesystem spans them all, IMAGE as device 1
+    /// and these as devices 2, 3, ... (as `--device PATH` does too).
+    #[arg(value_name = "DEVICE")]
+    pub more: Vec<PathBuf>,
     /// Size of the filesystem (suffixes K, M, G, T, P, E; powers of 1024). A regular file
     /// that is missing or smaller is created or extended to this size.
     #[arg(short = 'b', long = "byte-count", value_parser = parse_size)]
@@ -44,19 +48,21 @@ pub struct MkfsArgs {
         hide_possible_values = true
     )]
     pub csum: Option<CsumType>,
-    /// Metadata profile: single or dup (default dup).
+    /// Metadata profile: single, dup, raid0, raid1, raid1c3, raid1c4, raid10, raid5 or
+    /// raid6 (default dup on one device, raid1 on several).
     #[arg(
         short = 'm',
         long = "metadata",
-        value_parser = suggest(parse_profile, &["single", "dup"]),
+        value_parser = suggest(parse_profile, PROFILE_NAMES),
         hide_possible_values = true
     )]
     pub metadata: Option<Profile>,
-    /// Data profile: single or dup (default single).
+    /// Data profile: single, dup, raid0, raid1, raid1c3, raid1c4, raid10, raid5 or raid6
+    /// (default single).
     #[arg(
         short = 'd',
         long = "data",
-        value_parser = suggest(parse_profile, &["single", "dup"]),
+        value_parser = suggest(parse_profile, PROFILE_NAMES),
         hide_possible_values = true
     )]
     pub data: Option<Profile>,
@@ -261,14 +267,13 @@ fn parse_csum(s: &str) -> Result<CsumType, String> {
     }
 }
 
+/// The profiles -m and -d take, as mkfs.btrfs spells them.
+const PROFILE_NAMES: &[&str] = &[
+    "single", "dup", "raid0", "raid1", "raid1c3", "raid1c4", "raid10", "raid5", "raid6",
+];
+
 fn parse_profile(s: &str) -> Result<Profile, String> {
-    match s.to_ascii_lowercase().as_str() {
-        "single" => Ok(Profile::Single),
-        "dup" => Ok(Profile::Dup),
-        _ => Err(format!(
-            "profile `{s}` is not supported on one device (single, dup)"
-        )),
-    }
+    s.parse()
 }
 
 /// A uuid as 32 hex digits, with or without the usual dashes.
@@ -482,7 +487,7 @@ fn mounted_at(image: &Path) -> Option<String> {
     None
 }
 
-fn print_summary(out: &mut impl Write, r: &MkfsReport, image: &Path) -> std::io::Result<()> {
+fn print_summary(out: &mut impl Write, r: &MkfsReport, images: &[PathBuf]) -> std::io::Result<()> {
     let label = if r.label.is_empty() {
         "(null)".to_string()
     } else {
@@ -514,17 +519,40 @@ fn print_summary(out: &mut impl Write, r: &MkfsReport, image: &Path) -> std::io:
     let features = r.feature_names();
     writeln!(out, "Features:           {}", features.join(", "))?;
     writeln!(out, "Checksum:           {}", r.csum.name())?;
-    writeln!(out, "Number of devices:  1")?;
+    writeln!(out, "Number of devices:  {}", r.devices.len())?;
     writeln!(out, "Devices:")?;
     writeln!(out, "   ID        SIZE  PATH")?;
-    writeln!(
-        out,
-        "    1  {:>10}  {}",
-        human(r.total_bytes),
-        image.display()
-    )?;
+    for (d, path) in r.devices.iter().zip(images) {
+        writeln!(
+            out,
+            "  {:>3}  {:>10}  {}",
+            d.devid,
+            human(d.size),
+            path.display()
+        )?;
+    }
     writeln!(out)?;
     Ok(())
+}
+
+/// Warnings mkfs.btrfs gives about the profiles chosen (on stderr; the filesystem is made).
+fn profile_warnings(o: &MkfsOptions, devices: usize) {
+    let raid56 = [o.metadata, o.data]
+        .iter()
+        .any(|p| matches!(p, Profile::Raid5 | Profile::Raid6));
+    if raid56 {
+        eprintln!(
+            "butter mkfs: warning: RAID5 and RAID6 lose data the kernel had written when power \
+             fails during a write and a device is lost before the next scrub (the write \
+             hole); keep metadata on raid1 or raid1c3"
+        );
+    }
+    if devices > 1 && [o.metadata, o.data].contains(&Profile::Dup) {
+        eprintln!(
+            "butter mkfs: warning: DUP keeps both copies on one device; with {devices} devices, \
+             raid1 survives losing one"
+        );
+    }
 }
 
 pub fn mkfs(a: MkfsArgs) -> CliResult {
@@ -533,7 +561,7 @@ pub fn mkfs(a: MkfsArgs) -> CliResult {
         butter::format::compress::Compression::parse(v)
             .map_err(|e| CliError(format!("--compress {v}: {}", CliError::from(e))))?;
     }
-    let Some(opts) = options(&a)? else {
+    let Some(mut opts) = options(&a)? else {
         let mut out = std::io::stdout().lock();
         writeln!(out, "Filesystem features available:")?;
         for (name, help) in FEATURES {
@@ -546,10 +574,50 @@ pub fn mkfs(a: MkfsArgs) -> CliResult {
             "mkfs needs an IMAGE: the file or block device to make the filesystem on".into(),
         ));
     };
-    if let Some(dir) = mounted_at(&image) {
+    // Every device, IMAGE first: the positional ones, then any --device.
+    let mut images = vec![image.clone()];
+    images.extend(a.more.iter().cloned());
+    images.extend(super::other_devices().paths.iter().cloned());
+    for (i, p) in images.iter().enumerate() {
+        let canon = |p: &Path| std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf());
+        if images[..i].iter().any(|q| canon(q) == canon(p)) {
+            return Err(CliError(format!(
+                "{} is given twice; name each device once",
+                p.display()
+            )));
+        }
+    }
+    let several = images.len() > 1;
+    if several && a.metadata.is_none() {
+        // As mkfs.btrfs: metadata on several devices is mirrored unless told otherwise.
+        opts.metadata = Profile::Raid1;
+    }
+    for (what, p) in [("metadata", opts.metadata), ("data", opts.data)] {
+        if images.len() < p.min_devices() {
+            return Err(CliError(format!(
+                "{} {what} needs at least {} devices and {} {} given; add devices, or choose \
+                 another profile with -{}",
+                p.name(),
+                p.min_devices(),
+                images.len(),
+                if images.len() == 1 { "is" } else { "are" },
+                if what == "data" { 'd' } else { 'm' }
+            )));
+        }
+    }
+    for image in &images {
+        if let Some(dir) = mounted_at(image) {
+            return Err(CliError(format!(
+                "{} is mounted on {dir}; unmount it first",
+                image.display()
+            )));
+        }
+    }
+    if several && (a.reflink || a.shrink) {
         return Err(CliError(format!(
-            "{} is mounted on {dir}; unmount it first",
-            image.display()
+            "--{} works on a filesystem of one device; {} devices are given",
+            if a.reflink { "reflink" } else { "shrink" },
+            images.len()
         )));
     }
     if a.reflink {
@@ -576,45 +644,68 @@ pub fn mkfs(a: MkfsArgs) -> CliResult {
         }
         // A missing image, or an empty regular file (image builders hand one over), is
         // sized to fit the tree.
-        let empty_or_missing = match std::fs::symlink_metadata(&image) {
+        let empty_or_missing = |image: &Path| match std::fs::symlink_metadata(image) {
             Err(_) => true,
             Ok(m) => m.file_type().is_file() && m.len() == 0,
         };
-        if size.is_none() && empty_or_missing {
+        if size.is_none() && images.iter().any(|i| empty_or_missing(i)) {
+            if several {
+                return Err(CliError(
+                    "--rootdir on several devices needs their size: give -b SIZE (each \
+                     device's) or devices that have one"
+                        .into(),
+                ));
+            }
             let min = butter::mkfs::min_device_size(opts.metadata, opts.data);
             size = Some(rootdir::fitting_size(dir, min)?);
         }
     }
     // One writer: an image that a butter process has open read-write (or that backs a loop
-    // device) is refused, -f or not, before a byte changes; the lock is held until mkfs ends.
-    let _sole_writer = match std::fs::metadata(&image) {
-        Ok(_) => Some(
-            FileDevice::open_exclusive(&image).map_err(|e| match e.kind() {
-                std::io::ErrorKind::PermissionDenied => CliError(format!(
-                    "cannot open {} for writing: permission denied (run as a user who may \
+    // device) is refused, -f or not, before a byte changes; the locks are held until mkfs
+    // ends.
+    let mut _sole_writer = Vec::new();
+    for image in &images {
+        if std::fs::metadata(image).is_ok() {
+            _sole_writer.push(
+                FileDevice::open_exclusive(image).map_err(|e| match e.kind() {
+                    std::io::ErrorKind::PermissionDenied => CliError(format!(
+                        "cannot open {} for writing: permission denied (run as a user who may \
                          write it, or as root)",
-                    image.display()
-                )),
-                std::io::ErrorKind::ResourceBusy => {
-                    CliError(format!("{} is in use: {e}", image.display()))
-                }
-                _ => CliError(format!("cannot open {}: {e}", image.display())),
-            })?,
-        ),
-        Err(_) => None,
-    };
+                        image.display()
+                    )),
+                    std::io::ErrorKind::ResourceBusy => {
+                        CliError(format!("{} is in use: {e}", image.display()))
+                    }
+                    _ => CliError(format!("cannot open {}: {e}", image.display())),
+                })?,
+            );
+        }
+    }
     if a.rootdir.is_some() {
         catch_interrupts();
     }
     // After the mount check: a mounted image is never extended.
-    let created = prepare_image(&image, size)?;
-    let result = make(&a, &image, opts);
-    if result.is_err() && created {
+    let mut created = Vec::new();
+    let mut prepared = Ok(());
+    for image in &images {
+        match prepare_image(image, size) {
+            Ok(true) => created.push(image.clone()),
+            Ok(false) => {}
+            Err(e) => {
+                prepared = Err(e);
+                break;
+            }
+        }
+    }
+    let result = prepared.and_then(|()| make(&a, &images, opts));
+    if result.is_err() {
         // Leave nothing behind for a file this command created.
-        let _ = std::fs::remove_file(&image);
+        for image in &created {
+            let _ = std::fs::remove_file(image);
+        }
     }
     if let (Err(e), true) = (&result, interrupted()) {
-        let left = if created {
+        let left = if created.contains(&image) {
             format!(
                 "{} is removed (this command had created it)",
                 image.display()
@@ -659,7 +750,8 @@ fn interrupted() -> bool {
     stop_flag().load(std::sync::atomic::Ordering::SeqCst)
 }
 
-fn make(a: &MkfsArgs, image: &std::path::Path, opts: MkfsOptions) -> CliResult {
+fn make(a: &MkfsArgs, images: &[PathBuf], opts: MkfsOptions) -> CliResult {
+    let image = images[0].as_path();
     // Checked before anything is written.
     let mut subvols = Vec::new();
     if let Some(dir) = &a.rootdir {
@@ -682,27 +774,42 @@ fn make(a: &MkfsArgs, image: &std::path::Path, opts: MkfsOptions) -> CliResult {
             inode_flags.push(parse_inode_flags(spec, dir)?);
         }
     }
-    let dev = std::sync::Arc::new(
-        FileDevice::open(image, true)
-            .map_err(|e| CliError(format!("cannot open {}: {e}", image.display())))?,
-    );
-    if !a.force {
-        if let Some(sig) = butter::mkfs::existing_signature(dev.as_ref())? {
-            return Err(CliError(format!(
-                "{} appears to contain an existing filesystem ({sig}); use -f to overwrite it",
-                image.display()
-            )));
+    let mut devs: Vec<std::sync::Arc<FileDevice>> = Vec::with_capacity(images.len());
+    for image in images {
+        let dev = std::sync::Arc::new(
+            FileDevice::open(image, true)
+                .map_err(|e| CliError(format!("cannot open {}: {e}", image.display())))?,
+        );
+        if !a.force {
+            if let Some(sig) = butter::mkfs::existing_signature(dev.as_ref())? {
+                return Err(CliError(format!(
+                    "{} appears to contain an existing filesystem ({sig}); use -f to overwrite \
+                     it",
+                    image.display()
+                )));
+            }
         }
+        devs.push(dev);
     }
+    let dev = devs[0].clone();
     let mut o = opts;
     if let Some(b) = a.byte_count {
         o.size = b;
     }
-    let report = butter::mkfs::mkfs(dev.as_ref(), &o).map_err(|e| {
-        CliError(format!(
-            "cannot make a filesystem on {}: {e}",
-            image.display()
-        ))
+    if !a.quiet {
+        profile_warnings(&o, images.len());
+    }
+    let set: Vec<std::sync::Arc<dyn butter::io::device::BlockDevice>> = devs
+        .iter()
+        .map(|d| d.clone() as std::sync::Arc<dyn butter::io::device::BlockDevice>)
+        .collect();
+    let report = butter::mkfs::mkfs_devices(&set, &o).map_err(|e| {
+        let on = images
+            .iter()
+            .map(|i| i.display().to_string())
+            .collect::<Vec<_>>()
+            .join(", ");
+        CliError(format!("cannot make a filesystem on {on}: {e}"))
     })?;
     if let Some(dir) = &a.rootdir {
         // Reproducible images: subvolume uuids derived from the fsid, like mkfs's others.
@@ -755,7 +862,12 @@ fn make(a: &MkfsArgs, image: &std::path::Path, opts: MkfsOptions) -> CliResult {
             Some(c) => c.clone(),
             None => dev.clone(),
         };
-        let fs = butter::fs::Fs::open_device_rw_with(rw_dev, opts).map_err(|e| {
+        let mut given: Vec<(String, std::sync::Arc<dyn butter::io::device::BlockDevice>)> =
+            vec![(image.display().to_string(), rw_dev)];
+        for (p, d) in images.iter().zip(&set).skip(1) {
+            given.push((p.display().to_string(), d.clone()));
+        }
+        let fs = butter::fs::Fs::open_device_set_rw_with(given, opts).map_err(|e| {
             CliError(format!(
                 "cannot open the new filesystem on {}: {e}",
                 image.display()
@@ -835,7 +947,7 @@ fn make(a: &MkfsArgs, image: &std::path::Path, opts: MkfsOptions) -> CliResult {
         }
         if !a.quiet {
             let mut out = std::io::stdout().lock();
-            print_summary(&mut out, &report, image)?;
+            print_summary(&mut out, &report, images)?;
             writeln!(
                 out,
                 "Rootdir:            {} ({} inodes, {} of data)",
@@ -852,7 +964,7 @@ fn make(a: &MkfsArgs, image: &std::path::Path, opts: MkfsOptions) -> CliResult {
     }
     if !a.quiet {
         let mut out = std::io::stdout().lock();
-        print_summary(&mut out, &report, image)?;
+        print_summary(&mut out, &report, images)?;
         out.flush()?;
     }
     Ok(())

@@ -678,9 +678,15 @@ impl Disk {
         if sb.num_devices > 1 && devices.len() as u64 == 1 && read.len() == 1 {
             log::debug!("opening device {} of {}", sb.dev_item.devid, sb.num_devices);
         }
+        Self::assemble(devices, sb)
+    }
+
+    /// The metadata layer over `devices` with superblock `sb`: the chunk map holds the
+    /// system chunks of its sys_chunk_array (mkfs adds the others it writes through).
+    pub(crate) fn assemble(devices: Devices, sb: Superblock) -> Result<Arc<Disk>> {
         let chunks = ChunkMap::from_sys_chunk_array(&sb.sys_chunk_array)?;
         let cache_blocks = ((256u64 << 20) / sb.nodesize as u64) as usize;
-        let disk = Arc::new(Disk {
+        Ok(Arc::new(Disk {
             devices,
             sb,
             chunks: RwLock::new(chunks),
@@ -694,8 +700,7 @@ impl Disk {
             overlay: RwLock::new(HashMap::default()),
             parity_lock: Mutex::new(()),
             writable: Default::default(),
-        });
-        Ok(disk)
+        }))
     }
 
     /// The same filesystem over another set of devices (the set completed from the chunk
