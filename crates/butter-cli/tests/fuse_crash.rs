@@ -32,7 +32,7 @@ mod common;
 
 use common::fuse_mount::{self, ButterMount};
 use common::gen::Rng;
-use common::kernel::{LoopMount, ScratchDir};
+use common::kernel::ScratchDir;
 use common::manifest::{self, TakeOpts};
 use sha2::{Digest, Sha256};
 use std::collections::{BTreeMap, BTreeSet};
@@ -455,6 +455,124 @@ fn crash_rounds_with(name: &str, mkfs_args: &[&str], rounds: u64, transport: &[&
     if !fuse_mount::require("fuse_crash", &[]) {
         return;
     }
+    let scratch = ScratchDir::new(name);
+    let img = scratch.join("crash.img");
+    common::kernel::mkfs_btrfs(&img, IMAGE_SIZE, mkfs_args);
+    let mut target = Target {
+        images: vec![img],
+        others: Vec::new(),
+        servers: Vec::new(),
+        sockets: Vec::new(),
+    };
+    run_rounds(name, &scratch, &mut target, rounds, transport);
+}
+
+/// The two-machine setup of issue 32 on loopback: a RAID1 (metadata RAID1C3) of one local
+/// file and two NBD exports that nbdkit serves, one over TCP on 127.0.0.1 and one over a
+/// Unix socket, each through nbdkit's cache filter in writeback mode: a write reaches the
+/// file only when butter flushes. Each kill of butter is followed by a SIGKILL of both
+/// servers, which loses every write butter had not flushed (a power cut of those machines);
+/// then new servers come up on the same files. The checks read the files, with every
+/// device, the kernel too.
+#[test]
+fn sigkill_rounds_on_raid1_over_nbd_with_power_cuts() {
+    if !fuse_mount::require("fuse_crash", &["nbdkit"]) {
+        return;
+    }
+    let name = "fuse-crash-nbd";
+    let scratch = ScratchDir::new(name);
+    let images: Vec<PathBuf> = (0..3)
+        .map(|i| scratch.join(format!("dev{i}.img")))
+        .collect();
+    for img in &images {
+        File::create(img).unwrap().set_len(IMAGE_SIZE / 2).unwrap();
+    }
+    common::kernel::run(
+        std::process::Command::new("mkfs.btrfs")
+            .args(["-f", "-q", "-m", "raid1c3", "-d", "raid1"])
+            .args(&images),
+    );
+    let mut target = Target {
+        images,
+        others: Vec::new(),
+        servers: Vec::new(),
+        sockets: vec![None, Some(scratch.join("nbd.sock"))],
+    };
+    target.start_servers();
+    run_rounds(
+        name,
+        &scratch,
+        &mut target,
+        (rounds_from_env() * 2 / 5).max(3),
+        &[],
+    );
+}
+
+/// The filesystem a crash loop runs on: its device files (the first one is IMAGE) and how
+/// butter is given the others (paths, or the addresses of NBD servers).
+struct Target {
+    images: Vec<PathBuf>,
+    others: Vec<String>,
+    /// The NBD servers of images 1.. (none: butter opens the files).
+    servers: Vec<common::nbd::Server>,
+    /// For each server, its Unix socket, or TCP on 127.0.0.1.
+    sockets: Vec<Option<PathBuf>>,
+}
+
+impl Target {
+    fn image(&self) -> &Path {
+        &self.images[0]
+    }
+
+    /// (Re)starts an nbdkit for each image after the first, caching writes until a flush.
+    fn start_servers(&mut self) {
+        self.servers.clear();
+        for (img, sock) in self.images[1..].iter().zip(&self.sockets) {
+            if let Some(sock) = sock {
+                let _ = fs::remove_file(sock);
+            }
+            self.servers.push(common::nbd::Server::start(
+                img,
+                sock.as_deref(),
+                &["--filter=cache"],
+                &["cache=writeback"],
+            ));
+        }
+        self.others = self.servers.iter().map(|s| s.addr.clone()).collect();
+    }
+
+    /// After butter was killed: the servers lose power too (their unflushed writes gone)
+    /// and come back.
+    fn power_cut(&mut self) {
+        if !self.servers.is_empty() {
+            self.start_servers();
+        }
+    }
+
+    /// `args` with the other devices added as `-o device=`.
+    fn mount_args(&self, args: &[&str]) -> Vec<String> {
+        let mut v: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+        if !self.others.is_empty() {
+            let devs: Vec<String> = self.others.iter().map(|o| format!("device={o}")).collect();
+            v.extend(["-o".to_string(), devs.join(",")]);
+        }
+        v
+    }
+
+    fn mount(&self, dir: &Path, args: &[&str], log: &Path) -> ButterMount {
+        let args = self.mount_args(args);
+        let refs: Vec<&str> = args.iter().map(|a| a.as_str()).collect();
+        ButterMount::start(self.image(), dir, &refs, log)
+    }
+}
+
+fn run_rounds(
+    name: &str,
+    scratch: &ScratchDir,
+    target: &mut Target,
+    rounds: u64,
+    transport: &[&str],
+) {
     let rounds = rounds.max(2);
     let seed: u64 = std::env::var("BUTTER_CRASH_SEED")
         .ok()
@@ -466,9 +584,6 @@ fn crash_rounds_with(name: &str, mkfs_args: &[&str], rounds: u64, transport: &[&
                 .unwrap_or(1)
         });
     eprintln!("{name}: {rounds} rounds, BUTTER_CRASH_SEED={seed}");
-    let scratch = ScratchDir::new(name);
-    let img = scratch.join("crash.img");
-    common::kernel::mkfs_btrfs(&img, IMAGE_SIZE, mkfs_args);
     let mnt = scratch.dir("bmnt");
     let kmnt = scratch.dir("kmnt");
     let mut rng = Rng::new(seed);
@@ -483,7 +598,7 @@ fn crash_rounds_with(name: &str, mkfs_args: &[&str], rounds: u64, transport: &[&
             MOUNT_ARGS
         };
         let args = [args, transport].concat();
-        let bm = ButterMount::start(&img, &mnt, &args, &log);
+        let bm = target.mount(&mnt, &args, &log);
         if round >= KEEP_ROUNDS {
             let old = PathBuf::from(format!("r{:03}", round - KEEP_ROUNDS));
             let path = bm.path().join(&old);
@@ -520,6 +635,7 @@ fn crash_rounds_with(name: &str, mkfs_args: &[&str], rounds: u64, transport: &[&
         std::thread::sleep(delay);
         killed.store(true, Ordering::SeqCst);
         bm.kill9();
+        target.power_cut();
         let mut errors = Vec::new();
         for h in handles {
             match h.join() {
@@ -547,12 +663,12 @@ fn crash_rounds_with(name: &str, mkfs_args: &[&str], rounds: u64, transport: &[&
             delay.as_millis(),
             stats.join(", ")
         );
-        check_after_crash(&img, &kmnt, &done, round);
+        check_after_crash(target, &kmnt, &done, round);
     }
 
     // A last clean mount: everything durable still there, then unmount and compare the tree.
     let last = [MOUNT_ARGS, transport].concat();
-    let bm = ButterMount::start(&img, &mnt, &last, &scratch.join("butter-final.log"));
+    let bm = target.mount(&mnt, &last, &scratch.join("butter-final.log"));
     let mut problems = Vec::new();
     for r in &done {
         problems.extend(
@@ -567,7 +683,13 @@ fn crash_rounds_with(name: &str, mkfs_args: &[&str], rounds: u64, transport: &[&
     assert!(problems.is_empty(), "{}", problems.join("\n"));
     let seen = manifest::take(bm.path(), &TakeOpts::default());
     bm.unmount();
-    fuse_mount::verify_image(&img, &kmnt, Some(&seen), "after the crash rounds");
+    fuse_mount::verify_image_set(
+        &target.images,
+        &target.others,
+        &kmnt,
+        Some(&seen),
+        "after the crash rounds",
+    );
     eprintln!(
         "{name}: {rounds} rounds in {:.1} s",
         t_all.elapsed().as_secs_f64()
@@ -578,20 +700,27 @@ fn crash_rounds_with(name: &str, mkfs_args: &[&str], rounds: u64, transport: &[&
 /// read-write loop mount) and every writer's durable state must be there; then butter replays
 /// it on the image itself (a read-write butter mount, as the next round does) and the same
 /// must hold; after both replays `butter check` and `btrfs check` are clean.
-fn check_after_crash(img: &Path, kmnt: &Path, done: &[RoundResult], round: u64) {
+fn check_after_crash(target: &Target, kmnt: &Path, done: &[RoundResult], round: u64) {
+    let img = target.image();
     let had_log = log_root_of(img) != 0;
-    let copy = img.with_extension("kernel.img");
-    let st = std::process::Command::new("cp")
-        .arg("--sparse=always")
-        .arg(img)
-        .arg(&copy)
-        .status()
-        .expect("cp");
-    assert!(st.success(), "cp {} failed", img.display());
+    let copies: Vec<PathBuf> = target
+        .images
+        .iter()
+        .map(|i| i.with_extension("kernel.img"))
+        .collect();
+    for (i, copy) in target.images.iter().zip(&copies) {
+        let st = std::process::Command::new("cp")
+            .arg("--sparse=always")
+            .arg(i)
+            .arg(copy)
+            .status()
+            .expect("cp");
+        assert!(st.success(), "cp {} failed", i.display());
+    }
     let mut problems = Vec::new();
     let mut checked = 0;
     {
-        let m = LoopMount::btrfs(&copy, kmnt, "noatime");
+        let m = common::kernel::MultiLoopMount::new(&copies, kmnt, "noatime");
         for r in done {
             let (n, p) = check_durable(
                 &m.path().join(&r.dir_rel),
@@ -603,16 +732,17 @@ fn check_after_crash(img: &Path, kmnt: &Path, done: &[RoundResult], round: u64) 
         }
         m.unmount();
     }
-    let (ok, text) = common::kernel::btrfs_check(&copy);
+    let (ok, text) = common::kernel::btrfs_check_devices(&copies);
     assert!(
         ok,
         "round {round}: btrfs check after the kernel replayed butter's log failed:\n{text}"
     );
-    let _ = fs::remove_file(&copy);
+    for copy in &copies {
+        let _ = fs::remove_file(copy);
+    }
     let bdir = kmnt.with_file_name("replay-mnt");
     fs::create_dir_all(&bdir).unwrap();
-    let bm = ButterMount::start(
-        img,
+    let bm = target.mount(
         &bdir,
         &["-o", "commit=3600"],
         &kmnt.with_file_name("replay.log"),
@@ -631,12 +761,12 @@ fn check_after_crash(img: &Path, kmnt: &Path, done: &[RoundResult], round: u64) 
         "round {round}: after SIGKILL, fsynced data is wrong:\n{}",
         problems.join("\n")
     );
-    let (rc, out) = fuse_mount::butter_check(img);
+    let (rc, out) = fuse_mount::butter_check_set(img, &target.others);
     assert_eq!(
         rc, 0,
         "round {round}: butter check after replay is not clean:\n{out}"
     );
-    let (ok, text) = common::kernel::btrfs_check(img);
+    let (ok, text) = common::kernel::btrfs_check_devices(&target.images);
     assert!(
         ok,
         "round {round}: btrfs check after butter's replay failed:\n{text}"

@@ -266,6 +266,65 @@ fn fsx_on_raid1_and_raid10() {
     }
 }
 
+/// fsx through the two-machine setup on loopback: a RAID1 made by `butter mkfs` over one
+/// local file and two NBD exports (nbdkit over TCP and over a Unix socket, writes cached
+/// until butter flushes); then butter check through the servers, and, the servers stopped,
+/// both checkers and the kernel on the files.
+#[test]
+fn fsx_on_raid1_over_nbd() {
+    if !fuse_mount::require("fuse_fsx", &["fsx", "nbdkit"]) || !common::kernel::require_privileges()
+    {
+        return;
+    }
+    let ops = env_u64("BUTTER_FSX_OPS", SUITE_OPS) / 3;
+    let scratch = ScratchDir::new("fuse-fsx-nbd");
+    let images: Vec<PathBuf> = (0..3)
+        .map(|i| scratch.join(format!("dev{i}.img")))
+        .collect();
+    let mut mkfs = Command::new(env!("CARGO_BIN_EXE_butter"));
+    mkfs.args(["mkfs", "-q", "-b", "256M", "-m", "raid1", "-d", "raid1"])
+        .args(&images);
+    let o = mkfs.output().unwrap();
+    assert!(
+        o.status.success(),
+        "butter mkfs: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let servers: Vec<common::nbd::Server> = vec![
+        common::nbd::Server::start(&images[1], None, &["--filter=cache"], &["cache=writeback"]),
+        common::nbd::Server::start(
+            &images[2],
+            Some(&scratch.join("nbd.sock")),
+            &["--filter=cache"],
+            &["cache=writeback"],
+        ),
+    ];
+    let addrs: Vec<String> = servers.iter().map(|s| s.addr.clone()).collect();
+    let opts: Vec<String> = addrs.iter().map(|a| format!("device={a}")).collect();
+    let bm = ButterMount::start(
+        &images[0],
+        &scratch.join("bmnt"),
+        &["-o", &opts.join(",")],
+        &scratch.join("butter.log"),
+    );
+    let seen = fsx_jobs(&scratch, FSX_CONFIG, &bm, ops);
+    bm.unmount();
+    let (rc, out) = fuse_mount::butter_check_set(&images[0], &addrs);
+    assert_eq!(rc, 0, "butter check through NBD after fsx:\n{out}");
+    drop(servers);
+    let paths: Vec<String> = images[1..]
+        .iter()
+        .map(|p| p.display().to_string())
+        .collect();
+    fuse_mount::verify_image_set(
+        &images,
+        &paths,
+        &scratch.join("kmnt"),
+        Some(&seen),
+        "fsx over NBD",
+    );
+}
+
 fn fsx_run(name: &str, config: &str, mkfs_args: &[&str], mount_args: &[&str], ops: u64) {
     if !fuse_mount::require("fuse_fsx", &["fsx"]) {
         return;

@@ -535,6 +535,61 @@ pub fn verify_image(img: &Path, kmnt: &Path, want: Option<&Manifest>, what: &str
     got
 }
 
+/// [`verify_image`] for a filesystem of several devices: `images` are its device files, the
+/// first named as IMAGE, `others` how butter is given the rest (their paths, or NBD
+/// addresses while the servers run): `butter check` with them, `btrfs check` and a kernel
+/// mount of every file.
+pub fn verify_image_set(
+    images: &[PathBuf],
+    others: &[String],
+    kmnt: &Path,
+    want: Option<&Manifest>,
+    what: &str,
+) -> Manifest {
+    if images.len() == 1 {
+        return verify_image(&images[0], kmnt, want, what);
+    }
+    let (rc, out) = butter_check_set(&images[0], others);
+    assert_eq!(rc, 0, "{what}: butter check is not clean:\n{out}");
+    let (ok, text) = kernel::btrfs_check_devices(images);
+    assert!(ok, "{what}: btrfs check --readonly failed:\n{text}");
+    let m = kernel::MultiLoopMount::new(images, kmnt, "ro,noatime");
+    let got = manifest::take(m.path(), &TakeOpts::default());
+    m.unmount();
+    let errors = got.errors();
+    assert!(
+        errors.is_empty(),
+        "{what}: reading the kernel mount failed:\n{}",
+        errors.join("\n")
+    );
+    if let Some(want) = want {
+        let opts = CompareOpts {
+            atime: false,
+            ..CompareOpts::fuse()
+        };
+        manifest::assert_same(
+            want,
+            &got,
+            &opts,
+            &format!("{what}: butter mount vs kernel mount"),
+        );
+    }
+    got
+}
+
+/// `butter check IMAGE --device OTHER...`: exit code and output.
+pub fn butter_check_set(img: &Path, others: &[String]) -> (i32, String) {
+    let mut cmd = Command::new(BUTTER);
+    cmd.arg("check").arg(img);
+    for o in others {
+        cmd.arg("--device").arg(o);
+    }
+    let out = kernel::run_output(&mut cmd);
+    let mut s = String::from_utf8_lossy(&out.stdout).into_owned();
+    s.push_str(&String::from_utf8_lossy(&out.stderr));
+    (out.status.code().unwrap_or(-1), s)
+}
+
 /// Makes a fresh btrfs image of `size` bytes with mkfs.btrfs defaults.
 pub fn fresh_image(img: &Path, size: u64) {
     kernel::mkfs_btrfs::<&str>(img, size, &[]);

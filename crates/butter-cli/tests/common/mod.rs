@@ -34,6 +34,7 @@ pub mod gen;
 pub mod kernel;
 pub mod manifest;
 pub mod model;
+pub mod nbd;
 pub mod send_source;
 pub mod variant;
 
