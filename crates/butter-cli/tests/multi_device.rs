@@ -423,12 +423,15 @@ fn wrong_device_sets_are_refused_by_name_and_nothing_is_written() {
         (&["ls", a, "--device", a], &["same device", "once"]),
         (&["ls", a, "--device", x], &["another filesystem"]),
         (&["subvolume", "create", a, "new"], &["missing", "--device"]),
+        (&["check", a], &["device 2", "missing", "--device"]),
     ];
     for (args, want) in cases {
         let o = butter(args);
         let t = text(&o);
         assert!(!o.status.success(), "butter {args:?} succeeded:\n{t}");
         assert!(!t.contains("panicked"), "butter {args:?}: {t}");
+        // One device of several holds its share of the filesystem, not all of it.
+        assert!(!t.contains("truncated"), "butter {args:?}: {t}");
         for w in *want {
             assert!(t.contains(w), "butter {args:?}: no {w:?} in:\n{t}");
         }

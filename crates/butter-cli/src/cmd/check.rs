@@ -72,7 +72,12 @@ fn size_hint(image: &std::path::Path) -> String {
         return String::new();
     };
     let len = dev.len();
-    let size = sb.dev_item.total_bytes.max(sb.total_bytes);
+    // One device of several holds its own share (its dev_item), not the filesystem's total.
+    let size = if sb.num_devices > 1 {
+        sb.dev_item.total_bytes
+    } else {
+        sb.dev_item.total_bytes.max(sb.total_bytes)
+    };
     if len < size {
         format!(
             "\n  the image is {len} bytes, but its superblock says the device is {size} bytes: it was truncated"
