@@ -361,20 +361,28 @@ fn every_profile_reads_as_the_kernel_shows_it_whole_degraded_and_damaged() {
     }
 }
 
+/// Every profile of [`PROFILES`] through a read-only `butter mount`: with every device, and
+/// (where the profile can lose some) with as many devices missing as it tolerates, the mount
+/// shows what the kernel shows.
 #[test]
-fn mount_reads_raid5_and_raid10_through_fuse_whole_and_degraded() {
+fn mount_reads_every_profile_through_fuse_whole_and_degraded() {
     if !common::fuse_mount::require(
-        "mount_reads_raid5_and_raid10_through_fuse_whole_and_degraded",
+        "mount_reads_every_profile_through_fuse_whole_and_degraded",
         &[],
     ) || !kernel::require_privileges()
     {
         return;
     }
     let s = ScratchDir::new("multi-device-mount");
-    for (name, data, n) in [("raid5", "raid5", 3), ("raid10", "raid10", 4)] {
-        let v = Volume::make(&s, name, data, data, n, "");
+    for &(name, data, meta, n, tolerated, mount_opts) in PROFILES {
+        let v = Volume::make(&s, name, data, meta, n, mount_opts);
         let want = v.kernel_manifest(&s, name);
-        for (what, skip, degraded) in [("whole", vec![], false), ("degraded", vec![1usize], true)] {
+        let gone: Vec<usize> = (n - tolerated..n).collect();
+        let mut ways = vec![("whole", vec![], false)];
+        if tolerated > 0 {
+            ways.push(("degraded", gone, true));
+        }
+        for (what, skip, degraded) in ways {
             let mut o = vec!["ro".to_string()];
             for (i, img) in v.images.iter().enumerate().skip(1) {
                 if !skip.contains(&i) {
@@ -534,6 +542,8 @@ fn butter_writes_every_profile_and_the_kernel_reads_and_scrubs_it_clean() {
         ("raid0", "raid0", "raid0", 3, 0),
         ("raid1", "raid1", "raid1", 2, 1),
         ("raid1c3", "raid1c3", "raid1c3", 3, 2),
+        ("raid1c4", "raid1c4", "raid1c4", 4, 3),
+        ("dup", "dup", "raid1", 2, 0),
         ("raid10", "raid10", "raid10", 4, 1),
         ("raid5", "raid5", "raid5", 3, 1),
         ("raid6", "raid6", "raid6", 4, 2),
