@@ -120,6 +120,74 @@ fn raid1_of_a_file_and_two_nbd_exports_mounts_read_write() {
     manifest::assert_same(&seen, &got, &copts, "butter mount over NBD vs the kernel");
 }
 
+/// The other NBD servers Debian ships that need no root, side by side: a four-device
+/// filesystem (metadata RAID1C4, data RAID1) of one local file, an export of qemu-nbd, one of
+/// nbd-server and one of nbdkit behind its delay filter (every read 1 ms, every write 2 ms
+/// late), mounted read-write through butter; then butter check through the servers, and,
+/// the servers stopped, both checkers and the kernel on the files.
+#[test]
+fn raid1_over_qemu_nbd_nbd_server_and_a_slow_nbdkit() {
+    if !require()
+        || !fuse_mount::require(
+            "raid1_over_qemu_nbd_nbd_server_and_a_slow_nbdkit",
+            &["qemu-nbd", "nbd-server"],
+        )
+    {
+        return;
+    }
+    let s = ScratchDir::new("nbd-servers");
+    let images: Vec<PathBuf> = (0..4).map(|i| s.join(format!("dev{i}.img"))).collect();
+    for img in &images {
+        std::fs::File::create(img)
+            .unwrap()
+            .set_len(300 << 20)
+            .unwrap();
+    }
+    kernel::run(
+        Command::new("mkfs.btrfs")
+            .args(["-f", "-q", "-d", "raid1", "-m", "raid1c4"])
+            .args(&images),
+    );
+    let servers = vec![
+        Server::qemu(&images[1]),
+        Server::nbd_server(&images[2], &s.dir("nbd-server")),
+        Server::start(
+            &images[3],
+            None,
+            &["--filter=delay"],
+            &["delay-read=1ms", "delay-write=2ms"],
+        ),
+    ];
+    let addrs: Vec<String> = servers.iter().map(|x| x.addr.clone()).collect();
+    let opts: Vec<String> = addrs.iter().map(|a| format!("device={a}")).collect();
+    let m = ButterMount::start(
+        &images[0],
+        &s.dir("bmnt"),
+        &["-o", &opts.join(",")],
+        &s.join("butter.log"),
+    );
+    write_tree(m.path());
+    let seen = manifest::take(m.path(), &TakeOpts::default());
+    m.unmount();
+    let (rc, out) = fuse_mount::butter_check_set(&images[0], &addrs);
+    assert_eq!(
+        rc, 0,
+        "butter check through qemu-nbd, nbd-server and nbdkit:\n{out}"
+    );
+    drop(servers);
+    let paths: Vec<String> = images[1..]
+        .iter()
+        .map(|p| p.display().to_string())
+        .collect();
+    fuse_mount::verify_image_set(
+        &images,
+        &paths,
+        &s.dir("kmnt"),
+        Some(&seen),
+        "written through qemu-nbd, nbd-server and nbdkit",
+    );
+}
+
 #[test]
 fn a_failing_export_is_read_around_and_bad_addresses_are_named() {
     if !require() {
