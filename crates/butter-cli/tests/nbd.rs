@@ -123,8 +123,9 @@ fn raid1_of_a_file_and_two_nbd_exports_mounts_read_write() {
 /// The other NBD servers Debian ships that need no root, side by side: a four-device
 /// filesystem (metadata RAID1C4, data RAID1) of one local file, an export of qemu-nbd, one of
 /// nbd-server and one of nbdkit behind its delay filter (every read 1 ms, every write 2 ms
-/// late), mounted read-write through butter; then butter check through the servers, and,
-/// the servers stopped, both checkers and the kernel on the files.
+/// late), made by `butter mkfs` through the servers and mounted read-write through butter;
+/// then butter check through the servers, and, the servers stopped, both checkers and the
+/// kernel on the files. A read-only export is refused by mkfs.
 #[test]
 fn raid1_over_qemu_nbd_nbd_server_and_a_slow_nbdkit() {
     if !require()
@@ -143,11 +144,6 @@ fn raid1_over_qemu_nbd_nbd_server_and_a_slow_nbdkit() {
             .set_len(300 << 20)
             .unwrap();
     }
-    kernel::run(
-        Command::new("mkfs.btrfs")
-            .args(["-f", "-q", "-d", "raid1", "-m", "raid1c4"])
-            .args(&images),
-    );
     let servers = vec![
         Server::qemu(&images[1]),
         Server::nbd_server(&images[2], &s.dir("nbd-server")),
@@ -159,6 +155,29 @@ fn raid1_over_qemu_nbd_nbd_server_and_a_slow_nbdkit() {
         ),
     ];
     let addrs: Vec<String> = servers.iter().map(|x| x.addr.clone()).collect();
+    // A read-only export is refused by name before anything is written.
+    std::fs::File::create(s.join("ro.img"))
+        .unwrap()
+        .set_len(300 << 20)
+        .unwrap();
+    let ro = Server::start(&s.join("ro.img"), None, &["-r"], &[]);
+    let o = butter(&["mkfs", images[0].to_str().unwrap(), &ro.addr]);
+    assert!(
+        !o.status.success() && text(&o).contains("read-only"),
+        "mkfs on a read-only export: {}",
+        text(&o)
+    );
+    assert!(
+        std::fs::read(&images[0]).unwrap().iter().all(|&b| b == 0),
+        "a refused mkfs wrote"
+    );
+    drop(ro);
+    // butter mkfs makes the filesystem through the servers.
+    let mut mkfs: Vec<&str> = vec!["mkfs", "-q", "-m", "raid1c4", "-d", "raid1"];
+    mkfs.push(images[0].to_str().unwrap());
+    mkfs.extend(addrs.iter().map(|a| a.as_str()));
+    let o = butter(&mkfs);
+    assert!(o.status.success(), "butter {mkfs:?}:\n{}", text(&o));
     let opts: Vec<String> = addrs.iter().map(|a| format!("device={a}")).collect();
     let m = ButterMount::start(
         &images[0],

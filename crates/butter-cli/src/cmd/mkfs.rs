@@ -426,6 +426,15 @@ fn options(a: &MkfsArgs) -> Result<Option<MkfsOptions>, CliError> {
     Ok(Some(o))
 }
 
+/// The NBD address `p` names (`nbd://...`, `nbd+unix://...`), if it is one.
+fn nbd_address(p: &Path) -> Result<Option<butter::io::nbd::Address>, CliError> {
+    match p.to_str().and_then(butter::io::nbd::Address::parse) {
+        None => Ok(None),
+        Some(Ok(a)) => Ok(Some(a)),
+        Some(Err(e)) => Err(CliError(format!("{}: {e}", p.display()))),
+    }
+}
+
 /// Creates or extends a regular image file to `size` bytes (a block device is left alone).
 /// True when the file was created.
 fn prepare_image(path: &Path, size: Option<u64>) -> Result<bool, CliError> {
@@ -605,7 +614,15 @@ pub fn mkfs(a: MkfsArgs) -> CliResult {
             )));
         }
     }
+    let is_nbd = |p: &Path| {
+        p.to_str()
+            .and_then(butter::io::nbd::Address::parse)
+            .is_some()
+    };
     for image in &images {
+        if is_nbd(image) {
+            continue;
+        }
         if let Some(dir) = mounted_at(image) {
             return Err(CliError(format!(
                 "{} is mounted on {dir}; unmount it first",
@@ -645,7 +662,7 @@ pub fn mkfs(a: MkfsArgs) -> CliResult {
         // A missing image, or an empty regular file (image builders hand one over), is
         // sized to fit the tree.
         let empty_or_missing = |image: &Path| match std::fs::symlink_metadata(image) {
-            Err(_) => true,
+            Err(_) => !is_nbd(image),
             Ok(m) => m.file_type().is_file() && m.len() == 0,
         };
         if size.is_none() && images.iter().any(|i| empty_or_missing(i)) {
@@ -665,7 +682,7 @@ pub fn mkfs(a: MkfsArgs) -> CliResult {
     // ends.
     let mut _sole_writer = Vec::new();
     for image in &images {
-        if std::fs::metadata(image).is_ok() {
+        if !is_nbd(image) && std::fs::metadata(image).is_ok() {
             _sole_writer.push(
                 FileDevice::open_exclusive(image).map_err(|e| match e.kind() {
                     std::io::ErrorKind::PermissionDenied => CliError(format!(
@@ -687,7 +704,7 @@ pub fn mkfs(a: MkfsArgs) -> CliResult {
     // After the mount check: a mounted image is never extended.
     let mut created = Vec::new();
     let mut prepared = Ok(());
-    for image in &images {
+    for image in images.iter().filter(|i| !is_nbd(i)) {
         match prepare_image(image, size) {
             Ok(true) => created.push(image.clone()),
             Ok(false) => {}
@@ -774,12 +791,35 @@ fn make(a: &MkfsArgs, images: &[PathBuf], opts: MkfsOptions) -> CliResult {
             inode_flags.push(parse_inode_flags(spec, dir)?);
         }
     }
-    let mut devs: Vec<std::sync::Arc<FileDevice>> = Vec::with_capacity(images.len());
+    let mut set: Vec<std::sync::Arc<dyn butter::io::device::BlockDevice>> =
+        Vec::with_capacity(images.len());
+    // The first device as a file (for --reflink's clones), unless it is an NBD export.
+    let mut first_file: Option<std::sync::Arc<FileDevice>> = None;
     for image in images {
-        let dev = std::sync::Arc::new(
-            FileDevice::open(image, true)
-                .map_err(|e| CliError(format!("cannot open {}: {e}", image.display())))?,
-        );
+        let dev: std::sync::Arc<dyn butter::io::device::BlockDevice> = match nbd_address(image)? {
+            Some(addr) => {
+                let d = butter::io::nbd::NbdDevice::open(&addr)
+                    .map_err(|e| CliError(format!("cannot connect to {}: {e}", image.display())))?;
+                if !d.writable() {
+                    return Err(CliError(format!(
+                        "{}: the NBD server exports it read-only; export it writable to \
+                         make a filesystem on it",
+                        image.display()
+                    )));
+                }
+                std::sync::Arc::new(d)
+            }
+            None => {
+                let f = std::sync::Arc::new(
+                    FileDevice::open(image, true)
+                        .map_err(|e| CliError(format!("cannot open {}: {e}", image.display())))?,
+                );
+                if first_file.is_none() && set.is_empty() {
+                    first_file = Some(f.clone());
+                }
+                f
+            }
+        };
         if !a.force {
             if let Some(sig) = butter::mkfs::existing_signature(dev.as_ref())? {
                 return Err(CliError(format!(
@@ -789,9 +829,8 @@ fn make(a: &MkfsArgs, images: &[PathBuf], opts: MkfsOptions) -> CliResult {
                 )));
             }
         }
-        devs.push(dev);
+        set.push(dev);
     }
-    let dev = devs[0].clone();
     let mut o = opts;
     if let Some(b) = a.byte_count {
         o.size = b;
@@ -799,10 +838,6 @@ fn make(a: &MkfsArgs, images: &[PathBuf], opts: MkfsOptions) -> CliResult {
     if !a.quiet {
         profile_warnings(&o, images.len());
     }
-    let set: Vec<std::sync::Arc<dyn butter::io::device::BlockDevice>> = devs
-        .iter()
-        .map(|d| d.clone() as std::sync::Arc<dyn butter::io::device::BlockDevice>)
-        .collect();
     let report = butter::mkfs::mkfs_devices(&set, &o).map_err(|e| {
         let on = images
             .iter()
@@ -848,7 +883,13 @@ fn make(a: &MkfsArgs, images: &[PathBuf], opts: MkfsOptions) -> CliResult {
             ..Default::default()
         };
         let cloning = if a.reflink {
-            let c = reflink::CloningDevice::new(dev.clone(), image, o.sectorsize).map_err(|e| {
+            let Some(file) = first_file.clone() else {
+                return Err(CliError(format!(
+                    "--reflink clones file data into an image file, and {} is an NBD export",
+                    image.display()
+                )));
+            };
+            let c = reflink::CloningDevice::new(file, image, o.sectorsize).map_err(|e| {
                 CliError(format!(
                     "--reflink: cannot open {} for clones: {e}",
                     image.display()
@@ -860,7 +901,7 @@ fn make(a: &MkfsArgs, images: &[PathBuf], opts: MkfsOptions) -> CliResult {
         };
         let rw_dev: std::sync::Arc<dyn butter::io::device::BlockDevice> = match &cloning {
             Some(c) => c.clone(),
-            None => dev.clone(),
+            None => set[0].clone(),
         };
         let mut given: Vec<(String, std::sync::Arc<dyn butter::io::device::BlockDevice>)> =
             vec![(image.display().to_string(), rw_dev)];

@@ -258,7 +258,7 @@ impl NbdDevice {
     }
 
     /// Whether the server takes writes.
-    pub(crate) fn writable(&self) -> bool {
+    pub fn writable(&self) -> bool {
         self.flags & TFLAG_READ_ONLY == 0
     }
 
