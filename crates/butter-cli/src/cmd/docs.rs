@@ -97,6 +97,12 @@ pub fn examples(path: &str) -> &'static [(&'static str, &'static str)] {
             ("Only report", "butter scrub start -r a.img --device b.img --device c.img"),
         ],
         "filesystem du" => &[("Shared and exclusive bytes of each home", "butter filesystem du -s disk.img home/*")],
+        "filesystem resize" => &[
+            ("Grow an image by 2 GiB (the file grows with it)", "butter filesystem resize os.img +2G"),
+            ("Fill the whole of a device or file made larger, as image tools do on first boot", "truncate -s 8G os.img && butter filesystem resize os.img max"),
+            ("Shrink it to its chunks, the file cut there", "butter filesystem resize os.img min"),
+            ("Grow device 2 of a RAID1", "butter filesystem resize a.img 2:+1G --device b.img"),
+        ],
         "filesystem label" => &[
             ("Print the label", "butter filesystem label disk.img"),
             ("Set it", "butter filesystem label disk.img rootfs"),

@@ -1,6 +1,6 @@
-//! `butter filesystem df|usage|du|label`: the space of an image's block groups, its
-//! allocation on the device, the disk use of files, and the label, as `btrfs filesystem df`,
-//! `usage`, `du` and `label` show them.
+//! `butter filesystem df|usage|du|label|resize`: the space of an image's block groups, its
+//! allocation on the device, the disk use of files, the label, as `btrfs filesystem df`,
+//! `usage`, `du` and `label` show them, and a device's size changed offline.
 //!
 //! What `usage` cannot read from an image, because the running kernel makes it up at mount:
 //! the global block reserve (printed as the kernel sizes it from the on-disk sizes of the
@@ -56,6 +56,27 @@ pub enum FilesystemCmd {
         /// Image file or block device.
         image: PathBuf,
     },
+    /// Change the size of a device of the filesystem offline, as `btrfs filesystem resize`
+    /// does on a mount: SIZE sets it (suffixes K, M, G, T, P, E: powers of 1024), +SIZE and
+    /// -SIZE change it by that much, max makes it the device's whole length, min the smallest
+    /// it can be without moving chunks. DEVID: picks the device (1 when not given). A regular
+    /// image file is extended to a larger size first and cut to a smaller one after. Shrinking
+    /// below where the device's chunks end would move them (relocation), which butter does
+    /// not do yet: it is refused, naming the smallest size that works.
+    Resize {
+        /// Image file or block device.
+        image: PathBuf,
+        /// The new size: [DEVID:][+|-]SIZE, [DEVID:]max or [DEVID:]min.
+        #[arg(
+            allow_hyphen_values = true,
+            value_name = "[DEVID:][+|-]SIZE|max|min",
+            required_unless_present = "shrink_to_min"
+        )]
+        size: Option<String>,
+        /// The same as the size `min`: device 1 as small as it can be without moving chunks.
+        #[arg(long = "shrink-to-min", conflicts_with = "size")]
+        shrink_to_min: bool,
+    },
     /// Print the label, or set it to NEW (at most 255 bytes).
     Label {
         /// Image file or block device.
@@ -106,6 +127,17 @@ pub fn filesystem(a: FilesystemArgs) -> CliResult {
             print!("{}", show(&fs)?);
             Ok(())
         }
+        FilesystemCmd::Resize {
+            image,
+            size,
+            shrink_to_min,
+        } => {
+            let spec = match (size, shrink_to_min) {
+                (Some(s), _) => s,
+                (None, _) => "min".to_string(),
+            };
+            resize(&image, &spec)
+        }
         FilesystemCmd::Label { image, new: None } => {
             let fs = super::open_fs(&image)?;
             println!("{}", fs.label());
@@ -122,6 +154,172 @@ pub fn filesystem(a: FilesystemArgs) -> CliResult {
             Ok(())
         }
     }
+}
+
+/// A resize request: which device, and what its size becomes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum NewSize {
+    To(u64),
+    Grow(u64),
+    Shrink(u64),
+    Max,
+    Min,
+}
+
+/// `[DEVID:][+|-]SIZE|max|min`, as btrfs-progs spells it.
+fn parse_resize(spec: &str) -> Result<(u64, NewSize), CliError> {
+    let bad = |why: &str| {
+        CliError(format!(
+            "resize `{spec}`: {why}; give [DEVID:][+|-]SIZE, [DEVID:]max or [DEVID:]min \
+             (for example +1G, 2:-500M, max)"
+        ))
+    };
+    let (devid, rest) = match spec.split_once(':') {
+        Some((d, r)) => (
+            d.parse::<u64>()
+                .map_err(|_| bad(&format!("`{d}` is not a device id")))?,
+            r,
+        ),
+        None => (1, spec),
+    };
+    let size = |t: &str| super::mkfs::parse_size(t).map_err(|e| bad(&e));
+    let what = match rest {
+        "max" => NewSize::Max,
+        "min" => NewSize::Min,
+        r if r.starts_with('+') => NewSize::Grow(size(&r[1..])?),
+        r if r.starts_with('-') => NewSize::Shrink(size(&r[1..])?),
+        r => NewSize::To(size(r)?),
+    };
+    Ok((devid, what))
+}
+
+/// `butter filesystem resize IMAGE [DEVID:][+|-]SIZE|max|min`.
+fn resize(image: &std::path::Path, spec: &str) -> Result<(), CliError> {
+    use butter::io::device::BlockDevice;
+    let (devid, what) = parse_resize(spec)?;
+    // The device's size in the filesystem and where it is, from a read-only look.
+    let (cur, path) = {
+        let fs = super::open_fs(image)?;
+        let devs = fs.devices()?;
+        let Some(d) = devs.iter().find(|d| d.devid == devid) else {
+            let ids: Vec<String> = devs.iter().map(|d| d.devid.to_string()).collect();
+            return Err(CliError(format!(
+                "the filesystem has no device {devid} (its devices: {})",
+                ids.join(", ")
+            )));
+        };
+        let Some(p) = d.path.clone() else {
+            return Err(CliError(format!(
+                "device {devid} is missing: give it with --device to resize it"
+            )));
+        };
+        (d.size, p)
+    };
+    let path = PathBuf::from(&path);
+    let file_len = std::fs::metadata(&path)
+        .ok()
+        .filter(|m| m.file_type().is_file())
+        .map(|m| m.len());
+    let dev_len = || -> Result<u64, CliError> {
+        match path.to_str().and_then(butter::io::nbd::Address::parse) {
+            Some(addr) => {
+                let addr = addr.map_err(CliError)?;
+                let d = butter::io::nbd::NbdDevice::open(&addr)
+                    .map_err(|e| CliError(format!("{}: {e}", path.display())))?;
+                Ok(d.len())
+            }
+            None => {
+                let d = butter::io::device::FileDevice::open(&path, false)
+                    .map_err(|e| CliError(format!("cannot open {}: {e}", path.display())))?;
+                Ok(d.len())
+            }
+        }
+    };
+    let target = match what {
+        NewSize::To(n) => Some(n),
+        NewSize::Grow(n) => Some(cur.saturating_add(n)),
+        NewSize::Shrink(n) => Some(cur.checked_sub(n).ok_or_else(|| {
+            CliError(format!(
+                "device {devid} is {} ({cur} bytes): it cannot shrink by {n} bytes",
+                super::mkfs::human(cur)
+            ))
+        })?),
+        NewSize::Max => Some(file_len.map_or_else(dev_len, Ok)?),
+        NewSize::Min => None,
+    };
+    // A regular file grows first: the filesystem may then use the bytes.
+    let mut extended_from = None;
+    if let (Some(t), Some(len)) = (target, file_len) {
+        if t > len {
+            std::fs::OpenOptions::new()
+                .write(true)
+                .open(&path)
+                .and_then(|f| f.set_len(t))
+                .map_err(|e| {
+                    CliError(format!(
+                        "cannot extend {} to {t} bytes: {e}",
+                        path.display()
+                    ))
+                })?;
+            extended_from = Some(len);
+        }
+    }
+    let result = (|| -> Result<u64, CliError> {
+        let fs = super::open_fs_rw(image, Default::default()).map_err(|e| {
+            CliError(format!(
+                "cannot open {}: {}",
+                image.display(),
+                CliError::from(e)
+            ))
+        })?;
+        let target = match target {
+            Some(t) => t,
+            None => fs.device_min_size(devid)?,
+        };
+        let new = fs.resize_device(devid, target).map_err(|e| {
+            CliError(format!(
+                "cannot resize device {devid}: {}",
+                CliError::from(e)
+            ))
+        })?;
+        fs.close()?;
+        Ok(new)
+    })();
+    let new = match result {
+        Ok(n) => n,
+        Err(e) => {
+            if let Some(len) = extended_from {
+                // Nothing uses the added bytes: the file goes back to its length.
+                let _ = std::fs::OpenOptions::new()
+                    .write(true)
+                    .open(&path)
+                    .and_then(|f| f.set_len(len));
+            }
+            return Err(e);
+        }
+    };
+    // The filesystem no longer uses what lies past its new end: a regular file is cut there.
+    if let Some(len) = file_len {
+        if new < cur && new < len {
+            std::fs::OpenOptions::new()
+                .write(true)
+                .open(&path)
+                .and_then(|f| f.set_len(new))
+                .map_err(|e| {
+                    CliError(format!(
+                        "resized, but cannot cut {} to {new} bytes: {e}",
+                        path.display()
+                    ))
+                })?;
+        }
+    }
+    println!(
+        "Resize device id {devid} ({}) from {} to {}",
+        path.display(),
+        super::mkfs::human(cur),
+        super::mkfs::human(new)
+    );
+    Ok(())
 }
 
 /// `btrfs filesystem show` of one filesystem.

@@ -325,6 +325,17 @@ impl Fs {
         self.reading(None, |c| c.devices())
     }
 
+    /// Sets the size device `devid` has in the filesystem (grow up to the device's length,
+    /// or shrink down to where its chunks end) and commits; returns the new size.
+    pub fn resize_device(&self, devid: u64, size: u64) -> Result<u64> {
+        self.changing("resize_device", None, |c| c.resize_device(devid, size))
+    }
+
+    /// The smallest size device `devid` can be resized to (where its last chunk ends).
+    pub fn device_min_size(&self, devid: u64) -> Result<u64> {
+        self.changing("device_min_size", None, |c| c.device_min_size(devid))
+    }
+
     /// Scrubs every copy and parity block of every extent (crate::inode::scrub); `repair`
     /// rewrites what is bad from a good copy (the filesystem must be open read-write).
     pub fn scrub(

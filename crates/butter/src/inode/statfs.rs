@@ -267,6 +267,19 @@ impl Core {
         Ok(end)
     }
 
+    /// Resizes device `devid` and commits ([`crate::transaction::Writer::resize_device`]).
+    pub(crate) fn resize_device(&self, devid: u64, size: u64) -> Result<u64> {
+        let size = self.op(false, |w| w.resize_device(devid, size))?;
+        self.commit()?;
+        Ok(size)
+    }
+
+    /// The smallest size device `devid` can take without moving chunks: where its last
+    /// chunk stripe ends.
+    pub(crate) fn device_min_size(&self, devid: u64) -> Result<u64> {
+        self.op(false, |w| w.device_extents_end(devid))
+    }
+
     /// The filesystem's label.
     pub(crate) fn label(&self) -> String {
         match &self.writer {

@@ -269,11 +269,9 @@ pub(super) fn exclude_supers(bg: &mut BlockGroup, chunk: &ChunkItem) {
 }
 
 impl Writer {
-    /// Makes the device end where its last chunk ends (what `mkfs --shrink` wants): the
-    /// device item (in the chunk tree and the superblock) and the filesystem size become
-    /// that end. Returns it; the caller commits, then may cut the image file there.
-    pub(crate) fn shrink_device_to_chunks(&mut self) -> Result<u64> {
-        let devid = self.disk.devid();
+    /// Where the last chunk stripe (dev extent) on device `devid` ends (1 MiB, the reserved
+    /// start, when it has none): the smallest size it can take without moving a chunk.
+    pub(crate) fn device_extents_end(&mut self, devid: u64) -> Result<u64> {
         let root = self.current_root(DEV_TREE_OBJECTID)?;
         let mut it = TreeIter::new(
             self.disk.clone(),
@@ -289,6 +287,69 @@ impl Writer {
             let de = DevExtent::parse(item.data()).map_err(|e| item.annotate(e))?;
             end = end.max(item.key.offset.saturating_add(de.length));
         }
+        Ok(end)
+    }
+
+    /// Sets the size of device `devid` to `size` bytes (rounded down to whole sectors), as the
+    /// kernel's resize does: its DEV_ITEM, the filesystem's total_bytes and that device's
+    /// superblock item, in this transaction. Growing needs the device to be that long;
+    /// shrinking needs every chunk stripe on it to end by the new size (moving chunks is
+    /// relocation, which this does not do). Returns the new size.
+    pub(crate) fn resize_device(&mut self, devid: u64, size: u64) -> Result<u64> {
+        self.check_writable()?;
+        let Some(old) = self.dev_items.get(&devid).map(|d| d.total_bytes) else {
+            let ids: Vec<String> = self.dev_items.keys().map(|d| d.to_string()).collect();
+            return Err(Error::Invalid(format!(
+                "the filesystem has no device {devid} (its devices: {})",
+                ids.join(", ")
+            )));
+        };
+        let Some(len) = self.disk.devices.get(devid).map(|d| d.len()) else {
+            return Err(Error::Invalid(format!(
+                "device {devid} is missing: give it with --device to resize it"
+            )));
+        };
+        let sector = u64::from(self.disk.sectorsize());
+        let size = size / sector * sector;
+        if size > len {
+            return Err(Error::NoSpace(format!(
+                "device {devid} is {len} bytes, so it cannot hold {size}: make the device (the \
+                 image file, the partition) larger first"
+            )));
+        }
+        let end = self.device_extents_end(devid)?;
+        if size < end {
+            return Err(Error::NoSpace(format!(
+                "device {devid} has chunks up to byte {end}, past {size}: shrinking below that \
+                 moves chunks (relocation), which butter cannot do yet; the smallest size \
+                 without it is {end} (`min`)"
+            )));
+        }
+        if size == old {
+            return Ok(size);
+        }
+        if let Some(item) = self.dev_items.get_mut(&devid) {
+            item.total_bytes = size;
+        }
+        self.sb.total_bytes = self.sb.total_bytes - old + size;
+        let di = self.dev_items.get(&devid).map(|d| d.to_bytes());
+        if let Some(di) = di {
+            self.replace_item(
+                CHUNK_TREE_OBJECTID,
+                Key::new(DEV_ITEMS_OBJECTID, DEV_ITEM_KEY, devid),
+                &di,
+            )?;
+        }
+        log::info!("device {devid}: resized from {old} to {size} bytes");
+        Ok(size)
+    }
+
+    /// Makes the device end where its last chunk ends (what `mkfs --shrink` wants): the
+    /// device item (in the chunk tree and the superblock) and the filesystem size become
+    /// that end. Returns it; the caller commits, then may cut the image file there.
+    pub(crate) fn shrink_device_to_chunks(&mut self) -> Result<u64> {
+        let devid = self.disk.devid();
+        let end = self.device_extents_end(devid)?;
         if self.disk.devices.len() > 1 {
             return Err(Error::Unsupported(
                 "shrinking a filesystem of several devices".into(),
