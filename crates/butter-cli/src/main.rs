@@ -69,6 +69,9 @@ enum Command {
     /// Read and verify every copy and parity block, repairing from the good copies, like
     /// `btrfs scrub`.
     Scrub(cmd::scrub::ScrubArgs),
+    /// Add devices to a filesystem offline, as `btrfs device add` does on a mount.
+    #[command(subcommand_required = true)]
+    Device(cmd::device::DeviceArgs),
     /// Mount an image through FUSE.
     Mount(cmd::mount::MountArgs),
     /// Unmount a butter mount; returns once its final commit is on disk.
@@ -199,6 +202,7 @@ fn main() -> ExitCode {
         Command::Filesystem(a) => cmd::filesystem::filesystem(a),
         Command::Compsize(a) => cmd::compsize::compsize(a),
         Command::Scrub(a) => cmd::scrub::scrub(a),
+        Command::Device(a) => cmd::device::device(a),
         Command::Mount(a) => cmd::mount::mount(a),
         Command::Unmount(a) => cmd::unmount::unmount(a),
         Command::Check(a) => cmd::check::check(a),

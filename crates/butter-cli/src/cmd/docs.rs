@@ -97,6 +97,9 @@ pub fn examples(path: &str) -> &'static [(&'static str, &'static str)] {
             ("Only report", "butter scrub start -r a.img --device b.img --device c.img"),
         ],
         "filesystem du" => &[("Shared and exclusive bytes of each home", "butter filesystem du -s disk.img home/*")],
+        "device" | "device add" => &[
+            ("Add a second image file to a filesystem, then use both", "truncate -s 4G b.img && butter device add a.img b.img && butter filesystem show a.img --device b.img"),
+        ],
         "filesystem resize" => &[
             ("Grow an image by 2 GiB (the file grows with it)", "butter filesystem resize os.img +2G"),
             ("Fill the whole of a device or file made larger, as image tools do on first boot", "truncate -s 8G os.img && butter filesystem resize os.img max"),

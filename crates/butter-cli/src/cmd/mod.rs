@@ -1,6 +1,7 @@
 //! One module per subcommand.
 pub mod check;
 pub mod compsize;
+pub mod device;
 pub mod docs;
 pub mod dump;
 pub mod filesystem;

@@ -331,6 +331,13 @@ impl Fs {
         self.changing("resize_device", None, |c| c.resize_device(devid, size))
     }
 
+    /// Adds `dev` to the filesystem as its next device and commits; returns its devid. Its
+    /// space is used for new chunks once the filesystem is opened with it (nothing is moved
+    /// onto it).
+    pub fn add_device(&self, dev: Arc<dyn crate::io::device::BlockDevice>) -> Result<u64> {
+        self.changing("add_device", None, |c| c.add_device(dev))
+    }
+
     /// The smallest size device `devid` can be resized to (where its last chunk ends).
     pub fn device_min_size(&self, devid: u64) -> Result<u64> {
         self.changing("device_min_size", None, |c| c.device_min_size(devid))

@@ -274,6 +274,17 @@ impl Core {
         Ok(size)
     }
 
+    /// Adds a device and commits ([`crate::transaction::Writer::add_device`]).
+    pub(crate) fn add_device(
+        &self,
+        dev: std::sync::Arc<dyn crate::io::device::BlockDevice>,
+    ) -> Result<u64> {
+        let uuid = crate::mkfs::random_uuid()?;
+        let devid = self.op(false, |w| w.add_device(dev, uuid))?;
+        self.commit()?;
+        Ok(devid)
+    }
+
     /// The smallest size device `devid` can take without moving chunks: where its last
     /// chunk stripe ends.
     pub(crate) fn device_min_size(&self, devid: u64) -> Result<u64> {

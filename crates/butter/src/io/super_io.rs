@@ -36,6 +36,19 @@ pub(crate) fn write_all_devices(
     })
 }
 
+/// [`write_all`] on one device that is not (yet) in the open set, with its item from
+/// `items` (a device just added).
+pub(crate) fn write_all_device(
+    dev: &dyn crate::io::device::BlockDevice,
+    devid: u64,
+    items: &BTreeMap<u64, DevItem>,
+    sb: &Superblock,
+    base: &[u8],
+    order: Order,
+) -> Result<()> {
+    write_all(dev, &for_device(sb, items, devid), base, order).map(|_| ())
+}
+
 /// [`write_primary`] on every present device (the caller flushes them all).
 pub(crate) fn write_primary_devices(
     devices: &Devices,

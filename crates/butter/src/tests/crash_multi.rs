@@ -332,3 +332,115 @@ fn power_cut_at_every_commit_write_raid1_two_devices() {
 fn power_cut_at_every_commit_write_raid5_three_devices() {
     sweep(3, "raid5");
 }
+
+/// Device add is one commit; the new device's superblocks go first. A power cut at every
+/// write of it (durable writes only, and every issued write): while device 1's primary
+/// superblock is the old one, device 1 opens alone as the one-device filesystem it was;
+/// once any device has the new superblock, both open together as two devices; the files
+/// are the same throughout, and butter's checker is clean.
+#[test]
+fn power_cut_at_every_write_of_a_device_add() {
+    fixed_time();
+    let base = fresh_image(
+        DEV_SIZE,
+        butter::mkfs::Profile::Dup,
+        butter::mkfs::Profile::Single,
+    );
+    let ram = Arc::new(RamDevice::new(base));
+    let fs =
+        open_set(&[ram.clone() as Arc<dyn BlockDevice>], true).expect("open the new filesystem");
+    populate(&fs).expect("populate");
+    fs.commit().expect("commit");
+    let want = manifest(&fs).expect("manifest");
+    drop(fs);
+    let base1 = Arc::new(ram.durable_bytes());
+    let base2 = Arc::new(vec![0u8; DEV_SIZE as usize]);
+    let trace: Trace = Default::default();
+    let devs: Vec<Arc<dyn BlockDevice>> = [&base1, &base2]
+        .iter()
+        .enumerate()
+        .map(|(idx, b)| {
+            Arc::new(Member {
+                idx,
+                inner: Arc::new(RamDevice::new((***b).clone())),
+                trace: trace.clone(),
+            }) as _
+        })
+        .collect();
+    let fs = open_set(&devs[..1], true).expect("open");
+    let devid = fs.add_device(devs[1].clone()).expect("device add");
+    assert_eq!(devid, 2);
+    drop(fs);
+    let ops = std::mem::take(&mut *trace.lock().unwrap());
+    let bases = [base1, base2];
+    let generation = |b: &[u8], pages: &Pages| -> Option<u64> {
+        let mut buf = vec![0u8; 4096];
+        let dev = OverlayDevice::new(Arc::new(b.to_vec()), pages.clone());
+        dev.read_at(&mut buf, PRIMARY_SB).ok()?;
+        (buf[64..72] == butter::format::MAGIC.to_le_bytes())
+            .then(|| u64::from_le_bytes(buf[72..80].try_into().unwrap()))
+    };
+    let check = |pages: &[Pages], what: &str| -> Result<(), String> {
+        let gen1 = generation(&bases[0], &pages[0]);
+        let gen0 = generation(&bases[0], &Pages::new());
+        let new1 = gen1 != gen0;
+        let new2 = generation(&bases[1], &pages[1]).is_some();
+        if new1 && !new2 {
+            return Err(format!(
+                "{what}: device 1 names device 2, which has no superblock"
+            ));
+        }
+        let devs: Vec<Arc<dyn BlockDevice>> = bases
+            .iter()
+            .zip(pages)
+            .map(|(b, p)| Arc::new(OverlayDevice::new(b.clone(), p.clone())) as _)
+            .collect();
+        let (set, n) = if new2 {
+            (&devs[..], 2)
+        } else {
+            (&devs[..1], 1)
+        };
+        let fs = open_set(set, false).map_err(|e| format!("{what}: open: {e}"))?;
+        let got = fs.devices().map_err(|e| format!("{what}: {e}"))?.len();
+        if got != n {
+            return Err(format!("{what}: {got} devices, want {n}"));
+        }
+        let m = manifest(&fs).map_err(|e| format!("{what}: {e}"))?;
+        if m != want {
+            return Err(format!("{what}: files changed: {}", diff(&want, &m)));
+        }
+        butter_check(&fs).map_err(|e| format!("{what}: {e}"))?;
+        if !new1 {
+            // Device 1 alone is still the filesystem of one device.
+            let fs = open_set(&devs[..1], false).map_err(|e| format!("{what}: alone: {e}"))?;
+            butter_check(&fs).map_err(|e| format!("{what}: alone: {e}"))?;
+        }
+        Ok(())
+    };
+    let mut live: Vec<Pages> = vec![Pages::new(); 2];
+    let mut durable = live.clone();
+    let mut failures = Vec::new();
+    let mut k = 0;
+    for (dev, op) in &ops {
+        match op {
+            Op::Flush => durable[*dev] = live[*dev].clone(),
+            Op::Write { offset, data } => {
+                for (what, pages) in [("durable", &durable), ("live", &live)] {
+                    if let Err(e) = check(pages, &format!("{what} k={k}")) {
+                        failures.push(e);
+                    }
+                }
+                apply_write(&bases[*dev], &mut live[*dev], *offset, data);
+                k += 1;
+            }
+        }
+        if failures.len() > 5 {
+            break;
+        }
+    }
+    if let Err(e) = check(&live, "after the commit") {
+        failures.push(e);
+    }
+    eprintln!("device add: {k} writes, each a cut point");
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}

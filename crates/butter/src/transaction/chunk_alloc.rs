@@ -344,6 +344,62 @@ impl Writer {
         Ok(size)
     }
 
+    /// Adds `dev` to the filesystem as a new device (the next devid), as the kernel's device
+    /// add does: its DEV_ITEM in the chunk tree, the device count and total size in the
+    /// superblock; its superblocks are written with every commit from now on (first). No
+    /// chunk is moved onto it (that is balance); new chunks use it once the filesystem is
+    /// opened with it. Returns its devid.
+    pub(crate) fn add_device(
+        &mut self,
+        dev: std::sync::Arc<dyn crate::io::device::BlockDevice>,
+        uuid: [u8; 16],
+    ) -> Result<u64> {
+        self.check_writable()?;
+        // Until the commit names it, a log could not replay onto the new device set.
+        self.log.broken = true;
+        let sector = u64::from(self.disk.sectorsize());
+        let size = dev.len() / sector * sector;
+        // The smallest filesystem mkfs makes (single profiles) is the smallest device.
+        let min: u64 = 45 << 20;
+        if size < min {
+            return Err(Error::NoSpace(format!(
+                "the new device is {size} bytes; a device needs at least {min}"
+            )));
+        }
+        if self.dev_items.values().any(|d| d.uuid == uuid) {
+            return Err(Error::Invalid("that device uuid is taken".into()));
+        }
+        let devid = self.dev_items.keys().max().copied().unwrap_or(0) + 1;
+        let template = self.primary_dev_item().clone();
+        let item = crate::format::superblock::DevItem {
+            devid,
+            total_bytes: size,
+            bytes_used: 0,
+            io_align: template.io_align,
+            io_width: template.io_width,
+            sector_size: template.sector_size,
+            dev_type: 0,
+            generation: 0,
+            start_offset: 0,
+            dev_group: 0,
+            seek_speed: 0,
+            bandwidth: 0,
+            uuid,
+            fsid: template.fsid,
+        };
+        self.insert_item(
+            CHUNK_TREE_OBJECTID,
+            Key::new(DEV_ITEMS_OBJECTID, DEV_ITEM_KEY, devid),
+            &item.to_bytes(),
+        )?;
+        self.dev_items.insert(devid, item);
+        self.sb.num_devices += 1;
+        self.sb.total_bytes += size;
+        self.added.push((devid, dev));
+        log::info!("added device {devid} of {size} bytes");
+        Ok(devid)
+    }
+
     /// Makes the device end where its last chunk ends (what `mkfs --shrink` wants): the
     /// device item (in the chunk tree and the superblock) and the filesystem size become
     /// that end. Returns it; the caller commits, then may cut the image file there.

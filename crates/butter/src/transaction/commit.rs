@@ -324,6 +324,18 @@ impl Writer {
             dev_root_level: dev.level,
             csum_root_level: csum.level,
         };
+        // A device added in this session first: until the others name it, a cut leaves it
+        // a newer copy nobody opens with them; once they do, it is there.
+        for (devid, dev) in &self.added {
+            crate::io::super_io::write_all_device(
+                dev.as_ref(),
+                *devid,
+                &self.dev_items,
+                &self.sb,
+                &self.sb_base,
+                crate::io::super_io::Order::PrimaryFirst,
+            )?;
+        }
         crate::io::super_io::write_all_devices(
             &self.disk.devices,
             &self.dev_items,

@@ -67,6 +67,10 @@ pub(crate) struct Writer {
     sb_base: Vec<u8>,
     /// Every device's item, by devid (the primary's as its superblock carries it).
     dev_items: BTreeMap<u64, DevItem>,
+    /// Devices added while open ([`Writer::add_device`]): not part of the open device set
+    /// (no chunk goes on them until the filesystem is opened again), but every commit writes
+    /// their superblocks, first.
+    added: Vec<(u64, std::sync::Arc<dyn crate::io::device::BlockDevice>)>,
     sys_chunk_array: Vec<u8>,
     sys_array_dirty: bool,
     /// Of the descents (`CowCtx::descents`), those of file extent replacement (for the
@@ -246,6 +250,7 @@ impl Writer {
             dev_items: [(sb.dev_item.devid, sb.dev_item.clone())]
                 .into_iter()
                 .collect(),
+            added: Vec::new(),
             sys_chunk_array: sb.sys_chunk_array.clone(),
             sys_array_dirty: false,
             replace_descents: 0,
