@@ -69,6 +69,9 @@ enum Command {
     /// Read and verify every copy and parity block, repairing from the good copies, like
     /// `btrfs scrub`.
     Scrub(cmd::scrub::ScrubArgs),
+    /// Balance block groups offline with the kernel's filters (removing empty ones).
+    #[command(subcommand_required = true)]
+    Balance(cmd::balance::BalanceArgs),
     /// Add devices to a filesystem offline, as `btrfs device add` does on a mount.
     #[command(subcommand_required = true)]
     Device(cmd::device::DeviceArgs),
@@ -203,6 +206,7 @@ fn main() -> ExitCode {
         Command::Compsize(a) => cmd::compsize::compsize(a),
         Command::Scrub(a) => cmd::scrub::scrub(a),
         Command::Device(a) => cmd::device::device(a),
+        Command::Balance(a) => cmd::balance::balance(a),
         Command::Mount(a) => cmd::mount::mount(a),
         Command::Unmount(a) => cmd::unmount::unmount(a),
         Command::Check(a) => cmd::check::check(a),

@@ -97,6 +97,9 @@ pub fn examples(path: &str) -> &'static [(&'static str, &'static str)] {
             ("Only report", "butter scrub start -r a.img --device b.img --device c.img"),
         ],
         "filesystem du" => &[("Shared and exclusive bytes of each home", "butter filesystem du -s disk.img home/*")],
+        "balance" | "balance start" => &[
+            ("Give back the space of empty block groups, then shrink the image to what is left", "butter balance start -dusage=0 -musage=0 os.img && butter filesystem resize os.img min"),
+        ],
         "device" | "device add" => &[
             ("Add a second image file to a filesystem, then use both", "truncate -s 4G b.img && butter device add a.img b.img && butter filesystem show a.img --device b.img"),
         ],

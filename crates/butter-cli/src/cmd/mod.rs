@@ -1,4 +1,5 @@
 //! One module per subcommand.
+pub mod balance;
 pub mod check;
 pub mod compsize;
 pub mod device;

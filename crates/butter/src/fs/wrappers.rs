@@ -338,6 +338,20 @@ impl Fs {
         self.changing("add_device", None, |c| c.add_device(dev))
     }
 
+    /// Every block group with its use and stripes (the filesystem must be open read-write).
+    pub fn block_groups(&self) -> Result<Vec<crate::inode::statfs::BlockGroupInfo>> {
+        self.changing("block_groups", None, |c| c.block_groups())
+    }
+
+    /// Removes the empty block groups starting at `starts` (their chunks, dev extents and
+    /// items) in a transaction of their own, as balance does with `usage=0`; refused for a
+    /// group in use or the last of its kind.
+    pub fn remove_empty_block_groups(&self, starts: &[u64]) -> Result<()> {
+        self.changing("remove_empty_block_groups", None, |c| {
+            c.remove_empty_block_groups(starts)
+        })
+    }
+
     /// The smallest size device `devid` can be resized to (where its last chunk ends).
     pub fn device_min_size(&self, devid: u64) -> Result<u64> {
         self.changing("device_min_size", None, |c| c.device_min_size(devid))

@@ -187,6 +187,20 @@ pub struct ChunkAllocation {
     pub bytes: u64,
 }
 
+/// One block group of a filesystem open read-write, as the running transaction has it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BlockGroupInfo {
+    /// Logical start and length.
+    pub start: u64,
+    pub len: u64,
+    /// Type and profile bits (`BLOCK_GROUP_*`).
+    pub flags: u64,
+    /// Bytes of extents in it.
+    pub used: u64,
+    /// Where its stripes lie: (devid, physical offset, bytes).
+    pub stripes: Vec<(u64, u64, u64)>,
+}
+
 impl Core {
     /// Size and use of the block groups, per type and profile, as committed: what `btrfs
     /// filesystem df` shows (Data, System, Metadata).
@@ -268,10 +282,69 @@ impl Core {
     }
 
     /// Resizes device `devid` and commits ([`crate::transaction::Writer::resize_device`]).
+    /// Empty block groups with a stripe past the new end go first (no relocation needed).
     pub(crate) fn resize_device(&self, devid: u64, size: u64) -> Result<u64> {
+        let past: Vec<BlockGroupInfo> = self
+            .block_groups()?
+            .into_iter()
+            .filter(|g| {
+                g.stripes
+                    .iter()
+                    .any(|&(d, off, len)| d == devid && off + len > size)
+            })
+            .collect();
+        // Only when that is enough: with a group in use past the end, nothing is removed
+        // and the resize below refuses.
+        if !past.is_empty() && past.iter().all(|g| g.used == 0) {
+            let starts: Vec<u64> = past.iter().map(|g| g.start).collect();
+            self.remove_empty_block_groups(&starts)?;
+        }
         let size = self.op(false, |w| w.resize_device(devid, size))?;
         self.commit()?;
         Ok(size)
+    }
+
+    /// Every block group with its stripes.
+    pub(crate) fn block_groups(&self) -> Result<Vec<BlockGroupInfo>> {
+        self.op(false, |w| {
+            let mut out = Vec::new();
+            w.allocator.for_each(|g| {
+                out.push(BlockGroupInfo {
+                    start: g.start,
+                    len: g.len,
+                    flags: g.flags,
+                    used: g.used,
+                    stripes: Vec::new(),
+                })
+            });
+            let map = w.disk.chunk_map();
+            for g in &mut out {
+                if let Some(c) = map.lookup(g.start) {
+                    let size = crate::io::volumes::stripe_size(&c.item);
+                    g.stripes = c
+                        .item
+                        .stripes
+                        .iter()
+                        .map(|st| (st.devid, st.offset, size))
+                        .collect();
+                }
+            }
+            Ok(out)
+        })
+    }
+
+    /// Removes empty block groups ([`crate::transaction::Writer::remove_empty_group`]) in one
+    /// transaction of their own: a commit first, so that nothing freed before is still
+    /// pinned in them, then the removals and a commit.
+    pub(crate) fn remove_empty_block_groups(&self, starts: &[u64]) -> Result<()> {
+        self.commit()?;
+        self.op(false, |w| {
+            for &s in starts {
+                w.remove_empty_group(s)?;
+            }
+            Ok(())
+        })?;
+        self.commit()
     }
 
     /// Adds a device and commits ([`crate::transaction::Writer::add_device`]).

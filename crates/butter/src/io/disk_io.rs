@@ -1372,6 +1372,14 @@ impl Disk {
         self.devices.on_each(|_, d| d.flush())
     }
 
+    /// Takes a chunk the write engine removed out of the logical-to-physical map.
+    pub(crate) fn remove_chunk(&self, logical: u64) -> Option<crate::format::items::ChunkItem> {
+        self.chunks
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(logical)
+    }
+
     /// Adds a chunk created by the write engine to the logical-to-physical map.
     pub(crate) fn add_chunk(
         &self,

@@ -376,6 +376,11 @@ impl ChunkMap {
         Ok(map)
     }
 
+    /// Takes the chunk at `logical` out of the map (a block group removed).
+    pub(crate) fn remove(&mut self, logical: u64) -> Option<ChunkItem> {
+        self.chunks.remove(&logical).map(|c| c.item)
+    }
+
     /// Adds a chunk after checking it. Returns a reason on failure.
     pub(crate) fn insert(
         &mut self,

@@ -663,6 +663,38 @@ impl Allocator {
         }
     }
 
+    /// Takes the group at `start` out (a block group being removed): nothing is allocated
+    /// from it from now on. Returns it as it was.
+    pub(crate) fn remove_group(&self, start: u64) -> Option<BlockGroup> {
+        let g = self.group_arc(start).filter(|g| g.start == start)?;
+        let mut b = lock(&g.bg);
+        let was = BlockGroup {
+            start: b.start,
+            len: b.len,
+            flags: b.flags,
+            used: b.used,
+            free: b.free.clone(),
+            pinned: b.pinned.clone(),
+            excluded: b.excluded.clone(),
+            held: b.held.clone(),
+            dirty: b.dirty,
+            new: b.new,
+            fst_bitmaps: b.fst_bitmaps,
+            cursor: b.cursor,
+            indexed: None,
+        };
+        self.edit(&g, &mut b, |b| {
+            b.free = RangeSet::new();
+            b.pinned = RangeSet::new();
+        });
+        drop(b);
+        self.groups
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&start);
+        Some(was)
+    }
+
     /// Start of the group containing `bytenr`.
     pub(crate) fn group_containing(&self, bytenr: u64) -> Option<u64> {
         self.group_arc(bytenr).map(|g| g.start)

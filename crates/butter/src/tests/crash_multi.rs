@@ -444,3 +444,86 @@ fn power_cut_at_every_write_of_a_device_add() {
     eprintln!("device add: {k} writes, each a cut point");
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
+
+/// Removing empty block groups is one commit (after one that unpins what was freed): a power
+/// cut at every write of it leaves the groups there or gone, the files the same, and the
+/// checker clean.
+#[test]
+fn power_cut_at_every_write_of_an_empty_group_removal() {
+    fixed_time();
+    let base = fresh_image(
+        DEV_SIZE,
+        butter::mkfs::Profile::Dup,
+        butter::mkfs::Profile::Single,
+    );
+    let ram = Arc::new(RamDevice::new(base));
+    let fs = open_set(&[ram.clone() as Arc<dyn BlockDevice>], true).expect("open");
+    populate(&fs).expect("populate");
+    let root = fs.root_inode();
+    file(&fs, root, "big", 3, 40 << 20).expect("big file");
+    fs.commit().expect("commit");
+    fs.unlink(root, b"big").expect("unlink");
+    fs.commit().expect("commit");
+    let want = manifest(&fs).expect("manifest");
+    let groups = fs.block_groups().expect("groups");
+    let empty: Vec<u64> = groups
+        .iter()
+        .filter(|g| g.used == 0 && g.flags & 1 != 0)
+        .map(|g| g.start)
+        .collect();
+    assert!(!empty.is_empty(), "{groups:?}");
+    drop(fs);
+    let base = Arc::new(ram.durable_bytes());
+    let trace: Trace = Default::default();
+    let dev: Arc<dyn BlockDevice> = Arc::new(Member {
+        idx: 0,
+        inner: Arc::new(RamDevice::new((*base).clone())),
+        trace: trace.clone(),
+    });
+    let fs = open_set(std::slice::from_ref(&dev), true).expect("open");
+    fs.remove_empty_block_groups(&empty).expect("remove");
+    drop(fs);
+    let ops = std::mem::take(&mut *trace.lock().unwrap());
+    let (before, after) = (groups.len(), groups.len() - empty.len());
+    let check = |pages: &Pages, what: &str| -> Result<(), String> {
+        let d: Arc<dyn BlockDevice> = Arc::new(OverlayDevice::new(base.clone(), pages.clone()));
+        let fs = open_set(&[d], true).map_err(|e| format!("{what}: open: {e}"))?;
+        let n = fs.block_groups().map_err(|e| format!("{what}: {e}"))?.len();
+        if n != before && n != after {
+            return Err(format!(
+                "{what}: {n} block groups, want {before} or {after}"
+            ));
+        }
+        let m = manifest(&fs).map_err(|e| format!("{what}: {e}"))?;
+        if m != want {
+            return Err(format!("{what}: files changed: {}", diff(&want, &m)));
+        }
+        butter_check(&fs).map_err(|e| format!("{what}: {e}"))
+    };
+    let mut live = Pages::new();
+    let mut durable = Pages::new();
+    let mut failures = Vec::new();
+    let mut k = 0;
+    for (_, op) in &ops {
+        match op {
+            Op::Flush => durable = live.clone(),
+            Op::Write { offset, data } => {
+                for (what, pages) in [("durable", &durable), ("live", &live)] {
+                    if let Err(e) = check(pages, &format!("{what} k={k}")) {
+                        failures.push(e);
+                    }
+                }
+                apply_write(&base, &mut live, *offset, data);
+                k += 1;
+            }
+        }
+        if failures.len() > 5 {
+            break;
+        }
+    }
+    if let Err(e) = check(&live, "after the commit") {
+        failures.push(e);
+    }
+    eprintln!("empty group removal: {k} writes, each a cut point");
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}

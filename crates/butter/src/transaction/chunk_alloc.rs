@@ -34,6 +34,12 @@ impl Writer {
             used.remove(item.key.offset, de.length);
             let _ = used.add(item.key.offset, de.length);
         }
+        for &(d, off, len) in &self.freed_dev_extents {
+            if d == devid {
+                used.remove(off, len);
+                let _ = used.add(off, len);
+            }
+        }
         let mut holes = Vec::new();
         let mut pos = 0u64;
         for (s, l) in used.iter() {
@@ -342,6 +348,132 @@ impl Writer {
         }
         log::info!("device {devid}: resized from {old} to {size} bytes");
         Ok(size)
+    }
+
+    /// Removes the empty block group at `start`, as the kernel removes an unused one: its
+    /// BLOCK_GROUP_ITEM and free space tree entries, its CHUNK_ITEM (and its entry in the
+    /// superblock's system chunk array), its dev extents, and their bytes from the devices'
+    /// `bytes_used`. Refused unless the group holds no extent and has nothing pinned, held or
+    /// new in this transaction, and unless another group of its kind stays. Its device space
+    /// is free for new chunks once this transaction has committed.
+    pub(crate) fn remove_empty_group(&mut self, start: u64) -> Result<()> {
+        self.check_writable()?;
+        let Some((len, flags, used, busy)) = self.allocator.with_group(start, |g| {
+            let busy = g.new
+                || g.pinned.total() > 0
+                || g.held.total() > 0
+                || g.free.total() + g.excluded.total() != g.len;
+            (g.len, g.flags, g.used, busy)
+        }) else {
+            return Err(Error::Invalid(format!("no block group starts at {start}")));
+        };
+        if used > 0 || busy {
+            return Err(Error::Invalid(format!(
+                "the block group at {start} is in use ({used} bytes of extents)"
+            )));
+        }
+        let kind = SpaceKind::of_flags(flags);
+        let mut others = 0;
+        self.allocator.for_each(|g| {
+            if g.start != start && SpaceKind::of_flags(g.flags) == kind {
+                others += 1;
+            }
+        });
+        if others == 0 {
+            return Err(Error::Invalid(format!(
+                "the block group at {start} is the last of its kind; it stays"
+            )));
+        }
+        // The trees are the truth: no extent item may lie in it.
+        let root = self.current_root(EXTENT_TREE_OBJECTID)?;
+        let mut it = TreeIter::new(
+            self.disk.clone(),
+            root,
+            Key::new(start, 0, 0),
+            Readahead::None,
+        )?;
+        while let Some(item) = it.next_item()? {
+            if item.key.objectid >= start + len {
+                break;
+            }
+            if matches!(item.key.ty, EXTENT_ITEM_KEY | METADATA_ITEM_KEY) {
+                return Err(Error::Invalid(format!(
+                    "the block group at {start} holds the extent {}",
+                    item.key.objectid
+                )));
+            }
+        }
+        let Some(chunk) = self.disk.chunk_map().lookup(start).map(|c| c.item.clone()) else {
+            return Err(Error::Invalid(format!("no chunk at {start}")));
+        };
+        // Out of the allocator first: nothing this transaction writes goes there.
+        self.allocator.remove_group(start);
+        self.log.broken = true;
+        let bg_tree = self.block_group_tree();
+        self.delete_item(bg_tree, &Key::new(start, BLOCK_GROUP_ITEM_KEY, len))?;
+        if self.disk.sb.has_compat_ro(COMPAT_RO_FREE_SPACE_TREE) {
+            self.sync_fst_items(start, len, Vec::new())?;
+        }
+        self.delete_item(
+            CHUNK_TREE_OBJECTID,
+            &Key::new(FIRST_CHUNK_TREE_OBJECTID, CHUNK_ITEM_KEY, start),
+        )?;
+        let stripe_size = crate::io::volumes::stripe_size(&chunk);
+        let mut devids: Vec<u64> = Vec::new();
+        for st in &chunk.stripes {
+            self.delete_item(
+                DEV_TREE_OBJECTID,
+                &Key::new(st.devid, DEV_EXTENT_KEY, st.offset),
+            )?;
+            self.freed_dev_extents
+                .push((st.devid, st.offset, stripe_size));
+            if let Some(item) = self.dev_items.get_mut(&st.devid) {
+                item.bytes_used = item.bytes_used.saturating_sub(stripe_size);
+            }
+            devids.push(st.devid);
+        }
+        devids.dedup();
+        for devid in devids {
+            if let Some(di) = self.dev_items.get(&devid).map(|d| d.to_bytes()) {
+                self.replace_item(
+                    CHUNK_TREE_OBJECTID,
+                    Key::new(DEV_ITEMS_OBJECTID, DEV_ITEM_KEY, devid),
+                    &di,
+                )?;
+            }
+        }
+        if flags & BLOCK_GROUP_SYSTEM != 0 {
+            self.drop_from_sys_chunk_array(start)?;
+        }
+        self.disk.remove_chunk(start);
+        log::info!(
+            "removed the empty {} block group at {start} ({} MiB)",
+            crate::io::volumes::profile_name(flags & BLOCK_GROUP_PROFILE_MASK),
+            len >> 20
+        );
+        Ok(())
+    }
+
+    /// Takes the chunk at `logical` out of the superblock's system chunk array.
+    fn drop_from_sys_chunk_array(&mut self, logical: u64) -> Result<()> {
+        let arr = self.sys_chunk_array.clone();
+        let mut out = Vec::with_capacity(arr.len());
+        let mut at = 0usize;
+        while at + 17 + 48 <= arr.len() {
+            let key = Key::from_bytes(&arr[at..at + 17]);
+            let n = u16::from_le_bytes([arr[at + 17 + 44], arr[at + 17 + 45]]) as usize;
+            let end = at + 17 + 48 + 32 * n;
+            if end > arr.len() {
+                break;
+            }
+            if !(key.ty == CHUNK_ITEM_KEY && key.offset == logical) {
+                out.extend_from_slice(&arr[at..end]);
+            }
+            at = end;
+        }
+        self.sys_chunk_array = out;
+        self.sys_array_dirty = true;
+        Ok(())
     }
 
     /// Adds `dev` to the filesystem as a new device (the next devid), as the kernel's device

@@ -112,6 +112,7 @@ impl Writer {
         self.log.committed(&self.ctx.allocator, ns);
         // The transaction is on disk.
         self.allocator.unpin_all();
+        self.freed_dev_extents.clear();
         self.allocator.for_each(|g| {
             g.dirty = false;
             g.new = false;

@@ -71,6 +71,10 @@ pub(crate) struct Writer {
     /// (no chunk goes on them until the filesystem is opened again), but every commit writes
     /// their superblocks, first.
     added: Vec<(u64, std::sync::Arc<dyn crate::io::device::BlockDevice>)>,
+    /// Dev extents of block groups removed in the running transaction, (devid, offset,
+    /// length): the last commit's chunks still live there, so no new chunk may take them
+    /// before this transaction commits.
+    freed_dev_extents: Vec<(u64, u64, u64)>,
     sys_chunk_array: Vec<u8>,
     sys_array_dirty: bool,
     /// Of the descents (`CowCtx::descents`), those of file extent replacement (for the
@@ -251,6 +255,7 @@ impl Writer {
                 .into_iter()
                 .collect(),
             added: Vec::new(),
+            freed_dev_extents: Vec::new(),
             sys_chunk_array: sb.sys_chunk_array.clone(),
             sys_array_dirty: false,
             replace_descents: 0,
