@@ -361,7 +361,30 @@ impl Core {
     /// The smallest size device `devid` can take without moving chunks: where its last
     /// chunk stripe ends.
     pub(crate) fn device_min_size(&self, devid: u64) -> Result<u64> {
-        self.op(false, |w| w.device_extents_end(devid))
+        // Empty block groups can go (the resize removes those past its end), but one group
+        // of each type stays: its first.
+        let groups = self.block_groups()?;
+        let kind = |f: u64| f & (BLOCK_GROUP_DATA | BLOCK_GROUP_METADATA | BLOCK_GROUP_SYSTEM);
+        let mut end = 1u64 << 20;
+        for g in &groups {
+            let first_of_unused_kind = !groups
+                .iter()
+                .any(|o| kind(o.flags) == kind(g.flags) && o.used > 0)
+                && groups
+                    .iter()
+                    .filter(|o| kind(o.flags) == kind(g.flags))
+                    .map(|o| o.start)
+                    .min()
+                    == Some(g.start);
+            if g.used > 0 || first_of_unused_kind {
+                for &(d, off, len) in &g.stripes {
+                    if d == devid {
+                        end = end.max(off + len);
+                    }
+                }
+            }
+        }
+        Ok(end)
     }
 
     /// The filesystem's label.
