@@ -186,3 +186,82 @@ fn device_add_refuses_members_filesystems_and_small_devices() {
         assert!(fs::read(p).unwrap() == *b, "{} changed", p.display());
     }
 }
+
+/// A device that holds no chunk (just added) comes out again: the filesystem is one device
+/// as before (the kernel mounts it alone), the removed device's superblocks are wiped; a
+/// device with chunks, the IMAGE itself and an unknown one are refused unchanged.
+#[test]
+fn device_remove_takes_out_an_empty_device_and_refuses_the_rest() {
+    if !kernel::require_privileges() {
+        return;
+    }
+    let s = ScratchDir::new("device-remove");
+    let a = s.join("a.img");
+    kernel::mkfs_btrfs(&a, 300 * MIB, &[] as &[&str]);
+    {
+        let m = LoopMount::btrfs(&a, &s.dir("fill"), "");
+        fs::write(m.path().join("file"), vec![5u8; 3 << 20]).unwrap();
+        m.unmount();
+    }
+    let b = s.join("b.img");
+    blank(&b, 300 * MIB);
+    let (ap, bp) = (a.to_str().unwrap(), b.to_str().unwrap());
+    let o = butter(&["device", "add", ap, bp]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert_eq!(counts(&a), (2, 600 * MIB));
+    let o = butter(&["device", "remove", ap, "--device", bp, bp]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert_eq!(counts(&a), (1, 300 * MIB));
+    let sb = kernel::run_output(
+        Command::new("btrfs")
+            .args(["inspect-internal", "dump-super"])
+            .arg(&b),
+    );
+    assert!(
+        !String::from_utf8_lossy(&sb.stdout).contains("_BHRfS_M [match]"),
+        "the removed device still has a btrfs superblock"
+    );
+    let (ok, t) = kernel::btrfs_check(&a);
+    assert!(ok, "btrfs check after the remove:\n{t}");
+    let (rc, t) = common::fuse_mount::butter_check(&a);
+    assert_eq!(rc, 0, "butter check:\n{t}");
+    let m = LoopMount::btrfs_ro(&a, &s.dir("k"));
+    assert_eq!(fs::read(m.path().join("file")).unwrap(), vec![5u8; 3 << 20]);
+    m.unmount();
+
+    // A RAID1 of two devices: its second holds chunks.
+    let r: Vec<std::path::PathBuf> = (0..2).map(|i| s.join(format!("r{i}.img"))).collect();
+    for p in &r {
+        blank(p, 300 * MIB);
+    }
+    let (r0, r1) = (r[0].to_str().unwrap(), r[1].to_str().unwrap());
+    let o = butter(&["mkfs", "-q", "-d", "raid1", r0, r1]);
+    assert!(o.status.success(), "{}", text(&o));
+    let before: Vec<Vec<u8>> = r.iter().map(|p| fs::read(p).unwrap()).collect();
+    let cases: &[(&[&str], &[&str])] = &[
+        (
+            &["device", "remove", r0, "--device", r1, "2"],
+            &["holds chunks", "relocation"],
+        ),
+        (
+            &["device", "remove", r0, "--device", r1, r0],
+            &["opened by"],
+        ),
+        (
+            &["device", "remove", r0, "--device", r1, "7"],
+            &["not a device"],
+        ),
+    ];
+    for (args, want) in cases {
+        let o = butter(args);
+        let t = text(&o);
+        assert!(!o.status.success(), "butter {args:?} succeeded:\n{t}");
+        assert!(!t.contains("panicked"), "{t}");
+        for w in *want {
+            assert!(t.contains(w), "butter {args:?}: no {w:?} in:\n{t}");
+        }
+    }
+    for (p, b) in r.iter().zip(&before) {
+        assert!(fs::read(p).unwrap() == *b, "{} changed", p.display());
+    }
+}

@@ -151,13 +151,7 @@ pub fn balance(a: BalanceArgs) -> CliResult {
             kinds.push((kind, Filters::default()));
         }
     }
-    let fs = super::open_fs_rw(&image, Default::default()).map_err(|e| {
-        CliError(format!(
-            "cannot open {}: {}",
-            image.display(),
-            CliError::from(e)
-        ))
-    })?;
+    let fs = super::subvol::open_rw(&image)?;
     let groups = fs.block_groups()?;
     let total = groups.len();
     let mut chosen = Vec::new();

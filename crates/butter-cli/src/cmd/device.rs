@@ -1,6 +1,8 @@
 //! `butter device add IMAGE DEVICE...`: a new device joins the filesystem offline, as `btrfs
 //! device add` does on a mount. Nothing is moved onto it (that is balance): new chunks use its
-//! space once the filesystem is opened with it (`--device`).
+//! space once the filesystem is opened with it (`--device`). `butter device remove IMAGE
+//! DEVICE...` takes out devices that hold no chunk (moving chunks off one is relocation, not
+//! built yet).
 
 use super::{CliError, CliResult};
 use std::path::{Path, PathBuf};
@@ -22,6 +24,16 @@ pub enum DeviceCmd {
         #[arg(required = true)]
         devices: Vec<PathBuf>,
     },
+    /// Remove devices (by path, devid or `missing`) that hold no chunk from the filesystem on
+    /// IMAGE (give its other devices with --device); their superblocks are wiped.
+    #[command(alias = "delete")]
+    Remove {
+        /// Image file or block device of the filesystem (not one being removed).
+        image: PathBuf,
+        /// The devices to remove: a path given with --device, a devid, or `missing`.
+        #[arg(required = true)]
+        devices: Vec<String>,
+    },
 }
 
 #[derive(clap::Args)]
@@ -38,7 +50,40 @@ pub fn device(a: DeviceArgs) -> CliResult {
             image,
             devices,
         } => add(&image, &devices, force),
+        DeviceCmd::Remove { image, devices } => remove(&image, &devices),
     }
+}
+
+fn remove(image: &Path, which: &[String]) -> CliResult {
+    let fs = super::subvol::open_rw(image)?;
+    let devs = fs.devices()?;
+    let canon = |p: &str| std::fs::canonicalize(p).unwrap_or_else(|_| PathBuf::from(p));
+    let mut ids = Vec::new();
+    for w in which {
+        let found = if w == "missing" {
+            devs.iter()
+                .find(|d| d.path.is_none() && !ids.contains(&d.devid))
+        } else if let Ok(id) = w.parse::<u64>() {
+            devs.iter().find(|d| d.devid == id)
+        } else {
+            devs.iter()
+                .find(|d| d.path.as_deref().is_some_and(|p| canon(p) == canon(w)))
+        };
+        let Some(d) = found else {
+            return Err(CliError(format!(
+                "{w} is not a device of the filesystem (give a devid, a path given with \
+                 --device, or missing)"
+            )));
+        };
+        ids.push(d.devid);
+    }
+    for id in ids {
+        fs.remove_device(id)
+            .map_err(|e| CliError(format!("cannot remove device {id}: {}", CliError::from(e))))?;
+        println!("Removed device {id}");
+    }
+    fs.close()?;
+    Ok(())
 }
 
 /// Opens a device to add: an NBD export, or a file or block device for writing, alone.
@@ -85,13 +130,7 @@ fn add(image: &Path, devices: &[PathBuf], force: bool) -> CliResult {
         }
         new.push((p, dev));
     }
-    let fs = super::open_fs_rw(image, Default::default()).map_err(|e| {
-        CliError(format!(
-            "cannot open {}: {}",
-            image.display(),
-            CliError::from(e)
-        ))
-    })?;
+    let fs = super::subvol::open_rw(image)?;
     for (p, dev) in new {
         let size = dev.len();
         let devid = fs

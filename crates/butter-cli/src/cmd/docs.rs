@@ -103,6 +103,9 @@ pub fn examples(path: &str) -> &'static [(&'static str, &'static str)] {
         "device" | "device add" => &[
             ("Add a second image file to a filesystem, then use both", "truncate -s 4G b.img && butter device add a.img b.img && butter filesystem show a.img --device b.img"),
         ],
+        "device remove" => &[
+            ("Take device 2 out again while it holds no chunk", "butter device remove a.img --device b.img 2"),
+        ],
         "filesystem resize" => &[
             ("Grow an image by 2 GiB (the file grows with it)", "butter filesystem resize os.img +2G"),
             ("Fill the whole of a device or file made larger, as image tools do on first boot", "truncate -s 8G os.img && butter filesystem resize os.img max"),

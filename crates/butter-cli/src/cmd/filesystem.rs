@@ -265,13 +265,7 @@ fn resize(image: &std::path::Path, spec: &str) -> Result<(), CliError> {
         }
     }
     let result = (|| -> Result<u64, CliError> {
-        let fs = super::open_fs_rw(image, Default::default()).map_err(|e| {
-            CliError(format!(
-                "cannot open {}: {}",
-                image.display(),
-                CliError::from(e)
-            ))
-        })?;
+        let fs = super::subvol::open_rw(image)?;
         let target = match target {
             Some(t) => t,
             None => fs.device_min_size(devid)?,

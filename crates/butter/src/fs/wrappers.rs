@@ -338,6 +338,12 @@ impl Fs {
         self.changing("add_device", None, |c| c.add_device(dev))
     }
 
+    /// Removes device `devid`, which must hold no chunk (moving chunks off a device is
+    /// relocation, not built yet), commits, and wipes its superblocks.
+    pub fn remove_device(&self, devid: u64) -> Result<()> {
+        self.changing("remove_device", None, |c| c.remove_device(devid))
+    }
+
     /// Every block group with its use and stripes (the filesystem must be open read-write).
     pub fn block_groups(&self) -> Result<Vec<crate::inode::statfs::BlockGroupInfo>> {
         self.changing("block_groups", None, |c| c.block_groups())

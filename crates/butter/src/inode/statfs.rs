@@ -304,6 +304,18 @@ impl Core {
         Ok(size)
     }
 
+    /// Removes device `devid` (it holds no chunk) and commits; then wipes its superblocks,
+    /// so that no tool takes it for a member any more.
+    pub(crate) fn remove_device(&self, devid: u64) -> Result<()> {
+        let dev = self.disk.devices.member(devid).and_then(|m| m.dev.clone());
+        self.op(false, |w| w.remove_device(devid))?;
+        self.commit()?;
+        if let Some(dev) = dev {
+            crate::io::super_io::wipe(dev.as_ref())?;
+        }
+        Ok(())
+    }
+
     /// Every block group with its stripes.
     pub(crate) fn block_groups(&self) -> Result<Vec<BlockGroupInfo>> {
         self.op(false, |w| {

@@ -49,6 +49,19 @@ pub(crate) fn write_all_device(
     write_all(dev, &for_device(sb, items, devid), base, order).map(|_| ())
 }
 
+/// Zeroes the magic of every superblock copy on `dev` (a device removed from its
+/// filesystem), then flushes.
+pub(crate) fn wipe(dev: &dyn crate::io::device::BlockDevice) -> Result<()> {
+    for off in (0..crate::format::SUPER_MIRROR_MAX).map(crate::format::super_offset) {
+        if off + SUPER_INFO_SIZE as u64 <= dev.len() {
+            dev.write_at(&[0u8; 8], off + 64)
+                .map_err(|e| Error::io("wiping a removed device's superblock", off, e))?;
+        }
+    }
+    dev.flush()
+        .map_err(|e| Error::io("flushing a removed device", 0, e))
+}
+
 /// [`write_primary`] on every present device (the caller flushes them all).
 pub(crate) fn write_primary_devices(
     devices: &Devices,

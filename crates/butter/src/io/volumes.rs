@@ -89,6 +89,14 @@ impl Devices {
         self.primary
     }
 
+    /// Drops device `devid` from the writes (removed from the filesystem): treated as
+    /// missing from now on, without the warning of a failure.
+    pub(crate) fn mark_removed(&self, devid: u64) {
+        if let Some(m) = self.members.get(&devid) {
+            m.failed.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
     /// The present device `devid`, if it is one.
     pub(crate) fn get(&self, devid: u64) -> Option<&Arc<dyn BlockDevice>> {
         let m = self.members.get(&devid)?;

@@ -417,27 +417,7 @@ fn power_cut_at_every_write_of_a_device_add() {
         }
         Ok(())
     };
-    let mut live: Vec<Pages> = vec![Pages::new(); 2];
-    let mut durable = live.clone();
-    let mut failures = Vec::new();
-    let mut k = 0;
-    for (dev, op) in &ops {
-        match op {
-            Op::Flush => durable[*dev] = live[*dev].clone(),
-            Op::Write { offset, data } => {
-                for (what, pages) in [("durable", &durable), ("live", &live)] {
-                    if let Err(e) = check(pages, &format!("{what} k={k}")) {
-                        failures.push(e);
-                    }
-                }
-                apply_write(&bases[*dev], &mut live[*dev], *offset, data);
-                k += 1;
-            }
-        }
-        if failures.len() > 5 {
-            break;
-        }
-    }
+    let (mut failures, live, k) = cut_everywhere(&ops, &bases, check);
     if let Err(e) = check(&live, "after the commit") {
         failures.push(e);
     }
@@ -500,20 +480,123 @@ fn power_cut_at_every_write_of_an_empty_group_removal() {
         }
         butter_check(&fs).map_err(|e| format!("{what}: {e}"))
     };
-    let mut live = Pages::new();
-    let mut durable = Pages::new();
+    let check = |pages: &[Pages], what: &str| check(&pages[0], what);
+    let (mut failures, live, k) = cut_everywhere(&ops, std::slice::from_ref(&base), check);
+    if let Err(e) = check(&live, "after the commit") {
+        failures.push(e);
+    }
+    eprintln!("empty group removal: {k} writes, each a cut point");
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// Device remove (of a device that holds no chunk): one commit on the devices that stay,
+/// then the removed one's superblocks wiped. A power cut at every write: while device 1's
+/// superblock still names two devices, device 2 still has its superblock and both open
+/// together; after, device 1 opens alone; the files are the same, the checker clean.
+#[test]
+fn power_cut_at_every_write_of_a_device_remove() {
+    fixed_time();
+    let base = fresh_image(
+        DEV_SIZE,
+        butter::mkfs::Profile::Dup,
+        butter::mkfs::Profile::Single,
+    );
+    let r1 = Arc::new(RamDevice::new(base));
+    let r2 = Arc::new(RamDevice::new(vec![0u8; DEV_SIZE as usize]));
+    let fs = open_set(&[r1.clone() as Arc<dyn BlockDevice>], true).expect("open");
+    populate(&fs).expect("populate");
+    fs.add_device(r2.clone()).expect("add");
+    let want = manifest(&fs).expect("manifest");
+    drop(fs);
+    let bases = [Arc::new(r1.durable_bytes()), Arc::new(r2.durable_bytes())];
+    let trace: Trace = Default::default();
+    let devs: Vec<Arc<dyn BlockDevice>> = bases
+        .iter()
+        .enumerate()
+        .map(|(idx, b)| {
+            Arc::new(Member {
+                idx,
+                inner: Arc::new(RamDevice::new((**b).clone())),
+                trace: trace.clone(),
+            }) as _
+        })
+        .collect();
+    let fs = open_set(&devs, true).expect("open both");
+    fs.remove_device(2).expect("remove");
+    drop(fs);
+    let ops = std::mem::take(&mut *trace.lock().unwrap());
+    let num_devices = |b: &Arc<Vec<u8>>, pages: &Pages| -> Option<u64> {
+        let mut buf = vec![0u8; 4096];
+        let dev = OverlayDevice::new(b.clone(), pages.clone());
+        dev.read_at(&mut buf, PRIMARY_SB).ok()?;
+        (buf[64..72] == butter::format::MAGIC.to_le_bytes())
+            .then(|| u64::from_le_bytes(buf[0x88..0x90].try_into().unwrap()))
+    };
+    let check = |pages: &[Pages], what: &str| -> Result<(), String> {
+        let n1 = num_devices(&bases[0], &pages[0]);
+        let n2 = num_devices(&bases[1], &pages[1]);
+        let devs: Vec<Arc<dyn BlockDevice>> = bases
+            .iter()
+            .zip(pages)
+            .map(|(b, p)| Arc::new(OverlayDevice::new(b.clone(), p.clone())) as _)
+            .collect();
+        let (set, n) = match n1 {
+            Some(2) if n2.is_none() => {
+                return Err(format!(
+                    "{what}: device 1 names device 2, whose superblock is gone"
+                ))
+            }
+            Some(2) => (&devs[..], 2),
+            Some(1) => (&devs[..1], 1),
+            other => {
+                return Err(format!(
+                    "{what}: device 1's superblock says {other:?} devices"
+                ))
+            }
+        };
+        let fs = open_set(set, false).map_err(|e| format!("{what}: open: {e}"))?;
+        let got = fs.devices().map_err(|e| format!("{what}: {e}"))?.len();
+        if got != n {
+            return Err(format!("{what}: {got} devices, want {n}"));
+        }
+        let m = manifest(&fs).map_err(|e| format!("{what}: {e}"))?;
+        if m != want {
+            return Err(format!("{what}: files changed: {}", diff(&want, &m)));
+        }
+        butter_check(&fs).map_err(|e| format!("{what}: {e}"))
+    };
+    let (mut failures, live, k) = cut_everywhere(&ops, &bases, check);
+    match check(&live, "after") {
+        Ok(()) if num_devices(&bases[1], &live[1]).is_none() => {}
+        Ok(()) => failures.push("after: device 2 still has a superblock".into()),
+        Err(e) => failures.push(e),
+    }
+    eprintln!("device remove: {k} writes, each a cut point");
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// Every cut point of a traced run over devices `bases`: before each write, `check` sees the
+/// pages only flushed writes left ("durable") and every write issued so far ("live").
+/// Returns the failures (at most a few), the pages after the last write, and the writes.
+fn cut_everywhere(
+    ops: &[(usize, Op)],
+    bases: &[Arc<Vec<u8>>],
+    check: impl Fn(&[Pages], &str) -> Result<(), String>,
+) -> (Vec<String>, Vec<Pages>, usize) {
+    let mut live: Vec<Pages> = vec![Pages::new(); bases.len()];
+    let mut durable = live.clone();
     let mut failures = Vec::new();
     let mut k = 0;
-    for (_, op) in &ops {
+    for (dev, op) in ops {
         match op {
-            Op::Flush => durable = live.clone(),
+            Op::Flush => durable[*dev] = live[*dev].clone(),
             Op::Write { offset, data } => {
                 for (what, pages) in [("durable", &durable), ("live", &live)] {
                     if let Err(e) = check(pages, &format!("{what} k={k}")) {
                         failures.push(e);
                     }
                 }
-                apply_write(&base, &mut live, *offset, data);
+                apply_write(&bases[*dev], &mut live[*dev], *offset, data);
                 k += 1;
             }
         }
@@ -521,9 +604,5 @@ fn power_cut_at_every_write_of_an_empty_group_removal() {
             break;
         }
     }
-    if let Err(e) = check(&live, "after the commit") {
-        failures.push(e);
-    }
-    eprintln!("empty group removal: {k} writes, each a cut point");
-    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    (failures, live, k)
 }

@@ -350,6 +350,71 @@ impl Writer {
         Ok(size)
     }
 
+    /// Removes device `devid`, which must hold no chunk stripe, as the kernel's device
+    /// remove ends: its DEV_ITEM goes, the device count and total size shrink, and from now on
+    /// no superblock is written to it (the caller wipes its superblocks once this transaction
+    /// has committed). Refused where the devices left could not make a new chunk of a profile
+    /// the filesystem uses (RAID1 on two devices, say), and for the last device.
+    pub(crate) fn remove_device(&mut self, devid: u64) -> Result<u64> {
+        self.check_writable()?;
+        let Some(item) = self.dev_items.get(&devid).cloned() else {
+            let ids: Vec<String> = self.dev_items.keys().map(|d| d.to_string()).collect();
+            return Err(Error::Invalid(format!(
+                "the filesystem has no device {devid} (its devices: {})",
+                ids.join(", ")
+            )));
+        };
+        if self.dev_items.len() < 2 {
+            return Err(Error::Invalid(
+                "the last device of a filesystem stays".into(),
+            ));
+        }
+        if devid == self.disk.devid() {
+            return Err(Error::Invalid(format!(
+                "device {devid} is the one the filesystem was opened by: open it by another \
+                 device (IMAGE) and give this one with --device"
+            )));
+        }
+        let end = self.device_extents_end(devid)?;
+        if end > 1 << 20 {
+            return Err(Error::Unsupported(format!(
+                "device {devid} holds chunks: removing it moves them to the other devices \
+                 (relocation), which butter cannot do yet"
+            )));
+        }
+        let left = self.dev_items.len() - 1;
+        let mut profiles: Vec<u64> = Vec::new();
+        self.allocator.for_each(|g| {
+            let p = g.flags & BLOCK_GROUP_PROFILE_MASK;
+            if !profiles.contains(&p) {
+                profiles.push(p);
+            }
+        });
+        for p in profiles {
+            let min = crate::io::volumes::raid_attr(p).devs_min;
+            if left < min {
+                return Err(Error::Invalid(format!(
+                    "{} needs {min} devices and {left} would be left: convert the profile \
+                     first (balance, not built yet) or add a device",
+                    crate::io::volumes::profile_name(p)
+                )));
+            }
+        }
+        self.log.broken = true;
+        self.delete_item(
+            CHUNK_TREE_OBJECTID,
+            &Key::new(DEV_ITEMS_OBJECTID, DEV_ITEM_KEY, devid),
+        )?;
+        self.dev_items.remove(&devid);
+        self.sb.num_devices -= 1;
+        self.sb.total_bytes = self.sb.total_bytes.saturating_sub(item.total_bytes);
+        self.added.retain(|(d, _)| *d != devid);
+        // No more superblocks (nor anything else) go to it.
+        self.disk.devices.mark_removed(devid);
+        log::info!("removed device {devid}");
+        Ok(devid)
+    }
+
     /// Removes the empty block group at `start`, as the kernel removes an unused one: its
     /// BLOCK_GROUP_ITEM and free space tree entries, its CHUNK_ITEM (and its entry in the
     /// superblock's system chunk array), its dev extents, and their bytes from the devices'
