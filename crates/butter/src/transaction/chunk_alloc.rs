@@ -612,14 +612,6 @@ impl Writer {
         if end >= total {
             return Ok(total);
         }
-        self.primary_dev_item_mut().total_bytes = end;
-        self.sb.total_bytes = end;
-        let di = self.primary_dev_item().to_bytes();
-        self.replace_item(
-            CHUNK_TREE_OBJECTID,
-            Key::new(DEV_ITEMS_OBJECTID, DEV_ITEM_KEY, devid),
-            &di,
-        )?;
-        Ok(end)
+        self.resize_device(devid, end)
     }
 }

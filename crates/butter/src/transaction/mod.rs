@@ -145,14 +145,6 @@ impl Writer {
         }
     }
 
-    pub(crate) fn primary_dev_item_mut(&mut self) -> &mut DevItem {
-        let devid = self.disk.devid();
-        match self.dev_items.get_mut(&devid) {
-            Some(d) => d,
-            None => unreachable!("the writer always holds the primary device's item"),
-        }
-    }
-
     /// The size of device `devid` as its item says, at most its length.
     pub(crate) fn device_total_bytes(&self, devid: u64) -> u64 {
         let Some(dev) = self.disk.devices.get(devid) else {
