@@ -46,20 +46,10 @@ fn dev_item_2(first: &Path, second: &Path) -> String {
 
 /// (num_devices, total_bytes) of a device's superblock.
 fn counts(img: &Path) -> (u64, u64) {
-    let out = kernel::run(
-        Command::new("btrfs")
-            .args(["inspect-internal", "dump-super"])
-            .arg(img),
-    );
-    let field = |name: &str| -> u64 {
-        out.lines()
-            .find_map(|l| {
-                let mut w = l.split_whitespace();
-                (w.next() == Some(name)).then(|| w.next().unwrap().parse().unwrap())
-            })
-            .unwrap_or_else(|| panic!("no {name}:\n{out}"))
-    };
-    (field("num_devices"), field("total_bytes"))
+    (
+        kernel::super_field(img, "num_devices"),
+        kernel::super_field(img, "total_bytes"),
+    )
 }
 
 #[test]

@@ -20,20 +20,10 @@ const MIB: u64 = 1 << 20;
 
 /// (filesystem total_bytes, device 1's total_bytes) from the primary superblock.
 fn sizes(img: &Path) -> (u64, u64) {
-    let out = kernel::run(
-        Command::new("btrfs")
-            .args(["inspect-internal", "dump-super"])
-            .arg(img),
-    );
-    let field = |name: &str| -> u64 {
-        out.lines()
-            .find_map(|l| {
-                let mut w = l.split_whitespace();
-                (w.next() == Some(name)).then(|| w.next().unwrap().parse().unwrap())
-            })
-            .unwrap_or_else(|| panic!("no {name} in dump-super:\n{out}"))
-    };
-    (field("total_bytes"), field("dev_item.total_bytes"))
+    (
+        kernel::super_field(img, "total_bytes"),
+        kernel::super_field(img, "dev_item.total_bytes"),
+    )
 }
 
 fn resize(img: &Path, spec: &str, extra: &[&str]) -> std::process::Output {

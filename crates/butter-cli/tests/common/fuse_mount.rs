@@ -514,6 +514,12 @@ pub fn verify_image(img: &Path, kmnt: &Path, want: Option<&Manifest>, what: &str
     let m = LoopMount::btrfs_ro(img, kmnt);
     let got = manifest::take(m.path(), &TakeOpts::default());
     m.unmount();
+    kernel_shows(got, want, what)
+}
+
+/// The kernel's view `got` read without errors and, with `want`, the same tree as the butter
+/// mount showed (everything FUSE reproduces but atime); returns it.
+fn kernel_shows(got: Manifest, want: Option<&Manifest>, what: &str) -> Manifest {
     let errors = got.errors();
     assert!(
         errors.is_empty(),
@@ -556,25 +562,7 @@ pub fn verify_image_set(
     let m = kernel::MultiLoopMount::new(images, kmnt, "ro,noatime");
     let got = manifest::take(m.path(), &TakeOpts::default());
     m.unmount();
-    let errors = got.errors();
-    assert!(
-        errors.is_empty(),
-        "{what}: reading the kernel mount failed:\n{}",
-        errors.join("\n")
-    );
-    if let Some(want) = want {
-        let opts = CompareOpts {
-            atime: false,
-            ..CompareOpts::fuse()
-        };
-        manifest::assert_same(
-            want,
-            &got,
-            &opts,
-            &format!("{what}: butter mount vs kernel mount"),
-        );
-    }
-    got
+    kernel_shows(got, want, what)
 }
 
 /// `butter check IMAGE --device OTHER...`: exit code and output.

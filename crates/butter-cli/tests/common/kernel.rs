@@ -621,6 +621,25 @@ impl Drop for MultiLoopMount {
     }
 }
 
+/// A number field of `btrfs inspect-internal dump-super IMG` (total_bytes, num_devices,
+/// dev_item.total_bytes, ...), from the primary superblock.
+pub fn super_field(img: &Path, name: &str) -> u64 {
+    let out = run(Command::new("btrfs")
+        .args(["inspect-internal", "dump-super"])
+        .arg(img));
+    out.lines()
+        .find_map(|l| {
+            let mut w = l.split_whitespace();
+            (w.next() == Some(name)).then(|| w.next().and_then(|v| v.parse().ok()))?
+        })
+        .unwrap_or_else(|| {
+            panic!(
+                "no number {name} in dump-super of {}:\n{out}",
+                img.display()
+            )
+        })
+}
+
 /// `btrfs check --readonly` of a filesystem of several image files: each attached to a
 /// read-only loop device and scanned, the check run on the first, then all forgotten and
 /// detached. (passed, output)
