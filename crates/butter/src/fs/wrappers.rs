@@ -358,6 +358,32 @@ impl Fs {
         })
     }
 
+    /// Relocates the block groups at `starts` (their extents and tree blocks copied elsewhere,
+    /// every reference changed), each in transactions of its own, and removes each once empty.
+    /// `after_each` runs after each group is gone.
+    pub fn relocate_block_groups(
+        &self,
+        starts: &[u64],
+        progress: &mut dyn FnMut(&str),
+        after_each: &mut dyn FnMut(u64) -> Result<()>,
+    ) -> Result<crate::transaction::relocate::RelocStats> {
+        self.changing("relocate_block_groups", None, |c| {
+            c.relocate_block_groups(starts, progress, after_each)
+        })
+    }
+
+    /// Shrinks device `devid` as far as relocation can (see
+    /// [`crate::inode::core::Core::shrink_device_to_min`]) and commits; returns its new size.
+    pub fn shrink_device_to_min(
+        &self,
+        devid: u64,
+        progress: &mut dyn FnMut(&str),
+    ) -> Result<u64> {
+        self.changing("shrink_device_to_min", None, |c| {
+            c.shrink_device_to_min(devid, progress)
+        })
+    }
+
     /// The smallest size device `devid` can be resized to (where its last chunk ends).
     pub fn device_min_size(&self, devid: u64) -> Result<u64> {
         self.changing("device_min_size", None, |c| c.device_min_size(devid))

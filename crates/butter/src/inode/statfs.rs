@@ -9,6 +9,7 @@ use crate::error::Result;
 use crate::format::items::DevExtent;
 use crate::format::*;
 use crate::inode::core::Core;
+use crate::transaction::relocate::RelocStats;
 use crate::space::alloc::SpaceKind;
 
 /// What statfs reports, in bytes.
@@ -293,11 +294,8 @@ impl Core {
                     .any(|&(d, off, len)| d == devid && off + len > size)
             })
             .collect();
-        // Only when that is enough: with a group in use past the end, nothing is removed
-        // and the resize below refuses.
-        if !past.is_empty() && past.iter().all(|g| g.used == 0) {
-            let starts: Vec<u64> = past.iter().map(|g| g.start).collect();
-            self.remove_empty_block_groups(&starts)?;
+        if !past.is_empty() {
+            self.empty_device_past(devid, size, &mut |m| log::info!("{m}"))?;
         }
         let size = self.op(false, |w| w.resize_device(devid, size))?;
         self.commit()?;
@@ -357,6 +355,168 @@ impl Core {
             Ok(())
         })?;
         self.commit()
+    }
+
+    /// Relocates the block groups at `starts` one after the other
+    /// ([`crate::transaction::Writer::relocate_group`]), each in a transaction of its own,
+    /// and removes each once it is empty (in the next). A power cut leaves each group where
+    /// it was or wholly moved. `after_each` runs after each group is gone (a balance counts
+    /// it).
+    pub(crate) fn relocate_block_groups(
+        &self,
+        starts: &[u64],
+        progress: &mut dyn FnMut(&str),
+        after_each: &mut dyn FnMut(u64) -> Result<()>,
+    ) -> Result<RelocStats> {
+        let mut total = RelocStats::default();
+        for &s in starts {
+            self.commit()?;
+            let r = self.op(false, |w| w.relocate_group(s, progress));
+            let st = match r {
+                Ok(st) => st,
+                Err(e) => {
+                    // What was moved is consistent: keep it, give the group back.
+                    let _ = self.op(false, |w| {
+                        w.allocator.set_readonly(s, false);
+                        Ok(())
+                    });
+                    let _ = self.commit();
+                    return Err(e);
+                }
+            };
+            self.commit()?;
+            let left = self.op(false, |w| {
+                Ok(w.allocator.with_group(s, |g| g.used).unwrap_or(0))
+            })?;
+            if left > 0 {
+                let _ = self.op(false, |w| {
+                    w.allocator.set_readonly(s, false);
+                    Ok(())
+                });
+                return Err(crate::error::Error::Internal(format!(
+                    "the block group at {s} still holds {left} bytes after its relocation:                      run `butter check` on the filesystem, something refers to them that no                      tree reaches"
+                )));
+            }
+            self.op(false, |w| w.remove_empty_group(s))?;
+            self.commit()?;
+            total.data_extents += st.data_extents;
+            total.data_bytes += st.data_bytes;
+            total.tree_blocks += st.tree_blocks;
+            total.file_extents += st.file_extents;
+            after_each(s)?;
+        }
+        Ok(total)
+    }
+
+    /// Empties the part of device `devid` past `size` by relocating every block group with
+    /// a stripe there, new chunks kept below `size` meanwhile.
+    pub(crate) fn empty_device_past(
+        &self,
+        devid: u64,
+        size: u64,
+        progress: &mut dyn FnMut(&str),
+    ) -> Result<()> {
+        let past: Vec<u64> = self
+            .block_groups()?
+            .into_iter()
+            .filter(|g| {
+                g.stripes
+                    .iter()
+                    .any(|&(d, off, len)| d == devid && off + len > size)
+            })
+            .map(|g| g.start)
+            .collect();
+        if past.is_empty() {
+            return Ok(());
+        }
+        self.op(false, |w| {
+            w.chunk_limit.insert(devid, size);
+            Ok(())
+        })?;
+        let r = self.relocate_block_groups(&past, progress, &mut |_| Ok(()));
+        self.op(false, |w| {
+            w.chunk_limit.remove(&devid);
+            Ok(())
+        })?;
+        r.map(|_| ())
+    }
+
+    /// Shrinks device `devid` as far as relocation can take it: the block group whose stripe
+    /// ends last on it moves below that stripe while there is room below (in the other
+    /// groups of its kind and the device's unallocated space), then the device is cut where
+    /// its last chunk ends. Returns the new size.
+    pub(crate) fn shrink_device_to_min(
+        &self,
+        devid: u64,
+        progress: &mut dyn FnMut(&str),
+    ) -> Result<u64> {
+        let kind = |f: u64| f & (BLOCK_GROUP_DATA | BLOCK_GROUP_METADATA | BLOCK_GROUP_SYSTEM);
+        let ns = u64::from(self.disk.nodesize());
+        let mut tried: Vec<u64> = Vec::new();
+        loop {
+            let groups = self.block_groups()?;
+            let top = groups
+                .iter()
+                .filter(|g| !tried.contains(&g.start))
+                .filter_map(|g| {
+                    let on: Vec<&(u64, u64, u64)> =
+                        g.stripes.iter().filter(|s| s.0 == devid).collect();
+                    let end = on.iter().map(|s| s.1 + s.2).max()?;
+                    let from = on.iter().map(|s| s.1).min()?;
+                    Some((end, from, g))
+                })
+                .max_by_key(|x| x.0);
+            let Some((_, from, g)) = top else { break };
+            let copies = match g.flags & BLOCK_GROUP_PROFILE_MASK {
+                BLOCK_GROUP_DUP => 2,
+                _ => 1,
+            };
+            // Room below the group: the other groups of its kind (free) and the holes.
+            let free_other: u64 = groups
+                .iter()
+                .filter(|o| o.start != g.start && kind(o.flags) == kind(g.flags))
+                .map(|o| o.len.saturating_sub(o.used))
+                .sum();
+            let holes = self.op(false, |w| {
+                w.chunk_limit.insert(devid, from);
+                let h: u64 = w.device_holes(devid)?.iter().map(|h| h.1).sum();
+                w.chunk_limit.remove(&devid);
+                Ok(h)
+            })?;
+            let need = if g.flags & BLOCK_GROUP_DATA != 0 {
+                g.used
+            } else {
+                g.used + g.used / 4 + 64 * ns
+            };
+            let others = groups
+                .iter()
+                .any(|o| o.start != g.start && kind(o.flags) == kind(g.flags));
+            if g.used == 0 && !others {
+                // The only group of its kind, empty: a new one below would be no smaller.
+                tried.push(g.start);
+                continue;
+            }
+            if g.used > 0 && free_other + holes / copies < need {
+                break;
+            }
+            progress(&format!(
+                "moving the block group at {} ({} MiB used) below byte {from}",
+                g.start,
+                g.used >> 20
+            ));
+            match self.empty_device_past(devid, from, progress) {
+                Ok(()) => {}
+                Err(crate::error::Error::NoSpace(m)) => {
+                    log::info!("shrink stops: {m}");
+                    break;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        let end = self.op(false, |w| w.device_extents_end(devid))?;
+        let size = self.op(false, |w| w.resize_device(devid, end))?;
+        self.commit()?;
+        Ok(size)
     }
 
     /// Adds a device and commits ([`crate::transaction::Writer::add_device`]).

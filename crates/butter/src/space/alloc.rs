@@ -267,6 +267,9 @@ pub(crate) struct BlockGroup {
     pub new: bool,
     /// The free space tree describes this group with bitmaps.
     pub fst_bitmaps: bool,
+    /// Being relocated (balance, shrink, device remove): nothing new is allocated in it,
+    /// while its free space stays free on disk.
+    pub readonly: bool,
     /// Next-fit cursor (the legacy allocator's).
     cursor: u64,
     /// The orders this group is indexed under: of its largest free extent, of its average
@@ -290,6 +293,7 @@ impl BlockGroup {
             dirty: false,
             new: false,
             fst_bitmaps: false,
+            readonly: false,
             cursor: start,
             indexed: None,
         }
@@ -635,7 +639,7 @@ impl Allocator {
     /// Puts the group under the index entry its largest free extent calls for (caller holds
     /// the group's lock: the group's entry changes only under it).
     fn reindex(&self, g: &Group, b: &mut BlockGroup) {
-        let want = (b.free.total() > 0).then(|| {
+        let want = (b.free.total() > 0 && !b.readonly).then(|| {
             (
                 order_of(b.free.largest()),
                 order_of(b.free.total() / b.free.count().max(1)),
@@ -680,6 +684,7 @@ impl Allocator {
             dirty: b.dirty,
             new: b.new,
             fst_bitmaps: b.fst_bitmaps,
+            readonly: b.readonly,
             cursor: b.cursor,
             indexed: None,
         };
@@ -693,6 +698,15 @@ impl Allocator {
             .unwrap_or_else(|e| e.into_inner())
             .remove(&start);
         Some(was)
+    }
+
+    /// Marks the group at `start` read-only (or writable again): a group being relocated
+    /// gets nothing new. File windows are given back first, so none hands out space in it.
+    pub(crate) fn set_readonly(&self, start: u64, on: bool) -> bool {
+        if on {
+            self.release_windows();
+        }
+        self.with_group(start, |g| g.readonly = on).is_some()
     }
 
     /// Start of the group containing `bytenr`.
@@ -1083,7 +1097,7 @@ impl Allocator {
         goal: Option<(u64, bool)>,
     ) -> Option<u64> {
         self.counters.groups_visited.fetch_add(1, Relaxed);
-        if b.free.largest() < want.len {
+        if b.readonly || b.free.largest() < want.len {
             return None;
         }
         let (at, window_end) = self.edit(g, b, |b| {
@@ -1147,6 +1161,9 @@ impl Allocator {
             };
             self.counters.groups_visited.fetch_add(1, Relaxed);
             let got = self.edit(&g, &mut b, |b| {
+                if b.readonly {
+                    return None;
+                }
                 let at = b.alloc_next_fit(want.len, want.align)?;
                 Some(b.take(at, want.len, want.held))
             });

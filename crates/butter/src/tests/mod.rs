@@ -39,6 +39,8 @@ mod fuzz_regress;
 #[cfg(test)]
 mod read_basic;
 #[cfg(test)]
+mod relocate;
+#[cfg(test)]
 mod subvol_delete;
 #[cfg(test)]
 mod write_api;

@@ -11,12 +11,13 @@ use crate::space::alloc::{self, BlockGroup, RangeSet, SpaceKind};
 
 impl Writer {
     /// Free bytes device `devid` has outside any chunk, largest hole first: (physical, len).
-    pub(super) fn device_holes(&mut self, devid: u64) -> Result<Vec<(u64, u64)>> {
+    pub(crate) fn device_holes(&mut self, devid: u64) -> Result<Vec<(u64, u64)>> {
         let Some(dev) = self.disk.devices.get(devid) else {
             return Ok(Vec::new());
         };
         let size = self.dev_items.get(&devid).map_or(0, |d| d.total_bytes);
-        let total = size.min(dev.len());
+        let limit = self.chunk_limit.get(&devid).copied().unwrap_or(u64::MAX);
+        let total = size.min(dev.len()).min(limit);
         let mut used = RangeSet::new();
         let _ = used.add(0, 1 << 20); // the first MiB is never allocated
         let root = self.current_root(DEV_TREE_OBJECTID)?;
@@ -43,8 +44,10 @@ impl Writer {
         let mut holes = Vec::new();
         let mut pos = 0u64;
         for (s, l) in used.iter() {
-            if s > pos {
-                holes.push((pos, s - pos));
+            // A hole ends at the device's size (or the limit of a shrink in progress).
+            let e = s.min(total);
+            if e > pos {
+                holes.push((pos, e - pos));
             }
             pos = pos.max(s + l);
         }

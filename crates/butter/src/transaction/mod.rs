@@ -23,6 +23,7 @@ pub mod chunk_alloc;
 pub mod commit;
 pub mod extent_refs;
 pub mod log_state;
+pub mod relocate;
 
 use crate::ctree::cow_ctx::{is_fs_tree, CowCtx};
 use crate::error::{Error, Result};
@@ -75,6 +76,9 @@ pub(crate) struct Writer {
     /// length): the last commit's chunks still live there, so no new chunk may take them
     /// before this transaction commits.
     freed_dev_extents: Vec<(u64, u64, u64)>,
+    /// Per device, where new chunks must end (a shrink or device remove in progress: the
+    /// space past it is being emptied). In memory only, as the kernel's shrink keeps it.
+    pub(crate) chunk_limit: BTreeMap<u64, u64>,
     sys_chunk_array: Vec<u8>,
     sys_array_dirty: bool,
     /// Of the descents (`CowCtx::descents`), those of file extent replacement (for the
@@ -248,6 +252,7 @@ impl Writer {
                 .collect(),
             added: Vec::new(),
             freed_dev_extents: Vec::new(),
+            chunk_limit: BTreeMap::new(),
             sys_chunk_array: sb.sys_chunk_array.clone(),
             sys_array_dirty: false,
             replace_descents: 0,
