@@ -71,7 +71,7 @@ enum Command {
     Scrub(cmd::scrub::ScrubArgs),
     /// Balance block groups offline with the kernel's filters (removing empty ones).
     #[command(subcommand_required = true)]
-    Balance(cmd::balance::BalanceArgs),
+    Balance(cmd::balance::BalanceArgsCli),
     /// Add devices to a filesystem offline, as `btrfs device add` does on a mount.
     #[command(subcommand_required = true)]
     Device(cmd::device::DeviceArgs),

@@ -78,8 +78,10 @@ fn remove(image: &Path, which: &[String]) -> CliResult {
         ids.push(d.devid);
     }
     for id in ids {
-        fs.remove_device(id)
-            .map_err(|e| CliError(format!("cannot remove device {id}: {}", CliError::from(e))))?;
+        let mut line = super::progress::StatusLine::new();
+        let r = fs.remove_device(id, &mut |m| line.show(m));
+        line.end();
+        r.map_err(|e| CliError(format!("cannot remove device {id}: {}", CliError::from(e))))?;
         println!("Removed device {id}");
     }
     fs.close()?;

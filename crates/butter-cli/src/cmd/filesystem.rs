@@ -59,10 +59,10 @@ pub enum FilesystemCmd {
     /// Change the size of a device of the filesystem offline, as `btrfs filesystem resize`
     /// does on a mount: SIZE sets it (suffixes K, M, G, T, P, E: powers of 1024), +SIZE and
     /// -SIZE change it by that much, max makes it the device's whole length, min the smallest
-    /// it can be without moving chunks. DEVID: picks the device (1 when not given). A regular
-    /// image file is extended to a larger size first and cut to a smaller one after. Shrinking
-    /// below where the device's chunks end would move them (relocation), which butter does
-    /// not do yet: it is refused, naming the smallest size that works.
+    /// it can be: block groups past the new end are relocated below it first (their extents
+    /// and tree blocks moved, as the kernel's shrink does). DEVID: picks the device (1 when
+    /// not given). A regular image file is extended to a larger size first and cut to a
+    /// smaller one after.
     Resize {
         /// Image file or block device.
         image: PathBuf,
@@ -73,7 +73,7 @@ pub enum FilesystemCmd {
             required_unless_present = "shrink_to_min"
         )]
         size: Option<String>,
-        /// The same as the size `min`: device 1 as small as it can be without moving chunks.
+        /// The same as the size `min`: device 1 as small as relocation can make it.
         #[arg(long = "shrink-to-min", conflicts_with = "size")]
         shrink_to_min: bool,
     },
@@ -266,11 +266,13 @@ fn resize(image: &std::path::Path, spec: &str) -> Result<(), CliError> {
     }
     let result = (|| -> Result<u64, CliError> {
         let fs = super::subvol::open_rw(image)?;
-        let target = match target {
-            Some(t) => t,
-            None => fs.device_min_size(devid)?,
+        let mut line = super::progress::StatusLine::new();
+        let r = match target {
+            Some(t) => fs.resize_device(devid, t, &mut |m| line.show(m)),
+            None => fs.shrink_device_to_min(devid, &mut |m| line.show(m)),
         };
-        let new = fs.resize_device(devid, target).map_err(|e| {
+        line.end();
+        let new = r.map_err(|e| {
             CliError(format!(
                 "cannot resize device {devid}: {}",
                 CliError::from(e)

@@ -78,3 +78,39 @@ pub fn human(n: u64) -> String {
         format!("{v:.1} {}", UNITS[u])
     }
 }
+
+/// A status line for operations that report what they are doing in words (relocation): on a
+/// terminal the latest message, rewritten in place at most five times a second; otherwise
+/// nothing (the command prints its result when done). `end` finishes the line.
+pub struct StatusLine {
+    tty: bool,
+    last: Option<Instant>,
+    shown: bool,
+}
+
+impl StatusLine {
+    pub fn new() -> StatusLine {
+        StatusLine {
+            tty: std::io::stderr().is_terminal(),
+            last: None,
+            shown: false,
+        }
+    }
+
+    pub fn show(&mut self, msg: &str) {
+        if !self.tty || self.last.is_some_and(|t| t.elapsed() < Duration::from_millis(200)) {
+            return;
+        }
+        self.last = Some(Instant::now());
+        self.shown = true;
+        let mut err = std::io::stderr().lock();
+        let _ = write!(err, "\r{msg}\x1b[K");
+    }
+
+    pub fn end(&mut self) {
+        if self.shown {
+            let _ = writeln!(std::io::stderr().lock());
+            self.shown = false;
+        }
+    }
+}

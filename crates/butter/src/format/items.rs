@@ -1235,3 +1235,150 @@ mod encode_tests {
         );
     }
 }
+
+/// One block group type's part of a BALANCE_ITEM (the kernel's disk balance args, 136 bytes):
+/// the filters a balance applies and the profile it converts to. `usage` and `limit` hold a
+/// single value or, with the `*_RANGE` flag, a minimum in the low and a maximum in the high
+/// 32 bits; single is [`BalanceArgs::SINGLE`] in `profiles` and `target`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct BalanceArgs {
+    pub profiles: u64,
+    pub usage: u64,
+    pub devid: u64,
+    pub pstart: u64,
+    pub pend: u64,
+    pub vstart: u64,
+    pub vend: u64,
+    pub target: u64,
+    pub flags: u64,
+    pub limit: u64,
+    pub stripes_min: u32,
+    pub stripes_max: u32,
+}
+
+impl BalanceArgs {
+    pub const SIZE: usize = 136;
+    /// The SINGLE profile, which has no block group bit (the kernel's AVAIL_ALLOC_BIT_SINGLE).
+    pub const SINGLE: u64 = 1 << 48;
+    pub const PROFILES: u64 = 1 << 0;
+    pub const USAGE: u64 = 1 << 1;
+    pub const DEVID: u64 = 1 << 2;
+    pub const DRANGE: u64 = 1 << 3;
+    pub const VRANGE: u64 = 1 << 4;
+    pub const LIMIT: u64 = 1 << 5;
+    pub const LIMIT_RANGE: u64 = 1 << 6;
+    pub const STRIPES_RANGE: u64 = 1 << 7;
+    pub const CONVERT: u64 = 1 << 8;
+    pub const SOFT: u64 = 1 << 9;
+    pub const USAGE_RANGE: u64 = 1 << 10;
+
+    pub fn parse(b: &[u8]) -> Result<BalanceArgs> {
+        need(b, Self::SIZE, "balance args")?;
+        Ok(BalanceArgs {
+            profiles: le_u64(b, 0),
+            usage: le_u64(b, 8),
+            devid: le_u64(b, 16),
+            pstart: le_u64(b, 24),
+            pend: le_u64(b, 32),
+            vstart: le_u64(b, 40),
+            vend: le_u64(b, 48),
+            target: le_u64(b, 56),
+            flags: le_u64(b, 64),
+            limit: le_u64(b, 72),
+            stripes_min: le_u32(b, 80),
+            stripes_max: le_u32(b, 84),
+        })
+    }
+
+    pub fn write(&self, b: &mut [u8]) {
+        for (i, v) in [
+            self.profiles,
+            self.usage,
+            self.devid,
+            self.pstart,
+            self.pend,
+            self.vstart,
+            self.vend,
+            self.target,
+            self.flags,
+            self.limit,
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            put_u64(b, i * 8, v);
+        }
+        put_u32(b, 80, self.stripes_min);
+        put_u32(b, 84, self.stripes_max);
+    }
+
+    /// `usage` as a percent range [min, max): `usage=N` is below N.
+    pub fn usage_range(&self) -> (u64, u64) {
+        if self.flags & Self::USAGE_RANGE != 0 {
+            (self.usage & 0xffff_ffff, self.usage >> 32)
+        } else {
+            (0, self.usage)
+        }
+    }
+
+    /// `limit` as a range of how many block groups to take.
+    pub fn limit_range(&self) -> (u64, u64) {
+        if self.flags & Self::LIMIT_RANGE != 0 {
+            (self.limit & 0xffff_ffff, self.limit >> 32)
+        } else {
+            (0, self.limit)
+        }
+    }
+}
+
+/// BALANCE_ITEM (root tree, key BALANCE_OBJECTID / TEMPORARY_ITEM / 0): a balance in
+/// progress, so that it resumes after an interruption (the kernel resumes it at mount).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct BalanceItem {
+    /// BALANCE_* below.
+    pub flags: u64,
+    pub data: BalanceArgs,
+    pub meta: BalanceArgs,
+    pub sys: BalanceArgs,
+}
+
+impl BalanceItem {
+    pub const SIZE: usize = 8 + 3 * BalanceArgs::SIZE + 32;
+    pub const DATA: u64 = 1 << 0;
+    pub const SYSTEM: u64 = 1 << 1;
+    pub const METADATA: u64 = 1 << 2;
+    pub const FORCE: u64 = 1 << 3;
+    pub const RESUME: u64 = 1 << 4;
+
+    pub fn parse(b: &[u8]) -> Result<BalanceItem> {
+        need(b, Self::SIZE, "balance item")?;
+        Ok(BalanceItem {
+            flags: le_u64(b, 0),
+            data: BalanceArgs::parse(&b[8..])?,
+            meta: BalanceArgs::parse(&b[8 + BalanceArgs::SIZE..])?,
+            sys: BalanceArgs::parse(&b[8 + 2 * BalanceArgs::SIZE..])?,
+        })
+    }
+
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut b = vec![0u8; Self::SIZE];
+        put_u64(&mut b, 0, self.flags);
+        self.data.write(&mut b[8..]);
+        self.meta.write(&mut b[8 + BalanceArgs::SIZE..]);
+        self.sys.write(&mut b[8 + 2 * BalanceArgs::SIZE..]);
+        b
+    }
+
+    /// The args for one block group type (a BLOCK_GROUP_* type bit), if the balance takes it.
+    pub fn args_for(&self, ty: u64) -> Option<&BalanceArgs> {
+        if ty & BLOCK_GROUP_DATA != 0 && self.flags & Self::DATA != 0 {
+            Some(&self.data)
+        } else if ty & BLOCK_GROUP_METADATA != 0 && self.flags & Self::METADATA != 0 {
+            Some(&self.meta)
+        } else if ty & BLOCK_GROUP_SYSTEM != 0 && self.flags & Self::SYSTEM != 0 {
+            Some(&self.sys)
+        } else {
+            None
+        }
+    }
+}

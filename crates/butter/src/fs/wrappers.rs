@@ -326,9 +326,17 @@ impl Fs {
     }
 
     /// Sets the size device `devid` has in the filesystem (grow up to the device's length,
-    /// or shrink down to where its chunks end) and commits; returns the new size.
-    pub fn resize_device(&self, devid: u64, size: u64) -> Result<u64> {
-        self.changing("resize_device", None, |c| c.resize_device(devid, size))
+    /// or shrink, relocating the block groups past the new end) and commits; returns the new
+    /// size.
+    pub fn resize_device(
+        &self,
+        devid: u64,
+        size: u64,
+        progress: &mut dyn FnMut(&str),
+    ) -> Result<u64> {
+        self.changing("resize_device", None, |c| {
+            c.resize_device(devid, size, progress)
+        })
     }
 
     /// Adds `dev` to the filesystem as its next device and commits; returns its devid. Its
@@ -338,10 +346,42 @@ impl Fs {
         self.changing("add_device", None, |c| c.add_device(dev))
     }
 
-    /// Removes device `devid`, which must hold no chunk (moving chunks off a device is
-    /// relocation, not built yet), commits, and wipes its superblocks.
-    pub fn remove_device(&self, devid: u64) -> Result<()> {
-        self.changing("remove_device", None, |c| c.remove_device(devid))
+    /// Removes device `devid`: its block groups are relocated to the other devices first,
+    /// then its item goes (committed) and its superblocks are wiped.
+    pub fn remove_device(&self, devid: u64, progress: &mut dyn FnMut(&str)) -> Result<()> {
+        self.changing("remove_device", None, |c| {
+            c.remove_device_relocating(devid, progress)
+        })
+    }
+
+    /// The BALANCE_ITEM of an interrupted balance, if any.
+    pub fn balance_item(&self) -> Result<Option<crate::format::items::BalanceItem>> {
+        self.reading(None, |c| c.balance_item())
+    }
+
+    /// The block groups a balance with `item`'s filters would relocate, in its order.
+    pub fn balance_selection(
+        &self,
+        item: &crate::format::items::BalanceItem,
+    ) -> Result<Vec<crate::inode::statfs::BlockGroupInfo>> {
+        self.changing("balance_selection", None, |c| c.balance_selection(item))
+    }
+
+    /// Runs a balance with `item` (written as the BALANCE_ITEM first), or with `None` resumes
+    /// the interrupted one. `stop(done, total)` is asked before each block group; true pauses
+    /// (the item stays for a resume).
+    pub fn balance(
+        &self,
+        item: Option<crate::format::items::BalanceItem>,
+        progress: &mut dyn FnMut(&str),
+        stop: &mut dyn FnMut(usize, usize) -> bool,
+    ) -> Result<crate::inode::balance::BalanceReport> {
+        self.changing("balance", None, |c| c.balance(item, progress, stop))
+    }
+
+    /// Drops an interrupted balance; whether there was one.
+    pub fn cancel_balance(&self) -> Result<bool> {
+        self.changing("cancel_balance", None, |c| c.cancel_balance())
     }
 
     /// Every block group with its use and stripes (the filesystem must be open read-write).

@@ -14,6 +14,7 @@
 //! - `subvol_delete`: deleting a subvolume and dropping its tree, resumable across commits;
 //! - `orphan`: inodes unlinked while open, deleted at the last close or the next open.
 
+pub mod balance;
 pub mod core;
 pub(crate) mod encoded;
 pub mod file;

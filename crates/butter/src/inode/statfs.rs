@@ -283,8 +283,13 @@ impl Core {
     }
 
     /// Resizes device `devid` and commits ([`crate::transaction::Writer::resize_device`]).
-    /// Empty block groups with a stripe past the new end go first (no relocation needed).
-    pub(crate) fn resize_device(&self, devid: u64, size: u64) -> Result<u64> {
+    /// Block groups with a stripe past the new end are relocated below it first.
+    pub(crate) fn resize_device(
+        &self,
+        devid: u64,
+        size: u64,
+        progress: &mut dyn FnMut(&str),
+    ) -> Result<u64> {
         let past: Vec<BlockGroupInfo> = self
             .block_groups()?
             .into_iter()
@@ -295,7 +300,7 @@ impl Core {
             })
             .collect();
         if !past.is_empty() {
-            self.empty_device_past(devid, size, &mut |m| log::info!("{m}"))?;
+            self.empty_device_past(devid, size, progress)?;
         }
         let size = self.op(false, |w| w.resize_device(devid, size))?;
         self.commit()?;
@@ -441,76 +446,99 @@ impl Core {
         r.map(|_| ())
     }
 
-    /// Shrinks device `devid` as far as relocation can take it: the block group whose stripe
-    /// ends last on it moves below that stripe while there is room below (in the other
-    /// groups of its kind and the device's unallocated space), then the device is cut where
-    /// its last chunk ends. Returns the new size.
+    /// Shrinks device `devid` as far as relocation can take it, packing its block groups
+    /// toward its start, then cuts it where its last chunk ends. Returns the new size.
+    ///
+    /// Each round looks at the groups from the one ending last down and relocates the first
+    /// that gains something: into a snug new chunk (what it holds, plus room for metadata to
+    /// grow) in the lowest hole that fits when that lies below it or is at most half its
+    /// size, or into the other groups of its kind when they have room. Each move either
+    /// shrinks the space the groups take or moves one down, so the rounds end.
     pub(crate) fn shrink_device_to_min(
         &self,
         devid: u64,
         progress: &mut dyn FnMut(&str),
     ) -> Result<u64> {
         let kind = |f: u64| f & (BLOCK_GROUP_DATA | BLOCK_GROUP_METADATA | BLOCK_GROUP_SYSTEM);
-        let ns = u64::from(self.disk.nodesize());
-        let mut tried: Vec<u64> = Vec::new();
-        loop {
-            let groups = self.block_groups()?;
-            let top = groups
-                .iter()
-                .filter(|g| !tried.contains(&g.start))
-                .filter_map(|g| {
-                    let on: Vec<&(u64, u64, u64)> =
-                        g.stripes.iter().filter(|s| s.0 == devid).collect();
-                    let end = on.iter().map(|s| s.1 + s.2).max()?;
-                    let from = on.iter().map(|s| s.1).min()?;
-                    Some((end, from, g))
-                })
-                .max_by_key(|x| x.0);
-            let Some((_, from, g)) = top else { break };
-            let copies = match g.flags & BLOCK_GROUP_PROFILE_MASK {
-                BLOCK_GROUP_DUP => 2,
-                _ => 1,
+        let mib = 1u64 << 20;
+        let mut failed: Vec<u64> = Vec::new();
+        for _round in 0..256 {
+            let mut groups = self.block_groups()?;
+            let on_dev = |g: &BlockGroupInfo| -> Option<(u64, u64)> {
+                let on: Vec<&(u64, u64, u64)> = g.stripes.iter().filter(|s| s.0 == devid).collect();
+                Some((on.iter().map(|s| s.1).min()?, on.iter().map(|s| s.1 + s.2).max()?))
             };
-            // Room below the group: the other groups of its kind (free) and the holes.
-            let free_other: u64 = groups
-                .iter()
-                .filter(|o| o.start != g.start && kind(o.flags) == kind(g.flags))
-                .map(|o| o.len.saturating_sub(o.used))
-                .sum();
-            let holes = self.op(false, |w| {
-                w.chunk_limit.insert(devid, from);
-                let h: u64 = w.device_holes(devid)?.iter().map(|h| h.1).sum();
-                w.chunk_limit.remove(&devid);
-                Ok(h)
-            })?;
-            let need = if g.flags & BLOCK_GROUP_DATA != 0 {
-                g.used
-            } else {
-                g.used + g.used / 4 + 64 * ns
-            };
-            let others = groups
-                .iter()
-                .any(|o| o.start != g.start && kind(o.flags) == kind(g.flags));
-            if g.used == 0 && !others {
-                // The only group of its kind, empty: a new one below would be no smaller.
-                tried.push(g.start);
-                continue;
-            }
-            if g.used > 0 && free_other + holes / copies < need {
-                break;
-            }
-            progress(&format!(
-                "moving the block group at {} ({} MiB used) below byte {from}",
-                g.start,
-                g.used >> 20
-            ));
-            match self.empty_device_past(devid, from, progress) {
-                Ok(()) => {}
-                Err(crate::error::Error::NoSpace(m)) => {
-                    log::info!("shrink stops: {m}");
+            groups.retain(|g| on_dev(g).is_some() && !failed.contains(&g.start));
+            groups.sort_by_key(|g| std::cmp::Reverse(on_dev(g).map(|x| x.1)));
+            let mut moved = false;
+            for g in &groups {
+                let Some((from, _)) = on_dev(g) else { continue };
+                let dev_stripes = g.stripes.iter().filter(|s| s.0 == devid).count() as u64;
+                let others: Vec<&BlockGroupInfo> = groups
+                    .iter()
+                    .filter(|o| o.start != g.start && kind(o.flags) == kind(g.flags))
+                    .collect();
+                if g.used == 0 && !others.is_empty() {
+                    // Empty, and not the last of its kind: it just goes.
+                    self.remove_empty_block_groups(&[g.start])?;
+                    moved = true;
                     break;
                 }
-                Err(e) => return Err(e),
+                let snug = if g.flags & BLOCK_GROUP_DATA != 0 {
+                    g.used.div_ceil(mib).max(1) * mib
+                } else {
+                    (g.used + g.used / 2 + 8 * mib).div_ceil(mib) * mib
+                }
+                .min(g.len);
+                let free_other: u64 = others.iter().map(|o| o.len.saturating_sub(o.used)).sum();
+                let fits_in_others = g.used + g.used / 8 + mib <= free_other;
+                // The lowest hole a snug chunk fits in.
+                let hole = self.op(false, |w| {
+                    Ok(w.device_holes(devid)?
+                        .into_iter()
+                        .filter(|h| h.1 / dev_stripes.max(1) >= snug)
+                        .map(|h| h.0)
+                        .min())
+                })?;
+                let halves = hole.is_some() && snug * 2 <= g.len;
+                let lower = hole.is_some_and(|h| h + snug * dev_stripes <= from);
+                if !(fits_in_others || lower || halves) {
+                    continue;
+                }
+                // Unless the group halves, its new chunk (if it needs one) must lie below it.
+                let limit = (!halves).then_some(from);
+                progress(&format!(
+                    "moving the {} block group at {} ({} MiB used)",
+                    crate::format::print::block_group_kind(g.flags),
+                    g.start,
+                    g.used.div_ceil(mib)
+                ));
+                self.op(false, |w| {
+                    w.chunk_fit = Some(snug);
+                    if let Some(l) = limit {
+                        w.chunk_limit.insert(devid, l);
+                    }
+                    Ok(())
+                })?;
+                let r = self.relocate_block_groups(&[g.start], progress, &mut |_| Ok(()));
+                self.op(false, |w| {
+                    w.chunk_fit = None;
+                    w.chunk_limit.remove(&devid);
+                    Ok(())
+                })?;
+                match r {
+                    Ok(_) => {}
+                    Err(crate::error::Error::NoSpace(m)) => {
+                        log::info!("the block group at {} stays: {m}", g.start);
+                        failed.push(g.start);
+                    }
+                    Err(e) => return Err(e),
+                }
+                moved = true;
+                break;
+            }
+            if !moved {
+                break;
             }
         }
         let end = self.op(false, |w| w.device_extents_end(devid))?;

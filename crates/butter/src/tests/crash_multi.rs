@@ -522,7 +522,7 @@ fn power_cut_at_every_write_of_a_device_remove() {
         })
         .collect();
     let fs = open_set(&devs, true).expect("open both");
-    fs.remove_device(2).expect("remove");
+    fs.remove_device(2, &mut |_| {}).expect("remove");
     drop(fs);
     let ops = std::mem::take(&mut *trace.lock().unwrap());
     let num_devices = |b: &Arc<Vec<u8>>, pages: &Pages| -> Option<u64> {

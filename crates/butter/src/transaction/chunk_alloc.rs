@@ -100,7 +100,11 @@ impl Writer {
             SpaceKind::Data => 0,
             _ => BLOCK_GROUP_DUP,
         });
-        let mut profile = profile;
+        let mut profile = self
+            .chunk_profile
+            .get(&kind.flag())
+            .copied()
+            .unwrap_or(profile);
         let mut attr = crate::io::volumes::raid_attr(profile);
         if self.disk.devices.working() < attr.devs_min {
             // Degraded: the devices left cannot make this profile; as the kernel does, the
@@ -127,14 +131,22 @@ impl Writer {
         };
         let floor: u64 = if self.small_chunks { 1 << 20 } else { 16 << 20 };
         let tenth = (total / 10) / STRIPE * STRIPE;
-        let want = (max as u64)
-            .min(tenth.max(floor))
-            .max(min_len.div_ceil(STRIPE) * STRIPE);
-        // Each device's largest hole, most room first, as the kernel picks devices.
+        let want = match self.chunk_fit {
+            Some(fit) => fit.div_ceil(1 << 20) * (1 << 20),
+            None => (max as u64).min(tenth.max(floor)),
+        }
+        .max(min_len.div_ceil(STRIPE) * STRIPE);
+        // Each device's largest hole, most room first, as the kernel picks devices (packing:
+        // the lowest hole where the chunk fits).
         let mut devs: Vec<(u64, u64, u64)> = Vec::new(); // (devid, hole, room per stripe)
         let ids: Vec<u64> = self.disk.devices.members().map(|m| m.devid).collect();
         for devid in ids {
-            if let Some(&(hole, len)) = self.device_holes(devid)?.first() {
+            let holes = self.device_holes(devid)?;
+            let fits = |len: u64| len / attr.dev_stripes as u64 >= want.div_ceil(STRIPE) * STRIPE;
+            let lowest = self
+                .chunk_fit
+                .and_then(|_| holes.iter().filter(|h| fits(h.1)).min_by_key(|h| h.0));
+            if let Some(&(hole, len)) = lowest.or(holes.first()) {
                 let room = (len / attr.dev_stripes as u64) / STRIPE * STRIPE;
                 if room > 0 {
                     devs.push((devid, hole, room));
@@ -203,6 +215,13 @@ impl Writer {
             sub_stripes: attr.sub_stripes as u16,
             stripes: stripes.clone(),
         };
+        // A profile the filesystem did not use before may need its feature flag.
+        if profile & (BLOCK_GROUP_RAID1C3 | BLOCK_GROUP_RAID1C4) != 0 {
+            self.sb.incompat_flags |= INCOMPAT_RAID1C34;
+        }
+        if profile & (BLOCK_GROUP_RAID5 | BLOCK_GROUP_RAID6) != 0 {
+            self.sb.incompat_flags |= INCOMPAT_RAID56;
+        }
         // Register first, so the tree changes below can allocate from the new space.
         self.disk.add_chunk(logical, chunk.clone())?;
         let mut bg = BlockGroup::new(logical, length, flags);
@@ -329,9 +348,8 @@ impl Writer {
         let end = self.device_extents_end(devid)?;
         if size < end {
             return Err(Error::NoSpace(format!(
-                "device {devid} has chunks up to byte {end}, past {size}: shrinking below that \
-                 moves chunks (relocation), which butter cannot do yet; the smallest size \
-                 without it is {end} (`min`)"
+                "device {devid} has chunks up to byte {end}, past {size}: they must be \
+                 relocated below it first"
             )));
         }
         if size == old {
@@ -359,8 +377,37 @@ impl Writer {
     /// has committed). Refused where the devices left could not make a new chunk of a profile
     /// the filesystem uses (RAID1 on two devices, say), and for the last device.
     pub(crate) fn remove_device(&mut self, devid: u64) -> Result<u64> {
-        self.check_writable()?;
+        self.check_remove_device(devid)?;
         let Some(item) = self.dev_items.get(&devid).cloned() else {
+            return Err(Error::Invalid(format!("the filesystem has no device {devid}")));
+        };
+        let end = self.device_extents_end(devid)?;
+        if end > 1 << 20 {
+            return Err(Error::Invalid(format!(
+                "device {devid} still holds chunks: relocate them first"
+            )));
+        }
+        self.log.broken = true;
+        self.delete_item(
+            CHUNK_TREE_OBJECTID,
+            &Key::new(DEV_ITEMS_OBJECTID, DEV_ITEM_KEY, devid),
+        )?;
+        self.dev_items.remove(&devid);
+        self.sb.num_devices -= 1;
+        self.sb.total_bytes = self.sb.total_bytes.saturating_sub(item.total_bytes);
+        self.added.retain(|(d, _)| *d != devid);
+        // No more superblocks (nor anything else) go to it.
+        self.disk.devices.mark_removed(devid);
+        log::info!("removed device {devid}");
+        Ok(devid)
+    }
+
+    /// Whether device `devid` may be removed: it exists, it is not the last one nor the one
+    /// the filesystem was opened by, and the devices left can make a new chunk of every
+    /// profile the filesystem uses (RAID1 on two devices cannot lose one, say).
+    pub(crate) fn check_remove_device(&mut self, devid: u64) -> Result<()> {
+        self.check_writable()?;
+        if !self.dev_items.contains_key(&devid) {
             let ids: Vec<String> = self.dev_items.keys().map(|d| d.to_string()).collect();
             return Err(Error::Invalid(format!(
                 "the filesystem has no device {devid} (its devices: {})",
@@ -378,13 +425,6 @@ impl Writer {
                  device (IMAGE) and give this one with --device"
             )));
         }
-        let end = self.device_extents_end(devid)?;
-        if end > 1 << 20 {
-            return Err(Error::Unsupported(format!(
-                "device {devid} holds chunks: removing it moves them to the other devices \
-                 (relocation), which butter cannot do yet"
-            )));
-        }
         let left = self.dev_items.len() - 1;
         let mut profiles: Vec<u64> = Vec::new();
         self.allocator.for_each(|g| {
@@ -398,24 +438,13 @@ impl Writer {
             if left < min {
                 return Err(Error::Invalid(format!(
                     "{} needs {min} devices and {left} would be left: convert the profile \
-                     first (balance, not built yet) or add a device",
+                     first (`butter balance start -dconvert=... -mconvert=...`) or add a \
+                     device",
                     crate::io::volumes::profile_name(p)
                 )));
             }
         }
-        self.log.broken = true;
-        self.delete_item(
-            CHUNK_TREE_OBJECTID,
-            &Key::new(DEV_ITEMS_OBJECTID, DEV_ITEM_KEY, devid),
-        )?;
-        self.dev_items.remove(&devid);
-        self.sb.num_devices -= 1;
-        self.sb.total_bytes = self.sb.total_bytes.saturating_sub(item.total_bytes);
-        self.added.retain(|(d, _)| *d != devid);
-        // No more superblocks (nor anything else) go to it.
-        self.disk.devices.mark_removed(devid);
-        log::info!("removed device {devid}");
-        Ok(devid)
+        Ok(())
     }
 
     /// Removes the empty block group at `start`, as the kernel removes an unused one: its

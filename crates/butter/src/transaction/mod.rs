@@ -67,7 +67,7 @@ pub(crate) struct Writer {
     pub(crate) sb: Superblock,
     sb_base: Vec<u8>,
     /// Every device's item, by devid (the primary's as its superblock carries it).
-    dev_items: BTreeMap<u64, DevItem>,
+    pub(crate) dev_items: BTreeMap<u64, DevItem>,
     /// Devices added while open ([`Writer::add_device`]): not part of the open device set
     /// (no chunk goes on them until the filesystem is opened again), but every commit writes
     /// their superblocks, first.
@@ -79,6 +79,12 @@ pub(crate) struct Writer {
     /// Per device, where new chunks must end (a shrink or device remove in progress: the
     /// space past it is being emptied). In memory only, as the kernel's shrink keeps it.
     pub(crate) chunk_limit: BTreeMap<u64, u64>,
+    /// Per block group type bit, the profile new chunks of it take (a balance converting
+    /// it); otherwise they take the profile of the type's existing groups.
+    pub(crate) chunk_profile: BTreeMap<u64, u64>,
+    /// New chunks of this length (at least what is asked), each in the lowest hole of its
+    /// device where it fits: a shrink packing the device from its start.
+    pub(crate) chunk_fit: Option<u64>,
     sys_chunk_array: Vec<u8>,
     sys_array_dirty: bool,
     /// Of the descents (`CowCtx::descents`), those of file extent replacement (for the
@@ -253,6 +259,8 @@ impl Writer {
             added: Vec::new(),
             freed_dev_extents: Vec::new(),
             chunk_limit: BTreeMap::new(),
+            chunk_profile: BTreeMap::new(),
+            chunk_fit: None,
             sys_chunk_array: sb.sys_chunk_array.clone(),
             sys_array_dirty: false,
             replace_descents: 0,
