@@ -1,8 +1,9 @@
-//! `butter device add IMAGE DEVICE...`: a new device joins the filesystem offline, as `btrfs
-//! device add` does on a mount. Nothing is moved onto it (that is balance): new chunks use its
-//! space once the filesystem is opened with it (`--device`). `butter device remove IMAGE
-//! DEVICE...` takes out devices that hold no chunk (moving chunks off one is relocation, not
-//! built yet).
+//! `butter device add|remove|replace IMAGE ...`, offline, as `btrfs device add|remove` and
+//! `btrfs replace` do on a mount. Add: nothing is moved onto the new device (that is
+//! balance); new chunks use its space once the filesystem is opened with it (`--device`).
+//! Remove: the device's block groups are relocated to the others first. Replace: the target
+//! is added and the source removed; unlike the kernel's replace, the target gets the next
+//! devid rather than the source's.
 
 use super::{CliError, CliResult};
 use std::path::{Path, PathBuf};
@@ -34,6 +35,21 @@ pub enum DeviceCmd {
         #[arg(required = true)]
         devices: Vec<String>,
     },
+    /// Replace device SOURCE (a path given with --device, a devid, or `missing` on a
+    /// degraded filesystem) by TARGET: TARGET joins with the next devid, everything on
+    /// SOURCE is relocated (onto TARGET and the others, rebuilt from the other copies where
+    /// SOURCE is missing), and SOURCE leaves.
+    Replace {
+        /// Overwrite a TARGET that holds a filesystem.
+        #[arg(short = 'f', long = "force")]
+        force: bool,
+        /// Image file or block device of the filesystem (not SOURCE).
+        image: PathBuf,
+        /// The device to replace.
+        source: String,
+        /// The device that takes its place.
+        target: PathBuf,
+    },
 }
 
 #[derive(clap::Args)]
@@ -51,11 +67,17 @@ pub fn device(a: DeviceArgs) -> CliResult {
             devices,
         } => add(&image, &devices, force),
         DeviceCmd::Remove { image, devices } => remove(&image, &devices),
+        DeviceCmd::Replace {
+            force,
+            image,
+            source,
+            target,
+        } => replace(&image, &source, &target, force),
     }
 }
 
-fn remove(image: &Path, which: &[String]) -> CliResult {
-    let fs = super::subvol::open_rw(image)?;
+/// The devids `which` names (paths given with --device, devids, `missing`).
+fn resolve(fs: &butter::fs::Fs, which: &[String]) -> Result<Vec<u64>, CliError> {
     let devs = fs.devices()?;
     let canon = |p: &str| std::fs::canonicalize(p).unwrap_or_else(|_| PathBuf::from(p));
     let mut ids = Vec::new();
@@ -77,6 +99,12 @@ fn remove(image: &Path, which: &[String]) -> CliResult {
         };
         ids.push(d.devid);
     }
+    Ok(ids)
+}
+
+fn remove(image: &Path, which: &[String]) -> CliResult {
+    let fs = super::subvol::open_rw(image)?;
+    let ids = resolve(&fs, which)?;
     for id in ids {
         let mut line = super::progress::StatusLine::new();
         let r = fs.remove_device(id, &mut |m| line.show(m));
@@ -146,5 +174,65 @@ fn add(image: &Path, devices: &[PathBuf], force: bool) -> CliResult {
         );
     }
     fs.close()?;
+    Ok(())
+}
+
+fn replace(image: &Path, source: &str, target: &Path, force: bool) -> CliResult {
+    let canon = |p: &Path| std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf());
+    let mut members: Vec<PathBuf> = vec![canon(image)];
+    members.extend(super::other_devices().paths.iter().map(|p| canon(p)));
+    if members.contains(&canon(target)) {
+        return Err(CliError(format!(
+            "{} is a device of the filesystem already",
+            target.display()
+        )));
+    }
+    let dev = open_new(target)?;
+    if !force {
+        if let Some(sig) = butter::mkfs::existing_signature(dev.as_ref())? {
+            return Err(CliError(format!(
+                "{} appears to contain an existing filesystem ({sig}); use -f to overwrite it",
+                target.display()
+            )));
+        }
+    }
+    let fs = super::subvol::open_rw(image)?;
+    let src = resolve(&fs, &[source.to_string()])?[0];
+    // Replacing the device the filesystem is opened by: it is opened by the target after.
+    let by_source = fs.devices()?.iter().any(|d| {
+        d.devid == src && d.path.as_deref().is_some_and(|p| canon(Path::new(p)) == canon(image))
+    });
+    let new = fs
+        .add_device(dev)
+        .map_err(|e| CliError(format!("cannot add {}: {}", target.display(), CliError::from(e))))?;
+    fs.close()?;
+    drop(fs);
+    // Open again with the new device, so that relocation can put chunks on it.
+    let open_by = if by_source {
+        super::other_devices().paths.push(image.to_path_buf());
+        target
+    } else {
+        super::other_devices().paths.push(target.to_path_buf());
+        image
+    };
+    let fs = super::subvol::open_rw(open_by)?;
+    let mut line = super::progress::StatusLine::new();
+    let r = fs.remove_device(src, &mut |m| line.show(m));
+    line.end();
+    r.map_err(|e| {
+        CliError(format!(
+            "device {new} ({}) was added, but moving device {src} onto it failed: {}; \
+             `butter device remove` of {src} tries again",
+            target.display(),
+            CliError::from(e)
+        ))
+    })?;
+    fs.close()?;
+    println!(
+        "Replaced device {src} by {} (devid {new}): open the filesystem with --device {} \
+         from now on",
+        target.display(),
+        target.display()
+    );
     Ok(())
 }

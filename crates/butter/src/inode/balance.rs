@@ -219,20 +219,37 @@ impl Core {
         };
         // Converted types: new chunks in the target profile, and nothing new goes into the
         // groups still to convert.
+        // Converted types: new chunks in the target profile, and nothing new goes into the
+        // groups still to convert nor into any other group of another profile (the kernel
+        // allocates only in the target profile during a conversion).
+        let all = self.block_groups()?;
         let mut ro: Vec<u64> = Vec::new();
+        for g in &all {
+            let Some(args) = item.args_for(g.flags & TYPE_MASK) else {
+                continue;
+            };
+            if args.flags & BalanceArgs::CONVERT == 0 {
+                continue;
+            }
+            if chosen.iter().any(|c| c.start == g.start) || args_profile(g.flags) != args.target {
+                ro.push(g.start);
+            }
+        }
         self.op(false, |w| {
             for ty in [BLOCK_GROUP_DATA, BLOCK_GROUP_METADATA, BLOCK_GROUP_SYSTEM] {
-                let Some(args) = item.args_for(ty) else {
-                    continue;
-                };
-                if args.flags & BalanceArgs::CONVERT != 0 {
-                    w.chunk_profile
-                        .insert(ty, args.target & !BalanceArgs::SINGLE);
-                    for g in chosen.iter().filter(|g| g.flags & TYPE_MASK == ty) {
-                        w.allocator.set_readonly(g.start, true);
-                        ro.push(g.start);
+                if let Some(args) = item.args_for(ty) {
+                    if args.flags & BalanceArgs::CONVERT != 0 {
+                        w.chunk_profile
+                            .insert(ty, args.target & !BalanceArgs::SINGLE);
                     }
                 }
+            }
+            w.ensure_tree_room(&ro)
+        })?;
+        self.commit()?;
+        self.op(false, |w| {
+            for &s in &ro {
+                w.allocator.set_readonly(s, true);
             }
             Ok(())
         })?;
@@ -318,6 +335,10 @@ impl Core {
         if !on.is_empty() {
             self.op(false, |w| {
                 w.chunk_limit.insert(devid, 0);
+                w.ensure_tree_room(&on)
+            })?;
+            self.commit()?;
+            self.op(false, |w| {
                 for &s in &on {
                     w.allocator.set_readonly(s, true);
                 }

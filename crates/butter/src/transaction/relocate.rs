@@ -78,8 +78,11 @@ impl Writer {
             ));
         }
         let trees = self.relocation_tree_ids()?;
-        // Read-only first: the new chunks below change trees, and their blocks must not land
-        // in the group.
+        if self.ensure_tree_room(&[start])? {
+            self.commit()?;
+        }
+        // Read-only before anything else: the new chunks below change trees, and their blocks
+        // must not land in the group.
         self.allocator.set_readonly(start, true);
         self.room_outside(start, flags)?;
         // The last writable group of its kind: its contents (or the kind's next allocation)
@@ -136,6 +139,32 @@ impl Writer {
         Ok(stats)
     }
 
+    /// Tree blocks (the chunk tree's too) need writable room while groups are read-only: a
+    /// new system or metadata chunk when the writable groups of that kind are nearly full.
+    /// Called before the groups at `excluding` become read-only (while their space still
+    /// takes the new chunks' own tree changes); the caller commits when it returns true, so
+    /// that the blocks it changed are not this transaction's when relocation COWs them.
+    pub(crate) fn ensure_tree_room(&mut self, excluding: &[u64]) -> Result<bool> {
+        let ns = self.disk.nodesize() as u64;
+        let mut added = false;
+        for kind in [SpaceKind::System, SpaceKind::Metadata] {
+            let mut free = 0u64;
+            self.allocator.for_each(|g| {
+                if !g.readonly
+                    && !excluding.contains(&g.start)
+                    && SpaceKind::of_flags(g.flags) == Some(kind)
+                {
+                    free += g.free.total();
+                }
+            });
+            if free < 64 * ns {
+                self.alloc_chunk(kind, 0)?;
+                added = true;
+            }
+        }
+        Ok(added)
+    }
+
     /// Makes sure blocks of the group's kind (metadata, system) have room outside it: a new
     /// chunk when the other groups' free space is short of what the group holds (with a
     /// margin for the trees the relocation and its commit change).
@@ -146,11 +175,13 @@ impl Writer {
         if kind == SpaceKind::Data {
             return Ok(());
         }
-        let (free, used) = self
-            .allocator
-            .with_group(start, |g| (g.free.total(), g.used))
-            .unwrap_or((0, 0));
-        let other = self.allocator.free_bytes(kind).saturating_sub(free);
+        let used = self.allocator.with_group(start, |g| g.used).unwrap_or(0);
+        let mut other = 0u64;
+        self.allocator.for_each(|g| {
+            if !g.readonly && SpaceKind::of_flags(g.flags) == Some(kind) {
+                other += g.free.total();
+            }
+        });
         let need = used + used / 4 + 64 * self.disk.nodesize() as u64;
         if other < need {
             self.alloc_chunk(kind, need - other)?;
