@@ -1,8 +1,9 @@
 //! `butter balance start` offline with the kernel's filters: the empty block groups the
 //! filters select are removed (the kernel then shows less allocated, both checkers are clean,
-//! the files are the same), after which `filesystem resize min` can give their device space
-//! back; a balance that would have to move extents (relocation, not built yet), an unknown or
-//! unsupported filter, and a balance without filters or --full-balance change nothing.
+//! the files are the same), groups in use are relocated (-dusage=100 -musage=100), after
+//! which `filesystem resize min` gives their device space back; what the kernel refuses (a
+//! profile without its devices, less metadata redundancy or system chunks without --force),
+//! an unknown filter, and a balance without filters or --full-balance change nothing.
 //!
 //! Needs root, loop devices, kernel btrfs and btrfs-progs: fails without them under CI.
 
@@ -67,18 +68,24 @@ fn usage_zero_removes_empty_groups_and_the_rest_is_refused_unchanged() {
     let cases: &[(&[&str], &[&str])] = &[
         (&["balance", "start", i], &["--full-balance"]),
         (
-            &["balance", "start", "-dusage=100", i],
-            &["relocation", "nothing was changed"],
-        ),
-        (&["balance", "start", "--full-balance", i], &["relocation"]),
-        (
             &["balance", "start", "-dconvert=raid1", i],
-            &["convert", "relocation"],
+            &["RAID1", "needs 2 devices"],
+        ),
+        (
+            &["balance", "start", "-mconvert=single", i],
+            &["reduces", "--force"],
+        ),
+        (
+            &["balance", "start", "-sconvert=single", i],
+            &["system chunks", "--force"],
         ),
         (
             &["balance", "start", "-dfoo=1", i],
             &["unknown balance filter"],
         ),
+        (&["balance", "start", "-dsoft", i], &["only goes with convert"]),
+        (&["balance", "resume", i], &["no balance to resume"]),
+        (&["balance", "cancel", i], &["no balance to cancel"]),
     ];
     for (args, want) in cases {
         let o = butter(args);
@@ -113,6 +120,32 @@ fn usage_zero_removes_empty_groups_and_the_rest_is_refused_unchanged() {
         "files after the balance",
     );
 
+    // Relocation: every group under 100% used moves (the kernel's -dusage=100 does the
+    // same), and the files are the same through the kernel.
+    let o = butter(&["balance", "start", "-dusage=100", "-musage=100", i]);
+    assert!(o.status.success(), "{}", text(&o));
+    let t = text(&o);
+    let n: usize = t
+        .split("relocate ")
+        .nth(1)
+        .and_then(|r| r.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no count in {t}"));
+    assert!(n >= 2, "{t}");
+    let o = butter(&["balance", "status", i]);
+    assert!(text(&o).contains("No balance found"), "{}", text(&o));
+    let (rc, out) = common::fuse_mount::butter_check(&img);
+    assert_eq!(rc, 0, "butter check after relocation:\n{out}");
+    let (ok, t) = kernel::btrfs_check(&img);
+    assert!(ok, "btrfs check after relocation:\n{t}");
+    let (_, got) = kernel_view(&img, &s, "k-rel");
+    manifest::assert_same(
+        &want,
+        &got,
+        &CompareOpts::restore(),
+        "files after relocation",
+    );
+
     // Their device space comes back: the image shrinks to its last chunk.
     let o = butter(&["filesystem", "resize", i, "min"]);
     assert!(o.status.success(), "{}", text(&o));
@@ -127,9 +160,12 @@ fn usage_zero_removes_empty_groups_and_the_rest_is_refused_unchanged() {
         &CompareOpts::restore(),
         "files after resize min",
     );
-    // The kernel writes into the shrunk filesystem (its chunks have room left).
+    // The kernel writes into the shrunk filesystem (small files: min leaves its metadata
+    // room and its data chunks full).
     let m = LoopMount::btrfs(&img, &s.dir("k3"), "");
-    fs::write(m.path().join("new"), vec![3u8; 1 << 20]).unwrap();
+    for k in 0..20 {
+        fs::write(m.path().join(format!("new{k}")), b"small").unwrap();
+    }
     m.unmount();
     let (ok, t) = kernel::btrfs_check(&img);
     assert!(ok, "btrfs check after the kernel wrote:\n{t}");

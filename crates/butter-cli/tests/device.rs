@@ -219,7 +219,7 @@ fn device_remove_takes_out_an_empty_device_and_refuses_the_rest() {
     assert_eq!(fs::read(m.path().join("file")).unwrap(), vec![5u8; 3 << 20]);
     m.unmount();
 
-    // A RAID1 of two devices: its second holds chunks.
+    // A RAID1 of two devices: removing one would leave RAID1 on one device.
     let r: Vec<std::path::PathBuf> = (0..2).map(|i| s.join(format!("r{i}.img"))).collect();
     for p in &r {
         blank(p, 300 * MIB);
@@ -231,7 +231,7 @@ fn device_remove_takes_out_an_empty_device_and_refuses_the_rest() {
     let cases: &[(&[&str], &[&str])] = &[
         (
             &["device", "remove", r0, "--device", r1, "2"],
-            &["holds chunks", "relocation"],
+            &["needs 2 devices", "convert"],
         ),
         (
             &["device", "remove", r0, "--device", r1, r0],

@@ -1,8 +1,8 @@
 //! `butter filesystem resize` offline, against the kernel's resize on a mount: growing (the
-//! image file extended, the kernel then fills the new space), `max`, shrinking a device whose
-//! chunks end early (the file cut), `min` (empty block groups past it removed), a device of a
-//! RAID1 by DEVID, and what is refused
-//! (shrinking over chunks, a device that is not there, bad sizes) with nothing changed.
+//! image file extended, the kernel then fills the new space), `max`, shrinking over chunks
+//! the kernel wrote a file into (relocated below the new end, the file cut), `min`, a device
+//! of a RAID1 by DEVID, and what is refused (below what the device holds, a device that is
+//! not there, bad sizes) with nothing changed.
 //! After each change both checkers are clean and the kernel mounts the image; the device and
 //! filesystem sizes in the superblock are the ones the kernel's own resize writes.
 //!
@@ -119,13 +119,41 @@ fn grow_max_shrink_and_min_as_the_kernel_resizes() {
     assert_eq!(sizes(&img), want, "sizes after max, butter vs the kernel");
     checked(&img, &s, "max");
 
-    // Shrinking over chunks is refused by name (the kernel would relocate them), and
-    // nothing changes.
+    // Shrinking over chunks relocates them below the new end, as the kernel's shrink does:
+    // the kernel writes a file into chunks past 260 MiB, and both shrink to 260 MiB.
+    {
+        let m = LoopMount::btrfs(&img, &s.dir("late"), "");
+        fs::write(m.path().join("late"), vec![8u8; 100 << 20]).unwrap();
+        m.unmount();
+    }
+    let past = kernel::run(
+        Command::new("btrfs")
+            .args(["inspect-internal", "dump-tree", "-t", "dev"])
+            .arg(&img),
+    )
+    .lines()
+    .filter_map(|l| l.split("DEV_EXTENT ").nth(1))
+    .filter_map(|t| t.split(')').next()?.trim().parse::<u64>().ok())
+    .any(|off| off >= 260 * MIB);
+    assert!(past, "the kernel put no chunk past 260 MiB");
+    let want = kernel_resize(&img, &s, "260M", 700 * MIB);
+    let o = resize(&img, "260M", &[]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert_eq!(sizes(&img), want, "sizes after 260M, butter vs the kernel");
+    assert_eq!(fs::metadata(&img).unwrap().len(), 260 * MIB);
+    checked(&img, &s, "relocated");
+    {
+        let m = LoopMount::btrfs_ro(&img, &s.dir("late-ro"));
+        assert!(fs::read(m.path().join("late")).unwrap() == vec![8u8; 100 << 20]);
+        m.unmount();
+    }
+
+    // Below what the device holds, it is refused by name before anything moves.
     let before = fs::read(&img).unwrap();
     let o = resize(&img, "10M", &[]);
-    assert!(!o.status.success(), "shrinking over chunks: {}", text(&o));
+    assert!(!o.status.success(), "shrinking below the contents: {}", text(&o));
     assert!(
-        text(&o).contains("relocation") && text(&o).contains("min"),
+        text(&o).contains("holds") && text(&o).contains("min"),
         "{}",
         text(&o)
     );

@@ -45,6 +45,22 @@ pub(crate) fn profile_copies(flags: u64) -> u64 {
     }
 }
 
+/// The chunk length a block group needs when it moves in a shrink: data what it holds;
+/// metadata half as much again and 16 MiB, room for the kernel's global reserve and the
+/// reservations its writes make (with less, the kernel refuses a mkdir); system (the
+/// chunk tree, a few blocks) twice what it holds. Never more than it has.
+fn snug_size(g: &BlockGroupInfo) -> u64 {
+    let mib = 1u64 << 20;
+    if g.flags & BLOCK_GROUP_DATA != 0 {
+        g.used.div_ceil(mib).max(1) * mib
+    } else if g.flags & BLOCK_GROUP_SYSTEM != 0 {
+        (2 * g.used).div_ceil(mib).max(1) * mib
+    } else {
+        (g.used + g.used / 2 + 16 * mib).div_ceil(mib) * mib
+    }
+    .min(g.len)
+}
+
 impl Core {
     pub(crate) fn statfs(&self) -> Result<StatFs> {
         let sb = &self.disk.sb;
@@ -300,6 +316,23 @@ impl Core {
             })
             .collect();
         if !past.is_empty() {
+            // Refused before anything moves when what the device holds cannot fit.
+            let mut need = 1u64 << 20;
+            for g in self.block_groups()? {
+                let on = g.stripes.iter().filter(|s| s.0 == devid).count() as u64;
+                let per = crate::io::volumes::data_stripes(
+                    g.flags & BLOCK_GROUP_PROFILE_MASK,
+                    g.stripes.len(),
+                )
+                .max(1) as u64;
+                need += on * g.used.div_ceil(per);
+            }
+            if size < need {
+                return Err(crate::error::Error::NoSpace(format!(
+                    "device {devid} holds {need} bytes of block group contents, more than \
+                     {size}: the smallest size it can take is what `{devid}:min` gives"
+                )));
+            }
             self.empty_device_past(devid, size, progress)?;
         }
         let size = self.op(false, |w| w.resize_device(devid, size))?;
@@ -449,11 +482,12 @@ impl Core {
     /// Shrinks device `devid` as far as relocation can take it, packing its block groups
     /// toward its start, then cuts it where its last chunk ends. Returns the new size.
     ///
-    /// Each round looks at the groups from the one ending last down and relocates the first
-    /// that gains something: into a snug new chunk (what it holds, plus room for metadata to
-    /// grow) in the lowest hole that fits when that lies below it or is at most half its
-    /// size, or into the other groups of its kind when they have room. Each move either
-    /// shrinks the space the groups take or moves one down, so the rounds end.
+    /// Each step moves one block group, into a snug new chunk (what it holds, plus room for
+    /// metadata to grow) or into the other groups of its kind. A group goes down when a hole
+    /// below it takes it (the one ending last first), or wherever when that halves it; when
+    /// none can, the group right above the lowest hole moves up past the others, so that the
+    /// hole and its old place become one, which the next step fills. Every group ends packed
+    /// from the device's start, at the price of moving some twice.
     pub(crate) fn shrink_device_to_min(
         &self,
         devid: u64,
@@ -462,83 +496,121 @@ impl Core {
         let kind = |f: u64| f & (BLOCK_GROUP_DATA | BLOCK_GROUP_METADATA | BLOCK_GROUP_SYSTEM);
         let mib = 1u64 << 20;
         let mut failed: Vec<u64> = Vec::new();
-        for _round in 0..256 {
+        let mut steps = 0usize;
+        loop {
             let mut groups = self.block_groups()?;
+            steps += 1;
+            if steps > 4 * groups.len() + 32 {
+                break;
+            }
             let on_dev = |g: &BlockGroupInfo| -> Option<(u64, u64)> {
                 let on: Vec<&(u64, u64, u64)> = g.stripes.iter().filter(|s| s.0 == devid).collect();
                 Some((on.iter().map(|s| s.1).min()?, on.iter().map(|s| s.1 + s.2).max()?))
             };
-            groups.retain(|g| on_dev(g).is_some() && !failed.contains(&g.start));
+            groups.retain(|g| on_dev(g).is_some());
             groups.sort_by_key(|g| std::cmp::Reverse(on_dev(g).map(|x| x.1)));
-            let mut moved = false;
+            let end = groups.iter().filter_map(on_dev).map(|x| x.1).max().unwrap_or(mib);
+            // A move: (group, snug size, new chunks below this, new chunks above this).
+            let mut pick: Option<(&BlockGroupInfo, u64, Option<u64>, Option<u64>)> = None;
             for g in &groups {
+                if failed.contains(&g.start) {
+                    continue;
+                }
                 let Some((from, _)) = on_dev(g) else { continue };
-                let dev_stripes = g.stripes.iter().filter(|s| s.0 == devid).count() as u64;
+                let dev_stripes = g.stripes.iter().filter(|s| s.0 == devid).count().max(1) as u64;
                 let others: Vec<&BlockGroupInfo> = groups
                     .iter()
                     .filter(|o| o.start != g.start && kind(o.flags) == kind(g.flags))
                     .collect();
-                if g.used == 0 && !others.is_empty() {
-                    // Empty, and not the last of its kind: it just goes.
-                    self.remove_empty_block_groups(&[g.start])?;
-                    moved = true;
+                let free_other: u64 = others.iter().map(|o| o.len.saturating_sub(o.used)).sum();
+                // What the other groups of a tree kind must keep free, or a new chunk would
+                // come right back for the trees' growth.
+                let keep = match kind(g.flags) {
+                    BLOCK_GROUP_DATA => 0,
+                    BLOCK_GROUP_SYSTEM => mib,
+                    _ => 16 * mib,
+                };
+                if g.used == 0 && !others.is_empty() && free_other >= keep {
+                    // Empty, and not needed for its kind's room: it just goes.
+                    pick = Some((g, 0, None, None));
                     break;
                 }
-                let snug = if g.flags & BLOCK_GROUP_DATA != 0 {
-                    g.used.div_ceil(mib).max(1) * mib
-                } else {
-                    (g.used + g.used / 2 + 8 * mib).div_ceil(mib) * mib
-                }
-                .min(g.len);
-                let free_other: u64 = others.iter().map(|o| o.len.saturating_sub(o.used)).sum();
-                let fits_in_others = g.used + g.used / 8 + mib <= free_other;
-                // The lowest hole a snug chunk fits in.
+                let snug = snug_size(g);
+                let fits_in_others = g.used + g.used / 8 + mib + keep <= free_other;
                 let hole = self.op(false, |w| {
                     Ok(w.device_holes(devid)?
                         .into_iter()
-                        .filter(|h| h.1 / dev_stripes.max(1) >= snug)
+                        .filter(|h| h.1 / dev_stripes >= snug)
                         .map(|h| h.0)
                         .min())
                 })?;
-                let halves = hole.is_some() && snug * 2 <= g.len;
-                let lower = hole.is_some_and(|h| h + snug * dev_stripes <= from);
-                if !(fits_in_others || lower || halves) {
-                    continue;
+                if hole.is_some() && snug * 2 <= g.len {
+                    pick = Some((g, snug, None, None));
+                    break;
                 }
-                // Unless the group halves, its new chunk (if it needs one) must lie below it.
-                let limit = (!halves).then_some(from);
-                progress(&format!(
-                    "moving the {} block group at {} ({} MiB used)",
-                    crate::format::print::block_group_kind(g.flags),
-                    g.start,
-                    g.used.div_ceil(mib)
-                ));
-                self.op(false, |w| {
-                    w.chunk_fit = Some(snug);
-                    if let Some(l) = limit {
-                        w.chunk_limit.insert(devid, l);
+                if fits_in_others || hole.is_some_and(|h| h + snug * dev_stripes <= from) {
+                    pick = Some((g, snug, Some(from), None));
+                    break;
+                }
+            }
+            if pick.is_none() {
+                // Nothing goes down: the group right above the lowest hole moves up.
+                let holes = self.op(false, |w| w.device_holes(devid))?;
+                let lowest = holes.iter().filter(|h| h.0 < end && h.1 >= mib).min_by_key(|h| h.0);
+                if let Some(&(hs, _)) = lowest {
+                    let above = groups
+                        .iter()
+                        .filter(|g| !failed.contains(&g.start))
+                        .filter(|g| on_dev(g).is_some_and(|x| x.0 > hs))
+                        .min_by_key(|g| on_dev(g).map(|x| x.0));
+                    if let Some(g) = above {
+                        pick = Some((g, snug_size(g), None, Some(end)));
                     }
-                    Ok(())
-                })?;
-                let r = self.relocate_block_groups(&[g.start], progress, &mut |_| Ok(()));
-                self.op(false, |w| {
-                    w.chunk_fit = None;
-                    w.chunk_limit.remove(&devid);
-                    Ok(())
-                })?;
-                match r {
-                    Ok(_) => {}
-                    Err(crate::error::Error::NoSpace(m)) => {
+                }
+            }
+            let Some((g, snug, below, above)) = pick else { break };
+            if snug == 0 {
+                match self.remove_empty_block_groups(&[g.start]) {
+                    Ok(()) => {}
+                    // Something went into it meanwhile (a commit's tree blocks).
+                    Err(crate::error::Error::Invalid(m)) => {
                         log::info!("the block group at {} stays: {m}", g.start);
                         failed.push(g.start);
                     }
                     Err(e) => return Err(e),
                 }
-                moved = true;
-                break;
+                continue;
             }
-            if !moved {
-                break;
+            progress(&format!(
+                "moving the {} block group at {} ({} MiB used)",
+                crate::format::print::block_group_kind(g.flags),
+                g.start,
+                g.used.div_ceil(mib)
+            ));
+            self.op(false, |w| {
+                w.chunk_fit = Some((kind(g.flags), snug));
+                if let Some(l) = below {
+                    w.chunk_limit.insert(devid, l);
+                }
+                if let Some(f) = above {
+                    w.chunk_floor.insert(devid, f);
+                }
+                Ok(())
+            })?;
+            let r = self.relocate_block_groups(&[g.start], progress, &mut |_| Ok(()));
+            self.op(false, |w| {
+                w.chunk_fit = None;
+                w.chunk_limit.remove(&devid);
+                w.chunk_floor.remove(&devid);
+                Ok(())
+            })?;
+            match r {
+                Ok(_) => {}
+                Err(crate::error::Error::NoSpace(m)) => {
+                    log::info!("the block group at {} stays: {m}", g.start);
+                    failed.push(g.start);
+                }
+                Err(e) => return Err(e),
             }
         }
         let end = self.op(false, |w| w.device_extents_end(devid))?;

@@ -606,3 +606,126 @@ fn cut_everywhere(
     }
     (failures, live, k)
 }
+
+/// A balance that relocates every block group (metadata converted from DUP to single, data
+/// moved) commits once per group step. A power cut at every write: the image opens with the
+/// same files and a clean checker, before or after each step, and (for a sample of the
+/// cuts) `balance resume` from there ends where the uncut balance ended: every metadata and
+/// system group single, no group of before left, the files the same.
+#[test]
+fn power_cut_at_every_write_of_a_balance_resumes_to_the_same_end() {
+    use butter::format::items::{BalanceArgs, BalanceItem};
+    fixed_time();
+    let base = fresh_image(
+        DEV_SIZE,
+        butter::mkfs::Profile::Dup,
+        butter::mkfs::Profile::Single,
+    );
+    let ram = Arc::new(RamDevice::new(base));
+    let fs = open_set(&[ram.clone() as Arc<dyn BlockDevice>], true).expect("open");
+    populate(&fs).expect("populate");
+    let root = fs.root_inode();
+    let f = file(&fs, root, "shared", 9, 300_000).expect("file");
+    let g = fs.create(root, b"clone", 0o644, OWNER).expect("create");
+    fs.clone_range(f, 0, g, 0, 128 << 10).expect("clone");
+    fs.commit().expect("commit");
+    let want = manifest(&fs).expect("manifest");
+    let before: Vec<u64> = fs
+        .block_groups()
+        .expect("groups")
+        .iter()
+        .map(|g| g.start)
+        .collect();
+    drop(fs);
+    let base = Arc::new(ram.durable_bytes());
+    let trace: Trace = Default::default();
+    let dev: Arc<dyn BlockDevice> = Arc::new(Member {
+        idx: 0,
+        inner: Arc::new(RamDevice::new((*base).clone())),
+        trace: trace.clone(),
+    });
+    let convert = BalanceArgs {
+        flags: BalanceArgs::CONVERT,
+        target: BalanceArgs::SINGLE,
+        ..BalanceArgs::default()
+    };
+    let item = BalanceItem {
+        flags: BalanceItem::DATA | BalanceItem::METADATA | BalanceItem::SYSTEM | BalanceItem::FORCE,
+        data: BalanceArgs::default(),
+        meta: convert,
+        sys: convert,
+    };
+    let fs = open_set(std::slice::from_ref(&dev), true).expect("open");
+    let report = fs
+        .balance(Some(item), &mut |_| {}, &mut |_, _| false)
+        .expect("balance");
+    assert_eq!(report.relocated, before.len(), "{report:?}");
+    drop(fs);
+    let ops = std::mem::take(&mut *trace.lock().unwrap());
+    // Where a balance must end: no group of before, metadata and system single, no item.
+    let at_end = |fs: &Fs, what: &str| -> Result<(), String> {
+        let groups = fs.block_groups().map_err(|e| format!("{what}: {e}"))?;
+        for g in &groups {
+            if before.contains(&g.start) {
+                return Err(format!("{what}: the group at {} is still there", g.start));
+            }
+            if g.flags & 1 == 0 && g.flags & butter::format::BLOCK_GROUP_PROFILE_MASK != 0 {
+                return Err(format!("{what}: {:#x} group at {} not converted", g.flags, g.start));
+            }
+        }
+        if fs.balance_item().map_err(|e| format!("{what}: {e}"))?.is_some() {
+            return Err(format!("{what}: the balance item is still there"));
+        }
+        Ok(())
+    };
+    let sample = std::sync::atomic::AtomicUsize::new(0);
+    let check = |pages: &Pages, what: &str| -> Result<(), String> {
+        let d: Arc<dyn BlockDevice> = Arc::new(OverlayDevice::new(base.clone(), pages.clone()));
+        {
+            let fs = open_set(std::slice::from_ref(&d), false)
+                .map_err(|e| format!("{what}: open: {e}"))?;
+            let m = manifest(&fs).map_err(|e| format!("{what}: {e}"))?;
+            if m != want {
+                return Err(format!("{what}: files changed: {}", diff(&want, &m)));
+            }
+            butter_check(&fs).map_err(|e| format!("{what}: {e}"))?;
+        }
+        if sample.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % 23 != 0 {
+            return Ok(());
+        }
+        // Resume on a copy: the balance ends where the uncut one did.
+        let copy: Arc<dyn BlockDevice> = Arc::new(OverlayDevice::new(base.clone(), pages.clone()));
+        let fs = open_set(&[copy], true).map_err(|e| format!("{what}: open rw: {e}"))?;
+        if fs.balance_item().map_err(|e| format!("{what}: {e}"))?.is_some() {
+            fs.balance(None, &mut |_| {}, &mut |_, _| false)
+                .map_err(|e| format!("{what}: resume: {e}"))?;
+        } else {
+            // Cut before the item was written: the balance starts again from the top.
+            fs.balance(Some(item), &mut |_| {}, &mut |_, _| false)
+                .map_err(|e| format!("{what}: again: {e}"))?;
+        }
+        at_end(&fs, what)?;
+        let m = manifest(&fs).map_err(|e| format!("{what}: {e}"))?;
+        if m != want {
+            return Err(format!("{what}: files changed by the resume: {}", diff(&want, &m)));
+        }
+        fs.close().map_err(|e| format!("{what}: close: {e}"))?;
+        Ok(())
+    };
+    let check1 = |pages: &[Pages], what: &str| check(&pages[0], what);
+    let (mut failures, live, k) = cut_everywhere(&ops, std::slice::from_ref(&base), check1);
+    let d: Arc<dyn BlockDevice> = Arc::new(OverlayDevice::new(base.clone(), live[0].clone()));
+    match open_set(&[d], true) {
+        Ok(fs) => {
+            if let Err(e) = at_end(&fs, "after the balance") {
+                failures.push(e);
+            }
+            if let Err(e) = butter_check(&fs) {
+                failures.push(e);
+            }
+        }
+        Err(e) => failures.push(format!("after the balance: open: {e}")),
+    }
+    eprintln!("balance: {k} writes, each a cut point");
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}

@@ -197,3 +197,65 @@ fn shrink_to_min_after_deleting_half() {
         btrfs_check(&img[..size as usize], "relocate-min").unwrap();
     }
 }
+
+#[test]
+fn metadata_converted_from_dup_to_single_and_back() {
+    use butter::format::items::{BalanceArgs, BalanceItem};
+    fixed_time();
+    let dev = build();
+    let before = manifest(&Fs::open_device(dev.clone()).unwrap()).unwrap();
+    let convert = |target: u64, force: bool| BalanceItem {
+        flags: BalanceItem::METADATA
+            | BalanceItem::SYSTEM
+            | if force { BalanceItem::FORCE } else { 0 },
+        meta: BalanceArgs {
+            flags: BalanceArgs::CONVERT,
+            target,
+            ..BalanceArgs::default()
+        },
+        sys: BalanceArgs {
+            flags: BalanceArgs::CONVERT,
+            target,
+            ..BalanceArgs::default()
+        },
+        ..BalanceItem::default()
+    };
+    let profiles = |fs: &Fs| -> Vec<u64> {
+        let mut p: Vec<u64> = groups(fs)
+            .iter()
+            .filter(|g| g.flags & 1 == 0)
+            .map(|g| g.flags & butter::format::BLOCK_GROUP_PROFILE_MASK)
+            .collect();
+        p.dedup();
+        p
+    };
+    let fs = Fs::open_device_rw(dev.clone()).unwrap();
+    // Less redundancy needs the force flag, and nothing changes without it.
+    let e = fs
+        .balance(Some(convert(BalanceArgs::SINGLE, false)), &mut |_| {}, &mut |_, _| false)
+        .unwrap_err();
+    assert!(e.to_string().contains("--force"), "{e}");
+    assert!(fs.balance_item().unwrap().is_none());
+    fs.balance(Some(convert(BalanceArgs::SINGLE, true)), &mut |_| {}, &mut |_, _| false)
+        .unwrap();
+    assert_eq!(profiles(&fs), vec![0], "{:?}", groups(&fs));
+    fs.close().unwrap();
+    drop(fs);
+    if have_btrfs_progs() {
+        btrfs_check(&dev.live_bytes(), "convert-single").unwrap();
+    }
+    let fs = Fs::open_device_rw(dev.clone()).unwrap();
+    let dup = butter::format::BLOCK_GROUP_DUP;
+    fs.balance(Some(convert(dup, false)), &mut |_| {}, &mut |_, _| false)
+        .unwrap();
+    assert_eq!(profiles(&fs), vec![dup], "{:?}", groups(&fs));
+    fs.close().unwrap();
+    drop(fs);
+    let fs = Fs::open_device(dev.clone()).unwrap();
+    assert_eq!(manifest(&fs).unwrap(), before);
+    butter_check(&fs).unwrap();
+    drop(fs);
+    if have_btrfs_progs() {
+        btrfs_check(&dev.live_bytes(), "convert-dup").unwrap();
+    }
+}

@@ -54,6 +54,13 @@ impl Writer {
         if total > pos {
             holes.push((pos, total - pos));
         }
+        if let Some(&floor) = self.chunk_floor.get(&devid) {
+            holes = holes
+                .into_iter()
+                .filter(|&(s, l)| s + l > floor)
+                .map(|(s, l)| (s.max(floor), s + l - s.max(floor)))
+                .collect();
+        }
         holes.sort_by_key(|(s, l)| (std::cmp::Reverse(*l), *s));
         Ok(holes)
     }
@@ -131,7 +138,11 @@ impl Writer {
         };
         let floor: u64 = if self.small_chunks { 1 << 20 } else { 16 << 20 };
         let tenth = (total / 10) / STRIPE * STRIPE;
-        let want = match self.chunk_fit {
+        let fit = self
+            .chunk_fit
+            .filter(|&(ty, _)| ty == kind.flag())
+            .map(|(_, len)| len);
+        let want = match fit {
             Some(fit) => fit.div_ceil(1 << 20) * (1 << 20),
             None => (max as u64).min(tenth.max(floor)),
         }
@@ -143,9 +154,7 @@ impl Writer {
         for devid in ids {
             let holes = self.device_holes(devid)?;
             let fits = |len: u64| len / attr.dev_stripes as u64 >= want.div_ceil(STRIPE) * STRIPE;
-            let lowest = self
-                .chunk_fit
-                .and_then(|_| holes.iter().filter(|h| fits(h.1)).min_by_key(|h| h.0));
+            let lowest = fit.and_then(|_| holes.iter().filter(|h| fits(h.1)).min_by_key(|h| h.0));
             if let Some(&(hole, len)) = lowest.or(holes.first()) {
                 let room = (len / attr.dev_stripes as u64) / STRIPE * STRIPE;
                 if room > 0 {

@@ -82,9 +82,13 @@ pub(crate) struct Writer {
     /// Per block group type bit, the profile new chunks of it take (a balance converting
     /// it); otherwise they take the profile of the type's existing groups.
     pub(crate) chunk_profile: BTreeMap<u64, u64>,
-    /// New chunks of this length (at least what is asked), each in the lowest hole of its
-    /// device where it fits: a shrink packing the device from its start.
-    pub(crate) chunk_fit: Option<u64>,
+    /// New chunks of one block group type bit get this length (at least what is asked),
+    /// each in the lowest hole of its device where it fits: a shrink packing the device
+    /// from its start.
+    pub(crate) chunk_fit: Option<(u64, u64)>,
+    /// Per device, where new chunks must start at the earliest (a shrink moving a block
+    /// group out of the way, above the others).
+    pub(crate) chunk_floor: BTreeMap<u64, u64>,
     sys_chunk_array: Vec<u8>,
     sys_array_dirty: bool,
     /// Of the descents (`CowCtx::descents`), those of file extent replacement (for the
@@ -261,6 +265,7 @@ impl Writer {
             chunk_limit: BTreeMap::new(),
             chunk_profile: BTreeMap::new(),
             chunk_fit: None,
+            chunk_floor: BTreeMap::new(),
             sys_chunk_array: sb.sys_chunk_array.clone(),
             sys_array_dirty: false,
             replace_descents: 0,
