@@ -69,10 +69,12 @@ enum Command {
     /// Read and verify every copy and parity block, repairing from the good copies, like
     /// `btrfs scrub`.
     Scrub(cmd::scrub::ScrubArgs),
-    /// Balance block groups offline with the kernel's filters (removing empty ones).
+    /// Balance block groups offline with the kernel's filters: relocate, convert profiles,
+    /// resume an interrupted balance (butter's or the kernel's).
     #[command(subcommand_required = true)]
     Balance(cmd::balance::BalanceArgsCli),
-    /// Add devices to a filesystem offline, as `btrfs device add` does on a mount.
+    /// Add, remove or replace devices offline, as `btrfs device` and `btrfs replace` do on a
+    /// mount.
     #[command(subcommand_required = true)]
     Device(cmd::device::DeviceArgs),
     /// Mount an image through FUSE.

@@ -83,7 +83,10 @@ fn usage_zero_removes_empty_groups_and_the_rest_is_refused_unchanged() {
             &["balance", "start", "-dfoo=1", i],
             &["unknown balance filter"],
         ),
-        (&["balance", "start", "-dsoft", i], &["only goes with convert"]),
+        (
+            &["balance", "start", "-dsoft", i],
+            &["only goes with convert"],
+        ),
         (&["balance", "resume", i], &["no balance to resume"]),
         (&["balance", "cancel", i], &["no balance to cancel"]),
     ];

@@ -148,7 +148,11 @@ fn kernel_filled_image_shrunk_to_its_minimum_and_grown_back() {
         len <= bound,
         "min left {len} bytes, more than {bound}:\nbefore\n{df0}\nafter\n{df1}"
     );
-    eprintln!("min: 1 GiB -> {} MiB ({} MiB of data)", len >> 20, data >> 20);
+    eprintln!(
+        "min: 1 GiB -> {} MiB ({} MiB of data)",
+        len >> 20,
+        data >> 20
+    );
     // The kernel writes into the minimal filesystem: its metadata has room (the data chunks
     // are full: min leaves no data space, growing gives it).
     {
@@ -215,7 +219,9 @@ fn profiles_converted_and_back_on_one_and_two_devices() {
     let (got, df) = kernel_view(&one, &s, "k2");
     same(&want, &got, "files with DUP metadata again");
     assert!(
-        df.contains("Metadata, DUP") && df.contains("System, DUP") && !df.contains("single: total=0"),
+        df.contains("Metadata, DUP")
+            && df.contains("System, DUP")
+            && !df.contains("single: total=0"),
         "{df}"
     );
 
@@ -275,13 +281,20 @@ fn device_remove_and_replace_of_a_filesystem_the_mount_wrote() {
         fs::File::create(p).unwrap().set_len(400 * MIB).unwrap();
     }
     let p: Vec<&str> = d.iter().map(|x| x.to_str().unwrap()).collect();
-    let o = butter(&["mkfs", "-q", "-m", "raid1", "-d", "single", p[0], p[1], p[2]]);
+    let o = butter(&[
+        "mkfs", "-q", "-m", "raid1", "-d", "single", p[0], p[1], p[2],
+    ]);
     assert!(o.status.success(), "{}", text(&o));
     // The mount writes files over the three devices.
     let write = |dev_args: &[&str], tag: &str| -> Manifest {
         let mut args = vec!["-o", "uring=off"];
         args.extend_from_slice(dev_args);
-        let m = ButterMount::start(&d[0], &s.dir(format!("bm-{tag}")), &args, &s.join(format!("{tag}.log")));
+        let m = ButterMount::start(
+            &d[0],
+            &s.dir(format!("bm-{tag}")),
+            &args,
+            &s.join(format!("{tag}.log")),
+        );
         let dir = m.path().join(tag);
         fs::create_dir(&dir).unwrap();
         for k in 0..60u64 {
@@ -295,7 +308,9 @@ fn device_remove_and_replace_of_a_filesystem_the_mount_wrote() {
     };
     write(&["--device", p[1], "--device", p[2]], "first");
     // Remove device 2: its chunks move to devices 1 and 3.
-    let o = butter(&["device", "remove", p[0], "--device", p[1], "--device", p[2], "2"]);
+    let o = butter(&[
+        "device", "remove", p[0], "--device", p[1], "--device", p[2], "2",
+    ]);
     assert!(o.status.success(), "{}", text(&o));
     let left = vec![d[0].clone(), d[2].clone()];
     both_checks(&left, "after remove");
@@ -328,9 +343,24 @@ fn device_remove_and_replace_of_a_filesystem_the_mount_wrote() {
     // A missing device is replaced from the other copies: device 4 goes missing (RAID1
     // metadata; the data on it is lost only where single data lived on it, so data first
     // becomes RAID1).
-    let o = butter(&["balance", "start", "-dconvert=raid1", p[0], "--device", p[3]]);
+    let o = butter(&[
+        "balance",
+        "start",
+        "-dconvert=raid1",
+        p[0],
+        "--device",
+        p[3],
+    ]);
     assert!(o.status.success(), "{}", text(&o));
-    let o = butter(&["device", "replace", "--degraded", p[0], "missing", p[1], "-f"]);
+    let o = butter(&[
+        "device",
+        "replace",
+        "--degraded",
+        p[0],
+        "missing",
+        p[1],
+        "-f",
+    ]);
     assert!(o.status.success(), "{}", text(&o));
     let fin = vec![d[0].clone(), d[1].clone()];
     both_checks(&fin, "after replacing the missing device");
@@ -344,4 +374,77 @@ fn device_remove_and_replace_of_a_filesystem_the_mount_wrote() {
         },
         "files after replacing a missing device",
     );
+}
+
+/// The kernel's own balance, paused on a mount (its BALANCE_ITEM left in the image): `butter
+/// balance status` shows it, `butter balance resume` finishes it (the files the same, both
+/// checkers clean, the kernel shows no balance after), and `cancel` on a copy drops it.
+#[test]
+fn a_balance_the_kernel_paused_is_resumed_by_butter() {
+    if !kernel::require_privileges() {
+        return;
+    }
+    let s = ScratchDir::new("reloc-resume");
+    let img = s.join("fs.img");
+    kernel::mkfs_btrfs(&img, 2 << 30, &[] as &[&str]);
+    {
+        let m = LoopMount::btrfs(&img, &s.dir("fill"), "");
+        sh(
+            m.path(),
+            "i=0; while [ $i -lt 8 ]; do head -c 100000000 /dev/zero > f$i; echo $i >> f$i; i=$((i+1)); done
+             sync
+             btrfs balance start -dusage=100 . >/dev/null 2>&1 &
+             n=0
+             until btrfs balance pause . 2>/dev/null; do
+               n=$((n+1)); [ $n -lt 200 ] || exit 1; sleep 0.02
+             done
+             wait || true
+             btrfs balance status . | grep -q paused",
+        );
+        m.unmount();
+    }
+    let one = vec![img.clone()];
+    let (want, _) = kernel_view(&one, &s, "k0");
+    let copy = s.join("copy.img");
+    fs::copy(&img, &copy).unwrap();
+    let i = img.to_str().unwrap();
+    let o = butter(&["balance", "status", i]);
+    assert!(
+        o.status.success() && text(&o).contains("is paused") && text(&o).contains("usage"),
+        "{}",
+        text(&o)
+    );
+    let o = butter(&["balance", "start", "-dusage=50", i]);
+    assert!(
+        !o.status.success() && text(&o).contains("resume"),
+        "a new balance over a paused one: {}",
+        text(&o)
+    );
+    let o = butter(&["balance", "resume", i]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains("Done, had to relocate"), "{}", text(&o));
+    let o = butter(&["balance", "status", i]);
+    assert!(text(&o).contains("No balance found"), "{}", text(&o));
+    both_checks(&one, "after resume");
+    let (got, _) = kernel_view(&one, &s, "k1");
+    same(&want, &got, "files after the resumed balance");
+    let m = LoopMount::btrfs(&img, &s.dir("k2"), "");
+    let st = kernel::run_output(
+        Command::new("btrfs")
+            .args(["balance", "status"])
+            .arg(m.path()),
+    );
+    m.unmount();
+    assert!(
+        String::from_utf8_lossy(&st.stdout).contains("No balance found"),
+        "the kernel still sees a balance: {}",
+        String::from_utf8_lossy(&st.stdout)
+    );
+    // Cancel drops the item and changes nothing else.
+    let c = copy.to_str().unwrap();
+    let o = butter(&["balance", "cancel", c]);
+    assert!(o.status.success(), "{}", text(&o));
+    let o = butter(&["balance", "status", c]);
+    assert!(text(&o).contains("No balance found"), "{}", text(&o));
+    kernel::assert_btrfs_check(&copy);
 }

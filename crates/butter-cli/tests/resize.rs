@@ -151,7 +151,11 @@ fn grow_max_shrink_and_min_as_the_kernel_resizes() {
     // Below what the device holds, it is refused by name before anything moves.
     let before = fs::read(&img).unwrap();
     let o = resize(&img, "10M", &[]);
-    assert!(!o.status.success(), "shrinking below the contents: {}", text(&o));
+    assert!(
+        !o.status.success(),
+        "shrinking below the contents: {}",
+        text(&o)
+    );
     assert!(
         text(&o).contains("holds") && text(&o).contains("min"),
         "{}",

@@ -46,6 +46,7 @@ const ORDER: &[&str] = &[
     "transaction/block_groups",
     "transaction/chunk_alloc",
     "transaction/commit",
+    "transaction/relocate",
     "transaction",
     "mkfs",
     "inode/ordered",
@@ -59,6 +60,7 @@ const ORDER: &[&str] = &[
     "inode/orphan",
     "inode/seek",
     "inode/statfs",
+    "inode/balance",
     "inode/scrub",
     "inode/subvol",
     "inode/received",
@@ -362,8 +364,11 @@ fn imports_follow_the_layer_order() {
 /// for a filesystem of several, with its `ChunkStripe`, `DeviceReport` and
 /// `Profile::min_devices` and `Profile::name`, and `NbdDevice::writable` for mkfs on an
 /// export: 234. Then offline resize, `Fs::resize_device` and `Fs::device_min_size`: 236. `Fs::add_device`: 237. Removing empty block groups,
-/// `Fs::block_groups` with its `BlockGroupInfo` and `Fs::remove_empty_block_groups`: 240. `Fs::remove_device`: 241.)
-const PUB_ITEMS_MAX: usize = 241;
+/// `Fs::block_groups` with its `BlockGroupInfo` and `Fs::remove_empty_block_groups`: 240. `Fs::remove_device`: 241.
+/// Relocation (issue 33): `Fs::relocate_block_groups` with its `RelocStats`,
+/// `Fs::shrink_device_to_min`, and balance, `Fs::balance` with its `BalanceRequest`,
+/// `BalanceFilters` and `BalanceReport`, `Fs::paused_balance` and `Fs::cancel_balance`: 250.)
+const PUB_ITEMS_MAX: usize = 250;
 
 /// Files (or folders) built only under `cfg(any(test, feature = "internals"))`, as the `mod`
 /// lines of lib.rs and the folders' mod.rs declare them: not part of the public API.

@@ -6,8 +6,8 @@
 //! continues with `butter balance resume`, or at the next kernel mount.
 
 use super::{CliError, CliResult};
-use butter::format::items::{BalanceArgs, BalanceItem};
 use butter::format::print::block_group_profile;
+use butter::inode::balance::{BalanceFilters, BalanceRequest};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -75,10 +75,10 @@ fn parse_range(v: &str, what: &str, flag: char) -> Result<(u64, u64), CliError> 
     }
 }
 
-/// A profile name as btrfs-progs takes it, in balance args' bits.
+/// A profile name as btrfs-progs takes it: its block group profile bits (0 for single).
 fn profile_bits(name: &str, flag: char) -> Result<u64, CliError> {
     let p = match name.to_ascii_lowercase().as_str() {
-        "single" => BalanceArgs::SINGLE,
+        "single" => 0,
         "raid0" => 1 << 3,
         "raid1" => 1 << 4,
         "dup" => 1 << 5,
@@ -98,24 +98,38 @@ fn profile_bits(name: &str, flag: char) -> Result<u64, CliError> {
 }
 
 /// One type's filters, as the kernel takes them.
-fn parse_filters(spec: &str, flag: char) -> Result<BalanceArgs, CliError> {
-    let mut a = BalanceArgs::default();
+fn parse_filters(spec: &str, flag: char) -> Result<BalanceFilters, CliError> {
+    let mut f = BalanceFilters::default();
     for part in spec.split(',').map(str::trim).filter(|p| !p.is_empty()) {
         let (name, value) = part.split_once('=').unwrap_or((part, ""));
-        let need_value = || {
-            if value.is_empty() {
-                Err(CliError(format!("-{flag}: the {name} filter needs a value")))
-            } else {
-                Ok(())
-            }
-        };
+        if value.is_empty() && name != "soft" {
+            return Err(CliError(format!(
+                "-{flag}: {}",
+                if matches!(
+                    name,
+                    "profiles"
+                        | "usage"
+                        | "devid"
+                        | "drange"
+                        | "vrange"
+                        | "limit"
+                        | "stripes"
+                        | "convert"
+                ) {
+                    format!("the {name} filter needs a value")
+                } else {
+                    format!(
+                        "unknown balance filter `{name}` (profiles, usage, devid, drange, \
+                         vrange, limit, stripes, convert, soft)"
+                    )
+                }
+            )));
+        }
         match name {
             "usage" => {
-                need_value()?;
-                if value.contains("..") {
+                f.usage = Some(if value.contains("..") {
                     let (lo, hi) = parse_range(value, "usage", flag)?;
-                    a.usage = lo.min(100) | (hi.min(100) << 32);
-                    a.flags |= BalanceArgs::USAGE_RANGE;
+                    (lo.min(100), hi.min(100))
                 } else {
                     let n: u64 = value.parse().map_err(|_| {
                         CliError(format!("-{flag}: usage={value} is not a percentage"))
@@ -125,63 +139,39 @@ fn parse_filters(spec: &str, flag: char) -> Result<BalanceArgs, CliError> {
                             "-{flag}: usage={n}: a percentage is at most 100"
                         )));
                     }
-                    a.usage = n;
-                    a.flags |= BalanceArgs::USAGE;
-                }
+                    (0, n)
+                })
             }
             "devid" => {
-                need_value()?;
-                a.devid = value.parse().map_err(|_| {
-                    CliError(format!("-{flag}: devid={value} is not a device id"))
-                })?;
-                a.flags |= BalanceArgs::DEVID;
+                f.devid =
+                    Some(value.parse().map_err(|_| {
+                        CliError(format!("-{flag}: devid={value} is not a device id"))
+                    })?)
             }
-            "drange" => {
-                need_value()?;
-                (a.pstart, a.pend) = parse_range(value, "drange", flag)?;
-                a.flags |= BalanceArgs::DRANGE;
-            }
-            "vrange" => {
-                need_value()?;
-                (a.vstart, a.vend) = parse_range(value, "vrange", flag)?;
-                a.flags |= BalanceArgs::VRANGE;
-            }
-            "limit" => {
-                need_value()?;
-                if value.contains("..") {
-                    let (lo, hi) = parse_range(value, "limit", flag)?;
-                    a.limit = lo.min(u32::MAX as u64) | (hi.min(u32::MAX as u64) << 32);
-                    a.flags |= BalanceArgs::LIMIT_RANGE;
-                } else {
-                    a.limit = parse_range(value, "limit", flag)?.1;
-                    a.flags |= BalanceArgs::LIMIT;
-                }
-            }
+            "drange" => f.drange = Some(parse_range(value, "drange", flag)?),
+            "vrange" => f.vrange = Some(parse_range(value, "vrange", flag)?),
+            "limit" => f.limit = Some(parse_range(value, "limit", flag)?),
             "stripes" => {
-                need_value()?;
                 let (lo, hi) = if value.contains("..") {
                     parse_range(value, "stripes", flag)?
                 } else {
                     let n = parse_range(value, "stripes", flag)?.1;
                     (n, n)
                 };
-                a.stripes_min = lo.min(u32::MAX as u64) as u32;
-                a.stripes_max = hi.min(u32::MAX as u64) as u32;
-                a.flags |= BalanceArgs::STRIPES_RANGE;
+                f.stripes = Some((
+                    lo.min(u32::MAX as u64) as u32,
+                    hi.min(u32::MAX as u64) as u32,
+                ));
             }
-            "convert" => {
-                need_value()?;
-                a.target = profile_bits(value, flag)?;
-                a.flags |= BalanceArgs::CONVERT;
-            }
+            "convert" => f.convert = Some(profile_bits(value, flag)?),
             "profiles" => {
-                need_value()?;
+                let mut ps = Vec::new();
                 for p in value.split('|') {
-                    a.profiles |= profile_bits(p, flag)?;
+                    ps.push(profile_bits(p, flag)?);
                 }
-                a.flags |= BalanceArgs::PROFILES;
+                f.profiles = Some(ps);
             }
-            "soft" => a.flags |= BalanceArgs::SOFT,
+            "soft" => f.soft = true,
             _ => {
                 return Err(CliError(format!(
                     "-{flag}: unknown balance filter `{name}` (profiles, usage, devid, drange, \
@@ -190,30 +180,31 @@ fn parse_filters(spec: &str, flag: char) -> Result<BalanceArgs, CliError> {
             }
         }
     }
-    if a.flags & BalanceArgs::SOFT != 0 && a.flags & BalanceArgs::CONVERT == 0 {
+    if f.soft && f.convert.is_none() {
         return Err(CliError(format!(
             "-{flag}: the soft filter only goes with convert"
         )));
     }
-    Ok(a)
+    Ok(f)
 }
 
 /// The balance a `start` asks for.
-fn start_item(
+fn start_request(
     data: &Option<String>,
     metadata: &Option<String>,
     system: &Option<String>,
     full: bool,
     force: bool,
-) -> Result<BalanceItem, CliError> {
-    let mut item = BalanceItem::default();
+) -> Result<BalanceRequest, CliError> {
+    let mut r = BalanceRequest {
+        force,
+        ..BalanceRequest::default()
+    };
     if let Some(s) = data {
-        item.data = parse_filters(s, 'd')?;
-        item.flags |= BalanceItem::DATA;
+        r.data = Some(parse_filters(s, 'd')?);
     }
     if let Some(s) = metadata {
-        item.meta = parse_filters(s, 'm')?;
-        item.flags |= BalanceItem::METADATA;
+        r.metadata = Some(parse_filters(s, 'm')?);
     }
     if let Some(s) = system {
         if !force {
@@ -223,14 +214,12 @@ fn start_item(
                     .into(),
             ));
         }
-        item.sys = parse_filters(s, 's')?;
-        item.flags |= BalanceItem::SYSTEM;
-    } else if metadata.is_some() {
+        r.system = Some(parse_filters(s, 's')?);
+    } else if r.metadata.is_some() {
         // As btrfs-progs: system chunks get what metadata chunks get.
-        item.sys = item.meta;
-        item.flags |= BalanceItem::SYSTEM;
+        r.system = r.metadata.clone();
     }
-    if item.flags == 0 {
+    if r.data.is_none() && r.metadata.is_none() && r.system.is_none() {
         if !full {
             return Err(CliError(
                 "a balance without filters moves every block group: give --full-balance, or \
@@ -238,12 +227,11 @@ fn start_item(
                     .into(),
             ));
         }
-        item.flags = BalanceItem::DATA | BalanceItem::METADATA | BalanceItem::SYSTEM;
+        r.data = Some(BalanceFilters::default());
+        r.metadata = Some(BalanceFilters::default());
+        r.system = Some(BalanceFilters::default());
     }
-    if force {
-        item.flags |= BalanceItem::FORCE;
-    }
-    Ok(item)
+    Ok(r)
 }
 
 pub fn balance(a: BalanceArgsCli) -> CliResult {
@@ -256,8 +244,8 @@ pub fn balance(a: BalanceArgsCli) -> CliResult {
             force,
             image,
         } => {
-            let item = start_item(&data, &metadata, &system, full, force)?;
-            run(&image, Some(item))
+            let request = start_request(&data, &metadata, &system, full, force)?;
+            run(&image, Some(&request))
         }
         BalanceCmd::Resume { image } => run(&image, None),
         BalanceCmd::Status { image } => status(&image),
@@ -278,7 +266,7 @@ pub fn balance(a: BalanceArgsCli) -> CliResult {
     }
 }
 
-fn run(image: &Path, item: Option<BalanceItem>) -> CliResult {
+fn run(image: &Path, request: Option<&BalanceRequest>) -> CliResult {
     let fs = super::subvol::open_rw(image)?;
     let interrupted = Arc::new(AtomicBool::new(false));
     let hooks: Vec<_> = [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM]
@@ -287,7 +275,7 @@ fn run(image: &Path, item: Option<BalanceItem>) -> CliResult {
         .collect();
     let mut line = super::progress::StatusLine::new();
     let flag = interrupted.clone();
-    let r = fs.balance(item, &mut |m| line.show(m), &mut |_, _| {
+    let r = fs.balance(request, &mut |m| line.show(m), &mut |_, _| {
         flag.load(Ordering::SeqCst)
     });
     line.end();
@@ -312,40 +300,35 @@ fn run(image: &Path, item: Option<BalanceItem>) -> CliResult {
     Ok(())
 }
 
-fn describe(name: &str, a: &BalanceArgs) -> String {
+fn describe(name: &str, f: &BalanceFilters) -> String {
     let mut parts = Vec::new();
-    let f = a.flags;
-    if f & BalanceArgs::CONVERT != 0 {
-        parts.push(format!(
-            "converting to {}",
-            block_group_profile(a.target & !BalanceArgs::SINGLE)
-        ));
+    if let Some(p) = f.convert {
+        parts.push(format!("converting to {}", block_group_profile(p)));
     }
-    if f & BalanceArgs::SOFT != 0 {
+    if f.soft {
         parts.push("soft".into());
     }
-    if f & (BalanceArgs::USAGE | BalanceArgs::USAGE_RANGE) != 0 {
-        let (lo, hi) = a.usage_range();
+    if let Some(ps) = &f.profiles {
+        let names: Vec<&str> = ps.iter().map(|&p| block_group_profile(p)).collect();
+        parts.push(format!("profiles={}", names.join("|")));
+    }
+    if let Some((lo, hi)) = f.usage {
         parts.push(format!("usage={lo}..{hi}"));
     }
-    if f & BalanceArgs::DEVID != 0 {
-        parts.push(format!("devid={}", a.devid));
+    if let Some(d) = f.devid {
+        parts.push(format!("devid={d}"));
     }
-    if f & BalanceArgs::DRANGE != 0 {
-        parts.push(format!("drange={}..{}", a.pstart, a.pend));
+    if let Some((s, e)) = f.drange {
+        parts.push(format!("drange={s}..{e}"));
     }
-    if f & BalanceArgs::VRANGE != 0 {
-        parts.push(format!("vrange={}..{}", a.vstart, a.vend));
+    if let Some((s, e)) = f.vrange {
+        parts.push(format!("vrange={s}..{e}"));
     }
-    if f & (BalanceArgs::LIMIT | BalanceArgs::LIMIT_RANGE) != 0 {
-        let (lo, hi) = a.limit_range();
+    if let Some((lo, hi)) = f.limit {
         parts.push(format!("limit={lo}..{hi}"));
     }
-    if f & BalanceArgs::STRIPES_RANGE != 0 {
-        parts.push(format!("stripes={}..{}", a.stripes_min, a.stripes_max));
-    }
-    if f & BalanceArgs::PROFILES != 0 {
-        parts.push(format!("profiles={:#x}", a.profiles));
+    if let Some((lo, hi)) = f.stripes {
+        parts.push(format!("stripes={lo}..{hi}"));
     }
     if parts.is_empty() {
         parts.push("every block group".into());
@@ -355,18 +338,18 @@ fn describe(name: &str, a: &BalanceArgs) -> String {
 
 fn status(image: &Path) -> CliResult {
     let fs = super::open_fs(image)?;
-    let Some(item) = fs.balance_item()? else {
+    let Some(r) = fs.paused_balance()? else {
         println!("No balance found on '{}'", image.display());
         return Ok(());
     };
     println!("Balance on '{}' is paused", image.display());
-    for (bit, name, args) in [
-        (BalanceItem::DATA, "data", &item.data),
-        (BalanceItem::METADATA, "metadata", &item.meta),
-        (BalanceItem::SYSTEM, "system", &item.sys),
+    for (name, f) in [
+        ("data", &r.data),
+        ("metadata", &r.metadata),
+        ("system", &r.system),
     ] {
-        if item.flags & bit != 0 {
-            println!("{}", describe(name, args));
+        if let Some(f) = f {
+            println!("{}", describe(name, f));
         }
     }
     println!(

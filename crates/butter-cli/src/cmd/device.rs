@@ -200,11 +200,18 @@ fn replace(image: &Path, source: &str, target: &Path, force: bool) -> CliResult 
     let src = resolve(&fs, &[source.to_string()])?[0];
     // Replacing the device the filesystem is opened by: it is opened by the target after.
     let by_source = fs.devices()?.iter().any(|d| {
-        d.devid == src && d.path.as_deref().is_some_and(|p| canon(Path::new(p)) == canon(image))
+        d.devid == src
+            && d.path
+                .as_deref()
+                .is_some_and(|p| canon(Path::new(p)) == canon(image))
     });
-    let new = fs
-        .add_device(dev)
-        .map_err(|e| CliError(format!("cannot add {}: {}", target.display(), CliError::from(e))))?;
+    let new = fs.add_device(dev).map_err(|e| {
+        CliError(format!(
+            "cannot add {}: {}",
+            target.display(),
+            CliError::from(e)
+        ))
+    })?;
     fs.close()?;
     drop(fs);
     // Open again with the new device, so that relocation can put chunks on it.

@@ -98,18 +98,28 @@ pub fn examples(path: &str) -> &'static [(&'static str, &'static str)] {
         ],
         "filesystem du" => &[("Shared and exclusive bytes of each home", "butter filesystem du -s disk.img home/*")],
         "balance" | "balance start" => &[
-            ("Give back the space of empty block groups, then shrink the image to what is left", "butter balance start -dusage=0 -musage=0 os.img && butter filesystem resize os.img min"),
+            ("Compact block groups less than half full", "butter balance start -dusage=50 -musage=50 os.img"),
+            ("Metadata from DUP to single (less redundancy needs --force)", "butter balance start -f -mconvert=single os.img"),
+            ("Data of two images to RAID1", "butter balance start -dconvert=raid1 a.img --device b.img"),
         ],
+        "balance status" => &[("Is a balance paused on the image?", "butter balance status os.img")],
+        "balance resume" => &[("Finish a balance that was interrupted (by butter or the kernel)", "butter balance resume os.img")],
+        "balance cancel" => &[("Drop a paused balance", "butter balance cancel os.img")],
         "device" | "device add" => &[
             ("Add a second image file to a filesystem, then use both", "truncate -s 4G b.img && butter device add a.img b.img && butter filesystem show a.img --device b.img"),
         ],
         "device remove" => &[
-            ("Take device 2 out again while it holds no chunk", "butter device remove a.img --device b.img 2"),
+            ("Take device 2 out, its chunks moved to the others", "butter device remove a.img --device b.img --device c.img 2"),
+        ],
+        "device replace" => &[
+            ("Move everything from b.img to c.img", "butter device replace a.img --device b.img b.img c.img"),
+            ("Replace a lost device of a RAID1", "butter device replace --degraded a.img missing c.img"),
         ],
         "filesystem resize" => &[
             ("Grow an image by 2 GiB (the file grows with it)", "butter filesystem resize os.img +2G"),
             ("Fill the whole of a device or file made larger, as image tools do on first boot", "truncate -s 8G os.img && butter filesystem resize os.img max"),
-            ("Shrink it to its chunks, the file cut there", "butter filesystem resize os.img min"),
+            ("Shrink it as far as it goes, its block groups packed, the file cut there", "butter filesystem resize os.img min"),
+            ("Shrink to 1 GiB, moving what lies past it", "butter filesystem resize os.img 1G"),
             ("Grow device 2 of a RAID1", "butter filesystem resize a.img 2:+1G --device b.img"),
         ],
         "filesystem label" => &[

@@ -98,7 +98,11 @@ impl StatusLine {
     }
 
     pub fn show(&mut self, msg: &str) {
-        if !self.tty || self.last.is_some_and(|t| t.elapsed() < Duration::from_millis(200)) {
+        if !self.tty
+            || self
+                .last
+                .is_some_and(|t| t.elapsed() < Duration::from_millis(200))
+        {
             return;
         }
         self.last = Some(Instant::now());

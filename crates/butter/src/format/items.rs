@@ -1241,38 +1241,38 @@ mod encode_tests {
 /// single value or, with the `*_RANGE` flag, a minimum in the low and a maximum in the high
 /// 32 bits; single is [`BalanceArgs::SINGLE`] in `profiles` and `target`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct BalanceArgs {
-    pub profiles: u64,
-    pub usage: u64,
-    pub devid: u64,
-    pub pstart: u64,
-    pub pend: u64,
-    pub vstart: u64,
-    pub vend: u64,
-    pub target: u64,
-    pub flags: u64,
-    pub limit: u64,
-    pub stripes_min: u32,
-    pub stripes_max: u32,
+pub(crate) struct BalanceArgs {
+    pub(crate) profiles: u64,
+    pub(crate) usage: u64,
+    pub(crate) devid: u64,
+    pub(crate) pstart: u64,
+    pub(crate) pend: u64,
+    pub(crate) vstart: u64,
+    pub(crate) vend: u64,
+    pub(crate) target: u64,
+    pub(crate) flags: u64,
+    pub(crate) limit: u64,
+    pub(crate) stripes_min: u32,
+    pub(crate) stripes_max: u32,
 }
 
 impl BalanceArgs {
-    pub const SIZE: usize = 136;
+    pub(crate) const SIZE: usize = 136;
     /// The SINGLE profile, which has no block group bit (the kernel's AVAIL_ALLOC_BIT_SINGLE).
-    pub const SINGLE: u64 = 1 << 48;
-    pub const PROFILES: u64 = 1 << 0;
-    pub const USAGE: u64 = 1 << 1;
-    pub const DEVID: u64 = 1 << 2;
-    pub const DRANGE: u64 = 1 << 3;
-    pub const VRANGE: u64 = 1 << 4;
-    pub const LIMIT: u64 = 1 << 5;
-    pub const LIMIT_RANGE: u64 = 1 << 6;
-    pub const STRIPES_RANGE: u64 = 1 << 7;
-    pub const CONVERT: u64 = 1 << 8;
-    pub const SOFT: u64 = 1 << 9;
-    pub const USAGE_RANGE: u64 = 1 << 10;
+    pub(crate) const SINGLE: u64 = 1 << 48;
+    pub(crate) const PROFILES: u64 = 1 << 0;
+    pub(crate) const USAGE: u64 = 1 << 1;
+    pub(crate) const DEVID: u64 = 1 << 2;
+    pub(crate) const DRANGE: u64 = 1 << 3;
+    pub(crate) const VRANGE: u64 = 1 << 4;
+    pub(crate) const LIMIT: u64 = 1 << 5;
+    pub(crate) const LIMIT_RANGE: u64 = 1 << 6;
+    pub(crate) const STRIPES_RANGE: u64 = 1 << 7;
+    pub(crate) const CONVERT: u64 = 1 << 8;
+    pub(crate) const SOFT: u64 = 1 << 9;
+    pub(crate) const USAGE_RANGE: u64 = 1 << 10;
 
-    pub fn parse(b: &[u8]) -> Result<BalanceArgs> {
+    pub(crate) fn parse(b: &[u8]) -> Result<BalanceArgs> {
         need(b, Self::SIZE, "balance args")?;
         Ok(BalanceArgs {
             profiles: le_u64(b, 0),
@@ -1290,7 +1290,7 @@ impl BalanceArgs {
         })
     }
 
-    pub fn write(&self, b: &mut [u8]) {
+    pub(crate) fn write(&self, b: &mut [u8]) {
         for (i, v) in [
             self.profiles,
             self.usage,
@@ -1313,7 +1313,7 @@ impl BalanceArgs {
     }
 
     /// `usage` as a percent range [min, max): `usage=N` is below N.
-    pub fn usage_range(&self) -> (u64, u64) {
+    pub(crate) fn usage_range(&self) -> (u64, u64) {
         if self.flags & Self::USAGE_RANGE != 0 {
             (self.usage & 0xffff_ffff, self.usage >> 32)
         } else {
@@ -1322,7 +1322,7 @@ impl BalanceArgs {
     }
 
     /// `limit` as a range of how many block groups to take.
-    pub fn limit_range(&self) -> (u64, u64) {
+    pub(crate) fn limit_range(&self) -> (u64, u64) {
         if self.flags & Self::LIMIT_RANGE != 0 {
             (self.limit & 0xffff_ffff, self.limit >> 32)
         } else {
@@ -1334,23 +1334,22 @@ impl BalanceArgs {
 /// BALANCE_ITEM (root tree, key BALANCE_OBJECTID / TEMPORARY_ITEM / 0): a balance in
 /// progress, so that it resumes after an interruption (the kernel resumes it at mount).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct BalanceItem {
+pub(crate) struct BalanceItem {
     /// BALANCE_* below.
-    pub flags: u64,
-    pub data: BalanceArgs,
-    pub meta: BalanceArgs,
-    pub sys: BalanceArgs,
+    pub(crate) flags: u64,
+    pub(crate) data: BalanceArgs,
+    pub(crate) meta: BalanceArgs,
+    pub(crate) sys: BalanceArgs,
 }
 
 impl BalanceItem {
-    pub const SIZE: usize = 8 + 3 * BalanceArgs::SIZE + 32;
-    pub const DATA: u64 = 1 << 0;
-    pub const SYSTEM: u64 = 1 << 1;
-    pub const METADATA: u64 = 1 << 2;
-    pub const FORCE: u64 = 1 << 3;
-    pub const RESUME: u64 = 1 << 4;
+    pub(crate) const SIZE: usize = 8 + 3 * BalanceArgs::SIZE + 32;
+    pub(crate) const DATA: u64 = 1 << 0;
+    pub(crate) const SYSTEM: u64 = 1 << 1;
+    pub(crate) const METADATA: u64 = 1 << 2;
+    pub(crate) const FORCE: u64 = 1 << 3;
 
-    pub fn parse(b: &[u8]) -> Result<BalanceItem> {
+    pub(crate) fn parse(b: &[u8]) -> Result<BalanceItem> {
         need(b, Self::SIZE, "balance item")?;
         Ok(BalanceItem {
             flags: le_u64(b, 0),
@@ -1360,7 +1359,7 @@ impl BalanceItem {
         })
     }
 
-    pub fn to_bytes(&self) -> Vec<u8> {
+    pub(crate) fn encode(&self) -> Vec<u8> {
         let mut b = vec![0u8; Self::SIZE];
         put_u64(&mut b, 0, self.flags);
         self.data.write(&mut b[8..]);
@@ -1370,7 +1369,7 @@ impl BalanceItem {
     }
 
     /// The args for one block group type (a BLOCK_GROUP_* type bit), if the balance takes it.
-    pub fn args_for(&self, ty: u64) -> Option<&BalanceArgs> {
+    pub(crate) fn args_for(&self, ty: u64) -> Option<&BalanceArgs> {
         if ty & BLOCK_GROUP_DATA != 0 && self.flags & Self::DATA != 0 {
             Some(&self.data)
         } else if ty & BLOCK_GROUP_METADATA != 0 && self.flags & Self::METADATA != 0 {

@@ -354,29 +354,22 @@ impl Fs {
         })
     }
 
-    /// The BALANCE_ITEM of an interrupted balance, if any.
-    pub fn balance_item(&self) -> Result<Option<crate::format::items::BalanceItem>> {
-        self.reading(None, |c| c.balance_item())
+    /// The balance that was interrupted (paused) on the filesystem, if any: by butter or by
+    /// the kernel.
+    pub fn paused_balance(&self) -> Result<Option<crate::inode::balance::BalanceRequest>> {
+        self.reading(None, |c| c.paused_balance())
     }
 
-    /// The block groups a balance with `item`'s filters would relocate, in its order.
-    pub fn balance_selection(
-        &self,
-        item: &crate::format::items::BalanceItem,
-    ) -> Result<Vec<crate::inode::statfs::BlockGroupInfo>> {
-        self.changing("balance_selection", None, |c| c.balance_selection(item))
-    }
-
-    /// Runs a balance with `item` (written as the BALANCE_ITEM first), or with `None` resumes
-    /// the interrupted one. `stop(done, total)` is asked before each block group; true pauses
-    /// (the item stays for a resume).
+    /// Runs the balance `request` (kept in the filesystem until it ends), or with `None`
+    /// resumes the paused one. `stop(done, total)` is asked before each block group; true
+    /// pauses (to resume later).
     pub fn balance(
         &self,
-        item: Option<crate::format::items::BalanceItem>,
+        request: Option<&crate::inode::balance::BalanceRequest>,
         progress: &mut dyn FnMut(&str),
         stop: &mut dyn FnMut(usize, usize) -> bool,
     ) -> Result<crate::inode::balance::BalanceReport> {
-        self.changing("balance", None, |c| c.balance(item, progress, stop))
+        self.changing("balance", None, |c| c.balance(request, progress, stop))
     }
 
     /// Drops an interrupted balance; whether there was one.
@@ -414,11 +407,7 @@ impl Fs {
 
     /// Shrinks device `devid` as far as relocation can (see
     /// [`crate::inode::core::Core::shrink_device_to_min`]) and commits; returns its new size.
-    pub fn shrink_device_to_min(
-        &self,
-        devid: u64,
-        progress: &mut dyn FnMut(&str),
-    ) -> Result<u64> {
+    pub fn shrink_device_to_min(&self, devid: u64, progress: &mut dyn FnMut(&str)) -> Result<u64> {
         self.changing("shrink_device_to_min", None, |c| {
             c.shrink_device_to_min(devid, progress)
         })

@@ -14,6 +14,163 @@ use crate::inode::core::Core;
 use crate::inode::statfs::BlockGroupInfo;
 use crate::transaction::relocate::RelocStats;
 
+/// The filters of a balance for one block group type, as the kernel's: each that is set
+/// narrows the selection. Profiles are block group profile bits, 0 for single.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct BalanceFilters {
+    /// `profiles=`: groups of one of these profiles.
+    pub profiles: Option<Vec<u64>>,
+    /// `usage=`: groups used from the first percent to below the second (`usage=N` is
+    /// `(0, N)`; 0 percent below 1 takes the empty ones).
+    pub usage: Option<(u64, u64)>,
+    /// `devid=`: groups with a stripe on that device.
+    pub devid: Option<u64>,
+    /// `drange=`: a stripe (on `devid`'s device, if given) overlapping these bytes.
+    pub drange: Option<(u64, u64)>,
+    /// `vrange=`: the group's logical range overlapping these bytes.
+    pub vrange: Option<(u64, u64)>,
+    /// `limit=`: from the first to the second number of groups (`limit=N` is `(0, N)`).
+    pub limit: Option<(u64, u64)>,
+    /// `stripes=`: groups with from the first to the second number of stripes.
+    pub stripes: Option<(u32, u32)>,
+    /// `convert=`: the profile the groups are rewritten in.
+    pub convert: Option<u64>,
+    /// `soft`: with `convert`, groups already in the target profile are left alone.
+    pub soft: bool,
+}
+
+/// A balance: which block group types it takes, each with its filters, and whether it may
+/// reduce metadata redundancy (`--force`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct BalanceRequest {
+    pub data: Option<BalanceFilters>,
+    pub metadata: Option<BalanceFilters>,
+    pub system: Option<BalanceFilters>,
+    pub force: bool,
+}
+
+fn profile_to_args(p: u64) -> u64 {
+    if p & BLOCK_GROUP_PROFILE_MASK == 0 {
+        BalanceArgs::SINGLE
+    } else {
+        p & BLOCK_GROUP_PROFILE_MASK
+    }
+}
+
+fn profile_from_args(p: u64) -> u64 {
+    p & BLOCK_GROUP_PROFILE_MASK
+}
+
+fn range_to_args(r: (u64, u64), single: u64, range: u64) -> (u64, u64) {
+    if r.0 == 0 {
+        (r.1, single)
+    } else {
+        (
+            (r.0 & 0xffff_ffff) | (r.1.min(u32::MAX as u64) << 32),
+            range,
+        )
+    }
+}
+
+impl BalanceFilters {
+    fn to_args(&self) -> BalanceArgs {
+        let mut a = BalanceArgs::default();
+        if let Some(ps) = &self.profiles {
+            a.profiles = ps.iter().fold(0, |m, &p| m | profile_to_args(p));
+            a.flags |= BalanceArgs::PROFILES;
+        }
+        if let Some(u) = self.usage {
+            let (v, f) = range_to_args(u, BalanceArgs::USAGE, BalanceArgs::USAGE_RANGE);
+            a.usage = v;
+            a.flags |= f;
+        }
+        if let Some(d) = self.devid {
+            a.devid = d;
+            a.flags |= BalanceArgs::DEVID;
+        }
+        if let Some((s, e)) = self.drange {
+            (a.pstart, a.pend) = (s, e);
+            a.flags |= BalanceArgs::DRANGE;
+        }
+        if let Some((s, e)) = self.vrange {
+            (a.vstart, a.vend) = (s, e);
+            a.flags |= BalanceArgs::VRANGE;
+        }
+        if let Some(l) = self.limit {
+            let (v, f) = range_to_args(l, BalanceArgs::LIMIT, BalanceArgs::LIMIT_RANGE);
+            a.limit = v;
+            a.flags |= f;
+        }
+        if let Some((lo, hi)) = self.stripes {
+            (a.stripes_min, a.stripes_max) = (lo, hi);
+            a.flags |= BalanceArgs::STRIPES_RANGE;
+        }
+        if let Some(p) = self.convert {
+            a.target = profile_to_args(p);
+            a.flags |= BalanceArgs::CONVERT;
+        }
+        if self.soft {
+            a.flags |= BalanceArgs::SOFT;
+        }
+        a
+    }
+
+    fn from_args(a: &BalanceArgs) -> BalanceFilters {
+        let f = a.flags;
+        let on = |bit: u64| f & bit != 0;
+        BalanceFilters {
+            profiles: on(BalanceArgs::PROFILES).then(|| {
+                (0..64)
+                    .map(|b| 1u64 << b)
+                    .filter(|b| a.profiles & b != 0)
+                    .map(profile_from_args)
+                    .collect()
+            }),
+            usage: on(BalanceArgs::USAGE | BalanceArgs::USAGE_RANGE).then(|| a.usage_range()),
+            devid: on(BalanceArgs::DEVID).then_some(a.devid),
+            drange: on(BalanceArgs::DRANGE).then_some((a.pstart, a.pend)),
+            vrange: on(BalanceArgs::VRANGE).then_some((a.vstart, a.vend)),
+            limit: on(BalanceArgs::LIMIT | BalanceArgs::LIMIT_RANGE).then(|| a.limit_range()),
+            stripes: on(BalanceArgs::STRIPES_RANGE).then_some((a.stripes_min, a.stripes_max)),
+            convert: on(BalanceArgs::CONVERT).then_some(profile_from_args(a.target)),
+            soft: on(BalanceArgs::SOFT),
+        }
+    }
+}
+
+impl BalanceRequest {
+    pub(crate) fn to_item(&self) -> BalanceItem {
+        let mut it = BalanceItem::default();
+        if let Some(f) = &self.data {
+            it.data = f.to_args();
+            it.flags |= BalanceItem::DATA;
+        }
+        if let Some(f) = &self.metadata {
+            it.meta = f.to_args();
+            it.flags |= BalanceItem::METADATA;
+        }
+        if let Some(f) = &self.system {
+            it.sys = f.to_args();
+            it.flags |= BalanceItem::SYSTEM;
+        }
+        if self.force {
+            it.flags |= BalanceItem::FORCE;
+        }
+        it
+    }
+
+    pub(crate) fn from_item(it: &BalanceItem) -> BalanceRequest {
+        let take =
+            |bit: u64, a: &BalanceArgs| (it.flags & bit != 0).then(|| BalanceFilters::from_args(a));
+        BalanceRequest {
+            data: take(BalanceItem::DATA, &it.data),
+            metadata: take(BalanceItem::METADATA, &it.meta),
+            system: take(BalanceItem::SYSTEM, &it.sys),
+            force: it.flags & BalanceItem::FORCE != 0,
+        }
+    }
+}
+
 /// What a balance did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct BalanceReport {
@@ -67,7 +224,9 @@ fn filters_take(args: &BalanceArgs, g: &BlockGroupInfo) -> bool {
     }
     if f & BalanceArgs::DRANGE != 0
         && !g.stripes.iter().any(|&(d, off, len)| {
-            (f & BalanceArgs::DEVID == 0 || d == args.devid) && off < args.pend && args.pstart < off + len
+            (f & BalanceArgs::DEVID == 0 || d == args.devid)
+                && off < args.pend
+                && args.pstart < off + len
         })
     {
         return false;
@@ -91,6 +250,13 @@ fn filters_take(args: &BalanceArgs, g: &BlockGroupInfo) -> bool {
 }
 
 impl Core {
+    /// The balance that was interrupted (paused) on this filesystem, if there is one.
+    pub(crate) fn paused_balance(&self) -> Result<Option<BalanceRequest>> {
+        Ok(self
+            .balance_item()?
+            .map(|it| BalanceRequest::from_item(&it)))
+    }
+
     /// The BALANCE_ITEM of an interrupted balance, if there is one.
     pub(crate) fn balance_item(&self) -> Result<Option<BalanceItem>> {
         let item = match &self.writer {
@@ -98,12 +264,8 @@ impl Core {
             None => crate::ctree::lookup(&self.disk, &self.tree_root(), &balance_key())?
                 .map(|it| it.data().to_vec()),
         };
-        item.map(|b| {
-            BalanceItem::parse(&b).map_err(|e| {
-                e.in_block(Some(ROOT_TREE_OBJECTID), 0)
-            })
-        })
-        .transpose()
+        item.map(|b| BalanceItem::parse(&b).map_err(|e| e.in_block(Some(ROOT_TREE_OBJECTID), 0)))
+            .transpose()
     }
 
     /// The block groups `item`'s filters select, in the order a balance takes them (the
@@ -128,7 +290,12 @@ impl Core {
             if (taken.len() as u64) < lo {
                 continue;
             }
-            out.extend(taken.into_iter().take(hi.min(usize::MAX as u64) as usize).cloned());
+            out.extend(
+                taken
+                    .into_iter()
+                    .take(hi.min(usize::MAX as u64) as usize)
+                    .cloned(),
+            );
         }
         Ok(out)
     }
@@ -186,10 +353,11 @@ impl Core {
     /// each group: true pauses the balance (its item stays, to resume later).
     pub(crate) fn balance(
         &self,
-        item: Option<BalanceItem>,
+        request: Option<&BalanceRequest>,
         progress: &mut dyn FnMut(&str),
         stop: &mut dyn FnMut(usize, usize) -> bool,
     ) -> Result<BalanceReport> {
+        let item = request.map(BalanceRequest::to_item);
         let existing = self.balance_item()?;
         let item = match (existing, item) {
             (Some(_), Some(_)) => {
@@ -205,7 +373,7 @@ impl Core {
                 self.balance_validate(&it)?;
                 self.commit()?;
                 self.op(false, |w| {
-                    w.replace_item(ROOT_TREE_OBJECTID, balance_key(), &it.to_bytes())
+                    w.replace_item(ROOT_TREE_OBJECTID, balance_key(), &it.encode())
                 })?;
                 self.commit()?;
                 it

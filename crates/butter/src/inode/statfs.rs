@@ -9,8 +9,8 @@ use crate::error::Result;
 use crate::format::items::DevExtent;
 use crate::format::*;
 use crate::inode::core::Core;
-use crate::transaction::relocate::RelocStats;
 use crate::space::alloc::SpaceKind;
+use crate::transaction::relocate::RelocStats;
 
 /// What statfs reports, in bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -505,11 +505,19 @@ impl Core {
             }
             let on_dev = |g: &BlockGroupInfo| -> Option<(u64, u64)> {
                 let on: Vec<&(u64, u64, u64)> = g.stripes.iter().filter(|s| s.0 == devid).collect();
-                Some((on.iter().map(|s| s.1).min()?, on.iter().map(|s| s.1 + s.2).max()?))
+                Some((
+                    on.iter().map(|s| s.1).min()?,
+                    on.iter().map(|s| s.1 + s.2).max()?,
+                ))
             };
             groups.retain(|g| on_dev(g).is_some());
             groups.sort_by_key(|g| std::cmp::Reverse(on_dev(g).map(|x| x.1)));
-            let end = groups.iter().filter_map(on_dev).map(|x| x.1).max().unwrap_or(mib);
+            let end = groups
+                .iter()
+                .filter_map(on_dev)
+                .map(|x| x.1)
+                .max()
+                .unwrap_or(mib);
             // A move: (group, snug size, new chunks below this, new chunks above this).
             let mut pick: Option<(&BlockGroupInfo, u64, Option<u64>, Option<u64>)> = None;
             for g in &groups {
@@ -556,7 +564,10 @@ impl Core {
             if pick.is_none() {
                 // Nothing goes down: the group right above the lowest hole moves up.
                 let holes = self.op(false, |w| w.device_holes(devid))?;
-                let lowest = holes.iter().filter(|h| h.0 < end && h.1 >= mib).min_by_key(|h| h.0);
+                let lowest = holes
+                    .iter()
+                    .filter(|h| h.0 < end && h.1 >= mib)
+                    .min_by_key(|h| h.0);
                 if let Some(&(hs, _)) = lowest {
                     let above = groups
                         .iter()
@@ -568,7 +579,9 @@ impl Core {
                     }
                 }
             }
-            let Some((g, snug, below, above)) = pick else { break };
+            let Some((g, snug, below, above)) = pick else {
+                break;
+            };
             if snug == 0 {
                 match self.remove_empty_block_groups(&[g.start]) {
                     Ok(()) => {}

@@ -614,7 +614,7 @@ fn cut_everywhere(
 /// system group single, no group of before left, the files the same.
 #[test]
 fn power_cut_at_every_write_of_a_balance_resumes_to_the_same_end() {
-    use butter::format::items::{BalanceArgs, BalanceItem};
+    use butter::inode::balance::{BalanceFilters, BalanceRequest};
     fixed_time();
     let base = fresh_image(
         DEV_SIZE,
@@ -644,20 +644,19 @@ fn power_cut_at_every_write_of_a_balance_resumes_to_the_same_end() {
         inner: Arc::new(RamDevice::new((*base).clone())),
         trace: trace.clone(),
     });
-    let convert = BalanceArgs {
-        flags: BalanceArgs::CONVERT,
-        target: BalanceArgs::SINGLE,
-        ..BalanceArgs::default()
+    let convert = BalanceFilters {
+        convert: Some(0),
+        ..BalanceFilters::default()
     };
-    let item = BalanceItem {
-        flags: BalanceItem::DATA | BalanceItem::METADATA | BalanceItem::SYSTEM | BalanceItem::FORCE,
-        data: BalanceArgs::default(),
-        meta: convert,
-        sys: convert,
+    let item = BalanceRequest {
+        data: Some(BalanceFilters::default()),
+        metadata: Some(convert.clone()),
+        system: Some(convert),
+        force: true,
     };
     let fs = open_set(std::slice::from_ref(&dev), true).expect("open");
     let report = fs
-        .balance(Some(item), &mut |_| {}, &mut |_, _| false)
+        .balance(Some(&item), &mut |_| {}, &mut |_, _| false)
         .expect("balance");
     assert_eq!(report.relocated, before.len(), "{report:?}");
     drop(fs);
@@ -670,10 +669,17 @@ fn power_cut_at_every_write_of_a_balance_resumes_to_the_same_end() {
                 return Err(format!("{what}: the group at {} is still there", g.start));
             }
             if g.flags & 1 == 0 && g.flags & butter::format::BLOCK_GROUP_PROFILE_MASK != 0 {
-                return Err(format!("{what}: {:#x} group at {} not converted", g.flags, g.start));
+                return Err(format!(
+                    "{what}: {:#x} group at {} not converted",
+                    g.flags, g.start
+                ));
             }
         }
-        if fs.balance_item().map_err(|e| format!("{what}: {e}"))?.is_some() {
+        if fs
+            .paused_balance()
+            .map_err(|e| format!("{what}: {e}"))?
+            .is_some()
+        {
             return Err(format!("{what}: the balance item is still there"));
         }
         Ok(())
@@ -690,24 +696,34 @@ fn power_cut_at_every_write_of_a_balance_resumes_to_the_same_end() {
             }
             butter_check(&fs).map_err(|e| format!("{what}: {e}"))?;
         }
-        if sample.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % 23 != 0 {
+        if !sample
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+            .is_multiple_of(23)
+        {
             return Ok(());
         }
         // Resume on a copy: the balance ends where the uncut one did.
         let copy: Arc<dyn BlockDevice> = Arc::new(OverlayDevice::new(base.clone(), pages.clone()));
         let fs = open_set(&[copy], true).map_err(|e| format!("{what}: open rw: {e}"))?;
-        if fs.balance_item().map_err(|e| format!("{what}: {e}"))?.is_some() {
+        if fs
+            .paused_balance()
+            .map_err(|e| format!("{what}: {e}"))?
+            .is_some()
+        {
             fs.balance(None, &mut |_| {}, &mut |_, _| false)
                 .map_err(|e| format!("{what}: resume: {e}"))?;
         } else {
             // Cut before the item was written: the balance starts again from the top.
-            fs.balance(Some(item), &mut |_| {}, &mut |_, _| false)
+            fs.balance(Some(&item), &mut |_| {}, &mut |_, _| false)
                 .map_err(|e| format!("{what}: again: {e}"))?;
         }
         at_end(&fs, what)?;
         let m = manifest(&fs).map_err(|e| format!("{what}: {e}"))?;
         if m != want {
-            return Err(format!("{what}: files changed by the resume: {}", diff(&want, &m)));
+            return Err(format!(
+                "{what}: files changed by the resume: {}",
+                diff(&want, &m)
+            ));
         }
         fs.close().map_err(|e| format!("{what}: close: {e}"))?;
         Ok(())

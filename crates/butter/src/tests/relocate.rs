@@ -28,7 +28,11 @@ fn look(fs: &Fs, dir: Inode, name: &str) -> Inode {
 
 /// A filesystem with a bit of everything relocation must carry along.
 fn build() -> Arc<RamDevice> {
-    let dev = Arc::new(RamDevice::new(fresh_image(SIZE, Profile::Dup, Profile::Single)));
+    let dev = Arc::new(RamDevice::new(fresh_image(
+        SIZE,
+        Profile::Dup,
+        Profile::Single,
+    )));
     let opts = RwOptions {
         small_chunks: true,
         ..RwOptions::default()
@@ -62,7 +66,8 @@ fn build() -> Arc<RamDevice> {
     let src = look(&fs, look(&fs, sv, "d1"), "f1");
     let dst = fs.create(sv, b"clone", 0o644, OWNER).unwrap();
     fs.clone_range(src, 0, dst, 0, 512 << 10).unwrap();
-    fs.clone_range(src, 512 << 10, dst, 2 << 20, 512 << 10).unwrap();
+    fs.clone_range(src, 512 << 10, dst, 2 << 20, 512 << 10)
+        .unwrap();
     // A prealloc range.
     let pre = fs.create(sv, b"prealloc", 0o644, OWNER).unwrap();
     fs.fallocate(pre, 0, 0, 1 << 20).unwrap();
@@ -94,7 +99,9 @@ fn build() -> Arc<RamDevice> {
     let root = fs.root_inode();
     let z = fs.mkdir(root, b"z", 0o755, OWNER).unwrap();
     for i in 0..20u64 {
-        let f = fs.create(z, format!("c{i}").as_bytes(), 0o644, OWNER).unwrap();
+        let f = fs
+            .create(z, format!("c{i}").as_bytes(), 0o644, OWNER)
+            .unwrap();
         let text: Vec<u8> = (0..200_000u64)
             .map(|k| b"relocate me "[(k % 12) as usize] ^ (i as u8 & 1))
             .collect();
@@ -129,7 +136,11 @@ fn every_block_group_relocated_keeps_every_file() {
     assert!(st.file_extents >= st.data_extents, "{st:?}");
     let now = groups(&fs);
     for g in &now {
-        assert!(!starts.contains(&g.start), "group {} is still there", g.start);
+        assert!(
+            !starts.contains(&g.start),
+            "group {} is still there",
+            g.start
+        );
     }
     assert_eq!(manifest(&fs).unwrap(), before);
     fs.close().unwrap();
@@ -141,7 +152,10 @@ fn every_block_group_relocated_keeps_every_file() {
     if have_btrfs_progs() {
         btrfs_check(&dev.live_bytes(), "relocate-all").unwrap();
     } else {
-        assert!(std::env::var_os("CI").is_none(), "btrfs-progs missing in CI");
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "btrfs-progs missing in CI"
+        );
     }
 }
 
@@ -169,7 +183,10 @@ fn shrink_to_min_after_deleting_half() {
     let end0 = fs.device_min_size(1).unwrap();
 
     let size = fs.shrink_device_to_min(1, &mut |_| {}).unwrap();
-    assert!(size < end0, "min {size} is not below {end0}, where chunks ended before");
+    assert!(
+        size < end0,
+        "min {size} is not below {end0}, where chunks ended before"
+    );
     // Packed: the device holds its chunks with no hole a chunk would fit, and the data
     // chunks hold no more than a chunk's worth of free space beyond what fragmentation
     // leaves (8 MiB chunks here).
@@ -200,25 +217,21 @@ fn shrink_to_min_after_deleting_half() {
 
 #[test]
 fn metadata_converted_from_dup_to_single_and_back() {
-    use butter::format::items::{BalanceArgs, BalanceItem};
+    use butter::inode::balance::{BalanceFilters, BalanceRequest};
     fixed_time();
     let dev = build();
     let before = manifest(&Fs::open_device(dev.clone()).unwrap()).unwrap();
-    let convert = |target: u64, force: bool| BalanceItem {
-        flags: BalanceItem::METADATA
-            | BalanceItem::SYSTEM
-            | if force { BalanceItem::FORCE } else { 0 },
-        meta: BalanceArgs {
-            flags: BalanceArgs::CONVERT,
-            target,
-            ..BalanceArgs::default()
-        },
-        sys: BalanceArgs {
-            flags: BalanceArgs::CONVERT,
-            target,
-            ..BalanceArgs::default()
-        },
-        ..BalanceItem::default()
+    let convert = |target: u64, force: bool| {
+        let f = BalanceFilters {
+            convert: Some(target),
+            ..BalanceFilters::default()
+        };
+        BalanceRequest {
+            metadata: Some(f.clone()),
+            system: Some(f),
+            force,
+            ..BalanceRequest::default()
+        }
     };
     let profiles = |fs: &Fs| -> Vec<u64> {
         let mut p: Vec<u64> = groups(fs)
@@ -232,11 +245,11 @@ fn metadata_converted_from_dup_to_single_and_back() {
     let fs = Fs::open_device_rw(dev.clone()).unwrap();
     // Less redundancy needs the force flag, and nothing changes without it.
     let e = fs
-        .balance(Some(convert(BalanceArgs::SINGLE, false)), &mut |_| {}, &mut |_, _| false)
+        .balance(Some(&convert(0, false)), &mut |_| {}, &mut |_, _| false)
         .unwrap_err();
     assert!(e.to_string().contains("--force"), "{e}");
-    assert!(fs.balance_item().unwrap().is_none());
-    fs.balance(Some(convert(BalanceArgs::SINGLE, true)), &mut |_| {}, &mut |_, _| false)
+    assert!(fs.paused_balance().unwrap().is_none());
+    fs.balance(Some(&convert(0, true)), &mut |_| {}, &mut |_, _| false)
         .unwrap();
     assert_eq!(profiles(&fs), vec![0], "{:?}", groups(&fs));
     fs.close().unwrap();
@@ -246,7 +259,7 @@ fn metadata_converted_from_dup_to_single_and_back() {
     }
     let fs = Fs::open_device_rw(dev.clone()).unwrap();
     let dup = butter::format::BLOCK_GROUP_DUP;
-    fs.balance(Some(convert(dup, false)), &mut |_| {}, &mut |_, _| false)
+    fs.balance(Some(&convert(dup, false)), &mut |_| {}, &mut |_, _| false)
         .unwrap();
     assert_eq!(profiles(&fs), vec![dup], "{:?}", groups(&fs));
     fs.close().unwrap();

@@ -388,7 +388,9 @@ impl Writer {
     pub(crate) fn remove_device(&mut self, devid: u64) -> Result<u64> {
         self.check_remove_device(devid)?;
         let Some(item) = self.dev_items.get(&devid).cloned() else {
-            return Err(Error::Invalid(format!("the filesystem has no device {devid}")));
+            return Err(Error::Invalid(format!(
+                "the filesystem has no device {devid}"
+            )));
         };
         let end = self.device_extents_end(devid)?;
         if end > 1 << 20 {
