@@ -139,6 +139,36 @@ impl CowCtx {
         Ok(())
     }
 
+    /// Points a tree at a copy of its root block that keeps the original's generation
+    /// (relocation): the root item and readers get that generation, not this transaction's.
+    pub(crate) fn replace_root(
+        &mut self,
+        id: u64,
+        bytenr: u64,
+        level: u8,
+        generation: u64,
+    ) -> Result<()> {
+        self.tree_state(id)?;
+        let t = self
+            .trees
+            .get_mut(&id)
+            .ok_or_else(|| Error::Internal(format!("tree {id} vanished")))?;
+        t.bytenr = bytenr;
+        t.level = level;
+        t.generation = generation;
+        t.dirty = true;
+        self.live.write().unwrap_or_else(|e| e.into_inner()).insert(
+            id,
+            Root {
+                id,
+                bytenr,
+                level,
+                generation,
+            },
+        );
+        Ok(())
+    }
+
     /// Lets readers see the tree's root as the running transaction has it.
     pub(crate) fn publish_root(&self, id: u64, bytenr: u64, level: u8) {
         self.live.write().unwrap_or_else(|e| e.into_inner()).insert(

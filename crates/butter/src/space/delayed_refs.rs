@@ -73,6 +73,9 @@ pub(crate) struct PendingExtent {
     /// Extent flags to set (FULL_BACKREF).
     pub(crate) flags_set: u64,
     pub(crate) deltas: BTreeMap<RefKey, i64>,
+    /// The generation a new extent item gets, when not the running transaction's (a block
+    /// or data extent copied by relocation keeps its original's).
+    pub(crate) generation: Option<u64>,
 }
 
 /// Reference deltas waiting for the commit, by extent address.
@@ -94,6 +97,7 @@ impl DelayedRefs {
             is_new: false,
             flags_set: 0,
             deltas: BTreeMap::new(),
+            generation: None,
         })
     }
 
@@ -129,6 +133,13 @@ impl DelayedRefs {
     pub(crate) fn set_flags(&mut self, bytenr: u64, num_bytes: u64, level: u8, flags: u64) {
         let e = self.entry(bytenr, num_bytes, Some((level, Key::MIN)));
         e.flags_set |= flags;
+    }
+
+    /// The generation the new extent item at `bytenr` gets (see [`PendingExtent::generation`]).
+    pub(crate) fn set_generation(&mut self, bytenr: u64, generation: u64) {
+        if let Some(e) = self.map.get_mut(&bytenr) {
+            e.generation = Some(generation);
+        }
     }
 
     pub(crate) fn is_empty(&self) -> bool {

@@ -3,8 +3,8 @@
 //! - Every block group of a filesystem with a subvolume, a snapshot sharing its blocks,
 //!   reflinked ranges, compressed, inline and prealloc extents and files that were partly
 //!   overwritten, relocated one by one: the files read the same before and after, through a
-//!   fresh open too, butter's checker and `btrfs check` are clean, and no block group that
-//!   existed before is left.
+//!   fresh open too, butter's checker and `btrfs check` are clean, no block group that
+//!   existed before is left, and metadata takes no more room (shared blocks stay shared).
 //! - A shrink to the minimum after half the files are deleted: the device ends where its last
 //!   chunk ends, below where it started, with everything readable.
 //! - Power cuts at every write of one relocation (RAM device): the image opens and shows the
@@ -112,6 +112,28 @@ fn build() -> Arc<RamDevice> {
     dev
 }
 
+/// What `btrfs check` counts of the subvolume trees: their bytes and the data their leaves
+/// reach, each shared block counted once (so unsharing a snapshot's blocks shows).
+fn shared_counts(img: &[u8], name: &str) -> Vec<String> {
+    let path = tmp_dir().join(format!("{name}.img"));
+    write_image(img, &path);
+    let out = std::process::Command::new("btrfs")
+        .args(["check", "--readonly"])
+        .arg(&path)
+        .output()
+        .expect("running btrfs check");
+    let _ = std::fs::remove_file(&path);
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    text.lines()
+        .filter(|l| {
+            l.contains("total fs tree bytes")
+                || l.contains("file data blocks allocated")
+                || l.contains(" referenced")
+        })
+        .map(str::to_string)
+        .collect()
+}
+
 fn groups(fs: &Fs) -> Vec<butter::inode::statfs::BlockGroupInfo> {
     fs.block_groups().unwrap()
 }
@@ -124,10 +146,15 @@ fn every_block_group_relocated_keeps_every_file() {
         let fs = Fs::open_device(dev.clone()).unwrap();
         manifest(&fs).unwrap()
     };
+    let counts_before = have_btrfs_progs().then(|| shared_counts(&dev.live_bytes(), "shared0"));
     let fs = Fs::open_device_rw(dev.clone()).unwrap();
     let old = groups(&fs);
     assert!(old.iter().any(|g| g.flags & 1 != 0 && g.used > 0));
     let starts: Vec<u64> = old.iter().map(|g| g.start).collect();
+    let meta_used = |gs: &[butter::inode::statfs::BlockGroupInfo]| -> u64 {
+        gs.iter().filter(|g| g.flags & 4 != 0).map(|g| g.used).sum()
+    };
+    let meta_before = meta_used(&old);
     let st = fs
         .relocate_block_groups(&starts, &mut |_| {}, &mut |_| Ok(()))
         .unwrap();
@@ -135,6 +162,13 @@ fn every_block_group_relocated_keeps_every_file() {
     assert!(st.tree_blocks > 10, "{st:?}");
     assert!(st.file_extents >= st.data_extents, "{st:?}");
     let now = groups(&fs);
+    // The snapshot still shares its tree blocks with the subvolume: each block moved once,
+    // not once per tree that reaches it.
+    let meta_after = meta_used(&now);
+    assert!(
+        meta_after <= meta_before + meta_before / 20 + (64 << 10),
+        "metadata grew from {meta_before} to {meta_after} bytes: shared blocks were copied apart"
+    );
     for g in &now {
         assert!(
             !starts.contains(&g.start),
@@ -151,6 +185,12 @@ fn every_block_group_relocated_keeps_every_file() {
     drop(fs);
     if have_btrfs_progs() {
         btrfs_check(&dev.live_bytes(), "relocate-all").unwrap();
+        let after = shared_counts(&dev.live_bytes(), "shared1");
+        assert_eq!(
+            Some(after),
+            counts_before,
+            "the snapshot's tree blocks were copied apart from the subvolume's"
+        );
     } else {
         assert!(
             std::env::var_os("CI").is_none(),

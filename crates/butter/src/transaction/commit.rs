@@ -198,7 +198,7 @@ impl Writer {
                 ));
             };
             let before = body.clone();
-            crate::format::encode::patch_root_item(&mut body, t.bytenr, t.level, self.transid);
+            crate::format::encode::patch_root_item(&mut body, t.bytenr, t.level, t.generation);
             if is_fs_tree(t.id) {
                 crate::format::encode::patch_root_ctransid(&mut body, self.transid);
             }

@@ -92,7 +92,7 @@ impl CowCtx {
                 };
                 ExtentRecord {
                     key,
-                    generation: self.transid,
+                    generation: pe.generation.unwrap_or(self.transid),
                     flags,
                     tree_block_info: tbi,
                     refs: BTreeMap::new(),

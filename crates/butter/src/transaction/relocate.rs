@@ -3,40 +3,51 @@
 //! remove).
 //!
 //! The kernel relocates through reloc trees: a COW copy of each subvolume tree whose blocks
-//! point at the new places, swapped into the subvolume at the end, so that snapshots keep
-//! sharing. butter is offline and the only writer, and commits whole transactions, so it can
-//! use the ordinary COW path instead, which is what makes it simple to trust:
+//! point at the new places, merged into the subvolume at the end, so that snapshots keep
+//! sharing. butter is offline and the only writer, so it can do what that achieves directly,
+//! in one transaction: it renames blocks.
 //!
 //! 1. The group is marked read-only in the allocator: nothing new goes into it, while its free
 //!    space stays free on disk.
 //! 2. Each data extent in it is copied (raw bytes, compressed or not, read from a copy whose
 //!    checksums match) to space outside it, with its checksums.
 //! 3. Every tree is walked from its root (the root and chunk trees, and every tree the root
-//!    tree has a ROOT_ITEM for, snapshots included). Each block in the group is COWed through
-//!    the tree that reaches it (a search to its first key, as any change would), and each file
-//!    extent item that points at a moved data extent is changed to point at its copy, its
-//!    back reference moved with it.
-//! 4. The transaction commits. The delayed references drop the old blocks and extents (their
-//!    checksums go with them) and the group is empty; the caller then removes it.
+//!    tree has a ROOT_ITEM for, snapshots included), each block once however many trees reach
+//!    it. A block changes when it lies in the group, when it is a leaf with a file extent
+//!    pointing at a moved data extent, or when a block below it changes.
+//! 4. Each block that changes gets one copy at a new address, children first: the same
+//!    block (same generation, owner and flags) with its pointers to changed children and its
+//!    file extents' addresses replaced. A block this transaction wrote already is changed in
+//!    place. Every back reference of the original goes to the copy (a shared reference
+//!    naming a changed parent names the parent's copy), a block with full back references
+//!    hands its children's references to its copy, each moved data extent's references go to
+//!    its copy, and a tree whose root was copied points at the copy with the root's
+//!    generation.
+//! 5. The transaction commits. The delayed references drop the originals (their checksums go
+//!    with them) and the group is empty; the caller then removes it.
 //!
-//! The copies are written only to space that is free in the committed state and the commit is
+//! The result is the filesystem before with some block and extent addresses renamed: every
+//! block shared by snapshots stays shared, every generation the same (so the kernel's rules
+//! for shared blocks, which compare generations with a tree's last snapshot, see what they saw
+//! before). The copies are written only to space free in the committed state and the commit is
 //! the ordinary atomic one, so a power cut at any write leaves the state before the relocation
-//! or after it. What differs from the kernel's result: a tree block shared by snapshots is
-//! COWed once per tree that reaches it, so after relocation each snapshot has its own copy of
-//! the blocks that were in the group (the files are identical; metadata takes more room).
-//! Data extents stay shared: each of their references moves to the one copy.
+//! or after it.
 
 use super::Writer;
 use crate::ctree::cow::Intent;
 use crate::ctree::ops::LeafMut;
+use crate::ctree::ops::{self as ctree_ops, NodeMut};
+use crate::ctree::Root;
 use crate::ctree::TreeIter;
 use crate::error::{Error, Location, Result};
 use crate::format::items::*;
 use crate::format::*;
+use crate::io::disk_io::TreeBlock;
 use crate::io::disk_io::{Expect, Readahead};
 use crate::space::alloc::SpaceKind;
 use crate::space::delayed_refs::RefKey;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
 
 /// What one relocation moved.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -103,6 +114,8 @@ impl Writer {
         self.log.broken = true;
         let mut stats = RelocStats::default();
         let mut moved: BTreeMap<u64, u64> = BTreeMap::new();
+        let mut data_len: HashMap<u64, u64> = HashMap::new();
+        let inside = |b: u64| b >= start && b - start < len;
         if flags & BLOCK_GROUP_DATA != 0 {
             let extents = self.data_extents_in(start, len)?;
             let total: u64 = extents.iter().map(|e| e.1).sum();
@@ -110,6 +123,7 @@ impl Writer {
             for (x, n) in extents {
                 let y = self.copy_data_extent(x, n)?;
                 moved.insert(x, y);
+                data_len.insert(x, n);
                 stats.data_extents += 1;
                 stats.data_bytes += n;
                 done += n;
@@ -120,18 +134,197 @@ impl Writer {
                 ));
             }
         }
-        for tree in trees {
-            let (cow, items) = self.relocation_walk(tree, start, len, &moved)?;
-            for k in &cow {
-                self.search_mut(tree, k, Intent::Modify)?;
+        // Every block that must change: those in the group, leaves with file extents that
+        // point at a moved data extent, and every block above one of those. A block reached
+        // from several trees (shared by snapshots) is one entry, so it gets one copy.
+        let mut memo: HashMap<u64, bool> = HashMap::new();
+        let mut order: Vec<(u64, Expect)> = Vec::new();
+        let mut roots: Vec<(u64, Root)> = Vec::new();
+        for &tree in &trees {
+            let root = self.current_root(tree)?;
+            let leaves = !moved.is_empty()
+                && (crate::ctree::cow_ctx::is_fs_tree(tree) || tree == ROOT_TREE_OBJECTID);
+            let expect = Expect {
+                owner: None,
+                level: Some(root.level),
+                generation: (root.generation != self.transid).then_some(root.generation),
+                first_key: None,
+            };
+            let walk = Walk {
+                tree,
+                start,
+                len,
+                leaves,
+            };
+            self.relocation_visit(&walk, root.bytenr, expect, &moved, &mut memo, &mut order)?;
+            roots.push((tree, root));
+        }
+        // New copies, children first (a parent's copy points at its children's copies).
+        let mut renamed: HashMap<u64, u64> = HashMap::new();
+        let mut copies: Vec<(u64, u64, Arc<TreeBlock>)> = Vec::new();
+        for (b, expect) in &order {
+            let blk = self.block(*b, expect).map_err(|e| e.in_block(None, *b))?;
+            let mut data = blk.data.clone();
+            if blk.level() > 0 {
+                let mut node = NodeMut::trusted(&mut data)?;
+                for slot in 0..blk.nritems() {
+                    let p = blk.ptr(slot);
+                    if let Some(&nc) = renamed.get(&p.blockptr) {
+                        if nc != p.blockptr {
+                            node.set_ptr(slot, nc, p.generation)?;
+                        }
+                    }
+                }
+            } else {
+                let mut leaf = LeafMut::trusted(&mut data)?;
+                for slot in 0..blk.nritems() {
+                    if blk.key(slot).ty != EXTENT_DATA_KEY {
+                        continue;
+                    }
+                    let fe = FileExtentItem::parse(blk.item_data(slot))
+                        .map_err(|e| e.in_block(Some(blk.owner()), *b))?;
+                    if let FileExtentBody::Extent { disk_bytenr, .. } = fe.body {
+                        if let Some(&y) = moved.get(&disk_bytenr) {
+                            leaf.item_data_mut(slot)?[21..29].copy_from_slice(&y.to_le_bytes());
+                            stats.file_extents += 1;
+                        }
+                    }
+                }
             }
-            stats.tree_blocks += cow.len() as u64;
-            for k in &items {
-                if self.repoint_file_extent(tree, k, &moved)? {
-                    stats.file_extents += 1;
+            if blk.header.generation == self.transid && self.disk.overlay_get(*b).is_some() {
+                // This transaction's own block: changed in place (its children's references
+                // are its tree's, which name no parent).
+                if inside(*b) {
+                    return Err(Error::Internal(format!(
+                        "block {b} in the block group being relocated was written in this \
+                         transaction"
+                    )));
+                }
+                self.modify(*b, |buf| {
+                    buf.copy_from_slice(&data);
+                    Ok(())
+                })?;
+                renamed.insert(*b, *b);
+                continue;
+            }
+            let nb = self.alloc_tree_block(blk.owner())?;
+            ctree_ops::set_bytenr(&mut data, nb)?;
+            let copy = Arc::new(TreeBlock::from_parts(nb, data));
+            self.disk.overlay_put(copy.clone());
+            renamed.insert(*b, nb);
+            copies.push((*b, nb, blk));
+            stats.tree_blocks += 1;
+        }
+        // Back references: each copied block takes its original's (a shared one naming a
+        // copied parent names the parent's copy), and a block with full back references
+        // hands its children's to its copy.
+        let ns = self.disk.nodesize() as u64;
+        let rename_ref = |r: RefKey| match r {
+            RefKey::SharedBlock(p) => RefKey::SharedBlock(*renamed.get(&p).unwrap_or(&p)),
+            RefKey::SharedData(p) => RefKey::SharedData(*renamed.get(&p).unwrap_or(&p)),
+            r => r,
+        };
+        for (b, nb, blk) in &copies {
+            let (refs, flags, generation) = self.extent_refs_now(*b)?;
+            let level = blk.level();
+            let key0 = if blk.nritems() > 0 {
+                blk.key(0)
+            } else {
+                Key::MIN
+            };
+            for (r, n) in refs {
+                self.refs
+                    .add_tree_ref(*nb, ns, level, key0, true, rename_ref(r), n as i64);
+                self.refs
+                    .add_tree_ref(*b, ns, level, key0, false, r, -(n as i64));
+            }
+            // The copy is the same block at another address: its extent item keeps the
+            // generation (btrfs check compares a root's with its root item's).
+            self.refs.set_generation(*nb, generation);
+            if flags & BLOCK_FLAG_FULL_BACKREF == 0 {
+                continue;
+            }
+            self.refs.set_flags(*nb, ns, level, BLOCK_FLAG_FULL_BACKREF);
+            if level > 0 {
+                for slot in 0..blk.nritems() {
+                    let p = blk.ptr(slot);
+                    if renamed.get(&p.blockptr).is_some_and(|&c| c != p.blockptr) {
+                        continue; // its own references move with it
+                    }
+                    self.refs.add_tree_ref(
+                        p.blockptr,
+                        ns,
+                        level - 1,
+                        p.key,
+                        false,
+                        RefKey::SharedBlock(*b),
+                        -1,
+                    );
+                    self.refs.add_tree_ref(
+                        p.blockptr,
+                        ns,
+                        level - 1,
+                        p.key,
+                        false,
+                        RefKey::SharedBlock(*nb),
+                        1,
+                    );
+                }
+            } else {
+                for slot in 0..blk.nritems() {
+                    if blk.key(slot).ty != EXTENT_DATA_KEY {
+                        continue;
+                    }
+                    let fe = FileExtentItem::parse(blk.item_data(slot))
+                        .map_err(|e| e.in_block(Some(blk.owner()), *b))?;
+                    if let FileExtentBody::Extent {
+                        disk_bytenr,
+                        disk_num_bytes,
+                        ..
+                    } = fe.body
+                    {
+                        if disk_bytenr == 0 || moved.contains_key(&disk_bytenr) {
+                            continue; // a moved extent's references move with it
+                        }
+                        self.refs.add_data_ref(
+                            disk_bytenr,
+                            disk_num_bytes,
+                            false,
+                            RefKey::SharedData(*b),
+                            -1,
+                        );
+                        self.refs.add_data_ref(
+                            disk_bytenr,
+                            disk_num_bytes,
+                            false,
+                            RefKey::SharedData(*nb),
+                            1,
+                        );
+                    }
                 }
             }
         }
+        // Each moved data extent's references go to its copy.
+        for (&x, &y) in &moved {
+            let (refs, _, generation) = self.extent_refs_now(x)?;
+            let n = data_len[&x];
+            for (r, c) in refs {
+                self.refs.add_data_ref(y, n, true, rename_ref(r), c as i64);
+                self.refs.add_data_ref(x, n, false, r, -(c as i64));
+            }
+            self.refs.set_generation(y, generation);
+        }
+        // Trees whose root was copied point at the copy; its generation stays the block's.
+        for (tree, root) in roots {
+            if let Some(&nr) = renamed.get(&root.bytenr) {
+                if nr != root.bytenr {
+                    self.replace_root(tree, nr, root.level, root.generation)?;
+                }
+            }
+        }
+        // The root tree's root is rewritten by every commit (a root tree whose root was only
+        // copied would keep an older generation than the superblock's): make sure it is.
+        self.search_mut(ROOT_TREE_OBJECTID, &Key::MIN, Intent::Modify)?;
         progress(&format!(
             "block group {start}: {} data extents, {} tree blocks moved",
             stats.data_extents, stats.tree_blocks
@@ -362,123 +555,116 @@ impl Writer {
         Ok(out)
     }
 
-    /// Walks `tree` as this transaction sees it: the keys to search (COW) so that each of its
-    /// blocks in `[start, start + len)` is copied out (a block's key in its parent leads the
-    /// search through it), and the keys of its file extent items that point at a data extent
-    /// in `moved`. Leaves are read only where file extents may be.
-    fn relocation_walk(
+    /// Visits the block at `bytenr` of `w.tree` and what is below it: whether it must change
+    /// (it lies in the group, it is a leaf with a file extent pointing at a moved data extent,
+    /// or something below it must change). Blocks that must change are added to `order`
+    /// after those below them; each block is visited once, whichever tree reaches it.
+    fn relocation_visit(
         &mut self,
-        tree: u64,
-        start: u64,
-        len: u64,
+        w: &Walk,
+        bytenr: u64,
+        expect: Expect,
         moved: &BTreeMap<u64, u64>,
-    ) -> Result<(Vec<Key>, Vec<Key>)> {
-        let root = self.current_root(tree)?;
-        let inside = |b: u64| b >= start && b - start < len;
-        let leaves_matter = !moved.is_empty()
-            && (crate::ctree::cow_ctx::is_fs_tree(tree) || tree == ROOT_TREE_OBJECTID);
-        let mut cow = Vec::new();
-        let mut items = Vec::new();
-        if inside(root.bytenr) {
-            cow.push(Key::MIN);
+        memo: &mut HashMap<u64, bool>,
+        order: &mut Vec<(u64, Expect)>,
+    ) -> Result<bool> {
+        if let Some(&n) = memo.get(&bytenr) {
+            return Ok(n);
         }
-        let mut stack = vec![(
-            root.bytenr,
-            Expect {
-                owner: None,
-                level: Some(root.level),
-                generation: (root.generation != self.transid).then_some(root.generation),
-                first_key: None,
-            },
-        )];
-        while let Some((bytenr, expect)) = stack.pop() {
-            let blk = self
-                .block(bytenr, &expect)
-                .map_err(|e| e.in_block(Some(tree), bytenr))?;
-            if blk.level() > 0 {
-                for slot in (0..blk.nritems()).rev() {
-                    let p = blk.ptr(slot);
-                    if inside(p.blockptr) {
-                        cow.push(p.key);
-                    }
-                    if blk.level() > 1 || leaves_matter {
-                        stack.push((
-                            p.blockptr,
-                            Expect {
-                                owner: None,
-                                level: Some(blk.level() - 1),
-                                generation: Some(p.generation),
-                                first_key: Some(p.key),
-                            },
-                        ));
-                    }
-                }
-                continue;
-            }
-            if !leaves_matter {
-                continue;
-            }
+        let inside = |b: u64| b >= w.start && b - w.start < w.len;
+        let blk = self
+            .block(bytenr, &expect)
+            .map_err(|e| e.in_block(Some(w.tree), bytenr))?;
+        let mut needs = inside(bytenr);
+        if blk.level() > 0 {
             for slot in 0..blk.nritems() {
-                let key = blk.key(slot);
-                if key.ty != EXTENT_DATA_KEY {
+                let p = blk.ptr(slot);
+                let ce = Expect {
+                    owner: None,
+                    level: Some(blk.level() - 1),
+                    generation: Some(p.generation),
+                    first_key: Some(p.key),
+                };
+                let child = if blk.level() > 1 || w.leaves {
+                    self.relocation_visit(w, p.blockptr, ce, moved, memo, order)?
+                } else if let Some(&n) = memo.get(&p.blockptr) {
+                    n
+                } else {
+                    // A leaf of a tree without file extents changes only if it is in the group.
+                    let n = inside(p.blockptr);
+                    memo.insert(p.blockptr, n);
+                    if n {
+                        order.push((p.blockptr, ce));
+                    }
+                    n
+                };
+                needs |= child;
+            }
+        } else if w.leaves {
+            for slot in 0..blk.nritems() {
+                if blk.key(slot).ty != EXTENT_DATA_KEY {
                     continue;
                 }
                 let fe = FileExtentItem::parse(blk.item_data(slot))
-                    .map_err(|e| e.in_block(Some(tree), bytenr))?;
+                    .map_err(|e| e.in_block(Some(w.tree), bytenr))?;
                 if let FileExtentBody::Extent { disk_bytenr, .. } = fe.body {
                     if moved.contains_key(&disk_bytenr) {
-                        items.push(key);
+                        needs = true;
+                        break;
                     }
                 }
             }
         }
-        Ok((cow, items))
+        memo.insert(bytenr, needs);
+        if needs {
+            order.push((bytenr, expect));
+        }
+        Ok(needs)
     }
 
-    /// Points the file extent item `key` of `tree` at the copy of its data extent, moving its
-    /// back reference. Returns whether it changed.
-    fn repoint_file_extent(
-        &mut self,
-        tree: u64,
-        key: &Key,
-        moved: &BTreeMap<u64, u64>,
-    ) -> Result<bool> {
-        let p = self.search_mut(tree, key, Intent::Modify)?;
-        if !p.found {
-            return Err(Error::Internal(format!(
-                "file extent item {key} of tree {} vanished during relocation",
-                tree_name(tree)
-            )));
+    /// The back references of an extent (in the extent tree, with what this transaction
+    /// queued), its flags and its extent item's generation.
+    fn extent_refs_now(&mut self, bytenr: u64) -> Result<ExtentNow> {
+        let root = self.current_root(EXTENT_TREE_OBJECTID)?;
+        let rec = crate::ctree::extent_record::read_extent_record(&self.disk, root, bytenr)?;
+        let pending = self.refs.map.get(&bytenr);
+        if rec.is_none() && pending.is_none() {
+            return Err(Error::corrupt(
+                Location::what(format!("extent {bytenr}")).with_tree(EXTENT_TREE_OBJECTID),
+                "a tree reaches it, but it has no extent item",
+            ));
         }
-        let (leaf, slot) = (p.leaf(), p.slot());
-        let fe = FileExtentItem::parse(self.dirty_block(leaf)?.item_data(slot))
-            .map_err(|e| e.in_block(Some(tree), leaf))?;
-        let FileExtentBody::Extent {
-            disk_bytenr,
-            disk_num_bytes,
-            offset,
-            ..
-        } = fe.body
-        else {
-            return Ok(false);
-        };
-        let Some(&y) = moved.get(&disk_bytenr) else {
-            return Ok(false);
-        };
-        self.modify(leaf, |buf| {
-            let mut l = LeafMut::trusted(buf)?;
-            let d = l.item_data_mut(slot)?;
-            d[21..29].copy_from_slice(&y.to_le_bytes());
-            Ok(())
-        })?;
-        let r = RefKey::Data {
-            root: tree,
-            ino: key.objectid,
-            offset: key.offset.wrapping_sub(offset),
-        };
-        self.refs
-            .add_data_ref(disk_bytenr, disk_num_bytes, false, r, -1);
-        self.refs.add_data_ref(y, disk_num_bytes, true, r, 1);
-        Ok(true)
+        let mut refs: BTreeMap<RefKey, i64> = rec
+            .as_ref()
+            .map(|r| r.refs.iter().map(|(k, v)| (*k, *v as i64)).collect())
+            .unwrap_or_default();
+        let mut flags = rec.as_ref().map_or(0, |r| r.flags);
+        let generation = rec.as_ref().map_or(self.transid, |r| r.generation);
+        if let Some(p) = pending {
+            for (k, d) in &p.deltas {
+                *refs.entry(*k).or_insert(0) += d;
+            }
+            flags |= p.flags_set;
+        }
+        Ok((
+            refs.into_iter()
+                .filter(|(_, v)| *v > 0)
+                .map(|(k, v)| (k, v as u64))
+                .collect(),
+            flags,
+            generation,
+        ))
     }
+}
+
+/// An extent's back references with their counts, its flags and its generation.
+type ExtentNow = (Vec<(RefKey, u64)>, u64, u64);
+
+/// One tree's walk (see [`Writer::relocation_visit`]).
+struct Walk {
+    tree: u64,
+    start: u64,
+    len: u64,
+    /// Its leaves may hold file extents pointing at moved data (subvolume and root trees).
+    leaves: bool,
 }
