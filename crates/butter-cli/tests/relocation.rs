@@ -3,9 +3,9 @@
 //! - A kernel-made image filled through a kernel mount (a subvolume, a snapshot and a
 //!   read-only snapshot sharing its extents, reflinks, zstd-compressed and inline extents, a
 //!   nodatacow file, quotas on), half its files deleted, shrunk by `butter filesystem resize
-//!   min`: both checkers clean, the kernel shows every file as before, the image file no
-//!   larger than the data and metadata it holds plus the kernel's reserves; grown back by
-//!   1 GiB, the kernel fills the new space.
+//!   min`: both checkers clean, the kernel shows every file as before and the same qgroup
+//!   numbers, still consistent, the image file no larger than the data and metadata it holds
+//!   plus the kernel's reserves; grown back by 1 GiB, the kernel fills the new space.
 //! - Conversion: single-device DUP metadata to single and back, and a two-device single data
 //!   filesystem to RAID1 and back; each time both checkers are clean and the kernel shows the
 //!   profiles and the same files.
@@ -79,6 +79,24 @@ fn df_line(df: &str, prefix: &str) -> (u64, u64) {
     (num("total="), num("used="))
 }
 
+/// `btrfs qgroup show --raw` on a read-only kernel mount; fails when the kernel finds the
+/// qgroup numbers inconsistent.
+fn qgroups(img: &Path, s: &ScratchDir, name: &str) -> String {
+    let m = LoopMount::btrfs_ro(img, &s.dir(name));
+    let o = kernel::run_output(
+        Command::new("btrfs")
+            .args(["qgroup", "show", "--raw"])
+            .arg(m.path()),
+    );
+    m.unmount();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        o.status.success() && !err.contains("inconsistent"),
+        "{name}: qgroups: {err}"
+    );
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
 fn same(want: &Manifest, got: &Manifest, what: &str) {
     manifest::assert_same(want, got, &CompareOpts::restore(), what);
 }
@@ -123,11 +141,14 @@ fn kernel_filled_image_shrunk_to_its_minimum_and_grown_back() {
              i=0
              while [ $i -lt 40 ]; do rm snap/z$i; i=$((i + 2)); done
              echo changed > snap/f2
-             dd if=/dev/urandom of=sv/nocow/db bs=4096 count=10 seek=20 conv=notrunc 2>/dev/null",
+             dd if=/dev/urandom of=sv/nocow/db bs=4096 count=10 seek=20 conv=notrunc 2>/dev/null
+             sync
+             btrfs quota rescan -w . >/dev/null",
         );
         m.unmount();
     }
     let (want, df0) = kernel_view(std::slice::from_ref(&img), &s, "k0");
+    let q0 = qgroups(&img, &s, "q0");
     let i = img.to_str().unwrap();
     let o = butter(&["filesystem", "resize", i, "min"]);
     assert!(o.status.success(), "{}", text(&o));
@@ -136,6 +157,9 @@ fn kernel_filled_image_shrunk_to_its_minimum_and_grown_back() {
     both_checks(std::slice::from_ref(&img), "after min");
     let (got, df1) = kernel_view(std::slice::from_ref(&img), &s, "k1");
     same(&want, &got, "files after min");
+    // Relocation changes nothing qgroups count: they stay consistent, with the same numbers
+    // (btrfs check, clean above, verifies them against its own count too).
+    assert_eq!(qgroups(&img, &s, "q1"), q0, "qgroups after min");
     // No larger than what it holds plus the kernel's reserves: data used, then twice (DUP)
     // the metadata used with half as much again and 16 MiB (the global reserve, here 6 MiB,
     // and the reservations of the kernel's writes, which a tighter fit refuses), the system

@@ -373,6 +373,7 @@ impl Core {
                 self.balance_validate(&it)?;
                 self.commit()?;
                 self.op(false, |w| {
+                    w.begin_qgroup_neutral();
                     w.replace_item(ROOT_TREE_OBJECTID, balance_key(), &it.encode())
                 })?;
                 self.commit()?;
@@ -463,6 +464,7 @@ impl Core {
         r?;
         if !paused {
             self.op(false, |w| {
+                w.begin_qgroup_neutral();
                 w.delete_item(ROOT_TREE_OBJECTID, &balance_key())?;
                 Ok(())
             })?;

@@ -334,6 +334,7 @@ impl Writer {
     /// relocation, which this does not do). Returns the new size.
     pub(crate) fn resize_device(&mut self, devid: u64, size: u64) -> Result<u64> {
         self.check_writable()?;
+        self.begin_qgroup_neutral();
         let Some(old) = self.dev_items.get(&devid).map(|d| d.total_bytes) else {
             let ids: Vec<String> = self.dev_items.keys().map(|d| d.to_string()).collect();
             return Err(Error::Invalid(format!(
@@ -387,6 +388,7 @@ impl Writer {
     /// the filesystem uses (RAID1 on two devices, say), and for the last device.
     pub(crate) fn remove_device(&mut self, devid: u64) -> Result<u64> {
         self.check_remove_device(devid)?;
+        self.begin_qgroup_neutral();
         let Some(item) = self.dev_items.get(&devid).cloned() else {
             return Err(Error::Invalid(format!(
                 "the filesystem has no device {devid}"
@@ -466,6 +468,8 @@ impl Writer {
     /// is free for new chunks once this transaction has committed.
     pub(crate) fn remove_empty_group(&mut self, start: u64) -> Result<()> {
         self.check_writable()?;
+        // Chunks are not what qgroups count.
+        self.begin_qgroup_neutral();
         let Some((len, flags, used, busy)) = self.allocator.with_group(start, |g| {
             let busy = g.new
                 || g.pinned.total() > 0
@@ -595,6 +599,7 @@ impl Writer {
         uuid: [u8; 16],
     ) -> Result<u64> {
         self.check_writable()?;
+        self.begin_qgroup_neutral();
         // Until the commit names it, a log could not replay onto the new device set.
         self.log.broken = true;
         let sector = u64::from(self.disk.sectorsize());

@@ -122,6 +122,7 @@ impl Writer {
             t.dirty = false;
         }
         self.sys_array_dirty = false;
+        self.qgroup_neutral = false;
         self.stats.commits += 1;
         self.state = TransState::Completed;
         self.transid += 1;
@@ -132,11 +133,14 @@ impl Writer {
     /// changes gets its qgroup status marked INCONSISTENT (with this generation), as the
     /// kernel marks it when it cannot account a change: `btrfs check` then expects differences
     /// in the counts, and `btrfs quota rescan` recomputes them. Simple quotas are refused at
-    /// open (crate::format::features).
+    /// open (crate::format::features). A transaction that changes nothing qgroups count
+    /// ([`Writer::qgroup_neutral`]: relocation, chunks, devices) keeps consistent numbers
+    /// consistent: only the status item's generation follows the commit.
     pub(super) fn mark_qgroups_inconsistent(&mut self) -> Result<()> {
         if self.qgroups_marked || !self.has_changes() {
             return Ok(());
         }
+        let neutral = self.qgroup_neutral;
         match self.tree_state(QUOTA_TREE_OBJECTID) {
             Ok(_) => {}
             Err(Error::NotFound(_)) => {
@@ -159,6 +163,19 @@ impl Writer {
                 format!("item is {} bytes, expected at least 32", body.len()),
             ));
         };
+        if neutral && flags & QGROUP_STATUS_FLAG_ON != 0 {
+            // Nothing qgroups count changed: the numbers stay right. The kernel trusts them
+            // only when the status item has the generation of the last commit, as each of its
+            // own commits writes it.
+            if flags & QGROUP_STATUS_FLAG_INCONSISTENT == 0 {
+                let transid = self.transid;
+                self.update_item(QUOTA_TREE_OBJECTID, &key, |b| {
+                    crate::format::encode::patch_qgroup_status(b, transid, flags);
+                    Ok(())
+                })?;
+            }
+            return Ok(());
+        }
         if flags & QGROUP_STATUS_FLAG_ON != 0 && flags & QGROUP_STATUS_FLAG_INCONSISTENT == 0 {
             let transid = self.transid;
             self.update_item(QUOTA_TREE_OBJECTID, &key, |b| {

@@ -113,6 +113,11 @@ pub(crate) struct Writer {
     pub(crate) ordered_pending: usize,
     /// The qgroup status is INCONSISTENT on disk, or there are no quotas (checked once).
     qgroups_marked: bool,
+    /// The running transaction changes nothing qgroups count: it only relocates (block and
+    /// extent addresses renamed, sizes and sharing kept) or adds and removes chunks. Its
+    /// commit leaves the qgroup status as it is. Cleared by every other operation's start
+    /// ([`Writer::reserve_metadata`]) and by the commit.
+    pub(crate) qgroup_neutral: bool,
 }
 
 impl std::ops::Deref for Writer {
@@ -277,6 +282,7 @@ impl Writer {
             log: Default::default(),
             ordered_pending: 0,
             qgroups_marked: false,
+            qgroup_neutral: false,
         };
         w.trees.insert(
             ROOT_TREE_OBJECTID,
@@ -487,6 +493,7 @@ impl Writer {
     /// device is full and `for_growth`.
     pub(crate) fn reserve_metadata(&mut self, for_growth: bool) -> Result<()> {
         self.check_writable()?;
+        self.qgroup_neutral = false;
         for (kind, want) in self.metadata_wanted() {
             if self.allocator.free_bytes(kind) >= want {
                 continue;

@@ -89,8 +89,13 @@ impl Writer {
             ));
         }
         let trees = self.relocation_tree_ids()?;
+        // A transaction that only relocates leaves qgroups as they were: every extent keeps
+        // its size and its sharing, only addresses change.
+        let neutral = !self.has_changes();
+        self.qgroup_neutral = neutral;
         if self.ensure_tree_room(&[start])? {
             self.commit()?;
+            self.qgroup_neutral = neutral;
         }
         // Read-only before anything else: the new chunks below change trees, and their blocks
         // must not land in the group.
@@ -332,12 +337,22 @@ impl Writer {
         Ok(stats)
     }
 
+    /// Marks the running transaction as one qgroups do not see (see
+    /// [`Writer::qgroup_neutral`]), if it has changed nothing yet: for the changes of
+    /// relocation, chunks, devices and the balance item that follow.
+    pub(crate) fn begin_qgroup_neutral(&mut self) {
+        if !self.has_changes() {
+            self.qgroup_neutral = true;
+        }
+    }
+
     /// Tree blocks (the chunk tree's too) need writable room while groups are read-only: a
     /// new system or metadata chunk when the writable groups of that kind are nearly full.
     /// Called before the groups at `excluding` become read-only (while their space still
     /// takes the new chunks' own tree changes); the caller commits when it returns true, so
     /// that the blocks it changed are not this transaction's when relocation COWs them.
     pub(crate) fn ensure_tree_room(&mut self, excluding: &[u64]) -> Result<bool> {
+        self.begin_qgroup_neutral();
         let ns = self.disk.nodesize() as u64;
         let mut added = false;
         for kind in [SpaceKind::System, SpaceKind::Metadata] {
