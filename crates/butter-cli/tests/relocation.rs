@@ -472,3 +472,82 @@ fn a_balance_the_kernel_paused_is_resumed_by_butter() {
     assert!(text(&o).contains("No balance found"), "{}", text(&o));
     kernel::assert_btrfs_check(&copy);
 }
+
+/// Device removal and a balance run through a running butter mount (the kernel's ioctls,
+/// served by the mount) while another thread writes files into it: the writes all land, the
+/// removed device's superblock is wiped, the data is RAID1 after the conversion, and after
+/// the unmount the kernel shows the files the mount showed, both checkers clean.
+#[test]
+fn device_remove_and_balance_through_a_running_mount_while_files_are_written() {
+    if !fuse_mount::require("relocation", &[]) || !kernel::require_privileges() {
+        return;
+    }
+    let s = ScratchDir::new("reloc-online");
+    let d: Vec<PathBuf> = (0..3).map(|k| s.join(format!("d{k}.img"))).collect();
+    for p in &d {
+        fs::File::create(p).unwrap().set_len(400 * MIB).unwrap();
+    }
+    let p: Vec<&str> = d.iter().map(|x| x.to_str().unwrap()).collect();
+    let o = butter(&[
+        "mkfs", "-q", "-m", "raid1", "-d", "single", p[0], p[1], p[2],
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    let m = ButterMount::start(
+        &d[0],
+        &s.dir("bm"),
+        &["-o", "uring=off", "--device", p[1], "--device", p[2]],
+        &s.join("bm.log"),
+    );
+    // Something on device 2 first, so that removing it moves data.
+    fs::create_dir(m.path().join("before")).unwrap();
+    for k in 0..40u64 {
+        let data: Vec<u8> = (0..300_000u64).map(|x| (x * 7 + k) as u8).collect();
+        fs::write(m.path().join(format!("before/f{k}")), data).unwrap();
+    }
+    let dir = m.path().join("during");
+    fs::create_dir(&dir).unwrap();
+    let writer = {
+        let dir = dir.clone();
+        std::thread::spawn(move || {
+            for k in 0..400u64 {
+                let data: Vec<u8> = (0..100_000u64).map(|x| (x * 13 + k) as u8).collect();
+                fs::write(dir.join(format!("w{k}")), data).expect("a write during relocation");
+            }
+        })
+    };
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    let mnt = m.path().to_str().unwrap().to_string();
+    let o = butter(&["device", "remove", &mnt, "2"]);
+    assert!(o.status.success(), "{}", text(&o));
+    let o = butter(&["balance", "start", "-dconvert=raid1", &mnt]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains("Done, had to relocate"), "{}", text(&o));
+    writer.join().expect("the writer thread");
+    let want = take(m.path());
+    m.unmount();
+    let sb = kernel::run_output(
+        Command::new("btrfs")
+            .args(["inspect-internal", "dump-super"])
+            .arg(&d[1]),
+    );
+    assert!(
+        !String::from_utf8_lossy(&sb.stdout).contains("_BHRfS_M [match]"),
+        "the removed device still has a btrfs superblock"
+    );
+    let left = vec![d[0].clone(), d[2].clone()];
+    both_checks(&left, "after removal and balance through the mount");
+    let (got, df) = kernel_view(&left, &s, "k");
+    manifest::assert_same(
+        &want,
+        &got,
+        &CompareOpts {
+            atime: false,
+            ..CompareOpts::fuse()
+        },
+        "the mount's files through the kernel",
+    );
+    assert!(
+        df.contains("Data, RAID1") && !df.contains("Data, single"),
+        "{df}"
+    );
+}

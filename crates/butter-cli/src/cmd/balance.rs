@@ -33,7 +33,8 @@ pub enum BalanceCmd {
         /// Allow reducing the redundancy of metadata and balancing system chunks.
         #[arg(short = 'f', long = "force")]
         force: bool,
-        /// Image file or block device.
+        /// Image file or block device, or the mount point of a running `butter mount` (the
+        /// balance then runs in the mount, between its other operations).
         image: PathBuf,
     },
     /// Show whether a balance was interrupted on the filesystem, and what it has left.
@@ -266,7 +267,43 @@ pub fn balance(a: BalanceArgsCli) -> CliResult {
     }
 }
 
+/// A balance through a running butter mount (IMAGE is its mount point): the kernel's balance
+/// ioctl, which the mount serves.
+fn run_mounted(dir: &Path, request: Option<&BalanceRequest>) -> CliResult {
+    let Some(request) = request else {
+        return Err(CliError(format!(
+            "{} is a directory: resume, status and cancel work on an image (unmount it first)",
+            dir.display()
+        )));
+    };
+    const BTRFS_IOC_BALANCE_V2: u32 = 0xc400_9420;
+    let mut args = request.to_ioctl_args(None);
+    super::progress::dir_ioctl(dir, BTRFS_IOC_BALANCE_V2, &mut args).map_err(|e| {
+        CliError(format!(
+            "balance through the mount at {} failed: {e} (is it a butter mount, and are you root?)",
+            dir.display()
+        ))
+    })?;
+    let stat = 16 + 3 * 136;
+    let word = |i: usize| {
+        u64::from_le_bytes(
+            args[stat + 8 * i..stat + 8 * i + 8]
+                .try_into()
+                .unwrap_or([0; 8]),
+        )
+    };
+    println!(
+        "Done, had to relocate {} out of {} chunks",
+        word(2),
+        word(1)
+    );
+    Ok(())
+}
+
 fn run(image: &Path, request: Option<&BalanceRequest>) -> CliResult {
+    if image.is_dir() {
+        return run_mounted(image, request);
+    }
     let fs = super::subvol::open_rw(image)?;
     let interrupted = Arc::new(AtomicBool::new(false));
     let hooks: Vec<_> = [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM]

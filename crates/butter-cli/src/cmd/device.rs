@@ -29,7 +29,9 @@ pub enum DeviceCmd {
     /// IMAGE (give its other devices with --device); their superblocks are wiped.
     #[command(alias = "delete")]
     Remove {
-        /// Image file or block device of the filesystem (not one being removed).
+        /// Image file or block device of the filesystem (not one being removed), or the mount
+        /// point of a running `butter mount` (the removal then runs in the mount, between its
+        /// other operations).
         image: PathBuf,
         /// The devices to remove: a path given with --device, a devid, or `missing`.
         #[arg(required = true)]
@@ -102,7 +104,45 @@ fn resolve(fs: &butter::fs::Fs, which: &[String]) -> Result<Vec<u64>, CliError> 
     Ok(ids)
 }
 
+/// Device removal through a running butter mount (IMAGE is its mount point): the kernel's
+/// BTRFS_IOC_RM_DEV_V2, which the mount serves; devids, `missing` or device paths.
+fn remove_mounted(dir: &Path, which: &[String]) -> CliResult {
+    const BTRFS_IOC_RM_DEV_V2: u32 = 0x5000_943a;
+    const BTRFS_DEVICE_SPEC_BY_ID: u64 = 1 << 3;
+    for w in which {
+        let mut args = vec![0u8; 4096];
+        match w.parse::<u64>() {
+            Ok(id) => {
+                args[16..24].copy_from_slice(&BTRFS_DEVICE_SPEC_BY_ID.to_le_bytes());
+                args[56..64].copy_from_slice(&id.to_le_bytes());
+            }
+            Err(_) => {
+                let name = w.as_bytes();
+                if name.len() >= 4040 {
+                    return Err(CliError(format!("{w}: the device path is too long")));
+                }
+                args[56..56 + name.len()].copy_from_slice(name);
+            }
+        }
+        let mut line = super::progress::StatusLine::new();
+        line.show(&format!("removing device {w} through the mount"));
+        let r = super::progress::dir_ioctl(dir, BTRFS_IOC_RM_DEV_V2, &mut args);
+        line.end();
+        r.map_err(|e| {
+            CliError(format!(
+                "cannot remove device {w} through the mount at {}: {e}",
+                dir.display()
+            ))
+        })?;
+        println!("Removed device {w}");
+    }
+    Ok(())
+}
+
 fn remove(image: &Path, which: &[String]) -> CliResult {
+    if image.is_dir() {
+        return remove_mounted(image, which);
+    }
     let fs = super::subvol::open_rw(image)?;
     let ids = resolve(&fs, which)?;
     for id in ids {

@@ -118,3 +118,17 @@ impl StatusLine {
         }
     }
 }
+
+/// Sends a btrfs ioctl to the directory `dir` (a butter mount's): `buf` is its argument, read
+/// and (for an _IOWR one) written back. For the commands that reach a running mount.
+pub fn dir_ioctl(dir: &std::path::Path, cmd: u32, buf: &mut [u8]) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let f = std::fs::File::open(dir)?;
+    // SAFETY: `buf` is as long as the size the command number encodes (the callers build
+    // it so), and it outlives the call.
+    let r = unsafe { libc::ioctl(f.as_raw_fd(), cmd as _, buf.as_mut_ptr()) };
+    if r < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}

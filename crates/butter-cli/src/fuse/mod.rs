@@ -1224,7 +1224,7 @@ impl Filesystem for ButterFuse {
 
     fn ioctl(
         &self,
-        _req: &Request,
+        req: &Request,
         ino: INodeNo,
         _fh: FileHandle,
         _flags: fuser::IoctlFlags,
@@ -1233,7 +1233,7 @@ impl Filesystem for ButterFuse {
         out_size: u32,
         reply: fuser::ReplyIoctl,
     ) {
-        match Adapter::ioctl(self, ino.0, cmd, in_data, out_size) {
+        match Adapter::ioctl(self, ino.0, req.uid(), cmd, in_data, out_size) {
             Ok(data) => reply.ioctl(0, &data),
             Err(e) => reply.error(e),
         }

@@ -574,10 +574,69 @@ impl Adapter {
     pub(crate) fn ioctl(
         &self,
         node: u64,
+        uid: u32,
         cmd: u32,
         in_data: &[u8],
         out_size: u32,
     ) -> Result<Vec<u8>, Errno> {
+        // The kernel's device removal and balance, for `butter device remove` and `butter
+        // balance start` given the mount point (btrfs-progs refuses a FUSE mount by its
+        // statfs magic before it gets here). Root only, as the kernel wants CAP_SYS_ADMIN.
+        const BTRFS_IOC_RM_DEV_V2: u32 = 0x5000_943a;
+        const BTRFS_IOC_BALANCE_V2: u32 = 0xc400_9420;
+        const BTRFS_DEVICE_SPEC_BY_ID: u64 = 1 << 3;
+        let admin_err = |e: Error| match e {
+            Error::Unsupported(_) => OpError::Quiet(libc::EOPNOTSUPP),
+            Error::Invalid(_) => OpError::Quiet(libc::EINVAL),
+            Error::NoSpace(_) => OpError::Quiet(libc::ENOSPC),
+            Error::NotFound(_) => OpError::Quiet(libc::ENOENT),
+            e => fs_err(e),
+        };
+        if matches!(cmd, BTRFS_IOC_RM_DEV_V2 | BTRFS_IOC_BALANCE_V2) {
+            if uid != 0 {
+                return Err(Errno::from_i32(libc::EPERM));
+            }
+            return self.change("device or balance ioctl", node, || {
+                if cmd == BTRFS_IOC_BALANCE_V2 {
+                    let req = butter::inode::balance::BalanceRequest::from_ioctl_args(in_data)
+                        .map_err(|_| OpError::Quiet(libc::EINVAL))?;
+                    let report = self
+                        .fs
+                        .balance(Some(&req), &mut |m| log::info!("{m}"), &mut |_, _| false)
+                        .map_err(admin_err)?;
+                    let mut out = req.to_ioctl_args(Some(&report));
+                    out.truncate(out_size as usize);
+                    return Ok(out);
+                }
+                let u64_at = |o: usize| -> Option<u64> {
+                    Some(u64::from_le_bytes(in_data.get(o..o + 8)?.try_into().ok()?))
+                };
+                let flags = u64_at(16).ok_or(OpError::Quiet(libc::EINVAL))?;
+                let devid = if flags & BTRFS_DEVICE_SPEC_BY_ID != 0 {
+                    u64_at(56).ok_or(OpError::Quiet(libc::EINVAL))?
+                } else {
+                    let name = in_data.get(56..).unwrap_or_default();
+                    let name = &name[..name.iter().position(|&c| c == 0).unwrap_or(name.len())];
+                    let name = String::from_utf8_lossy(name).into_owned();
+                    let devs = self.fs.devices().map_err(fs_err)?;
+                    let canon = |p: &str| std::fs::canonicalize(p).ok();
+                    let found = if name == "missing" {
+                        devs.iter().find(|d| d.path.is_none())
+                    } else {
+                        devs.iter().find(|d| {
+                            d.path
+                                .as_deref()
+                                .is_some_and(|p| p == name || canon(p) == canon(&name))
+                        })
+                    };
+                    found.map(|d| d.devid).ok_or(OpError::Quiet(libc::ENOENT))?
+                };
+                self.fs
+                    .remove_device(devid, &mut |m| log::info!("{m}"))
+                    .map_err(admin_err)?;
+                Ok(Vec::new())
+            });
+        }
         const FS_IOC_GETFLAGS: u32 = 0x8008_6601;
         const FS_IOC_SETFLAGS: u32 = 0x4008_6602;
         const FS_IOC32_GETFLAGS: u32 = 0x8004_6601;

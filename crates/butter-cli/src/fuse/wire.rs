@@ -635,7 +635,7 @@ fn answer(a: &Adapter, h: &InHeader, args: &mut Args<'_>, body: &mut Vec<u8>) ->
             let in_size = u32_at(f, 24).ok_or_else(bad)? as usize;
             let out_size = u32_at(f, 28).ok_or_else(bad)?;
             let in_data = args.data().get(..in_size).ok_or_else(bad)?;
-            let data = a.ioctl(node, cmd, in_data, out_size).map_err(fail)?;
+            let data = a.ioctl(node, h.uid, cmd, in_data, out_size).map_err(fail)?;
             // struct fuse_ioctl_out: result, flags, in_iovs, out_iovs.
             for v in [0, 0, 0, 0] {
                 put32(body, v);

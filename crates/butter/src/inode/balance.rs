@@ -171,6 +171,51 @@ impl BalanceRequest {
     }
 }
 
+/// The kernel's balance ioctl argument (struct btrfs_ioctl_balance_args, 1024 bytes): flags,
+/// state, the three types' args as the BALANCE_ITEM has them, then the progress counters.
+const IOCTL_ARGS_SIZE: usize = 1024;
+const IOCTL_STAT: usize = 16 + 3 * BalanceArgs::SIZE;
+
+impl BalanceRequest {
+    /// The request a `BTRFS_IOC_BALANCE_V2` argument carries.
+    pub fn from_ioctl_args(b: &[u8]) -> Result<BalanceRequest> {
+        if b.len() < IOCTL_STAT {
+            return Err(Error::Invalid(format!(
+                "a balance ioctl argument of {} bytes (at least {IOCTL_STAT})",
+                b.len()
+            )));
+        }
+        let it = BalanceItem {
+            flags: le_u64(b, 0),
+            data: BalanceArgs::parse(&b[16..])?,
+            meta: BalanceArgs::parse(&b[16 + BalanceArgs::SIZE..])?,
+            sys: BalanceArgs::parse(&b[16 + 2 * BalanceArgs::SIZE..])?,
+        };
+        Ok(BalanceRequest::from_item(&it))
+    }
+
+    /// The `BTRFS_IOC_BALANCE_V2` argument for this request; with `report`, its progress
+    /// counters (expected, considered, completed) filled as the kernel fills them.
+    pub fn to_ioctl_args(&self, report: Option<&BalanceReport>) -> Vec<u8> {
+        let it = self.to_item();
+        let mut b = vec![0u8; IOCTL_ARGS_SIZE];
+        b[..8].copy_from_slice(&it.flags.to_le_bytes());
+        it.data.write(&mut b[16..]);
+        it.meta.write(&mut b[16 + BalanceArgs::SIZE..]);
+        it.sys.write(&mut b[16 + 2 * BalanceArgs::SIZE..]);
+        if let Some(r) = report {
+            for (i, v) in [r.relocated, r.considered, r.relocated]
+                .into_iter()
+                .enumerate()
+            {
+                b[IOCTL_STAT + 8 * i..IOCTL_STAT + 8 * i + 8]
+                    .copy_from_slice(&(v as u64).to_le_bytes());
+            }
+        }
+        b
+    }
+}
+
 /// What a balance did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct BalanceReport {
