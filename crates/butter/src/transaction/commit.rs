@@ -216,7 +216,9 @@ impl Writer {
             };
             let before = body.clone();
             crate::format::encode::patch_root_item(&mut body, t.bytenr, t.level, t.generation);
-            if is_fs_tree(t.id) {
+            // A subvolume whose contents changed gets this transid as its ctransid; one whose
+            // root block was only moved (relocation keeps its generation) did not change.
+            if is_fs_tree(t.id) && t.generation == self.transid {
                 crate::format::encode::patch_root_ctransid(&mut body, self.transid);
             }
             if body != before {
