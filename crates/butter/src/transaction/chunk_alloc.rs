@@ -497,23 +497,11 @@ impl Writer {
             )));
         }
         // The trees are the truth: no extent item may lie in it.
-        let root = self.current_root(EXTENT_TREE_OBJECTID)?;
-        let mut it = TreeIter::new(
-            self.disk.clone(),
-            root,
-            Key::new(start, 0, 0),
-            Readahead::None,
-        )?;
-        while let Some(item) = it.next_item()? {
-            if item.key.objectid >= start + len {
-                break;
-            }
-            if matches!(item.key.ty, EXTENT_ITEM_KEY | METADATA_ITEM_KEY) {
-                return Err(Error::Invalid(format!(
-                    "the block group at {start} holds the extent {}",
-                    item.key.objectid
-                )));
-            }
+        if let Some((k, _)) = self.extent_items_in(start, len)?.first() {
+            return Err(Error::Invalid(format!(
+                "the block group at {start} holds the extent {}",
+                k.objectid
+            )));
         }
         let Some(chunk) = self.disk.chunk_map().lookup(start).map(|c| c.item.clone()) else {
             return Err(Error::Invalid(format!("no chunk at {start}")));

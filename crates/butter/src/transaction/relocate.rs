@@ -431,8 +431,9 @@ impl Writer {
         Ok(ids)
     }
 
-    /// Data extents (address, bytes) whose extent items lie in `[start, start + len)`.
-    fn data_extents_in(&mut self, start: u64, len: u64) -> Result<Vec<(u64, u64)>> {
+    /// The extent items (key, flags) that lie in `[start, start + len)`: data extents
+    /// (EXTENT_ITEM with the DATA flag) and tree blocks (METADATA_ITEM or EXTENT_ITEM).
+    pub(crate) fn extent_items_in(&mut self, start: u64, len: u64) -> Result<Vec<(Key, u64)>> {
         let root = self.current_root(EXTENT_TREE_OBJECTID)?;
         let mut it = TreeIter::new(
             self.disk.clone(),
@@ -445,7 +446,7 @@ impl Writer {
             if item.key.objectid >= start + len {
                 break;
             }
-            if item.key.ty != EXTENT_ITEM_KEY {
+            if !matches!(item.key.ty, EXTENT_ITEM_KEY | METADATA_ITEM_KEY) {
                 continue;
             }
             let d = item.data();
@@ -455,12 +456,19 @@ impl Writer {
                     "shorter than its 24-byte header",
                 )));
             }
-            let flags = u64::from_le_bytes(d[16..24].try_into().unwrap_or([0; 8]));
-            if flags & EXTENT_FLAG_DATA != 0 {
-                out.push((item.key.objectid, item.key.offset));
-            }
+            out.push((item.key, le_u64(d, 16)));
         }
         Ok(out)
+    }
+
+    /// Data extents (address, bytes) whose extent items lie in `[start, start + len)`.
+    fn data_extents_in(&mut self, start: u64, len: u64) -> Result<Vec<(u64, u64)>> {
+        Ok(self
+            .extent_items_in(start, len)?
+            .into_iter()
+            .filter(|(k, flags)| k.ty == EXTENT_ITEM_KEY && flags & EXTENT_FLAG_DATA != 0)
+            .map(|(k, _)| (k.objectid, k.offset))
+            .collect())
     }
 
     /// Copies the data extent `[x, x + n)` to newly allocated space outside the group, with its
