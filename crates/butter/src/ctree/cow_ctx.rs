@@ -125,22 +125,12 @@ impl CowCtx {
 
     /// Points a tree at a new root block (after COW, growth or shrink).
     pub(crate) fn set_root(&mut self, id: u64, bytenr: u64, level: u8) -> Result<()> {
-        let transid = self.transid;
-        self.tree_state(id)?;
-        let t = self
-            .trees
-            .get_mut(&id)
-            .ok_or_else(|| Error::Internal(format!("tree {id} vanished")))?;
-        t.bytenr = bytenr;
-        t.level = level;
-        t.generation = transid;
-        t.dirty = true;
-        self.publish_root(id, bytenr, level);
-        Ok(())
+        self.replace_root(id, bytenr, level, self.transid)
     }
 
-    /// Points a tree at a copy of its root block that keeps the original's generation
-    /// (relocation): the root item and readers get that generation, not this transaction's.
+    /// Points a tree at a root block of `generation`: this transaction's for a COWed or new
+    /// root ([`CowCtx::set_root`]), the original's for a copy relocation made. The root item
+    /// and readers get that generation.
     pub(crate) fn replace_root(
         &mut self,
         id: u64,
