@@ -235,7 +235,7 @@ fn device_remove_takes_out_an_empty_device_and_refuses_the_rest() {
         ),
         (
             &["device", "remove", r0, "--device", r1, r0],
-            &["opened by"],
+            &["needs 2 devices"],
         ),
         (
             &["device", "remove", r0, "--device", r1, "7"],

@@ -478,12 +478,12 @@ fn a_balance_the_kernel_paused_is_resumed_by_butter() {
 /// removed device's superblock is wiped, the data is RAID1 after the conversion, and after
 /// the unmount the kernel shows the files the mount showed, both checkers clean.
 #[test]
-fn device_remove_and_balance_through_a_running_mount_while_files_are_written() {
+fn device_remove_replace_add_and_balance_through_a_running_mount_while_files_are_written() {
     if !fuse_mount::require("relocation", &[]) || !kernel::require_privileges() {
         return;
     }
     let s = ScratchDir::new("reloc-online");
-    let d: Vec<PathBuf> = (0..3).map(|k| s.join(format!("d{k}.img"))).collect();
+    let d: Vec<PathBuf> = (0..5).map(|k| s.join(format!("d{k}.img"))).collect();
     for p in &d {
         fs::File::create(p).unwrap().set_len(400 * MIB).unwrap();
     }
@@ -519,22 +519,46 @@ fn device_remove_and_balance_through_a_running_mount_while_files_are_written() {
     let mnt = m.path().to_str().unwrap().to_string();
     let o = butter(&["device", "remove", &mnt, "2"]);
     assert!(o.status.success(), "{}", text(&o));
+    // The device the mount was made from, replaced while the mount goes on.
+    let o = butter(&["device", "replace", &mnt, p[0], p[3]]);
+    assert!(o.status.success(), "{}", text(&o));
+    let o = butter(&["device", "add", &mnt, p[4]]);
+    assert!(o.status.success(), "{}", text(&o));
     let o = butter(&["balance", "start", "-dconvert=raid1", &mnt]);
     assert!(o.status.success(), "{}", text(&o));
     assert!(text(&o).contains("Done, had to relocate"), "{}", text(&o));
     writer.join().expect("the writer thread");
     let want = take(m.path());
     m.unmount();
-    let sb = kernel::run_output(
-        Command::new("btrfs")
-            .args(["inspect-internal", "dump-super"])
-            .arg(&d[1]),
-    );
-    assert!(
-        !String::from_utf8_lossy(&sb.stdout).contains("_BHRfS_M [match]"),
-        "the removed device still has a btrfs superblock"
-    );
-    let left = vec![d[0].clone(), d[2].clone()];
+    let dump_super = |p: &Path| {
+        let o = kernel::run_output(
+            Command::new("btrfs")
+                .args(["inspect-internal", "dump-super"])
+                .arg(p),
+        );
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    };
+    for gone in [&d[0], &d[1]] {
+        assert!(
+            !dump_super(gone).contains("_BHRfS_M [match]"),
+            "removed device {} still has a btrfs superblock",
+            gone.display()
+        );
+    }
+    // The devices that joined through the mount hold chunks: the mount used them at once.
+    for joined in [&d[3], &d[4]] {
+        let sb = dump_super(joined);
+        let used = sb
+            .lines()
+            .find_map(|l| l.strip_prefix("dev_item.bytes_used"))
+            .and_then(|v| v.trim().parse::<u64>().ok());
+        assert!(
+            used.is_some_and(|u| u > 0),
+            "{} holds no chunk:\n{sb}",
+            joined.display()
+        );
+    }
+    let left = vec![d[2].clone(), d[3].clone(), d[4].clone()];
     both_checks(&left, "after removal and balance through the mount");
     let (got, df) = kernel_view(&left, &s, "k");
     manifest::assert_same(

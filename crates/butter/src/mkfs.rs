@@ -1189,7 +1189,7 @@ fn write_devices(
         wipe_ends(dev.as_ref(), dev.len(), size)
             .map_err(|e| invalid(format!("device {}: {e}", i + 1)))?;
     }
-    let mut devices = Devices::single(1, ids.dev_uuids[0], "device 1".to_string(), devs[0].clone());
+    let devices = Devices::single(1, ids.dev_uuids[0], "device 1".to_string(), devs[0].clone());
     for (i, dev) in devs.iter().enumerate().skip(1) {
         devices.insert(Member {
             devid: i as u64 + 1,
@@ -1211,6 +1211,7 @@ fn write_devices(
     let failed = |disk: &crate::io::disk_io::Disk| {
         disk.devices
             .members()
+            .into_iter()
             .find(|m| disk.devices.get(m.devid).is_none())
             .map(|m| m.devid)
     };

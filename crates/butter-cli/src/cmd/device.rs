@@ -1,9 +1,10 @@
 //! `butter device add|remove|replace IMAGE ...`, offline, as `btrfs device add|remove` and
-//! `btrfs replace` do on a mount. Add: nothing is moved onto the new device (that is
-//! balance); new chunks use its space once the filesystem is opened with it (`--device`).
-//! Remove: the device's block groups are relocated to the others first. Replace: the target
-//! is added and the source removed; unlike the kernel's replace, the target gets the next
-//! devid rather than the source's.
+//! `btrfs replace` do on a mount; given the mount point of a running `butter mount` instead
+//! of IMAGE, each runs in the mount through the kernel's ioctl for it. Add: nothing is moved
+//! onto the new device (that is balance); new chunks may use its space at once. Remove: the
+//! device's block groups are relocated to the others first. Replace: the target is added and
+//! the source removed; unlike the kernel's replace, the target gets the next devid rather
+//! than the source's.
 
 use super::{CliError, CliResult};
 use std::path::{Path, PathBuf};
@@ -11,7 +12,8 @@ use std::path::{Path, PathBuf};
 #[derive(clap::Subcommand)]
 pub enum DeviceCmd {
     /// Add DEVICE (image files, block devices or NBD exports) to the filesystem on IMAGE (give
-    /// its other devices with --device); each gets the next devid.
+    /// its other devices with --device), or to a running `butter mount` (IMAGE is then its
+    /// mount point); each gets the next devid.
     Add {
         /// Overwrite a device that holds a filesystem.
         #[arg(short = 'f', long = "force")]
@@ -19,7 +21,8 @@ pub enum DeviceCmd {
         /// Accepted for btrfs-progs' spelling (butter never discards).
         #[arg(short = 'K', long = "nodiscard")]
         nodiscard: bool,
-        /// Image file or block device of the filesystem.
+        /// Image file or block device of the filesystem, or the mount point of a running
+        /// `butter mount`.
         image: PathBuf,
         /// The devices to add.
         #[arg(required = true)]
@@ -29,8 +32,7 @@ pub enum DeviceCmd {
     /// IMAGE (give its other devices with --device); their superblocks are wiped.
     #[command(alias = "delete")]
     Remove {
-        /// Image file or block device of the filesystem (not one being removed), or the mount
-        /// point of a running `butter mount` (the removal then runs in the mount, between its
+        /// Image file or block device of the filesystem, or the mount point of a running `butter mount` (the removal then runs in the mount, between its
         /// other operations).
         image: PathBuf,
         /// The devices to remove: a path given with --device, a devid, or `missing`.
@@ -45,7 +47,8 @@ pub enum DeviceCmd {
         /// Overwrite a TARGET that holds a filesystem.
         #[arg(short = 'f', long = "force")]
         force: bool,
-        /// Image file or block device of the filesystem (not SOURCE).
+        /// Image file or block device of the filesystem, or the mount point of a running
+        /// `butter mount` (the replace then runs in the mount, between its other operations).
         image: PathBuf,
         /// The device to replace.
         source: String,
@@ -117,11 +120,13 @@ fn remove_mounted(dir: &Path, which: &[String]) -> CliResult {
                 args[56..64].copy_from_slice(&id.to_le_bytes());
             }
             Err(_) => {
-                let name = w.as_bytes();
-                if name.len() >= 4040 {
-                    return Err(CliError(format!("{w}: the device path is too long")));
-                }
-                args[56..56 + name.len()].copy_from_slice(name);
+                // As the mount can find it (it runs elsewhere).
+                let name = if w == "missing" {
+                    w.clone()
+                } else {
+                    absolute(Path::new(w))?
+                };
+                args[56..56 + name.len()].copy_from_slice(name.as_bytes());
             }
         }
         let mut line = super::progress::StatusLine::new();
@@ -157,7 +162,9 @@ fn remove(image: &Path, which: &[String]) -> CliResult {
 }
 
 /// Opens a device to add: an NBD export, or a file or block device for writing, alone.
-fn open_new(p: &Path) -> Result<std::sync::Arc<dyn butter::io::device::BlockDevice>, CliError> {
+pub(crate) fn open_new(
+    p: &Path,
+) -> Result<std::sync::Arc<dyn butter::io::device::BlockDevice>, CliError> {
     if let Some(addr) = p.to_str().and_then(butter::io::nbd::Address::parse) {
         let addr = addr.map_err(|e| CliError(format!("{}: {e}", p.display())))?;
         let d = butter::io::nbd::NbdDevice::open(&addr)
@@ -176,6 +183,9 @@ fn open_new(p: &Path) -> Result<std::sync::Arc<dyn butter::io::device::BlockDevi
 }
 
 fn add(image: &Path, devices: &[PathBuf], force: bool) -> CliResult {
+    if image.is_dir() {
+        return add_mounted(image, devices, force);
+    }
     let canon = |p: &Path| std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf());
     let mut members: Vec<PathBuf> = vec![canon(image)];
     members.extend(super::other_devices().paths.iter().map(|p| canon(p)));
@@ -204,7 +214,7 @@ fn add(image: &Path, devices: &[PathBuf], force: bool) -> CliResult {
     for (p, dev) in new {
         let size = dev.len();
         let devid = fs
-            .add_device(dev)
+            .add_device(dev, &canon(p).display().to_string())
             .map_err(|e| CliError(format!("cannot add {}: {}", p.display(), CliError::from(e))))?;
         println!(
             "Added device {devid} ({}), {}: open the filesystem with --device {} from now on",
@@ -218,6 +228,9 @@ fn add(image: &Path, devices: &[PathBuf], force: bool) -> CliResult {
 }
 
 fn replace(image: &Path, source: &str, target: &Path, force: bool) -> CliResult {
+    if image.is_dir() {
+        return replace_mounted(image, source, target, force);
+    }
     let canon = |p: &Path| std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf());
     let mut members: Vec<PathBuf> = vec![canon(image)];
     members.extend(super::other_devices().paths.iter().map(|p| canon(p)));
@@ -238,48 +251,116 @@ fn replace(image: &Path, source: &str, target: &Path, force: bool) -> CliResult 
     }
     let fs = super::subvol::open_rw(image)?;
     let src = resolve(&fs, &[source.to_string()])?[0];
-    // Replacing the device the filesystem is opened by: it is opened by the target after.
-    let by_source = fs.devices()?.iter().any(|d| {
-        d.devid == src
-            && d.path
-                .as_deref()
-                .is_some_and(|p| canon(Path::new(p)) == canon(image))
-    });
-    let new = fs.add_device(dev).map_err(|e| {
-        CliError(format!(
-            "cannot add {}: {}",
-            target.display(),
-            CliError::from(e)
-        ))
-    })?;
-    fs.close()?;
-    drop(fs);
-    // Open again with the new device, so that relocation can put chunks on it.
-    let open_by = if by_source {
-        super::other_devices().paths.push(image.to_path_buf());
-        target
-    } else {
-        super::other_devices().paths.push(target.to_path_buf());
-        image
-    };
-    let fs = super::subvol::open_rw(open_by)?;
     let mut line = super::progress::StatusLine::new();
-    let r = fs.remove_device(src, &mut |m| line.show(m));
+    let name = canon(target).display().to_string();
+    let r = fs.replace_device(src, dev, &name, &mut |m| line.show(m));
     line.end();
-    r.map_err(|e| {
+    let new = r.map_err(|e| {
         CliError(format!(
-            "device {new} ({}) was added, but moving device {src} onto it failed: {}; \
-             `butter device remove` of {src} tries again",
+            "cannot replace device {src} by {}: {}",
             target.display(),
             CliError::from(e)
         ))
     })?;
     fs.close()?;
     println!(
-        "Replaced device {src} by {} (devid {new}): open the filesystem with --device {} \
-         from now on",
+        "Replaced device {src} by {} (devid {new}): open the filesystem with {} (as the image \
+         or with --device) from now on",
         target.display(),
         target.display()
+    );
+    Ok(())
+}
+
+/// A device path as the mount (another process, another working directory) can open it.
+fn absolute(p: &Path) -> Result<String, CliError> {
+    let abs = std::fs::canonicalize(p)
+        .map_err(|e| CliError(format!("cannot find {}: {e}", p.display())))?;
+    let s = abs.display().to_string();
+    if s.len() >= 1024 {
+        return Err(CliError(format!("{s}: the device path is too long")));
+    }
+    Ok(s)
+}
+
+/// Refuses a device that holds a filesystem unless `force` (before a mount is asked to add
+/// it; the check opens it read-only and lets it go).
+fn refuse_signature(p: &Path, force: bool) -> CliResult {
+    if force {
+        return Ok(());
+    }
+    let dev = butter::io::device::FileDevice::open(p, false)
+        .map_err(|e| CliError(format!("cannot open {}: {e}", p.display())))?;
+    if let Some(sig) = butter::mkfs::existing_signature(&dev)? {
+        return Err(CliError(format!(
+            "{} appears to contain an existing filesystem ({sig}); use -f to overwrite it",
+            p.display()
+        )));
+    }
+    Ok(())
+}
+
+/// Device add through a running butter mount (IMAGE is its mount point): the kernel's
+/// BTRFS_IOC_ADD_DEV, which the mount serves; new chunks may use the device at once.
+fn add_mounted(dir: &Path, devices: &[PathBuf], force: bool) -> CliResult {
+    const BTRFS_IOC_ADD_DEV: u32 = 0x5000_940a;
+    for p in devices {
+        refuse_signature(p, force)?;
+    }
+    for p in devices {
+        let name = absolute(p)?;
+        let mut args = vec![0u8; 4096];
+        args[8..8 + name.len()].copy_from_slice(name.as_bytes());
+        super::progress::dir_ioctl(dir, BTRFS_IOC_ADD_DEV, &mut args).map_err(|e| {
+            CliError(format!(
+                "cannot add {} through the mount at {}: {e} (the mount's log says why)",
+                p.display(),
+                dir.display()
+            ))
+        })?;
+        println!("Added device {name}: mount the filesystem with -o device={name} from now on");
+    }
+    Ok(())
+}
+
+/// Device replace through a running butter mount (IMAGE is its mount point): the kernel's
+/// BTRFS_IOC_DEV_REPLACE (START), which the mount serves to the end: TARGET is added and
+/// SOURCE's block groups relocated while the mount goes on serving (between its other
+/// operations).
+fn replace_mounted(dir: &Path, source: &str, target: &Path, force: bool) -> CliResult {
+    const BTRFS_IOC_DEV_REPLACE: u32 = 0xca28_9435;
+    refuse_signature(target, force)?;
+    let tgt = absolute(target)?;
+    let mut args = vec![0u8; 2600];
+    match source.parse::<u64>() {
+        Ok(id) => args[16..24].copy_from_slice(&id.to_le_bytes()),
+        Err(_) => {
+            let src = if source == "missing" {
+                source.to_string()
+            } else {
+                absolute(Path::new(source))?
+            };
+            args[32..32 + src.len()].copy_from_slice(src.as_bytes());
+        }
+    }
+    args[32 + 1025..32 + 1025 + tgt.len()].copy_from_slice(tgt.as_bytes());
+    let mut line = super::progress::StatusLine::new();
+    line.show(&format!(
+        "replacing device {source} by {tgt} through the mount"
+    ));
+    let r = super::progress::dir_ioctl(dir, BTRFS_IOC_DEV_REPLACE, &mut args);
+    line.end();
+    r.map_err(|e| {
+        CliError(format!(
+            "cannot replace device {source} by {} through the mount at {}: {e} (the mount's \
+             log says why)",
+            target.display(),
+            dir.display()
+        ))
+    })?;
+    println!(
+        "Replaced device {source} by {tgt}: mount the filesystem with -o device={tgt} from \
+         now on"
     );
     Ok(())
 }

@@ -107,6 +107,7 @@ pub fn examples(path: &str) -> &'static [(&'static str, &'static str)] {
         "balance cancel" => &[("Drop a paused balance", "butter balance cancel os.img")],
         "device" | "device add" => &[
             ("Add a second image file to a filesystem, then use both", "truncate -s 4G b.img && butter device add a.img b.img && butter filesystem show a.img --device b.img"),
+            ("Add one to a running butter mount (as root)", "butter device add /mnt/os b.img"),
         ],
         "device remove" => &[
             ("Take device 2 out, its chunks moved to the others", "butter device remove a.img --device b.img --device c.img 2"),
@@ -114,6 +115,7 @@ pub fn examples(path: &str) -> &'static [(&'static str, &'static str)] {
         "device replace" => &[
             ("Move everything from b.img to c.img", "butter device replace a.img --device b.img b.img c.img"),
             ("Replace a lost device of a RAID1", "butter device replace --degraded a.img missing c.img"),
+            ("Replace the image a running butter mount was made from (as root)", "butter device replace /mnt/os a.img c.img"),
         ],
         "filesystem resize" => &[
             ("Grow an image by 2 GiB (the file grows with it)", "butter filesystem resize os.img +2G"),

@@ -579,10 +579,14 @@ impl Adapter {
         in_data: &[u8],
         out_size: u32,
     ) -> Result<Vec<u8>, Errno> {
-        // The kernel's device removal and balance, for `butter device remove` and `butter
-        // balance start` given the mount point (btrfs-progs refuses a FUSE mount by its
-        // statfs magic before it gets here). Root only, as the kernel wants CAP_SYS_ADMIN.
+        // The kernel's device add, removal and replace and balance, for `butter device
+        // add|remove|replace` and `butter balance start` given the mount point (btrfs-progs
+        // refuses a FUSE mount by its statfs magic before it gets here). Root only, as the
+        // kernel wants CAP_SYS_ADMIN. Each runs to its end inside the request (the kernel's
+        // replace runs in the background and is polled; here START returns when done).
+        const BTRFS_IOC_ADD_DEV: u32 = 0x5000_940a;
         const BTRFS_IOC_RM_DEV_V2: u32 = 0x5000_943a;
+        const BTRFS_IOC_DEV_REPLACE: u32 = 0xca28_9435;
         const BTRFS_IOC_BALANCE_V2: u32 = 0xc400_9420;
         const BTRFS_DEVICE_SPEC_BY_ID: u64 = 1 << 3;
         let admin_err = |e: Error| match e {
@@ -592,11 +596,81 @@ impl Adapter {
             Error::NotFound(_) => OpError::Quiet(libc::ENOENT),
             e => fs_err(e),
         };
-        if matches!(cmd, BTRFS_IOC_RM_DEV_V2 | BTRFS_IOC_BALANCE_V2) {
+        // A NUL-terminated path in `in_data[at..at + max]`.
+        let name_at = |at: usize, max: usize| -> String {
+            let name = in_data
+                .get(at..(at + max).min(in_data.len()))
+                .unwrap_or_default();
+            let name = &name[..name.iter().position(|&c| c == 0).unwrap_or(name.len())];
+            String::from_utf8_lossy(name).into_owned()
+        };
+        // The devid a path (as given at mount, or any path to the same file) or `missing`
+        // names.
+        let devid_named = |name: &str| -> Result<u64, OpError> {
+            let devs = self.fs.devices().map_err(fs_err)?;
+            let canon = |p: &str| std::fs::canonicalize(p).ok();
+            let found = if name == "missing" {
+                devs.iter().find(|d| d.path.is_none())
+            } else {
+                devs.iter().find(|d| {
+                    d.path
+                        .as_deref()
+                        .is_some_and(|p| p == name || canon(p) == canon(name))
+                })
+            };
+            found.map(|d| d.devid).ok_or(OpError::Quiet(libc::ENOENT))
+        };
+        // A device to add, opened by the mount (a new member: nothing else may hold it).
+        let open_target = |name: &str| -> Result<_, OpError> {
+            crate::cmd::device::open_new(std::path::Path::new(name)).map_err(|e| {
+                log::error!("{}", e.0);
+                OpError::Quiet(libc::EBUSY)
+            })
+        };
+        if matches!(
+            cmd,
+            BTRFS_IOC_ADD_DEV | BTRFS_IOC_RM_DEV_V2 | BTRFS_IOC_DEV_REPLACE | BTRFS_IOC_BALANCE_V2
+        ) {
             if uid != 0 {
                 return Err(Errno::from_i32(libc::EPERM));
             }
             return self.change("device or balance ioctl", node, || {
+                if cmd == BTRFS_IOC_ADD_DEV {
+                    // struct btrfs_ioctl_vol_args: fd (8 bytes), then the path.
+                    let name = name_at(8, 4088);
+                    let dev = open_target(&name)?;
+                    self.fs.add_device(dev, &name).map_err(admin_err)?;
+                    return Ok(Vec::new());
+                }
+                if cmd == BTRFS_IOC_DEV_REPLACE {
+                    // struct btrfs_ioctl_dev_replace_args: cmd, result, then the start
+                    // parameters: srcdevid, the read mode, srcdev_name and tgtdev_name (1025
+                    // bytes each).
+                    let word = |o: usize| -> Option<u64> {
+                        Some(u64::from_le_bytes(in_data.get(o..o + 8)?.try_into().ok()?))
+                    };
+                    if word(0) != Some(0) {
+                        // Only START: the replace has ended by the time it returns, so there
+                        // is nothing to poll or cancel.
+                        return Err(OpError::Quiet(libc::EOPNOTSUPP));
+                    }
+                    let src = match word(16).ok_or(OpError::Quiet(libc::EINVAL))? {
+                        0 => devid_named(&name_at(32, 1025))?,
+                        id => id,
+                    };
+                    let target = name_at(32 + 1025, 1025);
+                    let dev = open_target(&target)?;
+                    self.fs
+                        .replace_device(src, dev, &target, &mut |m| log::info!("{m}"))
+                        .map_err(admin_err)?;
+                    let mut out = in_data.to_vec();
+                    out.resize(out_size as usize, 0);
+                    // result: BTRFS_IOCTL_DEV_REPLACE_RESULT_NO_ERROR.
+                    if let Some(result) = out.get_mut(8..16) {
+                        result.fill(0);
+                    }
+                    return Ok(out);
+                }
                 if cmd == BTRFS_IOC_BALANCE_V2 {
                     let req = butter::inode::balance::BalanceRequest::from_ioctl_args(in_data)
                         .map_err(|_| OpError::Quiet(libc::EINVAL))?;
@@ -615,21 +689,7 @@ impl Adapter {
                 let devid = if flags & BTRFS_DEVICE_SPEC_BY_ID != 0 {
                     u64_at(56).ok_or(OpError::Quiet(libc::EINVAL))?
                 } else {
-                    let name = in_data.get(56..).unwrap_or_default();
-                    let name = &name[..name.iter().position(|&c| c == 0).unwrap_or(name.len())];
-                    let name = String::from_utf8_lossy(name).into_owned();
-                    let devs = self.fs.devices().map_err(fs_err)?;
-                    let canon = |p: &str| std::fs::canonicalize(p).ok();
-                    let found = if name == "missing" {
-                        devs.iter().find(|d| d.path.is_none())
-                    } else {
-                        devs.iter().find(|d| {
-                            d.path
-                                .as_deref()
-                                .is_some_and(|p| p == name || canon(p) == canon(&name))
-                        })
-                    };
-                    found.map(|d| d.devid).ok_or(OpError::Quiet(libc::ENOENT))?
+                    devid_named(&name_at(56, 4040))?
                 };
                 self.fs
                     .remove_device(devid, &mut |m| log::info!("{m}"))

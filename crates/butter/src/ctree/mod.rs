@@ -575,7 +575,7 @@ fn match_dev_items(disk: Arc<Disk>, degraded: bool) -> Result<Arc<Disk>> {
             ),
         ));
     }
-    let mut devices = disk.devices.clone();
+    let devices = disk.devices.clone();
     for m in disk.devices.members() {
         match items.iter().find(|d| d.devid == m.devid) {
             None => {

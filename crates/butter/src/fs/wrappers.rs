@@ -339,11 +339,15 @@ impl Fs {
         })
     }
 
-    /// Adds `dev` to the filesystem as its next device and commits; returns its devid. Its
-    /// space is used for new chunks once the filesystem is opened with it (nothing is moved
-    /// onto it).
-    pub fn add_device(&self, dev: Arc<dyn crate::io::device::BlockDevice>) -> Result<u64> {
-        self.changing("add_device", None, |c| c.add_device(dev))
+    /// Adds `dev` (`name`: how messages and [`Fs::devices`] name it, a path) to the
+    /// filesystem as its next device and commits; returns its devid. New chunks may use its
+    /// space from then on (nothing is moved onto it: that is a balance).
+    pub fn add_device(
+        &self,
+        dev: Arc<dyn crate::io::device::BlockDevice>,
+        name: &str,
+    ) -> Result<u64> {
+        self.changing("add_device", None, |c| c.add_device(dev, name))
     }
 
     /// Removes device `devid`: its block groups are relocated to the other devices first,
@@ -351,6 +355,21 @@ impl Fs {
     pub fn remove_device(&self, devid: u64, progress: &mut dyn FnMut(&str)) -> Result<()> {
         self.changing("remove_device", None, |c| {
             c.remove_device_relocating(devid, progress)
+        })
+    }
+
+    /// Replaces device `src` (present, or missing on a degraded filesystem) by `dev` (named
+    /// `name`): `dev` is added, then `src` removed with its block groups relocated; returns
+    /// the new device's devid (the kernel's replace keeps the old one).
+    pub fn replace_device(
+        &self,
+        src: u64,
+        dev: Arc<dyn crate::io::device::BlockDevice>,
+        name: &str,
+        progress: &mut dyn FnMut(&str),
+    ) -> Result<u64> {
+        self.changing("replace_device", None, |c| {
+            c.replace_device(src, dev, name, progress)
         })
     }
 

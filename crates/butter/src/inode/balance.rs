@@ -571,4 +571,37 @@ impl Core {
         }
         self.remove_device(devid)
     }
+
+    /// Replaces device `src` (present or missing) by `dev`: `dev` joins as a new device (the
+    /// next devid, committed), then `src` is removed, its block groups relocated (onto `dev`
+    /// where the profiles put them). Refused before anything is written where `src` is not
+    /// a device of the filesystem. Returns the new devid.
+    pub(crate) fn replace_device(
+        &self,
+        src: u64,
+        dev: std::sync::Arc<dyn crate::io::device::BlockDevice>,
+        name: &str,
+        progress: &mut dyn FnMut(&str),
+    ) -> Result<u64> {
+        self.op(false, |w| {
+            if w.dev_items.contains_key(&src) {
+                Ok(())
+            } else {
+                Err(crate::error::Error::Invalid(format!(
+                    "the filesystem has no device {src}"
+                )))
+            }
+        })?;
+        let new = self.add_device(dev, name)?;
+        progress(&format!(
+            "added {name} as device {new}; moving device {src} onto it"
+        ));
+        self.remove_device_relocating(src, progress).map_err(|e| {
+            crate::error::Error::Invalid(format!(
+                "device {new} ({name}) was added, but moving device {src} onto it failed: {e}; \
+                 removing device {src} tries again"
+            ))
+        })?;
+        Ok(new)
+    }
 }

@@ -59,12 +59,13 @@ impl Core {
     /// opened from.
     pub(crate) fn devices(&self) -> Result<Vec<DeviceInfo>> {
         let sb = &self.disk.sb;
-        let root = Root {
+        // As the running transaction has it: devices come and go while open.
+        let root = self.live_root(CHUNK_TREE_OBJECTID).unwrap_or(Root {
             id: CHUNK_TREE_OBJECTID,
             bytenr: sb.chunk_root,
             level: sb.chunk_root_level,
             generation: sb.chunk_root_generation,
-        };
+        });
         let mut it = TreeIter::new(
             self.disk.clone(),
             root,

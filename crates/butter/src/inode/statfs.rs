@@ -140,7 +140,13 @@ impl Core {
         let root = w.current_root(DEV_TREE_OBJECTID)?;
         let mut unallocated = 0u64;
         let mut with_room = 0u64;
-        let ids: Vec<u64> = self.disk.devices.members().map(|m| m.devid).collect();
+        let ids: Vec<u64> = self
+            .disk
+            .devices
+            .members()
+            .iter()
+            .map(|m| m.devid)
+            .collect();
         for devid in &ids {
             let mut allocated = 1u64 << 20; // the first MiB is never allocated
             let mut it = crate::ctree::TreeIter::new(
@@ -343,9 +349,10 @@ impl Core {
     /// Removes device `devid` (it holds no chunk) and commits; then wipes its superblocks,
     /// so that no tool takes it for a member any more.
     pub(crate) fn remove_device(&self, devid: u64) -> Result<()> {
-        let dev = self.disk.devices.member(devid).and_then(|m| m.dev.clone());
+        let dev = self.disk.devices.member(devid).and_then(|m| m.dev);
         self.op(false, |w| w.remove_device(devid))?;
         self.commit()?;
+        self.disk.devices.forget(devid);
         if let Some(dev) = dev {
             crate::io::super_io::wipe(dev.as_ref())?;
         }
@@ -632,13 +639,15 @@ impl Core {
         Ok(size)
     }
 
-    /// Adds a device and commits ([`crate::transaction::Writer::add_device`]).
+    /// Adds a device and commits ([`crate::transaction::Writer::add_device`]); new chunks
+    /// may go on it from then on.
     pub(crate) fn add_device(
         &self,
         dev: std::sync::Arc<dyn crate::io::device::BlockDevice>,
+        name: &str,
     ) -> Result<u64> {
         let uuid = crate::mkfs::random_uuid()?;
-        let devid = self.op(false, |w| w.add_device(dev, uuid))?;
+        let devid = self.op(false, |w| w.add_device(dev, uuid, name.to_string()))?;
         self.commit()?;
         Ok(devid)
     }

@@ -597,7 +597,7 @@ fn gather_devices(
     newest: usize,
 ) -> Result<Devices> {
     let (first_name, first_dev, sb) = &read[newest];
-    let mut devices = Devices::single(
+    let devices = Devices::single(
         sb.dev_item.devid,
         sb.dev_item.uuid,
         first_name.clone(),
@@ -728,7 +728,7 @@ impl Disk {
     }
 
     /// The device the superblock in use came from: a single-device filesystem's only one.
-    pub fn dev(&self) -> &Arc<dyn BlockDevice> {
+    pub fn dev(&self) -> Arc<dyn BlockDevice> {
         self.devices.primary()
     }
 

@@ -2,7 +2,8 @@
 //! places on them.
 //!
 //! [`Devices`] is the set of devices the filesystem was opened with, keyed by devid, with the
-//! ones its chunk tree names but nobody gave (a degraded open) kept as missing.
+//! ones its chunk tree names but nobody gave (a degraded open) kept as missing; devices
+//! added or removed while open join or leave it once their change is committed.
 //!
 //! The superblock's sys_chunk_array holds the SYSTEM chunks needed to read the chunk tree; the
 //! chunk tree then gives every chunk. A chunk maps `[logical, logical + length)` onto device
@@ -22,7 +23,8 @@ use crate::format::items::ChunkItem;
 use crate::format::*;
 use crate::io::device::BlockDevice;
 use std::collections::BTreeMap;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, RwLock};
 
 /// One device of an open filesystem.
 #[derive(Clone)]
@@ -39,12 +41,24 @@ pub(crate) struct Member {
     pub(crate) failed: Arc<std::sync::atomic::AtomicBool>,
 }
 
-/// The devices of an open filesystem, by devid.
-#[derive(Clone, Default)]
+/// The devices of an open filesystem, by devid. The set can change while open (a device
+/// added or removed through a mount): readers take what they need as owned handles, so a
+/// change never pulls a device from under a read in flight.
+#[derive(Default)]
 pub(crate) struct Devices {
-    members: BTreeMap<u64, Member>,
-    /// The device the superblock in use was read from (the image named first).
-    primary: u64,
+    members: RwLock<BTreeMap<u64, Member>>,
+    /// The device the superblock in use was read from (the image named first); another
+    /// present device takes over when it is removed.
+    primary: AtomicU64,
+}
+
+impl Clone for Devices {
+    fn clone(&self) -> Devices {
+        Devices {
+            members: RwLock::new(self.read().clone()),
+            primary: AtomicU64::new(self.primary_devid()),
+        }
+    }
 }
 
 impl Devices {
@@ -55,61 +69,89 @@ impl Devices {
         name: String,
         dev: Arc<dyn BlockDevice>,
     ) -> Devices {
-        let mut d = Devices {
-            members: BTreeMap::new(),
-            primary: devid,
+        let d = Devices {
+            members: RwLock::new(BTreeMap::new()),
+            primary: AtomicU64::new(devid),
         };
-        d.members.insert(
+        d.insert(Member {
             devid,
-            Member {
-                devid,
-                uuid,
-                name,
-                dev: Some(dev),
-                failed: Default::default(),
-            },
-        );
+            uuid,
+            name,
+            dev: Some(dev),
+            failed: Default::default(),
+        });
         d
     }
 
-    /// Adds a device; the caller has checked that its devid is new.
-    pub(crate) fn insert(&mut self, m: Member) {
-        self.members.insert(m.devid, m);
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, BTreeMap<u64, Member>> {
+        self.members.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Adds a device (at open, or one added to the open filesystem once its item is
+    /// committed); the caller has checked that its devid is new.
+    pub(crate) fn insert(&self, m: Member) {
+        self.members
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(m.devid, m);
+    }
+
+    /// Forgets device `devid` (removed from the filesystem, its removal committed). The
+    /// primary role passes to the lowest present device when it was the primary.
+    pub(crate) fn forget(&self, devid: u64) {
+        let mut map = self.members.write().unwrap_or_else(|e| e.into_inner());
+        map.remove(&devid);
+        if self.primary.load(Ordering::Relaxed) == devid {
+            if let Some(m) = map.values().find(|m| m.dev.is_some() && !m.is_failed()) {
+                self.primary.store(m.devid, Ordering::Relaxed);
+            }
+        }
     }
 
     /// The device the superblock in use came from.
-    pub(crate) fn primary(&self) -> &Arc<dyn BlockDevice> {
-        match self.members.get(&self.primary).and_then(|m| m.dev.as_ref()) {
+    pub(crate) fn primary(&self) -> Arc<dyn BlockDevice> {
+        match self
+            .read()
+            .get(&self.primary_devid())
+            .and_then(|m| m.dev.clone())
+        {
             Some(d) => d,
             None => unreachable!("the primary device is always present"),
         }
     }
 
     pub(crate) fn primary_devid(&self) -> u64 {
-        self.primary
+        self.primary.load(Ordering::Relaxed)
+    }
+
+    /// Makes device `devid` (present) the primary: the one the filesystem is opened by from
+    /// now on, before the old primary is removed.
+    pub(crate) fn set_primary(&self, devid: u64) {
+        self.primary.store(devid, Ordering::Relaxed);
     }
 
     /// Drops device `devid` from the writes (removed from the filesystem): treated as
     /// missing from now on, without the warning of a failure.
     pub(crate) fn mark_removed(&self, devid: u64) {
-        if let Some(m) = self.members.get(&devid) {
-            m.failed.store(true, std::sync::atomic::Ordering::Relaxed);
+        if let Some(m) = self.read().get(&devid) {
+            m.failed.store(true, Ordering::Relaxed);
         }
     }
 
     /// The present device `devid`, if it is one.
-    pub(crate) fn get(&self, devid: u64) -> Option<&Arc<dyn BlockDevice>> {
-        let m = self.members.get(&devid)?;
-        if m.failed.load(std::sync::atomic::Ordering::Relaxed) {
+    pub(crate) fn get(&self, devid: u64) -> Option<Arc<dyn BlockDevice>> {
+        let map = self.read();
+        let m = map.get(&devid)?;
+        if m.is_failed() {
             return None;
         }
-        m.dev.as_ref()
+        m.dev.clone()
     }
 
     /// Marks device `devid` failed (see [`Member::failed`]): from now on it is missing.
     pub(crate) fn mark_failed(&self, devid: u64, why: &str) {
-        if let Some(m) = self.members.get(&devid) {
-            if !m.failed.swap(true, std::sync::atomic::Ordering::Relaxed) {
+        if let Some(m) = self.read().get(&devid) {
+            if !m.failed.swap(true, Ordering::Relaxed) {
                 log::error!(
                     "device {devid} ({}) failed: {why}; going on without it (degraded)",
                     m.name
@@ -126,45 +168,54 @@ impl Devices {
         &self,
         mut f: impl FnMut(u64, &Arc<dyn BlockDevice>) -> std::result::Result<(), E>,
     ) -> std::result::Result<(), E> {
+        let members = self.members();
         let mut ok = 0;
         let mut first_err = None;
-        for &devid in self.members.keys() {
-            let Some(dev) = self.get(devid) else { continue };
-            match f(devid, dev) {
+        for m in &members {
+            let Some(dev) = self.get(m.devid) else {
+                continue;
+            };
+            match f(m.devid, &dev) {
                 Ok(()) => ok += 1,
                 Err(e) => {
-                    if self.members.len() > 1 {
-                        self.mark_failed(devid, &e.to_string());
+                    if members.len() > 1 {
+                        self.mark_failed(m.devid, &e.to_string());
                     }
                     first_err.get_or_insert(e);
                 }
             }
         }
         match first_err {
-            Some(e) if ok == 0 || self.members.len() == 1 => Err(e),
+            Some(e) if ok == 0 || members.len() == 1 => Err(e),
             _ => Ok(()),
         }
     }
 
     /// How many devices are present and working.
     pub(crate) fn working(&self) -> usize {
-        self.members
-            .keys()
-            .filter(|d| self.get(**d).is_some())
+        self.read()
+            .values()
+            .filter(|m| m.dev.is_some() && !m.is_failed())
             .count()
     }
 
-    pub(crate) fn member(&self, devid: u64) -> Option<&Member> {
-        self.members.get(&devid)
+    pub(crate) fn member(&self, devid: u64) -> Option<Member> {
+        self.read().get(&devid).cloned()
     }
 
-    /// Every device, present or missing, by devid.
-    pub(crate) fn members(&self) -> impl Iterator<Item = &Member> {
-        self.members.values()
+    /// Every device, present or missing, by devid (as the set is now).
+    pub(crate) fn members(&self) -> Vec<Member> {
+        self.read().values().cloned().collect()
     }
 
     pub(crate) fn len(&self) -> usize {
-        self.members.len()
+        self.read().len()
+    }
+}
+
+impl Member {
+    fn is_failed(&self) -> bool {
+        self.failed.load(Ordering::Relaxed)
     }
 }
 

@@ -368,7 +368,9 @@ fn power_cut_at_every_write_of_a_device_add() {
         })
         .collect();
     let fs = open_set(&devs[..1], true).expect("open");
-    let devid = fs.add_device(devs[1].clone()).expect("device add");
+    let devid = fs
+        .add_device(devs[1].clone(), "device 2")
+        .expect("device add");
     assert_eq!(devid, 2);
     drop(fs);
     let ops = std::mem::take(&mut *trace.lock().unwrap());
@@ -505,7 +507,7 @@ fn power_cut_at_every_write_of_a_device_remove() {
     let r2 = Arc::new(RamDevice::new(vec![0u8; DEV_SIZE as usize]));
     let fs = open_set(&[r1.clone() as Arc<dyn BlockDevice>], true).expect("open");
     populate(&fs).expect("populate");
-    fs.add_device(r2.clone()).expect("add");
+    fs.add_device(r2.clone(), "device 2").expect("add");
     let want = manifest(&fs).expect("manifest");
     drop(fs);
     let bases = [Arc::new(r1.durable_bytes()), Arc::new(r2.durable_bytes())];

@@ -150,7 +150,13 @@ impl Writer {
         // Each device's largest hole, most room first, as the kernel picks devices (packing:
         // the lowest hole where the chunk fits).
         let mut devs: Vec<(u64, u64, u64)> = Vec::new(); // (devid, hole, room per stripe)
-        let ids: Vec<u64> = self.disk.devices.members().map(|m| m.devid).collect();
+        let ids: Vec<u64> = self
+            .disk
+            .devices
+            .members()
+            .iter()
+            .map(|m| m.devid)
+            .collect();
         for devid in ids {
             let holes = self.device_holes(devid)?;
             let fits = |len: u64| len / attr.dev_stripes as u64 >= want.div_ceil(STRIPE) * STRIPE;
@@ -408,7 +414,18 @@ impl Writer {
         self.dev_items.remove(&devid);
         self.sb.num_devices -= 1;
         self.sb.total_bytes = self.sb.total_bytes.saturating_sub(item.total_bytes);
-        self.added.retain(|(d, _)| *d != devid);
+        self.added.retain(|(d, ..)| *d != devid);
+        if devid == self.disk.devid() {
+            // The filesystem is opened by another device from now on (check_remove_device
+            // made sure one is present); its item is the superblock's from this commit.
+            if let Some(&next) = self
+                .dev_items
+                .keys()
+                .find(|&&d| self.disk.devices.get(d).is_some())
+            {
+                self.disk.devices.set_primary(next);
+            }
+        }
         // No more superblocks (nor anything else) go to it.
         self.disk.devices.mark_removed(devid);
         log::info!("removed device {devid}");
@@ -432,10 +449,14 @@ impl Writer {
                 "the last device of a filesystem stays".into(),
             ));
         }
-        if devid == self.disk.devid() {
+        if !self
+            .dev_items
+            .keys()
+            .any(|&d| d != devid && self.disk.devices.get(d).is_some())
+        {
             return Err(Error::Invalid(format!(
-                "device {devid} is the one the filesystem was opened by: open it by another \
-                 device (IMAGE) and give this one with --device"
+                "device {devid} is the only one present: the others are missing, so nothing \
+                 could be moved off it; replace a missing device first"
             )));
         }
         let left = self.dev_items.len() - 1;
@@ -579,12 +600,13 @@ impl Writer {
     /// Adds `dev` to the filesystem as a new device (the next devid), as the kernel's device
     /// add does: its DEV_ITEM in the chunk tree, the device count and total size in the
     /// superblock; its superblocks are written with every commit from now on (first). No
-    /// chunk is moved onto it (that is balance); new chunks use it once the filesystem is
-    /// opened with it. Returns its devid.
+    /// chunk is moved onto it (that is balance); new chunks may use it once this transaction
+    /// has committed. `name` (a path) names it in messages. Returns its devid.
     pub(crate) fn add_device(
         &mut self,
         dev: std::sync::Arc<dyn crate::io::device::BlockDevice>,
         uuid: [u8; 16],
+        name: String,
     ) -> Result<u64> {
         self.check_writable()?;
         self.begin_qgroup_neutral();
@@ -628,7 +650,7 @@ impl Writer {
         self.dev_items.insert(devid, item);
         self.sb.num_devices += 1;
         self.sb.total_bytes += size;
-        self.added.push((devid, dev));
+        self.added.push((devid, dev, name));
         log::info!("added device {devid} of {size} bytes");
         Ok(devid)
     }

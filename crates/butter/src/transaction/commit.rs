@@ -105,6 +105,21 @@ impl Writer {
             .flush_all()
             .map_err(|e| Error::io("flushing tree blocks", 0, e))?;
         self.write_superblocks()?;
+        // Devices added by this transaction are named by every superblock now: they join.
+        for (devid, dev, name) in std::mem::take(&mut self.added) {
+            let uuid = self
+                .dev_items
+                .get(&devid)
+                .map(|d| d.uuid)
+                .unwrap_or_default();
+            self.disk.devices.insert(crate::io::volumes::Member {
+                devid,
+                uuid,
+                name,
+                dev: Some(dev),
+                failed: Default::default(),
+            });
+        }
         self.state = TransState::Unblocked;
         // The superblock no longer names a log: its blocks go back once no log write is in
         // flight.
@@ -346,7 +361,7 @@ impl Writer {
         };
         // A device added in this session first: until the others name it, a cut leaves it
         // a newer copy nobody opens with them; once they do, it is there.
-        for (devid, dev) in &self.added {
+        for (devid, dev, _) in &self.added {
             crate::io::super_io::write_all_device(
                 dev.as_ref(),
                 *devid,

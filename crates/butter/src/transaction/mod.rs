@@ -68,10 +68,14 @@ pub(crate) struct Writer {
     sb_base: Vec<u8>,
     /// Every device's item, by devid (the primary's as its superblock carries it).
     pub(crate) dev_items: BTreeMap<u64, DevItem>,
-    /// Devices added while open ([`Writer::add_device`]): not part of the open device set
-    /// (no chunk goes on them until the filesystem is opened again), but every commit writes
-    /// their superblocks, first.
-    added: Vec<(u64, std::sync::Arc<dyn crate::io::device::BlockDevice>)>,
+    /// Devices added in the running transaction ([`Writer::add_device`]), with their names:
+    /// the commit writes their superblocks first, then they join the open device set (new
+    /// chunks may go on them from then on).
+    added: Vec<(
+        u64,
+        std::sync::Arc<dyn crate::io::device::BlockDevice>,
+        String,
+    )>,
     /// Dev extents of block groups removed in the running transaction, (devid, offset,
     /// length): the last commit's chunks still live there, so no new chunk may take them
     /// before this transaction commits.
@@ -180,6 +184,7 @@ impl Writer {
         self.disk
             .devices
             .members()
+            .iter()
             .map(|m| self.device_total_bytes(m.devid))
             .sum()
     }
