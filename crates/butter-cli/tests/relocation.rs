@@ -478,7 +478,7 @@ fn a_balance_the_kernel_paused_is_resumed_by_butter() {
 /// removed device's superblock is wiped, the data is RAID1 after the conversion, and after
 /// the unmount the kernel shows the files the mount showed, both checkers clean.
 #[test]
-fn device_remove_replace_add_and_balance_through_a_running_mount_while_files_are_written() {
+fn device_remove_replace_add_balance_and_resize_through_a_running_mount_while_files_are_written() {
     if !fuse_mount::require("relocation", &[]) || !kernel::require_privileges() {
         return;
     }
@@ -527,9 +527,17 @@ fn device_remove_replace_add_and_balance_through_a_running_mount_while_files_are
     let o = butter(&["balance", "start", "-dconvert=raid1", &mnt]);
     assert!(o.status.success(), "{}", text(&o));
     assert!(text(&o).contains("Done, had to relocate"), "{}", text(&o));
+    // Resize through the mount: device 4 (d3) shrinks, its file cut; device 5 (d4) grows,
+    // its file extended.
+    let o = butter(&["filesystem", "resize", &mnt, "4:-100M"]);
+    assert!(o.status.success(), "{}", text(&o));
+    let o = butter(&["filesystem", "resize", &mnt, "5:+100M"]);
+    assert!(o.status.success(), "{}", text(&o));
     writer.join().expect("the writer thread");
     let want = take(m.path());
     m.unmount();
+    assert_eq!(fs::metadata(&d[3]).unwrap().len(), 300 * MIB, "d3 cut");
+    assert_eq!(fs::metadata(&d[4]).unwrap().len(), 500 * MIB, "d4 extended");
     let dump_super = |p: &Path| {
         let o = kernel::run_output(
             Command::new("btrfs")
@@ -546,15 +554,22 @@ fn device_remove_replace_add_and_balance_through_a_running_mount_while_files_are
         );
     }
     // The devices that joined through the mount hold chunks: the mount used them at once.
-    for joined in [&d[3], &d[4]] {
+    for (joined, size) in [(&d[3], 300 * MIB), (&d[4], 500 * MIB)] {
         let sb = dump_super(joined);
-        let used = sb
-            .lines()
-            .find_map(|l| l.strip_prefix("dev_item.bytes_used"))
-            .and_then(|v| v.trim().parse::<u64>().ok());
+        let field = |name: &str| {
+            sb.lines()
+                .find_map(|l| l.strip_prefix(name))
+                .and_then(|v| v.trim().parse::<u64>().ok())
+        };
         assert!(
-            used.is_some_and(|u| u > 0),
+            field("dev_item.bytes_used").is_some_and(|u| u > 0),
             "{} holds no chunk:\n{sb}",
+            joined.display()
+        );
+        assert_eq!(
+            field("dev_item.total_bytes"),
+            Some(size),
+            "{} after the resize:\n{sb}",
             joined.display()
         );
     }

@@ -123,6 +123,7 @@ pub fn examples(path: &str) -> &'static [(&'static str, &'static str)] {
             ("Shrink it as far as it goes, its block groups packed, the file cut there", "butter filesystem resize os.img min"),
             ("Shrink to 1 GiB, moving what lies past it", "butter filesystem resize os.img 1G"),
             ("Grow device 2 of a RAID1", "butter filesystem resize a.img 2:+1G --device b.img"),
+            ("Grow the filesystem of a running butter mount by 1 GiB (as root)", "butter filesystem resize /mnt/os +1G"),
         ],
         "filesystem label" => &[
             ("Print the label", "butter filesystem label disk.img"),

@@ -64,7 +64,8 @@ pub enum FilesystemCmd {
     /// not given). A regular image file is extended to a larger size first and cut to a
     /// smaller one after.
     Resize {
-        /// Image file or block device.
+        /// Image file or block device, or the mount point of a running `butter mount` (the
+        /// resize then runs in the mount).
         image: PathBuf,
         /// The new size: [DEVID:][+|-]SIZE, [DEVID:]max or [DEVID:]min.
         #[arg(
@@ -195,32 +196,77 @@ fn parse_resize(spec: &str) -> Result<(u64, NewSize), CliError> {
 
 /// `butter filesystem resize IMAGE [DEVID:][+|-]SIZE|max|min`.
 fn resize(image: &std::path::Path, spec: &str) -> Result<(), CliError> {
+    if image.is_dir() {
+        return resize_mounted(image, spec);
+    }
+    parse_resize(spec)?;
+    let fs = super::subvol::open_rw(image)?;
+    let mut line = super::progress::StatusLine::new();
+    let r = resize_on(&fs, spec, &mut |m| line.show(m));
+    line.end();
+    let done = r?;
+    fs.close()?;
+    println!("{done}");
+    Ok(())
+}
+
+/// Resize through a running butter mount (IMAGE is its mount point): the kernel's
+/// BTRFS_IOC_RESIZE with the same size syntax, which the mount serves (an image file grows
+/// or is cut under it).
+fn resize_mounted(dir: &std::path::Path, spec: &str) -> Result<(), CliError> {
+    const BTRFS_IOC_RESIZE: u32 = 0x5000_9403;
+    parse_resize(spec)?;
+    let mut args = vec![0u8; 4096];
+    if spec.len() >= 4088 {
+        return Err(CliError(format!("resize `{spec}`: too long")));
+    }
+    args[8..8 + spec.len()].copy_from_slice(spec.as_bytes());
+    let mut line = super::progress::StatusLine::new();
+    line.show(&format!("resizing ({spec}) through the mount"));
+    let r = super::progress::dir_ioctl(dir, BTRFS_IOC_RESIZE, &mut args);
+    line.end();
+    r.map_err(|e| {
+        CliError(format!(
+            "cannot resize ({spec}) through the mount at {}: {e} (the mount's log says why)",
+            dir.display()
+        ))
+    })?;
+    println!("Resized ({spec}) through the mount at {}", dir.display());
+    Ok(())
+}
+
+/// Resizes a device of `fs` (open read-write) as `spec` says (`[DEVID:][+|-]SIZE|max|min`)
+/// and commits; an image file grows first or is cut after. Returns what to tell the user.
+pub(crate) fn resize_on(
+    fs: &Fs,
+    spec: &str,
+    progress: &mut dyn FnMut(&str),
+) -> Result<String, CliError> {
     use butter::io::device::BlockDevice;
     let (devid, what) = parse_resize(spec)?;
-    // The device's size in the filesystem and where it is, from a read-only look.
-    let (cur, path) = {
-        let fs = super::open_fs(image)?;
-        let devs = fs.devices()?;
-        let Some(d) = devs.iter().find(|d| d.devid == devid) else {
-            let ids: Vec<String> = devs.iter().map(|d| d.devid.to_string()).collect();
-            return Err(CliError(format!(
-                "the filesystem has no device {devid} (its devices: {})",
-                ids.join(", ")
-            )));
-        };
-        let Some(p) = d.path.clone() else {
-            return Err(CliError(format!(
-                "device {devid} is missing: give it with --device to resize it"
-            )));
-        };
-        (d.size, p)
+    let devs = fs.devices()?;
+    let Some(d) = devs.iter().find(|d| d.devid == devid) else {
+        let ids: Vec<String> = devs.iter().map(|d| d.devid.to_string()).collect();
+        return Err(CliError(format!(
+            "the filesystem has no device {devid} (its devices: {})",
+            ids.join(", ")
+        )));
     };
+    let Some(path) = d.path.clone() else {
+        return Err(CliError(format!(
+            "device {devid} is missing: give it with --device to resize it"
+        )));
+    };
+    let cur = d.size;
     let path = PathBuf::from(&path);
-    let file_len = std::fs::metadata(&path)
-        .ok()
-        .filter(|m| m.file_type().is_file())
-        .map(|m| m.len());
+    // The device's length now (a file or partition may have grown since it was opened).
     let dev_len = || -> Result<u64, CliError> {
+        if let Some(m) = std::fs::metadata(&path)
+            .ok()
+            .filter(|m| m.file_type().is_file())
+        {
+            return Ok(m.len());
+        }
         match path.to_str().and_then(butter::io::nbd::Address::parse) {
             Some(addr) => {
                 let addr = addr.map_err(CliError)?;
@@ -244,78 +290,25 @@ fn resize(image: &std::path::Path, spec: &str) -> Result<(), CliError> {
                 super::mkfs::human(cur)
             ))
         })?),
-        NewSize::Max => Some(file_len.map_or_else(dev_len, Ok)?),
+        NewSize::Max => Some(dev_len()?),
         NewSize::Min => None,
     };
-    // A regular file grows first: the filesystem may then use the bytes.
-    let mut extended_from = None;
-    if let (Some(t), Some(len)) = (target, file_len) {
-        if t > len {
-            std::fs::OpenOptions::new()
-                .write(true)
-                .open(&path)
-                .and_then(|f| f.set_len(t))
-                .map_err(|e| {
-                    CliError(format!(
-                        "cannot extend {} to {t} bytes: {e}",
-                        path.display()
-                    ))
-                })?;
-            extended_from = Some(len);
-        }
-    }
-    let result = (|| -> Result<u64, CliError> {
-        let fs = super::subvol::open_rw(image)?;
-        let mut line = super::progress::StatusLine::new();
-        let r = match target {
-            Some(t) => fs.resize_device(devid, t, &mut |m| line.show(m)),
-            None => fs.shrink_device_to_min(devid, &mut |m| line.show(m)),
-        };
-        line.end();
-        let new = r.map_err(|e| {
-            CliError(format!(
-                "cannot resize device {devid}: {}",
-                CliError::from(e)
-            ))
-        })?;
-        fs.close()?;
-        Ok(new)
-    })();
-    let new = match result {
-        Ok(n) => n,
-        Err(e) => {
-            if let Some(len) = extended_from {
-                // Nothing uses the added bytes: the file goes back to its length.
-                let _ = std::fs::OpenOptions::new()
-                    .write(true)
-                    .open(&path)
-                    .and_then(|f| f.set_len(len));
-            }
-            return Err(e);
-        }
+    let r = match target {
+        Some(t) => fs.resize_device(devid, t, progress),
+        None => fs.shrink_device_to_min(devid, progress),
     };
-    // The filesystem no longer uses what lies past its new end: a regular file is cut there.
-    if let Some(len) = file_len {
-        if new < cur && new < len {
-            std::fs::OpenOptions::new()
-                .write(true)
-                .open(&path)
-                .and_then(|f| f.set_len(new))
-                .map_err(|e| {
-                    CliError(format!(
-                        "resized, but cannot cut {} to {new} bytes: {e}",
-                        path.display()
-                    ))
-                })?;
-        }
-    }
-    println!(
+    let new = r.map_err(|e| {
+        CliError(format!(
+            "cannot resize device {devid}: {}",
+            CliError::from(e)
+        ))
+    })?;
+    Ok(format!(
         "Resize device id {devid} ({}) from {} to {}",
         path.display(),
         super::mkfs::human(cur),
         super::mkfs::human(new)
-    );
-    Ok(())
+    ))
 }
 
 /// `btrfs filesystem show` of one filesystem.

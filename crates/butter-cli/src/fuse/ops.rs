@@ -579,11 +579,13 @@ impl Adapter {
         in_data: &[u8],
         out_size: u32,
     ) -> Result<Vec<u8>, Errno> {
-        // The kernel's device add, removal and replace and balance, for `butter device
-        // add|remove|replace` and `butter balance start` given the mount point (btrfs-progs
+        // The kernel's resize, device add, removal and replace and balance, for `butter
+        // filesystem resize`, `butter device add|remove|replace` and `butter balance start`
+        // given the mount point (btrfs-progs
         // refuses a FUSE mount by its statfs magic before it gets here). Root only, as the
         // kernel wants CAP_SYS_ADMIN. Each runs to its end inside the request (the kernel's
         // replace runs in the background and is polled; here START returns when done).
+        const BTRFS_IOC_RESIZE: u32 = 0x5000_9403;
         const BTRFS_IOC_ADD_DEV: u32 = 0x5000_940a;
         const BTRFS_IOC_RM_DEV_V2: u32 = 0x5000_943a;
         const BTRFS_IOC_DEV_REPLACE: u32 = 0xca28_9435;
@@ -629,12 +631,30 @@ impl Adapter {
         };
         if matches!(
             cmd,
-            BTRFS_IOC_ADD_DEV | BTRFS_IOC_RM_DEV_V2 | BTRFS_IOC_DEV_REPLACE | BTRFS_IOC_BALANCE_V2
+            BTRFS_IOC_RESIZE
+                | BTRFS_IOC_ADD_DEV
+                | BTRFS_IOC_RM_DEV_V2
+                | BTRFS_IOC_DEV_REPLACE
+                | BTRFS_IOC_BALANCE_V2
         ) {
             if uid != 0 {
                 return Err(Errno::from_i32(libc::EPERM));
             }
             return self.change("device or balance ioctl", node, || {
+                if cmd == BTRFS_IOC_RESIZE {
+                    // struct btrfs_ioctl_vol_args: fd (8 bytes), then "[devid:]size".
+                    let spec = name_at(8, 4088);
+                    let done = crate::cmd::filesystem::resize_on(&self.fs, &spec, &mut |m| {
+                        log::info!("{m}")
+                    })
+                    .map_err(|e| {
+                        // The reason goes to the mount's log (the request carries no text).
+                        log::error!("resize ({spec}): {}", e.0);
+                        OpError::Quiet(libc::EINVAL)
+                    })?;
+                    log::info!("{done}");
+                    return Ok(Vec::new());
+                }
                 if cmd == BTRFS_IOC_ADD_DEV {
                     // struct btrfs_ioctl_vol_args: fd (8 bytes), then the path.
                     let name = name_at(8, 4088);

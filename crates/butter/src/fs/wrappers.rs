@@ -325,9 +325,9 @@ impl Fs {
         self.reading(None, |c| c.devices())
     }
 
-    /// Sets the size device `devid` has in the filesystem (grow up to the device's length,
-    /// or shrink, relocating the block groups past the new end) and commits; returns the new
-    /// size.
+    /// Sets the size device `devid` has in the filesystem (grow, an image file extended
+    /// first, a block device up to its length; or shrink, relocating the block groups past
+    /// the new end, an image file cut there after) and commits; returns the new size.
     pub fn resize_device(
         &self,
         devid: u64,
@@ -425,7 +425,8 @@ impl Fs {
     }
 
     /// Shrinks device `devid` as far as relocation can (see
-    /// [`crate::inode::core::Core::shrink_device_to_min`]) and commits; returns its new size.
+    /// [`crate::inode::core::Core::shrink_device_to_min`]) and commits (an image file is cut
+    /// at the new end); returns its new size.
     pub fn shrink_device_to_min(&self, devid: u64, progress: &mut dyn FnMut(&str)) -> Result<u64> {
         self.changing("shrink_device_to_min", None, |c| {
             c.shrink_device_to_min(devid, progress)

@@ -305,8 +305,71 @@ impl Core {
     }
 
     /// Resizes device `devid` and commits ([`crate::transaction::Writer::resize_device`]).
-    /// Block groups with a stripe past the new end are relocated below it first.
+    /// Block groups with a stripe past the new end are relocated below it first. A device
+    /// shorter than `size` is made longer first where it can be (an image file grows; back
+    /// again if the resize fails); after a shrink, an image file is cut at the new end.
     pub(crate) fn resize_device(
+        &self,
+        devid: u64,
+        size: u64,
+        progress: &mut dyn FnMut(&str),
+    ) -> Result<u64> {
+        let dev = self.disk.devices.get(devid);
+        let old = self.op(false, |w| {
+            Ok(w.dev_items.get(&devid).map(|d| d.total_bytes))
+        })?;
+        let mut grown_from = None;
+        if let (Some(dev), Some(_)) = (&dev, old) {
+            let len = dev.len();
+            if size > len {
+                dev.set_len(size).map_err(|e| {
+                    crate::error::Error::NoSpace(format!(
+                        "device {devid} is {len} bytes and cannot grow to {size}: {e}"
+                    ))
+                })?;
+                grown_from = Some(len);
+            }
+        }
+        match self.resize_device_within(devid, size, progress) {
+            Ok(new) => {
+                if let (Some(dev), Some(old)) = (&dev, old) {
+                    self.cut_device(devid, dev.as_ref(), old, new)?;
+                }
+                Ok(new)
+            }
+            Err(e) => {
+                if let (Some(dev), Some(len)) = (&dev, grown_from) {
+                    // Nothing uses the added bytes: the file goes back to its length.
+                    let _ = dev.set_len(len);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// After a committed shrink of device `devid` from `old` to `new` bytes: an image file
+    /// longer than `new` is cut there (nothing is written past the filesystem's end).
+    fn cut_device(
+        &self,
+        devid: u64,
+        dev: &dyn crate::io::device::BlockDevice,
+        old: u64,
+        new: u64,
+    ) -> Result<()> {
+        if new < old && dev.len() > new {
+            dev.set_len(new).map_err(|e| {
+                crate::error::Error::io(
+                    format!("resized device {devid}, but cutting it to {new} bytes"),
+                    new,
+                    e,
+                )
+            })?;
+        }
+        Ok(())
+    }
+
+    /// [`Core::resize_device`] on a device as long as it is.
+    fn resize_device_within(
         &self,
         devid: u64,
         size: u64,
@@ -634,8 +697,14 @@ impl Core {
             }
         }
         let end = self.op(false, |w| w.device_extents_end(devid))?;
+        let old = self.op(false, |w| {
+            Ok(w.dev_items.get(&devid).map_or(0, |d| d.total_bytes))
+        })?;
         let size = self.op(false, |w| w.resize_device(devid, end))?;
         self.commit()?;
+        if let Some(dev) = self.disk.devices.get(devid) {
+            self.cut_device(devid, dev.as_ref(), old, size)?;
+        }
         Ok(size)
     }
 

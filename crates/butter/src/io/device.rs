@@ -23,27 +23,46 @@ pub trait BlockDevice: Send + Sync {
     }
     /// Hint that `range` will be read soon (no-op by default).
     fn will_need(&self, _offset: u64, _len: u64) {}
+    /// Makes the device `len` bytes long where it can change size (an image file grows or is
+    /// cut); one that cannot accepts any length up to its own (by default) and refuses more.
+    fn set_len(&self, len: u64) -> io::Result<()> {
+        if len <= self.len() {
+            return Ok(());
+        }
+        Err(io::Error::new(
+            io::ErrorKind::Unsupported,
+            format!("the device is {} bytes and cannot grow", self.len()),
+        ))
+    }
 }
 
 /// An image file or block device.
 pub struct FileDevice {
     file: File,
-    len: u64,
+    /// Its size: an image file's changes with [`BlockDevice::set_len`], a block device's is
+    /// read again there (a partition or volume grown meanwhile).
+    len: std::sync::atomic::AtomicU64,
+    regular: bool,
+}
+
+/// The size of a block device (or any file) open as `file`: where its end is.
+fn end_of(file: &File) -> io::Result<u64> {
+    use std::io::Seek;
+    let mut f = file;
+    f.seek(io::SeekFrom::End(0))
 }
 
 impl FileDevice {
     pub fn open(path: &Path, writable: bool) -> io::Result<FileDevice> {
         let file = OpenOptions::new().read(true).write(writable).open(path)?;
         let meta = file.metadata()?;
-        let len = if meta.file_type().is_file() {
-            meta.len()
-        } else {
-            // Block device: seek to the end to learn its size.
-            use std::io::Seek;
-            let mut f = &file;
-            f.seek(io::SeekFrom::End(0))?
-        };
-        Ok(FileDevice { file, len })
+        let regular = meta.file_type().is_file();
+        let len = if regular { meta.len() } else { end_of(&file)? };
+        Ok(FileDevice {
+            file,
+            len: len.into(),
+            regular,
+        })
     }
 
     /// Opens an image file or block device read-write for the only writer: an image file gets
@@ -114,10 +133,12 @@ impl FileDevice {
                         e
                     }
                 })?;
-            use std::io::Seek;
-            let mut f = &file;
-            let len = f.seek(io::SeekFrom::End(0))?;
-            Ok(FileDevice { file, len })
+            let len = end_of(&file)?;
+            Ok(FileDevice {
+                file,
+                len: len.into(),
+                regular: false,
+            })
         }
     }
 }
@@ -184,16 +205,16 @@ fn loop_device_backed_by(dev: u64, ino: u64) -> Option<String> {
 
 impl BlockDevice for FileDevice {
     fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        let len = self.len();
         if offset
             .checked_add(buf.len() as u64)
-            .is_none_or(|end| end > self.len)
+            .is_none_or(|end| end > len)
         {
             return Err(io::Error::new(
                 io::ErrorKind::UnexpectedEof,
                 format!(
-                    "read of {} bytes at {offset} beyond device end {}",
+                    "read of {} bytes at {offset} beyond device end {len}",
                     buf.len(),
-                    self.len
                 ),
             ));
         }
@@ -206,6 +227,25 @@ impl BlockDevice for FileDevice {
         self.file.sync_data()
     }
     fn len(&self) -> u64 {
-        self.len
+        self.len.load(std::sync::atomic::Ordering::Acquire)
+    }
+    fn set_len(&self, len: u64) -> io::Result<()> {
+        use std::sync::atomic::Ordering;
+        if self.regular {
+            self.file.set_len(len)?;
+            self.len.store(len, Ordering::Release);
+            return Ok(());
+        }
+        let now = end_of(&self.file)?;
+        self.len.store(now, Ordering::Release);
+        if len > now {
+            return Err(io::Error::new(
+                io::ErrorKind::Unsupported,
+                format!(
+                    "the device is {now} bytes: make it larger first (the partition, the volume)"
+                ),
+            ));
+        }
+        Ok(())
     }
 }
