@@ -1,0 +1,384 @@
+//! Phases 2 and 3: the extent tree's items against the blocks and file extents found: metadata
+//! back references and counts, data back references and counts.
+
+use super::*;
+
+impl Checker<'_> {
+    pub(super) fn extent_root(&self) -> Option<Root> {
+        self.trees
+            .iter()
+            .find(|r| r.id == EXTENT_TREE_OBJECTID)
+            .copied()
+    }
+
+    pub(super) fn load_extents(&mut self) -> Result<()> {
+        let Some(root) = self.extent_root() else {
+            self.report.add(
+                Severity::Fatal,
+                FindingKind::RootItemBad,
+                Location::what("root tree"),
+                "no extent tree root item".into(),
+            );
+            return Ok(());
+        };
+        let nodesize = self.fs.disk.nodesize() as u64;
+        let mut it = match TreeIter::new(self.fs.disk.clone(), root, Key::MIN, Readahead::None) {
+            Ok(it) => it,
+            Err(e) => {
+                self.unreadable(e, Some(EXTENT_TREE_OBJECTID));
+                return Ok(());
+            }
+        };
+        let mut cur: Option<u64> = None;
+        loop {
+            let item = match it.next_item() {
+                Ok(Some(i)) => i,
+                Ok(None) => break,
+                Err(e) => {
+                    self.unreadable(e, Some(EXTENT_TREE_OBJECTID));
+                    break;
+                }
+            };
+            let k = item.key;
+            let loc = item_loc(&item, EXTENT_TREE_OBJECTID);
+            match k.ty {
+                EXTENT_ITEM_KEY | METADATA_ITEM_KEY => match ExtentItem::parse(item.data(), k.ty) {
+                    Ok(ei) => {
+                        let order: Vec<(u8, std::cmp::Reverse<u64>)> = ei
+                            .inline_refs
+                            .iter()
+                            .map(|r| (r.type_key(), std::cmp::Reverse(r.key_offset())))
+                            .collect();
+                        if order.windows(2).any(|w| w[0] >= w[1]) {
+                            self.report.err(
+                                FindingKind::InlineRefOrder,
+                                loc.clone(),
+                                format!(
+                                    "inline references out of order (type, offset): {:?}",
+                                    order.iter().map(|(t, o)| (*t, o.0)).collect::<Vec<_>>()
+                                ),
+                            );
+                        }
+                        let len = if k.ty == METADATA_ITEM_KEY {
+                            nodesize
+                        } else {
+                            k.offset
+                        };
+                        let gen_limit = self.fs.disk.sb.generation.saturating_add(1);
+                        if ei.generation == 0 || ei.generation > gen_limit {
+                            self.report.err(
+                                FindingKind::GenerationInvalid,
+                                loc.clone(),
+                                format!(
+                                    "extent {}: generation {}, valid is 1..={gen_limit} (superblock generation + 1)",
+                                    k.objectid, ei.generation
+                                ),
+                            );
+                        }
+                        let level = if k.ty == METADATA_ITEM_KEY {
+                            Some(k.offset)
+                        } else {
+                            ei.tree_block_info.map(|(_, l)| l as u64)
+                        };
+                        self.extents.insert(
+                            k.objectid,
+                            ExtentRec {
+                                len,
+                                refs: ei.refs,
+                                flags: ei.flags,
+                                level,
+                                refs_list: ei.inline_refs,
+                                loc,
+                            },
+                        );
+                        cur = Some(k.objectid);
+                    }
+                    Err(e) => {
+                        cur = None;
+                        self.report
+                            .err(FindingKind::ExtentItemBad, loc, e.to_string())
+                    }
+                },
+                TREE_BLOCK_REF_KEY | SHARED_BLOCK_REF_KEY | EXTENT_DATA_REF_KEY
+                | SHARED_DATA_REF_KEY => {
+                    let r = match k.ty {
+                        TREE_BLOCK_REF_KEY => Ok(BackRef::TreeBlock { root: k.offset }),
+                        SHARED_BLOCK_REF_KEY => Ok(BackRef::SharedBlock { parent: k.offset }),
+                        EXTENT_DATA_REF_KEY => parse_extent_data_ref(item.data()),
+                        _ => {
+                            let d = item.data();
+                            if d.len() < 4 {
+                                Err(Error::corrupt(loc.clone(), "shared data ref too short"))
+                            } else {
+                                Ok(BackRef::SharedData {
+                                    parent: k.offset,
+                                    count: le_u32(d, 0),
+                                })
+                            }
+                        }
+                    };
+                    match (r, cur.and_then(|c| (c == k.objectid).then_some(c))) {
+                        (Ok(r), Some(c)) => {
+                            if let Some(e) = self.extents.get_mut(&c) {
+                                e.refs_list.push(r);
+                            }
+                        }
+                        (Ok(_), None) => self.report.err(
+                            FindingKind::ExtentItemBad,
+                            loc,
+                            "back reference without an extent item before it".into(),
+                        ),
+                        (Err(e), _) => {
+                            self.report
+                                .err(FindingKind::ExtentItemBad, loc, e.to_string())
+                        }
+                    }
+                }
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+
+    pub(super) fn phase_metadata_refs(&mut self) {
+        let mut bytenrs: Vec<u64> = self.blocks.keys().copied().collect();
+        bytenrs.sort_unstable();
+        for b in bytenrs {
+            let Some(rec) = self.blocks.get(&b) else {
+                continue;
+            };
+            let bloc = Location::block(Some(rec.owner), b);
+            // The chunk tree's blocks are accounted like any other tree block.
+            let Some(ext) = self.extents.get(&b) else {
+                self.report.err(
+                    FindingKind::MetadataExtentMissing,
+                    bloc,
+                    format!("tree block {b} (level {}) has no extent item", rec.level),
+                );
+                continue;
+            };
+            if ext.flags & EXTENT_FLAG_TREE_BLOCK == 0 {
+                self.report.err(
+                    FindingKind::MetadataExtentMissing,
+                    ext.loc.clone(),
+                    format!("extent item of tree block {b} lacks the TREE_BLOCK flag"),
+                );
+                continue;
+            }
+            if let Some(l) = ext.level.filter(|l| *l != rec.level as u64) {
+                self.report.err(
+                    FindingKind::MetadataLevelMismatch,
+                    ext.loc.clone(),
+                    format!(
+                        "tree block {b}: its extent item says level {l}, the block is level {}",
+                        rec.level
+                    ),
+                );
+            }
+            let mut tree_refs = HashSet::new();
+            let mut shared_refs = HashSet::new();
+            let mut n = 0u64;
+            for r in &ext.refs_list {
+                match r {
+                    BackRef::TreeBlock { root } => {
+                        n += 1;
+                        tree_refs.insert(*root);
+                        if !rec.reach.iter().any(|t| tag_tree(*t) == *root) {
+                            self.report.err(
+                                FindingKind::MetadataBackrefExtra,
+                                ext.loc.clone(),
+                                format!("tree block {b}: TREE_BLOCK_REF root {root}, but that tree does not reach the block"),
+                            );
+                        }
+                    }
+                    BackRef::SharedBlock { parent } => {
+                        n += 1;
+                        shared_refs.insert(*parent);
+                        // The root block of a relocation tree is its own parent.
+                        let ok = rec.edges.iter().any(|e| match e {
+                            Edge::Node { parent: p, .. } => p == parent,
+                            Edge::Root(t) => is_reloc_tag(*t) && *parent == b,
+                        });
+                        if !ok {
+                            self.report.err(
+                                FindingKind::MetadataBackrefExtra,
+                                ext.loc.clone(),
+                                format!("tree block {b}: SHARED_BLOCK_REF parent {parent}, but that block does not point here"),
+                            );
+                        }
+                    }
+                    _ => {}
+                }
+            }
+            if n != ext.refs {
+                self.report.err(
+                    FindingKind::ExtentRefsMismatch,
+                    ext.loc.clone(),
+                    format!("tree block {b}: refs {} but {n} back references", ext.refs),
+                );
+            }
+            for e in &rec.edges {
+                let explained = match e {
+                    Edge::Root(t) => {
+                        tree_refs.contains(&tag_tree(*t))
+                            || (is_reloc_tag(*t) && shared_refs.contains(&b))
+                    }
+                    Edge::Node { parent, .. } => {
+                        shared_refs.contains(parent)
+                            || self.blocks.get(parent).is_some_and(|p| {
+                                p.reach.iter().any(|t| tree_refs.contains(&tag_tree(*t)))
+                            })
+                    }
+                };
+                if !explained {
+                    let (what, loc) = match e {
+                        Edge::Root(t) => (format!("root of {}", tag_name(*t)), bloc.clone()),
+                        Edge::Node { parent, slot } => (
+                            format!("pointer in block {parent} slot {slot}"),
+                            Location::block(self.blocks.get(parent).map(|p| p.owner), *parent)
+                                .with_slot(*slot),
+                        ),
+                    };
+                    self.report.err(
+                        FindingKind::MetadataBackrefMissing,
+                        loc,
+                        format!("tree block {b} is reached as {what}, but its extent item (block {:?} slot {:?}) has no back reference for it", ext.loc.bytenr, ext.loc.slot),
+                    );
+                }
+            }
+        }
+        let mut metadata = 0;
+        for (b, e) in &self.extents {
+            if e.flags & EXTENT_FLAG_TREE_BLOCK == 0 {
+                continue;
+            }
+            metadata += 1;
+            if !self.blocks.contains_key(b) {
+                self.report.err(
+                    FindingKind::OrphanMetadataExtent,
+                    e.loc.clone(),
+                    format!("metadata extent {b} names a block no tree reaches"),
+                );
+            }
+        }
+        self.report.counts.metadata_extents = metadata;
+    }
+
+    pub(super) fn phase_data_refs(&mut self) {
+        self.report.counts.file_extents = self.file_exts.len() as u64;
+        let mut want: BTreeMap<u64, BTreeMap<DataRefKey, u64>> = BTreeMap::new();
+        for fe in &self.file_exts {
+            let Some(ext) = self.extents.get(&fe.disk_bytenr) else {
+                self.report.err(
+                    FindingKind::DataExtentMissing,
+                    fe.loc.clone(),
+                    format!(
+                        "file extent of inode {} at {} points at {} ({} bytes), which has no extent item",
+                        fe.ino, fe.file_off, fe.disk_bytenr, fe.disk_num_bytes
+                    ),
+                );
+                continue;
+            };
+            if ext.flags & EXTENT_FLAG_DATA == 0 || fe.disk_num_bytes != ext.len {
+                self.report.err(
+                    FindingKind::DataExtentMissing,
+                    fe.loc.clone(),
+                    format!(
+                        "file extent of inode {} at {} names {} length {}, but the extent item there has length {} flags {:#x}",
+                        fe.ino, fe.file_off, fe.disk_bytenr, fe.disk_num_bytes, ext.len, ext.flags
+                    ),
+                );
+                continue;
+            }
+            let full = self
+                .extents
+                .get(&fe.leaf)
+                .is_some_and(|l| l.flags & BLOCK_FLAG_FULL_BACKREF != 0);
+            let k = if full {
+                DataRefKey::Shared { parent: fe.leaf }
+            } else {
+                DataRefKey::Data {
+                    root: fe.owner,
+                    ino: fe.ino,
+                    offset: fe.file_off.wrapping_sub(fe.offset),
+                }
+            };
+            *want
+                .entry(fe.disk_bytenr)
+                .or_default()
+                .entry(k)
+                .or_default() += 1;
+        }
+        let mut data = 0;
+        for (b, ext) in &self.extents {
+            if ext.flags & EXTENT_FLAG_DATA == 0 {
+                continue;
+            }
+            data += 1;
+            let mut have: BTreeMap<DataRefKey, u64> = BTreeMap::new();
+            for r in &ext.refs_list {
+                match r {
+                    BackRef::ExtentData {
+                        root,
+                        objectid,
+                        offset,
+                        count,
+                    } => {
+                        *have
+                            .entry(DataRefKey::Data {
+                                root: *root,
+                                ino: *objectid,
+                                offset: *offset,
+                            })
+                            .or_default() += *count as u64
+                    }
+                    BackRef::SharedData { parent, count } => {
+                        *have
+                            .entry(DataRefKey::Shared { parent: *parent })
+                            .or_default() += *count as u64
+                    }
+                    _ => {}
+                }
+            }
+            let total = have.values().fold(0u64, |a, v| a.saturating_add(*v));
+            if total != ext.refs {
+                self.report.err(
+                    FindingKind::ExtentRefsMismatch,
+                    ext.loc.clone(),
+                    format!(
+                        "data extent {b}: refs {} but back references count {total}",
+                        ext.refs
+                    ),
+                );
+            }
+            let empty = BTreeMap::new();
+            let w = want.get(b).unwrap_or(&empty);
+            if w.is_empty() {
+                self.report.err(
+                    FindingKind::OrphanDataExtent,
+                    ext.loc.clone(),
+                    format!(
+                        "data extent {b} ({} bytes): no file extent item references it",
+                        ext.len
+                    ),
+                );
+                continue;
+            }
+            let keys: HashSet<&DataRefKey> = w.keys().chain(have.keys()).collect();
+            let mut keys: Vec<&DataRefKey> = keys.into_iter().collect();
+            keys.sort();
+            for k in keys {
+                let a = w.get(k).copied().unwrap_or(0);
+                let h = have.get(k).copied().unwrap_or(0);
+                if a != h {
+                    self.report.err(
+                        FindingKind::DataBackrefMismatch,
+                        ext.loc.clone(),
+                        format!("data extent {b}: back reference {k:?} counts {h}, file extent items found {a}"),
+                    );
+                }
+            }
+        }
+        self.report.counts.data_extents = data;
+    }
+}

@@ -1,0 +1,718 @@
+//! Phase 5: the fs trees: inodes (nlink, sizes, nbytes), directory entries and their
+//! indexes, inode refs, file extent cover, and the subvolumes' root refs.
+
+use super::*;
+
+/// What one fs tree holds for one inode, gathered in the collection pass of
+/// `Checker::check_fs_tree` and cross-checked after it.
+#[derive(Default)]
+struct Ino {
+    item: Option<(InodeItem, Location)>,
+    names: u64,
+    /// (parent, index, name, loc)
+    refs: Vec<(u64, u64, Vec<u8>, Location)>,
+    dir_items: Vec<(Vec<u8>, Key, Location)>,
+    dir_index: Vec<(u64, Vec<u8>, Key, Location)>,
+    nbytes: u64,
+    first_loc: Option<Location>,
+    /// (logical, length, regular, compressed, file offset, location)
+    extents: Vec<(u64, u64, bool, bool, u64, Location)>,
+    /// First file offset with an extent item and where the last item ends.
+    file_start: Option<u64>,
+    file_end: Option<u64>,
+    /// Start of the first gap between extent items.
+    first_gap: Option<u64>,
+    overlaps: Vec<(Location, String)>,
+}
+
+impl Ino {
+    /// Records one item of this inode (key `k`, body `data`, found at `loc`) by its kind;
+    /// kinds not cross-checked are skipped. `Err` says why the item does not decode.
+    fn add_item(
+        &mut self,
+        k: Key,
+        data: &[u8],
+        loc: &Location,
+        ss: u64,
+    ) -> std::result::Result<(), String> {
+        match k.ty {
+            INODE_ITEM_KEY => {
+                self.item = Some((
+                    InodeItem::parse(data).map_err(|e| e.to_string())?,
+                    loc.clone(),
+                ))
+            }
+            INODE_REF_KEY | INODE_EXTREF_KEY => self.add_names(k, data, loc)?,
+            DIR_ITEM_KEY | DIR_INDEX_KEY => self.add_dir_entries(k, data, loc)?,
+            EXTENT_DATA_KEY => self.add_file_extent(k, data, loc, ss)?,
+            _ => {}
+        }
+        Ok(())
+    }
+
+    /// An INODE_REF (parent in the key offset) or INODE_EXTREF (parent in each entry): each
+    /// name counts toward the link count and is kept for the directory cross-check.
+    fn add_names(
+        &mut self,
+        k: Key,
+        data: &[u8],
+        loc: &Location,
+    ) -> std::result::Result<(), String> {
+        if k.ty == INODE_REF_KEY {
+            for r in InodeRef::parse_all(data).map_err(|e| e.to_string())? {
+                self.names += 1;
+                self.refs.push((k.offset, r.index, r.name, loc.clone()));
+            }
+        } else {
+            for r in InodeExtref::parse_all(data).map_err(|e| e.to_string())? {
+                self.names += 1;
+                self.refs.push((r.parent, r.index, r.name, loc.clone()));
+            }
+        }
+        Ok(())
+    }
+
+    /// A DIR_ITEM (each name must hash to the key offset) or DIR_INDEX (the index in the key
+    /// offset) of this directory, kept for the item/index and entry/ref cross-checks.
+    fn add_dir_entries(
+        &mut self,
+        k: Key,
+        data: &[u8],
+        loc: &Location,
+    ) -> std::result::Result<(), String> {
+        if k.ty == DIR_ITEM_KEY {
+            for d in DirItem::parse_all(data).map_err(|e| e.to_string())? {
+                if name_hash(&d.name) != k.offset {
+                    return Err(format!(
+                        "dir item name {:?} does not hash to the key offset",
+                        String::from_utf8_lossy(&d.name)
+                    ));
+                }
+                self.dir_items.push((d.name, d.location, loc.clone()));
+            }
+        } else {
+            for d in DirItem::parse_all(data).map_err(|e| e.to_string())? {
+                self.dir_index
+                    .push((k.offset, d.name, d.location, loc.clone()));
+            }
+        }
+        Ok(())
+    }
+
+    /// A file extent item: tracks the file range covered so far (overlaps and the first gap,
+    /// items coming in offset order), the bytes it accounts for in nbytes, and the disk range
+    /// its csums must cover.
+    fn add_file_extent(
+        &mut self,
+        k: Key,
+        data: &[u8],
+        loc: &Location,
+        ss: u64,
+    ) -> std::result::Result<(), String> {
+        let fe = FileExtentItem::parse(data).map_err(|e| e.to_string())?;
+        // The file range the item covers: inline data to the end of its sector.
+        let len = match fe.body {
+            FileExtentBody::Inline(_) => fe.ram_bytes.div_ceil(ss).saturating_mul(ss),
+            FileExtentBody::Extent { num_bytes, .. } => num_bytes,
+        };
+        match self.file_end {
+            None => self.file_start = Some(k.offset),
+            Some(end) if k.offset < end => self.overlaps.push((
+                loc.clone(),
+                format!(
+                    "inode {}: file extent at {} starts before the previous one ends at {end}",
+                    k.objectid, k.offset
+                ),
+            )),
+            Some(end) if k.offset > end => {
+                self.first_gap.get_or_insert(end);
+            }
+            Some(_) => {}
+        }
+        self.file_end = Some(k.offset.saturating_add(len));
+        match fe.body {
+            FileExtentBody::Inline(_) => self.nbytes = self.nbytes.saturating_add(fe.ram_bytes),
+            FileExtentBody::Extent {
+                disk_bytenr,
+                disk_num_bytes,
+                offset,
+                num_bytes,
+            } => {
+                if disk_bytenr != 0 {
+                    self.nbytes = self.nbytes.saturating_add(num_bytes);
+                    // Csums cover what the item uses: the whole extent when
+                    // compressed, else [offset, offset + num_bytes) of it (the
+                    // rest may be preallocated space never written).
+                    let range = if fe.compression != COMPRESS_NONE {
+                        (disk_bytenr, disk_num_bytes)
+                    } else {
+                        (disk_bytenr.saturating_add(offset), num_bytes)
+                    };
+                    self.extents.push((
+                        range.0,
+                        range.1,
+                        fe.ty == FILE_EXTENT_REG,
+                        fe.compression != COMPRESS_NONE,
+                        k.offset,
+                        loc.clone(),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Checker<'_> {
+    /// Returns the (logical, length) ranges of regular extents that must have csums.
+    pub(super) fn phase_fs_trees(&mut self) -> Result<Vec<(u64, u64, Location)>> {
+        let mut csum = BTreeMap::new();
+        let trees: Vec<Root> = self
+            .trees
+            .iter()
+            .filter(|r| is_fs_tree(r.id) && !self.dropping.contains(&r.id))
+            .copied()
+            .collect();
+        for root in trees {
+            self.check_fs_tree(root, &mut csum);
+        }
+        self.check_root_refs();
+        self.check_qgroups();
+        Ok(csum.into_iter().map(|((b, l), loc)| (b, l, loc)).collect())
+    }
+
+    /// ROOT_REF and ROOT_BACKREF come in pairs (same parent, child, directory, index, name);
+    /// each ROOT_REF has its directory entry in the parent tree and each subvolume entry its
+    /// ROOT_REF; a live subvolume has a ROOT_BACKREF.
+    fn check_root_refs(&mut self) {
+        // (parent, child, directory, index, name): what a ref, its backref and the directory
+        // entry must agree on.
+        type RefKey<'k> = (u64, u64, u64, u64, &'k [u8]);
+        let key = |r: &RootRefRec| -> (u64, u64, u64, u64, Vec<u8>) {
+            (
+                r.parent,
+                r.child,
+                r.rr.dirid,
+                r.rr.sequence,
+                r.rr.name.clone(),
+            )
+        };
+        let refs: HashSet<_> = self.root_refs.iter().map(key).collect();
+        let backrefs: HashSet<_> = self.root_backrefs.iter().map(key).collect();
+        let entries: HashSet<RefKey> = self
+            .subvol_entries
+            .iter()
+            .map(|e| (e.tree, e.child, e.dir, e.index, e.name.as_slice()))
+            .collect();
+        let checked: HashSet<u64> = self.trees.iter().map(|t| t.id).collect();
+        let desc = |r: &RootRefRec| {
+            format!(
+                "subvolume {} in tree {} directory {} index {} name {:?}",
+                r.child,
+                r.parent,
+                r.rr.dirid,
+                r.rr.sequence,
+                String::from_utf8_lossy(&r.rr.name)
+            )
+        };
+        for r in &self.root_refs {
+            if !backrefs.contains(&key(r)) {
+                self.report.err(
+                    FindingKind::RootRefWithoutBackref,
+                    r.loc.clone(),
+                    format!("ROOT_REF for {} has no matching ROOT_BACKREF", desc(r)),
+                );
+            }
+            // Its directory entry, when the parent tree was checked.
+            let e: RefKey = (r.parent, r.child, r.rr.dirid, r.rr.sequence, &r.rr.name);
+            if checked.contains(&r.parent) && !entries.contains(&e) {
+                self.report.err(
+                    FindingKind::SubvolEntryMismatch,
+                    r.loc.clone(),
+                    format!(
+                        "ROOT_REF for {}: the parent tree has no such DIR_INDEX",
+                        desc(r)
+                    ),
+                );
+            }
+        }
+        for b in &self.root_backrefs {
+            if !refs.contains(&key(b)) {
+                self.report.err(
+                    FindingKind::RootBackrefWithoutRef,
+                    b.loc.clone(),
+                    format!("ROOT_BACKREF for {} has no matching ROOT_REF", desc(b)),
+                );
+            }
+        }
+        for e in &self.subvol_entries {
+            // A snapshot keeps the entries of subvolumes nested in its source, without a
+            // ROOT_REF (they show as empty directories): fine when the subvolume predates the
+            // snapshot.
+            let copied_by_snapshot =
+                match (self.root_items.get(&e.tree), self.root_items.get(&e.child)) {
+                    (Some((snap, _)), Some((child, _))) => {
+                        snap.parent_uuid != [0u8; 16] && child.otransid <= snap.otransid
+                    }
+                    _ => false,
+                };
+            if copied_by_snapshot
+                || refs.contains(&(e.tree, e.child, e.dir, e.index, e.name.clone()))
+            {
+                continue;
+            }
+            // With a ROOT_BACKREF from this tree the ROOT_REF is missing for sure; without one
+            // the entry may be a stale copy in a snapshot made by a kernel that recorded no
+            // parent uuid (`btrfs check` does not look at such entries): a warning.
+            let backref = self
+                .root_backrefs
+                .iter()
+                .any(|b| b.parent == e.tree && b.child == e.child);
+            self.report.add(
+                if backref {
+                    Severity::Error
+                } else {
+                    Severity::Warning
+                },
+                FindingKind::SubvolEntryMismatch,
+                e.loc.clone(),
+                format!(
+                    "tree {} directory {} DIR_INDEX {} {:?} names subvolume {}, which has no matching ROOT_REF{}",
+                    e.tree,
+                    e.dir,
+                    e.index,
+                    String::from_utf8_lossy(&e.name),
+                    e.child,
+                    if backref { "" } else { " (a stale entry copied by a snapshot?)" }
+                ),
+            );
+        }
+        let with_backref: HashSet<u64> = self.root_backrefs.iter().map(|b| b.child).collect();
+        for (id, (ri, rloc)) in &self.root_items {
+            if !(FIRST_FREE_OBJECTID..=LAST_FREE_OBJECTID).contains(id)
+                || ri.refs == 0
+                || ri.drop_progress.objectid != 0
+                || ri.drop_level != 0
+            {
+                continue;
+            }
+            if !with_backref.contains(id) {
+                self.report.err(
+                    FindingKind::SubvolUnreferenced,
+                    rloc.clone(),
+                    format!("subvolume {id} has refs {} but no ROOT_BACKREF", ri.refs),
+                );
+            }
+        }
+    }
+
+    /// One fs tree: gathers each inode's items in one pass, then cross-checks them: the root
+    /// directory, then per inode its own fields, its file extents and counts, its data extents'
+    /// csum needs, and its directory entries and names against each other.
+    fn check_fs_tree(&mut self, root: Root, csum: &mut BTreeMap<(u64, u64), Location>) {
+        let tid = root.id;
+        let Some((inodes, orphans)) = self.collect_fs_inodes(root) else {
+            return;
+        };
+        self.report.counts.inodes += inodes.len() as u64;
+        self.check_root_dir(root, &inodes);
+        // Directory entries by (dir, index) and (dir, name).
+        for (&n, ino) in &inodes {
+            let Some((ii, iloc)) = &ino.item else {
+                self.report.err(
+                    FindingKind::DanglingInode,
+                    ino.first_loc.clone().unwrap_or_default(),
+                    format!("tree {tid}: items for inode {n}, which has no INODE_ITEM"),
+                );
+                continue;
+            };
+            if !self.check_inode_fields(n, ii, iloc, &orphans) {
+                // Unlinked, its deletion pending (perhaps half done): names, sizes and
+                // entries are not checked; its extents still are, through the extent tree.
+                continue;
+            }
+            self.check_file_extent_cover(n, ino, ii, iloc);
+            self.check_inode_counts(n, ino, ii, iloc);
+            if ii.mode & 0o170000 == 0o100000 {
+                self.note_data_extents(tid, n, ino, ii, iloc, csum);
+            }
+            self.check_dir_items_indexed(n, ino);
+            self.check_dir_index_targets(tid, n, ino, &inodes);
+            self.check_inode_refs(n, ino, &inodes);
+        }
+    }
+
+    /// Collection phase of [`Self::check_fs_tree`]: one pass over the tree gathering each
+    /// inode's items into an [`Ino`] (items that do not decode are reported here) and the
+    /// inodes with an ORPHAN_ITEM. `None` when the tree cannot be read at all.
+    fn collect_fs_inodes(&mut self, root: Root) -> Option<(BTreeMap<u64, Ino>, HashSet<u64>)> {
+        let tid = root.id;
+        let ss = self.fs.disk.sectorsize() as u64;
+        let mut inodes: BTreeMap<u64, Ino> = BTreeMap::new();
+        // Inodes with an ORPHAN_ITEM: unlinked, their deletion pending.
+        let mut orphans: HashSet<u64> = HashSet::new();
+        let mut it = match TreeIter::new(self.fs.disk.clone(), root, Key::MIN, Readahead::None) {
+            Ok(it) => it,
+            Err(e) => {
+                self.unreadable(e, Some(tid));
+                return None;
+            }
+        };
+        loop {
+            let item = match it.next_item() {
+                Ok(Some(i)) => i,
+                Ok(None) => break,
+                Err(e) => {
+                    self.unreadable(e, Some(tid));
+                    break;
+                }
+            };
+            let k = item.key;
+            if k.objectid == ORPHAN_OBJECTID && k.ty == ORPHAN_ITEM_KEY {
+                orphans.insert(k.offset);
+                continue;
+            }
+            if k.objectid == FREE_INO_OBJECTID && k.ty == INODE_ITEM_KEY {
+                self.report.err(
+                    FindingKind::FsItemBad,
+                    item_loc(&item, tid),
+                    format!("tree {tid}: the deprecated free inode cache (inode_cache mount option, removed in Linux 5.11) is still there"),
+                );
+                continue;
+            }
+            if k.objectid < FIRST_FREE_OBJECTID || k.objectid > LAST_FREE_OBJECTID {
+                continue; // free space cache inodes of the root tree, ...
+            }
+            let loc = item_loc(&item, tid);
+            let ino = inodes.entry(k.objectid).or_default();
+            if ino.first_loc.is_none() {
+                ino.first_loc = Some(loc.clone());
+            }
+            if let Err(msg) = ino.add_item(k, item.data(), &loc, ss) {
+                self.report.err(FindingKind::FsItemBad, loc, msg);
+            }
+        }
+        Some((inodes, orphans))
+    }
+
+    /// The tree's first inode must exist and be a directory.
+    fn check_root_dir(&mut self, root: Root, inodes: &BTreeMap<u64, Ino>) {
+        let tid = root.id;
+        let root_dir_ok = inodes
+            .get(&FIRST_FREE_OBJECTID)
+            .and_then(|i| i.item.as_ref())
+            .is_some_and(|(ii, _)| ii.mode & 0o170000 == 0o040000);
+        if !root_dir_ok {
+            self.report.err(
+                FindingKind::DanglingInode,
+                Location {
+                    tree: Some(tid),
+                    bytenr: Some(root.bytenr),
+                    ..Default::default()
+                },
+                format!("tree {tid}: no root directory (inode {FIRST_FREE_OBJECTID} is missing or not a directory)"),
+            );
+        }
+    }
+
+    /// The inode item's own fields: generations not past the next transaction, no
+    /// IMMUTABLE/APPEND on a symlink, a directory's single link, and an ORPHAN_ITEM for an
+    /// unlinked inode. Returns false for an unlinked inode, whose other checks are skipped.
+    fn check_inode_fields(
+        &mut self,
+        n: u64,
+        ii: &InodeItem,
+        iloc: &Location,
+        orphans: &HashSet<u64>,
+    ) -> bool {
+        let gen_limit = self.fs.disk.sb.generation.saturating_add(1);
+        let is_dir = ii.mode & 0o170000 == 0o040000;
+        let is_lnk = ii.mode & 0o170000 == 0o120000;
+        if ii.generation > gen_limit || ii.transid > gen_limit {
+            self.report.err(
+                FindingKind::GenerationInvalid,
+                iloc.clone(),
+                format!(
+                    "inode {n}: generation {} transid {}, but the superblock generation is {} (at most one more is valid)",
+                    ii.generation,
+                    ii.transid,
+                    gen_limit - 1
+                ),
+            );
+        }
+        if is_lnk && ii.flags & (INODE_IMMUTABLE | INODE_APPEND) != 0 {
+            self.report.err(
+                FindingKind::InodeFlagsBad,
+                iloc.clone(),
+                format!(
+                    "inode {n}: a symlink with flags {:#x} (IMMUTABLE/APPEND cannot be set on symlinks)",
+                    ii.flags
+                ),
+            );
+        }
+        if is_dir && ii.nlink >= 2 {
+            self.report.err(
+                FindingKind::NlinkMismatch,
+                iloc.clone(),
+                format!(
+                    "directory {n}: nlink {} (a directory has one link)",
+                    ii.nlink
+                ),
+            );
+        }
+        if ii.nlink == 0 {
+            if !orphans.contains(&n) {
+                self.report.err(
+                    FindingKind::NlinkMismatch,
+                    iloc.clone(),
+                    format!("inode {n}: nlink 0 but no ORPHAN_ITEM"),
+                );
+            }
+            return false;
+        }
+        true
+    }
+
+    /// The file extent items of a linked inode: overlaps found while collecting, and (without
+    /// NO_HOLES) a file or symlink range up to isize that no item covers.
+    fn check_file_extent_cover(&mut self, n: u64, ino: &Ino, ii: &InodeItem, iloc: &Location) {
+        let no_holes = self.fs.disk.sb.has_incompat(INCOMPAT_NO_HOLES);
+        let is_reg = ii.mode & 0o170000 == 0o100000;
+        let is_lnk = ii.mode & 0o170000 == 0o120000;
+        for (loc, msg) in &ino.overlaps {
+            self.report
+                .err(FindingKind::FileExtentOverlap, loc.clone(), msg.clone());
+        }
+        // Without NO_HOLES every byte up to isize has an extent item (holes included).
+        if !no_holes && (is_reg || is_lnk) && ii.nlink > 0 && ii.size > 0 {
+            let end = ino.file_end.unwrap_or(0);
+            let gap = if ino.file_start != Some(0) {
+                Some(0)
+            } else {
+                ino.first_gap
+                    .filter(|g| *g < ii.size)
+                    .or((end < ii.size).then_some(end))
+            };
+            if let Some(g) = gap {
+                self.report.err(
+                    FindingKind::FileExtentGap,
+                    iloc.clone(),
+                    format!(
+                        "inode {n}: size {} but no file extent item (not even a hole) covers offset {g}, and the filesystem has no NO_HOLES",
+                        ii.size
+                    ),
+                );
+            }
+        }
+    }
+
+    /// The inode item's counts against its items: nlink against its INODE_REF/EXTREF names,
+    /// a directory's isize against its entries' names, a file's or symlink's nbytes against
+    /// its extents.
+    fn check_inode_counts(&mut self, n: u64, ino: &Ino, ii: &InodeItem, iloc: &Location) {
+        let is_dir = ii.mode & 0o170000 == 0o040000;
+        let is_reg = ii.mode & 0o170000 == 0o100000;
+        // nlink: the subvolume root directory has a ".." ref; directories have nlink 1.
+        if ii.nlink as u64 != ino.names {
+            self.report.err(
+                FindingKind::NlinkMismatch,
+                iloc.clone(),
+                format!(
+                    "inode {n}: nlink {} but {} INODE_REF/EXTREF names",
+                    ii.nlink, ino.names
+                ),
+            );
+        }
+        if is_dir {
+            let sum: u64 = ino.dir_items.iter().map(|d| d.0.len() as u64).sum::<u64>()
+                + ino.dir_index.iter().map(|d| d.1.len() as u64).sum::<u64>();
+            if ii.size != sum {
+                self.report.err(
+                    FindingKind::DirSizeMismatch,
+                    iloc.clone(),
+                    format!(
+                        "directory {n}: isize {} but its DIR_ITEM and DIR_INDEX names total {sum} bytes",
+                        ii.size
+                    ),
+                );
+            }
+        }
+        if (is_reg || ii.mode & 0o170000 == 0o120000) && ii.nbytes != ino.nbytes {
+            self.report.err(
+                FindingKind::NbytesMismatch,
+                iloc.clone(),
+                format!(
+                    "inode {n}: nbytes {} but its extents account for {}",
+                    ii.nbytes, ino.nbytes
+                ),
+            );
+        }
+    }
+
+    /// A regular file's data extents: the ranges that must have csums go to `csum`, NODATASUM
+    /// ranges to the later check that they have none; a compressed extent in a NODATASUM inode
+    /// is reported.
+    fn note_data_extents(
+        &mut self,
+        tid: u64,
+        n: u64,
+        ino: &Ino,
+        ii: &InodeItem,
+        iloc: &Location,
+        csum: &mut BTreeMap<(u64, u64), Location>,
+    ) {
+        let nodatasum = ii.flags & INODE_NODATASUM != 0;
+        for (b, l, reg, compressed, foff, floc) in &ino.extents {
+            // Compressed data always has csums, whatever the inode's flags say.
+            if *reg && (!nodatasum || *compressed) {
+                csum.entry((*b, *l)).or_insert_with(|| iloc.clone());
+            }
+            if *reg && nodatasum && !*compressed {
+                self.nodatasum.push(NodatasumRange {
+                    logical: *b,
+                    len: *l,
+                    tree: tid,
+                    ino: n,
+                    file_off: *foff,
+                    loc: floc.clone(),
+                });
+            }
+            if *compressed && nodatasum {
+                self.report.err(
+                    FindingKind::FsItemBad,
+                    floc.clone(),
+                    format!("inode {n}: compressed extent at {b} in a NODATASUM inode (compression needs csums)"),
+                );
+            }
+        }
+    }
+
+    /// Each DIR_ITEM of directory `n` has a DIR_INDEX with the same name and target.
+    fn check_dir_items_indexed(&mut self, n: u64, ino: &Ino) {
+        for (name, loc_key, dloc) in &ino.dir_items {
+            if !ino
+                .dir_index
+                .iter()
+                .any(|(_, nm, lk, _)| nm == name && lk == loc_key)
+            {
+                self.report.err(
+                    FindingKind::DirItemWithoutIndex,
+                    dloc.clone(),
+                    format!(
+                        "directory {n}: DIR_ITEM {:?} -> {loc_key} has no DIR_INDEX",
+                        String::from_utf8_lossy(name)
+                    ),
+                );
+            }
+        }
+    }
+
+    /// Each DIR_INDEX of directory `n` has its DIR_ITEM, and points either at a subvolume whose
+    /// tree exists (recorded for the ROOT_REF check) or at an existing inode with a matching
+    /// INODE_REF/EXTREF.
+    fn check_dir_index_targets(
+        &mut self,
+        tid: u64,
+        n: u64,
+        ino: &Ino,
+        inodes: &BTreeMap<u64, Ino>,
+    ) {
+        for (idx, name, loc_key, dloc) in &ino.dir_index {
+            let nm = String::from_utf8_lossy(name);
+            if !ino
+                .dir_items
+                .iter()
+                .any(|(nm2, lk, _)| nm2 == name && lk == loc_key)
+            {
+                self.report.err(
+                    FindingKind::DirIndexWithoutItem,
+                    dloc.clone(),
+                    format!("directory {n}: DIR_INDEX {idx} {nm:?} -> {loc_key} has no DIR_ITEM"),
+                );
+            }
+            if loc_key.ty == ROOT_ITEM_KEY {
+                self.subvol_entries.push(SubvolEntry {
+                    tree: tid,
+                    dir: n,
+                    index: *idx,
+                    name: name.clone(),
+                    child: loc_key.objectid,
+                    loc: dloc.clone(),
+                });
+                // A subvolume entry: the subvolume's tree must exist.
+                if !self.trees.iter().any(|r| r.id == loc_key.objectid) {
+                    self.report.err(
+                        FindingKind::DanglingInode,
+                        dloc.clone(),
+                        format!(
+                            "directory {n}: DIR_INDEX {idx} {nm:?} -> subvolume {}, which has no tree",
+                            loc_key.objectid
+                        ),
+                    );
+                }
+                continue;
+            }
+            if loc_key.ty != INODE_ITEM_KEY {
+                self.report.err(
+                    FindingKind::FsItemBad,
+                    dloc.clone(),
+                    format!("directory {n}: DIR_INDEX {idx} {nm:?} -> {loc_key}, neither an inode nor a subvolume"),
+                );
+                continue;
+            }
+            match inodes.get(&loc_key.objectid) {
+                Some(t) if t.item.is_some() => {
+                    if !t
+                        .refs
+                        .iter()
+                        .any(|(p, i, nm2, _)| *p == n && i == idx && nm2 == name)
+                    {
+                        self.report.err(
+                            FindingKind::DirEntryWithoutInodeRef,
+                            dloc.clone(),
+                            format!("directory {n}: DIR_INDEX {idx} {nm:?} -> inode {}, which has no INODE_REF/EXTREF with that parent, index and name", loc_key.objectid),
+                        );
+                    }
+                }
+                _ => self.report.err(
+                    FindingKind::DanglingInode,
+                    dloc.clone(),
+                    format!(
+                        "directory {n}: DIR_INDEX {idx} {nm:?} -> inode {}, which does not exist",
+                        loc_key.objectid
+                    ),
+                ),
+            }
+        }
+    }
+
+    /// Each INODE_REF/EXTREF name of inode `n` has the DIR_INDEX in its parent directory that
+    /// points back at it (the ".." ref of a subvolume root directory excepted).
+    fn check_inode_refs(&mut self, n: u64, ino: &Ino, inodes: &BTreeMap<u64, Ino>) {
+        for (parent, idx, name, rloc) in &ino.refs {
+            if *parent == n {
+                continue; // the ".." ref of a subvolume root directory
+            }
+            let ok = inodes.get(parent).is_some_and(|p| {
+                p.dir_index.iter().any(|(i, nm, lk, _)| {
+                    i == idx && nm == name && lk.objectid == n && lk.ty == INODE_ITEM_KEY
+                })
+            });
+            if !ok {
+                let kind = if inodes.get(parent).is_some_and(|p| p.item.is_some()) {
+                    FindingKind::InodeRefWithoutDirIndex
+                } else {
+                    FindingKind::DanglingInode
+                };
+                self.report.err(
+                    kind,
+                    rloc.clone(),
+                    format!(
+                        "inode {n}: ref {:?} in directory {parent} index {idx} has no DIR_INDEX ({parent} DIR_INDEX {idx})",
+                        String::from_utf8_lossy(name)
+                    ),
+                );
+            }
+        }
+    }
+}

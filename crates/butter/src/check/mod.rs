@@ -1,0 +1,497 @@
+//! Read-only consistency checker (`butter check`).
+//!
+//! A file per phase (`trees`, `extents` for 2 and 3, `block_groups`, `fs_trees`, `csums`, and
+//! `qgroups`); this file has the findings, the report and the order the phases run in.
+//! Phases, each reporting typed [`Finding`]s with the [`Location`] of the item or block at fault:
+//! 1. trees: every tree reachable from the superblock (chunk tree, root tree and every tree the
+//!    root tree names) reads and validates; each block is visited once and every parent edge is
+//!    recorded.
+//! 2. metadata extents: every block found has an extent item whose back references explain each
+//!    edge that reaches it and whose refs equal its references; every metadata extent item names
+//!    a reachable block.
+//! 3. data extents: every file extent points at an extent item that covers it; data back
+//!    references (per root/inode/offset or per shared leaf) count the file extent items found.
+//! 4. block groups: `used` equals the bytes of the extents inside the group; block groups match
+//!    chunks; every chunk stripe has its DEV_EXTENT (right chunk and stripe length, no overlaps,
+//!    device bytes_used = their sum); with the FREE_SPACE_TREE feature, each group's free space
+//!    tree items decode (`free_space_tree`) to exactly the space its extent items leave free, with
+//!    the right extent count and flags, and no item lies outside every group (whole stale groups
+//!    left by mkfs.btrfs are warnings).
+//! 5. fs trees: nlink, directory entry pairs, directory sizes, nbytes, dangling references;
+//!    file extent items of an inode do not overlap and, without NO_HOLES, cover [0, isize) as
+//!    `btrfs check` requires; ROOT_REF/ROOT_BACKREF pairs agree with each other and with the
+//!    parent's directory entry, and every live subvolume has a ROOT_BACKREF.
+//! 6. data checksums: every sector of a checksummed regular extent has a csum.
+//!
+//! Nothing here writes. A block or item that cannot be decoded becomes a finding, not a panic.
+
+use crate::ctree::{ItemRef, Root, TreeIter};
+use crate::error::{Error, Location, Result};
+use crate::format::hash::name_hash;
+use crate::format::items::*;
+use crate::format::superblock::DevItem;
+use crate::format::*;
+use crate::inode::core::Core;
+use crate::io::disk_io::{Expect, Readahead};
+use crate::space::free_space_tree as fst;
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::fmt;
+
+mod block_groups;
+mod csums;
+mod extents;
+mod fs_trees;
+mod qgroups;
+mod trees;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Severity {
+    Warning,
+    Error,
+    Fatal,
+}
+
+/// Which check produced a finding.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum FindingKind {
+    /// An extent item's inline references are not in the order the kernel requires (by type,
+    /// then largest offset or hash first); the kernel refuses to mount such a leaf.
+    InlineRefOrder,
+    /// A tree block or root could not be read or failed validation.
+    TreeBlockUnreadable,
+    /// A node names the same child twice.
+    TreeBlockDuplicatePointer,
+    /// One tree reaches a block by two paths (two parents, or its root and a parent).
+    TreeBlockReferencedTwice,
+    /// A root item cannot be decoded or a tree is missing.
+    RootItemBad,
+    /// A tree block has no EXTENT_ITEM/METADATA_ITEM.
+    MetadataExtentMissing,
+    /// A tree block is reached through an edge no back reference explains.
+    MetadataBackrefMissing,
+    /// A metadata back reference names a root or parent that does not reach the block.
+    MetadataBackrefExtra,
+    /// An extent item's refs differ from its back references.
+    ExtentRefsMismatch,
+    /// A metadata extent item names a block no tree reaches.
+    OrphanMetadataExtent,
+    /// An extent tree item cannot be decoded.
+    ExtentItemBad,
+    /// A file extent points at no extent item, or past its end.
+    DataExtentMissing,
+    /// A data back reference count differs from the file extent items found (or is missing).
+    DataBackrefMismatch,
+    /// A data extent item no file extent references.
+    OrphanDataExtent,
+    /// BLOCK_GROUP_ITEM used differs from the extents in the group.
+    BlockGroupUsedMismatch,
+    /// An extent lies in no block group.
+    ExtentOutsideBlockGroup,
+    /// A block group has no chunk of the same range and type, or a chunk no block group.
+    BlockGroupChunkMismatch,
+    /// The superblock's bytes_used differs from the block groups' used total.
+    SuperBytesUsedMismatch,
+    /// Inode nlink differs from the number of INODE_REF/EXTREF names.
+    NlinkMismatch,
+    /// A DIR_ITEM has no DIR_INDEX with the same name and target.
+    DirItemWithoutIndex,
+    /// A DIR_INDEX has no DIR_ITEM with the same name and target.
+    DirIndexWithoutItem,
+    /// A directory entry's target inode has no matching INODE_REF/EXTREF.
+    DirEntryWithoutInodeRef,
+    /// An INODE_REF/EXTREF has no DIR_INDEX in its parent with that index and name.
+    InodeRefWithoutDirIndex,
+    /// A directory's isize is not twice the sum of its entry name lengths.
+    DirSizeMismatch,
+    /// A file's nbytes differs from its extents.
+    NbytesMismatch,
+    /// A directory entry, ref or item names an inode that does not exist.
+    DanglingInode,
+    /// An fs tree item cannot be decoded.
+    FsItemBad,
+    /// A checksummed data sector has no csum.
+    CsumMissing,
+    /// A block group has no FREE_SPACE_INFO in the free space tree.
+    FreeSpaceInfoMissing,
+    /// A free space tree item of a block group cannot be decoded (out of range, misaligned,
+    /// overlapping, bitmap of the wrong size, ...).
+    FreeSpaceItemBad,
+    /// The free space tree's free space of a block group differs from the extent tree's.
+    FreeSpaceMismatch,
+    /// FREE_SPACE_INFO extent_count is not the number of free extents.
+    FreeSpaceCountMismatch,
+    /// FREE_SPACE_INFO flags have unknown bits or do not match the item type (extents/bitmaps).
+    FreeSpaceFlagsMismatch,
+    /// A free space tree item lies in no block group (a Warning for whole stale groups
+    /// mkfs.btrfs leaves behind).
+    FreeSpaceOutsideBlockGroup,
+    /// A chunk, device item or dev extent cannot be decoded.
+    DevItemBad,
+    /// A chunk stripe has no DEV_EXTENT.
+    DevExtentMissing,
+    /// A DEV_EXTENT names no chunk stripe at its place, or a chunk offset or length other than
+    /// the stripe's, or reaches past its device.
+    DevExtentMismatch,
+    /// Two DEV_EXTENTs of one device overlap.
+    DevExtentOverlap,
+    /// A device item's bytes_used differs from the sum of its dev extents.
+    DevBytesUsedMismatch,
+    /// A ROOT_REF has no ROOT_BACKREF with the same parent, child, directory, index and name.
+    RootRefWithoutBackref,
+    /// A ROOT_BACKREF has no matching ROOT_REF.
+    RootBackrefWithoutRef,
+    /// A ROOT_REF has no directory entry in its parent tree, or a directory entry naming a
+    /// subvolume has no ROOT_REF.
+    SubvolEntryMismatch,
+    /// A subvolume with references in its root item has no ROOT_BACKREF.
+    SubvolUnreferenced,
+    /// A file extent item starts before the previous one of its inode ends.
+    FileExtentOverlap,
+    /// Without NO_HOLES, a file's extent items (holes included) do not cover [0, isize)
+    /// (`btrfs check`: "file extent discount").
+    FileExtentGap,
+    /// A generation newer than the superblock's (+1): an inode, root item or extent item.
+    GenerationInvalid,
+    /// Inode flags that cannot be (IMMUTABLE/APPEND on a symlink).
+    InodeFlagsBad,
+    /// An extent lies in a block group of the wrong type (data in metadata or vice versa).
+    ExtentTypeMismatch,
+    /// A METADATA_ITEM/tree block backref level differs from the block's level.
+    MetadataLevelMismatch,
+    /// Two EXTENT_CSUM items cover the same bytes.
+    CsumOverlap,
+    /// An EXTENT_CSUM covers data used only by NODATASUM inodes ("odd csum item").
+    CsumOnNodatasum,
+    /// Data read back does not match its checksum (`--check-data-csum`).
+    DataCsumMismatch,
+    /// The device size in the superblock/dev item differs from the image, or a chunk or dev
+    /// extent lies past the end of the image.
+    DeviceSizeMismatch,
+    /// Quota group numbers differ from the extents the subvolumes reference.
+    QgroupMismatch,
+    /// A file extent logged in the fsync log has no csum in the log.
+    LogCsumMissing,
+}
+
+#[derive(Debug, Clone)]
+pub struct Finding {
+    pub severity: Severity,
+    pub kind: FindingKind,
+    pub location: Location,
+    pub message: String,
+}
+
+impl fmt::Display for Finding {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{:?} {:?}: {} ({})",
+            self.severity, self.kind, self.message, self.location
+        )
+    }
+}
+
+/// Counts gathered while checking.
+#[derive(Debug, Clone, Default)]
+pub struct Counts {
+    pub trees: u64,
+    pub tree_blocks: u64,
+    pub metadata_extents: u64,
+    pub data_extents: u64,
+    pub file_extents: u64,
+    pub block_groups: u64,
+    pub inodes: u64,
+    pub csum_sectors: u64,
+    /// Data bytes read and compared with their csums (`--check-data-csum`).
+    pub data_bytes_verified: u64,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct Report {
+    pub findings: Vec<Finding>,
+    pub counts: Counts,
+}
+
+impl Report {
+    /// True when no finding is an Error or Fatal.
+    pub fn is_clean(&self) -> bool {
+        self.findings
+            .iter()
+            .all(|f| f.severity == Severity::Warning)
+    }
+    #[cfg(test)]
+    pub(crate) fn has(&self, kind: FindingKind) -> bool {
+        self.findings.iter().any(|f| f.kind == kind)
+    }
+    fn add(&mut self, severity: Severity, kind: FindingKind, location: Location, msg: String) {
+        self.findings.push(Finding {
+            severity,
+            kind,
+            location,
+            message: msg,
+        });
+    }
+    fn err(&mut self, kind: FindingKind, location: Location, msg: String) {
+        self.add(Severity::Error, kind, location, msg);
+    }
+}
+
+/// A parent edge to a tree block: the node holding the pointer, or the root item of a tree.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum Edge {
+    Root(u64),
+    Node { parent: u64, slot: usize },
+}
+
+struct BlockRec {
+    owner: u64,
+    level: u8,
+    edges: Vec<Edge>,
+    /// Trees reaching this block (filled after the walk).
+    reach: HashSet<u64>,
+}
+
+/// One file extent item seen in a leaf (each leaf once).
+struct FileExtRef {
+    leaf: u64,
+    owner: u64,
+    ino: u64,
+    file_off: u64,
+    disk_bytenr: u64,
+    disk_num_bytes: u64,
+    offset: u64,
+    num_bytes: u64,
+    compressed: bool,
+    loc: Location,
+}
+
+struct ExtentRec {
+    len: u64,
+    refs: u64,
+    flags: u64,
+    /// Tree blocks: the level the extent item records.
+    level: Option<u64>,
+    refs_list: Vec<BackRef>,
+    loc: Location,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+enum DataRefKey {
+    Data { root: u64, ino: u64, offset: u64 },
+    Shared { parent: u64 },
+}
+
+/// Reach-set tag of a relocation tree: this bit pattern in the top two bits, the relocated
+/// subvolume's id below (no real tree id has the top bits 01).
+const RELOC_TAG: u64 = 1 << 62;
+const RELOC_TAG_MASK: u64 = 3 << 62;
+
+fn is_reloc_tag(t: u64) -> bool {
+    t & RELOC_TAG_MASK == RELOC_TAG
+}
+
+/// The tree id behind a reach-set tag.
+fn tag_tree(t: u64) -> u64 {
+    if is_reloc_tag(t) {
+        TREE_RELOC_OBJECTID
+    } else {
+        t
+    }
+}
+
+/// "tree N", or "relocation tree of N".
+fn tag_name(t: u64) -> String {
+    if is_reloc_tag(t) {
+        format!("relocation tree of {}", t & !RELOC_TAG_MASK)
+    } else {
+        format!("tree {t}")
+    }
+}
+
+/// Largest data extent btrfs creates (128 MiB).
+const MAX_DATA_EXTENT: u64 = 128 << 20;
+
+fn is_fs_tree(id: u64) -> bool {
+    id == FS_TREE_OBJECTID
+        || (FIRST_FREE_OBJECTID..=LAST_FREE_OBJECTID).contains(&id)
+        || id == DATA_RELOC_TREE_OBJECTID
+}
+
+/// A block group item.
+struct GroupRec {
+    start: u64,
+    len: u64,
+    loc: Location,
+}
+
+/// A ROOT_REF or ROOT_BACKREF, keyed as (parent, child).
+struct RootRefRec {
+    parent: u64,
+    child: u64,
+    rr: RootRef,
+    loc: Location,
+}
+
+/// A directory entry (DIR_INDEX) naming a subvolume.
+struct SubvolEntry {
+    tree: u64,
+    dir: u64,
+    index: u64,
+    name: Vec<u8>,
+    child: u64,
+    loc: Location,
+}
+
+struct Checker<'a> {
+    fs: &'a Core,
+    report: Report,
+    blocks: HashMap<u64, BlockRec>,
+    file_exts: Vec<FileExtRef>,
+    /// (tree id, root) for every tree found.
+    trees: Vec<Root>,
+    extents: BTreeMap<u64, ExtentRec>,
+    /// Block groups by start (phase 4).
+    groups: Vec<GroupRec>,
+    /// ROOT_ITEMs of the root tree and where they are (phase 1).
+    root_items: BTreeMap<u64, (RootItem, Location)>,
+    root_refs: Vec<RootRefRec>,
+    root_backrefs: Vec<RootRefRec>,
+    /// Directory entries naming subvolumes (phase 5).
+    subvol_entries: Vec<SubvolEntry>,
+    /// Trees being deleted (drop_progress set): walked in part, their fs items not checked.
+    dropping: HashSet<u64>,
+    /// Data ranges of NODATASUM inodes that must not have csums (phase 5 -> 6).
+    nodatasum: Vec<NodatasumRange>,
+}
+
+/// A regular, uncompressed extent of a NODATASUM inode.
+struct NodatasumRange {
+    logical: u64,
+    len: u64,
+    tree: u64,
+    ino: u64,
+    file_off: u64,
+    loc: Location,
+}
+
+/// What to check beyond the default (metadata) checks.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Options {
+    /// Read every data sector that has a checksum and compare (`--check-data-csum`).
+    pub check_data_csum: bool,
+}
+
+/// Runs the checks `opts` asks for. `progress` receives one line per phase.
+pub(crate) fn check_with(
+    fs: &Core,
+    opts: Options,
+    progress: &mut dyn FnMut(&str),
+) -> Result<Report> {
+    let mut c = Checker {
+        fs,
+        report: Report::default(),
+        blocks: HashMap::new(),
+        file_exts: Vec::new(),
+        trees: Vec::new(),
+        extents: BTreeMap::new(),
+        groups: Vec::new(),
+        root_items: BTreeMap::new(),
+        root_refs: Vec::new(),
+        root_backrefs: Vec::new(),
+        subvol_entries: Vec::new(),
+        dropping: HashSet::new(),
+        nodatasum: Vec::new(),
+    };
+    let n0 = c.report.findings.len();
+    c.phase_trees()?;
+    progress(&format!(
+        "[1/6] trees: {} trees, {} blocks, {} findings",
+        c.report.counts.trees,
+        c.report.counts.tree_blocks,
+        c.report.findings.len() - n0
+    ));
+    let n0 = c.report.findings.len();
+    c.load_extents()?;
+    c.phase_metadata_refs();
+    progress(&format!(
+        "[2/6] metadata extents: {} extent items, {} findings",
+        c.report.counts.metadata_extents,
+        c.report.findings.len() - n0
+    ));
+    let n0 = c.report.findings.len();
+    c.phase_data_refs();
+    progress(&format!(
+        "[3/6] data extents: {} extents, {} file extent items, {} findings",
+        c.report.counts.data_extents,
+        c.report.counts.file_extents,
+        c.report.findings.len() - n0
+    ));
+    let n0 = c.report.findings.len();
+    c.phase_block_groups()?;
+    progress(&format!(
+        "[4/6] block groups: {} groups, {} findings",
+        c.report.counts.block_groups,
+        c.report.findings.len() - n0
+    ));
+    let n0 = c.report.findings.len();
+    let csum_extents = c.phase_fs_trees()?;
+    progress(&format!(
+        "[5/6] fs trees: {} inodes, {} findings",
+        c.report.counts.inodes,
+        c.report.findings.len() - n0
+    ));
+    let n0 = c.report.findings.len();
+    c.phase_csums(&csum_extents)?;
+    progress(&format!(
+        "[6/6] data csums: {} sectors, {} findings",
+        c.report.counts.csum_sectors,
+        c.report.findings.len() - n0
+    ));
+    if opts.check_data_csum {
+        let n0 = c.report.findings.len();
+        c.phase_data_read();
+        progress(&format!(
+            "[7/7] data read and compared with csums: {} bytes, {} findings",
+            c.report.counts.data_bytes_verified,
+            c.report.findings.len() - n0
+        ));
+    }
+    Ok(c.report)
+}
+
+/// The parts of sorted, disjoint ranges `a` not covered by sorted, disjoint ranges `b`.
+fn range_diff(a: &[(u64, u64)], b: &[(u64, u64)]) -> Vec<(u64, u64)> {
+    let mut out = Vec::new();
+    let mut j = 0;
+    for &(s, l) in a {
+        let e = s.saturating_add(l);
+        let mut cur = s;
+        while j < b.len() && b[j].0.saturating_add(b[j].1) <= cur {
+            j += 1;
+        }
+        let mut k = j;
+        while cur < e {
+            match b.get(k) {
+                Some(&(bs, bl)) if bs < e => {
+                    if bs > cur {
+                        out.push((cur, bs - cur));
+                    }
+                    cur = cur.max(bs.saturating_add(bl));
+                    k += 1;
+                }
+                _ => {
+                    out.push((cur, e - cur));
+                    cur = e;
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Location naming an item.
+fn item_loc(it: &ItemRef, tree: u64) -> Location {
+    let mut l = it.loc();
+    l.tree = Some(tree);
+    l
+}
