@@ -1,4 +1,6 @@
-//! `butter check IMAGE`: read-only consistency check (see `butter::check`).
+//! `butter check IMAGE`: read-only consistency check (see `butter::check`); with `--repair`,
+//! what it knows how to mend, in one transaction written only when the checker finds the
+//! result better (see `butter::check::repair`).
 
 use super::{open_fs, CliError, CliResult};
 use butter::check::Severity;
@@ -12,9 +14,19 @@ pub struct CheckArgs {
     /// Also read every data block that has a checksum and compare (slow: reads all data).
     #[arg(long = "check-data-csum")]
     pub check_data_csum: bool,
+    /// Mend what the checker knows how to, in one transaction that is written only when the
+    /// checker, run again on the result, finds fewer problems and none new.
+    #[arg(long = "repair", conflicts_with = "check_data_csum")]
+    pub repair: bool,
+    /// With --repair: print the changes a repair would make, write nothing.
+    #[arg(long = "dry-run", requires = "repair")]
+    pub dry_run: bool,
 }
 
 pub fn check(a: CheckArgs) -> CliResult {
+    if a.repair {
+        return repair(&a.image, a.dry_run);
+    }
     let fs = open_fs(&a.image).map_err(|e| CliError(format!("{e}{}", size_hint(&a.image))))?;
     let mut err = std::io::stderr();
     let mut progress = |s: &str| {
@@ -58,6 +70,86 @@ pub fn check(a: CheckArgs) -> CliResult {
             "{} has {} problems",
             a.image.display(),
             e + x
+        )))
+    }
+}
+
+/// `butter check --repair [--dry-run] IMAGE`.
+fn repair(image: &std::path::Path, dry_run: bool) -> CliResult {
+    let opts = butter::fs::RwOptions {
+        untouched: true,
+        ..Default::default()
+    };
+    let fs = super::open_fs_rw(image, opts).map_err(|e| {
+        CliError(format!(
+            "cannot open {} for repair: {}",
+            image.display(),
+            CliError::from(e)
+        ))
+    })?;
+    let mut progress = |s: &str| {
+        let _ = writeln!(std::io::stderr(), "{s}");
+    };
+    let r = fs.repair(dry_run, &mut progress)?;
+    let mut out = std::io::stdout().lock();
+    let problems = |rep: &butter::check::Report| {
+        rep.findings
+            .iter()
+            .filter(|f| f.severity != Severity::Warning)
+            .count()
+    };
+    let before = problems(&r.before);
+    for f in &r.before.findings {
+        writeln!(out, "{f}")?;
+    }
+    if r.fixes.is_empty() {
+        writeln!(out, "{before} problems; none of them has a repair")?;
+        out.flush()?;
+        return if before == 0 {
+            fs.close()?;
+            Ok(())
+        } else {
+            Err(CliError(format!(
+                "{} has {before} problems butter cannot repair; nothing was written",
+                image.display()
+            )))
+        };
+    }
+    writeln!(out, "{} changes:", r.fixes.len())?;
+    for f in &r.fixes {
+        writeln!(out, "  {f}")?;
+    }
+    if dry_run {
+        writeln!(out, "{before} problems; dry run, nothing written")?;
+        out.flush()?;
+        return Ok(());
+    }
+    if let Some(why) = &r.refused {
+        if let Some(after) = &r.after {
+            for f in &after.findings {
+                writeln!(out, "after: {f}")?;
+            }
+        }
+        out.flush()?;
+        return Err(CliError(format!(
+            "nothing was written to {}: {why}",
+            image.display()
+        )));
+    }
+    fs.close()?;
+    let after = r.after.as_ref().map_or(0, problems);
+    writeln!(
+        out,
+        "repaired {}: {before} problems before, {after} after",
+        image.display()
+    )?;
+    out.flush()?;
+    if after == 0 {
+        Ok(())
+    } else {
+        Err(CliError(format!(
+            "{} still has {after} problems butter cannot repair",
+            image.display()
         )))
     }
 }

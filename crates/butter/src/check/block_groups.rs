@@ -69,13 +69,17 @@ impl Checker<'_> {
                 .fold(0u64, |a, (_, e)| a.saturating_add(e.len));
             covered += self.extents.range(*start..end).count() as u64;
             if sum != bg.used {
-                self.report.err(
+                self.report.err_fix(
                     FindingKind::BlockGroupUsedMismatch,
                     loc.clone(),
                     format!(
                         "block group {start} length {len}: used {} but extents in it total {sum}",
                         bg.used
                     ),
+                    Fix::BlockGroupUsed {
+                        start: *start,
+                        used: sum,
+                    },
                 );
             }
         }
@@ -119,10 +123,11 @@ impl Checker<'_> {
         let used = groups.iter().fold(0u64, |a, g| a.saturating_add(g.2.used));
         let sb_used = self.fs.disk.sb.bytes_used;
         if used != sb_used {
-            self.report.err(
+            self.report.err_fix(
                 FindingKind::SuperBytesUsedMismatch,
                 Location::what("superblock"),
                 format!("superblock bytes_used {sb_used}, block groups use {used}"),
+                Fix::SuperBytesUsed,
             );
         }
         if covered != self.extents.len() as u64 {

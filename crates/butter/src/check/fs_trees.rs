@@ -332,7 +332,7 @@ impl Checker<'_> {
                 continue;
             }
             self.check_file_extent_cover(n, ino, ii, iloc);
-            self.check_inode_counts(n, ino, ii, iloc);
+            self.check_inode_counts(tid, n, ino, ii, iloc);
             if ii.mode & 0o170000 == 0o100000 {
                 self.note_data_extents(tid, n, ino, ii, iloc, csum);
             }
@@ -509,42 +509,64 @@ impl Checker<'_> {
     /// The inode item's counts against its items: nlink against its INODE_REF/EXTREF names,
     /// a directory's isize against its entries' names, a file's or symlink's nbytes against
     /// its extents.
-    fn check_inode_counts(&mut self, n: u64, ino: &Ino, ii: &InodeItem, iloc: &Location) {
+    fn check_inode_counts(&mut self, tid: u64, n: u64, ino: &Ino, ii: &InodeItem, iloc: &Location) {
         let is_dir = ii.mode & 0o170000 == 0o040000;
         let is_reg = ii.mode & 0o170000 == 0o100000;
         // nlink: the subvolume root directory has a ".." ref; directories have nlink 1.
         if ii.nlink as u64 != ino.names {
-            self.report.err(
-                FindingKind::NlinkMismatch,
-                iloc.clone(),
-                format!(
-                    "inode {n}: nlink {} but {} INODE_REF/EXTREF names",
-                    ii.nlink, ino.names
-                ),
+            let msg = format!(
+                "inode {n}: nlink {} but {} INODE_REF/EXTREF names",
+                ii.nlink, ino.names
             );
+            match u32::try_from(ino.names) {
+                // A name count of 0 needs the inode gone or attached: not a field to set.
+                Ok(nlink) if nlink > 0 => self.report.err_fix(
+                    FindingKind::NlinkMismatch,
+                    iloc.clone(),
+                    msg,
+                    Fix::InodeNlink {
+                        root: tid,
+                        ino: n,
+                        nlink,
+                    },
+                ),
+                _ => self
+                    .report
+                    .err(FindingKind::NlinkMismatch, iloc.clone(), msg),
+            }
         }
         if is_dir {
             let sum: u64 = ino.dir_items.iter().map(|d| d.0.len() as u64).sum::<u64>()
                 + ino.dir_index.iter().map(|d| d.1.len() as u64).sum::<u64>();
             if ii.size != sum {
-                self.report.err(
+                self.report.err_fix(
                     FindingKind::DirSizeMismatch,
                     iloc.clone(),
                     format!(
                         "directory {n}: isize {} but its DIR_ITEM and DIR_INDEX names total {sum} bytes",
                         ii.size
                     ),
+                    Fix::InodeSize {
+                        root: tid,
+                        ino: n,
+                        size: sum,
+                    },
                 );
             }
         }
         if (is_reg || ii.mode & 0o170000 == 0o120000) && ii.nbytes != ino.nbytes {
-            self.report.err(
+            self.report.err_fix(
                 FindingKind::NbytesMismatch,
                 iloc.clone(),
                 format!(
                     "inode {n}: nbytes {} but its extents account for {}",
                     ii.nbytes, ino.nbytes
                 ),
+                Fix::InodeNbytes {
+                    root: tid,
+                    ino: n,
+                    nbytes: ino.nbytes,
+                },
             );
         }
     }

@@ -42,6 +42,7 @@ mod csums;
 mod extents;
 mod fs_trees;
 mod qgroups;
+pub(crate) mod repair;
 mod trees;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -179,6 +180,49 @@ pub struct Finding {
     pub kind: FindingKind,
     pub location: Location,
     pub message: String,
+    /// What `butter check --repair` would change to mend it, where the checker knows.
+    pub fix: Option<Fix>,
+}
+
+/// A change that mends one finding: the value the checker found right, for the item it
+/// names. `butter check --repair` applies them in one verified transaction.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum Fix {
+    /// The BLOCK_GROUP_ITEM at `start`: `used` becomes the bytes of the extents in it.
+    BlockGroupUsed { start: u64, used: u64 },
+    /// The superblock's bytes_used becomes the block groups' total.
+    SuperBytesUsed,
+    /// The inode item's nlink becomes the number of names it has.
+    InodeNlink { root: u64, ino: u64, nlink: u32 },
+    /// A directory's isize becomes twice the length of its entries' names.
+    InodeSize { root: u64, ino: u64, size: u64 },
+    /// A file's nbytes becomes what its extents account for.
+    InodeNbytes { root: u64, ino: u64, nbytes: u64 },
+}
+
+impl fmt::Display for Fix {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Fix::BlockGroupUsed { start, used } => {
+                write!(f, "set block group {start}'s used bytes to {used}")
+            }
+            Fix::SuperBytesUsed => {
+                write!(
+                    f,
+                    "set the superblock's bytes_used to the block groups' total"
+                )
+            }
+            Fix::InodeNlink { root, ino, nlink } => {
+                write!(f, "set inode {ino} of tree {root}'s nlink to {nlink}")
+            }
+            Fix::InodeSize { root, ino, size } => {
+                write!(f, "set directory {ino} of tree {root}'s size to {size}")
+            }
+            Fix::InodeNbytes { root, ino, nbytes } => {
+                write!(f, "set inode {ino} of tree {root}'s nbytes to {nbytes}")
+            }
+        }
+    }
 }
 
 impl fmt::Display for Finding {
@@ -229,10 +273,18 @@ impl Report {
             kind,
             location,
             message: msg,
+            fix: None,
         });
     }
     fn err(&mut self, kind: FindingKind, location: Location, msg: String) {
         self.add(Severity::Error, kind, location, msg);
+    }
+    /// An error the repair knows how to mend with `fix`.
+    fn err_fix(&mut self, kind: FindingKind, location: Location, msg: String, fix: Fix) {
+        self.err(kind, location, msg);
+        if let Some(f) = self.findings.last_mut() {
+            f.fix = Some(fix);
+        }
     }
 }
 

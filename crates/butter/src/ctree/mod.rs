@@ -643,6 +643,19 @@ fn match_dev_items(disk: Arc<Disk>, degraded: bool) -> Result<Arc<Disk>> {
     Ok(disk.with_devices(devices))
 }
 
+/// The metadata layer of `running` as superblock `sb` (not yet written) describes it: the
+/// same devices, `sb`'s roots, and the blocks `running`'s transaction changed read from its
+/// overlay (nothing of them need be written yet).
+pub(crate) fn open_disk_as(
+    running: &Disk,
+    sb: crate::format::superblock::Superblock,
+) -> Result<Arc<Disk>> {
+    let disk = Disk::assemble(running.devices.clone(), sb)?;
+    disk.overlay_share(running);
+    load_chunk_tree(&disk)?;
+    Ok(disk)
+}
+
 /// Reads every CHUNK_ITEM of the chunk tree into the disk's chunk map.
 fn load_chunk_tree(disk: &Arc<Disk>) -> Result<()> {
     let root = Root {

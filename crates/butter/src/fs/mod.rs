@@ -8,7 +8,10 @@
 pub(crate) mod acl;
 mod ops;
 pub mod posix;
+mod repair;
 mod wrappers;
+
+pub use repair::RepairReport;
 
 pub use ops::{At, DirEnd, NewKind, NewNode, Renamed, Side};
 
@@ -230,6 +233,14 @@ impl Fs {
     ) -> Result<Fs> {
         let mut fs = Self::open_set_nolog(given, opts.degraded)?;
         fs.refuse_writes()?;
+        if opts.untouched && fs.core.disk.sb.log_root != 0 {
+            return Err(Error::Unsupported(
+                "the image has an unreplayed fsync log: replay it first (open or mount it \
+                 read-write once), or drop it with `butter rescue zero-log` (what was fsynced \
+                 since the last commit is then lost)"
+                    .into(),
+            ));
+        }
         fs.core.set_fsync_log(opts.fsync_log);
         fs.core
             .set_fsync_skips_writes_in_progress(opts.fsync_skips_writes_in_progress);
@@ -256,6 +267,9 @@ impl Fs {
         fs.core.writer_aborted = w.abort_flag.clone();
         fs.core.writer = Some(Mutex::new(w));
         fs.core.disk.set_writable();
+        if opts.untouched {
+            return Ok(fs);
+        }
         // Files unlinked while open when the last writer stopped: their space comes back now,
         // as the kernel gives it back at mount.
         let n = fs.core.clean_orphans()?;
@@ -312,6 +326,21 @@ impl Fs {
 
     fn open_set_nolog(given: Vec<(String, Arc<dyn BlockDevice>)>, degraded: bool) -> Result<Fs> {
         let disk = crate::ctree::open_disk_set(given, degraded)?;
+        Self::over_disk(disk)
+    }
+
+    /// The filesystem as superblock `sb` (not yet written) would have it, read-only, the
+    /// blocks of `disk`'s running transaction read from memory: what a commit is about to
+    /// make (a repair checks it before writing anything).
+    pub(crate) fn candidate(
+        disk: &crate::io::disk_io::Disk,
+        sb: &crate::format::superblock::Superblock,
+    ) -> Result<Fs> {
+        Self::over_disk(crate::ctree::open_disk_as(disk, sb.clone())?)
+    }
+
+    /// A read-only filesystem over an opened disk.
+    fn over_disk(disk: Arc<crate::io::disk_io::Disk>) -> Result<Fs> {
         let max_inline =
             crate::inode::file::max_inline_for(&disk, crate::inode::file::DEFAULT_MAX_INLINE);
         let sb = &disk.sb;
@@ -736,6 +765,10 @@ pub struct RwOptions {
     /// stripes; new chunks go on the devices left (SINGLE where they cannot make the
     /// profile). Default off.
     pub degraded: bool,
+    /// Leave the image exactly as it is until the caller changes it (a repair): no orphan
+    /// cleanup, no drop of deleted subvolumes; an unreplayed fsync log is refused rather than
+    /// replayed. Default off.
+    pub untouched: bool,
 }
 
 impl Default for RwOptions {
@@ -753,6 +786,7 @@ impl Default for RwOptions {
             legacy_allocator: false,
             unfinished: false,
             degraded: false,
+            untouched: false,
         }
     }
 }

@@ -208,6 +208,16 @@ impl Core {
         self.writer()?.commit_with(trees_final)
     }
 
+    /// [`Core::commit`] through [`Writer::commit_verified`]: `verify` judges the new
+    /// superblock before any copy of it is written.
+    pub(crate) fn commit_verified(
+        &self,
+        verify: impl FnOnce(&crate::format::superblock::Superblock) -> Result<()>,
+    ) -> Result<()> {
+        let _l = self.log_sync.lock().unwrap_or_else(|e| e.into_inner());
+        self.writer()?.commit_verified(verify)
+    }
+
     /// The disk the filesystem lives on.
     pub(crate) fn disk(&self) -> &Arc<Disk> {
         &self.disk

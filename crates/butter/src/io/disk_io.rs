@@ -1040,6 +1040,17 @@ impl Disk {
 
     /// How many blocks the running transaction holds: tree blocks changed since the last
     /// commit, all in memory until it.
+    /// Puts every block of `other`'s overlay in this disk's: reads here see what `other`'s
+    /// running transaction changed, none of it written (a commit's result, checked before
+    /// it is written).
+    pub(crate) fn overlay_share(&self, other: &Disk) {
+        let theirs = other.overlay.read().unwrap_or_else(|e| e.into_inner());
+        let mut ours = self.overlay.write().unwrap_or_else(|e| e.into_inner());
+        for (k, b) in theirs.iter() {
+            ours.insert(*k, b.clone());
+        }
+    }
+
     pub(crate) fn overlay_len(&self) -> usize {
         self.overlay.read().unwrap_or_else(|e| e.into_inner()).len()
     }

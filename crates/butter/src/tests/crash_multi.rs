@@ -747,3 +747,156 @@ fn power_cut_at_every_write_of_a_balance_resumes_to_the_same_end() {
     eprintln!("balance: {k} writes, each a cut point");
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
+
+/// A filesystem written through the engine, then damaged in two inode items (a file's
+/// nbytes, a directory's isize), as `internals::rewrite_item` does it: the damaged image's
+/// bytes, and the findings' kinds the checker reports on it.
+fn damaged_image() -> (Vec<u8>, Vec<butter::check::FindingKind>) {
+    fixed_time();
+    let base = fresh_image(
+        DEV_SIZE,
+        butter::mkfs::Profile::Dup,
+        butter::mkfs::Profile::Single,
+    );
+    let ram = Arc::new(RamDevice::new(base));
+    let fs = open_set(&[ram.clone() as Arc<dyn BlockDevice>], true).expect("open");
+    populate(&fs).expect("populate");
+    fs.close().expect("close");
+    drop(fs);
+    // Inode 257 is directory d0, 260 its file f2 (2,094 bytes: a regular extent).
+    for (ino, at, add) in [(260u64, 24usize, 4096u64), (257, 16, 10)] {
+        butter::internals::rewrite_item(
+            ram.clone(),
+            butter::format::FS_TREE_OBJECTID,
+            false,
+            |k, _| k.objectid == ino && k.ty == butter::format::INODE_ITEM_KEY,
+            |blk, _, d| {
+                let v = u64::from_le_bytes(blk[d + at..d + at + 8].try_into().unwrap());
+                blk[d + at..d + at + 8].copy_from_slice(&(v + add).to_le_bytes());
+            },
+        )
+        .expect("damage");
+    }
+    let img = ram.durable_bytes();
+    let dev: Arc<dyn BlockDevice> = Arc::new(RamDevice::new(img.clone()));
+    let fs = open_set(&[dev], false).expect("open damaged");
+    let mut kinds: Vec<_> = fs
+        .check(Default::default(), &mut |_| {})
+        .expect("check")
+        .findings
+        .iter()
+        .filter(|f| f.severity != butter::check::Severity::Warning)
+        .map(|f| f.kind)
+        .collect();
+    kinds.sort_by_key(|k| format!("{k:?}"));
+    assert_eq!(kinds.len(), 2, "the damage: {kinds:?}");
+    (img, kinds)
+}
+
+/// `butter check --repair`'s transaction cut by a power loss at every write: the image opens
+/// as it was (the same two findings) or repaired (none), never in between, and its files
+/// read the same either way.
+#[test]
+fn power_cut_at_every_write_of_a_repair_leaves_the_damage_or_the_repair() {
+    let (img, damage) = damaged_image();
+    let base = Arc::new(img);
+    let trace: Trace = Default::default();
+    let dev: Arc<dyn BlockDevice> = Arc::new(Member {
+        idx: 0,
+        inner: Arc::new(RamDevice::new((*base).clone())),
+        trace: trace.clone(),
+    });
+    let opts = butter::fs::RwOptions {
+        untouched: true,
+        ..Default::default()
+    };
+    let fs = Fs::open_device_set_rw_with(vec![("device 0".into(), dev)], opts).expect("open");
+    let r = fs.repair(false, &mut |_| {}).expect("repair");
+    assert!(r.committed, "{r:?}");
+    fs.close().expect("close");
+    drop(fs);
+    let ops = std::mem::take(&mut *trace.lock().unwrap());
+    let ro = |pages: &Pages| -> Result<Fs, String> {
+        let d: Arc<dyn BlockDevice> = Arc::new(OverlayDevice::new(base.clone(), pages.clone()));
+        open_set(&[d], false).map_err(|e| format!("open: {e}"))
+    };
+    let want = manifest(&ro(&Pages::new()).expect("open")).expect("manifest");
+    let check = |pages: &Pages, what: &str| -> Result<(), String> {
+        let fs = ro(pages).map_err(|e| format!("{what}: {e}"))?;
+        let m = manifest(&fs).map_err(|e| format!("{what}: {e}"))?;
+        if m != want {
+            return Err(format!("{what}: files changed: {}", diff(&want, &m)));
+        }
+        let report = fs
+            .check(Default::default(), &mut |_| {})
+            .map_err(|e| format!("{what}: check: {e}"))?;
+        let mut kinds: Vec<_> = report
+            .findings
+            .iter()
+            .filter(|f| f.severity != butter::check::Severity::Warning)
+            .map(|f| f.kind)
+            .collect();
+        kinds.sort_by_key(|k| format!("{k:?}"));
+        if !kinds.is_empty() && kinds != damage {
+            return Err(format!(
+                "{what}: neither as it was ({damage:?}) nor repaired: {kinds:?}"
+            ));
+        }
+        Ok(())
+    };
+    let check1 = |pages: &[Pages], what: &str| check(&pages[0], what);
+    let (mut failures, live, k) = cut_everywhere(&ops, std::slice::from_ref(&base), check1);
+    match ro(&live[0]) {
+        Ok(fs) => {
+            if let Err(e) = butter_check(&fs) {
+                failures.push(format!("after the repair: {e}"));
+            }
+        }
+        Err(e) => failures.push(format!("after the repair: {e}")),
+    }
+    eprintln!("repair: {k} writes, each a cut point");
+    assert!(k > 0, "the repair wrote nothing");
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// A repair whose result the checker finds worse is not written: a planted wrong fix (a
+/// healthy file's nbytes set off by one sector) is refused, and the device sees no write.
+#[test]
+fn a_repair_that_would_leave_new_problems_writes_nothing() {
+    fixed_time();
+    let base = fresh_image(
+        DEV_SIZE,
+        butter::mkfs::Profile::Dup,
+        butter::mkfs::Profile::Single,
+    );
+    let ram = Arc::new(RamDevice::new(base));
+    {
+        let fs = open_set(&[ram.clone() as Arc<dyn BlockDevice>], true).expect("open");
+        populate(&fs).expect("populate");
+        fs.close().expect("close");
+    }
+    let before_bytes = ram.durable_bytes();
+    let writes = ram.write_count();
+    let opts = butter::fs::RwOptions {
+        untouched: true,
+        ..Default::default()
+    };
+    let fs = Fs::open_device_set_rw_with(vec![("device 0".into(), ram.clone() as _)], opts)
+        .expect("open");
+    let before = fs.check(Default::default(), &mut |_| {}).expect("check");
+    assert!(before.is_clean(), "{:?}", before.findings);
+    let wrong = butter::check::Fix::InodeNbytes {
+        root: butter::format::FS_TREE_OBJECTID,
+        ino: 260,
+        nbytes: 4096 * 3,
+    };
+    let r = fs
+        .repair_with(before, vec![wrong], false, &mut |_| {})
+        .expect("repair");
+    assert!(!r.committed, "{r:?}");
+    let why = r.refused.clone().unwrap_or_default();
+    assert!(why.contains("NbytesMismatch"), "{why}");
+    drop(fs);
+    assert_eq!(ram.write_count(), writes, "the refused repair wrote");
+    assert!(ram.durable_bytes() == before_bytes, "the image changed");
+}

@@ -14,19 +14,7 @@ impl Writer {
     /// Commits the running transaction even when no tree changed (log replay: the
     /// superblock's log pointer must be cleared).
     pub(crate) fn force_commit(&mut self) -> Result<()> {
-        self.check_writable()?;
-        self.check_no_ordered()?;
-        self.state = TransState::CommitStart;
-        match self.commit_inner(|| {}) {
-            Ok(()) => {
-                self.state = TransState::Running;
-                Ok(())
-            }
-            Err(e) => {
-                self.set_aborted(e.to_string());
-                Err(e)
-            }
-        }
+        self.commit_checked(true, || {}, |_| Ok(()))
     }
 
     /// Commits the running transaction. A no-op when nothing changed.
@@ -40,13 +28,34 @@ impl Writer {
     /// trees change can let them in again there (the FUSE mount does, so a slow fsync does
     /// not stall reads).
     pub(crate) fn commit_with(&mut self, trees_final: impl FnOnce()) -> Result<()> {
+        self.commit_checked(false, trees_final, |_| Ok(()))
+    }
+
+    /// [`Writer::commit`] (even of no change) that asks `verify` about the new superblock once
+    /// the trees are final, before anything is written: the blocks it names are in the
+    /// overlay (see `crate::ctree::open_disk_as`). An error from it writes nothing and stops
+    /// the write engine. A repair's commit.
+    pub(crate) fn commit_verified(
+        &mut self,
+        verify: impl FnOnce(&crate::format::superblock::Superblock) -> Result<()>,
+    ) -> Result<()> {
+        self.commit_checked(true, || {}, verify)
+    }
+
+    /// The commit; `force`: even when nothing changed.
+    fn commit_checked(
+        &mut self,
+        force: bool,
+        trees_final: impl FnOnce(),
+        verify: impl FnOnce(&crate::format::superblock::Superblock) -> Result<()>,
+    ) -> Result<()> {
         self.check_writable()?;
         self.check_no_ordered()?;
-        if !self.has_changes() {
+        if !force && !self.has_changes() {
             return Ok(());
         }
         self.state = TransState::CommitStart;
-        match self.commit_inner(trees_final) {
+        match self.commit_inner(trees_final, verify) {
             Ok(()) => {
                 self.state = TransState::Running;
                 Ok(())
@@ -81,7 +90,11 @@ impl Writer {
         Ok(())
     }
 
-    pub(super) fn commit_inner(&mut self, trees_final: impl FnOnce()) -> Result<()> {
+    pub(super) fn commit_inner(
+        &mut self,
+        trees_final: impl FnOnce(),
+        verify: impl FnOnce(&crate::format::superblock::Superblock) -> Result<()>,
+    ) -> Result<()> {
         self.state = TransState::CommitDoing;
         let mut passes = 0;
         loop {
@@ -100,11 +113,13 @@ impl Writer {
             }
         }
         trees_final();
+        self.next_superblock()?;
+        verify(&self.sb)?;
         self.write_dirty_blocks()?;
         self.disk
             .flush_all()
             .map_err(|e| Error::io("flushing tree blocks", 0, e))?;
-        self.write_superblocks()?;
+        self.write_superblock_copies()?;
         // Devices added by this transaction are named by every superblock now: they join.
         for (devid, dev, name) in std::mem::take(&mut self.added) {
             let uuid = self
@@ -287,7 +302,9 @@ impl Writer {
         Ok(())
     }
 
-    pub(super) fn write_superblocks(&mut self) -> Result<()> {
+    /// Makes `self.sb` the superblock of this commit (roots, sizes, backup roots), not yet
+    /// written.
+    fn next_superblock(&mut self) -> Result<()> {
         let transid = self.transid;
         let root = self.trees[&ROOT_TREE_OBJECTID].clone();
         let chunk = self.trees[&CHUNK_TREE_OBJECTID].clone();
@@ -359,6 +376,11 @@ impl Writer {
             dev_root_level: dev.level,
             csum_root_level: csum.level,
         };
+        Ok(())
+    }
+
+    /// Writes `self.sb` to every device.
+    fn write_superblock_copies(&mut self) -> Result<()> {
         // A device added in this session first: until the others name it, a cut leaves it
         // a newer copy nobody opens with them; once they do, it is there.
         for (devid, dev, _) in &self.added {
