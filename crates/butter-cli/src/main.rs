@@ -81,8 +81,12 @@ enum Command {
     Mount(cmd::mount::MountArgs),
     /// Unmount a butter mount; returns once its final commit is on disk.
     Unmount(cmd::unmount::UnmountArgs),
-    /// Check an image read-only; exit 1 when errors are found.
+    /// Check an image read-only; exit 1 when errors are found. `--repair` mends what it can.
     Check(cmd::check::CheckArgs),
+    /// Rescue commands of btrfs-progs (zero-log, super-recover, fix-device-size), each
+    /// checked before it writes.
+    #[command(subcommand_required = true)]
+    Rescue(cmd::rescue::RescueArgs),
     /// Make a new btrfs filesystem on an image file or device, empty or holding a copy of a
     /// directory (--rootdir).
     Mkfs(cmd::mkfs::MkfsArgs),
@@ -212,6 +216,7 @@ fn main() -> ExitCode {
         Command::Mount(a) => cmd::mount::mount(a),
         Command::Unmount(a) => cmd::unmount::unmount(a),
         Command::Check(a) => cmd::check::check(a),
+        Command::Rescue(a) => cmd::rescue::rescue(a),
         Command::Mkfs(a) => cmd::mkfs::mkfs(a),
         Command::Manpages { dir } => std::fs::create_dir_all(&dir)
             .map_err(|e| cmd::CliError(format!("creating {}: {e}", dir.display())))

@@ -20,7 +20,11 @@ use std::path::{Path, PathBuf};
 
 const MIB: u64 = 1 << 20;
 const FS_TREE: u64 = 5;
+const CHUNK_TREE: u64 = 3;
 const INODE_ITEM: u8 = 1;
+const EXTENT_DATA: u8 = 108;
+const EXTENT_ITEM: u8 = 168;
+const DEV_ITEM: u8 = 216;
 
 fn take(dir: &Path) -> Manifest {
     manifest::take(dir, &TakeOpts::default())
@@ -35,7 +39,8 @@ fn kernel_files(img: &Path, s: &ScratchDir, name: &str) -> Manifest {
 }
 
 /// A kernel-made image with a directory of files, a hard link, an inline file and a symlink:
-/// inode 257 is directory `d`, 258 its file `a` (two links), 259 its file `b`.
+/// inode 257 is directory `d`, 258 its file `a` (two links), 259 its file `b`, 260 the
+/// inline file `small`.
 fn healthy(s: &ScratchDir) -> PathBuf {
     let img = s.join("healthy.img");
     kernel::mkfs_btrfs(&img, 300 * MIB, &[] as &[&str]);
@@ -133,6 +138,53 @@ fn each_repair_kind_mends_one_damage_and_the_kernel_sees_the_files_as_before() {
             // nlink: byte 40, a u32; file `a` has two names.
             Box::new(|p: &Path| damage(p, FS_TREE, inode(258), 40, 4, |_| 1)),
         ),
+        (
+            "inode-generation",
+            "GenerationInvalid",
+            // generation: byte 0, far past the filesystem's.
+            Box::new(|p: &Path| damage(p, FS_TREE, inode(259), 0, 8, |g| g + (1 << 40))),
+        ),
+        (
+            "inline-ram-bytes",
+            "InlineRamBytesMismatch",
+            // ram_bytes: byte 8 of the file extent item.
+            Box::new(|p: &Path| {
+                damage(
+                    p,
+                    FS_TREE,
+                    |k| k.objectid == 260 && k.ty == EXTENT_DATA,
+                    8,
+                    8,
+                    |n| n + 1,
+                )
+            }),
+        ),
+        (
+            "extent-generation",
+            "GenerationInvalid",
+            // A data extent item (flags bit 1, byte 16): generation, byte 8.
+            Box::new(|p: &Path| {
+                patch_item(
+                    p,
+                    ondisk::EXTENT_TREE,
+                    false,
+                    |k, d| k.ty == EXTENT_ITEM && d.len() >= 24 && d[16] & 1 == 1,
+                    |blk, _, d| blk[d + 8..d + 16].copy_from_slice(&(1u64 << 40).to_le_bytes()),
+                );
+            }),
+        ),
+        (
+            "dev-bytes-used",
+            "DevBytesUsedMismatch",
+            // The device item's bytes_used: byte 16.
+            Box::new(|p: &Path| damage(p, CHUNK_TREE, |k| k.ty == DEV_ITEM, 16, 8, |n| n + MIB)),
+        ),
+        (
+            "device-size",
+            "DeviceSizeMismatch",
+            // The device item's total_bytes (byte 8) past the superblock's, unaligned.
+            Box::new(|p: &Path| damage(p, CHUNK_TREE, |k| k.ty == DEV_ITEM, 8, 8, |n| n + 2048)),
+        ),
     ];
     for (name, finding, hurt) in &cases {
         let img = s.join(format!("{name}.img"));
@@ -200,4 +252,104 @@ fn a_clean_image_is_left_as_it_is() {
         fs::read(&img).unwrap() == bytes,
         "a repair of a clean image wrote to it"
     );
+}
+
+/// `butter rescue zero-log`, `super-recover` and `fix-device-size` as btrfs-progs spells
+/// them: each mends its one kind of damage on a kernel-made image, both checkers are clean
+/// after, the kernel mounts the result; and each says there was nothing to do on a healthy
+/// image.
+#[test]
+fn rescue_commands_mend_their_damage() {
+    use common::fsync::{copy_sparse, fsync_path, log_root_of};
+    if !fuse_mount::require("repair", &[]) || !kernel::require_privileges() {
+        return;
+    }
+    let s = ScratchDir::new("rescue");
+    let clean_after = |img: &Path, what: &str| {
+        let (rc, t) = fuse_mount::butter_check(img);
+        assert_eq!(rc, 0, "{what}: butter check:\n{t}");
+        let (ok, t) = kernel::btrfs_check(img);
+        assert!(ok, "{what}: btrfs check:\n{t}");
+    };
+
+    // zero-log: an fsync log the kernel left (the image copied while mounted).
+    let img = s.join("log.img");
+    kernel::mkfs_btrfs(&img, 300 * MIB, &[] as &[&str]);
+    let opts = "commit=600,noatime";
+    let m = LoopMount::btrfs(&img, &s.dir("m"), opts);
+    fs::write(m.path().join("committed"), b"before\n").unwrap();
+    m.unmount();
+    let crash = s.join("crash.img");
+    let m = LoopMount::btrfs(&img, &s.dir("m"), opts);
+    fs::write(m.path().join("logged"), vec![3u8; 10_000]).unwrap();
+    fsync_path(&m.path().join("logged"));
+    copy_sparse(&img, &crash);
+    m.unmount();
+    assert_ne!(log_root_of(&crash), 0, "the kernel left no log");
+    let c = crash.to_str().unwrap();
+    let o = butter(&["rescue", "zero-log", c]);
+    assert!(o.status.success(), "zero-log: {}", text(&o));
+    assert_eq!(log_root_of(&crash), 0, "zero-log left the log");
+    clean_after(&crash, "zero-log");
+    let files = kernel_files(&crash, &s, "zl");
+    assert!(
+        files.get("committed").is_some(),
+        "the committed file is gone"
+    );
+    assert!(
+        files.get("logged").is_none(),
+        "the logged file was replayed after all"
+    );
+    let o = butter(&["rescue", "zero-log", c]);
+    assert!(text(&o).contains("no fsync log"), "{}", text(&o));
+
+    // super-recover: the primary superblock copy damaged (its checksum fails).
+    let base = healthy(&s);
+    let want = kernel_files(&base, &s, "before");
+    let img = s.join("super.img");
+    fs::copy(&base, &img).unwrap();
+    let p = img.to_str().unwrap();
+    let o = butter(&["rescue", "super-recover", "-y", p]);
+    assert!(text(&o).contains("All supers are valid"), "{}", text(&o));
+    {
+        use std::os::unix::fs::FileExt;
+        let f = fs::OpenOptions::new().write(true).open(&img).unwrap();
+        f.write_all_at(&[0x5a; 64], 65536 + 0x200).unwrap();
+    }
+    let o = butter(&["rescue", "super-recover", "-y", "-v", p]);
+    assert!(o.status.success(), "super-recover: {}", text(&o));
+    assert!(text(&o).contains("Recovered"), "{}", text(&o));
+    let sb = kernel::dump_super(&img);
+    assert!(
+        sb.contains("[match]"),
+        "the primary copy is still bad:\n{sb}"
+    );
+    assert!(
+        !sb.contains("DON'T MATCH"),
+        "the primary copy is still bad:\n{sb}"
+    );
+    clean_after(&img, "super-recover");
+    let got = kernel_files(&img, &s, "sr");
+    manifest::assert_same(&want, &got, &CompareOpts::all(), "super-recover: the files");
+
+    // fix-device-size: the device item says 2 KiB more than the superblock (unaligned).
+    let img = s.join("size.img");
+    fs::copy(&base, &img).unwrap();
+    let p = img.to_str().unwrap();
+    damage(&img, CHUNK_TREE, |k| k.ty == DEV_ITEM, 8, 8, |n| n + 2048);
+    let (ok, _) = kernel::btrfs_check(&img);
+    assert!(!ok, "btrfs check did not see the device size");
+    let o = butter(&["rescue", "fix-device-size", p]);
+    assert!(o.status.success(), "fix-device-size: {}", text(&o));
+    assert!(text(&o).contains("Fixed device size"), "{}", text(&o));
+    clean_after(&img, "fix-device-size");
+    let got = kernel_files(&img, &s, "fds");
+    manifest::assert_same(
+        &want,
+        &got,
+        &CompareOpts::all(),
+        "fix-device-size: the files",
+    );
+    let o = butter(&["rescue", "fix-device-size", p]);
+    assert!(text(&o).contains("No device size"), "{}", text(&o));
 }

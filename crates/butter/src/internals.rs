@@ -84,6 +84,13 @@ pub fn rewrite_item(
     let tree_root = Root::of_root_tree(sb);
     let root = if tree == ROOT_TREE_OBJECTID {
         tree_root
+    } else if tree == CHUNK_TREE_OBJECTID {
+        Root {
+            id: tree,
+            bytenr: sb.chunk_root,
+            level: sb.chunk_root_level,
+            generation: sb.chunk_root_generation,
+        }
     } else {
         let found = root_items(&disk, tree_root)?
             .into_iter()

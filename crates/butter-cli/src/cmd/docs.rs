@@ -33,6 +33,16 @@ pub fn examples(path: &str) -> &'static [(&'static str, &'static str)] {
         "check" => &[
             ("Check the metadata", "butter check disk.img"),
             ("Also read every data block and compare its checksum", "butter check --check-data-csum disk.img"),
+            ("See what a repair would change, then repair", "butter check --repair --dry-run disk.img && butter check --repair disk.img"),
+        ],
+        "rescue" | "rescue zero-log" => &[
+            ("Drop an fsync log that cannot be replayed (the last fsyncs are lost)", "butter rescue zero-log disk.img"),
+        ],
+        "rescue super-recover" => &[
+            ("Rewrite damaged superblock copies from the newest good one", "butter rescue super-recover -v disk.img"),
+        ],
+        "rescue fix-device-size" => &[
+            ("Align the device sizes, as newer kernels require", "butter rescue fix-device-size disk.img"),
         ],
         "ls" => &[
             ("List the root of the default subvolume", "butter ls -l disk.img"),
@@ -143,7 +153,7 @@ pub fn examples(path: &str) -> &'static [(&'static str, &'static str)] {
 /// The EXIT STATUS of the command named `path`.
 pub fn exit_status(path: &str) -> &'static str {
     match path {
-        "check" => "0 when no errors were found (warnings may have been printed); 1 when errors were found, or the image could not be read.",
+        "check" => "0 when no errors were found (warnings may have been printed), or --repair left none; 1 when errors were found (or left by --repair), or the image could not be read.",
         "mkfs" => "0 when the filesystem is complete; 1 when it could not be made (nothing valid is left); 130 when interrupted (SIGINT, SIGTERM): the image is not a filesystem, and one mkfs created is removed.",
         "mount" => "0 after a clean unmount (in the foreground) or once the mount is usable (-d); 1 when it could not be mounted, or the final commit failed (what was committed before is intact).",
         "receive" => "0 when every command of the stream was applied (or printed, with --dump); 1 when the stream is damaged or a command failed (more than -E N of them); the subvolume being received stays writable, without a received uuid.",

@@ -14,6 +14,7 @@ pub mod paths;
 pub mod progress;
 pub mod property;
 pub mod receive;
+pub mod rescue;
 pub mod restore;
 pub mod scrub;
 pub mod send;

@@ -207,13 +207,14 @@ impl Checker<'_> {
             .values()
             .fold(0u64, |a, (d, _)| a.saturating_add(d.total_bytes));
         if !devs.is_empty() && sb.total_bytes < sum {
-            self.report.err(
+            self.report.err_fix(
                 FindingKind::DeviceSizeMismatch,
                 Location::what("superblock total_bytes"),
                 format!(
                     "superblock total_bytes {} is smaller than its devices' total_bytes {sum}",
                     sb.total_bytes
                 ),
+                Fix::DeviceSizes,
             );
         }
         let mut dev_size_reported = false;
@@ -351,26 +352,34 @@ impl Checker<'_> {
         for (devid, (dev, loc)) in &devs {
             let sum = used.get(devid).copied().unwrap_or(0);
             if dev.bytes_used != sum {
-                self.report.err(
+                self.report.err_fix(
                     FindingKind::DevBytesUsedMismatch,
                     loc.clone(),
                     format!(
                         "device {devid}: bytes_used {} but its dev extents total {sum}",
                         dev.bytes_used
                     ),
+                    Fix::DevBytesUsed {
+                        devid: *devid,
+                        used: sum,
+                    },
                 );
             }
         }
         let sd = &self.fs.disk.sb.dev_item;
         let sum = used.get(&sd.devid).copied().unwrap_or(0);
         if sd.bytes_used != sum {
-            self.report.err(
+            self.report.err_fix(
                 FindingKind::DevBytesUsedMismatch,
                 Location::what("superblock dev_item"),
                 format!(
                     "superblock device {}: bytes_used {} but its dev extents total {sum}",
                     sd.devid, sd.bytes_used
                 ),
+                Fix::DevBytesUsed {
+                    devid: sd.devid,
+                    used: sum,
+                },
             );
         }
     }

@@ -66,13 +66,17 @@ impl Checker<'_> {
                         };
                         let gen_limit = self.fs.disk.sb.generation.saturating_add(1);
                         if ei.generation == 0 || ei.generation > gen_limit {
-                            self.report.err(
+                            self.report.err_fix(
                                 FindingKind::GenerationInvalid,
                                 loc.clone(),
                                 format!(
                                     "extent {}: generation {}, valid is 1..={gen_limit} (superblock generation + 1)",
                                     k.objectid, ei.generation
                                 ),
+                                Fix::ExtentGeneration {
+                                    key: k,
+                                    generation: gen_limit - 1,
+                                },
                             );
                         }
                         let level = if k.ty == METADATA_ITEM_KEY {

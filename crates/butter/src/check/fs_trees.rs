@@ -23,6 +23,9 @@ struct Ino {
     /// Start of the first gap between extent items.
     first_gap: Option<u64>,
     overlaps: Vec<(Location, String)>,
+    /// Uncompressed inline extents whose ram_bytes is not their data's length: (key, place,
+    /// ram_bytes, data length).
+    bad_inline: Vec<(Key, Location, u64, u64)>,
 }
 
 impl Ino {
@@ -110,9 +113,20 @@ impl Ino {
         ss: u64,
     ) -> std::result::Result<(), String> {
         let fe = FileExtentItem::parse(data).map_err(|e| e.to_string())?;
+        // Uncompressed inline data is as long as it is, whatever ram_bytes says.
+        let inline_bytes = match &fe.body {
+            FileExtentBody::Inline(d) if fe.compression == COMPRESS_NONE => {
+                let n = d.len() as u64;
+                if n != fe.ram_bytes {
+                    self.bad_inline.push((k, loc.clone(), fe.ram_bytes, n));
+                }
+                n
+            }
+            _ => fe.ram_bytes,
+        };
         // The file range the item covers: inline data to the end of its sector.
         let len = match fe.body {
-            FileExtentBody::Inline(_) => fe.ram_bytes.div_ceil(ss).saturating_mul(ss),
+            FileExtentBody::Inline(_) => inline_bytes.div_ceil(ss).saturating_mul(ss),
             FileExtentBody::Extent { num_bytes, .. } => num_bytes,
         };
         match self.file_end {
@@ -131,7 +145,7 @@ impl Ino {
         }
         self.file_end = Some(k.offset.saturating_add(len));
         match fe.body {
-            FileExtentBody::Inline(_) => self.nbytes = self.nbytes.saturating_add(fe.ram_bytes),
+            FileExtentBody::Inline(_) => self.nbytes = self.nbytes.saturating_add(inline_bytes),
             FileExtentBody::Extent {
                 disk_bytenr,
                 disk_num_bytes,
@@ -176,9 +190,43 @@ impl Checker<'_> {
         for root in trees {
             self.check_fs_tree(root, &mut csum);
         }
+        self.check_space_cache_inodes();
         self.check_root_refs();
         self.check_qgroups();
         Ok(csum.into_iter().map(|((b, l), loc)| (b, l, loc)).collect())
+    }
+
+    /// The v1 free space cache's inodes (inode items of the root tree, from the first free
+    /// objectid on) are regular files of mode 0600, as every tool writes them.
+    fn check_space_cache_inodes(&mut self) {
+        let Some(root) = self.tree(ROOT_TREE_OBJECTID) else {
+            return;
+        };
+        let items = self.collect_items(root, |k| {
+            k.ty == INODE_ITEM_KEY
+                && (FIRST_FREE_OBJECTID..=LAST_FREE_OBJECTID).contains(&k.objectid)
+        });
+        for item in items {
+            let Ok(ii) = InodeItem::parse(item.data()) else {
+                continue;
+            };
+            const MODE: u32 = 0o100600;
+            if ii.mode != MODE {
+                self.report.err_fix(
+                    FindingKind::InodeModeBad,
+                    item_loc(&item, ROOT_TREE_OBJECTID),
+                    format!(
+                        "free space cache inode {}: mode {:o}, not a regular file of mode 0600",
+                        item.key.objectid, ii.mode
+                    ),
+                    Fix::InodeMode {
+                        root: ROOT_TREE_OBJECTID,
+                        ino: item.key.objectid,
+                        mode: MODE,
+                    },
+                );
+            }
+        }
     }
 
     /// ROOT_REF and ROOT_BACKREF come in pairs (same parent, child, directory, index, name);
@@ -326,12 +374,27 @@ impl Checker<'_> {
                 );
                 continue;
             };
-            if !self.check_inode_fields(n, ii, iloc, &orphans) {
+            if !self.check_inode_fields(tid, n, ii, iloc, &orphans) {
                 // Unlinked, its deletion pending (perhaps half done): names, sizes and
                 // entries are not checked; its extents still are, through the extent tree.
                 continue;
             }
             self.check_file_extent_cover(n, ino, ii, iloc);
+            for (key, loc, ram, len) in &ino.bad_inline {
+                self.report.err_fix(
+                    FindingKind::InlineRamBytesMismatch,
+                    loc.clone(),
+                    format!(
+                        "inode {n}: inline extent at {} holds {len} bytes uncompressed but says ram_bytes {ram}",
+                        key.offset
+                    ),
+                    Fix::InlineRamBytes {
+                        root: tid,
+                        key: *key,
+                        ram_bytes: *len,
+                    },
+                );
+            }
             self.check_inode_counts(tid, n, ino, ii, iloc);
             if ii.mode & 0o170000 == 0o100000 {
                 self.note_data_extents(tid, n, ino, ii, iloc, csum);
@@ -420,6 +483,7 @@ impl Checker<'_> {
     /// unlinked inode. Returns false for an unlinked inode, whose other checks are skipped.
     fn check_inode_fields(
         &mut self,
+        tid: u64,
         n: u64,
         ii: &InodeItem,
         iloc: &Location,
@@ -429,15 +493,32 @@ impl Checker<'_> {
         let is_dir = ii.mode & 0o170000 == 0o040000;
         let is_lnk = ii.mode & 0o170000 == 0o120000;
         if ii.generation > gen_limit || ii.transid > gen_limit {
-            self.report.err(
+            // The damaged one takes the other's value where that one is valid, else the
+            // superblock's generation.
+            let sb_gen = gen_limit - 1;
+            let ok = |g: u64| g <= gen_limit;
+            let generation = if ok(ii.generation) {
+                ii.generation
+            } else if ok(ii.transid) {
+                ii.transid
+            } else {
+                sb_gen
+            };
+            let transid = if ok(ii.transid) { ii.transid } else { sb_gen };
+            self.report.err_fix(
                 FindingKind::GenerationInvalid,
                 iloc.clone(),
                 format!(
-                    "inode {n}: generation {} transid {}, but the superblock generation is {} (at most one more is valid)",
+                    "inode {n}: generation {} transid {}, but the superblock generation is {sb_gen} (at most one more is valid)",
                     ii.generation,
                     ii.transid,
-                    gen_limit - 1
                 ),
+                Fix::InodeGenerations {
+                    root: tid,
+                    ino: n,
+                    generation,
+                    transid,
+                },
             );
         }
         if is_lnk && ii.flags & (INODE_IMMUTABLE | INODE_APPEND) != 0 {

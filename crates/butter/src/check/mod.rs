@@ -172,6 +172,10 @@ pub enum FindingKind {
     QgroupMismatch,
     /// A file extent logged in the fsync log has no csum in the log.
     LogCsumMissing,
+    /// An uncompressed inline extent's ram_bytes differs from the length of its data.
+    InlineRamBytesMismatch,
+    /// An inode's mode is not one its kind of inode can have.
+    InodeModeBad,
 }
 
 #[derive(Debug, Clone)]
@@ -198,6 +202,28 @@ pub enum Fix {
     InodeSize { root: u64, ino: u64, size: u64 },
     /// A file's nbytes becomes what its extents account for.
     InodeNbytes { root: u64, ino: u64, nbytes: u64 },
+    /// An inode's generation and transid become values a filesystem of this generation can
+    /// have (a damaged one is replaced by the other, or by the superblock's).
+    InodeGenerations {
+        root: u64,
+        ino: u64,
+        generation: u64,
+        transid: u64,
+    },
+    /// Each device's size rounded down to whole sectors, the superblock's total their sum
+    /// (what `btrfs rescue fix-device-size` does).
+    DeviceSizes,
+    /// A device's bytes_used (its item, and so the superblock's copy) becomes the total of
+    /// its dev extents.
+    DevBytesUsed { devid: u64, used: u64 },
+    /// Tree `root`'s root item takes the generation of the root block it names.
+    RootGeneration { root: u64, generation: u64 },
+    /// The extent item with this key takes a generation the filesystem can have.
+    ExtentGeneration { key: Key, generation: u64 },
+    /// An uncompressed inline file extent's ram_bytes becomes its data's length.
+    InlineRamBytes { root: u64, key: Key, ram_bytes: u64 },
+    /// An inode's mode becomes the one its kind must have.
+    InodeMode { root: u64, ino: u64, mode: u32 },
 }
 
 impl fmt::Display for Fix {
@@ -221,6 +247,42 @@ impl fmt::Display for Fix {
             Fix::InodeNbytes { root, ino, nbytes } => {
                 write!(f, "set inode {ino} of tree {root}'s nbytes to {nbytes}")
             }
+            Fix::InodeGenerations {
+                root,
+                ino,
+                generation,
+                transid,
+            } => write!(
+                f,
+                "set inode {ino} of tree {root}'s generation to {generation} and transid to {transid}"
+            ),
+            Fix::DevBytesUsed { devid, used } => {
+                write!(f, "set device {devid}'s bytes_used to {used}")
+            }
+            Fix::RootGeneration { root, generation } => {
+                write!(f, "set tree {root}'s root item generation to {generation}")
+            }
+            Fix::ExtentGeneration { key, generation } => write!(
+                f,
+                "set extent {} ({} bytes)'s generation to {generation}",
+                key.objectid, key.offset
+            ),
+            Fix::InlineRamBytes {
+                root,
+                key,
+                ram_bytes,
+            } => write!(
+                f,
+                "set the inline extent of inode {} at {} in tree {root}'s ram_bytes to {ram_bytes}",
+                key.objectid, key.offset
+            ),
+            Fix::InodeMode { root, ino, mode } => {
+                write!(f, "set inode {ino} of tree {root}'s mode to {mode:o}")
+            }
+            Fix::DeviceSizes => write!(
+                f,
+                "round the device sizes down to whole sectors and make the superblock's total their sum"
+            ),
         }
     }
 }

@@ -23,6 +23,7 @@ pub(crate) fn plan(report: &Report) -> Vec<Fix> {
 /// Applies `fixes` in the running transaction of `core` (open read-write, untouched since it
 /// was opened). Block group counts go first, before any tree changes allocate.
 pub(crate) fn apply(core: &Core, fixes: &[Fix]) -> Result<()> {
+    touch_root_tree(core)?;
     core.op(false, |w| {
         let mut groups = false;
         for f in fixes {
@@ -42,6 +43,44 @@ pub(crate) fn apply(core: &Core, fixes: &[Fix]) -> Result<()> {
                     groups = true;
                 }
                 Fix::SuperBytesUsed => groups = true,
+                Fix::DeviceSizes => {
+                    align_device_sizes(w)?;
+                }
+                Fix::DevBytesUsed { devid, used } => {
+                    let Some(item) = w.dev_items.get_mut(devid) else {
+                        return Err(Error::NotFound(format!("device {devid}")));
+                    };
+                    item.bytes_used = *used;
+                    let body = item.to_bytes();
+                    w.replace_item(
+                        CHUNK_TREE_OBJECTID,
+                        Key::new(DEV_ITEMS_OBJECTID, DEV_ITEM_KEY, *devid),
+                        &body,
+                    )?;
+                }
+                Fix::RootGeneration { root, generation } => {
+                    let t = w.current_root(*root)?;
+                    w.replace_root(*root, t.bytenr, t.level, *generation)?;
+                }
+                Fix::ExtentGeneration { key, generation } => {
+                    let found = w.update_item(EXTENT_TREE_OBJECTID, key, |b| {
+                        // refs (8 bytes), then the generation.
+                        match b.get_mut(8..16) {
+                            Some(g) => {
+                                g.copy_from_slice(&generation.to_le_bytes());
+                                Ok(())
+                            }
+                            None => Err(Error::Invalid(format!(
+                                "extent item {} of {} bytes",
+                                key.objectid,
+                                b.len()
+                            ))),
+                        }
+                    })?;
+                    if !found {
+                        return Err(Error::NotFound(format!("extent item {}", key.objectid)));
+                    }
+                }
                 _ => {}
             }
         }
@@ -63,10 +102,95 @@ pub(crate) fn apply(core: &Core, fixes: &[Fix]) -> Result<()> {
             Fix::InodeNbytes { root, ino, nbytes } => {
                 set_inode(core, root, ino, |i| i.nbytes = nbytes)?
             }
-            Fix::BlockGroupUsed { .. } | Fix::SuperBytesUsed => {}
+            Fix::InodeMode { root, ino, mode } => set_inode(core, root, ino, |i| i.mode = mode)?,
+            Fix::InodeGenerations {
+                root,
+                ino,
+                generation,
+                transid,
+            } => set_inode(core, root, ino, |i| {
+                i.generation = generation;
+                i.transid = transid;
+            })?,
+            Fix::InlineRamBytes {
+                root,
+                key,
+                ram_bytes,
+            } => core.op(false, |w| {
+                let found = w.update_item(root, &key, |b| match b.get_mut(8..16) {
+                    // generation (8 bytes), then ram_bytes.
+                    Some(r) => {
+                        r.copy_from_slice(&ram_bytes.to_le_bytes());
+                        Ok(())
+                    }
+                    None => Err(Error::Invalid(format!(
+                        "a file extent item of {} bytes",
+                        b.len()
+                    ))),
+                })?;
+                if !found {
+                    return Err(Error::NotFound(format!(
+                        "file extent of inode {} at {}",
+                        key.objectid, key.offset
+                    )));
+                }
+                Ok(())
+            })?,
+            Fix::BlockGroupUsed { .. }
+            | Fix::SuperBytesUsed
+            | Fix::DeviceSizes
+            | Fix::DevBytesUsed { .. }
+            | Fix::RootGeneration { .. }
+            | Fix::ExtentGeneration { .. } => {}
         }
     }
     Ok(())
+}
+
+/// Each device's size rounded down to whole sectors (and to the device's length), the same
+/// in its chunk tree item and in its superblock copy, and the superblock's total their sum
+/// (`btrfs rescue fix-device-size`). Returns whether anything changed.
+pub(crate) fn align_device_sizes(w: &mut crate::transaction::Writer) -> Result<bool> {
+    let sector = u64::from(w.disk.sectorsize());
+    let chunk_root = w.current_root(CHUNK_TREE_OBJECTID)?;
+    let devids: Vec<u64> = w.dev_items.keys().copied().collect();
+    let mut changed = false;
+    for devid in devids {
+        let key = Key::new(DEV_ITEMS_OBJECTID, DEV_ITEM_KEY, devid);
+        let in_tree = crate::ctree::lookup(&w.disk, &chunk_root, &key)?
+            .map(|it| crate::format::superblock::DevItem::parse(it.data()))
+            .transpose()?;
+        let Some(in_tree) = in_tree else { continue };
+        let held = w.dev_items.get(&devid).map_or(0, |d| d.total_bytes);
+        let len = w.disk.devices.get(devid).map_or(u64::MAX, |d| d.len());
+        let want = held.min(in_tree.total_bytes).min(len) / sector * sector;
+        if want != in_tree.total_bytes || want != held {
+            if let Some(item) = w.dev_items.get_mut(&devid) {
+                item.total_bytes = want;
+            }
+            let mut body = in_tree.clone();
+            body.total_bytes = want;
+            w.replace_item(CHUNK_TREE_OBJECTID, key, &body.to_bytes())?;
+            changed = true;
+        }
+    }
+    let sum: u64 = w.dev_items.values().map(|i| i.total_bytes).sum();
+    if w.sb.total_bytes != sum {
+        w.sb.total_bytes = sum;
+        changed = true;
+    }
+    Ok(changed)
+}
+
+/// Rewrites the top-level subvolume's root item as it is, so that the commit writes a new
+/// root tree block: a superblock of a new generation must name a root tree of that
+/// generation, also when the change touches no tree (the superblock's counts alone).
+pub(crate) fn touch_root_tree(core: &Core) -> Result<()> {
+    core.op(false, |w| {
+        let key = core.root_item_key(w, FS_TREE_OBJECTID)?;
+        w.update_item(ROOT_TREE_OBJECTID, &key, |_| Ok(()))?;
+        Ok(())
+    })
 }
 
 /// Changes one field of inode `ino`'s item in tree `root`, in the running transaction.

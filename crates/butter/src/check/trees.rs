@@ -89,18 +89,36 @@ impl Checker<'_> {
             }
             let gen_limit = self.fs.disk.sb.generation.saturating_add(1);
             if ri.generation > gen_limit {
-                self.report.err(
-                    FindingKind::GenerationInvalid,
-                    self.root_items
-                        .get(&id)
-                        .map(|r| r.1.clone())
-                        .unwrap_or_else(|| Location::what(format!("root item of tree {id}"))),
-                    format!(
-                        "root {id}: generation {}, but the superblock generation is {}",
-                        ri.generation,
-                        gen_limit - 1
-                    ),
+                let loc = self
+                    .root_items
+                    .get(&id)
+                    .map(|r| r.1.clone())
+                    .unwrap_or_else(|| Location::what(format!("root item of tree {id}")));
+                let msg = format!(
+                    "root {id}: generation {}, but the superblock generation is {}",
+                    ri.generation,
+                    gen_limit - 1
                 );
+                // The root block's own generation, where it reads and is valid.
+                let block_gen = self
+                    .fs
+                    .disk
+                    .read_tree_block(ri.bytenr, &crate::io::disk_io::Expect::default())
+                    .ok()
+                    .map(|b| b.header.generation)
+                    .filter(|g| (1..=gen_limit).contains(g));
+                match block_gen {
+                    Some(generation) => self.report.err_fix(
+                        FindingKind::GenerationInvalid,
+                        loc,
+                        msg,
+                        Fix::RootGeneration {
+                            root: id,
+                            generation,
+                        },
+                    ),
+                    None => self.report.err(FindingKind::GenerationInvalid, loc, msg),
+                }
             }
             let root = Root {
                 id,

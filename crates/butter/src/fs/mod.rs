@@ -9,6 +9,7 @@ pub(crate) mod acl;
 mod ops;
 pub mod posix;
 mod repair;
+mod rescue;
 mod wrappers;
 
 pub use repair::RepairReport;

@@ -498,8 +498,24 @@ impl ChunkMap {
             }
         }
         if let Some((&s, c)) = self.chunks.range(..end).next_back() {
-            if s == logical && c.item == item {
-                return Ok(()); // the same chunk from sys_chunk_array and the chunk tree
+            // The same chunk from sys_chunk_array and the chunk tree. Fields that mean nothing
+            // for its profile may differ (sub_stripes outside RAID10: old mkfs wrote 0 in one
+            // and 1 in the other); the chunk tree's copy, inserted second, is kept.
+            let same_map = |a: &ChunkItem, b: &ChunkItem| {
+                a.length == b.length
+                    && a.ty == b.ty
+                    && a.stripe_len == b.stripe_len
+                    && a.num_stripes == b.num_stripes
+                    && (profile != BLOCK_GROUP_RAID10 || a.sub_stripes == b.sub_stripes)
+                    && a.stripes.len() == b.stripes.len()
+                    && a.stripes
+                        .iter()
+                        .zip(&b.stripes)
+                        .all(|(x, y)| x.devid == y.devid && x.offset == y.offset)
+            };
+            if s == logical && same_map(&c.item, &item) {
+                self.chunks.insert(logical, Chunk { logical, item });
+                return Ok(());
             }
             if s + c.item.length > logical {
                 return Err(format!("chunk [{logical}, {end}) overlaps chunk at {s}"));

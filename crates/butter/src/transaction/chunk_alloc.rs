@@ -374,7 +374,8 @@ impl Writer {
         if let Some(item) = self.dev_items.get_mut(&devid) {
             item.total_bytes = size;
         }
-        self.sb.total_bytes = self.sb.total_bytes - old + size;
+        // (A damaged superblock may say less than this device alone.)
+        self.sb.total_bytes = self.sb.total_bytes.saturating_sub(old).saturating_add(size);
         let di = self.dev_items.get(&devid).map(|d| d.to_bytes());
         if let Some(di) = di {
             self.replace_item(

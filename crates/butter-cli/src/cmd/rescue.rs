@@ -1,0 +1,118 @@
+//! `butter rescue`: btrfs-progs' rescue commands on an image (and its other devices with
+//! `--device`), each checked before it writes (see `butter::fs::Fs::zero_log`,
+//! `super_recover`, `fix_device_size`).
+
+use super::{CliError, CliResult};
+use std::path::{Path, PathBuf};
+
+#[derive(clap::Subcommand)]
+pub enum RescueCmd {
+    /// Drop the fsync log: the superblocks stop naming it, so what was fsynced since the
+    /// last commit is lost (for a log that cannot be replayed).
+    ZeroLog {
+        /// Image file or block device.
+        image: PathBuf,
+    },
+    /// Rewrite every damaged, missing or stale superblock copy from the newest good one.
+    SuperRecover {
+        /// Accepted for btrfs-progs' spelling (butter does not ask).
+        #[arg(short = 'y')]
+        yes: bool,
+        /// Name each copy rewritten.
+        #[arg(short = 'v')]
+        verbose: bool,
+        /// Image file or block device.
+        image: PathBuf,
+    },
+    /// Round each device's size down to whole sectors and make the superblock's total their
+    /// sum.
+    FixDeviceSize {
+        /// Image file or block device.
+        image: PathBuf,
+    },
+}
+
+#[derive(clap::Args)]
+pub struct RescueArgs {
+    #[command(subcommand)]
+    pub cmd: RescueCmd,
+}
+
+/// The image and the other devices given with --device.
+fn paths(image: &Path) -> Vec<PathBuf> {
+    let mut v = vec![image.to_path_buf()];
+    v.extend(super::other_devices().paths.iter().cloned());
+    v
+}
+
+pub fn rescue(a: RescueArgs) -> CliResult {
+    match a.cmd {
+        RescueCmd::ZeroLog { image } => {
+            let p = paths(&image);
+            let refs: Vec<&Path> = p.iter().map(|p| p.as_path()).collect();
+            let dropped = butter::fs::Fs::zero_log(&refs).map_err(|e| {
+                CliError(format!(
+                    "cannot drop the log of {}: {}",
+                    image.display(),
+                    CliError::from(e)
+                ))
+            })?;
+            if dropped {
+                println!(
+                    "Clearing log on {}: the fsync log is dropped",
+                    image.display()
+                );
+            } else {
+                println!("{} has no fsync log: nothing to do", image.display());
+            }
+            Ok(())
+        }
+        RescueCmd::SuperRecover { verbose, image, .. } => {
+            let p = paths(&image);
+            let refs: Vec<&Path> = p.iter().map(|p| p.as_path()).collect();
+            let n = butter::fs::Fs::super_recover(&refs).map_err(|e| {
+                CliError(format!(
+                    "cannot recover the superblocks of {}: {}",
+                    image.display(),
+                    CliError::from(e)
+                ))
+            })?;
+            if n == 0 {
+                println!("All supers are valid, no need to recover");
+            } else {
+                if verbose {
+                    println!("rewrote {n} superblock copies from the newest good one");
+                }
+                println!("Recovered bad superblocks successful");
+            }
+            Ok(())
+        }
+        RescueCmd::FixDeviceSize { image } => {
+            let opts = butter::fs::RwOptions {
+                untouched: true,
+                ..Default::default()
+            };
+            let fs = super::open_fs_rw(&image, opts).map_err(|e| {
+                CliError(format!(
+                    "cannot open {}: {}",
+                    image.display(),
+                    CliError::from(e)
+                ))
+            })?;
+            let fixed = fs.fix_device_size().map_err(|e| {
+                CliError(format!(
+                    "cannot fix the device size of {}: {}",
+                    image.display(),
+                    CliError::from(e)
+                ))
+            })?;
+            if fixed {
+                fs.close()?;
+                println!("Fixed device size for {}", image.display());
+            } else {
+                println!("No device size related problem found");
+            }
+            Ok(())
+        }
+    }
+}
