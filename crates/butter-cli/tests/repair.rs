@@ -25,6 +25,10 @@ const INODE_ITEM: u8 = 1;
 const EXTENT_DATA: u8 = 108;
 const EXTENT_ITEM: u8 = 168;
 const DEV_ITEM: u8 = 216;
+const METADATA_ITEM: u8 = 169;
+const EXTENT_DATA_REF: u8 = 178;
+/// An inline EXTENT_DATA_REF: type, root, objectid, offset, count.
+const DATA_REF_LEN: usize = 1 + 8 + 8 + 8 + 4;
 
 fn take(dir: &Path) -> Manifest {
     manifest::take(dir, &TakeOpts::default())
@@ -40,7 +44,7 @@ fn kernel_files(img: &Path, s: &ScratchDir, name: &str) -> Manifest {
 
 /// A kernel-made image with a directory of files, a hard link, an inline file and a symlink:
 /// inode 257 is directory `d`, 258 its file `a` (two links), 259 its file `b`, 260 the
-/// inline file `small`.
+/// inline file `small`; `r` shares `a`'s data (a reflink: two inline data refs).
 fn healthy(s: &ScratchDir) -> PathBuf {
     let img = s.join("healthy.img");
     kernel::mkfs_btrfs(&img, 300 * MIB, &[] as &[&str]);
@@ -56,6 +60,13 @@ fn healthy(s: &ScratchDir) -> PathBuf {
     fs::write(m.path().join("small"), b"inline\n").unwrap();
     fs::hard_link(d.join("a"), m.path().join("hl")).unwrap();
     std::os::unix::fs::symlink("d/b", m.path().join("link")).unwrap();
+    let o = std::process::Command::new("cp")
+        .arg("--reflink=always")
+        .arg(d.join("a"))
+        .arg(m.path().join("r"))
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "cp --reflink: {}", text(&o));
     m.unmount();
     img
 }
@@ -174,6 +185,50 @@ fn each_repair_kind_mends_one_damage_and_the_kernel_sees_the_files_as_before() {
             }),
         ),
         (
+            "metadata-level",
+            "MetadataLevelMismatch",
+            // A skinny metadata item's level is its key's offset (bytes 9..17 of the key,
+            // which starts the item header): level 1 for a leaf, or 0 for a node.
+            Box::new(|p: &Path| {
+                patch_item(
+                    p,
+                    ondisk::EXTENT_TREE,
+                    false,
+                    |k, _| k.ty == METADATA_ITEM,
+                    |blk, h, _| {
+                        let l = u64::from_le_bytes(blk[h + 9..h + 17].try_into().unwrap());
+                        let wrong: u64 = if l == 0 { 1 } else { 0 };
+                        blk[h + 9..h + 17].copy_from_slice(&wrong.to_le_bytes());
+                    },
+                );
+            }),
+        ),
+        (
+            "inline-ref-order",
+            "InlineRefOrder",
+            // The shared data extent's two inline data refs (after refs, generation and
+            // flags: 24 bytes) swapped.
+            Box::new(|p: &Path| {
+                patch_item(
+                    p,
+                    ondisk::EXTENT_TREE,
+                    false,
+                    |k, d| {
+                        k.ty == EXTENT_ITEM
+                            && d.len() == 24 + 2 * DATA_REF_LEN
+                            && d[24] == EXTENT_DATA_REF
+                            && d[24 + DATA_REF_LEN] == EXTENT_DATA_REF
+                    },
+                    |blk, _, d| {
+                        let a = d + 24;
+                        let first: Vec<u8> = blk[a..a + DATA_REF_LEN].to_vec();
+                        blk.copy_within(a + DATA_REF_LEN..a + 2 * DATA_REF_LEN, a);
+                        blk[a + DATA_REF_LEN..a + 2 * DATA_REF_LEN].copy_from_slice(&first);
+                    },
+                );
+            }),
+        ),
+        (
             "dev-bytes-used",
             "DevBytesUsedMismatch",
             // The device item's bytes_used: byte 16.
@@ -191,7 +246,12 @@ fn each_repair_kind_mends_one_damage_and_the_kernel_sees_the_files_as_before() {
         fs::copy(&base, &img).unwrap();
         hurt(&img);
         let (ok, t) = kernel::btrfs_check(&img);
-        assert!(!ok, "{name}: btrfs check found nothing:\n{t}");
+        // btrfs-progs 6.14 checks only that inline refs of one type do not go up and then
+        // down; the kernel's tree-checker (and butter) want them in descending order, so
+        // the swapped pair is damage only they see (the kernel refuses to read that leaf).
+        if *name != "inline-ref-order" {
+            assert!(!ok, "{name}: btrfs check found nothing:\n{t}");
+        }
         let o = butter(&["check", img.to_str().unwrap()]);
         assert!(!o.status.success(), "{name}: butter check found nothing");
         assert!(

@@ -460,10 +460,14 @@ impl Checker<'_> {
                     continue;
                 }
             }
-            self.report.err(
+            self.report.err_fix(
                 FindingKind::FreeSpaceOutsideBlockGroup,
                 loc,
                 format!("free space item {} lies in no block group", it.key),
+                Fix::DeleteItem {
+                    tree: FREE_SPACE_TREE_OBJECTID,
+                    key: it.key,
+                },
             );
             i += 1;
         }

@@ -50,13 +50,14 @@ impl Checker<'_> {
                             .map(|r| (r.type_key(), std::cmp::Reverse(r.key_offset())))
                             .collect();
                         if order.windows(2).any(|w| w[0] >= w[1]) {
-                            self.report.err(
+                            self.report.err_fix(
                                 FindingKind::InlineRefOrder,
                                 loc.clone(),
                                 format!(
                                     "inline references out of order (type, offset): {:?}",
                                     order.iter().map(|(t, o)| (*t, o.0)).collect::<Vec<_>>()
                                 ),
+                                Fix::SortInlineRefs { key: k },
                             );
                         }
                         let len = if k.ty == METADATA_ITEM_KEY {
@@ -170,14 +171,25 @@ impl Checker<'_> {
                 continue;
             }
             if let Some(l) = ext.level.filter(|l| *l != rec.level as u64) {
-                self.report.err(
-                    FindingKind::MetadataLevelMismatch,
-                    ext.loc.clone(),
-                    format!(
-                        "tree block {b}: its extent item says level {l}, the block is level {}",
-                        rec.level
-                    ),
+                let msg = format!(
+                    "tree block {b}: its extent item says level {l}, the block is level {}",
+                    rec.level
                 );
+                match ext.loc.key {
+                    Some(key) => self.report.err_fix(
+                        FindingKind::MetadataLevelMismatch,
+                        ext.loc.clone(),
+                        msg,
+                        Fix::MetadataLevel {
+                            key,
+                            level: rec.level,
+                        },
+                    ),
+                    None => {
+                        self.report
+                            .err(FindingKind::MetadataLevelMismatch, ext.loc.clone(), msg)
+                    }
+                }
             }
             let mut tree_refs = HashSet::new();
             let mut shared_refs = HashSet::new();

@@ -224,6 +224,15 @@ pub enum Fix {
     InlineRamBytes { root: u64, key: Key, ram_bytes: u64 },
     /// An inode's mode becomes the one its kind must have.
     InodeMode { root: u64, ino: u64, mode: u32 },
+    /// The quota groups are marked inconsistent (butter does not recompute them yet): the
+    /// kernel rescans them at its next mount, `btrfs quota rescan` at once.
+    QgroupsInconsistent,
+    /// A tree block's extent item (with key `key`) takes the block's real level.
+    MetadataLevel { key: Key, level: u8 },
+    /// An extent item's inline back references put in the order btrfs requires.
+    SortInlineRefs { key: Key },
+    /// The item is deleted (it describes nothing that exists).
+    DeleteItem { tree: u64, key: Key },
 }
 
 impl fmt::Display for Fix {
@@ -279,6 +288,19 @@ impl fmt::Display for Fix {
             Fix::InodeMode { root, ino, mode } => {
                 write!(f, "set inode {ino} of tree {root}'s mode to {mode:o}")
             }
+            Fix::QgroupsInconsistent => write!(
+                f,
+                "mark the quota groups inconsistent (the kernel rescans them at the next mount)"
+            ),
+            Fix::MetadataLevel { key, level } => write!(
+                f,
+                "set tree block {}'s extent item level to {level}",
+                key.objectid
+            ),
+            Fix::SortInlineRefs { key } => {
+                write!(f, "sort extent {}'s inline back references", key.objectid)
+            }
+            Fix::DeleteItem { tree, key } => write!(f, "delete item {key} of tree {tree}"),
             Fix::DeviceSizes => write!(
                 f,
                 "round the device sizes down to whole sectors and make the superblock's total their sum"

@@ -127,7 +127,7 @@ impl Checker<'_> {
                 }
             }
             if (rfer, rfer_c, excl, excl_c) != (want_rfer, want_rfer, want_excl, want_excl) {
-                self.report.err(
+                self.report.err_fix(
                     FindingKind::QgroupMismatch,
                     loc,
                     format!(
@@ -135,6 +135,7 @@ impl Checker<'_> {
                         q >> 48,
                         q & ((1 << 48) - 1)
                     ),
+                    Fix::QgroupsInconsistent,
                 );
             }
         }

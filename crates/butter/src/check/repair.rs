@@ -103,6 +103,61 @@ pub(crate) fn apply(core: &Core, fixes: &[Fix]) -> Result<()> {
                 set_inode(core, root, ino, |i| i.nbytes = nbytes)?
             }
             Fix::InodeMode { root, ino, mode } => set_inode(core, root, ino, |i| i.mode = mode)?,
+            Fix::MetadataLevel { key, level } => core.op(false, |w| {
+                if key.ty == METADATA_ITEM_KEY {
+                    // A skinny item's level is its key's offset: the item moves.
+                    let root = w.current_root(EXTENT_TREE_OBJECTID)?;
+                    let Some(it) = crate::ctree::lookup(&w.disk, &root, &key)? else {
+                        return Err(Error::NotFound(format!("extent item {key}")));
+                    };
+                    let body = it.data().to_vec();
+                    drop(it);
+                    w.delete_item(EXTENT_TREE_OBJECTID, &key)?;
+                    w.insert_item(
+                        EXTENT_TREE_OBJECTID,
+                        Key::new(key.objectid, METADATA_ITEM_KEY, u64::from(level)),
+                        &body,
+                    )?;
+                    return Ok(());
+                }
+                // refs, generation, flags (24 bytes), the first key (17), then the level.
+                let found = w.update_item(EXTENT_TREE_OBJECTID, &key, |b| match b.get_mut(41) {
+                    Some(l) => {
+                        *l = level;
+                        Ok(())
+                    }
+                    None => Err(Error::Invalid(format!("extent item {key} has no level"))),
+                })?;
+                if !found {
+                    return Err(Error::NotFound(format!("extent item {key}")));
+                }
+                Ok(())
+            })?,
+            Fix::SortInlineRefs { key } => core.op(false, |w| {
+                let found = w.update_item(EXTENT_TREE_OBJECTID, &key, |b| {
+                    let mut ei = crate::format::items::ExtentItem::parse(b, key.ty)?;
+                    ei.inline_refs
+                        .sort_by_key(|r| (r.type_key(), std::cmp::Reverse(r.key_offset())));
+                    let body = ei.to_bytes();
+                    if body.len() != b.len() {
+                        return Err(Error::Invalid(format!(
+                            "extent item {key} re-encodes to {} bytes, not {}",
+                            body.len(),
+                            b.len()
+                        )));
+                    }
+                    b.copy_from_slice(&body);
+                    Ok(())
+                })?;
+                if !found {
+                    return Err(Error::NotFound(format!("extent item {key}")));
+                }
+                Ok(())
+            })?,
+            Fix::DeleteItem { tree, key } => core.op(false, |w| {
+                w.delete_item(tree, &key)?;
+                Ok(())
+            })?,
             Fix::InodeGenerations {
                 root,
                 ino,
@@ -137,6 +192,7 @@ pub(crate) fn apply(core: &Core, fixes: &[Fix]) -> Result<()> {
                 Ok(())
             })?,
             Fix::BlockGroupUsed { .. }
+            | Fix::QgroupsInconsistent
             | Fix::SuperBytesUsed
             | Fix::DeviceSizes
             | Fix::DevBytesUsed { .. }
