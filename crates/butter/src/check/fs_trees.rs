@@ -367,11 +367,36 @@ impl Checker<'_> {
         // Directory entries by (dir, index) and (dir, name).
         for (&n, ino) in &inodes {
             let Some((ii, iloc)) = &ino.item else {
-                self.report.err(
-                    FindingKind::DanglingInode,
-                    ino.first_loc.clone().unwrap_or_default(),
-                    format!("tree {tid}: items for inode {n}, which has no INODE_ITEM"),
-                );
+                let loc = ino.first_loc.clone().unwrap_or_default();
+                let msg = format!("tree {tid}: items for inode {n}, which has no INODE_ITEM");
+                // A new inode item from what the other items say, where it has a name.
+                let names: u64 = ino.dir_items.iter().map(|d| d.0.len() as u64).sum::<u64>()
+                    + ino.dir_index.iter().map(|d| d.1.len() as u64).sum::<u64>();
+                let is_dir = n == FIRST_FREE_OBJECTID
+                    || !ino.dir_items.is_empty()
+                    || !ino.dir_index.is_empty();
+                match u32::try_from(ino.names) {
+                    Ok(nlink) if nlink > 0 && (is_dir || ino.overlaps.is_empty()) => {
+                        self.report.err_fix(
+                            FindingKind::DanglingInode,
+                            loc,
+                            msg,
+                            Fix::RecreateInode {
+                                root: tid,
+                                ino: n,
+                                mode: if is_dir { 0o40755 } else { 0o100644 },
+                                size: if is_dir {
+                                    names
+                                } else {
+                                    ino.file_end.unwrap_or(0)
+                                },
+                                nbytes: if is_dir { 0 } else { ino.nbytes },
+                                nlink: if is_dir { 1 } else { nlink },
+                            },
+                        )
+                    }
+                    _ => self.report.err(FindingKind::DanglingInode, loc, msg),
+                }
                 continue;
             };
             if !self.check_inode_fields(tid, n, ii, iloc, &orphans) {

@@ -233,6 +233,17 @@ pub enum Fix {
     SortInlineRefs { key: Key },
     /// The item is deleted (it describes nothing that exists).
     DeleteItem { tree: u64, key: Key },
+    /// An inode whose other items exist but whose INODE_ITEM is gone gets a new one, its
+    /// fields from those items: a directory where it has entries (or is the root
+    /// directory), else a regular file; its names, size and bytes counted.
+    RecreateInode {
+        root: u64,
+        ino: u64,
+        mode: u32,
+        size: u64,
+        nbytes: u64,
+        nlink: u32,
+    },
 }
 
 impl fmt::Display for Fix {
@@ -301,6 +312,17 @@ impl fmt::Display for Fix {
                 write!(f, "sort extent {}'s inline back references", key.objectid)
             }
             Fix::DeleteItem { tree, key } => write!(f, "delete item {key} of tree {tree}"),
+            Fix::RecreateInode {
+                root,
+                ino,
+                mode,
+                size,
+                nlink,
+                ..
+            } => write!(
+                f,
+                "make inode {ino} of tree {root} again: mode {mode:o}, size {size}, nlink {nlink}"
+            ),
             Fix::DeviceSizes => write!(
                 f,
                 "round the device sizes down to whole sectors and make the superblock's total their sum"

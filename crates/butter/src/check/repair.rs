@@ -154,6 +154,31 @@ pub(crate) fn apply(core: &Core, fixes: &[Fix]) -> Result<()> {
                 }
                 Ok(())
             })?,
+            Fix::RecreateInode {
+                root,
+                ino,
+                mode,
+                size,
+                nbytes,
+                nlink,
+            } => core.op(false, |w| {
+                let now = crate::format::items::Timespec::now();
+                let item = InodeItem {
+                    generation: w.transid,
+                    transid: w.transid,
+                    size,
+                    nbytes,
+                    nlink,
+                    mode,
+                    atime: now,
+                    ctime: now,
+                    mtime: now,
+                    otime: now,
+                    ..Default::default()
+                };
+                w.insert_item(root, Key::new(ino, INODE_ITEM_KEY, 0), &item.to_bytes())?;
+                Ok(())
+            })?,
             Fix::DeleteItem { tree, key } => core.op(false, |w| {
                 w.delete_item(tree, &key)?;
                 Ok(())
