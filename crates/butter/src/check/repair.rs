@@ -62,24 +62,9 @@ pub(crate) fn apply(core: &Core, fixes: &[Fix]) -> Result<()> {
                     let t = w.current_root(*root)?;
                     w.replace_root(*root, t.bytenr, t.level, *generation)?;
                 }
+                // refs (8 bytes), then the generation.
                 Fix::ExtentGeneration { key, generation } => {
-                    let found = w.update_item(EXTENT_TREE_OBJECTID, key, |b| {
-                        // refs (8 bytes), then the generation.
-                        match b.get_mut(8..16) {
-                            Some(g) => {
-                                g.copy_from_slice(&generation.to_le_bytes());
-                                Ok(())
-                            }
-                            None => Err(Error::Invalid(format!(
-                                "extent item {} of {} bytes",
-                                key.objectid,
-                                b.len()
-                            ))),
-                        }
-                    })?;
-                    if !found {
-                        return Err(Error::NotFound(format!("extent item {}", key.objectid)));
-                    }
+                    edit_item(w, EXTENT_TREE_OBJECTID, key, |b| put_u64(b, 8, *generation))?
                 }
                 _ => {}
             }
@@ -121,38 +106,21 @@ pub(crate) fn apply(core: &Core, fixes: &[Fix]) -> Result<()> {
                     return Ok(());
                 }
                 // refs, generation, flags (24 bytes), the first key (17), then the level.
-                let found = w.update_item(EXTENT_TREE_OBJECTID, &key, |b| match b.get_mut(41) {
+                edit_item(w, EXTENT_TREE_OBJECTID, &key, |b| match b.get_mut(41) {
                     Some(l) => {
                         *l = level;
                         Ok(())
                     }
                     None => Err(Error::Invalid(format!("extent item {key} has no level"))),
-                })?;
-                if !found {
-                    return Err(Error::NotFound(format!("extent item {key}")));
-                }
-                Ok(())
+                })
             })?,
             Fix::SortInlineRefs { key } => core.op(false, |w| {
-                let found = w.update_item(EXTENT_TREE_OBJECTID, &key, |b| {
+                edit_item(w, EXTENT_TREE_OBJECTID, &key, |b| {
                     let mut ei = crate::format::items::ExtentItem::parse(b, key.ty)?;
                     ei.inline_refs
                         .sort_by_key(|r| (r.type_key(), std::cmp::Reverse(r.key_offset())));
-                    let body = ei.to_bytes();
-                    if body.len() != b.len() {
-                        return Err(Error::Invalid(format!(
-                            "extent item {key} re-encodes to {} bytes, not {}",
-                            body.len(),
-                            b.len()
-                        )));
-                    }
-                    b.copy_from_slice(&body);
-                    Ok(())
-                })?;
-                if !found {
-                    return Err(Error::NotFound(format!("extent item {key}")));
-                }
-                Ok(())
+                    put_same_size(b, &ei.to_bytes())
+                })
             })?,
             Fix::RecreateInode {
                 root,
@@ -197,24 +165,8 @@ pub(crate) fn apply(core: &Core, fixes: &[Fix]) -> Result<()> {
                 key,
                 ram_bytes,
             } => core.op(false, |w| {
-                let found = w.update_item(root, &key, |b| match b.get_mut(8..16) {
-                    // generation (8 bytes), then ram_bytes.
-                    Some(r) => {
-                        r.copy_from_slice(&ram_bytes.to_le_bytes());
-                        Ok(())
-                    }
-                    None => Err(Error::Invalid(format!(
-                        "a file extent item of {} bytes",
-                        b.len()
-                    ))),
-                })?;
-                if !found {
-                    return Err(Error::NotFound(format!(
-                        "file extent of inode {} at {}",
-                        key.objectid, key.offset
-                    )));
-                }
-                Ok(())
+                // generation (8 bytes), then ram_bytes.
+                edit_item(w, root, &key, |b| put_u64(b, 8, ram_bytes))
             })?,
             Fix::BlockGroupUsed { .. }
             | Fix::QgroupsInconsistent
@@ -278,24 +230,53 @@ pub(crate) fn touch_root_tree(core: &Core) -> Result<()> {
 fn set_inode(core: &Core, root: u64, ino: u64, set: impl FnOnce(&mut InodeItem)) -> Result<()> {
     core.op(false, |w| {
         let key = Key::new(ino, INODE_ITEM_KEY, 0);
-        let found = w.update_item(root, &key, |b| {
+        edit_item(w, root, &key, |b| {
             let mut item = InodeItem::parse(b)?;
             set(&mut item);
-            let body = item.to_bytes();
-            if body.len() != b.len() {
-                return Err(Error::Invalid(format!(
-                    "inode {ino} of tree {root}: an item of {} bytes",
-                    b.len()
-                )));
-            }
-            b.copy_from_slice(&body);
-            Ok(())
-        })?;
-        if !found {
-            return Err(Error::NotFound(format!("inode {ino} of tree {root}")));
-        }
-        Ok(())
+            put_same_size(b, &item.to_bytes())
+        })
     })
+}
+
+/// Changes item `key` of `tree` in place with `edit`; an error names it when it is gone.
+fn edit_item(
+    w: &mut crate::transaction::Writer,
+    tree: u64,
+    key: &Key,
+    edit: impl FnOnce(&mut [u8]) -> Result<()>,
+) -> Result<()> {
+    if w.update_item(tree, key, edit)? {
+        Ok(())
+    } else {
+        Err(Error::NotFound(format!("item {key} of tree {tree}")))
+    }
+}
+
+/// Writes `v` at byte `at` of an item's body, which must be long enough.
+fn put_u64(b: &mut [u8], at: usize, v: u64) -> Result<()> {
+    let len = b.len();
+    match b.get_mut(at..at + 8) {
+        Some(f) => {
+            f.copy_from_slice(&v.to_le_bytes());
+            Ok(())
+        }
+        None => Err(Error::Invalid(format!(
+            "an item of {len} bytes has no field at {at}"
+        ))),
+    }
+}
+
+/// Replaces an item's body by `body`, re-encoded to the same size.
+fn put_same_size(b: &mut [u8], body: &[u8]) -> Result<()> {
+    if body.len() != b.len() {
+        return Err(Error::Invalid(format!(
+            "an item of {} bytes re-encodes to {}",
+            b.len(),
+            body.len()
+        )));
+    }
+    b.copy_from_slice(body);
+    Ok(())
 }
 
 /// The findings of `after` that `before` did not have (same kind, same place), and whether
