@@ -1863,7 +1863,7 @@ impl Core {
                         return Ok(None);
                     };
                     let p = cur.get_or_insert_with(|| crate::inode::ordered::Prealloc::new(offset));
-                    p.append(offset, at, len, MAX_EXTENT);
+                    p.append(offset, at, len, MAX_EXTENT, a);
                     p.size = offset + len;
                     p.stamp();
                     Ok(Some(true))

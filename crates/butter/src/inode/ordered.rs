@@ -1551,10 +1551,24 @@ impl Prealloc {
     }
 
     /// Appends `[offset, +len)` at `at` on disk: one extent with the last when it continues
-    /// it on disk and stays within `max`.
-    pub(crate) fn append(&mut self, offset: u64, at: u64, len: u64, max: u64) {
+    /// it on disk, stays within `max` and in the last one's block group (two chunks may be
+    /// adjacent in the logical address space, but an extent never crosses from one into the
+    /// next: its bytes would be freed into the first group, past that group's end).
+    pub(crate) fn append(
+        &mut self,
+        offset: u64,
+        at: u64,
+        len: u64,
+        max: u64,
+        a: &crate::space::alloc::Allocator,
+    ) {
         match &mut self.last {
-            Some((fo, b, l)) if *fo + *l == offset && *b + *l == at && *l + len <= max => {
+            Some((fo, b, l))
+                if *fo + *l == offset
+                    && *b + *l == at
+                    && *l + len <= max
+                    && a.group_containing(*b) == a.group_containing(at) =>
+            {
                 *l += len;
             }
             last => {

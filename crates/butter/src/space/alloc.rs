@@ -782,6 +782,12 @@ impl Allocator {
                     .flatten()
             })
         }?;
+        debug_assert_eq!(
+            self.group_containing(at),
+            self.group_containing(at + want.len - 1),
+            "allocation {at}+{} crosses a block group's end",
+            want.len
+        );
         self.counters.allocations.fetch_add(1, Relaxed);
         Some(at)
     }
@@ -1183,13 +1189,18 @@ impl Allocator {
     /// Pins a range freed in the running transaction.
     pub(crate) fn pin(&self, start: u64, len: u64) -> Result<()> {
         match self.with_group(start, |g| {
+            if start + len > g.end() {
+                return Err(format!("it crosses its block group's end {}", g.end()));
+            }
             g.dirty = true;
-            g.pinned.add(start, len)
+            g.pinned
+                .add(start, len)
+                .map_err(|e| format!("freed twice in one transaction: {e}"))
         }) {
             Some(Ok(())) => Ok(()),
             Some(Err(e)) => Err(Error::corrupt(
                 Location::what(format!("freed extent {start}+{len}")),
-                format!("freed twice in one transaction: {e}"),
+                e,
             )),
             None => Err(Error::corrupt(
                 Location::what("free space"),
@@ -1251,6 +1262,9 @@ impl Allocator {
     /// Adds `delta` to the used count of the group holding `bytenr`.
     pub(crate) fn account_used(&self, bytenr: u64, len: u64, add: bool) -> Result<()> {
         let r = self.with_group(bytenr, |g| {
+            if bytenr + len > g.end() {
+                return Err(());
+            }
             g.dirty = true;
             if add {
                 g.used += len;
@@ -1266,7 +1280,8 @@ impl Allocator {
             Some(Ok(())) => Ok(()),
             Some(Err(())) => Err(Error::corrupt(
                 Location::what(format!("extent {bytenr}+{len}")),
-                "freeing it would take its block group's used count below zero",
+                "it crosses its block group's end, or freeing it would take the group's used \
+                 count below zero",
             )),
             None => Err(Error::corrupt(
                 Location::what("free space"),
@@ -1466,6 +1481,32 @@ mod tests {
         assert_eq!(again, gb, "from the window, inside the second group");
         a.release_windows();
         assert!(a.with_group(gb, |g| g.held.contains(gb, 16384)).unwrap());
+    }
+
+    /// A delayed preallocation whose next piece starts where the last ends, but in the next
+    /// group, keeps two extents (one would cross the first chunk's end: it once reached the
+    /// trees, and freeing it put bytes past the first group's end into its free space); and
+    /// a range crossing a group's end is refused when freed.
+    #[test]
+    fn extents_never_span_adjacent_groups() {
+        let a = Allocator::new();
+        let (ga, gb) = (1u64 << 20, 2u64 << 20);
+        for g in [ga, gb] {
+            a.add_group(BlockGroup::new(g, 1 << 20, BLOCK_GROUP_DATA))
+                .unwrap();
+        }
+        let mut p = crate::inode::ordered::Prealloc::new(0);
+        p.append(0, gb - 8192, 8192, 1 << 27, &a);
+        p.append(8192, gb, 8192, 1 << 27, &a);
+        assert_eq!(
+            p.extents().collect::<Vec<_>>(),
+            vec![(0, gb - 8192, 8192), (8192, gb, 8192)]
+        );
+        p.append(16384, gb + 8192, 4096, 1 << 27, &a);
+        assert_eq!(p.extents().last(), Some((8192, gb, 12288)));
+        assert!(a.pin(gb - 8192, 16384).is_err());
+        assert!(a.account_used(gb - 8192, 16384, true).is_err());
+        assert!(a.pin(gb - 8192, 8192).is_ok());
     }
 
     /// A busy group is passed over when another can serve, and waited for when none can.
