@@ -102,6 +102,25 @@ fn damage(
     );
 }
 
+/// Moves the extent item whose header is at `h` to the address right after the extent (its
+/// length: the key's offset, or 16 KiB for a skinny tree block item), which must keep the
+/// leaf in order: nothing after it in the leaf, or the next item past that new extent.
+fn move_key(blk: &mut [u8], h: usize) {
+    let get = |b: &[u8], at: usize| u64::from_le_bytes(b[at..at + 8].try_into().unwrap());
+    let (obj, ty, off) = (get(blk, h), blk[h + 8], get(blk, h + 9));
+    let len = if ty == METADATA_ITEM { 16384 } else { off };
+    let nritems = u32::from_le_bytes(blk[96..100].try_into().unwrap()) as usize;
+    // Item headers start after the 101-byte block header, 25 bytes each.
+    let next = h + 25;
+    if next < 101 + nritems * 25 {
+        assert!(
+            get(blk, next) >= obj + 2 * len,
+            "no room to move extent {obj} in its leaf"
+        );
+    }
+    blk[h..h + 8].copy_from_slice(&(obj + len).to_le_bytes());
+}
+
 fn inode(ino: u64) -> impl Fn(&butter::format::Key) -> bool {
     move |k| k.objectid == ino && k.ty == INODE_ITEM
 }
@@ -225,6 +244,59 @@ fn each_repair_kind_mends_one_damage_and_the_kernel_sees_the_files_as_before() {
                         blk.copy_within(a + DATA_REF_LEN..a + 2 * DATA_REF_LEN, a);
                         blk[a + DATA_REF_LEN..a + 2 * DATA_REF_LEN].copy_from_slice(&first);
                     },
+                );
+            }),
+        ),
+        (
+            "data-backref-count",
+            "DataBackrefMismatch",
+            // File `b`'s data extent: one inline data ref (after refs, generation and flags:
+            // 24 bytes), its count (the last 4 bytes of the ref) made 2.
+            Box::new(|p: &Path| {
+                patch_item(
+                    p,
+                    ondisk::EXTENT_TREE,
+                    false,
+                    |k, d| {
+                        k.ty == EXTENT_ITEM
+                            && k.offset == 8192
+                            && d.len() == 24 + DATA_REF_LEN
+                            && d[24] == EXTENT_DATA_REF
+                    },
+                    |blk, _, d| {
+                        let c = d + 24 + DATA_REF_LEN - 4;
+                        blk[c..c + 4].copy_from_slice(&2u32.to_le_bytes());
+                    },
+                );
+            }),
+        ),
+        (
+            "data-extent-moved",
+            "DataExtentMissing",
+            // The last data extent item's key moved past its end, into free space: the file
+            // extent names an address without an item, and the item one no file uses.
+            Box::new(|p: &Path| {
+                patch_item(
+                    p,
+                    ondisk::EXTENT_TREE,
+                    true,
+                    |k, d| k.ty == EXTENT_ITEM && d.len() >= 24 && d[16] & 1 == 1,
+                    |blk, h, _| move_key(blk, h),
+                );
+            }),
+        ),
+        (
+            "metadata-extent-moved",
+            "MetadataExtentMissing",
+            // The same for the last tree block's skinny item: one block without an item, and
+            // an item for a block no tree has.
+            Box::new(|p: &Path| {
+                patch_item(
+                    p,
+                    ondisk::EXTENT_TREE,
+                    true,
+                    |k, _| k.ty == METADATA_ITEM,
+                    |blk, h, _| move_key(blk, h),
                 );
             }),
         ),

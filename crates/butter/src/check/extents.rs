@@ -2,6 +2,7 @@
 //! back references and counts, data back references and counts.
 
 use super::*;
+use std::collections::BTreeSet;
 
 impl Checker<'_> {
     pub(super) fn extent_root(&self) -> Option<Root> {
@@ -146,6 +147,8 @@ impl Checker<'_> {
     }
 
     pub(super) fn phase_metadata_refs(&mut self) {
+        let newer = self.newer_roots();
+        self.stale_root_items = !newer.is_empty();
         let mut bytenrs: Vec<u64> = self.blocks.keys().copied().collect();
         bytenrs.sort_unstable();
         for b in bytenrs {
@@ -155,10 +158,20 @@ impl Checker<'_> {
             let bloc = Location::block(Some(rec.owner), b);
             // The chunk tree's blocks are accounted like any other tree block.
             let Some(ext) = self.extents.get(&b) else {
-                self.report.err(
+                let fix = match rec.reach.iter().find_map(|t| newer.get(t)) {
+                    Some(fix) => Some(fix.clone()),
+                    None => (!self.stale_root_items).then(|| Fix::ExtentRefs {
+                        bytenr: b,
+                        len: self.fs.disk.nodesize() as u64,
+                        level: Some(rec.level),
+                        refs: self.block_refs(b),
+                    }),
+                };
+                self.report.err_maybe_fix(
                     FindingKind::MetadataExtentMissing,
                     bloc,
                     format!("tree block {b} (level {}) has no extent item", rec.level),
+                    fix,
                 );
                 continue;
             };
@@ -270,10 +283,20 @@ impl Checker<'_> {
             }
             metadata += 1;
             if !self.blocks.contains_key(b) {
-                self.report.err(
+                let fix = match tree_ref_of(e).and_then(|t| newer.get(&t)) {
+                    Some(fix) => Some(fix.clone()),
+                    None => (newer.is_empty()).then(|| Fix::ExtentRefs {
+                        bytenr: *b,
+                        len: e.len,
+                        level: e.level.and_then(|l| u8::try_from(l).ok()),
+                        refs: Vec::new(),
+                    }),
+                };
+                self.report.err_maybe_fix(
                     FindingKind::OrphanMetadataExtent,
                     e.loc.clone(),
                     format!("metadata extent {b} names a block no tree reaches"),
+                    fix,
                 );
             }
         }
@@ -283,19 +306,25 @@ impl Checker<'_> {
     pub(super) fn phase_data_refs(&mut self) {
         self.report.counts.file_extents = self.file_exts.len() as u64;
         let mut want: BTreeMap<u64, BTreeMap<DataRefKey, u64>> = BTreeMap::new();
+        // File extents naming an address with no extent item: (bytenr, length) -> where.
+        let mut missing: BTreeMap<(u64, u64), Vec<(Location, String)>> = BTreeMap::new();
         for fe in &self.file_exts {
-            let Some(ext) = self.extents.get(&fe.disk_bytenr) else {
-                self.report.err(
-                    FindingKind::DataExtentMissing,
-                    fe.loc.clone(),
-                    format!(
-                        "file extent of inode {} at {} points at {} ({} bytes), which has no extent item",
-                        fe.ino, fe.file_off, fe.disk_bytenr, fe.disk_num_bytes
-                    ),
-                );
-                continue;
-            };
-            if ext.flags & EXTENT_FLAG_DATA == 0 || fe.disk_num_bytes != ext.len {
+            let ext = self.extents.get(&fe.disk_bytenr);
+            if ext.is_none() {
+                missing
+                    .entry((fe.disk_bytenr, fe.disk_num_bytes))
+                    .or_default()
+                    .push((
+                        fe.loc.clone(),
+                        format!(
+                            "file extent of inode {} at {} points at {} ({} bytes), which has no extent item",
+                            fe.ino, fe.file_off, fe.disk_bytenr, fe.disk_num_bytes
+                        ),
+                    ));
+            }
+            if let Some(ext) =
+                ext.filter(|e| e.flags & EXTENT_FLAG_DATA == 0 || fe.disk_num_bytes != e.len)
+            {
                 self.report.err(
                     FindingKind::DataExtentMissing,
                     fe.loc.clone(),
@@ -324,6 +353,24 @@ impl Checker<'_> {
                 .or_default()
                 .entry(k)
                 .or_default() += 1;
+        }
+        for (&(b, len), places) in &missing {
+            // One item to make, when every file extent naming the address agrees on its length.
+            let agreed = missing.range((b, 0)..=(b, u64::MAX)).count() == 1;
+            let fix = (agreed && !self.stale_root_items).then(|| Fix::ExtentRefs {
+                bytenr: b,
+                len,
+                level: None,
+                refs: data_refs(want.get(&b)),
+            });
+            for (loc, msg) in places {
+                self.report.err_maybe_fix(
+                    FindingKind::DataExtentMissing,
+                    loc.clone(),
+                    msg.clone(),
+                    fix.clone(),
+                );
+            }
         }
         let mut data = 0;
         for (b, ext) in &self.extents {
@@ -369,14 +416,21 @@ impl Checker<'_> {
             }
             let empty = BTreeMap::new();
             let w = want.get(b).unwrap_or(&empty);
+            let fix = (!self.stale_root_items).then(|| Fix::ExtentRefs {
+                bytenr: *b,
+                len: ext.len,
+                level: None,
+                refs: data_refs(Some(w)),
+            });
             if w.is_empty() {
-                self.report.err(
+                self.report.err_maybe_fix(
                     FindingKind::OrphanDataExtent,
                     ext.loc.clone(),
                     format!(
                         "data extent {b} ({} bytes): no file extent item references it",
                         ext.len
                     ),
+                    fix,
                 );
                 continue;
             }
@@ -387,14 +441,108 @@ impl Checker<'_> {
                 let a = w.get(k).copied().unwrap_or(0);
                 let h = have.get(k).copied().unwrap_or(0);
                 if a != h {
-                    self.report.err(
+                    self.report.err_maybe_fix(
                         FindingKind::DataBackrefMismatch,
                         ext.loc.clone(),
                         format!("data extent {b}: back reference {k:?} counts {h}, file extent items found {a}"),
+                        fix.clone(),
                     );
                 }
             }
         }
         self.report.counts.data_extents = data;
+    }
+}
+
+/// The back references a data extent's file extent items call for.
+fn data_refs(want: Option<&BTreeMap<DataRefKey, u64>>) -> Vec<(ExtentRef, u64)> {
+    want.into_iter()
+        .flatten()
+        .map(|(k, n)| {
+            let r = match *k {
+                DataRefKey::Data { root, ino, offset } => ExtentRef::Data { root, ino, offset },
+                DataRefKey::Shared { parent } => ExtentRef::SharedData(parent),
+            };
+            (r, *n)
+        })
+        .collect()
+}
+
+/// The tree of a tree block extent whose only back reference is a TREE_BLOCK_REF.
+fn tree_ref_of(e: &ExtentRec) -> Option<u64> {
+    match e.refs_list.as_slice() {
+        [BackRef::TreeBlock { root }] => Some(*root),
+        _ => None,
+    }
+}
+
+impl Checker<'_> {
+    /// Trees whose root item was left behind: the root block it names has no extent item,
+    /// and the extent tree has one, reached by no tree, for a newer block the tree owns
+    /// (each such tree: the newest such block, as a [`Fix::RootBlock`]).
+    fn newer_roots(&self) -> HashMap<u64, Fix> {
+        let mut out: HashMap<u64, Fix> = HashMap::new();
+        for (b, e) in &self.extents {
+            if e.flags & EXTENT_FLAG_TREE_BLOCK == 0 || self.blocks.contains_key(b) {
+                continue;
+            }
+            let Some(root) = tree_ref_of(e) else { continue };
+            let Some(t) = self.trees.iter().find(|t| t.id == root) else {
+                continue;
+            };
+            if self.extents.contains_key(&t.bytenr) {
+                continue;
+            }
+            let expect = Expect {
+                owner: Some(root),
+                ..Default::default()
+            };
+            let Ok(blk) = self.fs.disk.read_tree_block(*b, &expect) else {
+                continue;
+            };
+            let generation = blk.header.generation;
+            let newest = match out.get(&root) {
+                Some(Fix::RootBlock { generation: g, .. }) => generation > *g,
+                _ => true,
+            };
+            if generation > t.generation && newest {
+                out.insert(
+                    root,
+                    Fix::RootBlock {
+                        root,
+                        bytenr: *b,
+                        level: blk.level(),
+                        generation,
+                    },
+                );
+            }
+        }
+        out
+    }
+
+    /// The back references tree block `b` is reached by: from a tree's root pointer its
+    /// tree's; from a parent whose extent has FULL_BACKREF the parent's address; from another
+    /// parent its owner's.
+    fn block_refs(&self, b: u64) -> Vec<(ExtentRef, u64)> {
+        let mut refs = BTreeSet::new();
+        if let Some(rec) = self.blocks.get(&b) {
+            for e in &rec.edges {
+                refs.insert(match *e {
+                    Edge::Root(t) if is_reloc_tag(t) => ExtentRef::SharedBlock(b),
+                    Edge::Root(t) => ExtentRef::Tree(t),
+                    Edge::Node { parent, .. } => {
+                        let full = self
+                            .extents
+                            .get(&parent)
+                            .is_some_and(|x| x.flags & BLOCK_FLAG_FULL_BACKREF != 0);
+                        match self.blocks.get(&parent) {
+                            Some(p) if !full => ExtentRef::Tree(p.owner),
+                            _ => ExtentRef::SharedBlock(parent),
+                        }
+                    }
+                });
+            }
+        }
+        refs.into_iter().map(|r| (r, 1)).collect()
     }
 }

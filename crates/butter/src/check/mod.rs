@@ -244,6 +244,37 @@ pub enum Fix {
         nbytes: u64,
         nlink: u32,
     },
+    /// Tree `root`'s root item names the root block at `bytenr` (of `level` and
+    /// `generation`): the newer root the extent tree records for it, which a root item left
+    /// behind when its tree was changed does not name.
+    RootBlock {
+        root: u64,
+        bytenr: u64,
+        level: u8,
+        generation: u64,
+    },
+    /// The extent at `bytenr` (`len` bytes; a tree block of `level` when set) gets exactly
+    /// these back references with these counts: its item is made when it has none (or only
+    /// one that cannot be read), and deleted, its space freed, when `refs` is empty.
+    ExtentRefs {
+        bytenr: u64,
+        len: u64,
+        level: Option<u8>,
+        refs: Vec<(ExtentRef, u64)>,
+    },
+}
+
+/// One back reference of an extent, as the trees call for it (see [`Fix::ExtentRefs`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum ExtentRef {
+    /// Tree `root` points at the block from one of its own blocks (TREE_BLOCK_REF).
+    Tree(u64),
+    /// The block at this address points at it (SHARED_BLOCK_REF).
+    SharedBlock(u64),
+    /// File extent items of `ino` in `root` at file offset - extent offset (EXTENT_DATA_REF).
+    Data { root: u64, ino: u64, offset: u64 },
+    /// File extent items in the leaf at this address (SHARED_DATA_REF).
+    SharedData(u64),
 }
 
 impl fmt::Display for Fix {
@@ -327,6 +358,35 @@ impl fmt::Display for Fix {
                 f,
                 "round the device sizes down to whole sectors and make the superblock's total their sum"
             ),
+            Fix::RootBlock {
+                root,
+                bytenr,
+                generation,
+                ..
+            } => write!(
+                f,
+                "point tree {root}'s root item at its newer root block {bytenr} (generation {generation})"
+            ),
+            Fix::ExtentRefs {
+                bytenr, len, refs, ..
+            } if refs.is_empty() => write!(
+                f,
+                "delete extent {bytenr} ({len} bytes), which nothing references, and free its space"
+            ),
+            Fix::ExtentRefs {
+                bytenr,
+                len,
+                level,
+                refs,
+            } => write!(
+                f,
+                "give {} {bytenr} ({len} bytes) the back references {refs:?}",
+                if level.is_some() {
+                    "tree block"
+                } else {
+                    "data extent"
+                }
+            ),
         }
     }
 }
@@ -387,9 +447,20 @@ impl Report {
     }
     /// An error the repair knows how to mend with `fix`.
     fn err_fix(&mut self, kind: FindingKind, location: Location, msg: String, fix: Fix) {
+        self.err_maybe_fix(kind, location, msg, Some(fix));
+    }
+
+    /// An error, with its fix where there is one.
+    fn err_maybe_fix(
+        &mut self,
+        kind: FindingKind,
+        location: Location,
+        msg: String,
+        fix: Option<Fix>,
+    ) {
         self.err(kind, location, msg);
         if let Some(f) = self.findings.last_mut() {
-            f.fix = Some(fix);
+            f.fix = fix;
         }
     }
 }
@@ -520,6 +591,10 @@ struct Checker<'a> {
     dropping: HashSet<u64>,
     /// Data ranges of NODATASUM inodes that must not have csums (phase 5 -> 6).
     nodatasum: Vec<NodatasumRange>,
+    /// Some tree's root item names an older root than the extent tree has for it: the walk
+    /// saw that tree as it was, so back references are mended only once it is pointed at
+    /// its newer root (the next round of a repair).
+    stale_root_items: bool,
 }
 
 /// A regular, uncompressed extent of a NODATASUM inode.
@@ -559,6 +634,7 @@ pub(crate) fn check_with(
         subvol_entries: Vec::new(),
         dropping: HashSet::new(),
         nodatasum: Vec::new(),
+        stale_root_items: false,
     };
     let n0 = c.report.findings.len();
     c.phase_trees()?;

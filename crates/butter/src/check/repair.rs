@@ -3,7 +3,7 @@
 //! anything is written, finds strictly fewer problems and none it did not find before.
 //! Otherwise nothing is written: the image stays exactly as it was.
 
-use super::{Finding, Fix, Report};
+use super::{ExtentRef, Finding, Fix, Report};
 use crate::error::{Error, Result};
 use crate::format::items::InodeItem;
 use crate::format::*;
@@ -23,6 +23,21 @@ pub(crate) fn plan(report: &Report) -> Vec<Fix> {
 /// Applies `fixes` in the running transaction of `core` (open read-write, untouched since it
 /// was opened). Block group counts go first, before any tree changes allocate.
 pub(crate) fn apply(core: &Core, fixes: &[Fix]) -> Result<()> {
+    // Extents the trees use but the extent tree lacks may look free to the allocator (where
+    // free space is computed from the extent tree): taken out before anything is allocated.
+    core.op(false, |w| {
+        for f in fixes {
+            if let Fix::ExtentRefs {
+                bytenr, len, refs, ..
+            } = f
+            {
+                if !refs.is_empty() {
+                    w.allocator.reserve(*bytenr, *len);
+                }
+            }
+        }
+        Ok(())
+    })?;
     touch_root_tree(core)?;
     core.op(false, |w| {
         let mut groups = false;
@@ -58,6 +73,12 @@ pub(crate) fn apply(core: &Core, fixes: &[Fix]) -> Result<()> {
                         &body,
                     )?;
                 }
+                Fix::RootBlock {
+                    root,
+                    bytenr,
+                    level,
+                    generation,
+                } => w.replace_root(*root, *bytenr, *level, *generation)?,
                 Fix::RootGeneration { root, generation } => {
                     let t = w.current_root(*root)?;
                     w.replace_root(*root, t.bytenr, t.level, *generation)?;
@@ -147,6 +168,12 @@ pub(crate) fn apply(core: &Core, fixes: &[Fix]) -> Result<()> {
                 w.insert_item(root, Key::new(ino, INODE_ITEM_KEY, 0), &item.to_bytes())?;
                 Ok(())
             })?,
+            Fix::ExtentRefs {
+                bytenr,
+                len,
+                level,
+                ref refs,
+            } => core.op(false, |w| set_extent_refs(w, bytenr, len, level, refs))?,
             Fix::DeleteItem { tree, key } => core.op(false, |w| {
                 w.delete_item(tree, &key)?;
                 Ok(())
@@ -174,8 +201,130 @@ pub(crate) fn apply(core: &Core, fixes: &[Fix]) -> Result<()> {
             | Fix::DeviceSizes
             | Fix::DevBytesUsed { .. }
             | Fix::RootGeneration { .. }
+            | Fix::RootBlock { .. }
             | Fix::ExtentGeneration { .. } => {}
         }
+    }
+    Ok(())
+}
+
+/// Queues the reference changes that give the extent at `bytenr` exactly `refs` (see
+/// [`Fix::ExtentRefs`]); the commit applies them as it applies every change's, making or
+/// deleting the item and keeping the block group's used bytes and free space in step. An
+/// item there that cannot be read goes first.
+fn set_extent_refs(
+    w: &mut crate::transaction::Writer,
+    bytenr: u64,
+    len: u64,
+    level: Option<u8>,
+    refs: &[(ExtentRef, u64)],
+) -> Result<()> {
+    use crate::space::delayed_refs::RefKey;
+    use std::collections::BTreeMap;
+    let root = w.current_root(EXTENT_TREE_OBJECTID)?;
+    let have = match crate::ctree::extent_record::read_extent_record_counted(&w.disk, root, bytenr)
+    {
+        Ok(Some((rec, stored))) => {
+            let total: u64 = rec.refs.values().sum();
+            if total != stored {
+                // The item's count (its first 8 bytes) made its references' total
+                // first, so that the commit can change them.
+                edit_item(w, EXTENT_TREE_OBJECTID, &rec.key, |b| put_u64(b, 0, total))?;
+            }
+            Some(rec)
+        }
+        Ok(None) => None,
+        // An item that cannot be read goes (the checker did not count it in its
+        // group's used bytes either), and a new one is made.
+        Err(Error::Corrupt { .. }) => {
+            delete_extent_items(w, bytenr)?;
+            None
+        }
+        Err(e) => return Err(e),
+    };
+    let want: BTreeMap<RefKey, u64> = refs
+        .iter()
+        .map(|(r, n)| {
+            let k = match *r {
+                ExtentRef::Tree(root) => RefKey::TreeBlock(root),
+                ExtentRef::SharedBlock(parent) => RefKey::SharedBlock(parent),
+                ExtentRef::Data { root, ino, offset } => RefKey::Data { root, ino, offset },
+                ExtentRef::SharedData(parent) => RefKey::SharedData(parent),
+            };
+            (k, *n)
+        })
+        .collect();
+    let is_new = have.is_none();
+    if is_new && want.is_empty() {
+        return Ok(());
+    }
+    let have = have.map(|h| h.refs).unwrap_or_default();
+    // A new tree block item takes the block's generation (not the repair's) and, when not
+    // skinny, its first key.
+    let (first_key, generation) = match level {
+        Some(_) if is_new => {
+            let b = w.disk.read_tree_block(bytenr, &Default::default())?;
+            let key = if b.nritems() == 0 {
+                Key::MIN
+            } else if b.is_leaf() {
+                b.item(0).key
+            } else {
+                b.key(0)
+            };
+            (key, Some(b.header.generation))
+        }
+        _ => (Key::MIN, None),
+    };
+    let keys: std::collections::BTreeSet<RefKey> =
+        want.keys().chain(have.keys()).copied().collect();
+    for k in keys {
+        let delta =
+            want.get(&k).copied().unwrap_or(0) as i64 - have.get(&k).copied().unwrap_or(0) as i64;
+        if delta == 0 {
+            continue;
+        }
+        match level {
+            Some(l) => w
+                .refs
+                .add_tree_ref(bytenr, len, l, first_key, is_new, k, delta),
+            None => w.refs.add_data_ref(bytenr, len, is_new, k, delta),
+        }
+    }
+    if let Some(g) = generation {
+        w.refs.set_generation(bytenr, g);
+    }
+    Ok(())
+}
+
+/// Deletes every extent tree item of the extent at `bytenr` (its item and keyed references).
+fn delete_extent_items(w: &mut crate::transaction::Writer, bytenr: u64) -> Result<()> {
+    let root = w.current_root(EXTENT_TREE_OBJECTID)?;
+    let mut keys = Vec::new();
+    let mut it = crate::ctree::TreeIter::new(
+        w.disk.clone(),
+        root,
+        Key::new(bytenr, 0, 0),
+        crate::io::disk_io::Readahead::None,
+    )?;
+    while let Some(item) = it.next_item()? {
+        if item.key.objectid != bytenr {
+            break;
+        }
+        if matches!(
+            item.key.ty,
+            EXTENT_ITEM_KEY
+                | METADATA_ITEM_KEY
+                | TREE_BLOCK_REF_KEY
+                | SHARED_BLOCK_REF_KEY
+                | EXTENT_DATA_REF_KEY
+                | SHARED_DATA_REF_KEY
+        ) {
+            keys.push(item.key);
+        }
+    }
+    drop(it);
+    for k in keys {
+        w.delete_item(EXTENT_TREE_OBJECTID, &k)?;
     }
     Ok(())
 }

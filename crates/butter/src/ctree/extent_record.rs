@@ -55,6 +55,28 @@ pub(crate) fn read_extent_record(
     root: Root,
     bytenr: u64,
 ) -> Result<Option<ExtentRecord>> {
+    let Some((rec, stored)) = read_extent_record_counted(disk, root, bytenr)? else {
+        return Ok(None);
+    };
+    let total: u64 = rec.refs.values().sum();
+    if total != stored {
+        return Err(Error::corrupt(
+            Location::what("extent item")
+                .with_tree(EXTENT_TREE_OBJECTID)
+                .with_key(rec.key),
+            format!("extent item says {stored} references but {total} were found"),
+        ));
+    }
+    Ok(Some(rec))
+}
+
+/// [`read_extent_record`] that does not hold the item's reference count against the back
+/// references found, and returns it beside them (a repair mends the difference).
+pub(crate) fn read_extent_record_counted(
+    disk: &Arc<Disk>,
+    root: Root,
+    bytenr: u64,
+) -> Result<Option<(ExtentRecord, u64)>> {
     let Some((key, body)) = find_extent_item(disk, root, bytenr)? else {
         return Ok(None);
     };
@@ -108,24 +130,17 @@ pub(crate) fn read_extent_record(
             keyed.push(item.key);
         }
     }
-    let total: u64 = refs.values().sum();
-    if total != ei.refs {
-        return Err(Error::corrupt(
-            loc(),
-            format!(
-                "extent item says {} references but {} were found",
-                ei.refs, total
-            ),
-        ));
-    }
-    Ok(Some(ExtentRecord {
-        key,
-        generation: ei.generation,
-        flags: ei.flags,
-        tree_block_info: ei.tree_block_info,
-        refs,
-        keyed,
-    }))
+    Ok(Some((
+        ExtentRecord {
+            key,
+            generation: ei.generation,
+            flags: ei.flags,
+            tree_block_info: ei.tree_block_info,
+            refs,
+            keyed,
+        },
+        ei.refs,
+    )))
 }
 
 /// Whether the data extent at `bytenr` belongs to `owner` (one file's reference) alone,

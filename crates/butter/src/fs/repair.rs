@@ -5,12 +5,16 @@ use super::Fs;
 use crate::check::{repair, Fix, Options, Report};
 use crate::error::{Error, Result};
 
+/// How many verified transactions one repair may take (see [`Fs::repair`]).
+const REPAIR_ROUNDS: usize = 4;
+
 /// What [`Fs::repair`] found and did.
 #[derive(Debug)]
 pub struct RepairReport {
     /// The checker's report before.
     pub before: Report,
-    /// The changes planned, one per finding the checker knows how to mend.
+    /// The changes planned, one per finding the checker knows how to mend (the later
+    /// rounds' after the first's).
     pub fixes: Vec<Fix>,
     /// The checker's report on the repaired trees (checked before anything was kept), when
     /// a repair was tried.
@@ -33,7 +37,27 @@ impl Fs {
     pub fn repair(&self, dry_run: bool, progress: &mut dyn FnMut(&str)) -> Result<RepairReport> {
         let before = self.check(Options::default(), progress)?;
         let fixes = repair::plan(&before);
-        self.repair_with(before, fixes, dry_run, progress)
+        let mut out = self.repair_with(before, fixes, dry_run, progress)?;
+        // A repair can uncover what the damage hid (a tree pointed at its newer root shows
+        // the references its blocks need): more rounds, each its own verified transaction,
+        // while the last one was written and its result has more to mend. A later round that
+        // is refused leaves the earlier ones' result.
+        for _ in 1..REPAIR_ROUNDS {
+            let Some(after) = out.after.as_ref().filter(|_| out.committed) else {
+                break;
+            };
+            let next = repair::plan(after);
+            if next.is_empty() {
+                break;
+            }
+            let r = self.repair_with(after.clone(), next, false, progress)?;
+            if !r.committed {
+                break;
+            }
+            out.fixes.extend(r.fixes);
+            out.after = r.after;
+        }
+        Ok(out)
     }
 
     /// [`Fs::repair`] of `fixes` against the report `before` (a test's own fixes, to see a
