@@ -10,7 +10,7 @@
 
 mod common;
 
-use common::damage::{ondisk, patch_item};
+use common::damage::{ondisk, patch_item, remove_item};
 use common::fuse_mount;
 use common::kernel::{self, LoopMount, ScratchDir};
 use common::manifest::{self, CompareOpts, Manifest, TakeOpts};
@@ -27,6 +27,9 @@ const EXTENT_ITEM: u8 = 168;
 const DEV_ITEM: u8 = 216;
 const METADATA_ITEM: u8 = 169;
 const EXTENT_DATA_REF: u8 = 178;
+const INODE_REF: u8 = 12;
+const DIR_ITEM: u8 = 84;
+const DIR_INDEX: u8 = 96;
 /// An inline EXTENT_DATA_REF: type, root, objectid, offset, count.
 const DATA_REF_LEN: usize = 1 + 8 + 8 + 8 + 4;
 
@@ -119,6 +122,12 @@ fn move_key(blk: &mut [u8], h: usize) {
         );
     }
     blk[h..h + 8].copy_from_slice(&(obj + len).to_le_bytes());
+}
+
+/// Picks directory `dir`'s DIR_ITEM or DIR_INDEX (`ty`) of `name` (a dir item's name follows
+/// its 30-byte header).
+fn entry_of(dir: u64, ty: u8, name: &'static [u8]) -> impl Fn(&butter::format::Key, &[u8]) -> bool {
+    move |k, d| k.objectid == dir && k.ty == ty && d.get(30..30 + name.len()) == Some(name)
 }
 
 fn inode(ino: u64) -> impl Fn(&butter::format::Key) -> bool {
@@ -301,6 +310,64 @@ fn each_repair_kind_mends_one_damage_and_the_kernel_sees_the_files_as_before() {
             }),
         ),
         (
+            "dir-index-missing",
+            "InodeRefWithoutDirIndex",
+            Box::new(|p: &Path| {
+                remove_item(p, FS_TREE, entry_of(257, DIR_INDEX, b"b"));
+            }),
+        ),
+        (
+            "dir-item-missing",
+            "DirIndexWithoutItem",
+            Box::new(|p: &Path| {
+                remove_item(p, FS_TREE, entry_of(257, DIR_ITEM, b"b"));
+            }),
+        ),
+        (
+            "dir-item-misfiled",
+            "FsItemBad",
+            // The DIR_ITEM of `b` renamed `c`: the name no longer hashes to its key.
+            Box::new(|p: &Path| {
+                patch_item(
+                    p,
+                    FS_TREE,
+                    false,
+                    entry_of(257, DIR_ITEM, b"b"),
+                    |blk, _, d| blk[d + 30] = b'c',
+                );
+            }),
+        ),
+        (
+            "dir-index-renamed",
+            "DirEntryWithoutInodeRef",
+            // The DIR_INDEX of `b` renamed `c`: no ref names it, and b's ref has no index.
+            Box::new(|p: &Path| {
+                patch_item(
+                    p,
+                    FS_TREE,
+                    false,
+                    entry_of(257, DIR_INDEX, b"b"),
+                    |blk, _, d| blk[d + 30] = b'c',
+                );
+            }),
+        ),
+        (
+            "inode-mode",
+            "InodeModeBad",
+            // The mode (byte 52, a u32) of `b` with a bit above the file type set.
+            Box::new(|p: &Path| damage(p, FS_TREE, inode(259), 52, 4, |m| m | 1 << 20)),
+        ),
+        (
+            "data-extent-item-missing",
+            "DataExtentMissing",
+            // File `b`'s data extent item removed (its file extent stays).
+            Box::new(|p: &Path| {
+                remove_item(p, ondisk::EXTENT_TREE, |k, d| {
+                    k.ty == EXTENT_ITEM && k.offset == 8192 && d.len() >= 24 && d[16] & 1 == 1
+                });
+            }),
+        ),
+        (
             "dev-bytes-used",
             "DevBytesUsedMismatch",
             // The device item's bytes_used: byte 16.
@@ -367,6 +434,43 @@ fn each_repair_kind_mends_one_damage_and_the_kernel_sees_the_files_as_before() {
             &format!("{name}: the kernel's files after the repair"),
         );
     }
+}
+
+/// A file whose every name is gone (its INODE_REF, and its directory's DIR_ITEM and
+/// DIR_INDEX) is linked into a new lost+found under its inode number: both checkers clean
+/// after, and the kernel reads its data there and every other file as before.
+#[test]
+fn a_file_without_a_name_goes_to_lost_and_found() {
+    if !fuse_mount::require("repair", &[]) || !kernel::require_privileges() {
+        return;
+    }
+    let s = ScratchDir::new("repair-lost");
+    let img = healthy(&s);
+    let m = LoopMount::btrfs_ro(&img, &s.dir("before"));
+    let a = fs::read(m.path().join("d/a")).unwrap();
+    let b = fs::read(m.path().join("d/b")).unwrap();
+    m.unmount();
+    remove_item(&img, FS_TREE, |k, _| k.objectid == 259 && k.ty == INODE_REF);
+    remove_item(&img, FS_TREE, entry_of(257, DIR_ITEM, b"b"));
+    remove_item(&img, FS_TREE, entry_of(257, DIR_INDEX, b"b"));
+    let o = butter(&["check", img.to_str().unwrap()]);
+    assert!(
+        text(&o).contains("NlinkMismatch"),
+        "no NlinkMismatch:\n{}",
+        text(&o)
+    );
+    let o = butter(&["check", "--repair", img.to_str().unwrap()]);
+    assert!(o.status.success(), "repair:\n{}", text(&o));
+    assert!(text(&o).contains("lost+found"), "repair:\n{}", text(&o));
+    let (rc, t) = fuse_mount::butter_check(&img);
+    assert_eq!(rc, 0, "butter check after the repair:\n{t}");
+    let (ok, t) = kernel::btrfs_check(&img);
+    assert!(ok, "btrfs check after the repair:\n{t}");
+    let m = LoopMount::btrfs_ro(&img, &s.dir("after"));
+    assert_eq!(fs::read(m.path().join("lost+found/259")).unwrap(), b);
+    assert_eq!(fs::read(m.path().join("d/a")).unwrap(), a);
+    assert!(!m.path().join("d/b").exists());
+    m.unmount();
 }
 
 #[test]

@@ -134,6 +134,55 @@ pub fn rewrite_item(
     Ok((key, bytenr, slot))
 }
 
+/// Removes the first item of tree `tree` for which `pick(key, data)` holds from its leaf, in
+/// place (the items after it close up; the block is resealed by [`rewrite_item`]). The
+/// first item of a leaf is refused: its key is its parent's pointer key. Nothing else is
+/// kept consistent. Returns the removed item's key.
+pub fn remove_item(
+    dev: Arc<dyn BlockDevice>,
+    tree: u64,
+    pick: impl Fn(&Key, &[u8]) -> bool,
+) -> Result<Key> {
+    let mut first = false;
+    let (key, bytenr, _) = rewrite_item(dev, tree, false, pick, |blk, hdr, _| {
+        let slot = (hdr - HEADER_SIZE) / ITEM_SIZE;
+        if slot == 0 {
+            first = true;
+            return;
+        }
+        let u32_at =
+            |b: &[u8], at: usize| u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]]);
+        // nritems: the header's u32 at 96; an item header is a key (17 bytes), then its
+        // data's offset and size (u32 each, the offset from the end of the block header).
+        let n = u32_at(blk, 96) as usize;
+        let head = |i: usize| HEADER_SIZE + i * ITEM_SIZE;
+        let (off, size) = (
+            u32_at(blk, hdr + 17) as usize,
+            u32_at(blk, hdr + 21) as usize,
+        );
+        let lowest = u32_at(blk, head(n - 1) + 17) as usize;
+        // The data of the items after it lies below its own: moved up over it.
+        blk.copy_within(
+            HEADER_SIZE + lowest..HEADER_SIZE + off,
+            HEADER_SIZE + lowest + size,
+        );
+        blk[HEADER_SIZE + lowest..HEADER_SIZE + lowest + size].fill(0);
+        for i in slot + 1..n {
+            let o = u32_at(blk, head(i) + 17) + size as u32;
+            blk[head(i) + 17..head(i) + 21].copy_from_slice(&o.to_le_bytes());
+        }
+        blk.copy_within(head(slot + 1)..head(n), head(slot));
+        blk[head(n - 1)..head(n)].fill(0);
+        blk[96..100].copy_from_slice(&(n as u32 - 1).to_le_bytes());
+    })?;
+    if first {
+        return Err(Error::Invalid(format!(
+            "item {key} is the first of leaf {bytenr}: not removed"
+        )));
+    }
+    Ok(key)
+}
+
 /// The tree blocks of the fsync log the superblock on `dev` names (the log root tree's and
 /// every log tree's), in the order a walk from the log root meets them; empty when there is
 /// no log.

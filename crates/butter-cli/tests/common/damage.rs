@@ -35,3 +35,11 @@ pub mod ondisk {
     pub const BLOCK_GROUP_ITEM: u8 = 192;
     pub const QGROUP_INFO: u8 = 242;
 }
+
+/// Removes the first item of tree `id` matching `pred` from its leaf (not a leaf's first
+/// item), resealing the block (butter::internals::remove_item). Returns its key.
+pub fn remove_item(img: &Path, id: u64, pred: impl Fn(&Key, &[u8]) -> bool) -> Key {
+    let dev = FileDevice::open(img, true).unwrap();
+    butter::internals::remove_item(Arc::new(dev), id, pred)
+        .unwrap_or_else(|e| panic!("removing an item of tree {id} in {}: {e}", img.display()))
+}

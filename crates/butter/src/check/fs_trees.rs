@@ -2,6 +2,7 @@
 //! indexes, inode refs, file extent cover, and the subvolumes' root refs.
 
 use super::*;
+use crate::inode::namespace::mode_to_ft;
 
 /// What one fs tree holds for one inode, gathered in the collection pass of
 /// `Checker::check_fs_tree` and cross-checked after it.
@@ -12,7 +13,8 @@ struct Ino {
     /// (parent, index, name, loc)
     refs: Vec<(u64, u64, Vec<u8>, Location)>,
     dir_items: Vec<(Vec<u8>, Key, Location)>,
-    dir_index: Vec<(u64, Vec<u8>, Key, Location)>,
+    /// (index, name, target, place, entry type)
+    dir_index: Vec<(u64, Vec<u8>, Key, Location, u8)>,
     nbytes: u64,
     first_loc: Option<Location>,
     /// (logical, length, regular, compressed, file offset, location)
@@ -96,7 +98,7 @@ impl Ino {
         } else {
             for d in DirItem::parse_all(data).map_err(|e| e.to_string())? {
                 self.dir_index
-                    .push((k.offset, d.name, d.location, loc.clone()));
+                    .push((k.offset, d.name, d.location, loc.clone(), d.file_type));
             }
         }
         Ok(())
@@ -363,6 +365,17 @@ impl Checker<'_> {
             return;
         };
         self.report.counts.inodes += inodes.len() as u64;
+        // Inodes some directory entry names (a name there, even without its INODE_REF), with
+        // the entry type a DIR_INDEX gives them.
+        let mut named: HashMap<u64, u8> = HashMap::new();
+        for i in inodes.values() {
+            for d in i.dir_items.iter().filter(|d| d.1.ty == INODE_ITEM_KEY) {
+                named.entry(d.1.objectid).or_insert(FT_UNKNOWN);
+            }
+            for d in i.dir_index.iter().filter(|d| d.2.ty == INODE_ITEM_KEY) {
+                named.insert(d.2.objectid, d.4);
+            }
+        }
         self.check_root_dir(root, &inodes);
         // Directory entries by (dir, index) and (dir, name).
         for (&n, ino) in &inodes {
@@ -399,6 +412,22 @@ impl Checker<'_> {
                 }
                 continue;
             };
+            if !mode_valid(ii.mode) {
+                let mode = guessed_mode(n, ino, ii.mode, named.get(&n).copied());
+                self.report.err_fix(
+                    FindingKind::InodeModeBad,
+                    iloc.clone(),
+                    format!(
+                        "inode {n}: mode {:o} has no valid file type (its items say {:o})",
+                        ii.mode, mode
+                    ),
+                    Fix::InodeMode {
+                        root: tid,
+                        ino: n,
+                        mode,
+                    },
+                );
+            }
             if !self.check_inode_fields(tid, n, ii, iloc, &orphans) {
                 // Unlinked, its deletion pending (perhaps half done): names, sizes and
                 // entries are not checked; its extents still are, through the extent tree.
@@ -420,13 +449,13 @@ impl Checker<'_> {
                     },
                 );
             }
-            self.check_inode_counts(tid, n, ino, ii, iloc);
+            self.check_inode_counts(tid, n, ino, ii, iloc, named.contains_key(&n));
             if ii.mode & 0o170000 == 0o100000 {
                 self.note_data_extents(tid, n, ino, ii, iloc, csum);
             }
-            self.check_dir_items_indexed(n, ino);
+            self.check_dir_items_indexed(tid, n, ino, &inodes);
             self.check_dir_index_targets(tid, n, ino, &inodes);
-            self.check_inode_refs(n, ino, &inodes);
+            self.check_inode_refs(tid, n, ino, &inodes);
         }
     }
 
@@ -477,7 +506,12 @@ impl Checker<'_> {
                 ino.first_loc = Some(loc.clone());
             }
             if let Err(msg) = ino.add_item(k, item.data(), &loc, ss) {
-                self.report.err(FindingKind::FsItemBad, loc, msg);
+                // A DIR_ITEM that decodes but names what does not hash to its key goes (a
+                // name it held that has an INODE_REF is made again from the ref).
+                let misfiled = k.ty == DIR_ITEM_KEY && DirItem::parse_all(item.data()).is_ok();
+                let fix = misfiled.then_some(Fix::DeleteItem { tree: tid, key: k });
+                self.report
+                    .err_maybe_fix(FindingKind::FsItemBad, loc, msg, fix);
             }
         }
         Some((inodes, orphans))
@@ -615,7 +649,15 @@ impl Checker<'_> {
     /// The inode item's counts against its items: nlink against its INODE_REF/EXTREF names,
     /// a directory's isize against its entries' names, a file's or symlink's nbytes against
     /// its extents.
-    fn check_inode_counts(&mut self, tid: u64, n: u64, ino: &Ino, ii: &InodeItem, iloc: &Location) {
+    fn check_inode_counts(
+        &mut self,
+        tid: u64,
+        n: u64,
+        ino: &Ino,
+        ii: &InodeItem,
+        iloc: &Location,
+        named: bool,
+    ) {
         let is_dir = ii.mode & 0o170000 == 0o040000;
         let is_reg = ii.mode & 0o170000 == 0o100000;
         // nlink: the subvolume root directory has a ".." ref; directories have nlink 1.
@@ -634,6 +676,17 @@ impl Checker<'_> {
                         root: tid,
                         ino: n,
                         nlink,
+                    },
+                ),
+                // No name and no entry naming it: the inode goes to lost+found.
+                Ok(0) if !named && n != FIRST_FREE_OBJECTID => self.report.err_fix(
+                    FindingKind::NlinkMismatch,
+                    iloc.clone(),
+                    msg,
+                    Fix::LostAndFound {
+                        root: tid,
+                        ino: n,
+                        file_type: entry_type(n, ino, ii),
                     },
                 ),
                 _ => self
@@ -716,20 +769,35 @@ impl Checker<'_> {
     }
 
     /// Each DIR_ITEM of directory `n` has a DIR_INDEX with the same name and target.
-    fn check_dir_items_indexed(&mut self, n: u64, ino: &Ino) {
+    fn check_dir_items_indexed(
+        &mut self,
+        tid: u64,
+        n: u64,
+        ino: &Ino,
+        inodes: &BTreeMap<u64, Ino>,
+    ) {
         for (name, loc_key, dloc) in &ino.dir_items {
             if !ino
                 .dir_index
                 .iter()
-                .any(|(_, nm, lk, _)| nm == name && lk == loc_key)
+                .any(|(_, nm, lk, _, _)| nm == name && lk == loc_key)
             {
-                self.report.err(
+                // The target's ref gives the index; without one, an item holding only this
+                // name goes.
+                let fix = dir_entry_fix(tid, n, name, None, loc_key, inodes).or_else(|| {
+                    let alone = ino.dir_items.iter().filter(|d| d.2.key == dloc.key).count() == 1;
+                    dloc.key
+                        .filter(|_| alone && loc_key.ty == INODE_ITEM_KEY)
+                        .map(|key| Fix::DeleteItem { tree: tid, key })
+                });
+                self.report.err_maybe_fix(
                     FindingKind::DirItemWithoutIndex,
                     dloc.clone(),
                     format!(
                         "directory {n}: DIR_ITEM {:?} -> {loc_key} has no DIR_INDEX",
                         String::from_utf8_lossy(name)
                     ),
+                    fix,
                 );
             }
         }
@@ -745,17 +813,23 @@ impl Checker<'_> {
         ino: &Ino,
         inodes: &BTreeMap<u64, Ino>,
     ) {
-        for (idx, name, loc_key, dloc) in &ino.dir_index {
+        for (idx, name, loc_key, dloc, _) in &ino.dir_index {
             let nm = String::from_utf8_lossy(name);
             if !ino
                 .dir_items
                 .iter()
                 .any(|(nm2, lk, _)| nm2 == name && lk == loc_key)
             {
-                self.report.err(
+                let fix = dir_entry_fix(tid, n, name, Some(*idx), loc_key, inodes).or_else(|| {
+                    dloc.key
+                        .filter(|_| loc_key.ty == INODE_ITEM_KEY)
+                        .map(|key| Fix::DeleteItem { tree: tid, key })
+                });
+                self.report.err_maybe_fix(
                     FindingKind::DirIndexWithoutItem,
                     dloc.clone(),
                     format!("directory {n}: DIR_INDEX {idx} {nm:?} -> {loc_key} has no DIR_ITEM"),
+                    fix,
                 );
             }
             if loc_key.ty == ROOT_ITEM_KEY {
@@ -795,10 +869,11 @@ impl Checker<'_> {
                         .iter()
                         .any(|(p, i, nm2, _)| *p == n && i == idx && nm2 == name)
                     {
-                        self.report.err(
+                        self.report.err_maybe_fix(
                             FindingKind::DirEntryWithoutInodeRef,
                             dloc.clone(),
                             format!("directory {n}: DIR_INDEX {idx} {nm:?} -> inode {}, which has no INODE_REF/EXTREF with that parent, index and name", loc_key.objectid),
+                            dloc.key.map(|key| Fix::DeleteItem { tree: tid, key }),
                         );
                     }
                 }
@@ -816,31 +891,107 @@ impl Checker<'_> {
 
     /// Each INODE_REF/EXTREF name of inode `n` has the DIR_INDEX in its parent directory that
     /// points back at it (the ".." ref of a subvolume root directory excepted).
-    fn check_inode_refs(&mut self, n: u64, ino: &Ino, inodes: &BTreeMap<u64, Ino>) {
+    fn check_inode_refs(&mut self, tid: u64, n: u64, ino: &Ino, inodes: &BTreeMap<u64, Ino>) {
         for (parent, idx, name, rloc) in &ino.refs {
             if *parent == n {
                 continue; // the ".." ref of a subvolume root directory
             }
             let ok = inodes.get(parent).is_some_and(|p| {
-                p.dir_index.iter().any(|(i, nm, lk, _)| {
+                p.dir_index.iter().any(|(i, nm, lk, _, _)| {
                     i == idx && nm == name && lk.objectid == n && lk.ty == INODE_ITEM_KEY
                 })
             });
             if !ok {
-                let kind = if inodes.get(parent).is_some_and(|p| p.item.is_some()) {
+                let parent_is_dir = inodes.get(parent).is_some_and(|p| p.item.is_some());
+                let kind = if parent_is_dir {
                     FindingKind::InodeRefWithoutDirIndex
                 } else {
                     FindingKind::DanglingInode
                 };
-                self.report.err(
+                let fix =
+                    ino.item
+                        .as_ref()
+                        .filter(|_| parent_is_dir)
+                        .map(|(ii, _)| Fix::DirEntry {
+                            root: tid,
+                            dir: *parent,
+                            index: *idx,
+                            name: name.clone(),
+                            ino: n,
+                            file_type: entry_type(n, ino, ii),
+                        });
+                self.report.err_maybe_fix(
                     kind,
                     rloc.clone(),
                     format!(
                         "inode {n}: ref {:?} in directory {parent} index {idx} has no DIR_INDEX ({parent} DIR_INDEX {idx})",
                         String::from_utf8_lossy(name)
                     ),
+                    fix,
                 );
             }
         }
     }
+}
+
+/// Whether an inode's mode is one a file can have: a valid file type and no bits above it.
+fn mode_valid(mode: u32) -> bool {
+    mode_to_ft(mode) != FT_UNKNOWN && mode <= 0o177777
+}
+
+/// The mode an inode whose mode `mode` is not valid gets: its permission bits, and the type
+/// of a directory where it has entries (or is the root directory), else the type a
+/// directory entry naming it gives (`entry`), else a regular file's.
+fn guessed_mode(n: u64, ino: &Ino, mode: u32, entry: Option<u8>) -> u32 {
+    let perm = mode & 0o7777;
+    if n == FIRST_FREE_OBJECTID || !ino.dir_items.is_empty() || !ino.dir_index.is_empty() {
+        return 0o40000 | perm;
+    }
+    perm | match entry {
+        Some(FT_SYMLINK) => 0o120000,
+        Some(FT_CHRDEV) => 0o20000,
+        Some(FT_BLKDEV) => 0o60000,
+        Some(FT_FIFO) => 0o10000,
+        Some(FT_SOCK) => 0o140000,
+        _ => 0o100000,
+    }
+}
+
+/// The directory entry type of inode `n`: its mode's, or where that is not valid, the one
+/// [`guessed_mode`] gives it.
+fn entry_type(n: u64, ino: &Ino, ii: &InodeItem) -> u8 {
+    if mode_valid(ii.mode) {
+        mode_to_ft(ii.mode)
+    } else {
+        mode_to_ft(guessed_mode(n, ino, ii.mode, None))
+    }
+}
+
+/// [`Fix::DirEntry`] for the entry `name` -> `target` of directory `dir`, when the target
+/// inode has an INODE_REF/EXTREF for that name there (at `index`, when given).
+fn dir_entry_fix(
+    tid: u64,
+    dir: u64,
+    name: &[u8],
+    index: Option<u64>,
+    target: &Key,
+    inodes: &BTreeMap<u64, Ino>,
+) -> Option<Fix> {
+    if target.ty != INODE_ITEM_KEY {
+        return None;
+    }
+    let t = inodes.get(&target.objectid)?;
+    let (ii, _) = t.item.as_ref()?;
+    let (_, idx, _, _) = t
+        .refs
+        .iter()
+        .find(|(p, i, nm, _)| *p == dir && nm == name && index.is_none_or(|x| x == *i))?;
+    Some(Fix::DirEntry {
+        root: tid,
+        dir,
+        index: *idx,
+        name: name.to_vec(),
+        ino: target.objectid,
+        file_type: entry_type(target.objectid, t, ii),
+    })
 }

@@ -253,6 +253,19 @@ pub enum Fix {
         level: u8,
         generation: u64,
     },
+    /// Directory `dir` of tree `root` gets the DIR_ITEM and DIR_INDEX (at `index`) of the
+    /// name that inode `ino`'s INODE_REF gives it, where either is missing or wrong.
+    DirEntry {
+        root: u64,
+        dir: u64,
+        index: u64,
+        name: Vec<u8>,
+        ino: u64,
+        file_type: u8,
+    },
+    /// Inode `ino` of tree `root`, which has no name left, is linked into the tree's
+    /// `lost+found` directory (made when there is none) under its number; its nlink becomes 1.
+    LostAndFound { root: u64, ino: u64, file_type: u8 },
     /// The extent at `bytenr` (`len` bytes; a tree block of `level` when set) gets exactly
     /// these back references with these counts: its item is made when it has none (or only
     /// one that cannot be read), and deleted, its space freed, when `refs` is empty.
@@ -357,6 +370,22 @@ impl fmt::Display for Fix {
             Fix::DeviceSizes => write!(
                 f,
                 "round the device sizes down to whole sectors and make the superblock's total their sum"
+            ),
+            Fix::DirEntry {
+                root,
+                dir,
+                index,
+                name,
+                ino,
+                ..
+            } => write!(
+                f,
+                "give directory {dir} of tree {root} the entry {:?} -> inode {ino} at index {index}",
+                String::from_utf8_lossy(name)
+            ),
+            Fix::LostAndFound { root, ino, .. } => write!(
+                f,
+                "link inode {ino} of tree {root}, which has no name, into lost+found as \"{ino}\""
             ),
             Fix::RootBlock {
                 root,

@@ -99,8 +99,27 @@ pub(crate) fn apply(core: &Core, fixes: &[Fix]) -> Result<()> {
         }
         Ok(())
     })?;
-    for f in fixes {
+    // Stray items go before entries are made (one may take a wrong entry's key).
+    let (deletes, rest): (Vec<&Fix>, Vec<&Fix>) = fixes
+        .iter()
+        .partition(|f| matches!(f, Fix::DeleteItem { .. }));
+    for f in deletes.into_iter().chain(rest) {
         match *f {
+            Fix::DirEntry {
+                root,
+                dir,
+                index,
+                ref name,
+                ino,
+                file_type,
+            } => core.op(false, |w| {
+                restore_dir_entry(w, root, dir, index, name, ino, file_type)
+            })?,
+            Fix::LostAndFound {
+                root,
+                ino,
+                file_type,
+            } => to_lost_and_found(core, root, ino, file_type)?,
             Fix::InodeNlink { root, ino, nlink } => {
                 set_inode(core, root, ino, |i| i.nlink = nlink)?
             }
@@ -206,6 +225,102 @@ pub(crate) fn apply(core: &Core, fixes: &[Fix]) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Makes directory `dir`'s DIR_INDEX at `index` and its DIR_ITEM hold the entry `name` ->
+/// inode `ino` (see [`Fix::DirEntry`]): a wrong index entry is replaced, a DIR_ITEM of other
+/// names that hash alike gets this one beside them.
+fn restore_dir_entry(
+    w: &mut crate::transaction::Writer,
+    root: u64,
+    dir: u64,
+    index: u64,
+    name: &[u8],
+    ino: u64,
+    file_type: u8,
+) -> Result<()> {
+    use crate::format::items::DirItem;
+    let entry = DirItem {
+        location: Key::new(ino, INODE_ITEM_KEY, 0),
+        transid: w.transid,
+        file_type,
+        name: name.to_vec(),
+        data: Vec::new(),
+    };
+    let same = |d: &DirItem| d.name == name && d.location == entry.location;
+    let ik = Key::new(dir, DIR_INDEX_KEY, index);
+    match w.read_item(root, &ik)? {
+        Some(b) if DirItem::parse_all(&b).is_ok_and(|v| v.len() == 1 && same(&v[0])) => {}
+        _ => w.replace_item(root, ik, &entry.to_bytes())?,
+    }
+    let dk = Key::new(dir, DIR_ITEM_KEY, crate::format::hash::name_hash(name));
+    let body = match w.read_item(root, &dk)? {
+        None => entry.to_bytes(),
+        Some(b) => match DirItem::parse_all(&b) {
+            Ok(v) if v.iter().any(same) => return Ok(()),
+            Ok(_) => {
+                let mut b = b;
+                entry.write(&mut b);
+                b
+            }
+            Err(_) => entry.to_bytes(),
+        },
+    };
+    w.replace_item(root, dk, &body)
+}
+
+/// Links inode `ino` of tree `root` into the tree's lost+found directory (made when there is
+/// none) under its number (see [`Fix::LostAndFound`]).
+fn to_lost_and_found(core: &Core, root: u64, ino: u64, file_type: u8) -> Result<()> {
+    use crate::ids::Inode;
+    let top = Inode {
+        root,
+        ino: FIRST_FREE_OBJECTID,
+    };
+    const LOST: &[u8] = b"lost+found";
+    let found = core.lookup(top, LOST)?;
+    let lost = match found {
+        Some(e) if e.file_type == FT_DIR => Some(e.target),
+        Some(_) => {
+            return Err(Error::Exists(
+                "lost+found is there and is not a directory".into(),
+            ))
+        }
+        None => None,
+    };
+    // The first free name of its number, its number with a suffix after that.
+    let mut name = ino.to_string();
+    if let Some(dir) = lost {
+        let mut n = 1;
+        while core.lookup(dir, name.as_bytes())?.is_some() {
+            name = format!("{ino}.{n}");
+            n += 1;
+        }
+    }
+    let target = Inode { root, ino };
+    core.op(false, |w| {
+        let dir = match lost {
+            Some(d) => d,
+            None => {
+                let (d, _) = core.new_inode(
+                    w,
+                    top,
+                    0o40700,
+                    0,
+                    crate::inode::namespace::Owner::default(),
+                )?;
+                core.add_entry(w, top, LOST, d, FT_DIR)?;
+                d
+            }
+        };
+        core.add_entry(w, dir, name.as_bytes(), target, file_type)?;
+        let key = Key::new(ino, INODE_ITEM_KEY, 0);
+        edit_item(w, root, &key, |b| {
+            let mut item = InodeItem::parse(b)?;
+            item.nlink = 1;
+            put_same_size(b, &item.to_bytes())
+        })
+    })
 }
 
 /// Queues the reference changes that give the extent at `bytenr` exactly `refs` (see

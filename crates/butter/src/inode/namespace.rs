@@ -50,7 +50,8 @@ pub struct SetAttr {
 pub const RENAME_NOREPLACE: u32 = 1;
 pub const RENAME_EXCHANGE: u32 = 2;
 
-fn mode_to_ft(mode: u32) -> u8 {
+/// The directory entry type of an inode of `mode` (FT_UNKNOWN for no valid file type).
+pub(crate) fn mode_to_ft(mode: u32) -> u8 {
     match mode & 0o170000 {
         0o100000 => FT_REG_FILE,
         0o040000 => FT_DIR,
@@ -311,7 +312,7 @@ impl Core {
 
     /// Adds `name` -> `target` to directory `dir` (DIR_ITEM, DIR_INDEX, and the target's
     /// INODE_REF), and grows the directory. Returns the index.
-    fn add_entry(
+    pub(crate) fn add_entry(
         &self,
         w: &mut Writer,
         dir: Inode,
@@ -508,7 +509,7 @@ impl Core {
         self.write_inode(w, dir, &d)
     }
 
-    fn new_inode(
+    pub(crate) fn new_inode(
         &self,
         w: &mut Writer,
         dir: Inode,
