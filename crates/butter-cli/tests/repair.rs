@@ -368,6 +368,31 @@ fn each_repair_kind_mends_one_damage_and_the_kernel_sees_the_files_as_before() {
             }),
         ),
         (
+            "file-extent-bytenr",
+            "DataExtentMissing",
+            // File `b`'s file extent item (disk_bytenr: byte 21) pointed far away: its data
+            // extent is left with a reference no item makes, and the item names nothing.
+            Box::new(|p: &Path| {
+                damage(
+                    p,
+                    FS_TREE,
+                    |k| k.objectid == 259 && k.ty == EXTENT_DATA,
+                    21,
+                    8,
+                    |b| b + 64 * MIB,
+                )
+            }),
+        ),
+        (
+            "file-extent-missing",
+            "DataBackrefMismatch",
+            // File `a`'s file extent item removed: its data extent (shared with `r`) keeps a
+            // back reference for it, which gives the item back.
+            Box::new(|p: &Path| {
+                remove_item(p, FS_TREE, |k, _| k.objectid == 258 && k.ty == EXTENT_DATA);
+            }),
+        ),
+        (
             "dev-bytes-used",
             "DevBytesUsedMismatch",
             // The device item's bytes_used: byte 16.
@@ -470,6 +495,55 @@ fn a_file_without_a_name_goes_to_lost_and_found() {
     assert_eq!(fs::read(m.path().join("lost+found/259")).unwrap(), b);
     assert_eq!(fs::read(m.path().join("d/a")).unwrap(), a);
     assert!(!m.path().join("d/b").exists());
+    m.unmount();
+}
+
+/// Without NO_HOLES every hole has a file extent item: one removed is made again, both
+/// checkers clean after, and the kernel reads the file as before.
+#[test]
+fn a_missing_hole_item_is_made_again() {
+    if !fuse_mount::require("repair", &[]) || !kernel::require_privileges() {
+        return;
+    }
+    let s = ScratchDir::new("repair-hole");
+    let img = s.join("holes.img");
+    kernel::mkfs_btrfs(&img, 300 * MIB, &["-O", "^no-holes"]);
+    let m = LoopMount::btrfs(&img, &s.dir("fill"), "");
+    // 8 KiB of data, a 64 KiB hole, 8 KiB of data.
+    let mut want = vec![1u8; 8192];
+    want.extend(vec![0u8; 65536]);
+    want.extend(vec![2u8; 8192]);
+    {
+        use std::io::{Seek, SeekFrom, Write};
+        let mut f = fs::File::create(m.path().join("sparse")).unwrap();
+        f.write_all(&want[..8192]).unwrap();
+        f.seek(SeekFrom::Start(8192 + 65536)).unwrap();
+        f.write_all(&want[8192 + 65536..]).unwrap();
+    }
+    m.unmount();
+    // The hole's item: a regular extent item at 8192 with disk_bytenr (byte 21) 0.
+    remove_item(&img, FS_TREE, |k, d| {
+        k.objectid == 257
+            && k.ty == EXTENT_DATA
+            && k.offset == 8192
+            && d.len() >= 29
+            && d[21..29] == [0; 8]
+    });
+    let (ok, t) = kernel::btrfs_check(&img);
+    assert!(!ok, "btrfs check found nothing:\n{t}");
+    let o = butter(&["check", img.to_str().unwrap()]);
+    assert!(text(&o).contains("FileExtentGap"), "{}", text(&o));
+    let o = butter(&["check", "--repair", img.to_str().unwrap()]);
+    assert!(o.status.success(), "repair:\n{}", text(&o));
+    let (rc, t) = fuse_mount::butter_check(&img);
+    assert_eq!(rc, 0, "butter check after the repair:\n{t}");
+    let (ok, t) = kernel::btrfs_check(&img);
+    assert!(ok, "btrfs check after the repair:\n{t}");
+    let m = LoopMount::btrfs_ro(&img, &s.dir("after"));
+    assert!(
+        fs::read(m.path().join("sparse")).unwrap() == want,
+        "the file changed"
+    );
     m.unmount();
 }
 

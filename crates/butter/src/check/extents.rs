@@ -307,7 +307,7 @@ impl Checker<'_> {
         self.report.counts.file_extents = self.file_exts.len() as u64;
         let mut want: BTreeMap<u64, BTreeMap<DataRefKey, u64>> = BTreeMap::new();
         // File extents naming an address with no extent item: (bytenr, length) -> where.
-        let mut missing: BTreeMap<(u64, u64), Vec<(Location, String)>> = BTreeMap::new();
+        let mut missing: BTreeMap<(u64, u64), Vec<MissingRef>> = BTreeMap::new();
         for fe in &self.file_exts {
             let ext = self.extents.get(&fe.disk_bytenr);
             if ext.is_none() {
@@ -320,6 +320,12 @@ impl Checker<'_> {
                             "file extent of inode {} at {} points at {} ({} bytes), which has no extent item",
                             fe.ino, fe.file_off, fe.disk_bytenr, fe.disk_num_bytes
                         ),
+                        DataRefKey::Data {
+                            root: fe.owner,
+                            ino: fe.ino,
+                            offset: fe.file_off.wrapping_sub(fe.offset),
+                        },
+                        fe.owner,
                     ));
             }
             if let Some(ext) =
@@ -354,16 +360,70 @@ impl Checker<'_> {
                 .entry(k)
                 .or_default() += 1;
         }
+        let haves: BTreeMap<u64, BTreeMap<DataRefKey, u64>> = self
+            .extents
+            .iter()
+            .filter(|(_, e)| e.flags & EXTENT_FLAG_DATA != 0)
+            .map(|(b, e)| (*b, data_backrefs(e)))
+            .collect();
+        // Data extents no file extent uses whose one back reference (count 1) names a file
+        // extent item that points elsewhere: (that reference, length) -> the extent.
+        let mut unused: HashMap<(DataRefKey, u64), Vec<u64>> = HashMap::new();
+        for (b, have) in &haves {
+            if want.contains_key(b) {
+                continue;
+            }
+            if let ([(k, 1)], Some(e)) = (
+                have.iter()
+                    .map(|(k, n)| (*k, *n))
+                    .collect::<Vec<_>>()
+                    .as_slice(),
+                self.extents.get(b),
+            ) {
+                unused.entry((*k, e.len)).or_default().push(*b);
+            }
+        }
+        // The extent a damaged file extent address should name, when one such extent fits.
+        let mut repointed: HashMap<u64, Fix> = HashMap::new();
+        let ss = self.fs.disk.sectorsize() as u64;
         for (&(b, len), places) in &missing {
-            // One item to make, when every file extent naming the address agrees on its length.
+            // Only an address no data extent could have: one off the sector grid or outside
+            // every data chunk (an item moved off its extent looks the same otherwise, and
+            // then the item is what was damaged).
+            let impossible = !b.is_multiple_of(ss)
+                || !self.fs.disk.chunk_map().lookup(b).is_some_and(|c| {
+                    c.item.ty & BLOCK_GROUP_DATA != 0
+                        && b.saturating_add(len) <= c.logical + c.item.length
+                });
+            let paired = match places.as_slice() {
+                [(loc, _, k, owner)] if impossible => {
+                    match (unused.get(&(*k, len)).map(Vec::as_slice), loc.key) {
+                        (Some([e]), Some(key)) if !self.stale_root_items => {
+                            let fix = Fix::FileExtentBytenr {
+                                root: *owner,
+                                key,
+                                bytenr: *e,
+                            };
+                            repointed.insert(*e, fix.clone());
+                            Some(fix)
+                        }
+                        _ => None,
+                    }
+                }
+                _ => None,
+            };
+            // Else one item to make, when every file extent naming the address agrees on its
+            // length.
             let agreed = missing.range((b, 0)..=(b, u64::MAX)).count() == 1;
-            let fix = (agreed && !self.stale_root_items).then(|| Fix::ExtentRefs {
-                bytenr: b,
-                len,
-                level: None,
-                refs: data_refs(want.get(&b)),
+            let fix = paired.or_else(|| {
+                (agreed && !self.stale_root_items).then(|| Fix::ExtentRefs {
+                    bytenr: b,
+                    len,
+                    level: None,
+                    refs: data_refs(want.get(&b)),
+                })
             });
-            for (loc, msg) in places {
+            for (loc, msg, _, _) in places {
                 self.report.err_maybe_fix(
                     FindingKind::DataExtentMissing,
                     loc.clone(),
@@ -372,37 +432,22 @@ impl Checker<'_> {
                 );
             }
         }
+        // File ranges each inode's file extent items cover: (tree, inode) -> (start, end).
+        let mut covered: HashMap<(u64, u64), Vec<(u64, u64)>> = HashMap::new();
+        for fe in &self.file_exts {
+            covered
+                .entry((fe.owner, fe.ino))
+                .or_default()
+                .push((fe.file_off, fe.file_off.saturating_add(fe.num_bytes)));
+        }
         let mut data = 0;
         for (b, ext) in &self.extents {
             if ext.flags & EXTENT_FLAG_DATA == 0 {
                 continue;
             }
             data += 1;
-            let mut have: BTreeMap<DataRefKey, u64> = BTreeMap::new();
-            for r in &ext.refs_list {
-                match r {
-                    BackRef::ExtentData {
-                        root,
-                        objectid,
-                        offset,
-                        count,
-                    } => {
-                        *have
-                            .entry(DataRefKey::Data {
-                                root: *root,
-                                ino: *objectid,
-                                offset: *offset,
-                            })
-                            .or_default() += *count as u64
-                    }
-                    BackRef::SharedData { parent, count } => {
-                        *have
-                            .entry(DataRefKey::Shared { parent: *parent })
-                            .or_default() += *count as u64
-                    }
-                    _ => {}
-                }
-            }
+            let empty = BTreeMap::new();
+            let have = haves.get(b).unwrap_or(&empty);
             let total = have.values().fold(0u64, |a, v| a.saturating_add(*v));
             if total != ext.refs {
                 self.report.err(
@@ -414,14 +459,46 @@ impl Checker<'_> {
                     ),
                 );
             }
-            let empty = BTreeMap::new();
             let w = want.get(b).unwrap_or(&empty);
-            let fix = (!self.stale_root_items).then(|| Fix::ExtentRefs {
+            let mut fix = (!self.stale_root_items).then(|| Fix::ExtentRefs {
                 bytenr: *b,
                 len: ext.len,
                 level: None,
                 refs: data_refs(Some(w)),
             });
+            if let Some(f) = repointed.get(b) {
+                fix = Some(f.clone());
+            }
+            // One back reference more than the items using it, for a file range no item
+            // covers: the item that used it is given back (the whole extent, uncompressed).
+            let off: Vec<&DataRefKey> = w
+                .keys()
+                .chain(have.keys())
+                .filter(|k| w.get(*k).copied().unwrap_or(0) != have.get(*k).copied().unwrap_or(0))
+                .collect();
+            if let [DataRefKey::Data { root, ino, offset }] = off.as_slice() {
+                let surplus = have.get(off[0]).copied().unwrap_or(0)
+                    == w.get(off[0]).copied().unwrap_or(0) + 1;
+                let plain = !self
+                    .file_exts
+                    .iter()
+                    .any(|fe| fe.disk_bytenr == *b && fe.compressed);
+                let free = covered.get(&(*root, *ino)).is_none_or(|v| {
+                    v.iter()
+                        .all(|(s, e)| *e <= *offset || *s >= offset.saturating_add(ext.len))
+                });
+                if surplus && plain && free && !self.stale_root_items {
+                    let f = Fix::RestoreFileExtent {
+                        root: *root,
+                        ino: *ino,
+                        offset: *offset,
+                        bytenr: *b,
+                        len: ext.len,
+                    };
+                    self.restorable.insert((*root, *ino, *offset), f.clone());
+                    fix = Some(f);
+                }
+            }
             if w.is_empty() {
                 self.report.err_maybe_fix(
                     FindingKind::OrphanDataExtent,
@@ -453,6 +530,10 @@ impl Checker<'_> {
         self.report.counts.data_extents = data;
     }
 }
+
+/// A file extent item naming an address with no extent item: where it is, the finding's
+/// message, the back reference it makes, and its tree.
+type MissingRef = (Location, String, DataRefKey, u64);
 
 /// The back references a data extent's file extent items call for.
 fn data_refs(want: Option<&BTreeMap<DataRefKey, u64>>) -> Vec<(ExtentRef, u64)> {
@@ -545,4 +626,34 @@ impl Checker<'_> {
         }
         refs.into_iter().map(|r| (r, 1)).collect()
     }
+}
+
+/// A data extent's back references as counts per reference.
+fn data_backrefs(e: &ExtentRec) -> BTreeMap<DataRefKey, u64> {
+    let mut have: BTreeMap<DataRefKey, u64> = BTreeMap::new();
+    for r in &e.refs_list {
+        match r {
+            BackRef::ExtentData {
+                root,
+                objectid,
+                offset,
+                count,
+            } => {
+                *have
+                    .entry(DataRefKey::Data {
+                        root: *root,
+                        ino: *objectid,
+                        offset: *offset,
+                    })
+                    .or_default() += *count as u64
+            }
+            BackRef::SharedData { parent, count } => {
+                *have
+                    .entry(DataRefKey::Shared { parent: *parent })
+                    .or_default() += *count as u64
+            }
+            _ => {}
+        }
+    }
+    have
 }

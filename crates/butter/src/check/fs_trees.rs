@@ -22,8 +22,9 @@ struct Ino {
     /// First file offset with an extent item and where the last item ends.
     file_start: Option<u64>,
     file_end: Option<u64>,
-    /// Start of the first gap between extent items.
+    /// Start of the first gap between extent items, and where the item after it starts.
     first_gap: Option<u64>,
+    first_gap_end: Option<u64>,
     overlaps: Vec<(Location, String)>,
     /// Uncompressed inline extents whose ram_bytes is not their data's length: (key, place,
     /// ram_bytes, data length).
@@ -141,7 +142,10 @@ impl Ino {
                 ),
             )),
             Some(end) if k.offset > end => {
-                self.first_gap.get_or_insert(end);
+                if self.first_gap.is_none() {
+                    self.first_gap = Some(end);
+                    self.first_gap_end = Some(k.offset);
+                }
             }
             Some(_) => {}
         }
@@ -433,7 +437,7 @@ impl Checker<'_> {
                 // entries are not checked; its extents still are, through the extent tree.
                 continue;
             }
-            self.check_file_extent_cover(n, ino, ii, iloc);
+            self.check_file_extent_cover(tid, n, ino, ii, iloc);
             for (key, loc, ram, len) in &ino.bad_inline {
                 self.report.err_fix(
                     FindingKind::InlineRamBytesMismatch,
@@ -615,7 +619,14 @@ impl Checker<'_> {
 
     /// The file extent items of a linked inode: overlaps found while collecting, and (without
     /// NO_HOLES) a file or symlink range up to isize that no item covers.
-    fn check_file_extent_cover(&mut self, n: u64, ino: &Ino, ii: &InodeItem, iloc: &Location) {
+    fn check_file_extent_cover(
+        &mut self,
+        tid: u64,
+        n: u64,
+        ino: &Ino,
+        ii: &InodeItem,
+        iloc: &Location,
+    ) {
         let no_holes = self.fs.disk.sb.has_incompat(INCOMPAT_NO_HOLES);
         let is_reg = ii.mode & 0o170000 == 0o100000;
         let is_lnk = ii.mode & 0o170000 == 0o120000;
@@ -626,21 +637,37 @@ impl Checker<'_> {
         // Without NO_HOLES every byte up to isize has an extent item (holes included).
         if !no_holes && (is_reg || is_lnk) && ii.nlink > 0 && ii.size > 0 {
             let end = ino.file_end.unwrap_or(0);
-            let gap = if ino.file_start != Some(0) {
-                Some(0)
-            } else {
-                ino.first_gap
-                    .filter(|g| *g < ii.size)
-                    .or((end < ii.size).then_some(end))
+            // The first range no item covers: [start, end).
+            let ss = self.fs.disk.sectorsize() as u64;
+            let eof = ii.size.div_ceil(ss).saturating_mul(ss);
+            let gap = match (ino.file_start, ino.first_gap, ino.first_gap_end) {
+                (None, _, _) => Some((0, eof)),
+                (Some(s), _, _) if s != 0 => Some((0, s)),
+                (_, Some(g), Some(ge)) if g < ii.size => Some((g, ge)),
+                _ => (end < ii.size).then_some((end, eof)),
             };
-            if let Some(g) = gap {
-                self.report.err(
+            if let Some((g, ge)) = gap {
+                // The item a data extent's unused back reference gives back where it fits,
+                // else a hole (inline data has no room for one).
+                let fix = match self.restorable.get(&(tid, n, g)) {
+                    Some(f @ Fix::RestoreFileExtent { len, .. }) if g + len <= ge => {
+                        Some(f.clone())
+                    }
+                    _ => (is_reg && ge > g).then_some(Fix::FileExtentHole {
+                        root: tid,
+                        ino: n,
+                        offset: g,
+                        len: ge - g,
+                    }),
+                };
+                self.report.err_maybe_fix(
                     FindingKind::FileExtentGap,
                     iloc.clone(),
                     format!(
                         "inode {n}: size {} but no file extent item (not even a hole) covers offset {g}, and the filesystem has no NO_HOLES",
                         ii.size
                     ),
+                    fix,
                 );
             }
         }

@@ -253,6 +253,26 @@ pub enum Fix {
         level: u8,
         generation: u64,
     },
+    /// The regular file extent item `key` of tree `root` names the data extent at `bytenr`
+    /// (its own address was damaged; the extent there has its back reference and length).
+    FileExtentBytenr { root: u64, key: Key, bytenr: u64 },
+    /// Inode `ino` of tree `root` gets back its file extent item at `offset`: the whole data
+    /// extent at `bytenr` (`len` bytes), whose back reference for that offset no item used.
+    RestoreFileExtent {
+        root: u64,
+        ino: u64,
+        offset: u64,
+        bytenr: u64,
+        len: u64,
+    },
+    /// A hole file extent item covers `[offset, offset + len)` of inode `ino` of tree `root`,
+    /// where no item did (a filesystem without NO_HOLES has one for every hole).
+    FileExtentHole {
+        root: u64,
+        ino: u64,
+        offset: u64,
+        len: u64,
+    },
     /// Directory `dir` of tree `root` gets the DIR_ITEM and DIR_INDEX (at `index`) of the
     /// name that inode `ino`'s INODE_REF gives it, where either is missing or wrong.
     DirEntry {
@@ -370,6 +390,30 @@ impl fmt::Display for Fix {
             Fix::DeviceSizes => write!(
                 f,
                 "round the device sizes down to whole sectors and make the superblock's total their sum"
+            ),
+            Fix::FileExtentBytenr { root, key, bytenr } => write!(
+                f,
+                "point the file extent of inode {} at {} in tree {root} at data extent {bytenr}",
+                key.objectid, key.offset
+            ),
+            Fix::RestoreFileExtent {
+                root,
+                ino,
+                offset,
+                bytenr,
+                len,
+            } => write!(
+                f,
+                "give inode {ino} of tree {root} back its file extent at {offset}: data extent {bytenr} ({len} bytes)"
+            ),
+            Fix::FileExtentHole {
+                root,
+                ino,
+                offset,
+                len,
+            } => write!(
+                f,
+                "cover [{offset}, +{len}) of inode {ino} of tree {root} with a hole file extent"
             ),
             Fix::DirEntry {
                 root,
@@ -533,7 +577,7 @@ struct ExtentRec {
     loc: Location,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 enum DataRefKey {
     Data { root: u64, ino: u64, offset: u64 },
     Shared { parent: u64 },
@@ -624,6 +668,9 @@ struct Checker<'a> {
     /// saw that tree as it was, so back references are mended only once it is pointed at
     /// its newer root (the next round of a repair).
     stale_root_items: bool,
+    /// File extent items a data extent's unused back reference can give back, by (tree,
+    /// inode, file offset) (phase 3 -> the file extent cover of phase 5).
+    restorable: HashMap<(u64, u64, u64), Fix>,
 }
 
 /// A regular, uncompressed extent of a NODATASUM inode.
@@ -664,6 +711,7 @@ pub(crate) fn check_with(
         dropping: HashSet::new(),
         nodatasum: Vec::new(),
         stale_root_items: false,
+        restorable: HashMap::new(),
     };
     let n0 = c.report.findings.len();
     c.phase_trees()?;

@@ -120,6 +120,27 @@ pub(crate) fn apply(core: &Core, fixes: &[Fix]) -> Result<()> {
                 ino,
                 file_type,
             } => to_lost_and_found(core, root, ino, file_type)?,
+            // disk_bytenr: byte 21 of a regular file extent item.
+            Fix::FileExtentBytenr { root, key, bytenr } => core.op(false, |w| {
+                edit_item(w, root, &key, |b| put_u64(b, 21, bytenr))
+            })?,
+            Fix::RestoreFileExtent {
+                root,
+                ino,
+                offset,
+                bytenr,
+                len,
+            } => core.op(false, |w| {
+                insert_file_extent(w, root, ino, offset, bytenr, len, len)
+            })?,
+            Fix::FileExtentHole {
+                root,
+                ino,
+                offset,
+                len,
+            } => core.op(false, |w| {
+                insert_file_extent(w, root, ino, offset, 0, 0, len)
+            })?,
             Fix::InodeNlink { root, ino, nlink } => {
                 set_inode(core, root, ino, |i| i.nlink = nlink)?
             }
@@ -267,6 +288,39 @@ fn restore_dir_entry(
         },
     };
     w.replace_item(root, dk, &body)
+}
+
+/// Inserts a regular file extent item of inode `ino` at file `offset`: `num_bytes` of the
+/// data extent at `bytenr` (`disk_len` bytes) from its start, or a hole (`bytenr` 0).
+fn insert_file_extent(
+    w: &mut crate::transaction::Writer,
+    root: u64,
+    ino: u64,
+    offset: u64,
+    bytenr: u64,
+    disk_len: u64,
+    num_bytes: u64,
+) -> Result<()> {
+    use crate::format::items::{FileExtentBody, FileExtentItem};
+    let item = FileExtentItem {
+        generation: w.transid,
+        ram_bytes: if bytenr == 0 { num_bytes } else { disk_len },
+        compression: 0,
+        encryption: 0,
+        other_encoding: 0,
+        ty: FILE_EXTENT_REG,
+        body: FileExtentBody::Extent {
+            disk_bytenr: bytenr,
+            disk_num_bytes: disk_len,
+            offset: 0,
+            num_bytes,
+        },
+    };
+    w.insert_item(
+        root,
+        Key::new(ino, EXTENT_DATA_KEY, offset),
+        &item.to_bytes(),
+    )
 }
 
 /// Links inode `ino` of tree `root` into the tree's lost+found directory (made when there is
