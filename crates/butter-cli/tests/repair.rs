@@ -21,6 +21,8 @@ use std::path::{Path, PathBuf};
 const MIB: u64 = 1 << 20;
 const FS_TREE: u64 = 5;
 const CHUNK_TREE: u64 = 3;
+const ROOT_TREE: u64 = 1;
+const ROOT_ITEM: u8 = 132;
 const INODE_ITEM: u8 = 1;
 const EXTENT_DATA: u8 = 108;
 const EXTENT_ITEM: u8 = 168;
@@ -390,6 +392,31 @@ fn each_repair_kind_mends_one_damage_and_the_kernel_sees_the_files_as_before() {
             // back reference for it, which gives the item back.
             Box::new(|p: &Path| {
                 remove_item(p, FS_TREE, |k, _| k.objectid == 258 && k.ty == EXTENT_DATA);
+            }),
+        ),
+        (
+            "root-generation",
+            "GenerationInvalid",
+            // The top subvolume's root item generation (byte 160, after the inode item) and
+            // its root block's (byte 80 of the header) both far past the filesystem's.
+            Box::new(|p: &Path| {
+                const FUTURE: u64 = 1 << 40;
+                let mut root_block = 0;
+                patch_item(
+                    p,
+                    ROOT_TREE,
+                    false,
+                    |k, _| k.objectid == FS_TREE && k.ty == ROOT_ITEM,
+                    |blk, _, d| {
+                        blk[d + 160..d + 168].copy_from_slice(&FUTURE.to_le_bytes());
+                        root_block = u64::from_le_bytes(blk[d + 176..d + 184].try_into().unwrap());
+                    },
+                );
+                let dev = butter::io::device::FileDevice::open(p, true).unwrap();
+                butter::internals::rewrite_block(std::sync::Arc::new(dev), root_block, |b| {
+                    b[80..88].copy_from_slice(&FUTURE.to_le_bytes())
+                })
+                .unwrap();
             }),
         ),
         (

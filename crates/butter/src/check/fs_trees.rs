@@ -494,10 +494,11 @@ impl Checker<'_> {
                 continue;
             }
             if k.objectid == FREE_INO_OBJECTID && k.ty == INODE_ITEM_KEY {
-                self.report.err(
+                self.report.err_fix(
                     FindingKind::FsItemBad,
                     item_loc(&item, tid),
                     format!("tree {tid}: the deprecated free inode cache (inode_cache mount option, removed in Linux 5.11) is still there"),
+                    Fix::DropInodeCache { root: tid },
                 );
                 continue;
             }

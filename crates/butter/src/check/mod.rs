@@ -244,6 +244,12 @@ pub enum Fix {
         nbytes: u64,
         nlink: u32,
     },
+    /// Tree `root`'s deprecated free inode cache goes: the FREE_INO inode's items, its
+    /// FREE_SPACE header and the references of its data.
+    DropInodeCache { root: u64 },
+    /// Tree `root`'s root block, whose generation (and its root item's) is past the
+    /// filesystem's, is copied: the copy and the root item take the repair's generation.
+    CopyRootBlock { root: u64 },
     /// Tree `root`'s root item names the root block at `bytenr` (of `level` and
     /// `generation`): the newer root the extent tree records for it, which a root item left
     /// behind when its tree was changed does not name.
@@ -430,6 +436,13 @@ impl fmt::Display for Fix {
             Fix::LostAndFound { root, ino, .. } => write!(
                 f,
                 "link inode {ino} of tree {root}, which has no name, into lost+found as \"{ino}\""
+            ),
+            Fix::DropInodeCache { root } => {
+                write!(f, "delete tree {root}'s deprecated free inode cache")
+            }
+            Fix::CopyRootBlock { root } => write!(
+                f,
+                "copy tree {root}'s root block, so that it and its root item get a valid generation"
             ),
             Fix::RootBlock {
                 root,

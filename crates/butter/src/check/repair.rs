@@ -120,6 +120,27 @@ pub(crate) fn apply(core: &Core, fixes: &[Fix]) -> Result<()> {
                 ino,
                 file_type,
             } => to_lost_and_found(core, root, ino, file_type)?,
+            Fix::DropInodeCache { root } => core.op(false, |w| drop_inode_cache(w, root))?,
+            Fix::CopyRootBlock { root } => core.op(false, |w| {
+                // Rewriting the tree's first item as it is copies the path to it, the root
+                // block first, into blocks of this transaction.
+                let t = w.current_root(root)?;
+                let first = crate::ctree::TreeIter::new(
+                    w.disk.clone(),
+                    t,
+                    Key::MIN,
+                    crate::io::disk_io::Readahead::None,
+                )?
+                .next_item()?
+                .map(|i| i.key);
+                let Some(key) = first else {
+                    return Err(Error::NotFound(format!("an item in tree {root}")));
+                };
+                w.copy_future_blocks = true;
+                let r = edit_item(w, root, &key, |_| Ok(()));
+                w.copy_future_blocks = false;
+                r
+            })?,
             // disk_bytenr: byte 21 of a regular file extent item.
             Fix::FileExtentBytenr { root, key, bytenr } => core.op(false, |w| {
                 edit_item(w, root, &key, |b| put_u64(b, 21, bytenr))
@@ -288,6 +309,62 @@ fn restore_dir_entry(
         },
     };
     w.replace_item(root, dk, &body)
+}
+
+/// Deletes tree `root`'s free inode cache (see [`Fix::DropInodeCache`]): every item of the
+/// FREE_INO inode, dropping its data extents' references, and the FREE_SPACE header naming
+/// it.
+fn drop_inode_cache(w: &mut crate::transaction::Writer, root: u64) -> Result<()> {
+    use crate::format::items::{FileExtentBody, FileExtentItem};
+    use crate::space::delayed_refs::RefKey;
+    let t = w.current_root(root)?;
+    let mut it = crate::ctree::TreeIter::new(
+        w.disk.clone(),
+        t,
+        Key::new(FREE_INO_OBJECTID, 0, 0),
+        crate::io::disk_io::Readahead::None,
+    )?;
+    let mut keys = Vec::new();
+    let mut drops = Vec::new();
+    while let Some(item) = it.next_item()? {
+        let k = item.key;
+        if k.objectid == FREE_INO_OBJECTID {
+            if k.ty == EXTENT_DATA_KEY {
+                if let FileExtentBody::Extent {
+                    disk_bytenr,
+                    disk_num_bytes,
+                    offset,
+                    ..
+                } = FileExtentItem::parse(item.data())?.body
+                {
+                    if disk_bytenr != 0 {
+                        drops.push((disk_bytenr, disk_num_bytes, k.offset.wrapping_sub(offset)));
+                    }
+                }
+            }
+            keys.push(k);
+        } else if k.objectid == FREE_SPACE_OBJECTID {
+            // The header of the cache's contents: a dir-item-like location key first.
+            if item.data().get(..8) == Some(&FREE_INO_OBJECTID.to_le_bytes()[..]) {
+                keys.push(k);
+            }
+        } else {
+            break;
+        }
+    }
+    drop(it);
+    for k in keys {
+        w.delete_item(root, &k)?;
+    }
+    for (b, len, offset) in drops {
+        let r = RefKey::Data {
+            root,
+            ino: FREE_INO_OBJECTID,
+            offset,
+        };
+        w.refs.add_data_ref(b, len, false, r, -1);
+    }
+    Ok(())
 }
 
 /// Inserts a regular file extent item of inode `ino` at file `offset`: `num_bytes` of the

@@ -99,26 +99,25 @@ impl Checker<'_> {
                     ri.generation,
                     gen_limit - 1
                 );
-                // The root block's own generation, where it reads and is valid.
+                // The root block's own generation, where it reads and is valid; where it
+                // reads with the same wrong generation, the block is copied (a copy gets the
+                // repair's generation, and so does the root item).
                 let block_gen = self
                     .fs
                     .disk
                     .read_tree_block(ri.bytenr, &crate::io::disk_io::Expect::default())
                     .ok()
-                    .map(|b| b.header.generation)
-                    .filter(|g| (1..=gen_limit).contains(g));
-                match block_gen {
-                    Some(generation) => self.report.err_fix(
-                        FindingKind::GenerationInvalid,
-                        loc,
-                        msg,
-                        Fix::RootGeneration {
-                            root: id,
-                            generation,
-                        },
-                    ),
-                    None => self.report.err(FindingKind::GenerationInvalid, loc, msg),
-                }
+                    .map(|b| b.header.generation);
+                let fix = match block_gen {
+                    Some(g) if (1..=gen_limit).contains(&g) => Some(Fix::RootGeneration {
+                        root: id,
+                        generation: g,
+                    }),
+                    Some(g) if g == ri.generation => Some(Fix::CopyRootBlock { root: id }),
+                    _ => None,
+                };
+                self.report
+                    .err_maybe_fix(FindingKind::GenerationInvalid, loc, msg, fix);
             }
             let root = Root {
                 id,

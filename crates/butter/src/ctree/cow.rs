@@ -149,7 +149,7 @@ impl CowCtx {
         if blk.header.generation == self.transid && self.disk.overlay_get(blk.bytenr).is_some() {
             return Ok(blk.bytenr);
         }
-        if blk.header.generation > self.transid {
+        if blk.header.generation > self.transid && !self.copy_future_blocks {
             return Err(Error::corrupt(
                 blk.loc(None),
                 format!(

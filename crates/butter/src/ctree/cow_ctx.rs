@@ -62,6 +62,9 @@ pub(crate) struct CowCtx {
     pub(crate) aborted: Option<String>,
     /// Set with `aborted`, for those who check without the writer lock.
     pub(crate) abort_flag: Arc<std::sync::atomic::AtomicBool>,
+    /// A repair may copy a block whose generation is past the running transaction's (a
+    /// damaged one): otherwise such a block is refused as stale or misdirected.
+    pub(crate) copy_future_blocks: bool,
 }
 
 impl CowCtx {

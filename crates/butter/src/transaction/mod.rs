@@ -262,6 +262,7 @@ impl Writer {
                 descents: 0,
                 aborted: None,
                 abort_flag: Default::default(),
+                copy_future_blocks: false,
                 disk,
             },
             state: TransState::Running,
