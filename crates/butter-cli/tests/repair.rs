@@ -689,4 +689,38 @@ fn rescue_commands_mend_their_damage() {
     );
     let o = butter(&["rescue", "fix-device-size", p]);
     assert!(text(&o).contains("No device size"), "{}", text(&o));
+
+    // clear-uuid-tree: the tree goes, the files stay, and the kernel builds it again.
+    let img = s.join("uuid.img");
+    fs::copy(&base, &img).unwrap();
+    let p = img.to_str().unwrap();
+    let has_uuid_tree = |img: &Path| {
+        let o = std::process::Command::new("btrfs")
+            .args(["inspect-internal", "dump-tree", "-t", "root"])
+            .arg(img)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "dump-tree: {}", text(&o));
+        String::from_utf8_lossy(&o.stdout).contains("(UUID_TREE ROOT_ITEM")
+    };
+    assert!(has_uuid_tree(&img), "mkfs.btrfs made no uuid tree");
+    let o = butter(&["rescue", "clear-uuid-tree", p]);
+    assert!(o.status.success(), "clear-uuid-tree: {}", text(&o));
+    assert!(!has_uuid_tree(&img), "clear-uuid-tree left the tree");
+    clean_after(&img, "clear-uuid-tree");
+    let got = kernel_files(&img, &s, "cut");
+    manifest::assert_same(
+        &want,
+        &got,
+        &CompareOpts::all(),
+        "clear-uuid-tree: the files",
+    );
+    let o = butter(&["rescue", "clear-uuid-tree", p]);
+    assert!(text(&o).contains("no uuid tree"), "{}", text(&o));
+    LoopMount::btrfs(&img, &s.dir("uuid-rw"), "").unmount();
+    assert!(
+        has_uuid_tree(&img),
+        "the kernel did not build the uuid tree again"
+    );
+    clean_after(&img, "clear-uuid-tree, then a kernel mount");
 }

@@ -30,6 +30,12 @@ pub enum RescueCmd {
         /// Image file or block device.
         image: PathBuf,
     },
+    /// Delete the uuid tree (subvolume uuids to ids); the kernel builds it again at its next
+    /// mount.
+    ClearUuidTree {
+        /// Image file or block device.
+        image: PathBuf,
+    },
 }
 
 #[derive(clap::Args)]
@@ -88,17 +94,7 @@ pub fn rescue(a: RescueArgs) -> CliResult {
             Ok(())
         }
         RescueCmd::FixDeviceSize { image } => {
-            let opts = butter::fs::RwOptions {
-                untouched: true,
-                ..Default::default()
-            };
-            let fs = super::open_fs_rw(&image, opts).map_err(|e| {
-                CliError(format!(
-                    "cannot open {}: {}",
-                    image.display(),
-                    CliError::from(e)
-                ))
-            })?;
+            let fs = open_untouched(&image)?;
             let fixed = fs.fix_device_size().map_err(|e| {
                 CliError(format!(
                     "cannot fix the device size of {}: {}",
@@ -114,5 +110,37 @@ pub fn rescue(a: RescueArgs) -> CliResult {
             }
             Ok(())
         }
+        RescueCmd::ClearUuidTree { image } => {
+            let fs = open_untouched(&image)?;
+            let cleared = fs.clear_uuid_tree().map_err(|e| {
+                CliError(format!(
+                    "cannot clear the uuid tree of {}: {}",
+                    image.display(),
+                    CliError::from(e)
+                ))
+            })?;
+            if cleared {
+                fs.close()?;
+                println!("Cleared the uuid tree of {}", image.display());
+            } else {
+                println!("{} has no uuid tree: nothing to do", image.display());
+            }
+            Ok(())
+        }
     }
+}
+
+/// The image open read-write, left as it is until the rescue change.
+fn open_untouched(image: &Path) -> Result<butter::fs::Fs, CliError> {
+    let opts = butter::fs::RwOptions {
+        untouched: true,
+        ..Default::default()
+    };
+    super::open_fs_rw(image, opts).map_err(|e| {
+        CliError(format!(
+            "cannot open {}: {}",
+            image.display(),
+            CliError::from(e)
+        ))
+    })
 }

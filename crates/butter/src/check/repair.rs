@@ -610,6 +610,62 @@ pub(crate) fn align_device_sizes(w: &mut crate::transaction::Writer) -> Result<b
     Ok(changed)
 }
 
+/// Deletes tree `id` whole: its root item, and a reference from each of its blocks (a tree
+/// no other shares, as the uuid tree). Returns false when there is no such tree.
+pub(crate) fn drop_private_tree(w: &mut crate::transaction::Writer, id: u64) -> Result<bool> {
+    let root_tree = w.current_root(ROOT_TREE_OBJECTID)?;
+    let found =
+        crate::ctree::lookup_le(&w.disk, &root_tree, &Key::new(id, ROOT_ITEM_KEY, u64::MAX))?
+            .map(|it| it.key)
+            .filter(|k| k.objectid == id && k.ty == ROOT_ITEM_KEY);
+    let Some(item_key) = found else {
+        return Ok(false);
+    };
+    let root = w.current_root(id)?;
+    let ns = w.disk.nodesize() as u64;
+    let mut todo = vec![(root.bytenr, root.level, root.generation)];
+    while let Some((bytenr, level, generation)) = todo.pop() {
+        let b = w.disk.read_tree_block(
+            bytenr,
+            &crate::io::disk_io::Expect {
+                owner: None,
+                level: Some(level),
+                generation: Some(generation),
+                first_key: None,
+            },
+        )?;
+        if !b.is_leaf() {
+            for slot in 0..b.nritems() {
+                let p = b.ptr(slot);
+                todo.push((p.blockptr, level - 1, p.generation));
+            }
+        }
+        let first = if b.nritems() == 0 {
+            Key::MIN
+        } else if b.is_leaf() {
+            b.item(0).key
+        } else {
+            b.key(0)
+        };
+        w.refs.add_tree_ref(
+            bytenr,
+            ns,
+            level,
+            first,
+            false,
+            crate::space::delayed_refs::RefKey::TreeBlock(id),
+            -1,
+        );
+    }
+    w.delete_item(ROOT_TREE_OBJECTID, &item_key)?;
+    w.trees.remove(&id);
+    w.live
+        .write()
+        .unwrap_or_else(|e| e.into_inner())
+        .remove(&id);
+    Ok(true)
+}
+
 /// Rewrites the top-level subvolume's root item as it is, so that the commit writes a new
 /// root tree block: a superblock of a new generation must name a root tree of that
 /// generation, also when the change touches no tree (the superblock's counts alone).

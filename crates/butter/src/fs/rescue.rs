@@ -49,11 +49,34 @@ impl Fs {
     /// when the checker finds no new problem in the result. Returns false when nothing
     /// needed fixing (nothing is written).
     pub fn fix_device_size(&self) -> Result<bool> {
+        self.rescue_change("fix_device_size", |c| {
+            c.op(false, repair::align_device_sizes)
+        })
+    }
+
+    /// `btrfs rescue clear-uuid-tree` on a filesystem open read-write (with
+    /// [`super::RwOptions::untouched`]): the uuid tree is deleted (the kernel builds it again
+    /// from the subvolumes at its next mount), in one transaction written only when the
+    /// checker finds no new problem in the result. Returns false when there was none.
+    pub fn clear_uuid_tree(&self) -> Result<bool> {
+        self.rescue_change("clear_uuid_tree", |c| {
+            c.op(false, |w| {
+                repair::drop_private_tree(w, crate::format::UUID_TREE_OBJECTID)
+            })
+        })
+    }
+
+    /// One rescue change (`change` returns whether it changed anything) in a transaction
+    /// committed only when the checker finds no new problem in its result.
+    fn rescue_change(
+        &self,
+        name: &'static str,
+        change: impl FnOnce(&crate::inode::core::Core) -> Result<bool>,
+    ) -> Result<bool> {
         let before = self.check(Options::default(), &mut |_| {})?;
         let mut refused = None;
-        let r = self.changing("fix_device_size", None, |c| {
-            let changed = c.op(false, repair::align_device_sizes)?;
-            if !changed {
+        let r = self.changing(name, None, |c| {
+            if !change(c)? {
                 return Ok(false);
             }
             repair::touch_root_tree(c)?;
