@@ -574,6 +574,90 @@ fn a_missing_hole_item_is_made_again() {
     m.unmount();
 }
 
+/// `--init-csum-tree`: a checksum item's sums damaged (the data reads as corrupt) are made
+/// again from the data, compressed and NODATASUM files included: both checkers clean with
+/// their data checksums read, and the kernel reads every file as before.
+#[test]
+fn init_csum_tree_sums_the_data_again() {
+    if !fuse_mount::require("repair", &["chattr"]) || !kernel::require_privileges() {
+        return;
+    }
+    let s = ScratchDir::new("repair-csum");
+    let img = s.join("csum.img");
+    kernel::mkfs_btrfs(&img, 300 * MIB, &[] as &[&str]);
+    let m = LoopMount::btrfs(&img, &s.dir("fill"), "compress=zstd");
+    let noise: Vec<u8> = (0..3_000_000u32)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+        .collect();
+    fs::write(m.path().join("plain"), &noise).unwrap();
+    fs::write(m.path().join("squeezed"), b"hello\n".repeat(300_000)).unwrap();
+    let nocsum = m.path().join("nocsum");
+    fs::write(&nocsum, b"").unwrap();
+    let o = std::process::Command::new("chattr")
+        .arg("+C")
+        .arg(&nocsum)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "chattr +C: {}", text(&o));
+    fs::write(&nocsum, &noise[..100_000]).unwrap();
+    m.unmount();
+    let want = kernel_files(&img, &s, "before");
+    // The first checksum item's first sums flipped.
+    patch_item(
+        &img,
+        ondisk::CSUM_TREE,
+        false,
+        |k, _| k.ty == ondisk::EXTENT_CSUM,
+        |blk, _, d| {
+            for b in &mut blk[d..d + 8] {
+                *b ^= 0xff;
+            }
+        },
+    );
+    let data_check = |img: &Path| {
+        let o = std::process::Command::new("btrfs")
+            .args(["check", "--readonly", "--check-data-csum"])
+            .arg(img)
+            .output()
+            .unwrap();
+        (o.status.success(), text(&o))
+    };
+    let (ok, _) = data_check(&img);
+    assert!(!ok, "btrfs check --check-data-csum found nothing");
+    let o = butter(&["check", "--check-data-csum", img.to_str().unwrap()]);
+    assert!(
+        !o.status.success(),
+        "butter check --check-data-csum found nothing"
+    );
+    let o = butter(&[
+        "check",
+        "--repair",
+        "--init-csum-tree",
+        img.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "--init-csum-tree:\n{}", text(&o));
+    assert!(
+        text(&o).contains("made the checksum tree again"),
+        "{}",
+        text(&o)
+    );
+    let (ok, t) = data_check(&img);
+    assert!(ok, "btrfs check --check-data-csum after:\n{t}");
+    let o = butter(&["check", "--check-data-csum", img.to_str().unwrap()]);
+    assert!(
+        o.status.success(),
+        "butter check --check-data-csum after:\n{}",
+        text(&o)
+    );
+    let got = kernel_files(&img, &s, "after");
+    manifest::assert_same(
+        &want,
+        &got,
+        &CompareOpts::all(),
+        "the files after --init-csum-tree",
+    );
+}
+
 #[test]
 fn a_clean_image_is_left_as_it_is() {
     if !fuse_mount::require("repair", &[]) || !kernel::require_privileges() {

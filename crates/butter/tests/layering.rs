@@ -373,8 +373,9 @@ fn imports_follow_the_layer_order() {
 /// Repair (issue 34): `Fs::repair`, its `RepairReport` and the findings' `Fix`: 256. The
 /// rescue commands, `Fs::zero_log`, `Fs::super_recover` and `Fs::fix_device_size`: 259.
 /// `ExtentRef`, the back references a `Fix::ExtentRefs` gives an extent: 260.
-/// `Fs::clear_uuid_tree` (`butter rescue clear-uuid-tree`): 261.)
-const PUB_ITEMS_MAX: usize = 261;
+/// `Fs::clear_uuid_tree` (`butter rescue clear-uuid-tree`): 261. `Fs::init_csum_tree`
+/// (`butter check --repair --init-csum-tree`): 262.)
+const PUB_ITEMS_MAX: usize = 262;
 
 /// Files (or folders) built only under `cfg(any(test, feature = "internals"))`, as the `mod`
 /// lines of lib.rs and the folders' mod.rs declare them: not part of the public API.

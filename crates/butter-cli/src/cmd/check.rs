@@ -21,11 +21,19 @@ pub struct CheckArgs {
     /// With --repair: print the changes a repair would make, write nothing.
     #[arg(long = "dry-run", requires = "repair")]
     pub dry_run: bool,
+    /// With --repair: make the checksum tree again from the data first (every range a file
+    /// uses read and summed, on every CPU), written only when the result has no new problem.
+    #[arg(
+        long = "init-csum-tree",
+        requires = "repair",
+        conflicts_with = "dry_run"
+    )]
+    pub init_csum_tree: bool,
 }
 
 pub fn check(a: CheckArgs) -> CliResult {
     if a.repair {
-        return repair(&a.image, a.dry_run);
+        return repair(&a.image, a.dry_run, a.init_csum_tree);
     }
     let fs = open_fs(&a.image).map_err(|e| CliError(format!("{e}{}", size_hint(&a.image))))?;
     let mut err = std::io::stderr();
@@ -75,7 +83,7 @@ pub fn check(a: CheckArgs) -> CliResult {
 }
 
 /// `butter check --repair [--dry-run] IMAGE`.
-fn repair(image: &std::path::Path, dry_run: bool) -> CliResult {
+fn repair(image: &std::path::Path, dry_run: bool, init_csum_tree: bool) -> CliResult {
     let opts = butter::fs::RwOptions {
         untouched: true,
         ..Default::default()
@@ -90,6 +98,19 @@ fn repair(image: &std::path::Path, dry_run: bool) -> CliResult {
     let mut progress = |s: &str| {
         let _ = writeln!(std::io::stderr(), "{s}");
     };
+    if init_csum_tree {
+        let n = fs.init_csum_tree(&mut progress).map_err(|e| {
+            CliError(format!(
+                "cannot make the checksum tree of {} again: {}",
+                image.display(),
+                CliError::from(e)
+            ))
+        })?;
+        println!(
+            "made the checksum tree again: {} MiB of data summed",
+            n >> 20
+        );
+    }
     let r = fs.repair(dry_run, &mut progress)?;
     let mut out = std::io::stdout().lock();
     let problems = |rep: &butter::check::Report| {

@@ -621,6 +621,26 @@ pub(crate) fn drop_private_tree(w: &mut crate::transaction::Writer, id: u64) -> 
     let Some(item_key) = found else {
         return Ok(false);
     };
+    drop_tree_blocks(w, id)?;
+    w.delete_item(ROOT_TREE_OBJECTID, &item_key)?;
+    w.trees.remove(&id);
+    w.live
+        .write()
+        .unwrap_or_else(|e| e.into_inner())
+        .remove(&id);
+    Ok(true)
+}
+
+/// Empties tree `id` (one no other tree shares): its blocks' references go, and an empty
+/// leaf becomes its root.
+pub(crate) fn reset_private_tree(w: &mut crate::transaction::Writer, id: u64) -> Result<()> {
+    drop_tree_blocks(w, id)?;
+    let leaf = w.new_block(id, 0, Key::MIN)?;
+    w.set_root(id, leaf, 0)
+}
+
+/// Queues the loss of tree `id`'s reference from each of its blocks.
+fn drop_tree_blocks(w: &mut crate::transaction::Writer, id: u64) -> Result<()> {
     let root = w.current_root(id)?;
     let ns = w.disk.nodesize() as u64;
     let mut todo = vec![(root.bytenr, root.level, root.generation)];
@@ -657,13 +677,7 @@ pub(crate) fn drop_private_tree(w: &mut crate::transaction::Writer, id: u64) -> 
             -1,
         );
     }
-    w.delete_item(ROOT_TREE_OBJECTID, &item_key)?;
-    w.trees.remove(&id);
-    w.live
-        .write()
-        .unwrap_or_else(|e| e.into_inner())
-        .remove(&id);
-    Ok(true)
+    Ok(())
 }
 
 /// Rewrites the top-level subvolume's root item as it is, so that the commit writes a new

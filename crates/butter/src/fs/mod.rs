@@ -6,6 +6,7 @@
 //! inode layer's [`Core`] does the work and is not reachable from outside the crate.
 
 pub(crate) mod acl;
+mod init_csum;
 mod ops;
 pub mod posix;
 mod repair;

@@ -68,7 +68,7 @@ impl Fs {
 
     /// One rescue change (`change` returns whether it changed anything) in a transaction
     /// committed only when the checker finds no new problem in its result.
-    fn rescue_change(
+    pub(super) fn rescue_change(
         &self,
         name: &'static str,
         change: impl FnOnce(&crate::inode::core::Core) -> Result<bool>,
