@@ -807,4 +807,69 @@ fn rescue_commands_mend_their_damage() {
         "the kernel did not build the uuid tree again"
     );
     clean_after(&img, "clear-uuid-tree, then a kernel mount");
+
+    // clear-space-cache v2: the free space tree and its flags go; the files stay; a mount
+    // with space_cache=v2 builds it again. Refused where the block group tree needs it.
+    let img = s.join("fst.img");
+    fs::copy(&base, &img).unwrap();
+    let p = img.to_str().unwrap();
+    let compat_ro = |img: &Path| {
+        let sb = kernel::dump_super(img);
+        sb.lines()
+            .find(|l| l.starts_with("compat_ro_flags"))
+            .map(|l| l.split_whitespace().last().unwrap_or("").to_string())
+            .unwrap_or_default()
+    };
+    assert_ne!(compat_ro(&img), "0x0", "mkfs.btrfs made no free space tree");
+    let o = butter(&["rescue", "clear-space-cache", "v2", p]);
+    assert!(o.status.success(), "clear-space-cache v2: {}", text(&o));
+    assert_eq!(compat_ro(&img), "0x0", "the free space tree's flags stayed");
+    clean_after(&img, "clear-space-cache v2");
+    let got = kernel_files(&img, &s, "csc");
+    manifest::assert_same(
+        &want,
+        &got,
+        &CompareOpts::all(),
+        "clear-space-cache v2: the files",
+    );
+    LoopMount::btrfs(&img, &s.dir("fst-rw"), "space_cache=v2").unmount();
+    assert_ne!(
+        compat_ro(&img),
+        "0x0",
+        "the kernel did not build the free space tree again"
+    );
+    clean_after(&img, "clear-space-cache v2, then a kernel mount");
+    let bgt = s.join("bgt.img");
+    kernel::mkfs_btrfs(&bgt, 300 * MIB, &["-O", "block-group-tree"]);
+    let before = fs::read(&bgt).unwrap();
+    let o = butter(&["rescue", "clear-space-cache", "v2", bgt.to_str().unwrap()]);
+    assert!(!o.status.success(), "v2 cleared beside a block group tree");
+    assert!(text(&o).contains("block group tree"), "{}", text(&o));
+    assert!(fs::read(&bgt).unwrap() == before, "the refused clear wrote");
+
+    // clear-space-cache v1: a corpus image with v1 cache files loses them.
+    let v1 = common::corpus::images()
+        .into_iter()
+        .find(|i| i.name.starts_with("019-non-skinny-false-alert"))
+        .expect("corpus image 019");
+    let img = s.join("v1.img");
+    common::corpus::copy_to(&v1, &img);
+    let p = img.to_str().unwrap();
+    let v1_items = |img: &Path| {
+        let o = std::process::Command::new("btrfs")
+            .args(["inspect-internal", "dump-tree", "-t", "root"])
+            .arg(img)
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&o.stdout)
+            .matches("FREE_SPACE UNTYPED")
+            .count()
+    };
+    assert!(v1_items(&img) > 0, "the corpus image has no v1 cache");
+    let o = butter(&["rescue", "clear-space-cache", "v1", p]);
+    assert!(o.status.success(), "clear-space-cache v1: {}", text(&o));
+    assert_eq!(v1_items(&img), 0, "v1 cache headers left");
+    clean_after(&img, "clear-space-cache v1");
+    let o = butter(&["rescue", "clear-space-cache", "v1", p]);
+    assert!(text(&o).contains("nothing to do"), "{}", text(&o));
 }

@@ -30,6 +30,15 @@ pub enum RescueCmd {
         /// Image file or block device.
         image: PathBuf,
     },
+    /// Delete the free space cache: v1 (the old cache files) or v2 (the free space tree,
+    /// which a kernel mount with -o space_cache=v2 builds again).
+    ClearSpaceCache {
+        /// v1 or v2.
+        #[arg(value_parser = ["v1", "v2"])]
+        version: String,
+        /// Image file or block device.
+        image: PathBuf,
+    },
     /// Delete the uuid tree (subvolume uuids to ids); the kernel builds it again at its next
     /// mount.
     ClearUuidTree {
@@ -107,6 +116,27 @@ pub fn rescue(a: RescueArgs) -> CliResult {
                 println!("Fixed device size for {}", image.display());
             } else {
                 println!("No device size related problem found");
+            }
+            Ok(())
+        }
+        RescueCmd::ClearSpaceCache { version, image } => {
+            let fs = open_untouched(&image)?;
+            let v = if version == "v1" { 1 } else { 2 };
+            let cleared = fs.clear_space_cache(v).map_err(|e| {
+                CliError(format!(
+                    "cannot clear the {version} space cache of {}: {}",
+                    image.display(),
+                    CliError::from(e)
+                ))
+            })?;
+            if cleared {
+                fs.close()?;
+                println!("Cleared the {version} space cache of {}", image.display());
+            } else {
+                println!(
+                    "{} has no {version} space cache: nothing to do",
+                    image.display()
+                );
             }
             Ok(())
         }

@@ -631,6 +631,97 @@ pub(crate) fn drop_private_tree(w: &mut crate::transaction::Writer, id: u64) -> 
     Ok(true)
 }
 
+/// Deletes the v1 free space cache (`btrfs rescue clear-space-cache v1`): each block
+/// group's FREE_SPACE header in the root tree, the cache inode it names with its items and
+/// its data's references, and the superblock's cache generation set to "none" (the kernel
+/// then ignores any cache). Returns whether there was anything.
+pub(crate) fn clear_space_cache_v1(w: &mut crate::transaction::Writer) -> Result<bool> {
+    use crate::format::items::{FileExtentBody, FileExtentItem};
+    use crate::space::delayed_refs::RefKey;
+    let root = w.current_root(ROOT_TREE_OBJECTID)?;
+    let mut it = crate::ctree::TreeIter::new(
+        w.disk.clone(),
+        root,
+        Key::new(FREE_SPACE_OBJECTID, 0, 0),
+        crate::io::disk_io::Readahead::None,
+    )?;
+    // Headers and the inodes they name (a header starts with the inode's location key).
+    let mut keys = Vec::new();
+    let mut inodes = Vec::new();
+    while let Some(item) = it.next_item()? {
+        if item.key.objectid != FREE_SPACE_OBJECTID {
+            break;
+        }
+        if let Some(b) = item.data().get(..8) {
+            let mut ino = [0u8; 8];
+            ino.copy_from_slice(b);
+            inodes.push(u64::from_le_bytes(ino));
+        }
+        keys.push(item.key);
+    }
+    drop(it);
+    let mut drops = Vec::new();
+    for ino in inodes {
+        let mut it = crate::ctree::TreeIter::new(
+            w.disk.clone(),
+            root,
+            Key::new(ino, 0, 0),
+            crate::io::disk_io::Readahead::None,
+        )?;
+        while let Some(item) = it.next_item()? {
+            if item.key.objectid != ino {
+                break;
+            }
+            if item.key.ty == EXTENT_DATA_KEY {
+                if let FileExtentBody::Extent {
+                    disk_bytenr,
+                    disk_num_bytes,
+                    offset,
+                    ..
+                } = FileExtentItem::parse(item.data())?.body
+                {
+                    if disk_bytenr != 0 {
+                        let r = RefKey::Data {
+                            root: ROOT_TREE_OBJECTID,
+                            ino,
+                            offset: item.key.offset.wrapping_sub(offset),
+                        };
+                        drops.push((disk_bytenr, disk_num_bytes, r));
+                    }
+                }
+            }
+            keys.push(item.key);
+        }
+    }
+    let any = !keys.is_empty() || w.sb.cache_generation != u64::MAX;
+    for k in keys {
+        w.delete_item(ROOT_TREE_OBJECTID, &k)?;
+    }
+    for (b, len, r) in drops {
+        w.refs.add_data_ref(b, len, false, r, -1);
+    }
+    w.sb.cache_generation = u64::MAX;
+    Ok(any)
+}
+
+/// Deletes the free space tree (`btrfs rescue clear-space-cache v2`): the tree and the
+/// superblock's flags for it (a kernel mount with `-o space_cache=v2` builds it
+/// again). Refused where
+/// the block group tree needs it. Returns whether there was one.
+pub(crate) fn clear_space_cache_v2(w: &mut crate::transaction::Writer) -> Result<bool> {
+    if w.sb.has_compat_ro(COMPAT_RO_BLOCK_GROUP_TREE) {
+        return Err(Error::Unsupported(
+            "the free space tree cannot go: this filesystem's block group tree needs it".into(),
+        ));
+    }
+    if !w.sb.has_compat_ro(COMPAT_RO_FREE_SPACE_TREE) {
+        return Ok(false);
+    }
+    w.sb.compat_ro_flags &= !(COMPAT_RO_FREE_SPACE_TREE | COMPAT_RO_FREE_SPACE_TREE_VALID);
+    drop_private_tree(w, FREE_SPACE_TREE_OBJECTID)?;
+    Ok(true)
+}
+
 /// Empties tree `id` (one no other tree shares): its blocks' references go, and an empty
 /// leaf becomes its root.
 pub(crate) fn reset_private_tree(w: &mut crate::transaction::Writer, id: u64) -> Result<()> {

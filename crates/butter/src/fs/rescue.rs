@@ -66,6 +66,26 @@ impl Fs {
         })
     }
 
+    /// `btrfs rescue clear-space-cache v1|v2` on a filesystem open read-write (with
+    /// [`super::RwOptions::untouched`]): `version` 1 deletes the v1 cache (its inodes and
+    /// headers; the superblock's cache generation says none), 2 the free space tree (a kernel
+    /// mount with `-o space_cache=v2` builds it again; refused with a block group tree), in one
+    /// transaction written only when the checker finds no new problem in the result.
+    /// Returns false when there was nothing to clear.
+    pub fn clear_space_cache(&self, version: u8) -> Result<bool> {
+        match version {
+            1 => self.rescue_change("clear_space_cache", |c| {
+                c.op(false, repair::clear_space_cache_v1)
+            }),
+            2 => self.rescue_change("clear_space_cache", |c| {
+                c.op(false, repair::clear_space_cache_v2)
+            }),
+            v => Err(Error::Invalid(format!(
+                "space cache version {v}: it is v1 or v2"
+            ))),
+        }
+    }
+
     /// One rescue change (`change` returns whether it changed anything) in a transaction
     /// committed only when the checker finds no new problem in its result.
     pub(super) fn rescue_change(

@@ -93,7 +93,9 @@ impl Writer {
     /// any tree changed.
     pub(super) fn update_block_groups(&mut self) -> Result<bool> {
         let mut changed = false;
-        let fst = self.disk.sb.has_compat_ro(COMPAT_RO_FREE_SPACE_TREE);
+        // The running superblock's flag: a transaction that removes the free space tree
+        // (`butter rescue clear-space-cache v2`) writes no items into it.
+        let fst = self.sb.has_compat_ro(COMPAT_RO_FREE_SPACE_TREE);
         for start in self.allocator.starts() {
             let snap = self.allocator.with_group(start, |g| {
                 let r = g.dirty.then(|| {

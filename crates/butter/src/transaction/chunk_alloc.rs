@@ -533,7 +533,7 @@ impl Writer {
         self.log.broken = true;
         let bg_tree = self.block_group_tree();
         self.delete_item(bg_tree, &Key::new(start, BLOCK_GROUP_ITEM_KEY, len))?;
-        if self.disk.sb.has_compat_ro(COMPAT_RO_FREE_SPACE_TREE) {
+        if self.sb.has_compat_ro(COMPAT_RO_FREE_SPACE_TREE) {
             self.sync_fst_items(start, len, Vec::new())?;
         }
         self.delete_item(
