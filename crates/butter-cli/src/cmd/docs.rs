@@ -34,6 +34,7 @@ pub fn examples(path: &str) -> &'static [(&'static str, &'static str)] {
             ("Check the metadata", "butter check disk.img"),
             ("Also read every data block and compare its checksum", "butter check --check-data-csum disk.img"),
             ("See what a repair would change, then repair", "butter check --repair --dry-run disk.img && butter check --repair disk.img"),
+            ("Make the checksum tree again from the data, then repair the rest", "butter check --repair --init-csum-tree disk.img"),
         ],
         "rescue" | "rescue zero-log" => &[
             ("Drop an fsync log that cannot be replayed (the last fsyncs are lost)", "butter rescue zero-log disk.img"),
@@ -43,6 +44,13 @@ pub fn examples(path: &str) -> &'static [(&'static str, &'static str)] {
         ],
         "rescue fix-device-size" => &[
             ("Align the device sizes, as newer kernels require", "butter rescue fix-device-size disk.img"),
+        ],
+        "rescue clear-uuid-tree" => &[
+            ("Delete the uuid tree; the kernel builds it again at the next mount", "butter rescue clear-uuid-tree disk.img"),
+        ],
+        "rescue clear-space-cache" => &[
+            ("Delete the old v1 space cache files", "butter rescue clear-space-cache v1 disk.img"),
+            ("Delete the free space tree; a mount with -o space_cache=v2 builds it again", "butter rescue clear-space-cache v2 disk.img"),
         ],
         "ls" => &[
             ("List the root of the default subvolume", "butter ls -l disk.img"),

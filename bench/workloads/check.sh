@@ -1,0 +1,68 @@
+# check: the offline checker against btrfs-progs' on the same image.
+# One image of a BENCH_FILES-file tree (lib/gen.py tree) made by `butter mkfs --rootdir`
+# (issue 34 measures a /usr image the same way: BENCH_CHECK_SRC=/usr uses that tree
+# instead). The row, warm cache (the image read once first), median of BENCH_RUNS:
+# `butter check IMAGE` vs `btrfs check --readonly IMAGE`, each run's peak RSS (GNU time) in
+# its message. ext4 has no counterpart. (The repair against `btrfs check --repair` is not a
+# row yet.)
+
+register_workload check 45 "" \
+	"butter check vs btrfs check --readonly on one image made by butter mkfs --rootdir; files/s, peak RSS"
+
+# ARGS: IMAGE [BUTTER] RSSFILE
+check_butter() { /usr/bin/time -f %M -o "$3" "$2" check "$1" >/dev/null; }
+check_kernel() { /usr/bin/time -f %M -o "$2" btrfs check --readonly "$1" >/dev/null; }
+export -f check_butter check_kernel
+
+wl_check() {
+	local src=${BENCH_CHECK_SRC:-} row files size run sys rc err img rss mib
+	if [[ ! -x /usr/bin/time ]]; then
+		record check "check" butter 1 0 0 files skip "GNU time (/usr/bin/time) is not installed"
+		return
+	fi
+	if [[ -z $src ]]; then
+		src=$WORK/tmpfs/check-src
+		rm -rf "$src"
+		mkdir -p "$src"
+		log "check: building a $BENCH_FILES-file tree on the tmpfs"
+		if ! $GEN tree "$src" "$BENCH_FILES" --per-dir "$BENCH_FILES_PER_DIR" >"$WORK/logs/check-gen.log" 2>&1; then
+			die "check: generating the tree failed: $(last_line "$WORK/logs/check-gen.log")"
+		fi
+	fi
+	files=$(find "$src" -xdev | wc -l)
+	size=$(($(du -smx "$src" | cut -f1) * 2 + 512))M
+	img=$WORK/img/check.img
+	rm -f "$img"
+	truncate -s "$size" "$img"
+	if [[ -n $BUTTER_ERR ]] || ! "$BUTTER_BIN" mkfs -q -f --rootdir "$src" "$img" >"$WORK/logs/check-mkfs.log" 2>&1; then
+		record check "check ($files files)" butter 1 0 "$files" files fail "making the image: ${BUTTER_ERR:-$(last_line "$WORK/logs/check-mkfs.log")}"
+		return
+	fi
+	row="check ($files files)"
+	row_begin check "$row" "files/s" "butter check vs btrfs check --readonly, one image made by butter mkfs --rootdir, warm cache"
+	record check "$row" ext4 1 0 "$files" files skip "no ext4 counterpart"
+	# Warm the page cache.
+	cat "$img" >/dev/null
+	for ((run = 1; run <= RUNS; run++)); do
+		for sys in butter kernel; do
+			[[ -n ${FAILED["$row/$sys"]:-} ]] && continue
+			TLOG=$WORK/logs/check-$sys-$run.log
+			rss=$WORK/tmpfs/check-rss
+			if [[ $sys == butter ]]; then
+				timed check_butter "$img" "$BUTTER_BIN" "$rss"
+			else
+				timed check_kernel "$img" "$rss"
+			fi
+			rc=$?
+			mib=$(($(tail -1 "$rss" 2>/dev/null || echo 0) / 1024))
+			if ((rc != 0)); then
+				record check "$row" "$sys" "$run" "$NS" "$files" files fail "$(timed_error $rc)"
+				FAILED["$row/$sys"]=1
+			else
+				record check "$row" "$sys" "$run" "$NS" "$files" files ok "peak RSS $mib MiB"
+			fi
+		done
+	done
+	[[ -z ${BENCH_CHECK_SRC:-} ]] && rm -rf "$src"
+	rm -f "$img"
+}
