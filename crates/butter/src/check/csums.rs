@@ -6,17 +6,32 @@ use super::*;
 impl Checker<'_> {
     pub(super) fn phase_csums(&mut self, extents: &[(u64, u64, Location)]) -> Result<()> {
         let ss = self.fs.disk.sectorsize() as u64;
-        self.check_csum_items();
+        let cover = self.check_csum_items();
         self.check_log_csums();
+        // Which sectors of a range have csums: from the items' ranges gathered above (one
+        // walk of the tree), or where that walk could not be had, a lookup per range.
+        let sums = |c: &Checker, logical: u64, len: u64| -> Result<Vec<bool>> {
+            match &cover {
+                Some(cover) if logical.is_multiple_of(ss) => {
+                    Ok(covered_sectors(cover, logical, len, ss))
+                }
+                _ => Ok(c
+                    .fs
+                    .data_csums(logical, len)?
+                    .iter()
+                    .map(Option::is_some)
+                    .collect()),
+            }
+        };
         let nodatasum = std::mem::take(&mut self.nodatasum);
         for r in &nodatasum {
             if r.len > MAX_DATA_EXTENT {
                 continue;
             }
-            match self.fs.data_csums(r.logical, r.len) {
+            match sums(self, r.logical, r.len) {
                 Ok(v) => {
-                    if let Some(i) = v.iter().position(|c| c.is_some()) {
-                        let n = v.iter().filter(|c| c.is_some()).count();
+                    if let Some(i) = v.iter().position(|c| *c) {
+                        let n = v.iter().filter(|c| **c).count();
                         self.report.err(
                             FindingKind::CsumOnNodatasum,
                             r.loc.clone(),
@@ -47,13 +62,13 @@ impl Checker<'_> {
                 );
                 continue;
             }
-            match self.fs.data_csums(*b, *l) {
+            match sums(self, *b, *l) {
                 Ok(v) => {
                     self.report.counts.csum_sectors += v.len() as u64;
                     let missing: Vec<usize> = v
                         .iter()
                         .enumerate()
-                        .filter(|(_, c)| c.is_none())
+                        .filter(|(_, c)| !**c)
                         .map(|(i, _)| i)
                         .collect();
                     if let Some(first) = missing.first() {
@@ -75,15 +90,25 @@ impl Checker<'_> {
         Ok(())
     }
 
-    /// Csum tree items: whole csums, and no two items covering the same sector.
-    fn check_csum_items(&mut self) {
-        let Some(root) = self.tree(CSUM_TREE_OBJECTID) else {
-            return;
-        };
+    /// Csum tree items: whole csums, and no two items covering the same sector. Returns the
+    /// data ranges the items cover (start, end), in order and merged, when the whole tree
+    /// was read.
+    fn check_csum_items(&mut self) -> Option<Vec<(u64, u64)>> {
+        let root = self.tree(CSUM_TREE_OBJECTID)?;
         let ss = self.fs.disk.sectorsize() as u64;
         let csize = self.fs.disk.sb.csum_type.size() as u64;
         let mut prev: Option<(u64, Location)> = None; // (end, where)
-        for item in self.collect_items(root, |k| k.ty == EXTENT_CSUM_KEY) {
+        let mut cover: Vec<(u64, u64)> = Vec::new();
+        let unreadable = |r: &Report| {
+            r.findings
+                .iter()
+                .filter(|f| f.kind == FindingKind::TreeBlockUnreadable)
+                .count()
+        };
+        let before = unreadable(&self.report);
+        let items = self.collect_items(root, |k| k.ty == EXTENT_CSUM_KEY);
+        let whole = unreadable(&self.report) == before;
+        for item in items {
             let loc = item_loc(&item, CSUM_TREE_OBJECTID);
             let k = item.key;
             let size = item.data().len() as u64;
@@ -111,7 +136,16 @@ impl Checker<'_> {
             if prev.as_ref().is_none_or(|p| end > p.0) {
                 prev = Some((end, loc));
             }
+            if !start.is_multiple_of(ss) {
+                // Sums off the sector grid: the lookup per range places them as it can.
+                return None;
+            }
+            match cover.last_mut() {
+                Some(last) if start <= last.1 => last.1 = last.1.max(end),
+                _ => cover.push((start, end)),
+            }
         }
+        whole.then_some(cover)
     }
 
     /// Reads every data sector that has a csum and compares.
@@ -359,5 +393,54 @@ impl Checker<'_> {
                 }
             }
         }
+    }
+}
+
+/// For each sector of `[logical, logical + len)` (`logical` on the sector grid), whether
+/// `cover` (ranges in order, merged) covers it.
+fn covered_sectors(cover: &[(u64, u64)], logical: u64, len: u64, ss: u64) -> Vec<bool> {
+    let n = len.div_ceil(ss) as usize;
+    let mut out = vec![false; n];
+    let end = logical.saturating_add(len);
+    // The first range that ends after the start.
+    let first = cover.partition_point(|r| r.1 <= logical);
+    for &(s, e) in &cover[first..] {
+        if s >= end {
+            break;
+        }
+        let from = s.max(logical);
+        let to = e.min(end);
+        let mut sec = (from - logical) / ss;
+        while logical + sec * ss < to {
+            if let Some(x) = out.get_mut(sec as usize) {
+                *x = true;
+            }
+            sec += 1;
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::covered_sectors;
+
+    /// Sectors a range's csums cover: runs inside, across and beside the range.
+    #[test]
+    fn covered_sectors_follow_the_ranges() {
+        let cover = [(0, 8192), (16384, 20480), (28672, 40960)];
+        assert_eq!(
+            covered_sectors(&cover, 4096, 32768, 4096),
+            vec![true, false, false, true, false, false, true, true]
+        );
+        assert_eq!(
+            covered_sectors(&cover, 8192, 8192, 4096),
+            vec![false, false]
+        );
+        assert_eq!(
+            covered_sectors(&cover, 36864, 8192, 4096),
+            vec![true, false]
+        );
+        assert_eq!(covered_sectors(&[], 0, 4096, 4096), vec![false]);
     }
 }
