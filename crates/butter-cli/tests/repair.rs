@@ -420,6 +420,33 @@ fn each_repair_kind_mends_one_damage_and_the_kernel_sees_the_files_as_before() {
             }),
         ),
         (
+            "num-devices",
+            // butter check cannot open it (the kernel refuses it too); the repair can.
+            "num_devices says the filesystem has 8 devices",
+            // The superblock's num_devices (byte 136) made 8 in every copy, resealed.
+            Box::new(|p: &Path| {
+                use std::os::unix::fs::FileExt;
+                let f = fs::OpenOptions::new()
+                    .read(true)
+                    .write(true)
+                    .open(p)
+                    .unwrap();
+                let len = f.metadata().unwrap().len();
+                for at in [65536u64, 64 * MIB] {
+                    if at + 4096 > len {
+                        continue;
+                    }
+                    let mut sb = vec![0u8; 4096];
+                    f.read_exact_at(&mut sb, at).unwrap();
+                    sb[136..144].copy_from_slice(&8u64.to_le_bytes());
+                    let c = crc32c::crc32c(&sb[32..]);
+                    sb[..32].fill(0);
+                    sb[..4].copy_from_slice(&c.to_le_bytes());
+                    f.write_all_at(&sb, at).unwrap();
+                }
+            }),
+        ),
+        (
             "dev-bytes-used",
             "DevBytesUsedMismatch",
             // The device item's bytes_used: byte 16.

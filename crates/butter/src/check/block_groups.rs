@@ -366,6 +366,18 @@ impl Checker<'_> {
                 );
             }
         }
+        let listed = devs.len() as u64;
+        if listed != self.fs.disk.sb.num_devices {
+            self.report.err_fix(
+                FindingKind::NumDevicesMismatch,
+                Location::what("superblock"),
+                format!(
+                    "num_devices says the filesystem has {} devices, but the chunk tree lists {listed}",
+                    self.fs.disk.sb.num_devices
+                ),
+                Fix::NumDevices { count: listed },
+            );
+        }
         let sd = &self.fs.disk.sb.dev_item;
         let sum = used.get(&sd.devid).copied().unwrap_or(0);
         if sd.bytes_used != sum {

@@ -137,6 +137,9 @@ pub enum FindingKind {
     DevExtentOverlap,
     /// A device item's bytes_used differs from the sum of its dev extents.
     DevBytesUsedMismatch,
+    /// The superblock's num_devices differs from the number of devices the chunk tree lists
+    /// (the kernel refuses to mount it; only a repair opens it).
+    NumDevicesMismatch,
     /// A ROOT_REF has no ROOT_BACKREF with the same parent, child, directory, index and name.
     RootRefWithoutBackref,
     /// A ROOT_BACKREF has no matching ROOT_REF.
@@ -244,6 +247,8 @@ pub enum Fix {
         nbytes: u64,
         nlink: u32,
     },
+    /// The superblock's num_devices becomes the number of devices the chunk tree lists.
+    NumDevices { count: u64 },
     /// Tree `root`'s deprecated free inode cache goes: the FREE_INO inode's items, its
     /// FREE_SPACE header and the references of its data.
     DropInodeCache { root: u64 },
@@ -437,6 +442,9 @@ impl fmt::Display for Fix {
                 f,
                 "link inode {ino} of tree {root}, which has no name, into lost+found as \"{ino}\""
             ),
+            Fix::NumDevices { count } => {
+                write!(f, "set the superblock's num_devices to {count}")
+            }
             Fix::DropInodeCache { root } => {
                 write!(f, "delete tree {root}'s deprecated free inode cache")
             }

@@ -58,6 +58,7 @@ pub(crate) fn apply(core: &Core, fixes: &[Fix]) -> Result<()> {
                     groups = true;
                 }
                 Fix::SuperBytesUsed => groups = true,
+                Fix::NumDevices { count } => w.sb.num_devices = *count,
                 Fix::DeviceSizes => {
                     align_device_sizes(w)?;
                 }
@@ -263,6 +264,7 @@ pub(crate) fn apply(core: &Core, fixes: &[Fix]) -> Result<()> {
             | Fix::DevBytesUsed { .. }
             | Fix::RootGeneration { .. }
             | Fix::RootBlock { .. }
+            | Fix::NumDevices { .. }
             | Fix::ExtentGeneration { .. } => {}
         }
     }

@@ -514,6 +514,17 @@ pub(crate) fn open_disk_set(
     given: Vec<(String, Arc<dyn BlockDevice>)>,
     degraded: bool,
 ) -> Result<Arc<Disk>> {
+    open_disk_set_with(given, degraded, false)
+}
+
+/// [`open_disk_set`]; `any_count`: a superblock num_devices other than the number of devices
+/// the chunk tree lists is let through, when every listed device is given (for a repair,
+/// which mends the count).
+pub(crate) fn open_disk_set_with(
+    given: Vec<(String, Arc<dyn BlockDevice>)>,
+    degraded: bool,
+    any_count: bool,
+) -> Result<Arc<Disk>> {
     let disk = Disk::open_sys_chunks(given)?;
     if let Err(e) = load_chunk_tree(&disk) {
         let (have, want) = (disk.devices.len() as u64, disk.sb.num_devices);
@@ -529,14 +540,14 @@ pub(crate) fn open_disk_set(
         }
         return Err(e);
     }
-    match_dev_items(disk, degraded)
+    match_dev_items(disk, degraded, any_count)
 }
 
 /// Matches the devices given against the chunk tree's DEV_ITEMs: each given device must be
 /// one of them (by devid and device UUID); one not given is missing, an error unless
 /// `degraded`. A degraded open names the chunks that lost data. Returns the disk with the
 /// missing devices in its set.
-fn match_dev_items(disk: Arc<Disk>, degraded: bool) -> Result<Arc<Disk>> {
+fn match_dev_items(disk: Arc<Disk>, degraded: bool, any_count: bool) -> Result<Arc<Disk>> {
     if disk.devices.len() == 1 && disk.sb.num_devices == 1 {
         // One device of a filesystem of one: nothing to match (a damaged device item is the
         // checker's to report).
@@ -564,7 +575,8 @@ fn match_dev_items(disk: Arc<Disk>, degraded: bool) -> Result<Arc<Disk>> {
         items.push(d);
     }
     drop(it);
-    if items.len() as u64 != disk.sb.num_devices {
+    let all_given = items.len() == disk.devices.len();
+    if items.len() as u64 != disk.sb.num_devices && !(any_count && all_given) {
         // The kernel refuses this mismatch too.
         return Err(Error::corrupt(
             Location::what("superblock"),

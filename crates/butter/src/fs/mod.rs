@@ -233,7 +233,15 @@ impl Fs {
         given: Vec<(String, Arc<dyn BlockDevice>)>,
         opts: RwOptions,
     ) -> Result<Fs> {
-        let mut fs = Self::open_set_nolog(given, opts.degraded)?;
+        let mut fs = if opts.untouched {
+            Self::over_disk(crate::ctree::open_disk_set_with(
+                given,
+                opts.degraded,
+                true,
+            )?)?
+        } else {
+            Self::open_set_nolog(given, opts.degraded)?
+        };
         fs.refuse_writes()?;
         if opts.untouched && fs.core.disk.sb.log_root != 0 {
             return Err(Error::Unsupported(
