@@ -180,6 +180,18 @@ fn each_repair_kind_mends_one_damage_and_the_kernel_sees_the_files_as_before() {
             Box::new(|p: &Path| damage(p, FS_TREE, inode(258), 40, 4, |_| 1)),
         ),
         (
+            "nlink-zero",
+            "NlinkMismatch",
+            // nlink 0 on `b`, which has its name and no ORPHAN_ITEM.
+            Box::new(|p: &Path| damage(p, FS_TREE, inode(259), 40, 4, |_| 0)),
+        ),
+        (
+            "dir-nlink",
+            "NlinkMismatch",
+            // Directory `d` with nlink 2 (a btrfs directory has one).
+            Box::new(|p: &Path| damage(p, FS_TREE, inode(257), 40, 4, |_| 2)),
+        ),
+        (
             "inode-generation",
             "GenerationInvalid",
             // generation: byte 0, far past the filesystem's.
@@ -550,6 +562,42 @@ fn a_file_without_a_name_goes_to_lost_and_found() {
     assert_eq!(fs::read(m.path().join("d/a")).unwrap(), a);
     assert!(!m.path().join("d/b").exists());
     m.unmount();
+}
+
+/// A file unlinked (every name gone, nlink 0) whose ORPHAN_ITEM was lost gets one: both
+/// checkers clean after, and a kernel mount frees the inode (its data extent goes).
+#[test]
+fn an_unlinked_file_without_its_orphan_item_gets_one() {
+    if !fuse_mount::require("repair", &[]) || !kernel::require_privileges() {
+        return;
+    }
+    let s = ScratchDir::new("repair-orphan");
+    let img = healthy(&s);
+    remove_item(&img, FS_TREE, |k, _| k.objectid == 259 && k.ty == INODE_REF);
+    remove_item(&img, FS_TREE, entry_of(257, DIR_ITEM, b"b"));
+    remove_item(&img, FS_TREE, entry_of(257, DIR_INDEX, b"b"));
+    damage(&img, FS_TREE, inode(259), 40, 4, |_| 0);
+    let o = butter(&["check", "--repair", img.to_str().unwrap()]);
+    assert!(o.status.success(), "repair:\n{}", text(&o));
+    assert!(text(&o).contains("ORPHAN_ITEM"), "repair:\n{}", text(&o));
+    let (rc, t) = fuse_mount::butter_check(&img);
+    assert_eq!(rc, 0, "butter check after the repair:\n{t}");
+    let (ok, t) = kernel::btrfs_check(&img);
+    assert!(ok, "btrfs check after the repair:\n{t}");
+    LoopMount::btrfs(&img, &s.dir("rw"), "").unmount();
+    let (ok, t) = kernel::btrfs_check(&img);
+    assert!(ok, "btrfs check after a kernel mount:\n{t}");
+    let o = std::process::Command::new("btrfs")
+        .args(["inspect-internal", "dump-tree", "-t", "5"])
+        .arg(&img)
+        .output()
+        .unwrap();
+    let tree = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        !tree.contains("(259 INODE_ITEM"),
+        "the kernel kept the inode:\n{tree}"
+    );
+    assert!(!tree.contains("ORPHAN"), "the orphan item stayed:\n{tree}");
 }
 
 /// Without NO_HOLES every hole has a file extent item: one removed is made again, both

@@ -432,7 +432,7 @@ impl Checker<'_> {
                     },
                 );
             }
-            if !self.check_inode_fields(tid, n, ii, iloc, &orphans) {
+            if !self.check_inode_fields(tid, n, ii, iloc, &orphans, ino.names) {
                 // Unlinked, its deletion pending (perhaps half done): names, sizes and
                 // entries are not checked; its extents still are, through the extent tree.
                 continue;
@@ -552,6 +552,7 @@ impl Checker<'_> {
         ii: &InodeItem,
         iloc: &Location,
         orphans: &HashSet<u64>,
+        names: u64,
     ) -> bool {
         let gen_limit = self.fs.disk.sb.generation.saturating_add(1);
         let is_dir = ii.mode & 0o170000 == 0o040000;
@@ -596,21 +597,38 @@ impl Checker<'_> {
             );
         }
         if is_dir && ii.nlink >= 2 {
-            self.report.err(
+            self.report.err_fix(
                 FindingKind::NlinkMismatch,
                 iloc.clone(),
                 format!(
                     "directory {n}: nlink {} (a directory has one link)",
                     ii.nlink
                 ),
+                Fix::InodeNlink {
+                    root: tid,
+                    ino: n,
+                    nlink: 1,
+                },
             );
         }
         if ii.nlink == 0 {
             if !orphans.contains(&n) {
-                self.report.err(
+                // With names, nlink is what was damaged; without, the inode was unlinked
+                // and its ORPHAN_ITEM lost: given one, the next mount frees it.
+                let fix = match u32::try_from(names) {
+                    Ok(0) => Fix::OrphanItem { root: tid, ino: n },
+                    Ok(k) => Fix::InodeNlink {
+                        root: tid,
+                        ino: n,
+                        nlink: if is_dir { 1 } else { k },
+                    },
+                    Err(_) => Fix::OrphanItem { root: tid, ino: n },
+                };
+                self.report.err_fix(
                     FindingKind::NlinkMismatch,
                     iloc.clone(),
                     format!("inode {n}: nlink 0 but no ORPHAN_ITEM"),
+                    fix,
                 );
             }
             return false;

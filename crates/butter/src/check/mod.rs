@@ -247,6 +247,9 @@ pub enum Fix {
         nbytes: u64,
         nlink: u32,
     },
+    /// Inode `ino` of tree `root`, unlinked (nlink 0, no name) without its ORPHAN_ITEM,
+    /// gets one: the next mount frees it.
+    OrphanItem { root: u64, ino: u64 },
     /// The superblock's num_devices becomes the number of devices the chunk tree lists.
     NumDevices { count: u64 },
     /// Tree `root`'s deprecated free inode cache goes: the FREE_INO inode's items, its
@@ -441,6 +444,10 @@ impl fmt::Display for Fix {
             Fix::LostAndFound { root, ino, .. } => write!(
                 f,
                 "link inode {ino} of tree {root}, which has no name, into lost+found as \"{ino}\""
+            ),
+            Fix::OrphanItem { root, ino } => write!(
+                f,
+                "give unlinked inode {ino} of tree {root} an ORPHAN_ITEM (the next mount frees it)"
             ),
             Fix::NumDevices { count } => {
                 write!(f, "set the superblock's num_devices to {count}")

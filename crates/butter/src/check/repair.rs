@@ -122,6 +122,9 @@ pub(crate) fn apply(core: &Core, fixes: &[Fix]) -> Result<()> {
                 file_type,
             } => to_lost_and_found(core, root, ino, file_type)?,
             Fix::DropInodeCache { root } => core.op(false, |w| drop_inode_cache(w, root))?,
+            Fix::OrphanItem { root, ino } => core.op(false, |w| {
+                w.insert_item(root, Key::new(ORPHAN_OBJECTID, ORPHAN_ITEM_KEY, ino), &[])
+            })?,
             Fix::CopyRootBlock { root } => core.op(false, |w| {
                 // Rewriting the tree's first item as it is copies the path to it, the root
                 // block first, into blocks of this transaction.
