@@ -320,53 +320,63 @@ fn restore_dir_entry(
 /// FREE_INO inode, dropping its data extents' references, and the FREE_SPACE header naming
 /// it.
 fn drop_inode_cache(w: &mut crate::transaction::Writer, root: u64) -> Result<()> {
+    // The header of the cache's contents (a dir-item-like location key first).
+    let header = Key::new(FREE_SPACE_OBJECTID, 0, 0);
+    let names_cache = w
+        .read_item(root, &header)?
+        .is_some_and(|b| b.get(..8) == Some(&FREE_INO_OBJECTID.to_le_bytes()[..]));
+    drop_inode_items(w, root, FREE_INO_OBJECTID)?;
+    if names_cache {
+        w.delete_item(root, &header)?;
+    }
+    Ok(())
+}
+
+/// Deletes every item of inode `ino` of tree `root`, dropping its file extents' data
+/// references (a cache inode: nothing else names it).
+fn drop_inode_items(w: &mut crate::transaction::Writer, root: u64, ino: u64) -> Result<()> {
     use crate::format::items::{FileExtentBody, FileExtentItem};
     use crate::space::delayed_refs::RefKey;
     let t = w.current_root(root)?;
     let mut it = crate::ctree::TreeIter::new(
         w.disk.clone(),
         t,
-        Key::new(FREE_INO_OBJECTID, 0, 0),
+        Key::new(ino, 0, 0),
         crate::io::disk_io::Readahead::None,
     )?;
     let mut keys = Vec::new();
     let mut drops = Vec::new();
     while let Some(item) = it.next_item()? {
         let k = item.key;
-        if k.objectid == FREE_INO_OBJECTID {
-            if k.ty == EXTENT_DATA_KEY {
-                if let FileExtentBody::Extent {
-                    disk_bytenr,
-                    disk_num_bytes,
-                    offset,
-                    ..
-                } = FileExtentItem::parse(item.data())?.body
-                {
-                    if disk_bytenr != 0 {
-                        drops.push((disk_bytenr, disk_num_bytes, k.offset.wrapping_sub(offset)));
-                    }
-                }
-            }
-            keys.push(k);
-        } else if k.objectid == FREE_SPACE_OBJECTID {
-            // The header of the cache's contents: a dir-item-like location key first.
-            if item.data().get(..8) == Some(&FREE_INO_OBJECTID.to_le_bytes()[..]) {
-                keys.push(k);
-            }
-        } else {
+        if k.objectid != ino {
             break;
         }
+        if k.ty == EXTENT_DATA_KEY {
+            let fe = FileExtentItem::parse(item.data()).map_err(|e| item.annotate(e))?;
+            if let FileExtentBody::Extent {
+                disk_bytenr,
+                disk_num_bytes,
+                offset,
+                ..
+            } = fe.body
+            {
+                if disk_bytenr != 0 {
+                    let r = RefKey::Data {
+                        root,
+                        ino,
+                        offset: k.offset.wrapping_sub(offset),
+                    };
+                    drops.push((disk_bytenr, disk_num_bytes, r));
+                }
+            }
+        }
+        keys.push(k);
     }
     drop(it);
     for k in keys {
         w.delete_item(root, &k)?;
     }
-    for (b, len, offset) in drops {
-        let r = RefKey::Data {
-            root,
-            ino: FREE_INO_OBJECTID,
-            offset,
-        };
+    for (b, len, r) in drops {
         w.refs.add_data_ref(b, len, false, r, -1);
     }
     Ok(())
@@ -641,8 +651,6 @@ pub(crate) fn drop_private_tree(w: &mut crate::transaction::Writer, id: u64) -> 
 /// its data's references, and the superblock's cache generation set to "none" (the kernel
 /// then ignores any cache). Returns whether there was anything.
 pub(crate) fn clear_space_cache_v1(w: &mut crate::transaction::Writer) -> Result<bool> {
-    use crate::format::items::{FileExtentBody, FileExtentItem};
-    use crate::space::delayed_refs::RefKey;
     let root = w.current_root(ROOT_TREE_OBJECTID)?;
     let mut it = crate::ctree::TreeIter::new(
         w.disk.clone(),
@@ -651,59 +659,24 @@ pub(crate) fn clear_space_cache_v1(w: &mut crate::transaction::Writer) -> Result
         crate::io::disk_io::Readahead::None,
     )?;
     // Headers and the inodes they name (a header starts with the inode's location key).
-    let mut keys = Vec::new();
-    let mut inodes = Vec::new();
+    let mut headers = Vec::new();
+    let mut inodes = std::collections::BTreeSet::new();
     while let Some(item) = it.next_item()? {
         if item.key.objectid != FREE_SPACE_OBJECTID {
             break;
         }
         if let Some(b) = item.data().get(..8) {
-            let mut ino = [0u8; 8];
-            ino.copy_from_slice(b);
-            inodes.push(u64::from_le_bytes(ino));
+            inodes.insert(crate::format::le_u64(b, 0));
         }
-        keys.push(item.key);
+        headers.push(item.key);
     }
     drop(it);
-    let mut drops = Vec::new();
-    for ino in inodes {
-        let mut it = crate::ctree::TreeIter::new(
-            w.disk.clone(),
-            root,
-            Key::new(ino, 0, 0),
-            crate::io::disk_io::Readahead::None,
-        )?;
-        while let Some(item) = it.next_item()? {
-            if item.key.objectid != ino {
-                break;
-            }
-            if item.key.ty == EXTENT_DATA_KEY {
-                if let FileExtentBody::Extent {
-                    disk_bytenr,
-                    disk_num_bytes,
-                    offset,
-                    ..
-                } = FileExtentItem::parse(item.data())?.body
-                {
-                    if disk_bytenr != 0 {
-                        let r = RefKey::Data {
-                            root: ROOT_TREE_OBJECTID,
-                            ino,
-                            offset: item.key.offset.wrapping_sub(offset),
-                        };
-                        drops.push((disk_bytenr, disk_num_bytes, r));
-                    }
-                }
-            }
-            keys.push(item.key);
-        }
-    }
-    let any = !keys.is_empty() || w.sb.cache_generation != u64::MAX;
-    for k in keys {
+    let any = !headers.is_empty() || w.sb.cache_generation != u64::MAX;
+    for k in headers {
         w.delete_item(ROOT_TREE_OBJECTID, &k)?;
     }
-    for (b, len, r) in drops {
-        w.refs.add_data_ref(b, len, false, r, -1);
+    for ino in inodes {
+        drop_inode_items(w, ROOT_TREE_OBJECTID, ino)?;
     }
     w.sb.cache_generation = u64::MAX;
     Ok(any)
