@@ -27,6 +27,10 @@ const INODE_ITEM: u8 = 1;
 const EXTENT_DATA: u8 = 108;
 const EXTENT_ITEM: u8 = 168;
 const DEV_ITEM: u8 = 216;
+const DEV_TREE: u64 = 4;
+const DEV_EXTENT: u8 = 204;
+const ROOT_REF: u8 = 156;
+const ROOT_BACKREF: u8 = 144;
 const METADATA_ITEM: u8 = 169;
 const EXTENT_DATA_REF: u8 = 178;
 const INODE_REF: u8 = 12;
@@ -72,6 +76,14 @@ fn healthy(s: &ScratchDir) -> PathBuf {
         .output()
         .unwrap();
     assert!(o.status.success(), "cp --reflink: {}", text(&o));
+    // A subvolume (tree 256) with a file, linked from the top directory.
+    let o = std::process::Command::new("btrfs")
+        .args(["subvolume", "create"])
+        .arg(m.path().join("sv"))
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "btrfs subvolume create: {}", text(&o));
+    fs::write(m.path().join("sv/in-sv"), vec![3u8; 9000]).unwrap();
     m.unmount();
     img
 }
@@ -456,6 +468,48 @@ fn each_repair_kind_mends_one_damage_and_the_kernel_sees_the_files_as_before() {
                     sb[..4].copy_from_slice(&c.to_le_bytes());
                     f.write_all_at(&sb, at).unwrap();
                 }
+            }),
+        ),
+        (
+            "root-backref-missing",
+            "RootRefWithoutBackref",
+            // Subvolume sv's ROOT_BACKREF removed: its ROOT_REF and entry remain.
+            Box::new(|p: &Path| {
+                remove_item(p, ROOT_TREE, |k, _| {
+                    k.ty == ROOT_BACKREF && k.objectid == 256
+                });
+            }),
+        ),
+        (
+            "root-ref-missing",
+            "RootBackrefWithoutRef",
+            Box::new(|p: &Path| {
+                remove_item(p, ROOT_TREE, |k, _| k.ty == ROOT_REF && k.offset == 256);
+            }),
+        ),
+        (
+            "dev-extent-missing",
+            "DevExtentMissing",
+            // The first chunk's dev extent removed.
+            Box::new(|p: &Path| {
+                remove_item(p, DEV_TREE, |k, _| k.ty == DEV_EXTENT);
+            }),
+        ),
+        (
+            "dev-extent-length",
+            "DevExtentMismatch",
+            // The last dev extent's length (byte 24) one MiB short.
+            Box::new(|p: &Path| {
+                patch_item(
+                    p,
+                    DEV_TREE,
+                    true,
+                    |k, _| k.ty == DEV_EXTENT,
+                    |blk, _, d| {
+                        let n = u64::from_le_bytes(blk[d + 24..d + 32].try_into().unwrap());
+                        blk[d + 24..d + 32].copy_from_slice(&(n - MIB).to_le_bytes());
+                    },
+                );
             }),
         ),
         (

@@ -241,6 +241,9 @@ impl Checker<'_> {
                 );
             }
         }
+        // Each dev extent's length once the stripes' are mended: bytes_used follows these.
+        let mut repaired: BTreeMap<(u64, u64), u64> =
+            dexts.iter().map(|(k, (d, _, _))| (*k, d.length)).collect();
         for (logical, c, cloc) in &chunks {
             let n = c.num_stripes as u64;
             let data_stripes = match c.ty & BLOCK_GROUP_PROFILE_MASK {
@@ -265,25 +268,35 @@ impl Checker<'_> {
                         ),
                     );
                 }
+                // The chunk tree maps the data, so its stripes say what the dev extents are.
+                let fix = Fix::DevExtent {
+                    devid: st.devid,
+                    offset: st.offset,
+                    chunk_offset: *logical,
+                    length: stripe_len,
+                };
+                repaired.insert((st.devid, st.offset), stripe_len);
                 match dexts.get_mut(&(st.devid, st.offset)) {
-                    None => self.report.err(
+                    None => self.report.err_fix(
                         FindingKind::DevExtentMissing,
                         cloc.clone(),
                         format!(
                             "chunk {logical} stripe {i} (devid {} offset {}) has no DEV_EXTENT",
                             st.devid, st.offset
                         ),
+                        fix,
                     ),
                     Some((d, dloc, matched)) => {
                         *matched = true;
                         if d.chunk_offset != *logical || d.length != stripe_len {
-                            self.report.err(
+                            self.report.err_fix(
                                 FindingKind::DevExtentMismatch,
                                 dloc.clone(),
                                 format!(
                                     "dev extent at devid {} offset {} names chunk {} length {}, but it holds stripe {i} of chunk {logical} (stripe length {stripe_len})",
                                     st.devid, st.offset, d.chunk_offset, d.length
                                 ),
+                                fix,
                             );
                         }
                     }
@@ -349,20 +362,26 @@ impl Checker<'_> {
             let u = used.entry(*devid).or_default();
             *u = u.saturating_add(d.length);
         }
+        let mut will_use: BTreeMap<u64, u64> = BTreeMap::new();
+        for ((devid, _), len) in &repaired {
+            let u = will_use.entry(*devid).or_default();
+            *u = u.saturating_add(*len);
+        }
         for (devid, (dev, loc)) in &devs {
             let sum = used.get(devid).copied().unwrap_or(0);
+            let after = will_use.get(devid).copied().unwrap_or(0);
             if dev.bytes_used != sum {
-                self.report.err_fix(
+                self.report.err_maybe_fix(
                     FindingKind::DevBytesUsedMismatch,
                     loc.clone(),
                     format!(
                         "device {devid}: bytes_used {} but its dev extents total {sum}",
                         dev.bytes_used
                     ),
-                    Fix::DevBytesUsed {
+                    (dev.bytes_used != after).then_some(Fix::DevBytesUsed {
                         devid: *devid,
-                        used: sum,
-                    },
+                        used: after,
+                    }),
                 );
             }
         }
@@ -380,18 +399,19 @@ impl Checker<'_> {
         }
         let sd = &self.fs.disk.sb.dev_item;
         let sum = used.get(&sd.devid).copied().unwrap_or(0);
+        let after = will_use.get(&sd.devid).copied().unwrap_or(0);
         if sd.bytes_used != sum {
-            self.report.err_fix(
+            self.report.err_maybe_fix(
                 FindingKind::DevBytesUsedMismatch,
                 Location::what("superblock dev_item"),
                 format!(
                     "superblock device {}: bytes_used {} but its dev extents total {sum}",
                     sd.devid, sd.bytes_used
                 ),
-                Fix::DevBytesUsed {
+                (sd.bytes_used != after).then_some(Fix::DevBytesUsed {
                     devid: sd.devid,
-                    used: sum,
-                },
+                    used: after,
+                }),
             );
         }
     }

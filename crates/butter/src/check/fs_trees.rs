@@ -269,12 +269,26 @@ impl Checker<'_> {
                 String::from_utf8_lossy(&r.rr.name)
             )
         };
+        // The missing half of a pair is made again where the parent's directory entry
+        // confirms it.
+        let mate = |r: &RootRefRec, backref: bool| {
+            let e: RefKey = (r.parent, r.child, r.rr.dirid, r.rr.sequence, &r.rr.name);
+            entries.contains(&e).then(|| Fix::RootRef {
+                parent: r.parent,
+                child: r.child,
+                dirid: r.rr.dirid,
+                sequence: r.rr.sequence,
+                name: r.rr.name.clone(),
+                backref,
+            })
+        };
         for r in &self.root_refs {
             if !backrefs.contains(&key(r)) {
-                self.report.err(
+                self.report.err_maybe_fix(
                     FindingKind::RootRefWithoutBackref,
                     r.loc.clone(),
                     format!("ROOT_REF for {} has no matching ROOT_BACKREF", desc(r)),
+                    mate(r, true),
                 );
             }
             // Its directory entry, when the parent tree was checked.
@@ -292,10 +306,11 @@ impl Checker<'_> {
         }
         for b in &self.root_backrefs {
             if !refs.contains(&key(b)) {
-                self.report.err(
+                self.report.err_maybe_fix(
                     FindingKind::RootBackrefWithoutRef,
                     b.loc.clone(),
                     format!("ROOT_BACKREF for {} has no matching ROOT_REF", desc(b)),
+                    mate(b, false),
                 );
             }
         }

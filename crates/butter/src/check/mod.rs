@@ -309,6 +309,25 @@ pub enum Fix {
         level: Option<u8>,
         refs: Vec<(ExtentRef, u64)>,
     },
+    /// The ROOT_REF (or with `backref` the ROOT_BACKREF) of subvolume `child` in tree
+    /// `parent`, at directory `dirid` index `sequence` under `name`, is made: its mate and the
+    /// directory entry exist.
+    RootRef {
+        parent: u64,
+        child: u64,
+        dirid: u64,
+        sequence: u64,
+        name: Vec<u8>,
+        backref: bool,
+    },
+    /// Device `devid`'s DEV_EXTENT at `offset` names the chunk stripe that lies there: chunk
+    /// `chunk_offset`, `length` bytes.
+    DevExtent {
+        devid: u64,
+        offset: u64,
+        chunk_offset: u64,
+        length: u64,
+    },
 }
 
 /// One back reference of an extent, as the trees call for it (see [`Fix::ExtentRefs`]).
@@ -452,6 +471,27 @@ impl fmt::Display for Fix {
             Fix::NumDevices { count } => {
                 write!(f, "set the superblock's num_devices to {count}")
             }
+            Fix::RootRef {
+                parent,
+                child,
+                name,
+                backref,
+                ..
+            } => write!(
+                f,
+                "make the {} of subvolume {child} in tree {parent} ({:?}) again",
+                if *backref { "ROOT_BACKREF" } else { "ROOT_REF" },
+                String::from_utf8_lossy(name)
+            ),
+            Fix::DevExtent {
+                devid,
+                offset,
+                chunk_offset,
+                length,
+            } => write!(
+                f,
+                "make device {devid}'s dev extent at {offset} name chunk {chunk_offset} ({length} bytes)"
+            ),
             Fix::DropInodeCache { root } => {
                 write!(f, "delete tree {root}'s deprecated free inode cache")
             }

@@ -122,6 +122,47 @@ pub(crate) fn apply(core: &Core, fixes: &[Fix]) -> Result<()> {
                 file_type,
             } => to_lost_and_found(core, root, ino, file_type)?,
             Fix::DropInodeCache { root } => core.op(false, |w| drop_inode_cache(w, root))?,
+            Fix::RootRef {
+                parent,
+                child,
+                dirid,
+                sequence,
+                ref name,
+                backref,
+            } => core.op(false, |w| {
+                let body = crate::format::items::RootRef {
+                    dirid,
+                    sequence,
+                    name: name.clone(),
+                }
+                .to_bytes();
+                let key = if backref {
+                    Key::new(child, ROOT_BACKREF_KEY, parent)
+                } else {
+                    Key::new(parent, ROOT_REF_KEY, child)
+                };
+                w.replace_item(ROOT_TREE_OBJECTID, key, &body)
+            })?,
+            Fix::DevExtent {
+                devid,
+                offset,
+                chunk_offset,
+                length,
+            } => core.op(false, |w| {
+                let body = crate::format::items::DevExtent {
+                    chunk_tree: CHUNK_TREE_OBJECTID,
+                    chunk_objectid: FIRST_CHUNK_TREE_OBJECTID,
+                    chunk_offset,
+                    length,
+                    chunk_tree_uuid: w.chunk_tree_uuid,
+                }
+                .to_bytes();
+                w.replace_item(
+                    DEV_TREE_OBJECTID,
+                    Key::new(devid, DEV_EXTENT_KEY, offset),
+                    &body,
+                )
+            })?,
             Fix::OrphanItem { root, ino } => core.op(false, |w| {
                 w.insert_item(root, Key::new(ORPHAN_OBJECTID, ORPHAN_ITEM_KEY, ino), &[])
             })?,
