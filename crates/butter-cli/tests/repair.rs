@@ -703,6 +703,116 @@ fn a_missing_hole_item_is_made_again() {
     m.unmount();
 }
 
+/// `rescue fix-data-checksum`: one sector's checksum made wrong is listed with its file and
+/// nothing written; `-m 2` on data with one copy is refused, nothing written; `-m 1` makes
+/// the sum that of the data, and both checkers (data checksums read) are clean after, the
+/// kernel reading every file as before.
+#[test]
+fn fix_data_checksum_lists_a_wrong_sum_and_updates_it() {
+    if !fuse_mount::require("repair", &[]) || !kernel::require_privileges() {
+        return;
+    }
+    let s = ScratchDir::new("repair-fixcsum");
+    let img = s.join("fixcsum.img");
+    kernel::mkfs_btrfs(&img, 300 * MIB, &[] as &[&str]);
+    let m = LoopMount::btrfs(&img, &s.dir("fill"), "");
+    let noise: Vec<u8> = (0..65536u32)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 11) as u8)
+        .collect();
+    // Inode 257.
+    fs::write(m.path().join("f"), &noise).unwrap();
+    fs::write(m.path().join("g"), &noise[..20_000]).unwrap();
+    m.unmount();
+    let want = kernel_files(&img, &s, "before");
+    // f's data address (disk_bytenr: byte 21 of its file extent item).
+    let mut bytenr = 0u64;
+    patch_item(
+        &img,
+        FS_TREE,
+        false,
+        |k, _| k.objectid == 257 && k.ty == EXTENT_DATA,
+        |blk, _, d| bytenr = u64::from_le_bytes(blk[d + 21..d + 29].try_into().unwrap()),
+    );
+    assert!(bytenr > 0, "f has no data extent");
+    // The crc32c of f's second sector flipped.
+    let bad = bytenr + 4096;
+    patch_item(
+        &img,
+        ondisk::CSUM_TREE,
+        false,
+        |k, d| {
+            k.ty == ondisk::EXTENT_CSUM
+                && k.offset <= bad
+                && bad < k.offset + d.len() as u64 / 4 * 4096
+        },
+        |blk, h, d| {
+            // The key's offset: byte 9 of the item header.
+            let start = u64::from_le_bytes(blk[h + 9..h + 17].try_into().unwrap());
+            let at = d + ((bad - start) / 4096 * 4) as usize;
+            for b in &mut blk[at..at + 4] {
+                *b ^= 0xff;
+            }
+        },
+    );
+    let path = img.to_str().unwrap();
+    let bytes = fs::read(&img).unwrap();
+    let o = butter(&["rescue", "fix-data-checksum", path]);
+    assert!(o.status.success(), "fix-data-checksum: {}", text(&o));
+    let t = text(&o);
+    assert!(
+        t.contains(&format!(
+            "logical={bad} corrupted mirrors=1 affected files:"
+        )) && t.contains("(subvolume 5)/f"),
+        "the report:\n{t}"
+    );
+    assert_eq!(t.matches("logical=").count(), 1, "one bad sector:\n{t}");
+    let o = butter(&["rescue", "fix-data-checksum", "-m", "2", path]);
+    assert!(!o.status.success(), "-m 2 on one copy: {}", text(&o));
+    assert!(text(&o).contains("no mirror 2"), "{}", text(&o));
+    assert!(
+        fs::read(&img).unwrap() == bytes,
+        "a refused or read-only run wrote"
+    );
+    let o = butter(&["rescue", "fix-data-checksum", "-m", "1", path]);
+    assert!(o.status.success(), "fix-data-checksum -m 1: {}", text(&o));
+    assert!(
+        text(&o).contains(&format!(
+            "Csum item for logical {bad} updated using data from mirror 1"
+        )),
+        "{}",
+        text(&o)
+    );
+    let o = butter(&["rescue", "fix-data-checksum", path]);
+    assert!(
+        text(&o).contains("no data checksum mismatch found"),
+        "after: {}",
+        text(&o)
+    );
+    let o = std::process::Command::new("btrfs")
+        .args(["check", "--readonly", "--check-data-csum"])
+        .arg(&img)
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success(),
+        "btrfs check --check-data-csum after:\n{}",
+        text(&o)
+    );
+    let o = butter(&["check", "--check-data-csum", path]);
+    assert!(
+        o.status.success(),
+        "butter check --check-data-csum after:\n{}",
+        text(&o)
+    );
+    let got = kernel_files(&img, &s, "after");
+    manifest::assert_same(
+        &want,
+        &got,
+        &CompareOpts::all(),
+        "the files after fix-data-checksum",
+    );
+}
+
 /// `--init-csum-tree`: a checksum item's sums damaged (the data reads as corrupt) are made
 /// again from the data, compressed and NODATASUM files included: both checkers clean with
 /// their data checksums read, and the kernel reads every file as before.

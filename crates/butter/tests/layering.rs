@@ -375,8 +375,9 @@ fn imports_follow_the_layer_order() {
 /// `ExtentRef`, the back references a `Fix::ExtentRefs` gives an extent: 260.
 /// `Fs::clear_uuid_tree` (`butter rescue clear-uuid-tree`): 261. `Fs::init_csum_tree`
 /// (`butter check --repair --init-csum-tree`): 262. `Fs::clear_space_cache` (`butter rescue
-/// clear-space-cache v1|v2`): 263.)
-const PUB_ITEMS_MAX: usize = 263;
+/// clear-space-cache v1|v2`): 263. `butter rescue fix-data-checksum`:
+/// `Fs::data_checksum_mismatches` with its `BadSector`, `Fs::update_data_checksums`: 266.)
+const PUB_ITEMS_MAX: usize = 266;
 
 /// Files (or folders) built only under `cfg(any(test, feature = "internals"))`, as the `mod`
 /// lines of lib.rs and the folders' mod.rs declare them: not part of the public API.

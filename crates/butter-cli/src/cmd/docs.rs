@@ -48,6 +48,10 @@ pub fn examples(path: &str) -> &'static [(&'static str, &'static str)] {
         "rescue clear-uuid-tree" => &[
             ("Delete the uuid tree; the kernel builds it again at the next mount", "butter rescue clear-uuid-tree disk.img"),
         ],
+        "rescue fix-data-checksum" => &[
+            ("List the data sectors whose checksums do not match, with their files", "butter rescue fix-data-checksum disk.img"),
+            ("Make their checksums those of the data the first copy holds", "butter rescue fix-data-checksum -m 1 disk.img"),
+        ],
         "rescue clear-space-cache" => &[
             ("Delete the old v1 space cache files", "butter rescue clear-space-cache v1 disk.img"),
             ("Delete the free space tree; a mount with -o space_cache=v2 builds it again", "butter rescue clear-space-cache v2 disk.img"),

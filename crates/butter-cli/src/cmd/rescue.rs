@@ -45,6 +45,23 @@ pub enum RescueCmd {
         /// Image file or block device.
         image: PathBuf,
     },
+    /// Read every copy of every checksummed data sector and list those that do not match,
+    /// with the files that use them; with -m or -i, make a sector's checksum that of the data
+    /// one copy holds (for data that is right under a wrong checksum).
+    FixDataChecksum {
+        /// Only report (the default without -i or -m).
+        #[arg(short = 'r', long)]
+        readonly: bool,
+        /// Ask for each sector: ignore it (the default) or update its checksum from a mirror.
+        #[arg(short = 'i', long, conflicts_with_all = ["readonly", "mirror"])]
+        interactive: bool,
+        /// Update every mismatched sector's checksum from this copy (1-based).
+        #[arg(short = 'm', long, value_name = "NUM", conflicts_with = "readonly",
+              value_parser = clap::value_parser!(u32).range(1..))]
+        mirror: Option<u32>,
+        /// Image file or block device.
+        image: PathBuf,
+    },
 }
 
 #[derive(clap::Args)]
@@ -140,6 +157,12 @@ pub fn rescue(a: RescueArgs) -> CliResult {
             }
             Ok(())
         }
+        RescueCmd::FixDataChecksum {
+            interactive,
+            mirror,
+            image,
+            ..
+        } => fix_data_checksum(&image, interactive, mirror),
         RescueCmd::ClearUuidTree { image } => {
             let fs = open_untouched(&image)?;
             let cleared = fs.clear_uuid_tree().map_err(|e| {
@@ -156,6 +179,99 @@ pub fn rescue(a: RescueArgs) -> CliResult {
                 println!("{} has no uuid tree: nothing to do", image.display());
             }
             Ok(())
+        }
+    }
+}
+
+/// `rescue fix-data-checksum`: the report as btrfs-progs prints it, then the updates asked
+/// for, all in one verified transaction.
+fn fix_data_checksum(image: &Path, interactive: bool, mirror: Option<u32>) -> CliResult {
+    let fs = open_untouched(image)?;
+    let mut prog = super::progress::StatusLine::new();
+    let bad = fs
+        .data_checksum_mismatches(&mut |m| prog.show(m))
+        .map_err(|e| {
+            CliError(format!(
+                "cannot read the data of {}: {}",
+                image.display(),
+                CliError::from(e)
+            ))
+        })?;
+    prog.end();
+    if bad.is_empty() {
+        println!("no data checksum mismatch found");
+        return Ok(());
+    }
+    let mut updates = Vec::new();
+    let stdin = std::io::stdin();
+    for b in &bad {
+        let mirrors: Vec<String> = b.bad_mirrors.iter().map(|m| m.to_string()).collect();
+        println!(
+            "logical={} corrupted mirrors={} affected files:",
+            b.logical,
+            mirrors.join(",")
+        );
+        for (root, path) in &b.files {
+            println!("  (subvolume {root})/{path}");
+        }
+        let chosen = if interactive {
+            ask_mirror(&stdin, b.copies)
+        } else {
+            mirror
+        };
+        if let Some(m) = chosen {
+            if m > b.copies {
+                return Err(CliError(format!(
+                    "the data at logical {} has {} cop{}, no mirror {m}: nothing was written",
+                    b.logical,
+                    b.copies,
+                    if b.copies == 1 { "y" } else { "ies" }
+                )));
+            }
+            updates.push((b.logical, m));
+        }
+    }
+    if updates.is_empty() {
+        println!(
+            "{} sector(s) do not match their checksums; nothing changed (-m NUM updates them from mirror NUM)",
+            bad.len()
+        );
+        return Ok(());
+    }
+    fs.update_data_checksums(&updates).map_err(|e| {
+        CliError(format!(
+            "cannot update the checksums of {}: {}",
+            image.display(),
+            CliError::from(e)
+        ))
+    })?;
+    fs.close()?;
+    for (logical, m) in &updates {
+        println!("Csum item for logical {logical} updated using data from mirror {m}");
+    }
+    Ok(())
+}
+
+/// Asks what to do with one sector: ignore it (an empty answer, "i" or "ignore") or the
+/// mirror whose data gives the new checksum.
+fn ask_mirror(stdin: &std::io::Stdin, copies: u32) -> Option<u32> {
+    use std::io::Write;
+    loop {
+        let choices: String = (1..=copies).map(|m| format!("<{m}>")).collect();
+        print!("<<I>>gnore/{choices}:");
+        let _ = std::io::stdout().flush();
+        let mut line = String::new();
+        match stdin.read_line(&mut line) {
+            Ok(0) | Err(_) => return None,
+            Ok(_) => {}
+        }
+        let a = line.trim();
+        if a.is_empty() || a.eq_ignore_ascii_case("i") || a.eq_ignore_ascii_case("ignore") {
+            return None;
+        }
+        match a.parse::<u32>() {
+            Ok(m) if (1..=copies).contains(&m) => return Some(m),
+            _ => eprintln!("butter: answer i to ignore it, or a mirror from 1 to {copies}"),
         }
     }
 }

@@ -6,6 +6,7 @@
 //! inode layer's [`Core`] does the work and is not reachable from outside the crate.
 
 pub(crate) mod acl;
+mod fix_csum;
 mod init_csum;
 mod ops;
 pub mod posix;
@@ -13,6 +14,7 @@ mod repair;
 mod rescue;
 mod wrappers;
 
+pub use fix_csum::BadSector;
 pub use repair::RepairReport;
 
 pub use ops::{At, DirEnd, NewKind, NewNode, Renamed, Side};

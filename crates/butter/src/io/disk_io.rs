@@ -786,6 +786,11 @@ impl Disk {
         Some(self.devices.get(c.devid)?.read_at(buf, c.physical))
     }
 
+    /// Fills `buf` from one copy; false when its device is missing or the read fails.
+    pub(crate) fn read_copy(&self, c: PhysCopy, buf: &mut [u8]) -> bool {
+        matches!(self.read_phys(c, buf), Some(Ok(())))
+    }
+
     /// The bytes of one segment that `accept` takes: each copy in turn, then (RAID5/6) the
     /// piece rebuilt from the rest of its full stripe, treating as lost first only what is
     /// missing or unreadable, then (RAID6) each other block as well. `Ok(None)`: some copy
