@@ -8,6 +8,8 @@ Subcommands:
   digest DIR [--listing-only]      print "files= dirs= bytes= listing= content=" for DIR
   findlisting FILE                 listing hash of `find DIR -printf '%y\\t%s\\t%T@\\t%P\\n'`
                                    output (must equal the digest's listing= of the same tree)
+  damage-super IMAGE BYTES         add BYTES to bytes_used in every superblock copy of a btrfs
+                                   image, resealed (damage both checkers' repairs mend)
 
 The listing hash covers every entry below DIR (not DIR itself): relative path, type
 ('f' file, 'd' directory, other find %y letters) and, for regular files only, the size.
@@ -140,6 +142,49 @@ def cmd_findlisting(args):
     return 0
 
 
+def crc32c(data):
+    table = getattr(crc32c, "table", None)
+    if table is None:
+        table = []
+        for i in range(256):
+            c = i
+            for _ in range(8):
+                c = (c >> 1) ^ 0x82F63B78 if c & 1 else c >> 1
+            table.append(c)
+        crc32c.table = table
+    c = 0xFFFFFFFF
+    for x in data:
+        c = table[(c ^ x) & 0xFF] ^ (c >> 8)
+    return c ^ 0xFFFFFFFF
+
+
+def cmd_damage_super(args):
+    # Superblock copies at 64 KiB, 64 MiB and 256 GiB; bytes_used at byte 120, the magic at
+    # 64, the crc32c of bytes 32.. in the first four bytes (a crc32c filesystem only).
+    path, delta = args[0], int(args[1])
+    done = 0
+    with open(path, "r+b") as f:
+        size = os.fstat(f.fileno()).st_size
+        for at in (65536, 64 << 20, 256 << 30):
+            if at + 4096 > size:
+                continue
+            f.seek(at)
+            sb = bytearray(f.read(4096))
+            if sb[64:72] != b"_BHRfS_M" or int.from_bytes(sb[196:198], "little") != 0:
+                continue
+            used = int.from_bytes(sb[120:128], "little")
+            sb[120:128] = (used + delta).to_bytes(8, "little")
+            sb[0:32] = bytes(32)
+            sb[0:4] = crc32c(bytes(sb[32:])).to_bytes(4, "little")
+            f.seek(at)
+            f.write(sb)
+            done += 1
+    if done == 0:
+        sys.stderr.write(f"{path}: no crc32c btrfs superblock found\n")
+        return 1
+    return 0
+
+
 def opt(args, name, default):
     if name in args:
         i = args.index(name)
@@ -149,7 +194,8 @@ def opt(args, name, default):
 
 
 def main():
-    cmds = {"big": cmd_big, "tree": cmd_tree, "digest": cmd_digest, "findlisting": cmd_findlisting}
+    cmds = {"big": cmd_big, "tree": cmd_tree, "digest": cmd_digest, "findlisting": cmd_findlisting,
+            "damage-super": cmd_damage_super}
     if len(sys.argv) < 3 or sys.argv[1] not in cmds:
         sys.stderr.write(__doc__)
         return 2

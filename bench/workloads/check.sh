@@ -3,8 +3,11 @@
 # (issue 34 measures a /usr image the same way: BENCH_CHECK_SRC=/usr uses that tree
 # instead). The row, warm cache (the image read once first), median of BENCH_RUNS:
 # `butter check IMAGE` vs `btrfs check --readonly IMAGE`, each run's peak RSS (GNU time) in
-# its message. ext4 has no counterpart. (The repair against `btrfs check --repair` is not a
-# row yet.)
+# its message. ext4 has no counterpart. A second row repairs the same image with its
+# superblocks' bytes_used made wrong (lib/gen.py damage-super; the one damage both repairs
+# mend that a shell can make): `butter check --repair` vs `btrfs check --repair --force`
+# (--force: no 10-second pause before writing), each run on a fresh copy of the damaged
+# image; a run counts only when `btrfs check` finds the result clean.
 
 register_workload check 45 "" \
 	"butter check vs btrfs check --readonly on one image made by butter mkfs --rootdir; files/s, peak RSS"
@@ -12,7 +15,9 @@ register_workload check 45 "" \
 # ARGS: IMAGE [BUTTER] RSSFILE
 check_butter() { /usr/bin/time -f %M -o "$3" "$2" check "$1" >/dev/null; }
 check_kernel() { /usr/bin/time -f %M -o "$2" btrfs check --readonly "$1" >/dev/null; }
-export -f check_butter check_kernel
+repair_butter() { /usr/bin/time -f %M -o "$3" "$2" check --repair "$1" >/dev/null; }
+repair_kernel() { /usr/bin/time -f %M -o "$2" btrfs check --repair --force "$1" >/dev/null 2>&1; }
+export -f check_butter check_kernel repair_butter repair_kernel
 
 wl_check() {
 	local src=${BENCH_CHECK_SRC:-} row files size run sys rc err img rss mib
@@ -63,6 +68,47 @@ wl_check() {
 			fi
 		done
 	done
+	wl_check_repair "$img" "$files"
 	[[ -z ${BENCH_CHECK_SRC:-} ]] && rm -rf "$src"
 	rm -f "$img"
+}
+
+# ARGS: IMAGE FILES. The repair row (see the top of this file).
+wl_check_repair() {
+	local img=$1 files=$2 bad=$WORK/img/check-damaged.img copy=$WORK/img/check-repair.img
+	local row="repair ($files files)" run sys rc rss mib
+	cp --sparse=always "$img" "$bad"
+	if ! $GEN damage-super "$bad" 65536 >"$WORK/logs/check-damage.log" 2>&1; then
+		record check "$row" butter 1 0 "$files" files fail "damaging the image: $(last_line "$WORK/logs/check-damage.log")"
+		rm -f "$bad"
+		return
+	fi
+	row_begin check "$row" "files/s" "butter check --repair vs btrfs check --repair --force, superblock bytes_used damaged, a fresh copy each run"
+	record check "$row" ext4 1 0 "$files" files skip "no ext4 counterpart"
+	for ((run = 1; run <= RUNS; run++)); do
+		for sys in butter kernel; do
+			[[ -n ${FAILED["$row/$sys"]:-} ]] && continue
+			cp --sparse=always "$bad" "$copy"
+			cat "$copy" >/dev/null
+			TLOG=$WORK/logs/check-repair-$sys-$run.log
+			rss=$WORK/tmpfs/check-rss
+			if [[ $sys == butter ]]; then
+				timed repair_butter "$copy" "$BUTTER_BIN" "$rss"
+			else
+				timed repair_kernel "$copy" "$rss"
+			fi
+			rc=$?
+			mib=$(($(tail -1 "$rss" 2>/dev/null || echo 0) / 1024))
+			if ((rc != 0)); then
+				record check "$row" "$sys" "$run" "$NS" "$files" files fail "$(timed_error $rc)"
+				FAILED["$row/$sys"]=1
+			elif ! btrfs check --readonly "$copy" >"$WORK/logs/check-after-$sys.log" 2>&1; then
+				record check "$row" "$sys" "$run" "$NS" "$files" files fail "btrfs check finds the repaired image damaged"
+				FAILED["$row/$sys"]=1
+			else
+				record check "$row" "$sys" "$run" "$NS" "$files" files ok "peak RSS $mib MiB"
+			fi
+		done
+	done
+	rm -f "$bad" "$copy"
 }
