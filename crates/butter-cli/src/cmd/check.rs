@@ -31,11 +31,21 @@ pub struct CheckArgs {
     pub init_csum_tree: bool,
 }
 
+/// The block cache of a read-only check.
+const CHECK_CACHE: u64 = 16 << 20;
+
 pub fn check(a: CheckArgs) -> CliResult {
     if a.repair {
         return repair(&a.image, a.dry_run, a.init_csum_tree);
     }
     let fs = open_fs(&a.image).map_err(|e| CliError(format!("{e}{}", size_hint(&a.image))))?;
+    // The checker reads each tree block once, in one walk per tree: a small block cache
+    // costs no time (measured on a 100k-file image: 0.57 s either way) and keeps the
+    // memory to the checker's own records (304 MiB there, 427 with the default cache).
+    fs.set_memory(butter::fs::MemoryLimits {
+        cache: CHECK_CACHE,
+        dirty: u64::MAX,
+    });
     let mut err = std::io::stderr();
     let mut progress = |s: &str| {
         let _ = writeln!(std::io::stderr(), "{s}");
