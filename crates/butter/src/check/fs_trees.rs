@@ -8,27 +8,27 @@ use crate::inode::namespace::mode_to_ft;
 /// `Checker::check_fs_tree` and cross-checked after it.
 #[derive(Default)]
 struct Ino {
-    item: Option<(InodeItem, Location)>,
+    item: Option<(InodeItem, Place)>,
     names: u64,
     /// (parent, index, name, loc)
-    refs: Vec<(u64, u64, Vec<u8>, Location)>,
-    dir_items: Vec<(Vec<u8>, Key, Location)>,
+    refs: Vec<(u64, u64, Vec<u8>, Place)>,
+    dir_items: Vec<(Vec<u8>, Key, Place)>,
     /// (index, name, target, place, entry type)
-    dir_index: Vec<(u64, Vec<u8>, Key, Location, u8)>,
+    dir_index: Vec<(u64, Vec<u8>, Key, Place, u8)>,
     nbytes: u64,
-    first_loc: Option<Location>,
+    first_loc: Option<Place>,
     /// (logical, length, regular, compressed, file offset, location)
-    extents: Vec<(u64, u64, bool, bool, u64, Location)>,
+    extents: Vec<(u64, u64, bool, bool, u64, Place)>,
     /// First file offset with an extent item and where the last item ends.
     file_start: Option<u64>,
     file_end: Option<u64>,
     /// Start of the first gap between extent items, and where the item after it starts.
     first_gap: Option<u64>,
     first_gap_end: Option<u64>,
-    overlaps: Vec<(Location, String)>,
+    overlaps: Vec<(Place, String)>,
     /// Uncompressed inline extents whose ram_bytes is not their data's length: (key, place,
     /// ram_bytes, data length).
-    bad_inline: Vec<(Key, Location, u64, u64)>,
+    bad_inline: Vec<(Key, Place, u64, u64)>,
 }
 
 impl Ino {
@@ -38,14 +38,14 @@ impl Ino {
         &mut self,
         k: Key,
         data: &[u8],
-        loc: &Location,
+        loc: &Place,
         ss: u64,
     ) -> std::result::Result<(), String> {
         match k.ty {
             INODE_ITEM_KEY => {
                 self.item = Some((
                     InodeItem::parse(data).map_err(|e| e.to_string())?,
-                    loc.clone(),
+                    *loc,
                 ))
             }
             INODE_REF_KEY | INODE_EXTREF_KEY => self.add_names(k, data, loc)?,
@@ -62,17 +62,17 @@ impl Ino {
         &mut self,
         k: Key,
         data: &[u8],
-        loc: &Location,
+        loc: &Place,
     ) -> std::result::Result<(), String> {
         if k.ty == INODE_REF_KEY {
             for r in InodeRef::parse_all(data).map_err(|e| e.to_string())? {
                 self.names += 1;
-                self.refs.push((k.offset, r.index, r.name, loc.clone()));
+                self.refs.push((k.offset, r.index, r.name, *loc));
             }
         } else {
             for r in InodeExtref::parse_all(data).map_err(|e| e.to_string())? {
                 self.names += 1;
-                self.refs.push((r.parent, r.index, r.name, loc.clone()));
+                self.refs.push((r.parent, r.index, r.name, *loc));
             }
         }
         Ok(())
@@ -84,7 +84,7 @@ impl Ino {
         &mut self,
         k: Key,
         data: &[u8],
-        loc: &Location,
+        loc: &Place,
     ) -> std::result::Result<(), String> {
         if k.ty == DIR_ITEM_KEY {
             for d in DirItem::parse_all(data).map_err(|e| e.to_string())? {
@@ -94,12 +94,12 @@ impl Ino {
                         String::from_utf8_lossy(&d.name)
                     ));
                 }
-                self.dir_items.push((d.name, d.location, loc.clone()));
+                self.dir_items.push((d.name, d.location, *loc));
             }
         } else {
             for d in DirItem::parse_all(data).map_err(|e| e.to_string())? {
                 self.dir_index
-                    .push((k.offset, d.name, d.location, loc.clone(), d.file_type));
+                    .push((k.offset, d.name, d.location, *loc, d.file_type));
             }
         }
         Ok(())
@@ -112,7 +112,7 @@ impl Ino {
         &mut self,
         k: Key,
         data: &[u8],
-        loc: &Location,
+        loc: &Place,
         ss: u64,
     ) -> std::result::Result<(), String> {
         let fe = FileExtentItem::parse(data).map_err(|e| e.to_string())?;
@@ -121,7 +121,7 @@ impl Ino {
             FileExtentBody::Inline(d) if fe.compression == COMPRESS_NONE => {
                 let n = d.len() as u64;
                 if n != fe.ram_bytes {
-                    self.bad_inline.push((k, loc.clone(), fe.ram_bytes, n));
+                    self.bad_inline.push((k, *loc, fe.ram_bytes, n));
                 }
                 n
             }
@@ -135,7 +135,7 @@ impl Ino {
         match self.file_end {
             None => self.file_start = Some(k.offset),
             Some(end) if k.offset < end => self.overlaps.push((
-                loc.clone(),
+                *loc,
                 format!(
                     "inode {}: file extent at {} starts before the previous one ends at {end}",
                     k.objectid, k.offset
@@ -174,7 +174,7 @@ impl Ino {
                         fe.ty == FILE_EXTENT_REG,
                         fe.compression != COMPRESS_NONE,
                         k.offset,
-                        loc.clone(),
+                        *loc,
                     ));
                 }
             }
@@ -399,7 +399,7 @@ impl Checker<'_> {
         // Directory entries by (dir, index) and (dir, name).
         for (&n, ino) in &inodes {
             let Some((ii, iloc)) = &ino.item else {
-                let loc = ino.first_loc.clone().unwrap_or_default();
+                let loc: Location = ino.first_loc.map(Location::from).unwrap_or_default();
                 let msg = format!("tree {tid}: items for inode {n}, which has no INODE_ITEM");
                 // A new inode item from what the other items say, where it has a name.
                 let names: u64 = ino.dir_items.iter().map(|d| d.0.len() as u64).sum::<u64>()
@@ -435,7 +435,7 @@ impl Checker<'_> {
                 let mode = guessed_mode(n, ino, ii.mode, named.get(&n).copied());
                 self.report.err_fix(
                     FindingKind::InodeModeBad,
-                    iloc.clone(),
+                    *iloc,
                     format!(
                         "inode {n}: mode {:o} has no valid file type (its items say {:o})",
                         ii.mode, mode
@@ -456,7 +456,7 @@ impl Checker<'_> {
             for (key, loc, ram, len) in &ino.bad_inline {
                 self.report.err_fix(
                     FindingKind::InlineRamBytesMismatch,
-                    loc.clone(),
+                    *loc,
                     format!(
                         "inode {n}: inline extent at {} holds {len} bytes uncompressed but says ram_bytes {ram}",
                         key.offset
@@ -520,10 +520,10 @@ impl Checker<'_> {
             if k.objectid < FIRST_FREE_OBJECTID || k.objectid > LAST_FREE_OBJECTID {
                 continue; // free space cache inodes of the root tree, ...
             }
-            let loc = item_loc(&item, tid);
+            let loc = Place::of(&item, tid);
             let ino = inodes.entry(k.objectid).or_default();
             if ino.first_loc.is_none() {
-                ino.first_loc = Some(loc.clone());
+                ino.first_loc = Some(loc);
             }
             if let Err(msg) = ino.add_item(k, item.data(), &loc, ss) {
                 // A DIR_ITEM that decodes but names what does not hash to its key goes (a
@@ -565,7 +565,7 @@ impl Checker<'_> {
         tid: u64,
         n: u64,
         ii: &InodeItem,
-        iloc: &Location,
+        iloc: &Place,
         orphans: &HashSet<u64>,
         names: u64,
     ) -> bool {
@@ -587,7 +587,7 @@ impl Checker<'_> {
             let transid = if ok(ii.transid) { ii.transid } else { sb_gen };
             self.report.err_fix(
                 FindingKind::GenerationInvalid,
-                iloc.clone(),
+                *iloc,
                 format!(
                     "inode {n}: generation {} transid {}, but the superblock generation is {sb_gen} (at most one more is valid)",
                     ii.generation,
@@ -604,7 +604,7 @@ impl Checker<'_> {
         if is_lnk && ii.flags & (INODE_IMMUTABLE | INODE_APPEND) != 0 {
             self.report.err(
                 FindingKind::InodeFlagsBad,
-                iloc.clone(),
+                *iloc,
                 format!(
                     "inode {n}: a symlink with flags {:#x} (IMMUTABLE/APPEND cannot be set on symlinks)",
                     ii.flags
@@ -614,7 +614,7 @@ impl Checker<'_> {
         if is_dir && ii.nlink >= 2 {
             self.report.err_fix(
                 FindingKind::NlinkMismatch,
-                iloc.clone(),
+                *iloc,
                 format!(
                     "directory {n}: nlink {} (a directory has one link)",
                     ii.nlink
@@ -641,7 +641,7 @@ impl Checker<'_> {
                 };
                 self.report.err_fix(
                     FindingKind::NlinkMismatch,
-                    iloc.clone(),
+                    *iloc,
                     format!("inode {n}: nlink 0 but no ORPHAN_ITEM"),
                     fix,
                 );
@@ -659,14 +659,14 @@ impl Checker<'_> {
         n: u64,
         ino: &Ino,
         ii: &InodeItem,
-        iloc: &Location,
+        iloc: &Place,
     ) {
         let no_holes = self.fs.disk.sb.has_incompat(INCOMPAT_NO_HOLES);
         let is_reg = ii.mode & 0o170000 == 0o100000;
         let is_lnk = ii.mode & 0o170000 == 0o120000;
         for (loc, msg) in &ino.overlaps {
             self.report
-                .err(FindingKind::FileExtentOverlap, loc.clone(), msg.clone());
+                .err(FindingKind::FileExtentOverlap, *loc, msg.clone());
         }
         // Without NO_HOLES every byte up to isize has an extent item (holes included).
         if !no_holes && (is_reg || is_lnk) && ii.nlink > 0 && ii.size > 0 {
@@ -696,7 +696,7 @@ impl Checker<'_> {
                 };
                 self.report.err_maybe_fix(
                     FindingKind::FileExtentGap,
-                    iloc.clone(),
+                    *iloc,
                     format!(
                         "inode {n}: size {} but no file extent item (not even a hole) covers offset {g}, and the filesystem has no NO_HOLES",
                         ii.size
@@ -716,7 +716,7 @@ impl Checker<'_> {
         n: u64,
         ino: &Ino,
         ii: &InodeItem,
-        iloc: &Location,
+        iloc: &Place,
         named: bool,
     ) {
         let is_dir = ii.mode & 0o170000 == 0o040000;
@@ -731,7 +731,7 @@ impl Checker<'_> {
                 // A name count of 0 needs the inode gone or attached: not a field to set.
                 Ok(nlink) if nlink > 0 => self.report.err_fix(
                     FindingKind::NlinkMismatch,
-                    iloc.clone(),
+                    *iloc,
                     msg,
                     Fix::InodeNlink {
                         root: tid,
@@ -742,7 +742,7 @@ impl Checker<'_> {
                 // No name and no entry naming it: the inode goes to lost+found.
                 Ok(0) if !named && n != FIRST_FREE_OBJECTID => self.report.err_fix(
                     FindingKind::NlinkMismatch,
-                    iloc.clone(),
+                    *iloc,
                     msg,
                     Fix::LostAndFound {
                         root: tid,
@@ -752,7 +752,7 @@ impl Checker<'_> {
                 ),
                 _ => self
                     .report
-                    .err(FindingKind::NlinkMismatch, iloc.clone(), msg),
+                    .err(FindingKind::NlinkMismatch, *iloc, msg),
             }
         }
         if is_dir {
@@ -761,7 +761,7 @@ impl Checker<'_> {
             if ii.size != sum {
                 self.report.err_fix(
                     FindingKind::DirSizeMismatch,
-                    iloc.clone(),
+                    *iloc,
                     format!(
                         "directory {n}: isize {} but its DIR_ITEM and DIR_INDEX names total {sum} bytes",
                         ii.size
@@ -777,7 +777,7 @@ impl Checker<'_> {
         if (is_reg || ii.mode & 0o170000 == 0o120000) && ii.nbytes != ino.nbytes {
             self.report.err_fix(
                 FindingKind::NbytesMismatch,
-                iloc.clone(),
+                *iloc,
                 format!(
                     "inode {n}: nbytes {} but its extents account for {}",
                     ii.nbytes, ino.nbytes
@@ -800,14 +800,14 @@ impl Checker<'_> {
         n: u64,
         ino: &Ino,
         ii: &InodeItem,
-        iloc: &Location,
+        iloc: &Place,
         csum: &mut BTreeMap<(u64, u64), Location>,
     ) {
         let nodatasum = ii.flags & INODE_NODATASUM != 0;
         for (b, l, reg, compressed, foff, floc) in &ino.extents {
             // Compressed data always has csums, whatever the inode's flags say.
             if *reg && (!nodatasum || *compressed) {
-                csum.entry((*b, *l)).or_insert_with(|| iloc.clone());
+                csum.entry((*b, *l)).or_insert_with(|| iloc.into());
             }
             if *reg && nodatasum && !*compressed {
                 self.nodatasum.push(NodatasumRange {
@@ -816,13 +816,13 @@ impl Checker<'_> {
                     tree: tid,
                     ino: n,
                     file_off: *foff,
-                    loc: floc.clone(),
+                    loc: floc.into(),
                 });
             }
             if *compressed && nodatasum {
                 self.report.err(
                     FindingKind::FsItemBad,
-                    floc.clone(),
+                    *floc,
                     format!("inode {n}: compressed extent at {b} in a NODATASUM inode (compression needs csums)"),
                 );
             }
@@ -847,13 +847,13 @@ impl Checker<'_> {
                 // name goes.
                 let fix = dir_entry_fix(tid, n, name, None, loc_key, inodes).or_else(|| {
                     let alone = ino.dir_items.iter().filter(|d| d.2.key == dloc.key).count() == 1;
-                    dloc.key
+                    Some(dloc.key)
                         .filter(|_| alone && loc_key.ty == INODE_ITEM_KEY)
                         .map(|key| Fix::DeleteItem { tree: tid, key })
                 });
                 self.report.err_maybe_fix(
                     FindingKind::DirItemWithoutIndex,
-                    dloc.clone(),
+                    *dloc,
                     format!(
                         "directory {n}: DIR_ITEM {:?} -> {loc_key} has no DIR_INDEX",
                         String::from_utf8_lossy(name)
@@ -882,13 +882,13 @@ impl Checker<'_> {
                 .any(|(nm2, lk, _)| nm2 == name && lk == loc_key)
             {
                 let fix = dir_entry_fix(tid, n, name, Some(*idx), loc_key, inodes).or_else(|| {
-                    dloc.key
+                    Some(dloc.key)
                         .filter(|_| loc_key.ty == INODE_ITEM_KEY)
                         .map(|key| Fix::DeleteItem { tree: tid, key })
                 });
                 self.report.err_maybe_fix(
                     FindingKind::DirIndexWithoutItem,
-                    dloc.clone(),
+                    *dloc,
                     format!("directory {n}: DIR_INDEX {idx} {nm:?} -> {loc_key} has no DIR_ITEM"),
                     fix,
                 );
@@ -900,13 +900,13 @@ impl Checker<'_> {
                     index: *idx,
                     name: name.clone(),
                     child: loc_key.objectid,
-                    loc: dloc.clone(),
+                    loc: dloc.into(),
                 });
                 // A subvolume entry: the subvolume's tree must exist.
                 if !self.trees.iter().any(|r| r.id == loc_key.objectid) {
                     self.report.err(
                         FindingKind::DanglingInode,
-                        dloc.clone(),
+                        *dloc,
                         format!(
                             "directory {n}: DIR_INDEX {idx} {nm:?} -> subvolume {}, which has no tree",
                             loc_key.objectid
@@ -918,7 +918,7 @@ impl Checker<'_> {
             if loc_key.ty != INODE_ITEM_KEY {
                 self.report.err(
                     FindingKind::FsItemBad,
-                    dloc.clone(),
+                    *dloc,
                     format!("directory {n}: DIR_INDEX {idx} {nm:?} -> {loc_key}, neither an inode nor a subvolume"),
                 );
                 continue;
@@ -932,15 +932,15 @@ impl Checker<'_> {
                     {
                         self.report.err_maybe_fix(
                             FindingKind::DirEntryWithoutInodeRef,
-                            dloc.clone(),
+                            *dloc,
                             format!("directory {n}: DIR_INDEX {idx} {nm:?} -> inode {}, which has no INODE_REF/EXTREF with that parent, index and name", loc_key.objectid),
-                            dloc.key.map(|key| Fix::DeleteItem { tree: tid, key }),
+                            Some(dloc.key).map(|key| Fix::DeleteItem { tree: tid, key }),
                         );
                     }
                 }
                 _ => self.report.err(
                     FindingKind::DanglingInode,
-                    dloc.clone(),
+                    *dloc,
                     format!(
                         "directory {n}: DIR_INDEX {idx} {nm:?} -> inode {}, which does not exist",
                         loc_key.objectid
@@ -983,7 +983,7 @@ impl Checker<'_> {
                         });
                 self.report.err_maybe_fix(
                     kind,
-                    rloc.clone(),
+                    *rloc,
                     format!(
                         "inode {n}: ref {:?} in directory {parent} index {idx} has no DIR_INDEX ({parent} DIR_INDEX {idx})",
                         String::from_utf8_lossy(name)

@@ -574,20 +574,32 @@ impl Report {
     pub(crate) fn has(&self, kind: FindingKind) -> bool {
         self.findings.iter().any(|f| f.kind == kind)
     }
-    fn add(&mut self, severity: Severity, kind: FindingKind, location: Location, msg: String) {
+    fn add(
+        &mut self,
+        severity: Severity,
+        kind: FindingKind,
+        location: impl Into<Location>,
+        msg: String,
+    ) {
         self.findings.push(Finding {
             severity,
             kind,
-            location,
+            location: location.into(),
             message: msg,
             fix: None,
         });
     }
-    fn err(&mut self, kind: FindingKind, location: Location, msg: String) {
+    fn err(&mut self, kind: FindingKind, location: impl Into<Location>, msg: String) {
         self.add(Severity::Error, kind, location, msg);
     }
     /// An error the repair knows how to mend with `fix`.
-    fn err_fix(&mut self, kind: FindingKind, location: Location, msg: String, fix: Fix) {
+    fn err_fix(
+        &mut self,
+        kind: FindingKind,
+        location: impl Into<Location>,
+        msg: String,
+        fix: Fix,
+    ) {
         self.err_maybe_fix(kind, location, msg, Some(fix));
     }
 
@@ -595,7 +607,7 @@ impl Report {
     fn err_maybe_fix(
         &mut self,
         kind: FindingKind,
-        location: Location,
+        location: impl Into<Location>,
         msg: String,
         fix: Option<Fix>,
     ) {
@@ -873,4 +885,44 @@ fn item_loc(it: &ItemRef, tree: u64) -> Location {
     let mut l = it.loc();
     l.tree = Some(tree);
     l
+}
+
+/// An item's place (tree, block, slot, key) in 48 bytes, for the records the checker keeps
+/// per inode and extent (a [`Location`] is 120); made a `Location` when reported.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Place {
+    tree: u64,
+    bytenr: u64,
+    key: Key,
+    slot: u32,
+}
+
+impl Place {
+    fn of(it: &ItemRef, tree: u64) -> Place {
+        let l = it.loc();
+        Place {
+            tree,
+            bytenr: l.bytenr.unwrap_or(0),
+            key: l.key.unwrap_or(it.key),
+            slot: l.slot.unwrap_or(0) as u32,
+        }
+    }
+}
+
+impl From<Place> for Location {
+    fn from(p: Place) -> Location {
+        Location {
+            tree: Some(p.tree),
+            bytenr: Some(p.bytenr),
+            slot: Some(p.slot as usize),
+            key: Some(p.key),
+            ..Default::default()
+        }
+    }
+}
+
+impl From<&Place> for Location {
+    fn from(p: &Place) -> Location {
+        Location::from(*p)
+    }
 }
