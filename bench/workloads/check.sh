@@ -1,7 +1,8 @@
 # check: the offline checker against btrfs-progs' on the same image.
 # One image of a BENCH_FILES-file tree (lib/gen.py tree) made by `butter mkfs --rootdir`
 # (issue 34 measures a /usr image the same way: BENCH_CHECK_SRC=/usr uses that tree
-# instead). The row, warm cache (the image read once first), median of BENCH_RUNS:
+# instead). The row, cold cache (dropped before every run: btrfs check drops the image's
+# cached pages itself when it opens it, so it always reads cold), median of BENCH_RUNS:
 # `butter check IMAGE` vs `btrfs check --readonly IMAGE`, each run's peak RSS (GNU time) in
 # its message. ext4 has no counterpart. A second row repairs the same image with its
 # superblocks' bytes_used made wrong (lib/gen.py damage-super; the one damage both repairs
@@ -44,13 +45,12 @@ wl_check() {
 		return
 	fi
 	row="check ($files files)"
-	row_begin check "$row" "files/s" "butter check vs btrfs check --readonly, one image made by butter mkfs --rootdir, warm cache"
+	row_begin check "$row" "files/s" "butter check vs btrfs check --readonly, one image made by butter mkfs --rootdir, cold cache"
 	record check "$row" ext4 1 0 "$files" files skip "no ext4 counterpart"
-	# Warm the page cache.
-	cat "$img" >/dev/null
 	for ((run = 1; run <= RUNS; run++)); do
 		for sys in butter kernel; do
 			[[ -n ${FAILED["$row/$sys"]:-} ]] && continue
+			drop_caches
 			TLOG=$WORK/logs/check-$sys-$run.log
 			rss=$WORK/tmpfs/check-rss
 			if [[ $sys == butter ]]; then
@@ -83,13 +83,13 @@ wl_check_repair() {
 		rm -f "$bad"
 		return
 	fi
-	row_begin check "$row" "files/s" "butter check --repair vs btrfs check --repair --force, superblock bytes_used damaged, a fresh copy each run"
+	row_begin check "$row" "files/s" "butter check --repair vs btrfs check --repair --force, superblock bytes_used damaged, a fresh copy each run, cold cache"
 	record check "$row" ext4 1 0 "$files" files skip "no ext4 counterpart"
 	for ((run = 1; run <= RUNS; run++)); do
 		for sys in butter kernel; do
 			[[ -n ${FAILED["$row/$sys"]:-} ]] && continue
 			cp --sparse=always "$bad" "$copy"
-			cat "$copy" >/dev/null
+			drop_caches
 			TLOG=$WORK/logs/check-repair-$sys-$run.log
 			rss=$WORK/tmpfs/check-rss
 			if [[ $sys == butter ]]; then

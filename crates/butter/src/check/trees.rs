@@ -318,6 +318,9 @@ impl Checker<'_> {
                 }
                 continue;
             }
+            // The children are read next, depth first: the device starts on all of them.
+            let children: Vec<u64> = (0..b.nritems()).map(|s| b.ptr(s).blockptr).collect();
+            disk.will_need_blocks(&children);
             let mut seen = HashSet::new();
             for slot in 0..b.nritems() {
                 let p = b.ptr(slot);

@@ -223,6 +223,24 @@ impl BlockDevice for FileDevice {
     fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
         self.file.write_all_at(buf, offset)
     }
+    /// Asks the kernel to start reading the range into its page cache (a whole-tree walk
+    /// on a cold cache then waits on one read at a time no longer).
+    fn will_need(&self, offset: u64, len: u64) {
+        use std::os::fd::AsRawFd;
+        let (Ok(off), Ok(len)) = (i64::try_from(offset), i64::try_from(len)) else {
+            return;
+        };
+        // SAFETY: posix_fadvise only reads its integer arguments; the descriptor is open for
+        // as long as `self.file` lives. A failed hint changes nothing.
+        unsafe {
+            libc::posix_fadvise(
+                self.file.as_raw_fd(),
+                off,
+                len,
+                libc::POSIX_FADV_WILLNEED,
+            );
+        }
+    }
     fn flush(&self) -> io::Result<()> {
         self.file.sync_data()
     }

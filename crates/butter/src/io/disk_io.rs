@@ -786,6 +786,28 @@ impl Disk {
         Some(self.devices.get(c.devid)?.read_at(buf, c.physical))
     }
 
+    /// Hints the devices that the tree blocks at these logical addresses will be read soon
+    /// (the first copy of each, unless already cached here).
+    pub(crate) fn will_need_blocks(&self, bytenrs: &[u64]) {
+        let ns = self.sb.nodesize as u64;
+        let map = self.chunk_map();
+        for &b in bytenrs {
+            if self.is_cached(b) {
+                continue;
+            }
+            let Ok(segs) = map.segments(b, ns) else {
+                continue;
+            };
+            for seg in &segs {
+                if let Some(c) = seg.copies.first() {
+                    if let Some(dev) = self.devices.get(c.devid) {
+                        dev.will_need(c.physical, seg.len);
+                    }
+                }
+            }
+        }
+    }
+
     /// Fills `buf` from one copy; false when its device is missing or the read fails.
     pub(crate) fn read_copy(&self, c: PhysCopy, buf: &mut [u8]) -> bool {
         matches!(self.read_phys(c, buf), Some(Ok(())))
