@@ -376,8 +376,9 @@ fn imports_follow_the_layer_order() {
 /// `Fs::clear_uuid_tree` (`butter rescue clear-uuid-tree`): 261. `Fs::init_csum_tree`
 /// (`butter check --repair --init-csum-tree`): 262. `Fs::clear_space_cache` (`butter rescue
 /// clear-space-cache v1|v2`): 263. `butter rescue fix-data-checksum`:
-/// `Fs::data_checksum_mismatches` with its `BadSector`, `Fs::update_data_checksums`: 266.)
-const PUB_ITEMS_MAX: usize = 266;
+/// `Fs::data_checksum_mismatches` with its `BadSector`, `Fs::update_data_checksums`: 266.
+/// `Fs::init_extent_tree` (`butter check --repair --init-extent-tree`): 267.)
+const PUB_ITEMS_MAX: usize = 267;
 
 /// Files (or folders) built only under `cfg(any(test, feature = "internals"))`, as the `mod`
 /// lines of lib.rs and the folders' mod.rs declare them: not part of the public API.

@@ -29,6 +29,16 @@ pub struct CheckArgs {
         conflicts_with = "dry_run"
     )]
     pub init_csum_tree: bool,
+    /// With --repair: make the extent tree again from the other trees first (every tree
+    /// block and data extent they use, with the back references they call for; block
+    /// groups' used bytes and the free space tree with them), written only when the result
+    /// has no new problem.
+    #[arg(
+        long = "init-extent-tree",
+        requires = "repair",
+        conflicts_with = "dry_run"
+    )]
+    pub init_extent_tree: bool,
 }
 
 /// The block cache of a read-only check.
@@ -36,7 +46,7 @@ const CHECK_CACHE: u64 = 16 << 20;
 
 pub fn check(a: CheckArgs) -> CliResult {
     if a.repair {
-        return repair(&a.image, a.dry_run, a.init_csum_tree);
+        return repair(&a);
     }
     let fs = open_fs(&a.image).map_err(|e| CliError(format!("{e}{}", size_hint(&a.image))))?;
     // The checker reads each tree block once, in one walk per tree: a small block cache
@@ -93,22 +103,36 @@ pub fn check(a: CheckArgs) -> CliResult {
 }
 
 /// `butter check --repair [--dry-run] IMAGE`.
-fn repair(image: &std::path::Path, dry_run: bool, init_csum_tree: bool) -> CliResult {
-    let opts = butter::fs::RwOptions {
-        untouched: true,
-        ..Default::default()
+fn repair(a: &CheckArgs) -> CliResult {
+    let (image, dry_run) = (a.image.as_path(), a.dry_run);
+    let open = || {
+        let opts = butter::fs::RwOptions {
+            untouched: true,
+            ..Default::default()
+        };
+        super::open_fs_rw(image, opts).map_err(|e| {
+            CliError(format!(
+                "cannot open {} for repair: {}",
+                image.display(),
+                CliError::from(e)
+            ))
+        })
     };
-    let fs = super::open_fs_rw(image, opts).map_err(|e| {
-        CliError(format!(
-            "cannot open {} for repair: {}",
-            image.display(),
-            CliError::from(e)
-        ))
-    })?;
+    let fs = open()?;
     let mut progress = |s: &str| {
         let _ = writeln!(std::io::stderr(), "{s}");
     };
-    if init_csum_tree {
+    if a.init_extent_tree {
+        let n = fs.init_extent_tree(&mut progress).map_err(|e| {
+            CliError(format!(
+                "cannot make the extent tree of {} again: {}",
+                image.display(),
+                CliError::from(e)
+            ))
+        })?;
+        println!("made the extent tree again: {n} extents recorded");
+    }
+    if a.init_csum_tree {
         let n = fs.init_csum_tree(&mut progress).map_err(|e| {
             CliError(format!(
                 "cannot make the checksum tree of {} again: {}",
@@ -121,6 +145,15 @@ fn repair(image: &std::path::Path, dry_run: bool, init_csum_tree: bool) -> CliRe
             n >> 20
         );
     }
+    let fs = if a.init_extent_tree || a.init_csum_tree {
+        // The repair checks what is on the image now, as a fresh open reads it (the
+        // superblock's fields included).
+        fs.close()?;
+        drop(fs);
+        open()?
+    } else {
+        fs
+    };
     let r = fs.repair(dry_run, &mut progress)?;
     let mut out = std::io::stdout().lock();
     let problems = |rep: &butter::check::Report| {

@@ -35,6 +35,7 @@ pub fn examples(path: &str) -> &'static [(&'static str, &'static str)] {
             ("Also read every data block and compare its checksum", "butter check --check-data-csum disk.img"),
             ("See what a repair would change, then repair", "butter check --repair --dry-run disk.img && butter check --repair disk.img"),
             ("Make the checksum tree again from the data, then repair the rest", "butter check --repair --init-csum-tree disk.img"),
+            ("Make the extent tree again from the other trees, then repair the rest", "butter check --repair --init-extent-tree disk.img"),
         ],
         "rescue" | "rescue zero-log" => &[
             ("Drop an fsync log that cannot be replayed (the last fsyncs are lost)", "butter rescue zero-log disk.img"),

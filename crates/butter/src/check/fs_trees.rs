@@ -43,10 +43,7 @@ impl Ino {
     ) -> std::result::Result<(), String> {
         match k.ty {
             INODE_ITEM_KEY => {
-                self.item = Some((
-                    InodeItem::parse(data).map_err(|e| e.to_string())?,
-                    *loc,
-                ))
+                self.item = Some((InodeItem::parse(data).map_err(|e| e.to_string())?, *loc))
             }
             INODE_REF_KEY | INODE_EXTREF_KEY => self.add_names(k, data, loc)?,
             DIR_ITEM_KEY | DIR_INDEX_KEY => self.add_dir_entries(k, data, loc)?,
@@ -58,12 +55,7 @@ impl Ino {
 
     /// An INODE_REF (parent in the key offset) or INODE_EXTREF (parent in each entry): each
     /// name counts toward the link count and is kept for the directory cross-check.
-    fn add_names(
-        &mut self,
-        k: Key,
-        data: &[u8],
-        loc: &Place,
-    ) -> std::result::Result<(), String> {
+    fn add_names(&mut self, k: Key, data: &[u8], loc: &Place) -> std::result::Result<(), String> {
         if k.ty == INODE_REF_KEY {
             for r in InodeRef::parse_all(data).map_err(|e| e.to_string())? {
                 self.names += 1;
@@ -750,9 +742,7 @@ impl Checker<'_> {
                         file_type: entry_type(n, ino, ii),
                     },
                 ),
-                _ => self
-                    .report
-                    .err(FindingKind::NlinkMismatch, *iloc, msg),
+                _ => self.report.err(FindingKind::NlinkMismatch, *iloc, msg),
             }
         }
         if is_dir {

@@ -593,13 +593,7 @@ impl Report {
         self.add(Severity::Error, kind, location, msg);
     }
     /// An error the repair knows how to mend with `fix`.
-    fn err_fix(
-        &mut self,
-        kind: FindingKind,
-        location: impl Into<Location>,
-        msg: String,
-        fix: Fix,
-    ) {
+    fn err_fix(&mut self, kind: FindingKind, location: impl Into<Location>, msg: String, fix: Fix) {
         self.err_maybe_fix(kind, location, msg, Some(fix));
     }
 
@@ -751,6 +745,10 @@ struct Checker<'a> {
     /// File extent items a data extent's unused back reference can give back, by (tree,
     /// inode, file offset) (phase 3 -> the file extent cover of phase 5).
     restorable: HashMap<(u64, u64, u64), Fix>,
+    /// For `--init-extent-tree` ([`expected_extents`]): the extent tree is neither walked
+    /// nor read, so every extent the other trees use is found missing, with the back
+    /// references they call for.
+    rebuild: bool,
 }
 
 /// A regular, uncompressed extent of a NODATASUM inode.
@@ -792,6 +790,7 @@ pub(crate) fn check_with(
         nodatasum: Vec::new(),
         stale_root_items: false,
         restorable: HashMap::new(),
+        rebuild: false,
     };
     let n0 = c.report.findings.len();
     c.phase_trees()?;
@@ -878,6 +877,76 @@ fn range_diff(a: &[(u64, u64)], b: &[(u64, u64)]) -> Vec<(u64, u64)> {
         }
     }
     out
+}
+
+/// Every extent the trees other than the extent tree use, with the back references they
+/// call for, as [`Fix::ExtentRefs`] (what `--init-extent-tree` makes the new extent tree
+/// from): tree blocks reached from every tree but the extent tree, data extents named by file
+/// extent items. An error names what keeps the set from being complete: a tree block that
+/// cannot be read, file extents that disagree on an extent's length.
+pub(crate) fn expected_extents(fs: &Core, progress: &mut dyn FnMut(&str)) -> Result<Vec<Fix>> {
+    let mut c = Checker {
+        fs,
+        report: Report::default(),
+        blocks: HashMap::new(),
+        file_exts: Vec::new(),
+        trees: Vec::new(),
+        extents: BTreeMap::new(),
+        groups: Vec::new(),
+        root_items: BTreeMap::new(),
+        root_refs: Vec::new(),
+        root_backrefs: Vec::new(),
+        subvol_entries: Vec::new(),
+        dropping: HashSet::new(),
+        nodatasum: Vec::new(),
+        stale_root_items: false,
+        restorable: HashMap::new(),
+        rebuild: true,
+    };
+    c.phase_trees()?;
+    progress(&format!(
+        "trees read: {} trees, {} blocks",
+        c.report.counts.trees, c.report.counts.tree_blocks
+    ));
+    if let Some(f) = c.report.findings.iter().find(|f| {
+        matches!(
+            f.kind,
+            FindingKind::TreeBlockUnreadable | FindingKind::RootItemBad
+        ) && f.severity != Severity::Warning
+    }) {
+        return Err(Error::Invalid(format!(
+            "the extent tree cannot be made again while another tree is damaged: {f}"
+        )));
+    }
+    c.phase_metadata_refs();
+    c.phase_data_refs();
+    let mut out = Vec::new();
+    let mut seen: HashSet<u64> = HashSet::new();
+    for f in &c.report.findings {
+        match (&f.kind, &f.fix) {
+            (
+                FindingKind::MetadataExtentMissing | FindingKind::DataExtentMissing,
+                Some(fix @ Fix::ExtentRefs { bytenr, .. }),
+            ) if seen.insert(*bytenr) => out.push(fix.clone()),
+            (
+                FindingKind::MetadataExtentMissing | FindingKind::DataExtentMissing,
+                Some(Fix::ExtentRefs { .. }),
+            ) => {}
+            (FindingKind::DataExtentMissing, _) => {
+                return Err(Error::Invalid(format!(
+                    "the extent tree cannot be made again: {f}"
+                )))
+            }
+            _ => {}
+        }
+    }
+    if c.stale_root_items {
+        return Err(Error::Invalid(
+            "the extent tree cannot be made again: a root item names an older root block than its tree's newest (run `butter check --repair` first)".into(),
+        ));
+    }
+    progress(&format!("{} extents to record", out.len()));
+    Ok(out)
 }
 
 /// Location naming an item.

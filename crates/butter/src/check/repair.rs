@@ -514,7 +514,7 @@ fn to_lost_and_found(core: &Core, root: u64, ino: u64, file_type: u8) -> Result<
 /// [`Fix::ExtentRefs`]); the commit applies them as it applies every change's, making or
 /// deleting the item and keeping the block group's used bytes and free space in step. An
 /// item there that cannot be read goes first.
-fn set_extent_refs(
+pub(crate) fn set_extent_refs(
     w: &mut crate::transaction::Writer,
     bytenr: u64,
     len: u64,

@@ -87,6 +87,10 @@ impl Checker<'_> {
             if id == TREE_LOG_OBJECTID || ri.bytenr == 0 {
                 continue;
             }
+            // Making the extent tree again: its old blocks are not kept, so not walked.
+            if self.rebuild && id == EXTENT_TREE_OBJECTID {
+                continue;
+            }
             let gen_limit = self.fs.disk.sb.generation.saturating_add(1);
             if ri.generation > gen_limit {
                 let loc = self

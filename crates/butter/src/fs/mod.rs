@@ -8,6 +8,7 @@
 pub(crate) mod acl;
 mod fix_csum;
 mod init_csum;
+mod init_extent;
 mod ops;
 pub mod posix;
 mod repair;
@@ -262,6 +263,17 @@ impl Fs {
         fs.core.compress_force = opts.compress_force && opts.compress.is_some();
         fs.core.max_inline = crate::inode::file::max_inline_for(&fs.core.disk, opts.max_inline);
         let mut w = crate::tree_log::replay::start_writer(&fs.core)?;
+        if let Some(why) = &w.extent_tree_unread {
+            if !opts.untouched {
+                return Err(Error::corrupt(
+                    crate::error::Location::what("extent tree").with_tree(EXTENT_TREE_OBJECTID),
+                    format!(
+                        "{why}; `butter check --repair --init-extent-tree` makes it again from \
+                         the other trees"
+                    ),
+                ));
+            }
+        }
         if opts.unfinished {
             // From the first commit on, no copy of the superblock says "filesystem" until
             // `close` (an interrupted build leaves an image no tool takes for a filesystem).

@@ -233,12 +233,7 @@ impl BlockDevice for FileDevice {
         // SAFETY: posix_fadvise only reads its integer arguments; the descriptor is open for
         // as long as `self.file` lives. A failed hint changes nothing.
         unsafe {
-            libc::posix_fadvise(
-                self.file.as_raw_fd(),
-                off,
-                len,
-                libc::POSIX_FADV_WILLNEED,
-            );
+            libc::posix_fadvise(self.file.as_raw_fd(), off, len, libc::POSIX_FADV_WILLNEED);
         }
     }
     fn flush(&self) -> io::Result<()> {

@@ -5,7 +5,7 @@
 use super::chunk_alloc::exclude_supers;
 use super::Writer;
 use crate::ctree::TreeIter;
-use crate::error::Result;
+use crate::error::{Error, Location, Result};
 use crate::format::items::*;
 use crate::format::*;
 use crate::io::disk_io::Readahead;
@@ -17,7 +17,6 @@ impl Writer {
         let ns = self.disk.nodesize() as u64;
         let extent_root = self.current_root(EXTENT_TREE_OBJECTID)?;
         let mut groups: Vec<BlockGroup> = Vec::new();
-        let mut it = TreeIter::new(self.disk.clone(), extent_root, Key::MIN, Readahead::Forward)?;
         let mut used_ranges: Vec<(u64, u64)> = Vec::new();
         let mut group_item = |item: &crate::ctree::ItemRef| -> Result<()> {
             let bgi = BlockGroupItem::parse(item.data()).map_err(|e| item.annotate(e))?;
@@ -27,7 +26,47 @@ impl Writer {
             Ok(())
         };
         let bg_tree = self.block_group_tree();
-        while let Some(item) = it.next_item()? {
+        // With the groups in a tree of their own and a free space tree, an extent tree that
+        // cannot be read leaves the free space to that tree (for a repair that makes the
+        // extent tree again; every other open refuses it).
+        let fallback = bg_tree != EXTENT_TREE_OBJECTID
+            && self.disk.sb.has_compat_ro(COMPAT_RO_FREE_SPACE_TREE);
+        let unreadable = |e: Error| -> Result<String> {
+            match e {
+                Error::Corrupt { .. } | Error::Io { .. } if fallback => Ok(e.to_string()),
+                Error::Corrupt { .. } | Error::Io { .. } => Err(Error::corrupt(
+                    Location::what("extent tree").with_tree(EXTENT_TREE_OBJECTID),
+                    format!(
+                        "{e}; without {} butter cannot tell free space from used, so it cannot \
+                         open the filesystem read-write (`butter restore` copies the files out)",
+                        if bg_tree == EXTENT_TREE_OBJECTID {
+                            "the extent tree (it holds the block groups here)"
+                        } else {
+                            "the extent tree or a free space tree"
+                        }
+                    ),
+                )),
+                e => Err(e),
+            }
+        };
+        let mut it =
+            match TreeIter::new(self.disk.clone(), extent_root, Key::MIN, Readahead::Forward) {
+                Ok(it) => Some(it),
+                Err(e) => {
+                    self.extent_tree_unread = Some(unreadable(e)?);
+                    None
+                }
+            };
+        while let Some(walk) = it.as_mut() {
+            let item = match walk.next_item() {
+                Ok(Some(item)) => item,
+                Ok(None) => break,
+                Err(e) => {
+                    self.extent_tree_unread = Some(unreadable(e)?);
+                    used_ranges.clear();
+                    break;
+                }
+            };
             match item.key.ty {
                 BLOCK_GROUP_ITEM_KEY if bg_tree == EXTENT_TREE_OBJECTID => group_item(&item)?,
                 EXTENT_ITEM_KEY => used_ranges.push((item.key.objectid, item.key.offset)),
@@ -51,7 +90,20 @@ impl Writer {
             .chunks()
             .map(|c| (c.logical, c.item.clone()))
             .collect();
+        let fst_free = match self.extent_tree_unread {
+            Some(_) => Some(self.free_space_from_fst(&groups)?),
+            None => None,
+        };
         for mut bg in groups {
+            if let Some(free) = &fst_free {
+                // Used: what the free space tree does not list as free.
+                let mut used = crate::space::alloc::RangeSet::new();
+                let _ = used.add(bg.start, bg.len);
+                for (s, l) in free.get(&bg.start).into_iter().flatten() {
+                    used.remove(*s, *l);
+                }
+                used_ranges.extend(used.iter());
+            }
             for (s, l) in &used_ranges {
                 if *s + *l > bg.start && *s < bg.end() {
                     bg.free.remove(*s, *l);
@@ -77,6 +129,40 @@ impl Writer {
             }
         }
         Ok(())
+    }
+
+    /// Each group's free extents as the free space tree lists them (the open of a filesystem
+    /// whose extent tree cannot be read; see [`Writer::load_block_groups`]).
+    fn free_space_from_fst(
+        &mut self,
+        groups: &[BlockGroup],
+    ) -> Result<std::collections::BTreeMap<u64, Vec<(u64, u64)>>> {
+        let root = self.current_root(FREE_SPACE_TREE_OBJECTID)?;
+        let ss = self.disk.sectorsize();
+        let mut out = std::collections::BTreeMap::new();
+        for g in groups {
+            let mut it = TreeIter::range(
+                self.disk.clone(),
+                root,
+                Key::new(g.start, 0, 0),
+                Key::new(g.end().saturating_sub(1), u8::MAX, u64::MAX),
+                Readahead::Forward,
+            )?;
+            let mut items: Vec<(Key, Vec<u8>)> = Vec::new();
+            while let Some(item) = it.next_item()? {
+                if matches!(
+                    item.key.ty,
+                    FREE_SPACE_INFO_KEY | FREE_SPACE_EXTENT_KEY | FREE_SPACE_BITMAP_KEY
+                ) && !(item.key.ty == FREE_SPACE_INFO_KEY && item.key.objectid != g.start)
+                {
+                    items.push((item.key, item.data().to_vec()));
+                }
+            }
+            let refs: Vec<(Key, &[u8])> = items.iter().map(|(k, d)| (*k, d.as_slice())).collect();
+            let d = crate::space::free_space_tree::decode_items(&refs, g.start, g.len, ss)?;
+            out.insert(g.start, d.space.extents);
+        }
+        Ok(out)
     }
 
     /// The tree that holds the block group items: the extent tree, or with the

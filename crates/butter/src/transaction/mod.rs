@@ -122,6 +122,10 @@ pub(crate) struct Writer {
     /// commit leaves the qgroup status as it is. Cleared by every other operation's start
     /// ([`Writer::reserve_metadata`]) and by the commit.
     pub(crate) qgroup_neutral: bool,
+    /// The extent tree could not be read at the open: the free space came from the free
+    /// space tree instead (a block group tree holding the groups). Only a repair that makes
+    /// the extent tree again may go on (see [`Writer::load_block_groups`]).
+    pub(crate) extent_tree_unread: Option<String>,
 }
 
 impl std::ops::Deref for Writer {
@@ -289,6 +293,7 @@ impl Writer {
             ordered_pending: 0,
             qgroups_marked: false,
             qgroup_neutral: false,
+            extent_tree_unread: None,
         };
         w.trees.insert(
             ROOT_TREE_OBJECTID,
