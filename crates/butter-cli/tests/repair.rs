@@ -471,6 +471,37 @@ fn each_repair_kind_mends_one_damage_and_the_kernel_sees_the_files_as_before() {
             }),
         ),
         (
+            "leaf-item-offset",
+            "TreeBlockUnreadable",
+            // The data offset of file `b`'s inode item (bytes 17..21 of its item header)
+            // made garbage, the leaf resealed: the leaf cannot be read; the items are packed,
+            // so the offset follows from the sizes.
+            Box::new(|p: &Path| {
+                patch_item(
+                    p,
+                    FS_TREE,
+                    false,
+                    |k, _| inode(259)(k),
+                    |blk, h, _| blk[h + 17..h + 21].copy_from_slice(&0x2d0f_4b57u32.to_le_bytes()),
+                );
+            }),
+        ),
+        (
+            "leaf-generation",
+            "TreeBlockUnreadable",
+            // The generation in the header (byte 80) of the leaf holding file `b`'s inode
+            // far from what its parent pointer says.
+            Box::new(|p: &Path| {
+                patch_item(
+                    p,
+                    FS_TREE,
+                    false,
+                    |k, _| inode(259)(k),
+                    |blk, _, _| blk[80..88].copy_from_slice(&0x2d0f_4b57u64.to_le_bytes()),
+                );
+            }),
+        ),
+        (
             "root-backref-missing",
             "RootRefWithoutBackref",
             // Subvolume sv's ROOT_BACKREF removed: its ROOT_REF and entry remain.
@@ -701,6 +732,58 @@ fn a_missing_hole_item_is_made_again() {
         "the file changed"
     );
     m.unmount();
+}
+
+/// A leaf that can be neither read nor mended (a byte of every copy changed, the checksum
+/// left wrong): whatever the repair does, it frees none of the extents the leaf may use.
+/// Putting the leaf's bytes back afterwards gives an image both checkers find clean, which
+/// it would not be had the repair freed the files' data or the leaf itself.
+#[test]
+fn a_leaf_that_cannot_be_read_keeps_what_it_uses() {
+    if !fuse_mount::require("repair", &[]) || !kernel::require_privileges() {
+        return;
+    }
+    let s = ScratchDir::new("repair-unread");
+    // Files enough for the fs tree to have many leaves; each file's data its own extent.
+    let img = s.join("unread.img");
+    kernel::mkfs_btrfs(&img, 300 * MIB, &[] as &[&str]);
+    let m = LoopMount::btrfs(&img, &s.dir("fill"), "");
+    for i in 0..400u32 {
+        fs::write(m.path().join(format!("f{i}")), vec![i as u8; 5000]).unwrap();
+    }
+    m.unmount();
+    // The leaf holding inode 500's item (not the first leaf); each copy's place and bytes.
+    let (_, leaf, _) = patch_item(&img, FS_TREE, false, |k, _| inode(500)(k), |_, _, _| {});
+    let dev = butter::io::device::FileDevice::open(&img, true).unwrap();
+    let copies = butter::internals::rewrite_block(std::sync::Arc::new(dev), leaf, |_| {}).unwrap();
+    {
+        use std::os::unix::fs::FileExt;
+        let f = fs::OpenOptions::new().write(true).open(&img).unwrap();
+        for (phys, bytes) in &copies {
+            // A byte in the middle of the item data, not resealed.
+            f.write_all_at(&[bytes[9000] ^ 0x5a], phys + 9000).unwrap();
+        }
+    }
+    let (ok, _) = kernel::btrfs_check(&img);
+    assert!(!ok, "btrfs check finds nothing wrong");
+    let o = butter(&["check", "--repair", img.to_str().unwrap()]);
+    let t = text(&o);
+    assert!(!o.status.success(), "the repair claims success:\n{t}");
+    assert!(
+        t.contains("can be neither read nor mended") && !t.contains("changes:"),
+        "the repair planned changes around the unreadable leaf:\n{t}"
+    );
+    {
+        use std::os::unix::fs::FileExt;
+        let f = fs::OpenOptions::new().write(true).open(&img).unwrap();
+        for (phys, bytes) in &copies {
+            f.write_all_at(bytes, *phys).unwrap();
+        }
+    }
+    let (rc, t) = fuse_mount::butter_check(&img);
+    assert_eq!(rc, 0, "butter check with the leaf put back:\n{t}");
+    let (ok, t) = kernel::btrfs_check(&img);
+    assert!(ok, "btrfs check with the leaf put back:\n{t}");
 }
 
 /// `rescue fix-data-checksum`: one sector's checksum made wrong is listed with its file and

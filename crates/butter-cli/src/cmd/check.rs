@@ -172,6 +172,11 @@ fn repair(a: &CheckArgs) -> CliResult {
         return if before == 0 {
             fs.close()?;
             Ok(())
+        } else if let Some(why) = &r.refused {
+            Err(CliError(format!(
+                "nothing was written to {}: {why}",
+                image.display()
+            )))
         } else {
             Err(CliError(format!(
                 "{} has {before} problems butter cannot repair; nothing was written",

@@ -320,6 +320,17 @@ pub enum Fix {
         name: Vec<u8>,
         backref: bool,
     },
+    /// The tree block at `bytenr` (of `level`, first key `key`), which fails validation
+    /// only in what its own layout says (its header's generation, taken as `generation`
+    /// from its parent; a leaf's item offsets, packed from its end), is read mended and
+    /// copied into tree `tree` (a new block; the damaged one is never written).
+    MendBlock {
+        tree: u64,
+        bytenr: u64,
+        level: u8,
+        generation: Option<u64>,
+        key: Key,
+    },
     /// Device `devid`'s DEV_EXTENT at `offset` names the chunk stripe that lies there: chunk
     /// `chunk_offset`, `length` bytes.
     DevExtent {
@@ -482,6 +493,12 @@ impl fmt::Display for Fix {
                 "make the {} of subvolume {child} in tree {parent} ({:?}) again",
                 if *backref { "ROOT_BACKREF" } else { "ROOT_REF" },
                 String::from_utf8_lossy(name)
+            ),
+            Fix::MendBlock {
+                tree, bytenr, level, ..
+            } => write!(
+                f,
+                "copy tree {tree}'s block {bytenr} (level {level}) mended: its generation from its parent, its items' offsets packed"
             ),
             Fix::DevExtent {
                 devid,

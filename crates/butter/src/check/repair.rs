@@ -17,7 +17,39 @@ pub(crate) fn plan(report: &Report) -> Vec<Fix> {
             out.push(f.clone());
         }
     }
+    // Blocks mended first, alone: what the checker could not read hides what they hold,
+    // so the other fixes are planned again in the next round, from the whole trees.
+    if out.iter().any(|f| matches!(f, Fix::MendBlock { .. })) {
+        out.retain(|f| matches!(f, Fix::MendBlock { .. }));
+    }
+    // A block that can be neither read nor mended may hold what the other fixes would
+    // change or free (its children, the data its items name, the names and extents that
+    // make other items look wrong): nothing is changed around it.
+    if out.is_empty() || out.iter().any(|f| matches!(f, Fix::MendBlock { .. })) {
+        return out;
+    }
+    if unreadable_block(report).is_some() {
+        out.clear();
+    }
     out
+}
+
+/// A tree block the checker could neither read nor mend, if any: while one is there the
+/// repair changes nothing (see [`plan`]).
+pub(crate) fn unreadable_block(report: &Report) -> Option<&Finding> {
+    let mendable: std::collections::HashSet<u64> = report
+        .findings
+        .iter()
+        .filter_map(|f| match f.fix {
+            Some(Fix::MendBlock { bytenr, .. }) => Some(bytenr),
+            _ => None,
+        })
+        .collect();
+    report.findings.iter().find(|f| {
+        f.kind == super::FindingKind::TreeBlockUnreadable
+            && f.severity != super::Severity::Warning
+            && !f.location.bytenr.is_some_and(|b| mendable.contains(&b))
+    })
 }
 
 /// Applies `fixes` in the running transaction of `core` (open read-write, untouched since it
@@ -142,6 +174,33 @@ pub(crate) fn apply(core: &Core, fixes: &[Fix]) -> Result<()> {
                     Key::new(parent, ROOT_REF_KEY, child)
                 };
                 w.replace_item(ROOT_TREE_OBJECTID, key, &body)
+            })?,
+            Fix::MendBlock {
+                tree,
+                bytenr,
+                level,
+                generation,
+                key,
+            } => core.op(false, |w| {
+                let expect = crate::io::disk_io::Expect {
+                    owner: None,
+                    level: Some(level),
+                    generation,
+                    first_key: None,
+                };
+                let Some(m) = w.disk.mend_tree_block(bytenr, &expect) else {
+                    return Err(Error::Invalid(format!(
+                        "tree block {bytenr} cannot be mended"
+                    )));
+                };
+                w.disk
+                    .cache_put(crate::io::disk_io::TreeBlock::from_parts(bytenr, m));
+                // Rewriting the first item below it as it is copies the path through it
+                // into blocks of this transaction.
+                let body = w.read_item(tree, &key)?.ok_or_else(|| {
+                    Error::NotFound(format!("item {key} of tree {tree} below block {bytenr}"))
+                })?;
+                w.replace_item(tree, key, &body)
             })?,
             Fix::DevExtent {
                 devid,

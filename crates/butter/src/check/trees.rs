@@ -299,6 +299,37 @@ impl Checker<'_> {
                 Err(e) => {
                     let e = e.in_block(Some(root.id), bytenr);
                     self.unreadable(e, Some(root.id));
+                    // Damage the block's own layout undoes: the repair reads it mended and
+                    // copies it into the tree (every tree that reaches it gets its copy).
+                    if let Some(m) = disk.mend_tree_block(bytenr, &expect) {
+                        let mended = crate::io::disk_io::TreeBlock::from_parts(bytenr, m);
+                        let key = if mended.nritems() == 0 {
+                            None
+                        } else if mended.is_leaf() {
+                            Some(mended.item(0).key)
+                        } else {
+                            Some(mended.key(0))
+                        };
+                        if let (Some(key), Some(f)) = (key, self.report.findings.last_mut()) {
+                            f.fix = Some(Fix::MendBlock {
+                                tree: root.id,
+                                bytenr,
+                                level: mended.level(),
+                                generation: expect.generation,
+                                key,
+                            });
+                            // Reached, as far as the extent tree's references go.
+                            self.blocks.insert(
+                                bytenr,
+                                BlockRec {
+                                    owner: mended.owner(),
+                                    level: mended.level(),
+                                    edges: vec![edge],
+                                    reach: HashSet::new(),
+                                },
+                            );
+                        }
+                    }
                     continue;
                 }
             };

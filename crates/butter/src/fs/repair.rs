@@ -37,7 +37,20 @@ impl Fs {
     pub fn repair(&self, dry_run: bool, progress: &mut dyn FnMut(&str)) -> Result<RepairReport> {
         let before = self.check(Options::default(), progress)?;
         let fixes = repair::plan(&before);
+        let held = match repair::unreadable_block(&before) {
+            Some(f) if fixes.is_empty() => Some(format!(
+                "{}; while a tree block can be neither read nor mended the repair changes \
+                 nothing, since the block may hold what other repairs would change or free \
+                 (`butter restore` copies out the files that can be read)",
+                f.message
+            )),
+            _ => None,
+        };
         let mut out = self.repair_with(before, fixes, dry_run, progress)?;
+        if held.is_some() {
+            out.refused = held;
+            return Ok(out);
+        }
         // A repair can uncover what the damage hid (a tree pointed at its newer root shows
         // the references its blocks need): more rounds, each its own verified transaction,
         // while the last one was written and its result has more to mend. A later round that

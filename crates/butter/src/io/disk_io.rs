@@ -786,6 +786,63 @@ impl Disk {
         Some(self.devices.get(c.devid)?.read_at(buf, c.physical))
     }
 
+    /// A tree block that fails validation, mended where its own layout says what the damaged
+    /// fields were: its header's generation (the parent pointer's, `expect.generation`) and,
+    /// in a leaf, the items' data offsets (items are packed from the block's end in slot
+    /// order, so each offset follows from the sizes). Only a block whose checksum matches
+    /// its bytes is mended (a bit flipped anywhere else cannot be told apart); the result is
+    /// resealed and must pass every check a read makes. `None`: it cannot be mended so.
+    pub(crate) fn mend_tree_block(&self, bytenr: u64, expect: &Expect) -> Option<Box<[u8]>> {
+        let ns = self.sb.nodesize as usize;
+        let ct = self.sb.csum_type;
+        let mut b = self.read_data(bytenr, ns, &|_, _| true).ok()??;
+        if b.len() != ns || !ct.verify(&b[crate::format::csum::CSUM_SLOT..], &b[..ct.size()]) {
+            return None;
+        }
+        if let Some(g) = expect.generation {
+            b[80..88].copy_from_slice(&g.to_le_bytes());
+        }
+        let level = b[100];
+        if level == 0 {
+            let n = u32::from_le_bytes(b[96..100].try_into().ok()?) as usize;
+            let data_area = ns.checked_sub(HEADER_SIZE)?;
+            if n.checked_mul(ITEM_SIZE)? > data_area {
+                return None;
+            }
+            let mut end = data_area;
+            for i in 0..n {
+                let h = HEADER_SIZE + i * ITEM_SIZE;
+                let size = u32::from_le_bytes(b[h + 21..h + 25].try_into().ok()?) as usize;
+                let off = end.checked_sub(size)?;
+                if off < n * ITEM_SIZE {
+                    return None;
+                }
+                b[h + 17..h + 21].copy_from_slice(&(off as u32).to_le_bytes());
+                end = off;
+            }
+        }
+        let sum = ct.compute(&b[crate::format::csum::CSUM_SLOT..]);
+        b[..ct.size()].copy_from_slice(&sum[..ct.size()]);
+        check_tree_block(
+            &b,
+            bytenr,
+            self.sb.nodesize,
+            ct,
+            &self.sb.metadata_fsid(),
+            expect,
+        )
+        .ok()?;
+        Some(b.into_boxed_slice())
+    }
+
+    /// Puts a block in the cache of clean blocks (a mended one, see
+    /// [`Disk::mend_tree_block`], which reads as it from then on).
+    pub(crate) fn cache_put(&self, b: TreeBlock) {
+        let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
+        cache.map.remove(&b.bytenr);
+        cache.insert(Arc::new(b));
+    }
+
     /// Hints the devices that the tree blocks at these logical addresses will be read soon
     /// (the first copy of each, unless already cached here).
     pub(crate) fn will_need_blocks(&self, bytenrs: &[u64]) {
