@@ -901,6 +901,148 @@ fn power_cut_repair(img: Vec<u8>, damage: Vec<butter::check::FindingKind>) {
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
+/// A repair of two rounds cut by a power loss at every write: a leaf whose item offset is
+/// damaged (mended alone in the first round) and a file's nbytes (mended in the second, once
+/// the trees can be read). Each cut image opens as it was, as the first round left it, or
+/// repaired; never in between, and where the trees can be read its files are the same.
+#[test]
+fn power_cut_at_every_write_of_a_two_round_repair_leaves_a_round_whole() {
+    fixed_time();
+    let base = fresh_image(
+        DEV_SIZE,
+        butter::mkfs::Profile::Dup,
+        butter::mkfs::Profile::Single,
+    );
+    let ram = Arc::new(RamDevice::new(base));
+    {
+        let fs = open_set(&[ram.clone() as Arc<dyn BlockDevice>], true).expect("open");
+        populate(&fs).expect("populate");
+        fs.close().expect("close");
+    }
+    // File f2 of d0 (inode 260): nbytes one page more (byte 24 of its inode item).
+    butter::internals::rewrite_item(
+        ram.clone(),
+        butter::format::FS_TREE_OBJECTID,
+        false,
+        |k, _| k.objectid == 260 && k.ty == butter::format::INODE_ITEM_KEY,
+        |blk, _, d| {
+            let v = u64::from_le_bytes(blk[d + 24..d + 32].try_into().unwrap());
+            blk[d + 24..d + 32].copy_from_slice(&(v + 4096).to_le_bytes());
+        },
+    )
+    .expect("damage nbytes");
+    // The last inode item's data offset (bytes 17..21 of its item header) made garbage.
+    butter::internals::rewrite_item(
+        ram.clone(),
+        butter::format::FS_TREE_OBJECTID,
+        true,
+        |k, _| k.ty == butter::format::INODE_ITEM_KEY,
+        |blk, h, _| blk[h + 17..h + 21].copy_from_slice(&0x2d0f_4b57u32.to_le_bytes()),
+    )
+    .expect("damage offset");
+    let img = Arc::new(ram.durable_bytes());
+    let kinds_of = |r: &butter::check::Report| {
+        let mut k: Vec<_> = r
+            .findings
+            .iter()
+            .filter(|f| f.severity != butter::check::Severity::Warning)
+            .map(|f| f.kind)
+            .collect();
+        k.sort_by_key(|k| format!("{k:?}"));
+        k
+    };
+    let untouched = butter::fs::RwOptions {
+        untouched: true,
+        ..Default::default()
+    };
+    // The first round alone, on a copy: what it leaves.
+    let round1 = {
+        let dev: Arc<dyn BlockDevice> = Arc::new(RamDevice::new((*img).clone()));
+        let fs =
+            Fs::open_device_set_rw_with(vec![("device 0".into(), dev)], untouched).expect("open");
+        let before = fs.check(Default::default(), &mut |_| {}).expect("check");
+        let fixes = butter::check::repair::plan(&before);
+        assert!(
+            fixes
+                .iter()
+                .all(|f| matches!(f, butter::check::Fix::MendBlock { .. })),
+            "the first round mends the leaf alone: {fixes:?}"
+        );
+        let r = fs
+            .repair_with(before, fixes, false, &mut |_| {})
+            .expect("round 1");
+        assert!(r.committed, "{r:?}");
+        kinds_of(r.after.as_ref().expect("after"))
+    };
+    assert_eq!(
+        round1,
+        vec![butter::check::FindingKind::NbytesMismatch],
+        "what the first round leaves"
+    );
+    // The whole repair, every write traced.
+    let trace: Trace = Default::default();
+    let dev: Arc<dyn BlockDevice> = Arc::new(Member {
+        idx: 0,
+        inner: Arc::new(RamDevice::new((*img).clone())),
+        trace: trace.clone(),
+    });
+    let fs = Fs::open_device_set_rw_with(vec![("device 0".into(), dev)], untouched).expect("open");
+    let r = fs.repair(false, &mut |_| {}).expect("repair");
+    assert!(r.committed, "{r:?}");
+    fs.close().expect("close");
+    drop(fs);
+    let ops = std::mem::take(&mut *trace.lock().unwrap());
+    let ro = |pages: &Pages| -> Result<Fs, String> {
+        let d: Arc<dyn BlockDevice> = Arc::new(OverlayDevice::new(img.clone(), pages.clone()));
+        open_set(&[d], false).map_err(|e| format!("open: {e}"))
+    };
+    let damage = kinds_of(
+        &ro(&Pages::new())
+            .expect("open")
+            .check(Default::default(), &mut |_| {})
+            .expect("check"),
+    );
+    assert!(
+        damage.contains(&butter::check::FindingKind::TreeBlockUnreadable),
+        "the damage: {damage:?}"
+    );
+    let (_, live, _) = cut_everywhere(&ops, std::slice::from_ref(&img), |_, _| Ok(()));
+    let want = manifest(&ro(&live[0]).expect("open repaired")).expect("manifest");
+    let check = |pages: &Pages, what: &str| -> Result<(), String> {
+        let fs = ro(pages).map_err(|e| format!("{what}: {e}"))?;
+        let report = fs
+            .check(Default::default(), &mut |_| {})
+            .map_err(|e| format!("{what}: check: {e}"))?;
+        let kinds = kinds_of(&report);
+        if kinds == damage {
+            return Ok(());
+        }
+        if kinds != round1 && !kinds.is_empty() {
+            return Err(format!(
+                "{what}: neither as it was, nor after the first round, nor repaired: {kinds:?}"
+            ));
+        }
+        let m = manifest(&fs).map_err(|e| format!("{what}: {e}"))?;
+        if m != want {
+            return Err(format!("{what}: files changed: {}", diff(&want, &m)));
+        }
+        Ok(())
+    };
+    let check1 = |pages: &[Pages], what: &str| check(&pages[0], what);
+    let (mut failures, live, k) = cut_everywhere(&ops, std::slice::from_ref(&img), check1);
+    match ro(&live[0]) {
+        Ok(fs) => {
+            if let Err(e) = butter_check(&fs) {
+                failures.push(format!("after the repair: {e}"));
+            }
+        }
+        Err(e) => failures.push(format!("after the repair: {e}")),
+    }
+    eprintln!("two-round repair: {k} writes, each a cut point");
+    assert!(k > 0, "the repair wrote nothing");
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
 /// A repair whose result the checker finds worse is not written: a planted wrong fix (a
 /// healthy file's nbytes set off by one sector) is refused, and the device sees no write.
 #[test]
