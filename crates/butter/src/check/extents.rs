@@ -204,8 +204,8 @@ impl Checker<'_> {
                     }
                 }
             }
-            let mut tree_refs = HashSet::new();
-            let mut shared_refs = HashSet::new();
+            let mut tree_refs = HashSet::default();
+            let mut shared_refs = HashSet::default();
             let mut n = 0u64;
             for r in &ext.refs_list {
                 match r {
@@ -368,7 +368,7 @@ impl Checker<'_> {
             .collect();
         // Data extents no file extent uses whose one back reference (count 1) names a file
         // extent item that points elsewhere: (that reference, length) -> the extent.
-        let mut unused: HashMap<(DataRefKey, u64), Vec<u64>> = HashMap::new();
+        let mut unused: HashMap<(DataRefKey, u64), Vec<u64>> = HashMap::default();
         for (b, have) in &haves {
             if want.contains_key(b) {
                 continue;
@@ -384,7 +384,7 @@ impl Checker<'_> {
             }
         }
         // The extent a damaged file extent address should name, when one such extent fits.
-        let mut repointed: HashMap<u64, Fix> = HashMap::new();
+        let mut repointed: HashMap<u64, Fix> = HashMap::default();
         let ss = self.fs.disk.sectorsize() as u64;
         for (&(b, len), places) in &missing {
             // Only an address no data extent could have: one off the sector grid or outside
@@ -433,7 +433,7 @@ impl Checker<'_> {
             }
         }
         // File ranges each inode's file extent items cover: (tree, inode) -> (start, end).
-        let mut covered: HashMap<(u64, u64), Vec<(u64, u64)>> = HashMap::new();
+        let mut covered: HashMap<(u64, u64), Vec<(u64, u64)>> = HashMap::default();
         for fe in &self.file_exts {
             covered
                 .entry((fe.owner, fe.ino))
@@ -562,7 +562,7 @@ impl Checker<'_> {
     /// and the extent tree has one, reached by no tree, for a newer block the tree owns
     /// (each such tree: the newest such block, as a [`Fix::RootBlock`]).
     fn newer_roots(&self) -> HashMap<u64, Fix> {
-        let mut out: HashMap<u64, Fix> = HashMap::new();
+        let mut out: HashMap<u64, Fix> = HashMap::default();
         for (b, e) in &self.extents {
             if e.flags & EXTENT_FLAG_TREE_BLOCK == 0 || self.blocks.contains_key(b) {
                 continue;

@@ -378,7 +378,7 @@ impl Checker<'_> {
         self.report.counts.inodes += inodes.len() as u64;
         // Inodes some directory entry names (a name there, even without its INODE_REF), with
         // the entry type a DIR_INDEX gives them.
-        let mut named: HashMap<u64, u8> = HashMap::new();
+        let mut named: HashMap<u64, u8> = HashMap::default();
         for i in inodes.values() {
             for d in i.dir_items.iter().filter(|d| d.1.ty == INODE_ITEM_KEY) {
                 named.entry(d.1.objectid).or_insert(FT_UNKNOWN);
@@ -388,6 +388,17 @@ impl Checker<'_> {
             }
         }
         self.check_root_dir(root, &inodes);
+        // Every DIR_INDEX naming an inode: (directory, index, inode, name), so each inode ref
+        // finds its entry in one lookup, however large its directory.
+        let index_of: HashSet<(u64, u64, u64, &[u8])> = inodes
+            .iter()
+            .flat_map(|(&dir, i)| {
+                i.dir_index
+                    .iter()
+                    .filter(|d| d.2.ty == INODE_ITEM_KEY)
+                    .map(move |d| (dir, d.0, d.2.objectid, d.1.as_slice()))
+            })
+            .collect();
         // Directory entries by (dir, index) and (dir, name).
         for (&n, ino) in &inodes {
             let Some((ii, iloc)) = &ino.item else {
@@ -466,7 +477,7 @@ impl Checker<'_> {
             }
             self.check_dir_items_indexed(tid, n, ino, &inodes);
             self.check_dir_index_targets(tid, n, ino, &inodes);
-            self.check_inode_refs(tid, n, ino, &inodes);
+            self.check_inode_refs(tid, n, ino, &inodes, &index_of);
         }
     }
 
@@ -478,7 +489,7 @@ impl Checker<'_> {
         let ss = self.fs.disk.sectorsize() as u64;
         let mut inodes: BTreeMap<u64, Ino> = BTreeMap::new();
         // Inodes with an ORPHAN_ITEM: unlinked, their deletion pending.
-        let mut orphans: HashSet<u64> = HashSet::new();
+        let mut orphans: HashSet<u64> = HashSet::default();
         let mut it = match TreeIter::new(self.fs.disk.clone(), root, Key::MIN, Readahead::None) {
             Ok(it) => it,
             Err(e) => {
@@ -827,12 +838,15 @@ impl Checker<'_> {
         ino: &Ino,
         inodes: &BTreeMap<u64, Ino>,
     ) {
+        // (name, target) of every DIR_INDEX: one lookup per DIR_ITEM, however large the
+        // directory.
+        let indexed: HashSet<(&[u8], &Key)> = ino
+            .dir_index
+            .iter()
+            .map(|(_, nm, lk, _, _)| (nm.as_slice(), lk))
+            .collect();
         for (name, loc_key, dloc) in &ino.dir_items {
-            if !ino
-                .dir_index
-                .iter()
-                .any(|(_, nm, lk, _, _)| nm == name && lk == loc_key)
-            {
+            if !indexed.contains(&(name.as_slice(), loc_key)) {
                 // The target's ref gives the index; without one, an item holding only this
                 // name goes.
                 let fix = dir_entry_fix(tid, n, name, None, loc_key, inodes).or_else(|| {
@@ -864,13 +878,14 @@ impl Checker<'_> {
         ino: &Ino,
         inodes: &BTreeMap<u64, Ino>,
     ) {
+        let items: HashSet<(&[u8], &Key)> = ino
+            .dir_items
+            .iter()
+            .map(|(nm, lk, _)| (nm.as_slice(), lk))
+            .collect();
         for (idx, name, loc_key, dloc, _) in &ino.dir_index {
             let nm = String::from_utf8_lossy(name);
-            if !ino
-                .dir_items
-                .iter()
-                .any(|(nm2, lk, _)| nm2 == name && lk == loc_key)
-            {
+            if !items.contains(&(name.as_slice(), loc_key)) {
                 let fix = dir_entry_fix(tid, n, name, Some(*idx), loc_key, inodes).or_else(|| {
                     Some(dloc.key)
                         .filter(|_| loc_key.ty == INODE_ITEM_KEY)
@@ -942,16 +957,19 @@ impl Checker<'_> {
 
     /// Each INODE_REF/EXTREF name of inode `n` has the DIR_INDEX in its parent directory that
     /// points back at it (the ".." ref of a subvolume root directory excepted).
-    fn check_inode_refs(&mut self, tid: u64, n: u64, ino: &Ino, inodes: &BTreeMap<u64, Ino>) {
+    fn check_inode_refs(
+        &mut self,
+        tid: u64,
+        n: u64,
+        ino: &Ino,
+        inodes: &BTreeMap<u64, Ino>,
+        index_of: &HashSet<(u64, u64, u64, &[u8])>,
+    ) {
         for (parent, idx, name, rloc) in &ino.refs {
             if *parent == n {
                 continue; // the ".." ref of a subvolume root directory
             }
-            let ok = inodes.get(parent).is_some_and(|p| {
-                p.dir_index.iter().any(|(i, nm, lk, _, _)| {
-                    i == idx && nm == name && lk.objectid == n && lk.ty == INODE_ITEM_KEY
-                })
-            });
+            let ok = index_of.contains(&(*parent, *idx, n, name.as_slice()));
             if !ok {
                 let parent_is_dir = inodes.get(parent).is_some_and(|p| p.item.is_some());
                 let kind = if parent_is_dir {

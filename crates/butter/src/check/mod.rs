@@ -34,7 +34,8 @@ use crate::format::*;
 use crate::inode::core::Core;
 use crate::io::disk_io::{Expect, Readahead};
 use crate::space::free_space_tree as fst;
-use std::collections::{BTreeMap, HashMap, HashSet};
+use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
+use std::collections::BTreeMap;
 use std::fmt;
 
 mod block_groups;
@@ -794,7 +795,7 @@ pub(crate) fn check_with(
     let mut c = Checker {
         fs,
         report: Report::default(),
-        blocks: HashMap::new(),
+        blocks: HashMap::default(),
         file_exts: Vec::new(),
         trees: Vec::new(),
         extents: BTreeMap::new(),
@@ -803,10 +804,10 @@ pub(crate) fn check_with(
         root_refs: Vec::new(),
         root_backrefs: Vec::new(),
         subvol_entries: Vec::new(),
-        dropping: HashSet::new(),
+        dropping: HashSet::default(),
         nodatasum: Vec::new(),
         stale_root_items: false,
-        restorable: HashMap::new(),
+        restorable: HashMap::default(),
         rebuild: false,
     };
     let n0 = c.report.findings.len();
@@ -905,7 +906,7 @@ pub(crate) fn expected_extents(fs: &Core, progress: &mut dyn FnMut(&str)) -> Res
     let mut c = Checker {
         fs,
         report: Report::default(),
-        blocks: HashMap::new(),
+        blocks: HashMap::default(),
         file_exts: Vec::new(),
         trees: Vec::new(),
         extents: BTreeMap::new(),
@@ -914,10 +915,10 @@ pub(crate) fn expected_extents(fs: &Core, progress: &mut dyn FnMut(&str)) -> Res
         root_refs: Vec::new(),
         root_backrefs: Vec::new(),
         subvol_entries: Vec::new(),
-        dropping: HashSet::new(),
+        dropping: HashSet::default(),
         nodatasum: Vec::new(),
         stale_root_items: false,
-        restorable: HashMap::new(),
+        restorable: HashMap::default(),
         rebuild: true,
     };
     c.phase_trees()?;
@@ -938,7 +939,7 @@ pub(crate) fn expected_extents(fs: &Core, progress: &mut dyn FnMut(&str)) -> Res
     c.phase_metadata_refs();
     c.phase_data_refs();
     let mut out = Vec::new();
-    let mut seen: HashSet<u64> = HashSet::new();
+    let mut seen: HashSet<u64> = HashSet::default();
     for f in &c.report.findings {
         match (&f.kind, &f.fix) {
             (

@@ -115,7 +115,7 @@ impl Checker<'_> {
             }
         }
         for (q, [rfer, rfer_c, excl, excl_c], loc) in infos {
-            let mut m = HashSet::new();
+            let mut m = HashSet::default();
             members(q, &children, &mut m, 0);
             let (mut want_rfer, mut want_excl) = (0u64, 0u64);
             for (len, roots) in &per_extent {

@@ -188,7 +188,7 @@ impl Checker<'_> {
         order.sort_by(|a, b| b.cmp(a));
         for (_, b) in order {
             let (edges, mut reach) = match self.blocks.get(&b) {
-                Some(r) => (r.edges.clone(), HashSet::new()),
+                Some(r) => (r.edges.clone(), HashSet::default()),
                 None => continue,
             };
             for e in edges {
@@ -325,7 +325,7 @@ impl Checker<'_> {
                                     owner: mended.owner(),
                                     level: mended.level(),
                                     edges: vec![edge],
-                                    reach: HashSet::new(),
+                                    reach: HashSet::default(),
                                 },
                             );
                         }
@@ -339,7 +339,7 @@ impl Checker<'_> {
                     owner: b.owner(),
                     level: b.level(),
                     edges: vec![edge],
-                    reach: HashSet::new(),
+                    reach: HashSet::default(),
                 },
             );
             if b.is_leaf() {
@@ -356,7 +356,7 @@ impl Checker<'_> {
             // The children are read next, depth first: the device starts on all of them.
             let children: Vec<u64> = (0..b.nritems()).map(|s| b.ptr(s).blockptr).collect();
             disk.will_need_blocks(&children);
-            let mut seen = HashSet::new();
+            let mut seen = HashSet::default();
             for slot in 0..b.nritems() {
                 let p = b.ptr(slot);
                 if !seen.insert(p.blockptr) {
