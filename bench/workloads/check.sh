@@ -9,6 +9,9 @@
 # mend that a shell can make): `butter check --repair` vs `btrfs check --repair --force`
 # (--force: no 10-second pause before writing), each run on a fresh copy of the damaged
 # image; a run counts only when `btrfs check` finds the result clean.
+# BENCH_CHECK_IMAGE=IMG checks that image instead (a kernel-made one with snapshots and
+# reflinks, say; issue 34's second image): a copy is checked, so IMG is never written; its
+# row counts the inodes butter check reports.
 
 register_workload check 45 "" \
 	"butter check vs btrfs check --readonly on one image made by butter mkfs --rootdir; files/s, peak RSS"
@@ -24,6 +27,10 @@ wl_check() {
 	local src=${BENCH_CHECK_SRC:-} row files size run sys rc err img rss mib
 	if [[ ! -x /usr/bin/time ]]; then
 		record check "check" butter 1 0 0 files skip "GNU time (/usr/bin/time) is not installed"
+		return
+	fi
+	if [[ -n ${BENCH_CHECK_IMAGE:-} ]]; then
+		wl_check_image "$BENCH_CHECK_IMAGE"
 		return
 	fi
 	if [[ -z $src ]]; then
@@ -111,4 +118,46 @@ wl_check_repair() {
 		done
 	done
 	rm -f "$bad" "$copy"
+}
+
+# ARGS: IMAGE. The check and repair rows on a copy of an existing image (BENCH_CHECK_IMAGE).
+wl_check_image() {
+	local img=$WORK/img/check.img files row run sys rc rss mib
+	if [[ ! -f $1 ]]; then
+		record check "check (image)" butter 1 0 0 files fail "BENCH_CHECK_IMAGE=$1 is not a file"
+		return
+	fi
+	cp --sparse=always "$1" "$img"
+	files=$("$BUTTER_BIN" check "$img" 2>/dev/null | sed -n 's/.* \([0-9][0-9]*\) inodes.*/\1/p')
+	if [[ -z $files ]]; then
+		record check "check (image)" butter 1 0 0 files fail "butter check could not count the image's inodes"
+		rm -f "$img"
+		return
+	fi
+	row="check ($files inodes, $(basename "$1"))"
+	row_begin check "$row" "files/s" "butter check vs btrfs check --readonly of a copy of $(basename "$1"), cold cache"
+	record check "$row" ext4 1 0 "$files" files skip "no ext4 counterpart"
+	for ((run = 1; run <= RUNS; run++)); do
+		for sys in butter kernel; do
+			[[ -n ${FAILED["$row/$sys"]:-} ]] && continue
+			drop_caches
+			TLOG=$WORK/logs/check-$sys-$run.log
+			rss=$WORK/tmpfs/check-rss
+			if [[ $sys == butter ]]; then
+				timed check_butter "$img" "$BUTTER_BIN" "$rss"
+			else
+				timed check_kernel "$img" "$rss"
+			fi
+			rc=$?
+			mib=$(($(tail -1 "$rss" 2>/dev/null || echo 0) / 1024))
+			if ((rc != 0)); then
+				record check "$row" "$sys" "$run" "$NS" "$files" files fail "$(timed_error $rc)"
+				FAILED["$row/$sys"]=1
+			else
+				record check "$row" "$sys" "$run" "$NS" "$files" files ok "peak RSS $mib MiB"
+			fi
+		done
+	done
+	wl_check_repair "$img" "$files"
+	rm -f "$img"
 }
