@@ -121,7 +121,7 @@ impl Checker<'_> {
             }
         }
         let used = groups.iter().fold(0u64, |a, g| a.saturating_add(g.2.used));
-        let sb_used = self.fs.disk.sb.bytes_used;
+        let sb_used = self.sb.bytes_used;
         if used != sb_used {
             self.report.err_fix(
                 FindingKind::SuperBytesUsedMismatch,
@@ -202,7 +202,7 @@ impl Checker<'_> {
         // The device against the image's real size.
         let image_len = self.fs.disk.dev().len();
         let this_dev = self.fs.disk.devid();
-        let sb = &self.fs.disk.sb;
+        let sb = self.sb.clone();
         let sum: u64 = devs
             .values()
             .fold(0u64, |a, (d, _)| a.saturating_add(d.total_bytes));
@@ -386,18 +386,18 @@ impl Checker<'_> {
             }
         }
         let listed = devs.len() as u64;
-        if listed != self.fs.disk.sb.num_devices {
+        if listed != self.sb.num_devices {
             self.report.err_fix(
                 FindingKind::NumDevicesMismatch,
                 Location::what("superblock"),
                 format!(
                     "num_devices says the filesystem has {} devices, but the chunk tree lists {listed}",
-                    self.fs.disk.sb.num_devices
+                    self.sb.num_devices
                 ),
                 Fix::NumDevices { count: listed },
             );
         }
-        let sd = &self.fs.disk.sb.dev_item;
+        let sd = &self.sb.dev_item;
         let sum = used.get(&sd.devid).copied().unwrap_or(0);
         let after = will_use.get(&sd.devid).copied().unwrap_or(0);
         if sd.bytes_used != sum {
@@ -418,7 +418,7 @@ impl Checker<'_> {
 
     /// The free space tree against the extent tree, block group by block group.
     fn check_free_space_tree(&mut self) {
-        let sb = &self.fs.disk.sb;
+        let sb = self.sb.clone();
         if !sb.has_compat_ro(COMPAT_RO_FREE_SPACE_TREE) {
             return;
         }

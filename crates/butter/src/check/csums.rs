@@ -96,7 +96,7 @@ impl Checker<'_> {
     fn check_csum_items(&mut self) -> Option<Vec<(u64, u64)>> {
         let root = self.tree(CSUM_TREE_OBJECTID)?;
         let ss = self.fs.disk.sectorsize() as u64;
-        let csize = self.fs.disk.sb.csum_type.size() as u64;
+        let csize = self.sb.csum_type.size() as u64;
         let mut prev: Option<(u64, Location)> = None; // (end, where)
         let mut cover: Vec<(u64, u64)> = Vec::new();
         let unreadable = |r: &Report| {
@@ -154,7 +154,7 @@ impl Checker<'_> {
             return;
         };
         let ss = self.fs.disk.sectorsize() as u64;
-        let ct = self.fs.disk.sb.csum_type;
+        let ct = self.sb.csum_type;
         let csize = ct.size() as u64;
         // File extents by the data extent they use, for naming files.
         let mut by_extent: BTreeMap<u64, Vec<usize>> = BTreeMap::new();
@@ -299,7 +299,7 @@ impl Checker<'_> {
     /// its csums in the log or, for data committed before, in the csum tree (replay takes them
     /// from there).
     fn check_log_csums(&mut self) {
-        if self.fs.disk.sb.log_root == 0 {
+        if self.sb.log_root == 0 {
             return;
         }
         let log = match crate::tree_log::replay::read_log(&self.fs.disk) {
@@ -311,7 +311,7 @@ impl Checker<'_> {
             }
         };
         let ss = self.fs.disk.sectorsize() as u64;
-        let csize = self.fs.disk.sb.csum_type.size() as u64;
+        let csize = self.sb.csum_type.size() as u64;
         for t in &log.trees {
             let mut ranges: Vec<(u64, u64)> = t
                 .items

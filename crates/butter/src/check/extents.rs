@@ -66,7 +66,7 @@ impl Checker<'_> {
                         } else {
                             k.offset
                         };
-                        let gen_limit = self.fs.disk.sb.generation.saturating_add(1);
+                        let gen_limit = self.sb.generation.saturating_add(1);
                         if ei.generation == 0 || ei.generation > gen_limit {
                             self.report.err_fix(
                                 FindingKind::GenerationInvalid,

@@ -572,7 +572,7 @@ impl Checker<'_> {
         orphans: &HashSet<u64>,
         names: u64,
     ) -> bool {
-        let gen_limit = self.fs.disk.sb.generation.saturating_add(1);
+        let gen_limit = self.sb.generation.saturating_add(1);
         let is_dir = ii.mode & 0o170000 == 0o040000;
         let is_lnk = ii.mode & 0o170000 == 0o120000;
         if ii.generation > gen_limit || ii.transid > gen_limit {
@@ -664,7 +664,7 @@ impl Checker<'_> {
         ii: &InodeItem,
         iloc: &Place,
     ) {
-        let no_holes = self.fs.disk.sb.has_incompat(INCOMPAT_NO_HOLES);
+        let no_holes = self.sb.has_incompat(INCOMPAT_NO_HOLES);
         let is_reg = ii.mode & 0o170000 == 0o100000;
         let is_lnk = ii.mode & 0o170000 == 0o120000;
         for (loc, msg) in &ino.overlaps {

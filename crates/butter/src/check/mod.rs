@@ -763,6 +763,9 @@ struct Checker<'a> {
     /// File extent items a data extent's unused back reference can give back, by (tree,
     /// inode, file offset) (phase 3 -> the file extent cover of phase 5).
     restorable: HashMap<(u64, u64, u64), Fix>,
+    /// The superblock as last committed (a filesystem open read-write has moved on from the
+    /// one it was opened with).
+    sb: crate::format::superblock::Superblock,
     /// For `--init-extent-tree` ([`expected_extents`]): the extent tree is neither walked
     /// nor read, so every extent the other trees use is found missing, with the back
     /// references they call for.
@@ -809,6 +812,7 @@ pub(crate) fn check_with(
         stale_root_items: false,
         restorable: HashMap::default(),
         rebuild: false,
+        sb: fs.committed_sb(),
     };
     let n0 = c.report.findings.len();
     c.phase_trees()?;
@@ -920,6 +924,7 @@ pub(crate) fn expected_extents(fs: &Core, progress: &mut dyn FnMut(&str)) -> Res
         stale_root_items: false,
         restorable: HashMap::default(),
         rebuild: true,
+        sb: fs.committed_sb(),
     };
     c.phase_trees()?;
     progress(&format!(

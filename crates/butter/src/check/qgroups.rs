@@ -61,7 +61,7 @@ impl Checker<'_> {
             return;
         };
         if flags & (STATUS_RESCAN | STATUS_INCONSISTENT | STATUS_SIMPLE) != 0
-            || self.fs.disk.sb.has_incompat(INCOMPAT_SIMPLE_QUOTA)
+            || self.sb.has_incompat(INCOMPAT_SIMPLE_QUOTA)
             || !self.dropping.is_empty()
         {
             return;

@@ -5,13 +5,13 @@ use super::*;
 
 impl Checker<'_> {
     pub(super) fn phase_trees(&mut self) -> Result<()> {
-        let sb = &self.fs.disk.sb;
-        let chunk = Root {
+        let sb = self.sb.clone();
+        let chunk = self.fs.live_root(CHUNK_TREE_OBJECTID).unwrap_or(Root {
             id: CHUNK_TREE_OBJECTID,
             bytenr: sb.chunk_root,
             level: sb.chunk_root_level,
             generation: sb.chunk_root_generation,
-        };
+        });
         let tree_root = self.fs.tree_root();
         if sb.log_root != 0 {
             // Log tree blocks have no extent items; they are not walked.
@@ -91,7 +91,7 @@ impl Checker<'_> {
             if self.rebuild && id == EXTENT_TREE_OBJECTID {
                 continue;
             }
-            let gen_limit = self.fs.disk.sb.generation.saturating_add(1);
+            let gen_limit = self.sb.generation.saturating_add(1);
             if ri.generation > gen_limit {
                 let loc = self
                     .root_items

@@ -71,6 +71,15 @@ impl Core {
             .unwrap_or(self.opened_tree_root)
     }
 
+    /// The superblock as last committed: the writer's on a filesystem open read-write (which
+    /// has moved on from the one it was opened with), else the one read at the open.
+    pub(crate) fn committed_sb(&self) -> crate::format::superblock::Superblock {
+        match &self.writer {
+            Some(w) => w.lock().unwrap_or_else(|e| e.into_inner()).sb.clone(),
+            None => self.disk.sb.clone(),
+        }
+    }
+
     /// A root the running transaction moved.
     pub(crate) fn live_root(&self, id: u64) -> Option<Root> {
         self.live

@@ -1084,3 +1084,23 @@ fn a_repair_that_would_leave_new_problems_writes_nothing() {
     assert_eq!(ram.write_count(), writes, "the refused repair wrote");
     assert!(ram.durable_bytes() == before_bytes, "the image changed");
 }
+
+/// The checker on a filesystem still open read-write, after commits that changed the used
+/// bytes and the generation: it reads the superblock as last committed, not as opened.
+#[test]
+fn a_live_check_after_commits_is_clean() {
+    fixed_time();
+    let base = fresh_image(
+        DEV_SIZE,
+        butter::mkfs::Profile::Dup,
+        butter::mkfs::Profile::Single,
+    );
+    let ram = Arc::new(RamDevice::new(base));
+    let fs = open_set(&[ram.clone() as Arc<dyn BlockDevice>], true).expect("open");
+    populate(&fs).expect("populate");
+    fs.commit().expect("commit");
+    change(&fs).expect("change");
+    fs.commit().expect("commit");
+    let r = fs.check(Default::default(), &mut |_| {}).expect("check");
+    assert!(r.is_clean(), "{:?}", r.findings);
+}
