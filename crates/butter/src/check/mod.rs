@@ -789,31 +789,38 @@ pub struct Options {
     pub check_data_csum: bool,
 }
 
+impl<'a> Checker<'a> {
+    /// A checker with nothing found yet; `rebuild`: see [`Checker::rebuild`].
+    fn new(fs: &'a Core, rebuild: bool) -> Checker<'a> {
+        Checker {
+            fs,
+            report: Report::default(),
+            blocks: HashMap::default(),
+            file_exts: Vec::new(),
+            trees: Vec::new(),
+            extents: BTreeMap::new(),
+            groups: Vec::new(),
+            root_items: BTreeMap::new(),
+            root_refs: Vec::new(),
+            root_backrefs: Vec::new(),
+            subvol_entries: Vec::new(),
+            dropping: HashSet::default(),
+            nodatasum: Vec::new(),
+            stale_root_items: false,
+            restorable: HashMap::default(),
+            rebuild,
+            sb: fs.committed_sb(),
+        }
+    }
+}
+
 /// Runs the checks `opts` asks for. `progress` receives one line per phase.
 pub(crate) fn check_with(
     fs: &Core,
     opts: Options,
     progress: &mut dyn FnMut(&str),
 ) -> Result<Report> {
-    let mut c = Checker {
-        fs,
-        report: Report::default(),
-        blocks: HashMap::default(),
-        file_exts: Vec::new(),
-        trees: Vec::new(),
-        extents: BTreeMap::new(),
-        groups: Vec::new(),
-        root_items: BTreeMap::new(),
-        root_refs: Vec::new(),
-        root_backrefs: Vec::new(),
-        subvol_entries: Vec::new(),
-        dropping: HashSet::default(),
-        nodatasum: Vec::new(),
-        stale_root_items: false,
-        restorable: HashMap::default(),
-        rebuild: false,
-        sb: fs.committed_sb(),
-    };
+    let mut c = Checker::new(fs, false);
     let n0 = c.report.findings.len();
     c.phase_trees()?;
     progress(&format!(
@@ -907,25 +914,7 @@ fn range_diff(a: &[(u64, u64)], b: &[(u64, u64)]) -> Vec<(u64, u64)> {
 /// extent items. An error names what keeps the set from being complete: a tree block that
 /// cannot be read, file extents that disagree on an extent's length.
 pub(crate) fn expected_extents(fs: &Core, progress: &mut dyn FnMut(&str)) -> Result<Vec<Fix>> {
-    let mut c = Checker {
-        fs,
-        report: Report::default(),
-        blocks: HashMap::default(),
-        file_exts: Vec::new(),
-        trees: Vec::new(),
-        extents: BTreeMap::new(),
-        groups: Vec::new(),
-        root_items: BTreeMap::new(),
-        root_refs: Vec::new(),
-        root_backrefs: Vec::new(),
-        subvol_entries: Vec::new(),
-        dropping: HashSet::default(),
-        nodatasum: Vec::new(),
-        stale_root_items: false,
-        restorable: HashMap::default(),
-        rebuild: true,
-        sb: fs.committed_sb(),
-    };
+    let mut c = Checker::new(fs, true);
     c.phase_trees()?;
     progress(&format!(
         "trees read: {} trees, {} blocks",

@@ -79,7 +79,12 @@ impl Fs {
                     let want = (n - i).min(RUN_SECTORS).min(chunk_left.max(1));
                     let segs = map.segments(at, want * ss)?;
                     drop(map);
-                    let seg = &segs[0];
+                    let seg = segs.first().ok_or_else(|| {
+                        Error::corrupt(
+                            Location::what(format!("data at logical {at}")),
+                            "the chunk maps no piece of it",
+                        )
+                    })?;
                     let cnt = seg.len / ss;
                     let copies = seg.copies.len() as u32;
                     for (m, copy) in seg.copies.iter().enumerate() {
