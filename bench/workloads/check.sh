@@ -23,6 +23,32 @@ repair_butter() { /usr/bin/time -f %M -o "$3" "$2" check --repair "$1" >/dev/nul
 repair_kernel() { /usr/bin/time -f %M -o "$2" btrfs check --repair --force "$1" >/dev/null 2>&1; }
 export -f check_butter check_kernel repair_butter repair_kernel
 
+# ARGS: IMAGE ROW FILES. The check row's runs, butter and btrfs check in turn, cold.
+check_runs() {
+	local img=$1 row=$2 files=$3 run sys rc rss mib
+	for ((run = 1; run <= RUNS; run++)); do
+		for sys in butter kernel; do
+			[[ -n ${FAILED["$row/$sys"]:-} ]] && continue
+			drop_caches
+			TLOG=$WORK/logs/check-$sys-$run.log
+			rss=$WORK/tmpfs/check-rss
+			if [[ $sys == butter ]]; then
+				timed check_butter "$img" "$BUTTER_BIN" "$rss"
+			else
+				timed check_kernel "$img" "$rss"
+			fi
+			rc=$?
+			mib=$(($(tail -1 "$rss" 2>/dev/null || echo 0) / 1024))
+			if ((rc != 0)); then
+				record check "$row" "$sys" "$run" "$NS" "$files" files fail "$(timed_error $rc)"
+				FAILED["$row/$sys"]=1
+			else
+				record check "$row" "$sys" "$run" "$NS" "$files" files ok "peak RSS $mib MiB"
+			fi
+		done
+	done
+}
+
 wl_check() {
 	local src=${BENCH_CHECK_SRC:-} row files size run sys rc err img rss mib
 	if [[ ! -x /usr/bin/time ]]; then
@@ -54,27 +80,7 @@ wl_check() {
 	row="check ($files files)"
 	row_begin check "$row" "files/s" "butter check vs btrfs check --readonly, one image made by butter mkfs --rootdir, cold cache"
 	record check "$row" ext4 1 0 "$files" files skip "no ext4 counterpart"
-	for ((run = 1; run <= RUNS; run++)); do
-		for sys in butter kernel; do
-			[[ -n ${FAILED["$row/$sys"]:-} ]] && continue
-			drop_caches
-			TLOG=$WORK/logs/check-$sys-$run.log
-			rss=$WORK/tmpfs/check-rss
-			if [[ $sys == butter ]]; then
-				timed check_butter "$img" "$BUTTER_BIN" "$rss"
-			else
-				timed check_kernel "$img" "$rss"
-			fi
-			rc=$?
-			mib=$(($(tail -1 "$rss" 2>/dev/null || echo 0) / 1024))
-			if ((rc != 0)); then
-				record check "$row" "$sys" "$run" "$NS" "$files" files fail "$(timed_error $rc)"
-				FAILED["$row/$sys"]=1
-			else
-				record check "$row" "$sys" "$run" "$NS" "$files" files ok "peak RSS $mib MiB"
-			fi
-		done
-	done
+	check_runs "$img" "$row" "$files"
 	wl_check_repair "$img" "$files"
 	[[ -z ${BENCH_CHECK_SRC:-} ]] && rm -rf "$src"
 	rm -f "$img"
@@ -137,27 +143,7 @@ wl_check_image() {
 	row="check ($files inodes, $(basename "$1"))"
 	row_begin check "$row" "files/s" "butter check vs btrfs check --readonly of a copy of $(basename "$1"), cold cache"
 	record check "$row" ext4 1 0 "$files" files skip "no ext4 counterpart"
-	for ((run = 1; run <= RUNS; run++)); do
-		for sys in butter kernel; do
-			[[ -n ${FAILED["$row/$sys"]:-} ]] && continue
-			drop_caches
-			TLOG=$WORK/logs/check-$sys-$run.log
-			rss=$WORK/tmpfs/check-rss
-			if [[ $sys == butter ]]; then
-				timed check_butter "$img" "$BUTTER_BIN" "$rss"
-			else
-				timed check_kernel "$img" "$rss"
-			fi
-			rc=$?
-			mib=$(($(tail -1 "$rss" 2>/dev/null || echo 0) / 1024))
-			if ((rc != 0)); then
-				record check "$row" "$sys" "$run" "$NS" "$files" files fail "$(timed_error $rc)"
-				FAILED["$row/$sys"]=1
-			else
-				record check "$row" "$sys" "$run" "$NS" "$files" files ok "peak RSS $mib MiB"
-			fi
-		done
-	done
+	check_runs "$img" "$row" "$files"
 	wl_check_repair "$img" "$files"
 	rm -f "$img"
 }
