@@ -144,6 +144,21 @@ fn entry_of(dir: u64, ty: u8, name: &'static [u8]) -> impl Fn(&butter::format::K
     move |k, d| k.objectid == dir && k.ty == ty && d.get(30..30 + name.len()) == Some(name)
 }
 
+/// `btrfs check --check-data-csum` and `butter check --check-data-csum` of `img`: whether
+/// each passed, and what it printed.
+fn data_checks(img: &Path) -> ((bool, String), (bool, String)) {
+    let o = std::process::Command::new("btrfs")
+        .args(["check", "--readonly", "--check-data-csum"])
+        .arg(img)
+        .output()
+        .unwrap();
+    let b = butter(&["check", "--check-data-csum", img.to_str().unwrap()]);
+    (
+        (o.status.success(), text(&o)),
+        (b.status.success(), text(&b)),
+    )
+}
+
 fn inode(ino: u64) -> impl Fn(&butter::format::Key) -> bool {
     move |k| k.objectid == ino && k.ty == INODE_ITEM
 }
@@ -871,22 +886,9 @@ fn fix_data_checksum_lists_a_wrong_sum_and_updates_it() {
         "after: {}",
         text(&o)
     );
-    let o = std::process::Command::new("btrfs")
-        .args(["check", "--readonly", "--check-data-csum"])
-        .arg(&img)
-        .output()
-        .unwrap();
-    assert!(
-        o.status.success(),
-        "btrfs check --check-data-csum after:\n{}",
-        text(&o)
-    );
-    let o = butter(&["check", "--check-data-csum", path]);
-    assert!(
-        o.status.success(),
-        "butter check --check-data-csum after:\n{}",
-        text(&o)
-    );
+    let ((ok, t), (bok, bt)) = data_checks(&img);
+    assert!(ok, "btrfs check --check-data-csum after:\n{t}");
+    assert!(bok, "butter check --check-data-csum after:\n{bt}");
     let got = kernel_files(&img, &s, "after");
     manifest::assert_same(
         &want,
@@ -1031,21 +1033,9 @@ fn init_csum_tree_sums_the_data_again() {
             }
         },
     );
-    let data_check = |img: &Path| {
-        let o = std::process::Command::new("btrfs")
-            .args(["check", "--readonly", "--check-data-csum"])
-            .arg(img)
-            .output()
-            .unwrap();
-        (o.status.success(), text(&o))
-    };
-    let (ok, _) = data_check(&img);
+    let ((ok, _), (bok, _)) = data_checks(&img);
     assert!(!ok, "btrfs check --check-data-csum found nothing");
-    let o = butter(&["check", "--check-data-csum", img.to_str().unwrap()]);
-    assert!(
-        !o.status.success(),
-        "butter check --check-data-csum found nothing"
-    );
+    assert!(!bok, "butter check --check-data-csum found nothing");
     let o = butter(&[
         "check",
         "--repair",
@@ -1058,14 +1048,9 @@ fn init_csum_tree_sums_the_data_again() {
         "{}",
         text(&o)
     );
-    let (ok, t) = data_check(&img);
+    let ((ok, t), (bok, bt)) = data_checks(&img);
     assert!(ok, "btrfs check --check-data-csum after:\n{t}");
-    let o = butter(&["check", "--check-data-csum", img.to_str().unwrap()]);
-    assert!(
-        o.status.success(),
-        "butter check --check-data-csum after:\n{}",
-        text(&o)
-    );
+    assert!(bok, "butter check --check-data-csum after:\n{bt}");
     let got = kernel_files(&img, &s, "after");
     manifest::assert_same(
         &want,
